@@ -1,0 +1,32 @@
+# make serve  - start the server on the demo models (installs into .venv first)
+# make test   - run the whole test suite (installs into .venv first)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test proto lint-proto bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[server,dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/hookwire serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+proto: $(STAMP)
+	$(BIN)/python proto/generate_python.py
+
+lint-proto:
+	cd proto && npx --yes @bufbuild/buf@1.50.0 lint
+
+bench: $(STAMP)
+	$(BIN)/python tests/bench/bench_capture.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

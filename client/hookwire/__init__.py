@@ -1,0 +1,78 @@
+"""hookwire: hook PyTorch models on a remote server, from Python.
+
+    async with hookwire.connect("127.0.0.1:50051") as client:
+        model = client.model("tiny-transformer")
+        async with model.hook("encoder.layers.*", posthook=hookwire.capture("output")) as hook:
+            out = await model(input_ids, attention_mask=mask)
+            async for event in hook.events():
+                ...
+
+This package only re-exports; the code lives in private modules.
+"""
+
+from ._client import (
+    DEFAULT_TARGET,
+    Client,
+    ConnectOptions,
+    HookHandle,
+    PendingHook,
+    RemoteModel,
+    Session,
+    Subscription,
+    connect,
+)
+from ._codec import CodecError
+from ._errors import (
+    CancelledError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    HookwireError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+)
+from ._specs import Backward, HookAction, HookSpec, capture
+from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, ModuleInfo, Notice, ParameterInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "Backward",
+    "CancelledError",
+    "Client",
+    "CodecError",
+    "ConnectOptions",
+    "DeadlineExceededError",
+    "FailedPreconditionError",
+    "HookAction",
+    "HookHandle",
+    "HookInfo",
+    "HookSpec",
+    "HookwireError",
+    "InferResult",
+    "InterceptEvent",
+    "InternalError",
+    "InvalidArgumentError",
+    "ModelInfo",
+    "ModuleInfo",
+    "NotFoundError",
+    "Notice",
+    "ParameterInfo",
+    "PendingHook",
+    "PermissionDeniedError",
+    "RemoteModel",
+    "ResourceExhaustedError",
+    "Session",
+    "Subscription",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "UnimplementedError",
+    "capture",
+    "connect",
+]

@@ -1,0 +1,420 @@
+"""The async client: connection, models, sessions, hooks, subscriptions."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from types import TracebackType
+from typing import Any, AsyncIterator, Generator, Iterable, Mapping, Sequence
+
+import grpc
+
+from . import _codec
+from ._errors import from_rpc_error
+from ._session import EventRouter, pump
+from ._specs import Backward, HookAction, HookSpec, ScopeName
+from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo
+from .v1 import (
+    hook_service_pb2,
+    hook_service_pb2_grpc,
+    model_service_pb2,
+    model_service_pb2_grpc,
+)
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+_MODES = {"eval": model_service_pb2.MODE_EVAL, "train": model_service_pb2.MODE_TRAIN}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectOptions:
+    """Connection settings."""
+
+    #: Largest message sent or received, in bytes (gRPC's 4 MiB default is too small for tensors).
+    max_message_bytes: int = 1024 * 1024 * 1024
+    #: Deadline in seconds for unary calls; None for none.
+    timeout: float | None = None
+    #: Buffer of the session stream on the server, in events (0: the server's default).
+    session_max_events: int = 0
+    #: Buffer of the session stream on the server, in bytes (0: the server's default).
+    session_max_bytes: int = 0
+
+
+def connect(target: str = DEFAULT_TARGET, *, options: ConnectOptions | None = None) -> Client:
+    """A client for the server at ``target`` ("host:port").
+
+    Nothing is sent until the first call. Use it as ``async with connect(...) as
+    client:``, or call ``await client.close()`` when done.
+    """
+    return Client(target, options=options or ConnectOptions())
+
+
+class Client:
+    """A connection to a hookwire server.
+
+    The client opens one session lazily, on the first hook it registers; its
+    Infer calls then carry that session, so the session's hooks fire for them.
+    Closing the client ends the session, which removes its hooks on the server.
+    """
+
+    def __init__(self, target: str, *, options: ConnectOptions) -> None:
+        self.target = target
+        self.options = options
+        self._channel: grpc.aio.Channel | None = None
+        self._models: model_service_pb2_grpc.ModelServiceStub | None = None
+        self._hooks: hook_service_pb2_grpc.HookServiceStub | None = None
+        self._session: Session | None = None
+        self._session_lock: asyncio.Lock | None = None
+
+    # ---------------------------------------------------------------- connection
+
+    def _open(self) -> None:
+        if self._channel is None:
+            size = self.options.max_message_bytes
+            self._channel = grpc.aio.insecure_channel(
+                self.target,
+                options=[
+                    ("grpc.max_send_message_length", size),
+                    ("grpc.max_receive_message_length", size),
+                    ("grpc.keepalive_time_ms", 10_000),
+                    ("grpc.keepalive_timeout_ms", 5_000),
+                ],
+            )
+            self._models = model_service_pb2_grpc.ModelServiceStub(self._channel)
+            self._hooks = hook_service_pb2_grpc.HookServiceStub(self._channel)
+
+    @property
+    def model_stub(self) -> model_service_pb2_grpc.ModelServiceStub:
+        """The raw ModelService stub (escape hatch)."""
+        self._open()
+        assert self._models is not None
+        return self._models
+
+    @property
+    def hook_stub(self) -> hook_service_pb2_grpc.HookServiceStub:
+        """The raw HookService stub (escape hatch)."""
+        self._open()
+        assert self._hooks is not None
+        return self._hooks
+
+    async def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self.options.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def __aenter__(self) -> Client:
+        self._open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Ends the session (its hooks are removed) and closes the channel. Idempotent."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    # ---------------------------------------------------------------- models
+
+    async def list_models(self) -> list[ModelInfo]:
+        """The hosted models (without module trees)."""
+        reply = await self._unary(self.model_stub.ListModels, model_service_pb2.ListModelsRequest())
+        return [ModelInfo.from_proto(m) for m in reply.models]
+
+    def model(self, name: str) -> RemoteModel:
+        """A handle on a hosted model; nothing is sent until it is used."""
+        return RemoteModel(self, name)
+
+    # ---------------------------------------------------------------- sessions and hooks
+
+    async def session(self) -> Session:
+        """The client's session, opened on first use (this call waits for the server)."""
+        if self._session_lock is None:
+            self._session_lock = asyncio.Lock()
+        async with self._session_lock:
+            if self._session is None or self._session.ended:
+                self._session = await Session.open(self)
+            return self._session
+
+    @property
+    def session_id(self) -> str:
+        """The open session's id, or "" before one is opened."""
+        return self._session.session_id if self._session is not None and not self._session.ended else ""
+
+    async def register_hook(self, spec: HookSpec, *, model: str = "") -> HookHandle:
+        """Registers ``spec`` in the client's session; returns once the hook is attached.
+
+        Raises NotFoundError (model, module), InvalidArgumentError (spec).
+        """
+        session = await self.session()
+        return await session.register(spec, model=model)
+
+    async def list_hooks(self, *, model: str = "", session_id: str = "") -> list[HookInfo]:
+        """Registered hooks on the server, oldest first, optionally filtered."""
+        reply = await self._unary(
+            self.hook_stub.ListHooks, hook_service_pb2.ListHooksRequest(model=model, session_id=session_id)
+        )
+        return [HookInfo.from_proto(h) for h in reply.hooks]
+
+    async def deregister_hook(self, hook_id: str) -> bool:
+        """Removes any hook by id; False when it was unknown or already removed."""
+        reply = await self._unary(self.hook_stub.DeregisterHook, hook_service_pb2.DeregisterHookRequest(hook_id=hook_id))
+        return bool(reply.removed)
+
+    def subscribe(self, hook_ids: Iterable[str], *, max_events: int = 0, max_bytes: int = 0) -> Subscription:
+        """A further stream of the events of existing hooks (fan-out).
+
+        Lazy: the RPC starts on ``async with`` (which waits until the server has
+        attached the stream, so later events are not missed) or on first iteration.
+        """
+        request = hook_service_pb2.SubscribeRequest(
+            hook_ids=list(hook_ids), delivery=hook_service_pb2.DeliveryOptions(max_events=max_events, max_bytes=max_bytes)
+        )
+        return Subscription(self, request)
+
+
+class Session:
+    """A server session: its stream of events and the hooks registered in it."""
+
+    def __init__(self, client: Client, call: grpc.aio.UnaryStreamCall, session_id: str) -> None:
+        self._client = client
+        self._call = call
+        self.session_id = session_id
+        self.router = EventRouter()
+        self._pump = asyncio.ensure_future(pump(call, self.router))
+
+    @classmethod
+    async def open(cls, client: Client) -> Session:
+        """Opens a session; waits for the server's SessionOpened."""
+        request = hook_service_pb2.OpenSessionRequest(
+            delivery=hook_service_pb2.DeliveryOptions(
+                max_events=client.options.session_max_events, max_bytes=client.options.session_max_bytes
+            )
+        )
+        call = client.hook_stub.OpenSession(request)
+        try:
+            first = await call.read()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "opened":
+            call.cancel()
+            raise ConnectionError("the server did not open a session")
+        return cls(client, call, first.opened.session_id)
+
+    @property
+    def ended(self) -> bool:
+        """True once the stream has ended (closed, or the server went away)."""
+        return self.router.closed
+
+    async def register(self, spec: HookSpec, *, model: str = "") -> HookHandle:
+        """Registers a hook in this session; see Client.register_hook."""
+        request = hook_service_pb2.RegisterHookRequest(session_id=self.session_id, spec=spec.to_proto(model))
+        reply = await self._client._unary(self._client.hook_stub.RegisterHook, request)
+        return HookHandle(self._client, HookInfo.from_proto(reply), self.router)
+
+    async def close(self) -> None:
+        """Ends the stream; the server removes the session's hooks. Idempotent."""
+        self._call.cancel()
+        await asyncio.gather(self._pump, return_exceptions=True)
+
+
+class HookHandle:
+    """A registered hook. ``remove()`` is idempotent; ``async with`` removes it on exit."""
+
+    def __init__(self, client: Client, info: HookInfo, router: EventRouter) -> None:
+        self._client = client
+        self.info = info
+        self._router = router
+        self._removed = False
+
+    @property
+    def id(self) -> str:
+        """The server's hook id."""
+        return self.info.hook_id
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The module paths the pattern resolved to."""
+        return self.info.modules
+
+    def events(self) -> AsyncIterator[InterceptEvent]:
+        """The hook's events, in firing order, as they arrive.
+
+        Waits for each event; ends after the hook is removed (every event fired
+        before the removal is delivered first) or raises the session's error if
+        its stream failed.
+        """
+        return self._router.events(self.id)
+
+    async def remove(self) -> bool:
+        """Removes the hook on the server; True if this call removed it. Safe to repeat."""
+        if self._removed:
+            return False
+        self._removed = True
+        if self._router.closed:
+            return False  # the session is gone, and its hooks with it
+        return await self._client.deregister_hook(self.id)
+
+    async def __aenter__(self) -> HookHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.remove()
+
+
+class PendingHook:
+    """``model.hook(...)``: await it for a HookHandle, or use ``async with`` to remove on exit."""
+
+    def __init__(self, client: Client, spec: HookSpec, model: str) -> None:
+        self._client = client
+        self._spec = spec
+        self._model = model
+        self._handle: HookHandle | None = None
+
+    def __await__(self) -> Generator[Any, None, HookHandle]:
+        return self._client.register_hook(self._spec, model=self._model).__await__()
+
+    async def __aenter__(self) -> HookHandle:
+        self._handle = await self._client.register_hook(self._spec, model=self._model)
+        return self._handle
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._handle is not None:
+            await self._handle.remove()
+
+
+class Subscription:
+    """A Subscribe stream: ``async with client.subscribe(ids) as sub: async for event in sub: ...``."""
+
+    def __init__(self, client: Client, request: hook_service_pb2.SubscribeRequest) -> None:
+        self._client = client
+        self._request = request
+        self._call: grpc.aio.UnaryStreamCall | None = None
+
+    async def start(self) -> None:
+        """Starts the RPC and waits until the server has attached it. Idempotent."""
+        if self._call is not None:
+            return
+        self._call = self._client.hook_stub.Subscribe(self._request)
+        try:
+            first = await self._call.read()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "subscribed":
+            raise ConnectionError("the server did not confirm the subscription")
+
+    async def __aenter__(self) -> Subscription:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Ends the subscription."""
+        if self._call is not None:
+            self._call.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[InterceptEvent]:
+        """Events of the subscribed hooks; ends when all of them are removed."""
+        await self.start()
+        assert self._call is not None
+        try:
+            while (msg := await self._call.read()) is not grpc.aio.EOF:
+                if msg.WhichOneof("kind") == "event":
+                    yield InterceptEvent.from_proto(msg.event)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(exc) from None
+
+
+class RemoteModel:
+    """A hosted model, called like a torch module: ``out = await model(x, attention_mask=m)``."""
+
+    def __init__(self, client: Client, name: str) -> None:
+        self._client = client
+        self.name = name
+
+    async def info(self) -> ModelInfo:
+        """The model and its module tree. NotFoundError for an unknown model."""
+        reply = await self._client._unary(self._client.model_stub.GetModel, model_service_pb2.GetModelRequest(name=self.name))
+        return ModelInfo.from_proto(reply)
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs forward in eval mode and returns the output; the session's hooks fire."""
+        return (await self.infer(*args, kwargs=kwargs)).output
+
+    async def infer(
+        self,
+        *args: Any,
+        hooks: Sequence[HookSpec] = (),
+        backward: Backward | None = None,
+        mode: str = "eval",
+        seed: int | None = None,
+        use_session: bool = True,
+        kwargs: Mapping[str, Any] | None = None,
+        **model_kwargs: Any,
+    ) -> InferResult:
+        """One forward (and optional backward) pass.
+
+        ``hooks`` fire for this call only, and their events come back in the
+        result. ``mode`` is "eval" or "train"; ``seed`` makes train-mode dropout
+        reproducible. Keyword arguments for the model go in ``**model_kwargs``, or in
+        ``kwargs=`` when a name clashes with this method's. Waits for the result;
+        raises InvalidArgumentError (bad input, or the model raised: the message
+        names the module), NotFoundError, FailedPreconditionError (train mode
+        not allowed).
+        """
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'eval' or 'train', not {mode!r}")
+        request = model_service_pb2.InferRequest(model=self.name, mode=_MODES[mode])
+        for arg in args:
+            _codec.encode_value_into(arg, request.args.add())
+        for key, value in {**(kwargs or {}), **model_kwargs}.items():
+            _codec.encode_value_into(value, request.kwargs[key])
+        if use_session:
+            request.session_id = self._client.session_id
+        for spec in hooks:
+            request.hooks.append(spec.to_proto(self.name))
+        if backward is not None:
+            request.backward.CopyFrom(backward.to_proto())
+        if seed is not None:
+            request.seed = seed
+        reply = await self._client._unary(self._client.model_stub.Infer, request)
+        return InferResult.from_proto(reply)
+
+    def hook(
+        self,
+        module: str,
+        *,
+        prehook: HookAction | None = None,
+        posthook: HookAction | None = None,
+        backward_prehook: HookAction | None = None,
+        backward_hook: HookAction | None = None,
+        prehook_kwargs: Mapping[str, bool] | None = None,
+        posthook_kwargs: Mapping[str, bool] | None = None,
+        backward_prehook_kwargs: Mapping[str, bool] | None = None,
+        backward_hook_kwargs: Mapping[str, bool] | None = None,
+        train_update: bool = True,
+        eval_update: bool = True,
+        scope: ScopeName = "session",
+    ) -> PendingHook:
+        """A hook on the modules ``module`` names, in the client's session.
+
+        ``await model.hook(...)`` registers it and returns a HookHandle;
+        ``async with model.hook(...) as h:`` also removes it on exit. Scope
+        "session" fires for this client's calls only; "all" for every caller's.
+        """
+        spec = HookSpec(
+            module=module, prehook=prehook, posthook=posthook, backward_prehook=backward_prehook,
+            backward_hook=backward_hook, prehook_kwargs=prehook_kwargs, posthook_kwargs=posthook_kwargs,
+            backward_prehook_kwargs=backward_prehook_kwargs, backward_hook_kwargs=backward_hook_kwargs,
+            train_update=train_update, eval_update=eval_update, scope=scope, model=self.name,
+        )
+        return PendingHook(self._client, spec, self.name)

@@ -1,0 +1,265 @@
+"""Values and tensors between Python and the wire (hookwire.v1.Value / Tensor).
+
+One codec serves the SDK and the server. Decoding yields torch tensors when
+torch is importable (always on the server), else numpy arrays. Nothing here
+unpickles or evaluates anything: a Tensor is dtype + shape + raw bytes.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping
+
+import numpy as np
+from google.protobuf import struct_pb2
+
+from hookwire.v1 import tensor_pb2
+
+if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
+    raise ImportError("hookwire's tensor codec assumes a little-endian host")
+
+#: How deep Values may nest before decoding refuses them.
+MAX_DEPTH = 64
+
+_NUMPY_DTYPES: dict[int, np.dtype] = {
+    tensor_pb2.DTYPE_FLOAT32: np.dtype("<f4"),
+    tensor_pb2.DTYPE_FLOAT64: np.dtype("<f8"),
+    tensor_pb2.DTYPE_FLOAT16: np.dtype("<f2"),
+    tensor_pb2.DTYPE_BFLOAT16: np.dtype("<u2"),  # raw bits; widened on decode without torch
+    tensor_pb2.DTYPE_INT8: np.dtype("i1"),
+    tensor_pb2.DTYPE_INT16: np.dtype("<i2"),
+    tensor_pb2.DTYPE_INT32: np.dtype("<i4"),
+    tensor_pb2.DTYPE_INT64: np.dtype("<i8"),
+    tensor_pb2.DTYPE_UINT8: np.dtype("u1"),
+    tensor_pb2.DTYPE_BOOL: np.dtype("?"),
+}
+_NUMPY_TO_WIRE = {dt: code for code, dt in _NUMPY_DTYPES.items() if code != tensor_pb2.DTYPE_BFLOAT16}
+
+ITEMSIZE: dict[int, int] = {code: dt.itemsize for code, dt in _NUMPY_DTYPES.items()}
+
+
+class CodecError(ValueError):
+    """A value that cannot be encoded or decoded; the message names where."""
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+_torch_mod = _torch()
+if _torch_mod is not None:
+    _TORCH_TO_WIRE = {
+        _torch_mod.float32: tensor_pb2.DTYPE_FLOAT32,
+        _torch_mod.float64: tensor_pb2.DTYPE_FLOAT64,
+        _torch_mod.float16: tensor_pb2.DTYPE_FLOAT16,
+        _torch_mod.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
+        _torch_mod.int8: tensor_pb2.DTYPE_INT8,
+        _torch_mod.int16: tensor_pb2.DTYPE_INT16,
+        _torch_mod.int32: tensor_pb2.DTYPE_INT32,
+        _torch_mod.int64: tensor_pb2.DTYPE_INT64,
+        _torch_mod.uint8: tensor_pb2.DTYPE_UINT8,
+        _torch_mod.bool: tensor_pb2.DTYPE_BOOL,
+    }
+    TORCH_DTYPES: dict[int, Any] = {code: dt for dt, code in _TORCH_TO_WIRE.items()}
+else:
+    _TORCH_TO_WIRE = {}
+    TORCH_DTYPES = {}
+
+
+def dtype_name(code: int) -> str:
+    """The DType's wire name, or a description of an unknown code."""
+    try:
+        return tensor_pb2.DType.Name(code)
+    except ValueError:
+        return f"unknown dtype {code}"
+
+
+def wire_dtype_of(dtype: Any) -> int:
+    """The DType code of a torch or numpy dtype; raises CodecError if it has none."""
+    code = _TORCH_TO_WIRE.get(dtype)
+    if code is None:
+        try:
+            code = _NUMPY_TO_WIRE.get(np.dtype(dtype))
+        except TypeError:
+            code = None
+    if code is None:
+        raise CodecError(f"dtype {dtype} has no wire form")
+    return code
+
+
+# --------------------------------------------------------------------------- encode
+
+
+def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor) -> int:
+    """Writes a torch tensor or numpy array into ``out``; returns the data size.
+
+    The only copy is the one into the ``bytes`` that protobuf needs. CUDA tensors
+    are copied to the host first; the caller decides where that happens.
+    """
+    torch = _torch_mod
+    if torch is not None and isinstance(tensor, torch.Tensor):
+        code = _TORCH_TO_WIRE.get(tensor.dtype)
+        if code is None:
+            raise CodecError(f"tensor dtype {tensor.dtype} has no wire form")
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        shape = tuple(t.shape)
+        t = t.contiguous().reshape(-1)
+        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    elif isinstance(tensor, np.ndarray):
+        code = wire_dtype_of(tensor.dtype)
+        shape = tensor.shape
+        arr = np.ascontiguousarray(tensor, dtype=_NUMPY_DTYPES[code])
+        data = arr.tobytes()
+    else:
+        raise CodecError(f"expected a tensor, got {type(tensor).__name__}")
+    out.dtype = code
+    out.shape.extend(shape)
+    out.data = data
+    return len(data)
+
+
+def encode_value_into(obj: Any, out: tensor_pb2.Value, _depth: int = 0) -> int:
+    """Writes a Python object into ``out``; returns the tensor bytes written.
+
+    Tensors, tuples, lists, str-keyed mappings, float, int, bool, str and None
+    have a wire form; anything else raises CodecError.
+    """
+    if _depth > MAX_DEPTH:
+        raise CodecError(f"value nests deeper than {MAX_DEPTH} levels")
+    torch = _torch_mod
+    if (torch is not None and isinstance(obj, torch.Tensor)) or isinstance(obj, np.ndarray):
+        return encode_tensor_into(obj, out.tensor)
+    if obj is None:
+        out.null_value = struct_pb2.NULL_VALUE
+        return 0
+    if isinstance(obj, (bool, np.bool_)):
+        out.bool_value = bool(obj)
+        return 0
+    if isinstance(obj, (int, np.integer)):
+        if not -(2**63) <= int(obj) < 2**63:
+            raise CodecError(f"int {obj} does not fit in int64")
+        out.int_value = int(obj)
+        return 0
+    if isinstance(obj, (float, np.floating)):
+        out.float_value = float(obj)
+        return 0
+    if isinstance(obj, str):
+        out.string_value = obj
+        return 0
+    if isinstance(obj, (tuple, list)):
+        seq = out.list
+        seq.SetInParent()
+        seq.is_list = isinstance(obj, list)
+        total = 0
+        for item in obj:
+            total += encode_value_into(item, seq.items.add(), _depth + 1)
+        return total
+    if isinstance(obj, Mapping):
+        mapping = out.map
+        mapping.SetInParent()
+        total = 0
+        for key, item in obj.items():
+            if not isinstance(key, str):
+                raise CodecError(f"mapping key {key!r} is not a string")
+            mapping.keys.append(key)
+            total += encode_value_into(item, mapping.entries[key], _depth + 1)
+        return total
+    raise CodecError(f"a value of type {type(obj).__name__} has no wire form")
+
+
+def encode_value(obj: Any) -> tensor_pb2.Value:
+    """A new Value holding ``obj`` (see encode_value_into)."""
+    out = tensor_pb2.Value()
+    encode_value_into(obj, out)
+    return out
+
+
+def encode_tensor(tensor: Any) -> tensor_pb2.Tensor:
+    """A new Tensor holding ``tensor`` (torch or numpy)."""
+    out = tensor_pb2.Tensor()
+    encode_tensor_into(tensor, out)
+    return out
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def check_tensor(msg: tensor_pb2.Tensor, where: str = "tensor") -> int:
+    """Validates dtype, shape and byte length; returns the element count."""
+    itemsize = ITEMSIZE.get(msg.dtype)
+    if itemsize is None:
+        raise CodecError(f"{where}: {dtype_name(msg.dtype)} is not a valid dtype")
+    count = 1
+    for dim in msg.shape:
+        if dim < 0:
+            raise CodecError(f"{where}: shape {list(msg.shape)} has a negative dimension")
+        count *= dim
+    expected = count * itemsize
+    if len(msg.data) != expected:
+        raise CodecError(
+            f"{where}: {len(msg.data)} bytes of data, but shape {list(msg.shape)} of "
+            f"{dtype_name(msg.dtype)} needs {expected}"
+        )
+    return count
+
+
+def decode_tensor(msg: tensor_pb2.Tensor, *, where: str = "tensor", as_numpy: bool = False) -> Any:
+    """A torch tensor (numpy array when torch is missing or ``as_numpy``).
+
+    The result owns writable memory (one copy of the bytes). Without torch, a
+    bfloat16 tensor is widened to float32, which represents it exactly.
+    Raises CodecError when the bytes do not match dtype and shape.
+    """
+    check_tensor(msg, where)
+    shape = tuple(msg.shape)
+    torch = None if as_numpy else _torch_mod
+    if torch is not None:
+        if not msg.data:
+            return torch.empty(shape, dtype=TORCH_DTYPES[msg.dtype])
+        flat = torch.frombuffer(bytearray(msg.data), dtype=TORCH_DTYPES[msg.dtype])
+        return flat.reshape(shape)
+    arr = np.frombuffer(msg.data, dtype=_NUMPY_DTYPES[msg.dtype]).reshape(shape)
+    if msg.dtype == tensor_pb2.DTYPE_BFLOAT16:
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.copy()
+
+
+def decode_value(msg: tensor_pb2.Value, *, where: str = "value", as_numpy: bool = False, _depth: int = 0) -> Any:
+    """The Python object a Value holds; raises CodecError naming the bad part."""
+    if _depth > MAX_DEPTH:
+        raise CodecError(f"{where}: nests deeper than {MAX_DEPTH} levels")
+    kind = msg.WhichOneof("kind")
+    if kind == "tensor":
+        return decode_tensor(msg.tensor, where=where, as_numpy=as_numpy)
+    if kind == "list":
+        items = [
+            decode_value(item, where=f"{where}[{i}]", as_numpy=as_numpy, _depth=_depth + 1)
+            for i, item in enumerate(msg.list.items)
+        ]
+        return items if msg.list.is_list else tuple(items)
+    if kind == "map":
+        entries = msg.map.entries
+        order = list(msg.map.keys) if set(msg.map.keys) == set(entries.keys()) else sorted(entries.keys())
+        return {
+            key: decode_value(entries[key], where=f"{where}[{key!r}]", as_numpy=as_numpy, _depth=_depth + 1)
+            for key in order
+        }
+    if kind == "float_value":
+        return msg.float_value
+    if kind == "int_value":
+        return msg.int_value
+    if kind == "bool_value":
+        return msg.bool_value
+    if kind == "string_value":
+        return msg.string_value
+    if kind == "null_value" or kind is None:
+        return None
+    raise CodecError(f"{where}: unknown value kind {kind}")  # pragma: no cover

@@ -1,0 +1,114 @@
+"""The SDK's exceptions, mapped from gRPC status in exactly one place (``from_rpc_error``)."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class HookwireError(Exception):
+    """Base of every error the SDK raises for a failed call.
+
+    Attributes:
+        code: the gRPC status code name, e.g. ``"NOT_FOUND"``.
+        details: the server's message.
+    """
+
+    code: str = "UNKNOWN"
+
+    def __init__(self, details: str, code: str | None = None) -> None:
+        super().__init__(details)
+        self.details = details
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.details}"
+
+
+class InvalidArgumentError(HookwireError):
+    """The request was malformed (bad tensor bytes, bad path, empty hook spec, ...)."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotFoundError(HookwireError):
+    """A model, module, session or hook does not exist."""
+
+    code = "NOT_FOUND"
+
+
+class FailedPreconditionError(HookwireError):
+    """Well-formed, but not allowed now (e.g. MODE_TRAIN on a model that forbids it)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhaustedError(HookwireError):
+    """A limit was reached (memory, message size, ...)."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class PermissionDeniedError(HookwireError):
+    """The caller may not do this."""
+
+    code = "PERMISSION_DENIED"
+
+
+class UnauthenticatedError(HookwireError):
+    """Missing or wrong credentials."""
+
+    code = "UNAUTHENTICATED"
+
+
+class UnimplementedError(HookwireError):
+    """The server cannot do or represent this (e.g. an output type with no wire form)."""
+
+    code = "UNIMPLEMENTED"
+
+
+class UnavailableError(HookwireError):
+    """The server is unreachable or shutting down; retrying later may work."""
+
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceededError(HookwireError):
+    """The call ran past its deadline."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class CancelledError(HookwireError):
+    """The call was cancelled."""
+
+    code = "CANCELLED"
+
+
+class InternalError(HookwireError):
+    """A server bug; the message carries an incident id to find it in the server log."""
+
+    code = "INTERNAL"
+
+
+_BY_CODE: dict[grpc.StatusCode, type[HookwireError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.CANCELLED: CancelledError,
+    grpc.StatusCode.INTERNAL: InternalError,
+}
+
+
+def from_rpc_error(error: grpc.RpcError) -> HookwireError:
+    """The SDK exception for a failed RPC (raise it ``from None``)."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = (error.details() if hasattr(error, "details") else None) or str(code)
+    cls = _BY_CODE.get(code, HookwireError)
+    return cls(details, code=code.name if cls is HookwireError else None)

@@ -1,0 +1,175 @@
+"""Results as small frozen dataclasses built from the wire in one place; ``.raw`` keeps the message."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+from . import _codec
+from .v1 import hook_pb2, hook_service_pb2, model_service_pb2
+
+PHASE_NAMES = {
+    hook_pb2.PHASE_FORWARD_PRE: "forward_pre",
+    hook_pb2.PHASE_FORWARD: "forward",
+    hook_pb2.PHASE_BACKWARD_PRE: "backward_pre",
+    hook_pb2.PHASE_BACKWARD: "backward",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterInfo:
+    """One parameter of a module."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleInfo:
+    """One module: its path ("" = root), class name and own parameters."""
+
+    path: str
+    type: str
+    parameters: tuple[ParameterInfo, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """A hosted model. ``modules`` is empty in list_models() results."""
+
+    name: str
+    description: str
+    training_allowed: bool
+    modules: tuple[ModuleInfo, ...]
+    raw: model_service_pb2.Model = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def from_proto(cls, msg: model_service_pb2.Model) -> ModelInfo:
+        """Builds it from the wire message."""
+        return cls(
+            name=msg.name,
+            description=msg.description,
+            training_allowed=msg.training_allowed,
+            modules=tuple(
+                ModuleInfo(
+                    path=m.path,
+                    type=m.type,
+                    parameters=tuple(
+                        ParameterInfo(p.name, tuple(p.shape), _codec.dtype_name(p.dtype).removeprefix("DTYPE_").lower(), p.requires_grad)
+                        for p in m.parameters
+                    ),
+                )
+                for m in msg.modules
+            ),
+            raw=msg,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class InterceptEvent:
+    """What a hook saw when it fired. Parts that were not captured are empty / None.
+
+    ``phase`` is one of "forward_pre", "forward", "backward_pre", "backward".
+    Tensors are torch tensors, or numpy arrays when torch is not installed.
+    """
+
+    hook_id: str
+    model: str
+    module: str
+    phase: str
+    seq: int
+    call_index: int
+    request_id: str
+    training: bool
+    time: datetime.datetime
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+    grad_input: tuple[Any, ...]
+    grad_output: tuple[Any, ...]
+    raw: hook_pb2.InterceptEvent = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def from_proto(cls, msg: hook_pb2.InterceptEvent) -> InterceptEvent:
+        """Decodes the wire message (tensors included)."""
+        decode = _codec.decode_value
+        return cls(
+            hook_id=msg.hook_id,
+            model=msg.model,
+            module=msg.module,
+            phase=PHASE_NAMES.get(msg.phase, "unspecified"),
+            seq=msg.seq,
+            call_index=msg.call_index,
+            request_id=msg.request_id,
+            training=msg.training,
+            time=msg.time.ToDatetime(tzinfo=datetime.timezone.utc),
+            args=tuple(decode(v, where=f"args[{i}]") for i, v in enumerate(msg.args)),
+            kwargs={k: decode(v, where=f"kwargs[{k!r}]") for k, v in msg.kwargs.items()},
+            output=decode(msg.output, where="output") if msg.HasField("output") else None,
+            grad_input=tuple(decode(v, where=f"grad_input[{i}]") for i, v in enumerate(msg.grad_input)),
+            grad_output=tuple(decode(v, where=f"grad_output[{i}]") for i, v in enumerate(msg.grad_output)),
+            raw=msg,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class InferResult:
+    """The result of ``RemoteModel.infer``."""
+
+    request_id: str
+    output: Any
+    #: Events of the call's own hooks, in firing order.
+    events: tuple[InterceptEvent, ...]
+    #: With return_input_grads: per positional argument, its gradient (same structure).
+    input_grads: tuple[Any, ...]
+    #: With return_input_grads: per keyword argument, its gradient.
+    input_kwargs_grads: dict[str, Any]
+    raw: model_service_pb2.InferResponse = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def from_proto(cls, msg: model_service_pb2.InferResponse) -> InferResult:
+        """Decodes the wire message."""
+        decode = _codec.decode_value
+        return cls(
+            request_id=msg.request_id,
+            output=decode(msg.output, where="output"),
+            events=tuple(InterceptEvent.from_proto(e) for e in msg.events),
+            input_grads=tuple(decode(v) for v in msg.input_grads),
+            input_kwargs_grads={k: decode(v) for k, v in msg.input_kwargs_grads.items()},
+            raw=msg,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class HookInfo:
+    """A registered hook as the server lists it."""
+
+    hook_id: str
+    model: str
+    module_pattern: str
+    modules: tuple[str, ...]
+    session_id: str
+    raw: hook_pb2.Hook = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def from_proto(cls, msg: hook_pb2.Hook) -> HookInfo:
+        """Builds it from the wire message."""
+        return cls(msg.hook_id, msg.spec.model, msg.spec.module, tuple(msg.modules), msg.session_id, msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """An out-of-band message on a stream: ``kind`` is "hook_removed" or "capture_failed"."""
+
+    kind: str
+    hook_id: str
+    message: str
+
+    @classmethod
+    def from_proto(cls, msg: hook_service_pb2.Notice) -> Notice:
+        """Builds it from the wire message."""
+        name = hook_service_pb2.NoticeKind.Name(msg.kind) if msg.kind in hook_service_pb2.NoticeKind.values() else "NOTICE_KIND_UNSPECIFIED"
+        return cls(name.removeprefix("NOTICE_KIND_").lower(), msg.hook_id, msg.message)

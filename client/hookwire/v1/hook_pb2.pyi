@@ -1,0 +1,160 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from hookwire.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Part(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PART_UNSPECIFIED: _ClassVar[Part]
+    PART_ARGS: _ClassVar[Part]
+    PART_KWARGS: _ClassVar[Part]
+    PART_OUTPUT: _ClassVar[Part]
+    PART_GRAD_INPUT: _ClassVar[Part]
+    PART_GRAD_OUTPUT: _ClassVar[Part]
+
+class Scope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCOPE_UNSPECIFIED: _ClassVar[Scope]
+    SCOPE_SESSION: _ClassVar[Scope]
+    SCOPE_ALL: _ClassVar[Scope]
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_FORWARD_PRE: _ClassVar[Phase]
+    PHASE_FORWARD: _ClassVar[Phase]
+    PHASE_BACKWARD_PRE: _ClassVar[Phase]
+    PHASE_BACKWARD: _ClassVar[Phase]
+PART_UNSPECIFIED: Part
+PART_ARGS: Part
+PART_KWARGS: Part
+PART_OUTPUT: Part
+PART_GRAD_INPUT: Part
+PART_GRAD_OUTPUT: Part
+SCOPE_UNSPECIFIED: Scope
+SCOPE_SESSION: Scope
+SCOPE_ALL: Scope
+PHASE_UNSPECIFIED: Phase
+PHASE_FORWARD_PRE: Phase
+PHASE_FORWARD: Phase
+PHASE_BACKWARD_PRE: Phase
+PHASE_BACKWARD: Phase
+
+class HookAction(_message.Message):
+    __slots__ = ("capture",)
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    capture: _containers.RepeatedScalarFieldContainer[Part]
+    def __init__(self, capture: _Optional[_Iterable[_Union[Part, str]]] = ...) -> None: ...
+
+class PreHookOptions(_message.Message):
+    __slots__ = ("with_kwargs", "prepend")
+    WITH_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    PREPEND_FIELD_NUMBER: _ClassVar[int]
+    with_kwargs: bool
+    prepend: bool
+    def __init__(self, with_kwargs: _Optional[bool] = ..., prepend: _Optional[bool] = ...) -> None: ...
+
+class PostHookOptions(_message.Message):
+    __slots__ = ("with_kwargs", "prepend", "always_call")
+    WITH_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    PREPEND_FIELD_NUMBER: _ClassVar[int]
+    ALWAYS_CALL_FIELD_NUMBER: _ClassVar[int]
+    with_kwargs: bool
+    prepend: bool
+    always_call: bool
+    def __init__(self, with_kwargs: _Optional[bool] = ..., prepend: _Optional[bool] = ..., always_call: _Optional[bool] = ...) -> None: ...
+
+class BackwardHookOptions(_message.Message):
+    __slots__ = ("prepend",)
+    PREPEND_FIELD_NUMBER: _ClassVar[int]
+    prepend: bool
+    def __init__(self, prepend: _Optional[bool] = ...) -> None: ...
+
+class HookSpec(_message.Message):
+    __slots__ = ("model", "module", "prehook", "posthook", "backward_prehook", "backward_hook", "prehook_kwargs", "posthook_kwargs", "backward_prehook_kwargs", "backward_hook_kwargs", "train_update", "eval_update", "scope")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    PREHOOK_FIELD_NUMBER: _ClassVar[int]
+    POSTHOOK_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_PREHOOK_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_HOOK_FIELD_NUMBER: _ClassVar[int]
+    PREHOOK_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    POSTHOOK_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_PREHOOK_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_HOOK_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    EVAL_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    module: str
+    prehook: HookAction
+    posthook: HookAction
+    backward_prehook: HookAction
+    backward_hook: HookAction
+    prehook_kwargs: PreHookOptions
+    posthook_kwargs: PostHookOptions
+    backward_prehook_kwargs: BackwardHookOptions
+    backward_hook_kwargs: BackwardHookOptions
+    train_update: bool
+    eval_update: bool
+    scope: Scope
+    def __init__(self, model: _Optional[str] = ..., module: _Optional[str] = ..., prehook: _Optional[_Union[HookAction, _Mapping]] = ..., posthook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_prehook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_hook: _Optional[_Union[HookAction, _Mapping]] = ..., prehook_kwargs: _Optional[_Union[PreHookOptions, _Mapping]] = ..., posthook_kwargs: _Optional[_Union[PostHookOptions, _Mapping]] = ..., backward_prehook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., backward_hook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., train_update: _Optional[bool] = ..., eval_update: _Optional[bool] = ..., scope: _Optional[_Union[Scope, str]] = ...) -> None: ...
+
+class Hook(_message.Message):
+    __slots__ = ("hook_id", "spec", "modules", "session_id")
+    HOOK_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    hook_id: str
+    spec: HookSpec
+    modules: _containers.RepeatedScalarFieldContainer[str]
+    session_id: str
+    def __init__(self, hook_id: _Optional[str] = ..., spec: _Optional[_Union[HookSpec, _Mapping]] = ..., modules: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class InterceptEvent(_message.Message):
+    __slots__ = ("hook_id", "model", "module", "phase", "seq", "call_index", "request_id", "training", "time", "args", "kwargs", "output", "grad_input", "grad_output")
+    class KwargsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _tensor_pb2.Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ...) -> None: ...
+    HOOK_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CALL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    GRAD_INPUT_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    hook_id: str
+    model: str
+    module: str
+    phase: Phase
+    seq: int
+    call_index: int
+    request_id: str
+    training: bool
+    time: _timestamp_pb2.Timestamp
+    args: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
+    kwargs: _containers.MessageMap[str, _tensor_pb2.Value]
+    output: _tensor_pb2.Value
+    grad_input: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
+    grad_output: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
+    def __init__(self, hook_id: _Optional[str] = ..., model: _Optional[str] = ..., module: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., seq: _Optional[int] = ..., call_index: _Optional[int] = ..., request_id: _Optional[str] = ..., training: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., grad_input: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., grad_output: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,127 @@
+from hookwire.v1 import hook_pb2 as _hook_pb2
+from hookwire.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    MODE_EVAL: _ClassVar[Mode]
+    MODE_TRAIN: _ClassVar[Mode]
+MODE_UNSPECIFIED: Mode
+MODE_EVAL: Mode
+MODE_TRAIN: Mode
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[Model]
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class Model(_message.Message):
+    __slots__ = ("name", "description", "training_allowed", "modules")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    training_allowed: bool
+    modules: _containers.RepeatedCompositeFieldContainer[ModuleInfo]
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ...) -> None: ...
+
+class ModuleInfo(_message.Message):
+    __slots__ = ("path", "type", "parameters")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    type: str
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterInfo]
+    def __init__(self, path: _Optional[str] = ..., type: _Optional[str] = ..., parameters: _Optional[_Iterable[_Union[ParameterInfo, _Mapping]]] = ...) -> None: ...
+
+class ParameterInfo(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "requires_grad")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: _tensor_pb2.DType
+    requires_grad: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
+
+class InferRequest(_message.Message):
+    __slots__ = ("model", "args", "kwargs", "mode", "session_id", "hooks", "backward", "seed")
+    class KwargsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _tensor_pb2.Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HOOKS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    args: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
+    kwargs: _containers.MessageMap[str, _tensor_pb2.Value]
+    mode: Mode
+    session_id: str
+    hooks: _containers.RepeatedCompositeFieldContainer[_hook_pb2.HookSpec]
+    backward: Backward
+    seed: int
+    def __init__(self, model: _Optional[str] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., mode: _Optional[_Union[Mode, str]] = ..., session_id: _Optional[str] = ..., hooks: _Optional[_Iterable[_Union[_hook_pb2.HookSpec, _Mapping]]] = ..., backward: _Optional[_Union[Backward, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Backward(_message.Message):
+    __slots__ = ("output_path", "grad", "return_input_grads")
+    OUTPUT_PATH_FIELD_NUMBER: _ClassVar[int]
+    GRAD_FIELD_NUMBER: _ClassVar[int]
+    RETURN_INPUT_GRADS_FIELD_NUMBER: _ClassVar[int]
+    output_path: str
+    grad: _tensor_pb2.Tensor
+    return_input_grads: bool
+    def __init__(self, output_path: _Optional[str] = ..., grad: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., return_input_grads: _Optional[bool] = ...) -> None: ...
+
+class InferResponse(_message.Message):
+    __slots__ = ("request_id", "output", "events", "input_grads", "input_kwargs_grads")
+    class InputKwargsGradsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _tensor_pb2.Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_GRADS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_KWARGS_GRADS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    output: _tensor_pb2.Value
+    events: _containers.RepeatedCompositeFieldContainer[_hook_pb2.InterceptEvent]
+    input_grads: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
+    input_kwargs_grads: _containers.MessageMap[str, _tensor_pb2.Value]
+    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_hook_pb2.InterceptEvent, _Mapping]]] = ..., input_grads: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., input_kwargs_grads: _Optional[_Mapping[str, _tensor_pb2.Value]] = ...) -> None: ...

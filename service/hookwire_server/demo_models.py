@@ -1,0 +1,153 @@
+"""Built-in demo models: small, seeded, CPU. `hookwire serve` hosts them by default.
+
+- ``mlp``: float input (batch, 8) -> (batch, 4), with dropout.
+- ``tiny-transformer``: a two-layer encoder. forward(input_ids, attention_mask=None,
+  inputs_embeds=None) returns a dict (``last_hidden_state``, ``logits``); each
+  attention block returns a tuple (output, weights); the LayerNorm ``norm`` is
+  called twice per pass (on the embeddings and on the final hidden state); dropout
+  makes train and eval differ.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+VOCAB = 64
+MAX_LEN = 32
+D_MODEL = 32
+
+
+class MLP(nn.Module):
+    """Two hidden layers with ReLU and dropout."""
+
+    def __init__(self, d_in: int = 8, d_hidden: int = 32, d_out: int = 4, p_drop: float = 0.2) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.act = nn.ReLU()
+        self.drop = nn.Dropout(p_drop)
+        self.fc2 = nn.Linear(d_hidden, d_hidden)
+        self.out = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.act(self.fc1(x)))
+        x = self.act(self.fc2(x))
+        return self.out(x)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention returning (output, attention weights)."""
+
+    def __init__(self, d_model: int, n_heads: int, p_drop: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.drop = nn.Dropout(p_drop)
+
+    def forward(
+        self, x: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, d = x.shape
+        h = self.n_heads
+        q, k, v = self.qkv(x).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // h)
+        if attention_mask is not None:
+            keep = attention_mask.to(torch.bool)[:, None, None, :]
+            scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+        weights = self.drop(scores.softmax(dim=-1))
+        out = (weights @ v).transpose(1, 2).reshape(b, t, d)
+        return self.proj(out), weights
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, d_model: int, n_heads: int, p_drop: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d_model)
+        self.attn = SelfAttention(d_model, n_heads, p_drop)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.ff = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.drop = nn.Dropout(p_drop)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        attended, _weights = self.attn(self.norm1(x), attention_mask=attention_mask)
+        x = x + self.drop(attended)
+        return x + self.drop(self.ff(self.norm2(x)))
+
+
+class Encoder(nn.Module):
+    """A stack of encoder layers."""
+
+    def __init__(self, n_layers: int, d_model: int, n_heads: int, p_drop: float) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(d_model, n_heads, p_drop) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, attention_mask=attention_mask)
+        return x
+
+
+class TinyTransformer(nn.Module):
+    """A tiny encoder with a classification head, shaped like a transformers model."""
+
+    def __init__(
+        self, vocab: int = VOCAB, d_model: int = D_MODEL, n_layers: int = 2, n_heads: int = 4,
+        n_classes: int = 3, p_drop: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.position = nn.Embedding(MAX_LEN, d_model)
+        self.drop = nn.Dropout(p_drop)
+        self.norm = nn.LayerNorm(d_model)
+        self.encoder = Encoder(n_layers, d_model, n_heads, p_drop)
+        self.head = nn.Linear(d_model, n_classes)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        x = x + self.position(torch.arange(x.shape[1], device=x.device))
+        x = self.norm(self.drop(x))
+        x = self.norm(self.encoder(x, attention_mask=attention_mask))
+        if attention_mask is None:
+            pooled = x.mean(dim=1)
+        else:
+            m = attention_mask.to(x.dtype).unsqueeze(-1)
+            pooled = (x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+        return {"last_hidden_state": x, "logits": self.head(pooled)}
+
+
+def _seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build().eval()
+
+
+def mlp() -> nn.Module:
+    """The demo MLP with seeded weights."""
+    return _seeded(MLP, 0)
+
+
+def tiny_transformer() -> nn.Module:
+    """The demo transformer with seeded weights."""
+    return _seeded(TinyTransformer, 1)
+
+
+#: name -> (factory, description)
+DEMO_MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "mlp": (mlp, "Demo MLP: float32 (batch, 8) -> (batch, 4), with dropout."),
+    "tiny-transformer": (
+        tiny_transformer,
+        "Demo 2-layer encoder: input_ids int64 (batch, seq<=32, vocab 64), attention_mask kwarg; "
+        "returns {last_hidden_state, logits}.",
+    ),
+}

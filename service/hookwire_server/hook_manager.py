@@ -1,0 +1,519 @@
+"""Hooks, sessions and subscriptions: the remote form of a local ``Hook`` object.
+
+A HookRecord is one registered HookSpec. On each module its pattern resolves to,
+it installs one real torch hook per action, with the spec's options (prepend,
+with_kwargs, always_call), so ordering and visibility are torch's own. Each torch
+hook checks at call time whether the hook applies to the running pass (scope),
+counts the call, gates on the module's ``training`` flag, and captures.
+
+Torch hook dictionaries are changed only on the model's worker thread, between
+passes (see model_registry). A hook nobody listens to costs a counter bump: no
+tensor is copied unless an event will be delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from google.protobuf import timestamp_pb2
+from torch.utils.hooks import RemovableHandle
+
+from hookwire import _codec
+from hookwire.v1 import hook_pb2, hook_service_pb2
+
+from .errors import InvalidArgument, NotFound, Unimplemented
+from .event_bus import DeliveryLimits, EventStream
+from .model_registry import ModelHost, ModelRegistry
+
+if TYPE_CHECKING:
+    from .inference import Pass
+
+log = logging.getLogger("hookwire.hooks")
+
+SCOPE_REQUEST = -1  # internal: InferRequest.hooks, which have no wire scope value
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseInfo:
+    """What one hook phase is called and what it can see."""
+
+    phase: int
+    field: str  # the HookSpec field holding its action
+    options_field: str
+    parts: frozenset[int]
+
+
+PHASES: tuple[PhaseInfo, ...] = (
+    PhaseInfo(hook_pb2.PHASE_FORWARD_PRE, "prehook", "prehook_kwargs", frozenset({hook_pb2.PART_ARGS, hook_pb2.PART_KWARGS})),
+    PhaseInfo(
+        hook_pb2.PHASE_FORWARD, "posthook", "posthook_kwargs",
+        frozenset({hook_pb2.PART_ARGS, hook_pb2.PART_KWARGS, hook_pb2.PART_OUTPUT}),
+    ),
+    PhaseInfo(hook_pb2.PHASE_BACKWARD_PRE, "backward_prehook", "backward_prehook_kwargs", frozenset({hook_pb2.PART_GRAD_OUTPUT})),
+    PhaseInfo(
+        hook_pb2.PHASE_BACKWARD, "backward_hook", "backward_hook_kwargs",
+        frozenset({hook_pb2.PART_GRAD_INPUT, hook_pb2.PART_GRAD_OUTPUT}),
+    ),
+)
+
+
+def _part_name(part: int) -> str:
+    try:
+        return hook_pb2.Part.Name(part)
+    except ValueError:
+        return f"unknown part {part}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One validated hook action: the phase, the parts to capture and the torch options."""
+
+    phase: int
+    capture: tuple[int, ...]
+    with_kwargs: bool = False
+    prepend: bool = False
+    always_call: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledSpec:
+    """A HookSpec checked against its model: what to install where."""
+
+    modules: tuple[str, ...]
+    actions: tuple[Action, ...]
+    train_update: bool
+    eval_update: bool
+    scope: int
+
+
+def compile_spec(spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bool) -> CompiledSpec:
+    """Validates ``spec`` for ``host``; raises InvalidArgument or NotFound naming the field."""
+    actions: list[Action] = []
+    for info in PHASES:
+        if not spec.HasField(info.field):  # type: ignore[arg-type]
+            continue
+        action_msg: hook_pb2.HookAction = getattr(spec, info.field)
+        options = getattr(spec, info.options_field)
+        with_kwargs = bool(getattr(options, "with_kwargs", False))
+        parts: list[int] = []
+        for i, part in enumerate(action_msg.capture):
+            if part not in info.parts:
+                visible = ", ".join(_part_name(p) for p in sorted(info.parts))
+                raise InvalidArgument(
+                    f"{info.field}.capture[{i}]: {_part_name(part)} is not visible to a {info.field} (it sees {visible})"
+                )
+            if part == hook_pb2.PART_KWARGS and not with_kwargs:
+                raise InvalidArgument(
+                    f"{info.field}.capture[{i}]: capturing PART_KWARGS needs {info.options_field}.with_kwargs "
+                    "(without it, torch does not pass kwargs to the hook)"
+                )
+            if part not in parts:
+                parts.append(part)
+        actions.append(
+            Action(
+                phase=info.phase,
+                capture=tuple(parts),
+                with_kwargs=with_kwargs,
+                prepend=bool(options.prepend),
+                always_call=bool(getattr(options, "always_call", False)),
+            )
+        )
+    if not actions:
+        raise InvalidArgument(
+            "the hook has no action: set at least one of prehook, posthook, backward_prehook, backward_hook"
+        )
+    if spec.scope not in hook_pb2.Scope.values():
+        raise InvalidArgument(f"scope: unknown scope {spec.scope}")
+    if request_scoped:
+        if spec.scope == hook_pb2.SCOPE_ALL:
+            raise InvalidArgument("scope: hooks in InferRequest.hooks fire for that call only; SCOPE_ALL needs RegisterHook")
+        scope = SCOPE_REQUEST
+    else:
+        scope = hook_pb2.SCOPE_ALL if spec.scope == hook_pb2.SCOPE_ALL else hook_pb2.SCOPE_SESSION
+    modules = tuple(host.resolve(spec.module))
+    return CompiledSpec(
+        modules=modules,
+        actions=tuple(actions),
+        train_update=spec.train_update if spec.HasField("train_update") else True,
+        eval_update=spec.eval_update if spec.HasField("eval_update") else True,
+        scope=scope,
+    )
+
+
+class HookRecord:
+    """One registered hook and the torch hooks that implement it."""
+
+    def __init__(
+        self, hook_id: str, host: ModelHost, spec: hook_pb2.HookSpec, compiled: CompiledSpec,
+        *, session_id: str = "", request_id: str = "",
+    ) -> None:
+        self.hook_id = hook_id
+        self.host = host
+        self.spec = spec
+        self.compiled = compiled
+        self.session_id = session_id
+        self.request_id = request_id
+        #: Where events go; replaced, never mutated, so hook threads read it without a lock.
+        self.streams: tuple[EventStream, ...] = ()
+        self.subscriptions: list[Subscription] = []
+        self.active = False
+        self.removed = False
+        self.fire_count = 0
+        #: The background detach, once removed.
+        self.detaching: asyncio.Future[None] | None = None
+        self._handles: list[RemovableHandle] = []
+
+    # ---------------------------------------------------------------- worker thread
+
+    def attach(self) -> None:
+        """Installs the torch hooks. Runs on the model's worker thread."""
+        if self.removed:
+            return
+        for path in self.compiled.modules:
+            module = self.host.modules[path]
+            for action in self.compiled.actions:
+                self._handles.append(_install(module, action, self._make_hook(action, path)))
+        self.active = True
+
+    def detach(self) -> None:
+        """Removes the torch hooks. Runs on the model's worker thread; idempotent."""
+        self.active = False
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def _make_hook(self, action: Action, path: str) -> Callable[..., None]:
+        fire = self._fire
+        phase = action.phase
+        if phase == hook_pb2.PHASE_FORWARD_PRE:
+            if action.with_kwargs:
+                return lambda module, args, kwargs: fire(action, path, module, args=args, kwargs=kwargs)
+            return lambda module, args: fire(action, path, module, args=args)
+        if phase == hook_pb2.PHASE_FORWARD:
+            if action.with_kwargs:
+                return lambda module, args, kwargs, output: fire(action, path, module, args=args, kwargs=kwargs, output=output)
+            return lambda module, args, output: fire(action, path, module, args=args, output=output)
+        if phase == hook_pb2.PHASE_BACKWARD_PRE:
+            return lambda module, grad_output: fire(action, path, module, grad_output=grad_output)
+        return lambda module, grad_input, grad_output: fire(
+            action, path, module, grad_input=grad_input, grad_output=grad_output
+        )
+
+    def _applies_to(self, p: Pass) -> bool:
+        scope = self.compiled.scope
+        if scope == hook_pb2.SCOPE_ALL:
+            return True
+        if scope == SCOPE_REQUEST:
+            return p.request_id == self.request_id
+        return bool(self.session_id) and p.session_id == self.session_id
+
+    def _fire(self, action: Action, path: str, module: Any, **parts: Any) -> None:
+        """The body of every torch hook: scope, call index, gating, capture, delivery."""
+        p = self.host.current_pass
+        if p is None or not self.active or not self._applies_to(p):
+            return
+        call_index = p.next_call_index(self.hook_id, path, action.phase)
+        training = module.training
+        if not (self.compiled.train_update if training else self.compiled.eval_update):
+            return
+        self.fire_count += 1
+        if not action.capture:
+            return
+        if self.compiled.scope == SCOPE_REQUEST:
+            # The request's own hook: a capture failure fails the request (raised through forward).
+            event = p.response.events.add()
+            self._fill_event(event, action, path, p, call_index, training, parts)
+            event.seq = p.next_seq(self.hook_id)
+            return
+        streams = self.streams
+        if not streams:
+            return  # nobody listens: no copies
+        msg = hook_service_pb2.SessionMessage()
+        try:
+            nbytes = self._fill_event(msg.event, action, path, p, call_index, training, parts)
+        except Exception as exc:  # never break a pass because a capture cannot be sent
+            detail = f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}"
+            log.warning("%s", detail)
+            notice = hook_service_pb2.SessionMessage(
+                notice=hook_service_pb2.Notice(
+                    kind=hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, hook_id=self.hook_id, message=detail
+                )
+            )
+            for stream in streams:
+                stream.put_notice(notice)
+            return
+        copies = [msg] + [_copy(msg) for _ in streams[1:]]
+        for stream, m in zip(streams, copies):
+            stream.put_event(m, self.hook_id, nbytes)
+
+    def _fill_event(
+        self, event: hook_pb2.InterceptEvent, action: Action, path: str, p: Pass,
+        call_index: int, training: bool, parts: dict[str, Any],
+    ) -> int:
+        event.hook_id = self.hook_id
+        event.model = self.host.name
+        event.module = path
+        event.phase = action.phase
+        event.call_index = call_index
+        event.request_id = p.request_id
+        event.training = training
+        event.time.CopyFrom(_now())
+        nbytes = 0
+        try:
+            for part in action.capture:
+                if part == hook_pb2.PART_ARGS:
+                    for value in parts["args"]:
+                        nbytes += _codec.encode_value_into(value, event.args.add())
+                elif part == hook_pb2.PART_KWARGS:
+                    for key, value in parts["kwargs"].items():
+                        nbytes += _codec.encode_value_into(value, event.kwargs[key])
+                elif part == hook_pb2.PART_OUTPUT:
+                    nbytes += _codec.encode_value_into(parts["output"], event.output)
+                elif part == hook_pb2.PART_GRAD_INPUT:
+                    for value in parts["grad_input"]:
+                        nbytes += _codec.encode_value_into(value, event.grad_input.add())
+                else:
+                    for value in parts["grad_output"]:
+                        nbytes += _codec.encode_value_into(value, event.grad_output.add())
+        except _codec.CodecError as exc:
+            raise Unimplemented(
+                f"hook {self.hook_id} on module {path!r} cannot capture {_part_name(part)}: {exc}"
+            ) from None
+        return nbytes
+
+    def to_proto(self) -> hook_pb2.Hook:
+        """The wire description of this hook."""
+        return hook_pb2.Hook(
+            hook_id=self.hook_id, spec=self.spec, modules=list(self.compiled.modules), session_id=self.session_id
+        )
+
+
+def _install(module: Any, action: Action, fn: Callable[..., None]) -> RemovableHandle:
+    if action.phase == hook_pb2.PHASE_FORWARD_PRE:
+        return module.register_forward_pre_hook(fn, prepend=action.prepend, with_kwargs=action.with_kwargs)
+    if action.phase == hook_pb2.PHASE_FORWARD:
+        return module.register_forward_hook(
+            fn, prepend=action.prepend, with_kwargs=action.with_kwargs, always_call=action.always_call
+        )
+    if action.phase == hook_pb2.PHASE_BACKWARD_PRE:
+        return module.register_full_backward_pre_hook(fn, prepend=action.prepend)
+    return module.register_full_backward_hook(fn, prepend=action.prepend)
+
+
+def _copy(msg: hook_service_pb2.SessionMessage) -> hook_service_pb2.SessionMessage:
+    out = hook_service_pb2.SessionMessage()
+    out.CopyFrom(msg)
+    return out
+
+
+def _now() -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ns = time.time_ns()
+    ts.seconds, ts.nanos = divmod(ns, 1_000_000_000)
+    return ts
+
+
+def _notice(kind: int, hook_id: str, message: str) -> hook_service_pb2.SessionMessage:
+    return hook_service_pb2.SessionMessage(
+        notice=hook_service_pb2.Notice(kind=kind, hook_id=hook_id, message=message)
+    )
+
+
+class Session:
+    """A client's session: its stream and the hooks it owns."""
+
+    def __init__(self, session_id: str, stream: EventStream) -> None:
+        self.session_id = session_id
+        self.stream = stream
+        self.hook_ids: dict[str, None] = {}  # ordered set
+        self.closed = False
+
+
+class Subscription:
+    """A further stream for the events of existing hooks."""
+
+    def __init__(self, stream: EventStream, hook_ids: Iterable[str]) -> None:
+        self.stream = stream
+        self.hook_ids = dict.fromkeys(hook_ids)
+
+
+def new_id(prefix: str) -> str:
+    """An unguessable id (128 random bits)."""
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+class HookManager:
+    """Sessions, registered hooks and subscriptions. Lives on the event loop."""
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self._registry = registry
+        self._hooks: dict[str, HookRecord] = {}
+        self._sessions: dict[str, Session] = {}
+        self._background: set[asyncio.Future[None]] = set()
+
+    # ---------------------------------------------------------------- sessions
+
+    def open_session(self, limits: DeliveryLimits) -> Session:
+        """A new session with its own event stream."""
+        session = Session(new_id("ses"), EventStream(asyncio.get_running_loop(), limits))
+        self._sessions[session.session_id] = session
+        log.info("session %s opened", session.session_id)
+        return session
+
+    def require_session(self, session_id: str) -> Session:
+        """The open session ``session_id``; NotFound otherwise."""
+        session = self._sessions.get(session_id)
+        if session is None or session.closed:
+            raise NotFound(f"no open session {session_id!r}")
+        return session
+
+    def close_session(self, session_id: str) -> None:
+        """Ends a session: its hooks stop firing now and are detached in the background."""
+        session = self._sessions.pop(session_id, None)
+        if session is None or session.closed:
+            return
+        session.closed = True
+        session.stream.close()
+        for hook_id in list(session.hook_ids):
+            self._remove(hook_id, reason=f"session {session_id} ended")
+        log.info("session %s closed", session_id)
+
+    @property
+    def session_count(self) -> int:
+        """Open sessions."""
+        return len(self._sessions)
+
+    # ---------------------------------------------------------------- hooks
+
+    async def register(self, session_id: str, spec: hook_pb2.HookSpec) -> HookRecord:
+        """Registers and attaches a hook; returns once it fires for the next pass."""
+        session = self.require_session(session_id)
+        host = self._registry.get(spec.model)
+        compiled = compile_spec(spec, host, request_scoped=False)
+        record = HookRecord(new_id("hk"), host, spec, compiled, session_id=session_id)
+        record.streams = (session.stream,)
+        # Known before the attach completes, so that a session ending meanwhile removes it.
+        self._hooks[record.hook_id] = record
+        session.hook_ids[record.hook_id] = None
+        try:
+            await host.run(record.attach)
+        except BaseException:
+            self._remove(record.hook_id, reason="registration failed")
+            raise
+        if record.removed:
+            raise NotFound(f"session {session_id!r} ended while the hook was being registered")
+        log.info("hook %s registered on %s:%s", record.hook_id, host.name, ",".join(compiled.modules) or "<root>")
+        return record
+
+    async def deregister(self, hook_id: str) -> bool:
+        """Removes a hook; False when unknown or already removed. Returns once detached."""
+        record = self._remove(hook_id, reason="deregistered")
+        if record is None:
+            return False
+        assert record.detaching is not None
+        await asyncio.shield(record.detaching)
+        return True
+
+    def _remove(self, hook_id: str, *, reason: str) -> HookRecord | None:
+        """Stops a hook at once and schedules its detach; tells its subscribers."""
+        record = self._hooks.pop(hook_id, None)
+        if record is None:
+            return None
+        record.removed = True
+        record.active = False
+        session = self._sessions.get(record.session_id)
+        if session is not None:
+            session.hook_ids.pop(hook_id, None)
+        notice = _notice(hook_service_pb2.NOTICE_KIND_HOOK_REMOVED, hook_id, f"hook {hook_id} removed: {reason}")
+        for stream in record.streams:
+            stream.put_notice(notice)
+        for sub in record.subscriptions:
+            sub.hook_ids.pop(hook_id, None)
+            if not sub.hook_ids:
+                sub.stream.end()
+        record.streams = ()
+        record.subscriptions = []
+        task = record.detaching = asyncio.ensure_future(self._detached(record))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        log.info("hook %s removed: %s", hook_id, reason)
+        return record
+
+    async def _detached(self, record: HookRecord) -> None:
+        try:
+            await record.host.run(record.detach)
+        except RuntimeError:  # the model's worker has shut down: the process is exiting
+            record.detach()
+
+    def get(self, hook_id: str) -> HookRecord:
+        """A registered hook; NotFound otherwise."""
+        record = self._hooks.get(hook_id)
+        if record is None:
+            raise NotFound(f"no hook {hook_id!r}")
+        return record
+
+    def list(self, *, model: str = "", session_id: str = "") -> list[HookRecord]:
+        """Registered hooks, oldest first, filtered by model and owner session."""
+        return [
+            r for r in self._hooks.values()
+            if (not model or r.host.name == model) and (not session_id or r.session_id == session_id)
+        ]
+
+    @property
+    def hook_count(self) -> int:
+        """Registered hooks."""
+        return len(self._hooks)
+
+    def request_hooks(self, host: ModelHost, specs: Iterable[hook_pb2.HookSpec], request_id: str) -> list[HookRecord]:
+        """Compiles InferRequest.hooks; the pass attaches and detaches them on the worker."""
+        records = []
+        for i, spec in enumerate(specs):
+            if spec.model and spec.model != host.name:
+                raise InvalidArgument(f"hooks[{i}].model: {spec.model!r} is not the request's model {host.name!r}")
+            try:
+                compiled = compile_spec(spec, host, request_scoped=True)
+            except (InvalidArgument, NotFound) as exc:
+                raise type(exc)(f"hooks[{i}]: {exc}") from None
+            records.append(HookRecord(new_id("hk"), host, spec, compiled, request_id=request_id))
+        return records
+
+    # ---------------------------------------------------------------- subscriptions
+
+    def subscribe(self, hook_ids: Iterable[str], limits: DeliveryLimits) -> Subscription:
+        """A stream for the events of existing hooks; NotFound if any is unknown."""
+        ids = list(dict.fromkeys(hook_ids))
+        if not ids:
+            raise InvalidArgument("hook_ids: name at least one hook")
+        records = [self.get(hook_id) for hook_id in ids]
+        sub = Subscription(EventStream(asyncio.get_running_loop(), limits), ids)
+        for record in records:
+            record.streams = record.streams + (sub.stream,)
+            record.subscriptions.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Detaches a subscription from its hooks and frees its buffer."""
+        sub.stream.close()
+        for hook_id in list(sub.hook_ids):
+            record = self._hooks.get(hook_id)
+            if record is not None:
+                record.streams = tuple(s for s in record.streams if s is not sub.stream)
+                if sub in record.subscriptions:
+                    record.subscriptions.remove(sub)
+        sub.hook_ids.clear()
+
+    # ---------------------------------------------------------------- shutdown
+
+    async def close(self) -> None:
+        """Ends every session and stream, then waits for the detaches."""
+        for session_id in list(self._sessions):
+            self.close_session(session_id)
+        for record in list(self._hooks.values()):
+            self._remove(record.hook_id, reason="server stopping")
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,265 @@
+"""One Infer call: decode inputs, run forward (and backward) on the model's worker
+thread with the call's hooks, encode the output.
+
+Everything that touches the model runs in ``_run_pass`` on the worker thread;
+the event loop only validates what is cheap to validate and waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import traceback
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+import torch
+
+from hookwire import _codec
+from hookwire.v1 import model_service_pb2
+
+from .errors import FailedPrecondition, HookwireServerError, InvalidArgument, ResourceExhausted, Unimplemented
+from .hook_manager import HookManager, HookRecord, new_id
+from .model_registry import ModelHost, ModelRegistry
+
+log = logging.getLogger("hookwire.infer")
+
+
+class Pass:
+    """The state of one running pass, read by the hooks that fire in it."""
+
+    def __init__(self, request_id: str, session_id: str) -> None:
+        self.request_id = request_id
+        self.session_id = session_id
+        self.response = model_service_pb2.InferResponse(request_id=request_id)
+        self._calls: dict[tuple[str, str, int], int] = {}
+        self._seqs: dict[str, int] = {}
+
+    def next_call_index(self, hook_id: str, path: str, phase: int) -> int:
+        """0 for a hook's first fire on a module in a phase in this pass, then 1, 2, ..."""
+        key = (hook_id, path, phase)
+        index = self._calls.get(key, 0)
+        self._calls[key] = index + 1
+        return index
+
+    def next_seq(self, hook_id: str) -> int:
+        """The seq of a request-scoped hook's next event (contiguous from 1)."""
+        seq = self._seqs.get(hook_id, 0) + 1
+        self._seqs[hook_id] = seq
+        return seq
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """A validated Backward request."""
+
+    path: tuple[str, ...]
+    grad: model_service_pb2.Backward | None
+    return_input_grads: bool
+
+
+def parse_output_path(path: str) -> tuple[str, ...]:
+    """Splits "0.last_hidden_state" into segments; InvalidArgument when malformed."""
+    if path == "":
+        return ()
+    segments = tuple(path.split("."))
+    if any(seg == "" or seg.strip() != seg for seg in segments):
+        raise InvalidArgument(
+            f"backward.output_path: {path!r} is malformed (dot-separated keys or indices, e.g. '0' or 'last_hidden_state')"
+        )
+    return segments
+
+
+def select_output(output: Any, segments: tuple[str, ...]) -> Any:
+    """The item of ``output`` that ``segments`` name; InvalidArgument when absent."""
+    current = output
+    for depth, seg in enumerate(segments):
+        where = ".".join(segments[: depth + 1])
+        if isinstance(current, Mapping):
+            if seg not in current:
+                raise InvalidArgument(f"backward.output_path: no key {seg!r} at {where!r} (keys: {list(current)})")
+            current = current[seg]
+        elif isinstance(current, (tuple, list)):
+            if not seg.isdigit() or int(seg) >= len(current):
+                raise InvalidArgument(
+                    f"backward.output_path: {seg!r} at {where!r} is not an index of a sequence of {len(current)} items"
+                )
+            current = current[int(seg)]
+        else:
+            raise InvalidArgument(f"backward.output_path: {where!r} goes inside a {type(current).__name__}")
+    return current
+
+
+class Inference:
+    """Runs Infer calls."""
+
+    def __init__(self, registry: ModelRegistry, hooks: HookManager) -> None:
+        self._registry = registry
+        self._hooks = hooks
+
+    async def infer(self, request: model_service_pb2.InferRequest) -> model_service_pb2.InferResponse:
+        """Runs one call; raises a HookwireServerError for anything the client can act on."""
+        host = self._registry.get(request.model)
+        if request.mode not in model_service_pb2.Mode.values():
+            raise InvalidArgument(f"mode: unknown mode {request.mode}")
+        train = request.mode == model_service_pb2.MODE_TRAIN
+        if train and not host.training_allowed:
+            raise FailedPrecondition(f"model {host.name!r} does not allow MODE_TRAIN")
+        if request.session_id:
+            self._hooks.require_session(request.session_id)
+        backward = None
+        if request.HasField("backward"):
+            backward = BackwardPlan(
+                path=parse_output_path(request.backward.output_path),
+                grad=request.backward if request.backward.HasField("grad") else None,
+                return_input_grads=request.backward.return_input_grads,
+            )
+            if backward.grad is not None:
+                try:
+                    _codec.check_tensor(backward.grad.grad, "backward.grad")
+                except _codec.CodecError as exc:
+                    raise InvalidArgument(str(exc)) from None
+        request_id = new_id("req")
+        records = self._hooks.request_hooks(host, request.hooks, request_id)
+        p = Pass(request_id, request.session_id)
+        seed = request.seed if request.HasField("seed") else None
+        return await host.run(_run_pass, host, p, request, records, train, backward, seed)
+
+
+def _decode_inputs(request: model_service_pb2.InferRequest) -> tuple[list[Any], dict[str, Any]]:
+    try:
+        args = [_codec.decode_value(v, where=f"args[{i}]") for i, v in enumerate(request.args)]
+        kwargs = {k: _codec.decode_value(v, where=f"kwargs[{k!r}]") for k, v in request.kwargs.items()}
+    except _codec.CodecError as exc:
+        raise InvalidArgument(str(exc)) from None
+    return args, kwargs
+
+
+def _run_pass(
+    host: ModelHost, p: Pass, request: model_service_pb2.InferRequest, records: list[HookRecord],
+    train: bool, backward: BackwardPlan | None, seed: int | None,
+) -> model_service_pb2.InferResponse:
+    """The whole call on the model's worker thread."""
+    args, kwargs = _decode_inputs(request)
+    model = host.module
+    for record in records:
+        record.attach()
+    host.current_pass = p
+    try:
+        model.train(train)
+        with _seeded(seed), torch.set_grad_enabled(backward is not None):
+            if backward is not None and backward.return_input_grads:
+                for leaf in _tensors(args, kwargs):
+                    if leaf.is_floating_point():
+                        leaf.requires_grad_(True)
+            output = _call(host, "forward", lambda: model(*args, **kwargs))
+            if backward is not None:
+                _backward(host, output, backward)
+                if backward.return_input_grads:
+                    _encode_grads(p.response, args, kwargs)
+        try:
+            _codec.encode_value_into(output, p.response.output)
+        except _codec.CodecError as exc:
+            raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
+    finally:
+        host.current_pass = None
+        model.eval()
+        for record in records:
+            record.detach()
+    return p.response
+
+
+def _backward(host: ModelHost, output: Any, plan: BackwardPlan) -> None:
+    target = select_output(output, plan.path)
+    where = ".".join(plan.path) or "the output"
+    if not isinstance(target, torch.Tensor) or not target.is_floating_point():
+        raise InvalidArgument(f"backward.output_path: {where!r} is not a floating-point tensor")
+    if not target.requires_grad:
+        raise InvalidArgument(f"backward.output_path: {where!r} does not depend on anything that requires grad")
+    if plan.grad is not None:
+        grad = _codec.decode_tensor(plan.grad.grad, where="backward.grad")
+        if tuple(grad.shape) != tuple(target.shape):
+            raise InvalidArgument(
+                f"backward.grad: shape {list(grad.shape)} does not match {where!r}'s shape {list(target.shape)}"
+            )
+        grad = grad.to(dtype=target.dtype, device=target.device)
+    else:
+        grad = torch.ones_like(target)
+    params = [param for param in host.module.parameters() if param.requires_grad]
+    # .grad belongs to no caller: every call starts and ends without it.
+    for param in params:
+        param.grad = None
+    try:
+        _call(host, "backward", lambda: torch.autograd.backward(target, grad_tensors=grad))
+    finally:
+        for param in params:
+            param.grad = None
+
+
+def _call(host: ModelHost, what: str, fn: Any) -> Any:
+    """Runs forward or backward, turning a model's exception into one naming the module."""
+    try:
+        return fn()
+    except HookwireServerError:
+        raise
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise ResourceExhausted(f"{what} of model {host.name!r} ran out of memory: {exc}") from None
+    except Exception as exc:
+        where = _failing_module(host, exc)
+        log.info("%s of %s failed in %r: %r", what, host.name, where, exc)
+        raise InvalidArgument(f"{what} failed in {where}: {type(exc).__name__}: {exc}") from None
+
+
+def _failing_module(host: ModelHost, exc: BaseException) -> str:
+    """The innermost module of ``host`` whose forward() is on the exception's traceback."""
+    found = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        owner = frame.f_locals.get("self")
+        if owner is not None and frame.f_code.co_name == "forward":
+            path = host.path_of(owner)
+            if path is not None:
+                found = (path, type(owner).__name__)
+    if found is None:
+        return f"model {host.name!r}"
+    path, kind = found
+    return f"module {path!r} ({kind})" if path else f"the root module ({kind})"
+
+
+def _tensors(*values: Any) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from _tensors(*value)
+        elif isinstance(value, Mapping):
+            yield from _tensors(*value.values())
+
+
+def _grads_of(value: Any) -> Any:
+    """``value`` with every tensor replaced by its gradient (None where it has none)."""
+    if isinstance(value, torch.Tensor):
+        return value.grad
+    if isinstance(value, (tuple, list)):
+        return type(value)(_grads_of(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _grads_of(v) for k, v in value.items()}
+    return None
+
+
+def _encode_grads(response: model_service_pb2.InferResponse, args: list[Any], kwargs: dict[str, Any]) -> None:
+    for arg in args:
+        _codec.encode_value_into(_grads_of(arg), response.input_grads.add())
+    for key, value in kwargs.items():
+        _codec.encode_value_into(_grads_of(value), response.input_kwargs_grads[key])
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    if seed is None:
+        yield
+        return
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield

@@ -1,0 +1,141 @@
+"""Building hosted models from operator configuration: factories, weights, TOML, transformers.
+
+Everything here comes from the operator (flags, config file), never from a
+client. Weights load from safetensors, or through ``torch.load(...,
+weights_only=True)``, which refuses pickled code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pathlib
+import tomllib
+from typing import Any
+
+import torch
+from torch import nn
+
+from .demo_models import DEMO_MODELS
+from .model_registry import ModelHost, ModelRegistry
+
+
+class ConfigError(ValueError):
+    """Operator configuration that cannot be used; the message says which entry and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """How to build one hosted model."""
+
+    name: str
+    #: "package.module:callable" returning an nn.Module.
+    factory: str | None = None
+    #: A local transformers model folder (needs the `transformers` extra; no downloads).
+    transformers: str | None = None
+    #: Optional weights: a .safetensors file, or a state_dict saved with torch.save.
+    weights: str | None = None
+    description: str = ""
+    training_allowed: bool = True
+    #: Keyword arguments for the factory.
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def parse_model_flag(text: str) -> ModelConfig:
+    """``NAME=package.module:factory`` (from ``--model``)."""
+    name, sep, factory = text.partition("=")
+    if not sep or not name or ":" not in factory:
+        raise ConfigError(f"--model {text!r}: expected NAME=package.module:factory")
+    return ModelConfig(name=name.strip(), factory=factory.strip())
+
+
+def demo_configs() -> list[ModelConfig]:
+    """The built-in demo models."""
+    return [
+        ModelConfig(name=name, factory=f"{fn.__module__}:{fn.__name__}", description=desc)
+        for name, (fn, desc) in DEMO_MODELS.items()
+    ]
+
+
+def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], list[ModelConfig]]:
+    """Reads a TOML config: a ``[server]`` table of settings and ``[[models]]`` entries."""
+    try:
+        data = tomllib.loads(pathlib.Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config {path}: {exc}") from None
+    server = data.get("server", {})
+    if not isinstance(server, dict):
+        raise ConfigError(f"config {path}: [server] must be a table")
+    base = pathlib.Path(path).resolve().parent
+    models = []
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    for i, entry in enumerate(data.get("models", [])):
+        unknown = set(entry) - fields
+        if unknown:
+            raise ConfigError(f"config {path}: models[{i}] has unknown keys {sorted(unknown)}")
+        if "name" not in entry:
+            raise ConfigError(f"config {path}: models[{i}] has no name")
+        for key in ("weights", "transformers"):
+            if entry.get(key):
+                entry[key] = str(base / entry[key])
+        models.append(ModelConfig(**entry))
+    return server, models
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    """Builds, loads weights into, and returns the model (in eval mode)."""
+    if bool(config.factory) == bool(config.transformers):
+        raise ConfigError(f"model {config.name!r}: set exactly one of factory or transformers")
+    if config.factory:
+        module_name, _, attr = config.factory.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"model {config.name!r}: cannot import {config.factory!r}: {exc}") from None
+        model = factory(**config.kwargs)
+    else:
+        model = _load_transformers(config)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model {config.name!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    if config.weights:
+        load_weights(model, config.weights)
+    return model.eval()
+
+
+def _load_transformers(config: ModelConfig) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            f"model {config.name!r}: transformers is not installed (pip install 'hookwire[transformers]')"
+        ) from None
+    folder = pathlib.Path(str(config.transformers))
+    if not folder.is_dir():
+        raise ConfigError(f"model {config.name!r}: {folder} is not a folder")
+    return transformers.AutoModel.from_pretrained(str(folder), local_files_only=True, **config.kwargs)
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Loads a state_dict strictly; pickled objects other than tensors are refused."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path, device="cpu")
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ConfigError(f"weights {path}: expected a state_dict, got {type(state).__name__}")
+    model.load_state_dict(state, strict=True)
+
+
+def build_registry(configs: list[ModelConfig]) -> ModelRegistry:
+    """A registry hosting every configured model."""
+    registry = ModelRegistry()
+    for config in configs:
+        registry.add(
+            ModelHost(
+                config.name, build_model(config),
+                description=config.description, training_allowed=config.training_allowed,
+            )
+        )
+    return registry

@@ -1,0 +1,109 @@
+"""The grpc.aio server: wiring, start, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+from typing import Callable
+
+import grpc
+
+from hookwire.v1 import hook_service_pb2_grpc, model_service_pb2_grpc
+
+from .hook_manager import HookManager
+from .inference import Inference
+from .model_registry import ModelRegistry
+from .servicers import HookServicer, ModelServicer
+
+log = logging.getLogger("hookwire.server")
+
+DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    """Where and how the server listens."""
+
+    host: str = "127.0.0.1"
+    #: 0 picks a free port.
+    port: int = 50051
+    #: Largest message sent or received (gRPC's default of 4 MiB is too small for tensors).
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    #: Seconds in-flight calls get to finish on stop.
+    grace: float = 5.0
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Message limits and keepalive, so a dead peer is noticed within seconds."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+class HookwireServer:
+    """A running hookwire server around a model registry."""
+
+    def __init__(self, registry: ModelRegistry, settings: ServerSettings | None = None) -> None:
+        self.registry = registry
+        self.settings = settings or ServerSettings()
+        self.hooks = HookManager(registry)
+        self.inference = Inference(registry, self.hooks)
+        self._server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        """Binds and starts serving; returns the bound port."""
+        server = grpc.aio.server(options=channel_options(self.settings.max_message_bytes))
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(self.registry, self.inference), server)
+        hook_service_pb2_grpc.add_HookServiceServicer_to_server(HookServicer(self.hooks), server)
+        address = f"{self.settings.host}:{self.settings.port}"
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        await server.start()
+        self._server, self.port = server, port
+        log.info("serving on %s:%d", self.settings.host, port)
+        return port
+
+    @property
+    def target(self) -> str:
+        """host:port clients connect to."""
+        return f"{self.settings.host}:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Ends sessions (their hooks go), lets in-flight calls finish within ``grace``, stops."""
+        await self.hooks.close()
+        if self._server is not None:
+            await self._server.stop(self.settings.grace if grace is None else grace)
+        self.registry.shutdown()
+
+    async def wait(self) -> None:
+        """Returns when the server has stopped."""
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+async def serve(
+    registry: ModelRegistry, settings: ServerSettings, on_ready: Callable[[HookwireServer], None] | None = None
+) -> None:
+    """Serves until SIGINT or SIGTERM, then stops gracefully."""
+    server = HookwireServer(registry, settings)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready(server)
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping")
+        await server.stop()

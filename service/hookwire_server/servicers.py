@@ -1,0 +1,82 @@
+"""gRPC servicers: decode the request, call the domain, encode the reply. Nothing else."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import grpc
+
+from hookwire.v1 import (
+    hook_pb2,
+    hook_service_pb2,
+    hook_service_pb2_grpc,
+    model_service_pb2,
+    model_service_pb2_grpc,
+)
+
+from .event_bus import DeliveryLimits
+from .hook_manager import HookManager
+from .inference import Inference
+from .model_registry import ModelRegistry
+from .status_mapping import streaming, unary
+
+
+class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
+    """hookwire.v1.ModelService."""
+
+    def __init__(self, registry: ModelRegistry, inference: Inference) -> None:
+        self._registry = registry
+        self._inference = inference
+
+    @unary
+    async def ListModels(self, request: model_service_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.ListModelsResponse:
+        return model_service_pb2.ListModelsResponse(models=[h.describe(with_modules=False) for h in self._registry])
+
+    @unary
+    async def GetModel(self, request: model_service_pb2.GetModelRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.Model:
+        return self._registry.get(request.name).describe(with_modules=True)
+
+    @unary
+    async def Infer(self, request: model_service_pb2.InferRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.InferResponse:
+        return await self._inference.infer(request)
+
+
+class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
+    """hookwire.v1.HookService."""
+
+    def __init__(self, hooks: HookManager) -> None:
+        self._hooks = hooks
+
+    @streaming
+    async def OpenSession(self, request: hook_service_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage]:
+        session = self._hooks.open_session(DeliveryLimits.from_proto(request.delivery))
+        try:
+            yield hook_service_pb2.SessionMessage(opened=hook_service_pb2.SessionOpened(session_id=session.session_id))
+            while (msg := await session.stream.get()) is not None:
+                yield msg
+        finally:
+            self._hooks.close_session(session.session_id)
+
+    @unary
+    async def RegisterHook(self, request: hook_service_pb2.RegisterHookRequest, context: grpc.aio.ServicerContext) -> hook_pb2.Hook:
+        record = await self._hooks.register(request.session_id, request.spec)
+        return record.to_proto()
+
+    @unary
+    async def DeregisterHook(self, request: hook_service_pb2.DeregisterHookRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.DeregisterHookResponse:
+        return hook_service_pb2.DeregisterHookResponse(removed=await self._hooks.deregister(request.hook_id))
+
+    @unary
+    async def ListHooks(self, request: hook_service_pb2.ListHooksRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.ListHooksResponse:
+        records = self._hooks.list(model=request.model, session_id=request.session_id)
+        return hook_service_pb2.ListHooksResponse(hooks=[r.to_proto() for r in records])
+
+    @streaming
+    async def Subscribe(self, request: hook_service_pb2.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage]:
+        sub = self._hooks.subscribe(request.hook_ids, DeliveryLimits.from_proto(request.delivery))
+        try:
+            yield hook_service_pb2.SessionMessage(subscribed=hook_service_pb2.Subscribed(hook_ids=list(sub.hook_ids)))
+            while (msg := await sub.stream.get()) is not None:
+                yield msg
+        finally:
+            self._hooks.unsubscribe(sub)

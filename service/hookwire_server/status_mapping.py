@@ -1,0 +1,77 @@
+"""Domain errors -> gRPC status, in one table; anything unexpected -> INTERNAL with an incident id."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import secrets
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import grpc
+
+from . import errors
+
+log = logging.getLogger("hookwire.rpc")
+
+STATUS_OF: dict[type[errors.HookwireServerError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def status_of(exc: errors.HookwireServerError) -> grpc.StatusCode:
+    """The status code a domain error becomes."""
+    for cls in type(exc).__mro__:
+        code = STATUS_OF.get(cls)  # type: ignore[call-overload]
+        if code is not None:
+            return code
+    return grpc.StatusCode.UNKNOWN  # pragma: no cover - every subclass is in the table
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+    if isinstance(exc, errors.HookwireServerError):
+        await context.abort(status_of(exc), str(exc))
+    incident = secrets.token_hex(6)
+    log.exception("incident %s in %s", incident, method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}); see the server log")
+
+
+def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
+    """Wraps a unary servicer method with the status mapping."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except (grpc.aio.AbortError, GeneratorExit):
+            raise
+        except Exception as exc:
+            await _abort(context, fn.__name__, exc)
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def streaming(
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]],
+) -> Callable[..., AsyncIterator[Resp]]:
+    """Wraps a server-streaming servicer method with the status mapping."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except (grpc.aio.AbortError, GeneratorExit):
+            raise
+        except Exception as exc:
+            await _abort(context, fn.__name__, exc)
+
+    return wrapper
