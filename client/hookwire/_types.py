@@ -123,6 +123,8 @@ class InferResult:
     output: Any
     #: Events of the call's own hooks, in firing order.
     events: tuple[InterceptEvent, ...]
+    #: The ids given to the call's hooks, in the order they were passed.
+    hook_ids: tuple[str, ...]
     #: With return_input_grads: per positional argument, its gradient (same structure).
     input_grads: tuple[Any, ...]
     #: With return_input_grads: per keyword argument, its gradient.
@@ -137,6 +139,7 @@ class InferResult:
             request_id=msg.request_id,
             output=decode(msg.output, where="output"),
             events=tuple(InterceptEvent.from_proto(e) for e in msg.events),
+            hook_ids=tuple(msg.hook_ids),
             input_grads=tuple(decode(v) for v in msg.input_grads),
             input_kwargs_grads={k: decode(v) for k, v in msg.input_kwargs_grads.items()},
             raw=msg,

@@ -123,6 +123,7 @@ class Inference:
         request_id = new_id("req")
         records = self._hooks.request_hooks(host, request.hooks, request_id)
         p = Pass(request_id, request.session_id)
+        p.response.hook_ids.extend(r.hook_id for r in records)
         seed = request.seed if request.HasField("seed") else None
         return await host.run(_run_pass, host, p, request, records, train, backward, seed)
 

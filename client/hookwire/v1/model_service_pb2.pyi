@@ -106,7 +106,7 @@ class Backward(_message.Message):
     def __init__(self, output_path: _Optional[str] = ..., grad: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., return_input_grads: _Optional[bool] = ...) -> None: ...
 
 class InferResponse(_message.Message):
-    __slots__ = ("request_id", "output", "events", "input_grads", "input_kwargs_grads")
+    __slots__ = ("request_id", "output", "events", "input_grads", "input_kwargs_grads", "hook_ids")
     class InputKwargsGradsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,9 +119,11 @@ class InferResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_GRADS_FIELD_NUMBER: _ClassVar[int]
     INPUT_KWARGS_GRADS_FIELD_NUMBER: _ClassVar[int]
+    HOOK_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output: _tensor_pb2.Value
     events: _containers.RepeatedCompositeFieldContainer[_hook_pb2.InterceptEvent]
     input_grads: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
     input_kwargs_grads: _containers.MessageMap[str, _tensor_pb2.Value]
-    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_hook_pb2.InterceptEvent, _Mapping]]] = ..., input_grads: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., input_kwargs_grads: _Optional[_Mapping[str, _tensor_pb2.Value]] = ...) -> None: ...
+    hook_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_hook_pb2.InterceptEvent, _Mapping]]] = ..., input_grads: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., input_kwargs_grads: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., hook_ids: _Optional[_Iterable[str]] = ...) -> None: ...
