@@ -1,0 +1,205 @@
+"""Sessions, scopes, subscriptions, lifetimes and lossless delivery."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+import torch
+
+import hookwire
+from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
+from support import collect
+
+
+async def _wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            pytest.fail("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def test_session_scope_fires_only_for_own_calls(client, other_client) -> None:
+    x = torch.randn(1, 8)
+    async with client.model("mlp").hook("fc1", posthook=hookwire.capture("output")) as hook:
+        theirs = await other_client.model("mlp").infer(x)
+        mine = await client.model("mlp").infer(x)
+        (event,) = await collect(hook, 1)
+        assert event.request_id == mine.request_id != theirs.request_id
+        assert event.seq == 1
+
+
+async def test_scope_all_fires_for_everyone(client, other_client) -> None:
+    x = torch.randn(1, 8)
+    async with client.model("mlp").hook("fc1", posthook=hookwire.capture("output"), scope="all") as hook:
+        theirs = await other_client.model("mlp").infer(x)
+        anonymous = await other_client.model("mlp").infer(x, use_session=False)
+        mine = await client.model("mlp").infer(x)
+        events = await collect(hook, 3)
+    assert [e.request_id for e in events] == [theirs.request_id, anonymous.request_id, mine.request_id]
+    assert [e.seq for e in events] == [1, 2, 3]
+
+
+async def test_request_scoped_hooks_fire_only_for_their_call(client, other_client) -> None:
+    x = torch.randn(1, 8)
+    spec = hookwire.HookSpec("fc1", posthook=hookwire.capture("output"))
+    async with other_client.model("mlp").hook("fc1", posthook=hookwire.capture(), scope="all"):
+        results = await asyncio.gather(
+            client.model("mlp").infer(x, hooks=[spec]),
+            other_client.model("mlp").infer(x),
+            client.model("mlp").infer(x, hooks=[spec, spec]),
+        )
+    assert [len(r.events) for r in results] == [1, 0, 2]
+    for r in results:
+        assert all(e.request_id == r.request_id for e in r.events)
+    assert await client.list_hooks(model="mlp") == []  # request hooks are gone with their call
+
+
+async def test_session_end_removes_its_hooks_at_once(server, other_client) -> None:
+    async with hookwire.connect(server.target) as c:
+        handle = await c.model("mlp").hook("fc*", posthook=hookwire.capture("output"))
+        session_id = c.session_id
+        assert [h.hook_id for h in await other_client.list_hooks(session_id=session_id)] == [handle.id]
+    await _wait_for(lambda: _no_hooks(other_client, session_id), timeout=1.0)
+    module = server.server.registry.get("mlp").module
+    await _wait_for(lambda: _true(not module.fc1._forward_hooks), timeout=1.0)
+    # The closed session is gone: using it is NOT_FOUND.
+    stub = hook_service_pb2_grpc.HookServiceStub(other_client._channel)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.RegisterHook(hook_service_pb2.RegisterHookRequest(
+            session_id=session_id, spec=hook_pb2.HookSpec(model="mlp", module="fc1", posthook=hook_pb2.HookAction())))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await other_client.model_stub.Infer(model_service_pb2.InferRequest(model="mlp", session_id=session_id))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def _no_hooks(client, session_id: str) -> bool:
+    return not await client.list_hooks(session_id=session_id)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_unknown_session_is_not_found(client) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await client.hook_stub.RegisterHook(hook_service_pb2.RegisterHookRequest(
+            session_id="ses_nope", spec=hook_pb2.HookSpec(model="mlp", module="fc1", posthook=hook_pb2.HookAction())))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "session" in info.value.details()
+
+
+async def test_killed_client_process_loses_its_hooks_within_a_second(server, client) -> None:
+    script = textwrap.dedent(f"""
+        import asyncio, sys, hookwire
+        async def main():
+            c = hookwire.connect({server.target!r})
+            await c.model("mlp").hook("fc2", posthook=hookwire.capture("output"), scope="all")
+            print(c.session_id, flush=True)
+            await asyncio.sleep(60)
+        asyncio.run(main())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        session_id = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+        session_id = session_id.strip()
+        assert len(await client.list_hooks(session_id=session_id)) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        await _wait_for(lambda: _no_hooks(client, session_id), timeout=1.0)
+        assert time.monotonic() - killed < 1.0
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert (await client.model("mlp").infer(torch.randn(1, 8))).output.shape == (1, 4)
+
+
+async def test_subscribe_fans_out_with_own_seq(client, other_client) -> None:
+    x = torch.randn(1, 8)
+    model = client.model("mlp")
+    handle = await model.hook("fc1", posthook=hookwire.capture("output"), scope="all")
+    await model(x)  # before the subscription: only the owner sees it
+    async with other_client.subscribe([handle.id]) as sub:
+        r1 = await other_client.model("mlp").infer(x)
+        r2 = await model.infer(x)
+        got = []
+        async for event in sub:
+            got.append(event)
+            if len(got) == 2:
+                break
+        assert [e.seq for e in got] == [1, 2]
+        assert [e.request_id for e in got] == [r1.request_id, r2.request_id]
+        owner = await collect(handle, 3)
+        assert [e.seq for e in owner] == [1, 2, 3]
+        for a, b in zip(got, owner[1:]):
+            assert torch.equal(a.output, b.output)
+    with pytest.raises(hookwire.NotFoundError):
+        async with other_client.subscribe(["hk_unknown"]):
+            pass
+    await handle.remove()
+
+
+async def test_subscription_ends_when_its_hooks_are_removed(client, other_client) -> None:
+    handle = await client.model("mlp").hook("fc1", posthook=hookwire.capture("output"))
+    async with other_client.subscribe([handle.id]) as sub:
+        await handle.remove()
+        remaining = [e async for e in sub]
+    assert remaining == []
+
+
+async def test_deregister_is_idempotent(client) -> None:
+    handle = await client.model("mlp").hook("fc1", posthook=hookwire.capture())
+    assert await client.deregister_hook(handle.id) is True
+    assert await client.deregister_hook(handle.id) is False
+    assert await client.deregister_hook("hk_never_existed") is False
+    assert await handle.remove() is False
+    assert await handle.remove() is False
+    assert [e async for e in handle.events()] == []  # ended by the removal notice
+
+
+async def test_events_end_after_removal_with_everything_before_it(client) -> None:
+    model = client.model("mlp")
+    handle = await model.hook("*", posthook=hookwire.capture("output"))
+    for _ in range(5):
+        await model(torch.randn(1, 8))
+    await handle.remove()
+    events = [e async for e in handle.events()]
+    assert len(events) == 5 * (len(handle.modules) + 1)  # the ReLU "act" runs twice per pass
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+
+
+async def test_block_delivery_waits_for_a_slow_reader_and_loses_nothing(server) -> None:
+    """A session with a 1-event buffer that nobody reads: passes wait, then all events arrive."""
+    options = [("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)]
+    async with grpc.aio.insecure_channel(server.target, options=options) as channel:
+        hooks = hook_service_pb2_grpc.HookServiceStub(channel)
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        stream = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(
+            delivery=hook_service_pb2.DeliveryOptions(max_events=1)))
+        opened = await stream.read()
+        session_id = opened.opened.session_id
+        hook = await hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="scale", module="", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))))
+        x = hookwire._codec.encode_value(torch.ones(1 << 20))  # 4 MiB per event
+        calls = [asyncio.ensure_future(models.Infer(model_service_pb2.InferRequest(
+            model="scale", session_id=session_id, args=[x]))) for _ in range(24)]
+        await asyncio.sleep(1.5)
+        assert sum(c.done() for c in calls) < len(calls), "96 MiB of events cannot all fit: passes must wait"
+        seqs = []
+        while len(seqs) < len(calls):
+            msg = await asyncio.wait_for(stream.read(), 30)
+            assert msg.WhichOneof("kind") == "event" and msg.event.hook_id == hook.hook_id
+            assert msg.event.output.tensor.data[:4] == torch.tensor([2.0]).numpy().tobytes()
+            seqs.append(msg.event.seq)
+        await asyncio.wait_for(asyncio.gather(*calls), 30)
+        assert seqs == list(range(1, len(calls) + 1))
+        stream.cancel()

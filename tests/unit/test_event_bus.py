@@ -1,0 +1,428 @@
+"""hookwire_server.event_bus: the bounded buffer between hook threads and a stream."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+
+import pytest
+
+from hookwire.v1 import hook_service_pb2
+from hookwire_server import errors, event_bus
+from hookwire_server.event_bus import DeliveryLimits, EventStream
+
+TIMEOUT = 5.0  # upper bound for anything that should happen "soon"
+SETTLE = 0.15  # how long to wait before concluding that a thread is blocked
+
+
+def event(hook_id: str, tag: str = "") -> hook_service_pb2.SessionMessage:
+    msg = hook_service_pb2.SessionMessage()
+    msg.event.hook_id = hook_id
+    msg.event.request_id = tag
+    return msg
+
+
+def notice(text: str) -> hook_service_pb2.SessionMessage:
+    msg = hook_service_pb2.SessionMessage()
+    msg.notice.kind = hook_service_pb2.NOTICE_KIND_HOOK_REMOVED
+    msg.notice.message = text
+    return msg
+
+
+def make_stream(max_events: int = event_bus.DEFAULT_MAX_EVENTS, max_bytes: int = event_bus.DEFAULT_MAX_BYTES):
+    return EventStream(asyncio.get_running_loop(), DeliveryLimits(max_events=max_events, max_bytes=max_bytes))
+
+
+class Producer(threading.Thread):
+    """A plain thread putting events, recording each put_event result as it returns."""
+
+    def __init__(self, stream: EventStream, items: list[tuple[str, int]], tag: str = "") -> None:
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.items = items
+        self.tag = tag
+        self.results: list[bool] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for i, (hook_id, nbytes) in enumerate(self.items):
+                self.results.append(self.stream.put_event(event(hook_id, f"{self.tag}{i}"), hook_id, nbytes))
+        except BaseException as exc:  # pragma: no cover - reported by the test
+            self.error = exc
+
+
+async def get(stream: EventStream):
+    return await asyncio.wait_for(stream.get(), TIMEOUT)
+
+
+async def join(thread: threading.Thread, timeout: float = TIMEOUT) -> None:
+    """Joins without blocking the loop; fails if the thread does not end in time."""
+    await asyncio.to_thread(thread.join, timeout)
+    assert not thread.is_alive(), "producer thread did not finish"
+
+
+async def wait_until(cond, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def assert_stays_blocked(producer: Producer, done: int) -> None:
+    """The producer has finished exactly ``done`` puts and is still waiting."""
+    await asyncio.sleep(SETTLE)
+    assert producer.is_alive()
+    assert len(producer.results) == done
+
+
+# --------------------------------------------------------------------------- producers and consumer
+
+
+async def test_threads_produce_while_consumer_awaits():
+    stream = make_stream(max_events=4)
+    hooks = ["h-a", "h-b", "h-c"]
+    per_thread = 200
+    # Two threads per hook, so the numbering of one hook is shared between threads.
+    producers = [Producer(stream, [(h, 10)] * per_thread, tag=f"{h}/{n}/") for h in hooks for n in range(2)]
+    for p in producers:
+        p.start()
+    seqs: dict[str, list[int]] = collections.defaultdict(list)
+    tags_seen = set()
+    for _ in range(len(producers) * per_thread):
+        msg = await get(stream)
+        assert msg is not None
+        assert msg.WhichOneof("kind") == "event"
+        seqs[msg.event.hook_id].append(msg.event.seq)
+        tags_seen.add(msg.event.request_id)
+        assert stream.occupancy()[0] <= 4
+    for p in producers:
+        await join(p)
+        assert p.error is None
+        assert p.results == [True] * per_thread
+    assert len(tags_seen) == len(producers) * per_thread  # nothing lost or duplicated
+    for h in hooks:
+        # In arrival order, contiguous from 1; each hook numbered on its own.
+        assert seqs[h] == list(range(1, 2 * per_thread + 1)), h
+    assert stream.occupancy() == (0, 0)
+
+
+async def test_seq_is_per_hook_and_contiguous_from_one():
+    stream = make_stream()
+    order = ["x", "y", "x", "z", "x", "y"]
+    for h in order:
+        assert stream.put_event(event(h), h, 0)
+    got = [await get(stream) for _ in order]
+    assert [(m.event.hook_id, m.event.seq) for m in got] == [
+        ("x", 1),
+        ("y", 1),
+        ("x", 2),
+        ("z", 1),
+        ("x", 3),
+        ("y", 2),
+    ]
+
+
+async def test_streams_number_independently():
+    a, b = make_stream(), make_stream()
+    for _ in range(3):
+        a.put_event(event("h"), "h", 0)
+    b.put_event(event("h"), "h", 0)
+    assert [(await get(a)).event.seq for _ in range(3)] == [1, 2, 3]
+    assert (await get(b)).event.seq == 1
+
+
+async def test_get_waits_for_a_producer_thread():
+    stream = make_stream()
+    waiter = asyncio.ensure_future(stream.get())
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    producer = Producer(stream, [("h", 1)])
+    producer.start()
+    msg = await asyncio.wait_for(waiter, TIMEOUT)
+    assert msg.event.hook_id == "h"
+    assert msg.event.seq == 1
+    await join(producer)
+
+
+async def test_get_after_queue_drained_waits_again():
+    stream = make_stream()
+    stream.put_event(event("h"), "h", 0)
+    assert (await get(stream)).event.seq == 1
+    waiter = asyncio.ensure_future(stream.get())
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    threading.Thread(target=stream.put_event, args=(event("h"), "h", 0), daemon=True).start()
+    assert (await asyncio.wait_for(waiter, TIMEOUT)).event.seq == 2
+
+
+# --------------------------------------------------------------------------- BLOCK
+
+
+async def test_block_policy_producer_waits_when_full_and_resumes_on_read():
+    stream = make_stream(max_events=2)
+    producer = Producer(stream, [("h", 0)] * 5)
+    producer.start()
+    await wait_until(lambda: len(producer.results) == 2)
+    await assert_stays_blocked(producer, 2)
+    assert stream.occupancy()[0] == 2
+
+    first = await get(stream)
+    assert first.event.seq == 1
+    await wait_until(lambda: len(producer.results) == 3)
+    await assert_stays_blocked(producer, 3)
+    assert stream.occupancy()[0] == 2
+
+    rest = [await get(stream) for _ in range(4)]
+    await join(producer)
+    assert producer.results == [True] * 5
+    assert [m.event.seq for m in rest] == [2, 3, 4, 5]
+    assert stream.occupancy() == (0, 0)
+
+
+async def test_block_on_bytes():
+    stream = make_stream(max_events=100, max_bytes=100)
+    producer = Producer(stream, [("h", 60), ("h", 60), ("h", 40)])
+    producer.start()
+    await wait_until(lambda: len(producer.results) == 1)
+    # 60 + 60 > 100: the second event waits.
+    await assert_stays_blocked(producer, 1)
+    assert stream.occupancy() == (1, 60)
+    assert (await get(stream)).event.seq == 1
+    # Then 60 + 40 <= 100: both fit.
+    await join(producer)
+    assert stream.occupancy() == (2, 100)
+    assert [(await get(stream)).event.seq for _ in range(2)] == [2, 3]
+    assert stream.occupancy() == (0, 0)
+
+
+async def test_event_larger_than_max_bytes_goes_through_alone():
+    stream = make_stream(max_events=100, max_bytes=100)
+    # Into an empty buffer it goes at once, without blocking.
+    producer = Producer(stream, [("big", 1000), ("small", 1)])
+    producer.start()
+    await wait_until(lambda: len(producer.results) == 1)
+    assert producer.results == [True]
+    assert stream.occupancy() == (1, 1000)
+    # Nothing else joins it while it is buffered.
+    await assert_stays_blocked(producer, 1)
+    assert (await get(stream)).event.hook_id == "big"
+    await join(producer)
+    assert (await get(stream)).event.hook_id == "small"
+
+
+async def test_big_event_waits_for_buffer_to_empty():
+    stream = make_stream(max_events=100, max_bytes=100)
+    assert stream.put_event(event("s"), "s", 10)
+    producer = Producer(stream, [("big", 500)])
+    producer.start()
+    await assert_stays_blocked(producer, 0)
+    assert (await get(stream)).event.hook_id == "s"
+    await join(producer)
+    assert producer.results == [True]
+    assert (await get(stream)).event.hook_id == "big"
+
+
+async def test_many_blocked_producers_all_resume():
+    stream = make_stream(max_events=1)
+    producers = [Producer(stream, [(f"h{i}", 0)] * 3) for i in range(4)]
+    for p in producers:
+        p.start()
+    got = [await get(stream) for _ in range(12)]
+    for p in producers:
+        await join(p)
+        assert p.results == [True] * 3
+    per_hook = collections.defaultdict(list)
+    for m in got:
+        per_hook[m.event.hook_id].append(m.event.seq)
+    assert dict(per_hook) == {f"h{i}": [1, 2, 3] for i in range(4)}
+
+
+# --------------------------------------------------------------------------- close / end
+
+
+async def test_close_releases_blocked_producer():
+    stream = make_stream(max_events=1)
+    producer = Producer(stream, [("h", 0)] * 3)
+    producer.start()
+    await wait_until(lambda: len(producer.results) == 1)
+    await assert_stays_blocked(producer, 1)
+    stream.close()
+    await join(producer)
+    assert producer.results == [True, False, False]
+    assert stream.closed
+    # Queued events are dropped; get() answers None, every time.
+    assert await get(stream) is None
+    assert await get(stream) is None
+    assert stream.occupancy() == (0, 0)
+
+
+async def test_close_from_another_thread_wakes_waiting_get():
+    stream = make_stream()
+    waiter = asyncio.ensure_future(stream.get())
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    closer = threading.Thread(target=stream.close, daemon=True)
+    closer.start()
+    assert await asyncio.wait_for(waiter, TIMEOUT) is None
+    await join(closer)
+
+
+async def test_after_close_puts_are_refused():
+    stream = make_stream()
+    stream.close()
+    stream.close()  # idempotent
+    msg = event("h")
+    assert stream.put_event(msg, "h", 10) is False
+    assert msg.event.seq == 0  # not numbered
+    stream.put_notice(notice("late"))
+    assert stream.occupancy() == (0, 0)
+    assert await get(stream) is None
+
+
+async def test_end_drains_then_returns_none():
+    stream = make_stream()
+    for _ in range(3):
+        assert stream.put_event(event("h"), "h", 5)
+    stream.put_notice(notice("bye"))
+    stream.end()
+    assert not stream.closed
+    assert stream.put_event(event("h"), "h", 5) is False
+    stream.put_notice(notice("ignored"))
+    got = [await get(stream) for _ in range(4)]
+    assert [m.event.seq for m in got[:3]] == [1, 2, 3]
+    assert got[3].notice.message == "bye"
+    assert await get(stream) is None
+    assert await get(stream) is None
+
+
+async def test_end_releases_blocked_producer():
+    stream = make_stream(max_events=1)
+    producer = Producer(stream, [("h", 0)] * 2)
+    producer.start()
+    await wait_until(lambda: len(producer.results) == 1)
+    await assert_stays_blocked(producer, 1)
+    stream.end()
+    await join(producer)
+    assert producer.results == [True, False]
+    # The event queued before end() is still delivered.
+    assert (await get(stream)).event.seq == 1
+    assert await get(stream) is None
+
+
+async def test_end_from_another_thread_wakes_waiting_get():
+    stream = make_stream()
+    waiter = asyncio.ensure_future(stream.get())
+    await asyncio.sleep(0.05)
+    threading.Thread(target=stream.end, daemon=True).start()
+    assert await asyncio.wait_for(waiter, TIMEOUT) is None
+
+
+def test_close_after_loop_closed_does_not_raise():
+    loop = asyncio.new_event_loop()
+    stream = EventStream(loop, DeliveryLimits())
+    loop.close()
+    stream.close()
+    stream.end()
+    assert stream.closed
+
+
+# --------------------------------------------------------------------------- notices
+
+
+async def test_put_notice_never_blocks():
+    stream = make_stream(max_events=1, max_bytes=1)
+    assert stream.put_event(event("h"), "h", 1)  # full on both counts
+
+    def put_notices():
+        for i in range(50):
+            stream.put_notice(notice(f"n{i}"))
+
+    t = threading.Thread(target=put_notices, daemon=True)
+    t.start()
+    await join(t)
+    assert stream.occupancy() == (51, 1)
+    first = await get(stream)
+    assert first.WhichOneof("kind") == "event"
+    got = [await get(stream) for _ in range(50)]
+    assert [m.notice.message for m in got] == [f"n{i}" for i in range(50)]
+    assert all(m.WhichOneof("kind") == "notice" for m in got)
+
+
+async def test_notice_wakes_waiting_get():
+    stream = make_stream()
+    waiter = asyncio.ensure_future(stream.get())
+    await asyncio.sleep(0.05)
+    threading.Thread(target=stream.put_notice, args=(notice("hi"),), daemon=True).start()
+    msg = await asyncio.wait_for(waiter, TIMEOUT)
+    assert msg.notice.message == "hi"
+
+
+async def test_notices_do_not_consume_seq_numbers():
+    stream = make_stream()
+    stream.put_event(event("h"), "h", 0)
+    stream.put_notice(notice("n"))
+    stream.put_event(event("h"), "h", 0)
+    got = [await get(stream) for _ in range(3)]
+    assert got[0].event.seq == 1
+    assert got[1].WhichOneof("kind") == "notice"
+    assert got[2].event.seq == 2
+
+
+# --------------------------------------------------------------------------- DeliveryLimits
+
+
+def test_limits_zero_fields_take_defaults():
+    limits = DeliveryLimits.from_proto(hook_service_pb2.DeliveryOptions())
+    assert limits == DeliveryLimits()
+    assert limits.policy == hook_service_pb2.DELIVERY_POLICY_BLOCK
+    assert limits.max_events == event_bus.DEFAULT_MAX_EVENTS
+    assert limits.max_bytes == event_bus.DEFAULT_MAX_BYTES
+
+
+def test_limits_explicit_values_kept():
+    msg = hook_service_pb2.DeliveryOptions(
+        policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=7, max_bytes=12345
+    )
+    assert DeliveryLimits.from_proto(msg) == DeliveryLimits(
+        policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=7, max_bytes=12345
+    )
+    partial = DeliveryLimits.from_proto(hook_service_pb2.DeliveryOptions(max_events=3))
+    assert partial.max_events == 3
+    assert partial.max_bytes == event_bus.DEFAULT_MAX_BYTES
+
+
+def test_limits_at_the_limit_are_accepted():
+    msg = hook_service_pb2.DeliveryOptions(
+        max_events=event_bus.LIMIT_MAX_EVENTS, max_bytes=event_bus.LIMIT_MAX_BYTES
+    )
+    limits = DeliveryLimits.from_proto(msg)
+    assert limits.max_events == event_bus.LIMIT_MAX_EVENTS
+    assert limits.max_bytes == event_bus.LIMIT_MAX_BYTES
+
+
+@pytest.mark.parametrize(
+    "fields,field_name",
+    [
+        ({"max_events": event_bus.LIMIT_MAX_EVENTS + 1}, "max_events"),
+        ({"max_events": 2**32 - 1}, "max_events"),
+        ({"max_bytes": event_bus.LIMIT_MAX_BYTES + 1}, "max_bytes"),
+        ({"max_bytes": 2**64 - 1}, "max_bytes"),
+        ({"policy": 7}, "policy"),
+    ],
+)
+def test_limits_out_of_range_raise_invalid_argument(fields, field_name):
+    with pytest.raises(errors.InvalidArgument, match=field_name):
+        DeliveryLimits.from_proto(hook_service_pb2.DeliveryOptions(**fields))
+
+
+def test_invalid_argument_is_a_server_error():
+    assert issubclass(errors.InvalidArgument, errors.HookwireServerError)
+
+
+def test_limits_are_frozen():
+    limits = DeliveryLimits()
+    with pytest.raises(Exception):
+        limits.max_events = 1  # type: ignore[misc]

@@ -1,0 +1,180 @@
+"""hookwire_server.module_patterns: globs over dotted module paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from hookwire_server import module_patterns
+from hookwire_server.module_patterns import compile_pattern, is_glob, match_paths
+
+# named_modules() of a small encoder, in its order ("" is the root module).
+PATHS = [
+    "",
+    "embed",
+    "encoder",
+    "encoder.layers",
+    "encoder.layers.0",
+    "encoder.layers.0.attn",
+    "encoder.layers.0.linear1",
+    "encoder.layers.0.linear2",
+    "encoder.layers.1",
+    "encoder.layers.1.attn",
+    "encoder.layers.1.linear1",
+    "encoder.layers.1.linear2",
+    "encoder.layers.10",
+    "encoder.layers.10.linear1",
+    "encoder.norm",
+    "head",
+]
+
+
+def test_exact_path():
+    assert match_paths("encoder.layers.0.attn", PATHS) == ["encoder.layers.0.attn"]
+    assert match_paths("head", PATHS) == ["head"]
+
+
+def test_exact_path_must_match_whole_path():
+    assert match_paths("encoder.layers.0.att", PATHS) == []
+    assert match_paths("layers.0.attn", PATHS) == []
+    assert match_paths("encoder.layers.0.attn.x", PATHS) == []
+
+
+def test_unknown_path_matches_nothing():
+    assert match_paths("decoder", PATHS) == []
+    assert match_paths("decoder.*", PATHS) == []
+    assert match_paths("anything", []) == []
+    assert match_paths("**", []) == []
+
+
+def test_root_path():
+    assert match_paths("", PATHS) == [""]
+    assert match_paths("", ["a", "b"]) == []
+    assert not is_glob("")
+
+
+def test_star_matches_within_one_segment():
+    assert match_paths("encoder.layers.*", PATHS) == [
+        "encoder.layers.0",
+        "encoder.layers.1",
+        "encoder.layers.10",
+    ]
+    assert match_paths("encoder.layers.*.linear1", PATHS) == [
+        "encoder.layers.0.linear1",
+        "encoder.layers.1.linear1",
+        "encoder.layers.10.linear1",
+    ]
+    assert match_paths("encoder.layers.0.linear*", PATHS) == [
+        "encoder.layers.0.linear1",
+        "encoder.layers.0.linear2",
+    ]
+    assert match_paths("enc*", PATHS) == ["encoder"]
+
+
+def test_star_does_not_cross_dots():
+    assert match_paths("encoder.*", PATHS) == ["encoder.layers", "encoder.norm"]
+    assert match_paths("encoder.*.attn", PATHS) == []
+    assert match_paths("*.attn", PATHS) == []
+    assert not compile_pattern("a.*").fullmatch("a.b.c")
+    assert not compile_pattern("a*c").fullmatch("a.c")
+
+
+def test_star_matches_top_level_segments():
+    top = [p for p in match_paths("*", PATHS) if p]
+    assert top == ["embed", "encoder", "head"]
+
+
+def test_double_star_crosses_segments():
+    assert match_paths("encoder.**", PATHS) == [p for p in PATHS if p.startswith("encoder.")]
+    assert match_paths("**.attn", PATHS) == ["encoder.layers.0.attn", "encoder.layers.1.attn"]
+    assert match_paths("**linear2", PATHS) == ["encoder.layers.0.linear2", "encoder.layers.1.linear2"]
+    assert match_paths("encoder.**.linear1", PATHS) == [
+        "encoder.layers.0.linear1",
+        "encoder.layers.1.linear1",
+        "encoder.layers.10.linear1",
+    ]
+
+
+def test_double_star_matches_everything():
+    assert match_paths("**", PATHS) == PATHS
+
+
+def test_question_mark_matches_one_character():
+    assert match_paths("encoder.layers.?", PATHS) == ["encoder.layers.0", "encoder.layers.1"]
+    assert match_paths("encoder.layers.??", PATHS) == ["encoder.layers.10"]
+    assert match_paths("encoder.layers.?.linear?", PATHS) == [
+        "encoder.layers.0.linear1",
+        "encoder.layers.0.linear2",
+        "encoder.layers.1.linear1",
+        "encoder.layers.1.linear2",
+    ]
+    assert match_paths("hea?", PATHS) == ["head"]
+    assert match_paths("head?", PATHS) == []
+    assert match_paths("?", PATHS) == []
+
+
+def test_mixed_wildcards():
+    assert match_paths("**.layers.1?.*", PATHS) == ["encoder.layers.10.linear1"]
+    assert match_paths("e*.**.?inear1", PATHS) == [
+        "encoder.layers.0.linear1",
+        "encoder.layers.1.linear1",
+        "encoder.layers.10.linear1",
+    ]
+
+
+@pytest.mark.parametrize(
+    "literal",
+    ["a+b", "a(b)", "a[0]", "a{1,2}", "a|b", "a^b", "a$b", "a\\b", "a.b", "x+"],
+)
+def test_regex_metacharacters_are_literal(literal):
+    decoys = {
+        "a+b": ["aab", "aaab", "ab"],
+        "a(b)": ["ab", "a(b"],
+        "a[0]": ["a0", "a[0"],
+        "a{1,2}": ["a1", "a{1", "a12"],
+        "a|b": ["a", "b"],
+        "a^b": ["ab"],
+        "a$b": ["ab", "a"],
+        "a\\b": ["ab", "a\b"],
+        "a.b": ["axb", "a-b"],
+        "x+": ["x", "xx", "xxx"],
+    }[literal]
+    paths = decoys + [literal]
+    # Exact (no wildcard) lookup.
+    assert match_paths(literal, paths) == [literal]
+    # The same characters inside a glob stay literal too.
+    assert match_paths(literal + "*", paths + [literal + "z"]) == [literal, literal + "z"]
+    assert match_paths("**" + literal, paths) == [literal]
+
+
+def test_metacharacters_around_wildcards():
+    paths = ["blocks[0].attn", "blocks[1].attn", "blocks0.attn", "blocks[0]xattn", "blocks(0).attn"]
+    assert match_paths("blocks[?].attn", paths) == ["blocks[0].attn", "blocks[1].attn"]
+    assert match_paths("blocks[*].*", paths) == ["blocks[0].attn", "blocks[1].attn"]
+
+
+def test_order_of_paths_is_preserved():
+    paths = ["z.a", "a.a", "m.a", "b.a", "a"]
+    assert match_paths("*.a", paths) == ["z.a", "a.a", "m.a", "b.a"]
+    assert match_paths("*.a", list(reversed(paths))) == ["b.a", "m.a", "a.a", "z.a"]
+    assert match_paths("**", paths) == paths
+
+
+def test_is_glob():
+    assert is_glob("a.*")
+    assert is_glob("**")
+    assert is_glob("a?")
+    assert not is_glob("encoder.layers.0")
+    assert not is_glob("a[0]+b")
+
+
+def test_compile_pattern_is_full_match_only():
+    rx = compile_pattern("a.*")
+    assert rx.fullmatch("a.b")
+    assert not rx.fullmatch("xa.b")
+    assert match_paths("layers.*", ["encoder.layers.0"]) == []
+    assert match_paths("*.layers", ["encoder.layers.0"]) == []
+
+
+def test_compile_pattern_is_cached():
+    assert compile_pattern("cache.me.*") is compile_pattern("cache.me.*")
+    assert module_patterns.compile_pattern.cache_info().maxsize is not None
