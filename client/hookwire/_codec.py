@@ -18,8 +18,10 @@ from hookwire.v1 import tensor_pb2
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
     raise ImportError("hookwire's tensor codec assumes a little-endian host")
 
-#: How deep Values may nest before decoding refuses them.
-MAX_DEPTH = 64
+#: How deep Values may nest. Each list level is two protobuf message levels and
+#: each map level three, and protobuf parsers stop at 100: deeper values could be
+#: encoded but not parsed by the receiver.
+MAX_DEPTH = 30
 
 _NUMPY_DTYPES: dict[int, np.dtype] = {
     tensor_pb2.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -228,7 +230,9 @@ def decode_tensor(msg: tensor_pb2.Tensor, *, where: str = "tensor", as_numpy: bo
         return flat.reshape(shape)
     arr = np.frombuffer(msg.data, dtype=_NUMPY_DTYPES[msg.dtype]).reshape(shape)
     if msg.dtype == tensor_pb2.DTYPE_BFLOAT16:
-        return (arr.astype(np.uint32) << 16).view(np.float32)
+        widened = arr.astype(np.uint32)
+        widened <<= 16  # in place: a 0-d array stays an array
+        return widened.view(np.float32)
     return arr.copy()
 
 

@@ -102,7 +102,7 @@ class EventStream:
         self._items.append((msg, nbytes))
         self._bytes += nbytes
         if was_empty:
-            self._loop.call_soon_threadsafe(self._ready.set)
+            self._wake()
 
     async def get(self) -> hook_service_pb2.SessionMessage | None:
         """The next message, waiting for one; None once closed (queued messages are dropped)."""

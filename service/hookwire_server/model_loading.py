@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pathlib
+import pickle
 import tomllib
 from typing import Any
 
@@ -122,7 +123,10 @@ def load_weights(model: nn.Module, path: str) -> None:
 
         state = load_file(path, device="cpu")
     else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError) as exc:
+            raise ConfigError(f"weights {path}: refused by torch.load(weights_only=True): {exc}") from None
     if not isinstance(state, dict):
         raise ConfigError(f"weights {path}: expected a state_dict, got {type(state).__name__}")
     model.load_state_dict(state, strict=True)
