@@ -420,7 +420,7 @@ class HookManager:
         return True
 
     def _remove(self, hook_id: str, *, reason: str) -> HookRecord | None:
-        """Stops a hook at once and schedules its detach; tells its subscribers."""
+        """Stops a hook at once and schedules its detach; its streams are told after that."""
         record = self._hooks.pop(hook_id, None)
         if record is None:
             return None
@@ -429,26 +429,31 @@ class HookManager:
         session = self._sessions.get(record.session_id)
         if session is not None:
             session.hook_ids.pop(hook_id, None)
-        notice = _notice(hook_service_pb2.NOTICE_KIND_HOOK_REMOVED, hook_id, f"hook {hook_id} removed: {reason}")
-        for stream in record.streams:
-            stream.put_notice(notice)
-        for sub in record.subscriptions:
-            sub.hook_ids.pop(hook_id, None)
-            if not sub.hook_ids:
-                sub.stream.end()
-        record.streams = ()
-        record.subscriptions = []
-        task = record.detaching = asyncio.ensure_future(self._detached(record))
+        task = record.detaching = asyncio.ensure_future(self._detach_and_notify(record, reason))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         log.info("hook %s removed: %s", hook_id, reason)
         return record
 
-    async def _detached(self, record: HookRecord) -> None:
+    async def _detach_and_notify(self, record: HookRecord, reason: str) -> None:
+        # The detach runs on the model's worker after the pass in flight, so every
+        # event that pass produced is queued before the removal notice: the notice
+        # really is a hook's last message on each stream.
         try:
             await record.host.run(record.detach)
         except RuntimeError:  # the model's worker has shut down: the process is exiting
             record.detach()
+        streams, subscriptions = record.streams, record.subscriptions
+        record.streams, record.subscriptions = (), []
+        notice = _notice(
+            hook_service_pb2.NOTICE_KIND_HOOK_REMOVED, record.hook_id, f"hook {record.hook_id} removed: {reason}"
+        )
+        for stream in streams:
+            stream.put_notice(notice)
+        for sub in subscriptions:
+            sub.hook_ids.pop(record.hook_id, None)
+            if not sub.hook_ids:
+                sub.stream.end()
 
     def get(self, hook_id: str) -> HookRecord:
         """A registered hook; NotFound otherwise."""

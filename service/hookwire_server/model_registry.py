@@ -27,6 +27,13 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+def _wire_dtype_or_unspecified(dtype: Any) -> int:
+    try:
+        return _codec.wire_dtype_of(dtype)
+    except _codec.CodecError:
+        return 0  # DTYPE_UNSPECIFIED: a parameter dtype the wire cannot carry (e.g. complex)
+
+
 class ModelHost:
     """One hosted model and the thread that runs it."""
 
@@ -74,7 +81,7 @@ class ModelHost:
                     info.parameters.add(
                         name=pname,
                         shape=list(param.shape),
-                        dtype=_codec.wire_dtype_of(param.dtype),
+                        dtype=_wire_dtype_or_unspecified(param.dtype),
                         requires_grad=param.requires_grad,
                     )
         return msg

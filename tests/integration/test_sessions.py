@@ -203,3 +203,41 @@ async def test_block_delivery_waits_for_a_slow_reader_and_loses_nothing(server) 
         await asyncio.wait_for(asyncio.gather(*calls), 30)
         assert seqs == list(range(1, len(calls) + 1))
         stream.cancel()
+
+
+async def test_removal_notice_is_the_hooks_last_message_under_concurrent_calls(server, other_client) -> None:
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        hooks = hook_service_pb2_grpc.HookServiceStub(channel)
+        stream = hooks.OpenSession(hook_service_pb2.OpenSessionRequest())
+        session_id = (await stream.read()).opened.session_id
+        hook = await hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="mlp", module="fc1", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]), scope=hook_pb2.SCOPE_ALL)))
+        stop = asyncio.Event()
+
+        async def traffic() -> int:
+            n = 0
+            while not stop.is_set():
+                await other_client.model("mlp")(torch.randn(1, 8))
+                n += 1
+            return n
+
+        load = asyncio.ensure_future(traffic())
+        await asyncio.sleep(0.3)
+        assert (await hooks.DeregisterHook(hook_service_pb2.DeregisterHookRequest(hook_id=hook.hook_id))).removed
+        seqs, after_notice = [], []
+        while True:
+            msg = await asyncio.wait_for(stream.read(), 10)
+            if msg.WhichOneof("kind") == "notice":
+                assert msg.notice.kind == hook_service_pb2.NOTICE_KIND_HOOK_REMOVED
+                break
+            seqs.append(msg.event.seq)
+        try:
+            while True:
+                after_notice.append(await asyncio.wait_for(stream.read(), 0.3))
+        except asyncio.TimeoutError:
+            pass
+        stop.set()
+        assert await load > 0
+        stream.cancel()
+    assert seqs and seqs == list(range(1, len(seqs) + 1))
+    assert after_notice == []

@@ -80,7 +80,8 @@ class HookServiceServicer:
     def RegisterHook(self, request, context):
         """Registers a hook owned by a session. NOT_FOUND for an unknown or ended
         session, an unknown model, or a module pattern that matches nothing;
-        INVALID_ARGUMENT for a spec with no action or a part the phase cannot see.
+        INVALID_ARGUMENT for an empty model name, a spec with no action, or a part
+        the phase cannot see.
         When it returns, the hook is attached and fires for the next pass.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
