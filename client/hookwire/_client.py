@@ -327,8 +327,12 @@ class Subscription:
         assert self._call is not None
         try:
             while (msg := await self._call.read()) is not grpc.aio.EOF:
-                if msg.WhichOneof("kind") == "event":
+                kind = msg.WhichOneof("kind")
+                if kind == "event":
                     yield InterceptEvent.from_proto(msg.event)
+                elif kind == "batch":
+                    for event in msg.batch.events:
+                        yield InterceptEvent.from_proto(event)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 raise from_rpc_error(exc) from None

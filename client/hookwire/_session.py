@@ -10,7 +10,7 @@ import grpc
 
 from ._errors import HookwireError, from_rpc_error
 from ._types import InterceptEvent, Notice
-from .v1 import hook_service_pb2
+from .v1 import hook_pb2, hook_service_pb2
 
 log = logging.getLogger("hookwire")
 
@@ -45,8 +45,10 @@ class EventRouter:
         """Dispatches one stream message."""
         kind = msg.WhichOneof("kind")
         if kind == "event":
-            if msg.event.hook_id not in self._ended:
-                self._queue(msg.event.hook_id).put_nowait(msg.event)
+            self._route_event(msg.event)
+        elif kind == "batch":
+            for event in msg.batch.events:
+                self._route_event(event)
         elif kind == "notice":
             notice = Notice.from_proto(msg.notice)
             self.notices.append(notice)
@@ -55,6 +57,10 @@ class EventRouter:
             elif notice.kind == "hook_removed" and notice.hook_id:
                 self._queue(notice.hook_id).put_nowait(_END)
                 self._ended.add(notice.hook_id)
+
+    def _route_event(self, event: hook_pb2.InterceptEvent) -> None:
+        if event.hook_id not in self._ended:
+            self._queue(event.hook_id).put_nowait(event)
 
     def end(self, error: HookwireError | None = None) -> None:
         """The stream is over: every reader stops (with ``error`` if it failed)."""

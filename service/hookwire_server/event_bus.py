@@ -14,6 +14,7 @@ import asyncio
 import collections
 import dataclasses
 import threading
+from typing import AsyncIterator, Iterator
 
 from hookwire.v1 import hook_service_pb2
 
@@ -23,6 +24,11 @@ DEFAULT_MAX_EVENTS = 1024
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 LIMIT_MAX_EVENTS = 1 << 20
 LIMIT_MAX_BYTES = 4 * 1024 * 1024 * 1024
+#: Events with at most this many tensor bytes may share a message ...
+BATCH_EVENT_MAX_BYTES = 64 * 1024
+#: ... of at most this many tensor bytes (well under clients' 4 MiB default).
+BATCH_MAX_BYTES = 1024 * 1024
+BATCH_MAX_EVENTS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,20 +111,50 @@ class EventStream:
             self._wake()
 
     async def get(self) -> hook_service_pb2.SessionMessage | None:
-        """The next message, waiting for one; None once closed (queued messages are dropped)."""
+        """The next message, waiting for one; None once closed (queued messages are
+        dropped) or ended and drained."""
+        items = await self._take(0, 1)
+        return items[0][0] if items else None
+
+    async def _take(self, max_bytes: int, max_items: int) -> list[tuple[hook_service_pb2.SessionMessage, int]]:
+        """The next item and, without waiting, those queued behind it, up to ``max_items``
+        items whose bytes stay under ``max_bytes``; [] once closed (or ended and drained)."""
         while True:
             with self._lock:
                 if self._closed:
-                    return None
+                    return []
                 if self._items:
-                    msg, nbytes = self._items.popleft()
-                    self._bytes -= nbytes
+                    out = [self._items.popleft()]
+                    budget = max_bytes - out[0][1]
+                    while self._items and len(out) < max_items and self._items[0][1] <= budget:
+                        budget -= self._items[0][1]
+                        out.append(self._items.popleft())
+                    self._bytes -= sum(nbytes for _, nbytes in out)
                     self._not_full.notify_all()
-                    return msg
+                    return out
                 if self._ending:
-                    return None
+                    return []
                 self._ready.clear()
             await self._ready.wait()
+
+    async def messages(self) -> AsyncIterator[hook_service_pb2.SessionMessage]:
+        """What to send, in order, until the stream closes or ends.
+
+        Small events that are waiting together go out as one EventBatch: gRPC's
+        cost per message, on both ends, is far above the cost of a small event.
+        """
+        while items := await self._take(BATCH_MAX_BYTES, BATCH_MAX_EVENTS):
+            run: list[hook_service_pb2.SessionMessage] = []
+            for msg, nbytes in items:
+                if msg.WhichOneof("kind") == "event" and nbytes <= BATCH_EVENT_MAX_BYTES:
+                    run.append(msg)
+                    continue
+                for out in _coalesce(run):
+                    yield out
+                run = []
+                yield msg
+            for out in _coalesce(run):
+                yield out
 
     def end(self) -> None:
         """Accepts nothing more; get() drains what is queued, then returns None. Any thread."""
@@ -148,3 +184,15 @@ class EventStream:
         """(events, bytes) buffered now."""
         with self._lock:
             return len(self._items), self._bytes
+
+
+def _coalesce(events: list[hook_service_pb2.SessionMessage]) -> Iterator[hook_service_pb2.SessionMessage]:
+    """One message for a run of event messages: the event itself, or a batch of copies."""
+    if len(events) == 1:
+        yield events[0]
+    elif events:
+        out = hook_service_pb2.SessionMessage()
+        batch = out.batch
+        for msg in events:
+            batch.events.add().CopyFrom(msg.event)
+        yield out

@@ -52,7 +52,7 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
         session = self._hooks.open_session(DeliveryLimits.from_proto(request.delivery))
         try:
             yield hook_service_pb2.SessionMessage(opened=hook_service_pb2.SessionOpened(session_id=session.session_id))
-            while (msg := await session.stream.get()) is not None:
+            async for msg in session.stream.messages():
                 yield msg
         finally:
             self._hooks.close_session(session.session_id)
@@ -76,7 +76,7 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
         sub = self._hooks.subscribe(request.hook_ids, DeliveryLimits.from_proto(request.delivery))
         try:
             yield hook_service_pb2.SessionMessage(subscribed=hook_service_pb2.Subscribed(hook_ids=list(sub.hook_ids)))
-            while (msg := await sub.stream.get()) is not None:
+            async for msg in sub.stream.messages():
                 yield msg
         finally:
             self._hooks.unsubscribe(sub)

@@ -41,16 +41,24 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, delivery: _Optional[_Union[DeliveryOptions, _Mapping]] = ...) -> None: ...
 
 class SessionMessage(_message.Message):
-    __slots__ = ("opened", "event", "notice", "subscribed")
+    __slots__ = ("opened", "event", "notice", "subscribed", "batch")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     event: _hook_pb2.InterceptEvent
     notice: Notice
     subscribed: Subscribed
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., subscribed: _Optional[_Union[Subscribed, _Mapping]] = ...) -> None: ...
+    batch: EventBatch
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., subscribed: _Optional[_Union[Subscribed, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[_hook_pb2.InterceptEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[_hook_pb2.InterceptEvent, _Mapping]]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("session_id",)
