@@ -426,3 +426,68 @@ def test_limits_are_frozen():
     limits = DeliveryLimits()
     with pytest.raises(Exception):
         limits.max_events = 1  # type: ignore[misc]
+
+
+async def _sent(stream: EventStream, n_messages: int) -> list[hook_service_pb2.SessionMessage]:
+    out = []
+    it = stream.messages()
+    for _ in range(n_messages):
+        out.append(await asyncio.wait_for(it.__anext__(), TIMEOUT))
+    return out
+
+
+async def test_waiting_small_events_go_out_as_one_batch_in_order() -> None:
+    stream = make_stream()
+    for i in range(5):
+        stream.put_event(event("h", f"r{i}"), "h", 100)
+    (msg,) = await _sent(stream, 1)
+    assert msg.WhichOneof("kind") == "batch"
+    assert [(e.request_id, e.seq) for e in msg.batch.events] == [(f"r{i}", i + 1) for i in range(5)]
+    assert stream.occupancy() == (0, 0)
+
+
+async def test_a_lone_event_is_not_wrapped_in_a_batch() -> None:
+    stream = make_stream()
+    stream.put_event(event("h"), "h", 10)
+    (msg,) = await _sent(stream, 1)
+    assert msg.WhichOneof("kind") == "event"
+
+
+async def test_large_events_and_notices_split_batches_and_keep_their_place() -> None:
+    stream = make_stream()
+    big = event_bus.BATCH_EVENT_MAX_BYTES + 1
+    stream.put_event(event("h", "a"), "h", 10)
+    stream.put_event(event("h", "b"), "h", 10)
+    stream.put_notice(notice("n"))
+    stream.put_event(event("h", "c"), "h", 10)
+    stream.put_event(event("h", "big"), "h", big)
+    stream.put_event(event("h", "d"), "h", 10)
+    msgs = await _sent(stream, 5)
+    shape = [
+        (m.WhichOneof("kind"), [e.request_id for e in m.batch.events] if m.HasField("batch") else m.event.request_id or m.notice.message)
+        for m in msgs
+    ]
+    assert shape == [("batch", ["a", "b"]), ("notice", "n"), ("event", "c"), ("event", "big"), ("event", "d")]
+
+
+async def test_batches_respect_the_byte_and_count_caps() -> None:
+    stream = make_stream(max_events=10_000)
+    n = event_bus.BATCH_MAX_EVENTS + 10
+    for _ in range(n):
+        stream.put_event(event("h"), "h", 1)
+    first, second = await _sent(stream, 2)
+    assert len(first.batch.events) == event_bus.BATCH_MAX_EVENTS
+    assert len(second.batch.events) == 10
+    per = event_bus.BATCH_EVENT_MAX_BYTES
+    for _ in range(40):
+        stream.put_event(event("h"), "h", per)
+    msg = (await _sent(stream, 1))[0]
+    assert len(msg.batch.events) * per <= event_bus.BATCH_MAX_BYTES
+    assert len(msg.batch.events) == event_bus.BATCH_MAX_BYTES // per
+
+
+async def test_messages_end_when_the_stream_ends() -> None:
+    stream = make_stream()
+    stream.put_event(event("h"), "h", 1)
+    stream.end()
+    assert [m async for m in stream.messages()][0].event.seq == 1
