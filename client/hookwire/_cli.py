@@ -22,7 +22,7 @@ def _serve(ns: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = ServerSettings()
-    models = []
+    models: list[Any] = []
     try:
         if ns.config:
             server_table, models = load_config_file(ns.config)

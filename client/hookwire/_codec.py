@@ -35,7 +35,7 @@ _NUMPY_DTYPES: dict[int, np.dtype] = {
     tensor_pb2.DTYPE_UINT8: np.dtype("u1"),
     tensor_pb2.DTYPE_BOOL: np.dtype("?"),
 }
-_NUMPY_TO_WIRE = {dt: code for code, dt in _NUMPY_DTYPES.items() if code != tensor_pb2.DTYPE_BFLOAT16}
+_NUMPY_TO_WIRE: dict[np.dtype, int] = {dt: code for code, dt in _NUMPY_DTYPES.items() if code != tensor_pb2.DTYPE_BFLOAT16}
 
 ITEMSIZE: dict[int, int] = {code: dt.itemsize for code, dt in _NUMPY_DTYPES.items()}
 
@@ -54,7 +54,7 @@ def _torch() -> Any:
 
 _torch_mod = _torch()
 if _torch_mod is not None:
-    _TORCH_TO_WIRE = {
+    _TORCH_TO_WIRE: dict[Any, int] = {
         _torch_mod.float32: tensor_pb2.DTYPE_FLOAT32,
         _torch_mod.float64: tensor_pb2.DTYPE_FLOAT64,
         _torch_mod.float16: tensor_pb2.DTYPE_FLOAT16,
@@ -82,7 +82,7 @@ def dtype_name(code: int) -> str:
 
 def wire_dtype_of(dtype: Any) -> int:
     """The DType code of a torch or numpy dtype; raises CodecError if it has none."""
-    code = _TORCH_TO_WIRE.get(dtype)
+    code: int | None = _TORCH_TO_WIRE.get(dtype)
     if code is None:
         try:
             code = _NUMPY_TO_WIRE.get(np.dtype(dtype))
@@ -103,6 +103,7 @@ def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor) -> int:
     are copied to the host first; the caller decides where that happens.
     """
     torch = _torch_mod
+    code: int | None
     if torch is not None and isinstance(tensor, torch.Tensor):
         code = _TORCH_TO_WIRE.get(tensor.dtype)
         if code is None:
@@ -122,7 +123,7 @@ def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor) -> int:
         data = arr.tobytes()
     else:
         raise CodecError(f"expected a tensor, got {type(tensor).__name__}")
-    out.dtype = code
+    out.dtype = code  # type: ignore[assignment]  # an int of the DType enum
     out.shape.extend(shape)
     out.data = data
     return len(data)

@@ -11,14 +11,14 @@ from .v1 import hook_pb2, model_service_pb2
 PartName = Literal["args", "kwargs", "output", "grad_input", "grad_output"]
 ScopeName = Literal["session", "all"]
 
-_PARTS: dict[str, int] = {
+_PARTS: dict[str, hook_pb2.Part] = {
     "args": hook_pb2.PART_ARGS,
     "kwargs": hook_pb2.PART_KWARGS,
     "output": hook_pb2.PART_OUTPUT,
     "grad_input": hook_pb2.PART_GRAD_INPUT,
     "grad_output": hook_pb2.PART_GRAD_OUTPUT,
 }
-_SCOPES: dict[str, int] = {"session": hook_pb2.SCOPE_SESSION, "all": hook_pb2.SCOPE_ALL}
+_SCOPES: dict[str, hook_pb2.Scope] = {"session": hook_pb2.SCOPE_SESSION, "all": hook_pb2.SCOPE_ALL}
 _OPTIONS: dict[str, tuple[type, frozenset[str]]] = {
     "prehook_kwargs": (hook_pb2.PreHookOptions, frozenset({"with_kwargs", "prepend"})),
     "posthook_kwargs": (hook_pb2.PostHookOptions, frozenset({"with_kwargs", "prepend", "always_call"})),

@@ -42,7 +42,7 @@ SCOPE_REQUEST = -1  # internal: InferRequest.hooks, which have no wire scope val
 class PhaseInfo:
     """What one hook phase is called and what it can see."""
 
-    phase: int
+    phase: hook_pb2.Phase
     field: str  # the HookSpec field holding its action
     options_field: str
     parts: frozenset[int]
@@ -73,8 +73,8 @@ def _part_name(part: int) -> str:
 class Action:
     """One validated hook action: the phase, the parts to capture and the torch options."""
 
-    phase: int
-    capture: tuple[int, ...]
+    phase: hook_pb2.Phase
+    capture: tuple[hook_pb2.Part, ...]
     with_kwargs: bool = False
     prepend: bool = False
     always_call: bool = False
@@ -100,7 +100,7 @@ def compile_spec(spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bo
         action_msg: hook_pb2.HookAction = getattr(spec, info.field)
         options = getattr(spec, info.options_field)
         with_kwargs = bool(getattr(options, "with_kwargs", False))
-        parts: list[int] = []
+        parts: list[hook_pb2.Part] = []
         for i, part in enumerate(action_msg.capture):
             if part not in info.parts:
                 visible = ", ".join(_part_name(p) for p in sorted(info.parts))
@@ -318,7 +318,7 @@ def _now() -> timestamp_pb2.Timestamp:
     return ts
 
 
-def _notice(kind: int, hook_id: str, message: str) -> hook_service_pb2.SessionMessage:
+def _notice(kind: hook_service_pb2.NoticeKind, hook_id: str, message: str) -> hook_service_pb2.SessionMessage:
     return hook_service_pb2.SessionMessage(
         notice=hook_service_pb2.Notice(kind=kind, hook_id=hook_id, message=message)
     )
@@ -462,7 +462,7 @@ class HookManager:
             raise NotFound(f"no hook {hook_id!r}")
         return record
 
-    def list(self, *, model: str = "", session_id: str = "") -> list[HookRecord]:
+    def list_hooks(self, *, model: str = "", session_id: str = "") -> list[HookRecord]:
         """Registered hooks, oldest first, filtered by model and owner session."""
         return [
             r for r in self._hooks.values()

@@ -68,7 +68,7 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
 
     @unary
     async def ListHooks(self, request: hook_service_pb2.ListHooksRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.ListHooksResponse:
-        records = self._hooks.list(model=request.model, session_id=request.session_id)
+        records = self._hooks.list_hooks(model=request.model, session_id=request.session_id)
         return hook_service_pb2.ListHooksResponse(hooks=[r.to_proto() for r in records])
 
     @streaming
