@@ -66,12 +66,17 @@ def streaming(
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
+        inner = fn(self, request, context)
         try:
-            async for item in fn(self, request, context):
+            async for item in inner:
                 yield item
         except (grpc.aio.AbortError, GeneratorExit):
             raise
         except Exception as exc:
             await _abort(context, fn.__name__, exc)
+        finally:
+            # Closed now, not whenever it is collected: its cleanup (ending a
+            # session and removing its hooks) must run when the stream ends.
+            await inner.aclose()  # type: ignore[attr-defined]
 
     return wrapper
