@@ -36,8 +36,9 @@ from ._errors import (
     UnavailableError,
     UnimplementedError,
 )
-from ._specs import Backward, HookAction, HookSpec, capture
-from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, ModuleInfo, Notice, ParameterInfo
+from . import rules
+from ._specs import Backward, HookAction, HookSpec, capture, edit
+from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, ModuleInfo, Notice, ParameterInfo, SlotInfo
 
 __version__ = "0.1.0"
 
@@ -69,10 +70,13 @@ __all__ = [
     "RemoteModel",
     "ResourceExhaustedError",
     "Session",
+    "SlotInfo",
     "Subscription",
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
     "capture",
     "connect",
+    "edit",
+    "rules",
 ]

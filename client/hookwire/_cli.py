@@ -26,7 +26,7 @@ def _serve(ns: argparse.Namespace) -> int:
     try:
         if ns.config:
             server_table, models = load_config_file(ns.config)
-            for key in ("host", "port", "max_message_bytes", "grace"):
+            for key in ("host", "port", "max_message_bytes", "grace", "allow_shared_rules", "max_slot_bytes"):
                 if key in server_table:
                     setattr(settings, key, type(getattr(settings, key))(server_table[key]))
         models += [parse_model_flag(text) for text in ns.model]
@@ -40,6 +40,8 @@ def _serve(ns: argparse.Namespace) -> int:
         settings.host = ns.host
     if ns.port is not None:
         settings.port = ns.port
+    if ns.allow_shared_rules:
+        settings.allow_shared_rules = True
 
     def ready(server: Any) -> None:
         names = ", ".join(h.name for h in registry)
@@ -82,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="host the nn.Module a factory returns (repeatable)")
     serve.add_argument("--config", help="a TOML config file with [server] settings and [[models]]")
     serve.add_argument("--demo", action="store_true", help="also host the demo models when --model/--config are given")
+    serve.add_argument("--allow-shared-rules", action="store_true",
+                       help="allow rules that change values on SCOPE_ALL/SCOPE_TAGGED hooks (other callers' results)")
 
     models = sub.add_parser("models", help="list the hosted models")
     models.add_argument("--target", default=target_default, help=f"server host:port (default {target_default}; env HOOKWIRE_TARGET)")

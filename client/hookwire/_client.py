@@ -12,8 +12,8 @@ import grpc
 from . import _codec
 from ._errors import from_rpc_error
 from ._session import EventRouter, pump
-from ._specs import Backward, HookAction, HookSpec, ScopeName
-from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo
+from ._specs import ActionLike, Backward, HookSpec, OnErrorName, ScopeName
+from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, SlotInfo
 from .v1 import (
     hook_service_pb2,
     hook_service_pb2_grpc,
@@ -164,6 +164,23 @@ class Client:
         """Removes any hook by id; False when it was unknown or already removed."""
         reply = await self._unary(self.hook_stub.DeregisterHook, hook_service_pb2.DeregisterHookRequest(hook_id=hook_id))
         return bool(reply.removed)
+
+    async def get_slot(self, name: str) -> Any:
+        """The tensor a ``save`` rule kept in slot ``name`` of this client's session.
+
+        NotFoundError when the slot is empty (or no session is open).
+        """
+        reply = await self._unary(
+            self.hook_stub.GetSlot, hook_service_pb2.GetSlotRequest(session_id=self.session_id, name=name)
+        )
+        return _codec.decode_tensor(reply.tensor, where=f"slot {name!r}")
+
+    async def list_slots(self) -> list[SlotInfo]:
+        """The slots of this client's session (names, dtypes, shapes, sizes)."""
+        reply = await self._unary(
+            self.hook_stub.ListSlots, hook_service_pb2.ListSlotsRequest(session_id=self.session_id)
+        )
+        return [SlotInfo.from_proto(s) for s in reply.slots]
 
     def subscribe(self, hook_ids: Iterable[str], *, max_events: int = 0, max_bytes: int = 0) -> Subscription:
         """A further stream of the events of existing hooks (fan-out).
@@ -361,6 +378,7 @@ class RemoteModel:
         backward: Backward | None = None,
         mode: str = "eval",
         seed: int | None = None,
+        tags: Sequence[str] = (),
         use_session: bool = True,
         kwargs: Mapping[str, Any] | None = None,
         **model_kwargs: Any,
@@ -369,7 +387,7 @@ class RemoteModel:
 
         ``hooks`` fire for this call only, and their events come back in the
         result. ``mode`` is "eval" or "train"; ``seed`` makes train-mode dropout
-        reproducible. Keyword arguments for the model go in ``**model_kwargs``, or in
+        reproducible; ``tags`` select SCOPE_TAGGED hooks. Keyword arguments for the model go in ``**model_kwargs``, or in
         ``kwargs=`` when a name clashes with this method's. Waits for the result;
         raises InvalidArgumentError (bad input, or the model raised: the message
         names the module), NotFoundError, FailedPreconditionError (train mode
@@ -390,6 +408,7 @@ class RemoteModel:
             request.backward.CopyFrom(backward.to_proto())
         if seed is not None:
             request.seed = seed
+        request.tags.extend(tags)
         reply = await self._client._unary(self._client.model_stub.Infer, request)
         return InferResult.from_proto(reply)
 
@@ -397,10 +416,10 @@ class RemoteModel:
         self,
         module: str,
         *,
-        prehook: HookAction | None = None,
-        posthook: HookAction | None = None,
-        backward_prehook: HookAction | None = None,
-        backward_hook: HookAction | None = None,
+        prehook: ActionLike = None,
+        posthook: ActionLike = None,
+        backward_prehook: ActionLike = None,
+        backward_hook: ActionLike = None,
         prehook_kwargs: Mapping[str, bool] | None = None,
         posthook_kwargs: Mapping[str, bool] | None = None,
         backward_prehook_kwargs: Mapping[str, bool] | None = None,
@@ -408,17 +427,22 @@ class RemoteModel:
         train_update: bool = True,
         eval_update: bool = True,
         scope: ScopeName = "session",
+        tags: Sequence[str] = (),
+        on_error: OnErrorName = "default",
     ) -> PendingHook:
         """A hook on the modules ``module`` names, in the client's session.
 
         ``await model.hook(...)`` registers it and returns a HookHandle;
         ``async with model.hook(...) as h:`` also removes it on exit. Scope
-        "session" fires for this client's calls only; "all" for every caller's.
+        "session" fires for this client's calls only; "all" for every caller's;
+        "tagged" for calls carrying one of ``tags``. An action is a HookAction
+        (``hookwire.capture(...)``, ``hookwire.edit(...)``), a rule, or a list of rules.
         """
         spec = HookSpec(
             module=module, prehook=prehook, posthook=posthook, backward_prehook=backward_prehook,
             backward_hook=backward_hook, prehook_kwargs=prehook_kwargs, posthook_kwargs=posthook_kwargs,
             backward_prehook_kwargs=backward_prehook_kwargs, backward_hook_kwargs=backward_hook_kwargs,
             train_update=train_update, eval_update=eval_update, scope=scope, model=self.name,
+            tags=tuple(tags), on_error=on_error,
         )
         return PendingHook(self._client, spec, self.name)

@@ -8,7 +8,7 @@ unpickles or evaluates anything: a Tensor is dtype + shape + raw bytes.
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import numpy as np
 from google.protobuf import struct_pb2
@@ -80,7 +80,7 @@ def dtype_name(code: int) -> str:
         return f"unknown dtype {code}"
 
 
-def wire_dtype_of(dtype: Any) -> int:
+def wire_dtype_of(dtype: Any) -> tensor_pb2.DType:
     """The DType code of a torch or numpy dtype; raises CodecError if it has none."""
     code: int | None = _TORCH_TO_WIRE.get(dtype)
     if code is None:
@@ -90,7 +90,7 @@ def wire_dtype_of(dtype: Any) -> int:
             code = None
     if code is None:
         raise CodecError(f"dtype {dtype} has no wire form")
-    return code
+    return cast("tensor_pb2.DType", code)
 
 
 # --------------------------------------------------------------------------- encode

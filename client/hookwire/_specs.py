@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence, Union
 
 from . import _codec
-from .v1 import hook_pb2, model_service_pb2
+from .rules import Rule
+from .v1 import hook_pb2, model_service_pb2, rule_pb2
 
 PartName = Literal["args", "kwargs", "output", "grad_input", "grad_output"]
-ScopeName = Literal["session", "all"]
+ScopeName = Literal["session", "all", "tagged"]
+OnErrorName = Literal["default", "fail_call", "disable_hook"]
 
 _PARTS: dict[str, hook_pb2.Part] = {
     "args": hook_pb2.PART_ARGS,
@@ -18,7 +20,14 @@ _PARTS: dict[str, hook_pb2.Part] = {
     "grad_input": hook_pb2.PART_GRAD_INPUT,
     "grad_output": hook_pb2.PART_GRAD_OUTPUT,
 }
-_SCOPES: dict[str, hook_pb2.Scope] = {"session": hook_pb2.SCOPE_SESSION, "all": hook_pb2.SCOPE_ALL}
+_SCOPES: dict[str, hook_pb2.Scope] = {
+    "session": hook_pb2.SCOPE_SESSION, "all": hook_pb2.SCOPE_ALL, "tagged": hook_pb2.SCOPE_TAGGED,
+}
+_ON_ERROR: dict[str, rule_pb2.OnError] = {
+    "default": rule_pb2.ON_ERROR_UNSPECIFIED,
+    "fail_call": rule_pb2.ON_ERROR_FAIL_CALL,
+    "disable_hook": rule_pb2.ON_ERROR_DISABLE_HOOK,
+}
 _OPTIONS: dict[str, tuple[type, frozenset[str]]] = {
     "prehook_kwargs": (hook_pb2.PreHookOptions, frozenset({"with_kwargs", "prepend"})),
     "posthook_kwargs": (hook_pb2.PostHookOptions, frozenset({"with_kwargs", "prepend", "always_call"})),
@@ -29,16 +38,24 @@ _OPTIONS: dict[str, tuple[type, frozenset[str]]] = {
 
 @dataclasses.dataclass(frozen=True)
 class HookAction:
-    """What a hook does when it fires: the parts it sends back (possibly none)."""
+    """What a hook does when it fires: rules applied in order, then the parts it sends
+    back (as the rules left them, or as it received them with ``capture_before_rules``)."""
 
     capture: tuple[PartName, ...] = ()
+    rules: tuple[Rule, ...] = ()
+    capture_before_rules: bool = False
 
     def to_proto(self) -> hook_pb2.HookAction:
         """The wire form; ValueError for an unknown part name."""
         try:
-            return hook_pb2.HookAction(capture=[_PARTS[p] for p in self.capture])
+            msg = hook_pb2.HookAction(capture=[_PARTS[p] for p in self.capture])
         except KeyError as exc:
             raise ValueError(f"unknown part {exc.args[0]!r}; parts are {sorted(_PARTS)}") from None
+        for rule in self.rules:
+            msg.rules.append(rule.to_proto())
+        if self.capture_before_rules:
+            msg.capture_stage = rule_pb2.CAPTURE_STAGE_BEFORE_RULES
+        return msg
 
 
 def capture(*parts: PartName) -> HookAction:
@@ -51,6 +68,24 @@ def capture(*parts: PartName) -> HookAction:
     return action
 
 
+def edit(*rules: Rule, capture: tuple[PartName, ...] = (), capture_before_rules: bool = False) -> HookAction:
+    """A hook action that applies ``rules`` in order and optionally captures parts."""
+    action = HookAction(tuple(capture), tuple(rules), capture_before_rules)
+    action.to_proto()
+    return action
+
+
+ActionLike = Union[HookAction, Rule, Sequence[Rule], None]
+
+
+def as_action(value: ActionLike) -> HookAction | None:
+    """A HookAction from an action, a rule, or a sequence of rules."""
+    if value is None or isinstance(value, HookAction):
+        return value
+    if isinstance(value, Rule):
+        return HookAction(rules=(value,))
+    return HookAction(rules=tuple(value))
+
 @dataclasses.dataclass(frozen=True)
 class HookSpec:
     """A hook on the modules ``module`` names (a path or a glob: ``*``, ``**``, ``?``).
@@ -61,10 +96,10 @@ class HookSpec:
     """
 
     module: str
-    prehook: HookAction | None = None
-    posthook: HookAction | None = None
-    backward_prehook: HookAction | None = None
-    backward_hook: HookAction | None = None
+    prehook: ActionLike = None
+    posthook: ActionLike = None
+    backward_prehook: ActionLike = None
+    backward_hook: ActionLike = None
     prehook_kwargs: Mapping[str, bool] | None = None
     posthook_kwargs: Mapping[str, bool] | None = None
     backward_prehook_kwargs: Mapping[str, bool] | None = None
@@ -73,6 +108,10 @@ class HookSpec:
     eval_update: bool = True
     scope: ScopeName = "session"
     model: str = ""
+    #: For scope "tagged": the InferRequest tags it fires for.
+    tags: tuple[str, ...] = ()
+    #: What a rule failing at run time does: "fail_call", "disable_hook", or the scope's default.
+    on_error: OnErrorName = "default"
 
     def to_proto(self, model: str = "") -> hook_pb2.HookSpec:
         """The wire form; ValueError / TypeError for unknown names or options."""
@@ -83,8 +122,12 @@ class HookSpec:
         if self.scope not in _SCOPES:
             raise ValueError(f"scope must be one of {sorted(_SCOPES)}, not {self.scope!r}")
         msg.scope = _SCOPES[self.scope]
+        msg.tags.extend(self.tags)
+        if self.on_error not in _ON_ERROR:
+            raise ValueError(f"on_error must be one of {sorted(_ON_ERROR)}, not {self.on_error!r}")
+        msg.on_error = _ON_ERROR[self.on_error]
         for name in ("prehook", "posthook", "backward_prehook", "backward_hook"):
-            action = getattr(self, name)
+            action = as_action(getattr(self, name))
             if action is not None:
                 getattr(msg, name).CopyFrom(action.to_proto())
         for name, (cls, allowed) in _OPTIONS.items():

@@ -155,17 +155,36 @@ class HookInfo:
     module_pattern: str
     modules: tuple[str, ...]
     session_id: str
+    #: Why a failing rule disabled the hook; "" while it is active.
+    disabled_reason: str
     raw: hook_pb2.Hook = dataclasses.field(repr=False, compare=False)
 
     @classmethod
     def from_proto(cls, msg: hook_pb2.Hook) -> HookInfo:
         """Builds it from the wire message."""
-        return cls(msg.hook_id, msg.spec.model, msg.spec.module, tuple(msg.modules), msg.session_id, msg)
+        return cls(
+            msg.hook_id, msg.spec.model, msg.spec.module, tuple(msg.modules), msg.session_id, msg.disabled_reason, msg
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotInfo:
+    """A slot of a session: a tensor kept on the server by a ``save`` rule."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @classmethod
+    def from_proto(cls, msg: hook_service_pb2.Slot) -> SlotInfo:
+        """Builds it from the wire message."""
+        return cls(msg.name, _codec.dtype_name(msg.dtype).removeprefix("DTYPE_").lower(), tuple(msg.shape), msg.nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
 class Notice:
-    """An out-of-band message on a stream: ``kind`` is "hook_removed" or "capture_failed"."""
+    """An out-of-band message on a stream: ``kind`` is "hook_removed", "capture_failed" or "hook_disabled"."""
 
     kind: str
     hook_id: str

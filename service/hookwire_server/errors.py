@@ -19,6 +19,10 @@ class FailedPrecondition(HookwireServerError):
     """The request is well-formed but not allowed in the current state."""
 
 
+class PermissionDenied(HookwireServerError):
+    """The caller may not do this (e.g. rules on other callers' traffic, not allowed here)."""
+
+
 class ResourceExhausted(HookwireServerError):
     """The request needs more memory or capacity than is available."""
 

@@ -24,11 +24,13 @@ from google.protobuf import timestamp_pb2
 from torch.utils.hooks import RemovableHandle
 
 from hookwire import _codec
-from hookwire.v1 import hook_pb2, hook_service_pb2
+from hookwire.v1 import hook_pb2, hook_service_pb2, rule_pb2
 
-from .errors import InvalidArgument, NotFound, Unimplemented
+from .errors import InvalidArgument, NotFound, PermissionDenied, Unimplemented
 from .event_bus import DeliveryLimits, EventStream
 from .model_registry import ModelHost, ModelRegistry
+from .rules import CompiledRule, RuleFailure, apply_rules, compile_rules
+from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
 
 if TYPE_CHECKING:
     from .inference import Pass
@@ -78,6 +80,18 @@ class Action:
     with_kwargs: bool = False
     prepend: bool = False
     always_call: bool = False
+    rules: tuple[CompiledRule, ...] = ()
+    capture_before_rules: bool = False
+
+    @property
+    def modifies(self) -> bool:
+        """Whether a rule changes values (save only reads)."""
+        return any(rule.modifies for rule in self.rules)
+
+    @property
+    def uses_slots(self) -> bool:
+        """Whether a rule saves or patches."""
+        return any(rule.kind in ("save", "patch") for rule in self.rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +103,19 @@ class CompiledSpec:
     train_update: bool
     eval_update: bool
     scope: int
+    tags: frozenset[str]
+    fail_call_on_error: bool
+
+    @property
+    def uses_slots(self) -> bool:
+        """Whether a rule saves or patches (it then needs a session)."""
+        return any(action.uses_slots for action in self.actions)
 
 
-def compile_spec(spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bool) -> CompiledSpec:
-    """Validates ``spec`` for ``host``; raises InvalidArgument or NotFound naming the field."""
+def compile_spec(
+    spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bool, allow_shared_rules: bool = False
+) -> CompiledSpec:
+    """Validates ``spec`` for ``host``; raises InvalidArgument, NotFound or PermissionDenied naming the field."""
     actions: list[Action] = []
     for info in PHASES:
         if not spec.HasField(info.field):  # type: ignore[arg-type]
@@ -114,6 +137,8 @@ def compile_spec(spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bo
                 )
             if part not in parts:
                 parts.append(part)
+        if action_msg.capture_stage not in rule_pb2.CaptureStage.values():
+            raise InvalidArgument(f"{info.field}.capture_stage: unknown stage {action_msg.capture_stage}")
         actions.append(
             Action(
                 phase=info.phase,
@@ -121,6 +146,11 @@ def compile_spec(spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bo
                 with_kwargs=with_kwargs,
                 prepend=bool(options.prepend),
                 always_call=bool(getattr(options, "always_call", False)),
+                rules=compile_rules(
+                    action_msg.rules, phase=info.phase, phase_field=info.field, with_kwargs=with_kwargs,
+                    device=host.device,
+                ),
+                capture_before_rules=action_msg.capture_stage == rule_pb2.CAPTURE_STAGE_BEFORE_RULES,
             )
         )
     if not actions:
@@ -130,11 +160,31 @@ def compile_spec(spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bo
     if spec.scope not in hook_pb2.Scope.values():
         raise InvalidArgument(f"scope: unknown scope {spec.scope}")
     if request_scoped:
-        if spec.scope == hook_pb2.SCOPE_ALL:
-            raise InvalidArgument("scope: hooks in InferRequest.hooks fire for that call only; SCOPE_ALL needs RegisterHook")
+        if spec.scope not in (hook_pb2.SCOPE_UNSPECIFIED, hook_pb2.SCOPE_SESSION):
+            raise InvalidArgument(
+                f"scope: hooks in InferRequest.hooks fire for that call only; {hook_pb2.Scope.Name(spec.scope)} needs RegisterHook"
+            )
         scope = SCOPE_REQUEST
     else:
-        scope = hook_pb2.SCOPE_ALL if spec.scope == hook_pb2.SCOPE_ALL else hook_pb2.SCOPE_SESSION
+        scope = spec.scope or hook_pb2.SCOPE_SESSION
+    tags = frozenset(spec.tags)
+    if scope == hook_pb2.SCOPE_TAGGED and not tags:
+        raise InvalidArgument("tags: a SCOPE_TAGGED hook needs at least one tag")
+    if tags and scope != hook_pb2.SCOPE_TAGGED:
+        raise InvalidArgument("tags: only SCOPE_TAGGED hooks have tags")
+    if "" in tags:
+        raise InvalidArgument("tags: a tag cannot be empty")
+    shared = scope in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED)
+    if shared and not allow_shared_rules and any(a.modifies for a in actions):
+        raise PermissionDenied(
+            f"rules on a {hook_pb2.Scope.Name(scope)} hook change other callers' results; this server does not "
+            "allow them (start it with --allow-shared-rules)"
+        )
+    if spec.on_error not in rule_pb2.OnError.values():
+        raise InvalidArgument(f"on_error: unknown policy {spec.on_error}")
+    fail_call = spec.on_error == rule_pb2.ON_ERROR_FAIL_CALL or (
+        spec.on_error == rule_pb2.ON_ERROR_UNSPECIFIED and not shared
+    )
     modules = tuple(host.resolve(spec.module))
     return CompiledSpec(
         modules=modules,
@@ -142,6 +192,8 @@ def compile_spec(spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bo
         train_update=spec.train_update if spec.HasField("train_update") else True,
         eval_update=spec.eval_update if spec.HasField("eval_update") else True,
         scope=scope,
+        tags=tags,
+        fail_call_on_error=fail_call,
     )
 
 
@@ -150,7 +202,7 @@ class HookRecord:
 
     def __init__(
         self, hook_id: str, host: ModelHost, spec: hook_pb2.HookSpec, compiled: CompiledSpec,
-        *, session_id: str = "", request_id: str = "",
+        *, session_id: str = "", request_id: str = "", slots: SlotStore | None = None,
     ) -> None:
         self.hook_id = hook_id
         self.host = host
@@ -161,8 +213,12 @@ class HookRecord:
         #: Where events go; replaced, never mutated, so hook threads read it without a lock.
         self.streams: tuple[EventStream, ...] = ()
         self.subscriptions: list[Subscription] = []
+        #: Where save/patch rules keep tensors: the owner's (or the request's) session.
+        self.slots = slots
         self.active = False
         self.removed = False
+        #: Set (once) when a failing rule disabled the hook.
+        self.disabled_reason = ""
         self.fire_count = 0
         #: The background detach, once removed.
         self.detaching: asyncio.Future[None] | None = None
@@ -187,22 +243,42 @@ class HookRecord:
         for handle in handles:
             handle.remove()
 
-    def _make_hook(self, action: Action, path: str) -> Callable[..., None]:
+    def _make_hook(self, action: Action, path: str) -> Callable[..., Any]:
+        """The torch hook: its signature and return value are torch's for the phase."""
         fire = self._fire
         phase = action.phase
         if phase == hook_pb2.PHASE_FORWARD_PRE:
             if action.with_kwargs:
-                return lambda module, args, kwargs: fire(action, path, module, args=args, kwargs=kwargs)
-            return lambda module, args: fire(action, path, module, args=args)
+                def pre_kw(module: Any, args: Any, kwargs: Any) -> Any:
+                    new = fire(action, path, module, {"args": args, "kwargs": kwargs})
+                    return None if new is None else (new["args"], new["kwargs"])
+                return pre_kw
+
+            def pre(module: Any, args: Any) -> Any:
+                new = fire(action, path, module, {"args": args})
+                return None if new is None else new["args"]
+            return pre
         if phase == hook_pb2.PHASE_FORWARD:
             if action.with_kwargs:
-                return lambda module, args, kwargs, output: fire(action, path, module, args=args, kwargs=kwargs, output=output)
-            return lambda module, args, output: fire(action, path, module, args=args, output=output)
+                def post_kw(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+                    new = fire(action, path, module, {"args": args, "kwargs": kwargs, "output": output})
+                    return None if new is None else new["output"]
+                return post_kw
+
+            def post(module: Any, args: Any, output: Any) -> Any:
+                new = fire(action, path, module, {"args": args, "output": output})
+                return None if new is None else new["output"]
+            return post
         if phase == hook_pb2.PHASE_BACKWARD_PRE:
-            return lambda module, grad_output: fire(action, path, module, grad_output=grad_output)
-        return lambda module, grad_input, grad_output: fire(
-            action, path, module, grad_input=grad_input, grad_output=grad_output
-        )
+            def backward_pre(module: Any, grad_output: Any) -> Any:
+                new = fire(action, path, module, {"grad_output": grad_output})
+                return None if new is None else new["grad_output"]
+            return backward_pre
+
+        def backward(module: Any, grad_input: Any, grad_output: Any) -> Any:
+            new = fire(action, path, module, {"grad_input": grad_input, "grad_output": grad_output})
+            return None if new is None else new["grad_input"]
+        return backward
 
     def _applies_to(self, p: Pass) -> bool:
         scope = self.compiled.scope
@@ -210,20 +286,54 @@ class HookRecord:
             return True
         if scope == SCOPE_REQUEST:
             return p.request_id == self.request_id
+        if scope == hook_pb2.SCOPE_TAGGED:
+            return not self.compiled.tags.isdisjoint(p.tags)
         return bool(self.session_id) and p.session_id == self.session_id
 
-    def _fire(self, action: Action, path: str, module: Any, **parts: Any) -> None:
-        """The body of every torch hook: scope, call index, gating, capture, delivery."""
+    def _fire(self, action: Action, path: str, module: Any, parts: dict[str, Any]) -> dict[str, Any] | None:
+        """The body of every torch hook: scope, call index, gating, rules, capture, delivery.
+
+        Returns the parts as the rules left them when a rule changed something, else None.
+        """
         p = self.host.current_pass
         if p is None or not self.active or not self._applies_to(p):
-            return
+            return None
         call_index = p.next_call_index(self.hook_id, path, action.phase)
         training = module.training
         if not (self.compiled.train_update if training else self.compiled.eval_update):
-            return
+            return None
         self.fire_count += 1
-        if not action.capture:
-            return
+        if not action.rules:
+            if action.capture:
+                self._capture(action, path, p, call_index, training, parts)
+            return None
+        if action.capture and action.capture_before_rules:
+            self._capture(action, path, p, call_index, training, parts)
+        try:
+            new_parts, changed = apply_rules(
+                action.rules, parts, self.slots, f"hook {self.hook_id} on module {path!r} of {self.host.name!r}"
+            )
+        except RuleFailure as failure:
+            if self.compiled.fail_call_on_error:
+                raise failure.error from None  # through forward/backward: the Infer call fails
+            self._disable(str(failure.error))
+            return None  # the failing firing changes nothing
+        if action.capture and not action.capture_before_rules:
+            self._capture(action, path, p, call_index, training, new_parts)
+        return new_parts if changed else None
+
+    def _disable(self, reason: str) -> None:
+        """Stops the hook for good (it stays listed) and tells its streams. Worker thread."""
+        self.active = False
+        self.disabled_reason = reason
+        log.warning("hook %s disabled: %s", self.hook_id, reason)
+        notice = _notice(hook_service_pb2.NOTICE_KIND_HOOK_DISABLED, self.hook_id, f"hook disabled: {reason}")
+        for stream in self.streams:
+            stream.put_notice(notice)
+
+    def _capture(
+        self, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any]
+    ) -> None:
         if self.compiled.scope == SCOPE_REQUEST:
             # The request's own hook: a capture failure fails the request (raised through forward).
             event = p.response.events.add()
@@ -289,7 +399,8 @@ class HookRecord:
     def to_proto(self) -> hook_pb2.Hook:
         """The wire description of this hook."""
         return hook_pb2.Hook(
-            hook_id=self.hook_id, spec=self.spec, modules=list(self.compiled.modules), session_id=self.session_id
+            hook_id=self.hook_id, spec=self.spec, modules=list(self.compiled.modules), session_id=self.session_id,
+            disabled=bool(self.disabled_reason), disabled_reason=self.disabled_reason,
         )
 
 
@@ -327,9 +438,10 @@ def _notice(kind: hook_service_pb2.NoticeKind, hook_id: str, message: str) -> ho
 class Session:
     """A client's session: its stream and the hooks it owns."""
 
-    def __init__(self, session_id: str, stream: EventStream) -> None:
+    def __init__(self, session_id: str, stream: EventStream, max_slot_bytes: int = DEFAULT_MAX_SLOT_BYTES) -> None:
         self.session_id = session_id
         self.stream = stream
+        self.slots = SlotStore(max_slot_bytes)
         self.hook_ids: dict[str, None] = {}  # ordered set
         self.closed = False
 
@@ -350,8 +462,12 @@ def new_id(prefix: str) -> str:
 class HookManager:
     """Sessions, registered hooks and subscriptions. Lives on the event loop."""
 
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(
+        self, registry: ModelRegistry, *, allow_shared_rules: bool = False, max_slot_bytes: int = DEFAULT_MAX_SLOT_BYTES
+    ) -> None:
         self._registry = registry
+        self.allow_shared_rules = allow_shared_rules
+        self.max_slot_bytes = max_slot_bytes
         self._hooks: dict[str, HookRecord] = {}
         self._sessions: dict[str, Session] = {}
         self._background: set[asyncio.Future[None]] = set()
@@ -360,7 +476,7 @@ class HookManager:
 
     def open_session(self, limits: DeliveryLimits) -> Session:
         """A new session with its own event stream."""
-        session = Session(new_id("ses"), EventStream(asyncio.get_running_loop(), limits))
+        session = Session(new_id("ses"), EventStream(asyncio.get_running_loop(), limits), self.max_slot_bytes)
         self._sessions[session.session_id] = session
         log.info("session %s opened", session.session_id)
         return session
@@ -379,6 +495,7 @@ class HookManager:
             return
         session.closed = True
         session.stream.close()
+        session.slots.clear()
         for hook_id in list(session.hook_ids):
             self._remove(hook_id, reason=f"session {session_id} ended")
         log.info("session %s closed", session_id)
@@ -394,8 +511,8 @@ class HookManager:
         """Registers and attaches a hook; returns once it fires for the next pass."""
         session = self.require_session(session_id)
         host = self._registry.get(spec.model)
-        compiled = compile_spec(spec, host, request_scoped=False)
-        record = HookRecord(new_id("hk"), host, spec, compiled, session_id=session_id)
+        compiled = compile_spec(spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules)
+        record = HookRecord(new_id("hk"), host, spec, compiled, session_id=session_id, slots=session.slots)
         record.streams = (session.stream,)
         # Known before the attach completes, so that a session ending meanwhile removes it.
         self._hooks[record.hook_id] = record
@@ -474,7 +591,9 @@ class HookManager:
         """Registered hooks."""
         return len(self._hooks)
 
-    def request_hooks(self, host: ModelHost, specs: Iterable[hook_pb2.HookSpec], request_id: str) -> list[HookRecord]:
+    def request_hooks(
+        self, host: ModelHost, specs: Iterable[hook_pb2.HookSpec], request_id: str, session: Session | None
+    ) -> list[HookRecord]:
         """Compiles InferRequest.hooks; the pass attaches and detaches them on the worker."""
         records = []
         for i, spec in enumerate(specs):
@@ -484,8 +603,19 @@ class HookManager:
                 compiled = compile_spec(spec, host, request_scoped=True)
             except (InvalidArgument, NotFound) as exc:
                 raise type(exc)(f"hooks[{i}]: {exc}") from None
-            records.append(HookRecord(new_id("hk"), host, spec, compiled, request_id=request_id))
+            if compiled.uses_slots and session is None:
+                raise InvalidArgument(f"hooks[{i}]: save and patch rules keep slots in a session: set session_id")
+            records.append(HookRecord(
+                new_id("hk"), host, spec, compiled, request_id=request_id,
+                slots=session.slots if session is not None else None,
+            ))
         return records
+
+    # ---------------------------------------------------------------- slots
+
+    def slots(self, session_id: str) -> SlotStore:
+        """The slots of an open session; NotFound otherwise."""
+        return self.require_session(session_id).slots
 
     # ---------------------------------------------------------------- subscriptions
 

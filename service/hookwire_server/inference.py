@@ -29,9 +29,10 @@ log = logging.getLogger("hookwire.infer")
 class Pass:
     """The state of one running pass, read by the hooks that fire in it."""
 
-    def __init__(self, request_id: str, session_id: str) -> None:
+    def __init__(self, request_id: str, session_id: str, tags: frozenset[str] = frozenset()) -> None:
         self.request_id = request_id
         self.session_id = session_id
+        self.tags = tags
         self.response = model_service_pb2.InferResponse(request_id=request_id)
         self._calls: dict[tuple[str, str, int], int] = {}
         self._seqs: dict[str, int] = {}
@@ -106,8 +107,7 @@ class Inference:
         train = request.mode == model_service_pb2.MODE_TRAIN
         if train and not host.training_allowed:
             raise FailedPrecondition(f"model {host.name!r} does not allow MODE_TRAIN")
-        if request.session_id:
-            self._hooks.require_session(request.session_id)
+        session = self._hooks.require_session(request.session_id) if request.session_id else None
         backward = None
         if request.HasField("backward"):
             backward = BackwardPlan(
@@ -121,8 +121,8 @@ class Inference:
                 except _codec.CodecError as exc:
                     raise InvalidArgument(str(exc)) from None
         request_id = new_id("req")
-        records = self._hooks.request_hooks(host, request.hooks, request_id)
-        p = Pass(request_id, request.session_id)
+        records = self._hooks.request_hooks(host, request.hooks, request_id, session)
+        p = Pass(request_id, request.session_id, frozenset(request.tags))
         p.response.hook_ids.extend(r.hook_id for r in records)
         seed = request.seed if request.HasField("seed") else None
         return await host.run(_run_pass, host, p, request, records, train, backward, seed)

@@ -13,6 +13,7 @@ import concurrent.futures
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
+import torch
 from torch import nn
 
 from hookwire import _codec
@@ -47,6 +48,9 @@ class ModelHost:
         self.modules: dict[str, nn.Module] = dict(module.named_modules())
         self.paths: list[str] = list(self.modules)
         self._path_of: dict[int, str] = {id(m): p for p, m in self.modules.items()}
+        first = next(module.parameters(), None)
+        #: Where rule operands are decoded to (the device of the model's first parameter).
+        self.device = first.device if first is not None else torch.device("cpu")
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model:{name}")
         #: The pass running on the worker thread, read by hooks as they fire.
         self.current_pass: Pass | None = None

@@ -16,6 +16,7 @@ from .hook_manager import HookManager
 from .inference import Inference
 from .model_registry import ModelRegistry
 from .servicers import HookServicer, ModelServicer
+from .slots import DEFAULT_MAX_SLOT_BYTES
 
 log = logging.getLogger("hookwire.server")
 
@@ -33,6 +34,10 @@ class ServerSettings:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     #: Seconds in-flight calls get to finish on stop.
     grace: float = 5.0
+    #: Allow rules that change values on SCOPE_ALL / SCOPE_TAGGED hooks (other callers' results).
+    allow_shared_rules: bool = False
+    #: Bytes of slots each session may keep.
+    max_slot_bytes: int = DEFAULT_MAX_SLOT_BYTES
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -53,7 +58,9 @@ class HookwireServer:
     def __init__(self, registry: ModelRegistry, settings: ServerSettings | None = None) -> None:
         self.registry = registry
         self.settings = settings or ServerSettings()
-        self.hooks = HookManager(registry)
+        self.hooks = HookManager(
+            registry, allow_shared_rules=self.settings.allow_shared_rules, max_slot_bytes=self.settings.max_slot_bytes
+        )
         self.inference = Inference(registry, self.hooks)
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None

@@ -18,6 +18,7 @@ from .event_bus import DeliveryLimits
 from .hook_manager import HookManager
 from .inference import Inference
 from .model_registry import ModelRegistry
+from .slots import slot_to_proto
 from .status_mapping import streaming, unary
 
 
@@ -70,6 +71,19 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
     async def ListHooks(self, request: hook_service_pb2.ListHooksRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.ListHooksResponse:
         records = self._hooks.list_hooks(model=request.model, session_id=request.session_id)
         return hook_service_pb2.ListHooksResponse(hooks=[r.to_proto() for r in records])
+
+    @unary
+    async def GetSlot(self, request: hook_service_pb2.GetSlotRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.Slot:
+        tensor = self._hooks.slots(request.session_id).require(request.name)
+        return slot_to_proto(request.name, tensor, with_data=True)
+
+    @unary
+    async def ListSlots(self, request: hook_service_pb2.ListSlotsRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.ListSlotsResponse:
+        store = self._hooks.slots(request.session_id)
+        return hook_service_pb2.ListSlotsResponse(
+            slots=[slot_to_proto(name, tensor, with_data=False) for name, tensor in store.items()],
+            total_bytes=store.total_bytes, max_bytes=store.max_bytes,
+        )
 
     @streaming
     async def Subscribe(self, request: hook_service_pb2.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage]:

@@ -18,6 +18,7 @@ STATUS_OF: dict[type[errors.HookwireServerError], grpc.StatusCode] = {
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
 }

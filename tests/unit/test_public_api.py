@@ -42,17 +42,22 @@ EXPECTED_ALL = [
     "RemoteModel",
     "ResourceExhaustedError",
     "Session",
+    "SlotInfo",
     "Subscription",
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",
     "capture",
     "connect",
+    "edit",
+    "rules",
 ]
+RULES_ALL = ["Rule", "add", "clamp", "noise", "patch", "project_out", "save", "scale", "set", "zero"]
 
 
 def test_all_is_pinned():
     assert hookwire.__all__ == EXPECTED_ALL
+    assert hookwire.rules.__all__ == RULES_ALL
     assert len(set(hookwire.__all__)) == len(hookwire.__all__), "duplicates in __all__"
 
 

@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from hookwire.v1 import rule_pb2 as _rule_pb2
 from hookwire.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -25,6 +26,7 @@ class Scope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SCOPE_UNSPECIFIED: _ClassVar[Scope]
     SCOPE_SESSION: _ClassVar[Scope]
     SCOPE_ALL: _ClassVar[Scope]
+    SCOPE_TAGGED: _ClassVar[Scope]
 
 class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +44,7 @@ PART_GRAD_OUTPUT: Part
 SCOPE_UNSPECIFIED: Scope
 SCOPE_SESSION: Scope
 SCOPE_ALL: Scope
+SCOPE_TAGGED: Scope
 PHASE_UNSPECIFIED: Phase
 PHASE_FORWARD_PRE: Phase
 PHASE_FORWARD: Phase
@@ -49,10 +52,14 @@ PHASE_BACKWARD_PRE: Phase
 PHASE_BACKWARD: Phase
 
 class HookAction(_message.Message):
-    __slots__ = ("capture",)
+    __slots__ = ("capture", "rules", "capture_stage")
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_STAGE_FIELD_NUMBER: _ClassVar[int]
     capture: _containers.RepeatedScalarFieldContainer[Part]
-    def __init__(self, capture: _Optional[_Iterable[_Union[Part, str]]] = ...) -> None: ...
+    rules: _containers.RepeatedCompositeFieldContainer[_rule_pb2.Rule]
+    capture_stage: _rule_pb2.CaptureStage
+    def __init__(self, capture: _Optional[_Iterable[_Union[Part, str]]] = ..., rules: _Optional[_Iterable[_Union[_rule_pb2.Rule, _Mapping]]] = ..., capture_stage: _Optional[_Union[_rule_pb2.CaptureStage, str]] = ...) -> None: ...
 
 class PreHookOptions(_message.Message):
     __slots__ = ("with_kwargs", "prepend")
@@ -79,7 +86,7 @@ class BackwardHookOptions(_message.Message):
     def __init__(self, prepend: _Optional[bool] = ...) -> None: ...
 
 class HookSpec(_message.Message):
-    __slots__ = ("model", "module", "prehook", "posthook", "backward_prehook", "backward_hook", "prehook_kwargs", "posthook_kwargs", "backward_prehook_kwargs", "backward_hook_kwargs", "train_update", "eval_update", "scope")
+    __slots__ = ("model", "module", "prehook", "posthook", "backward_prehook", "backward_hook", "prehook_kwargs", "posthook_kwargs", "backward_prehook_kwargs", "backward_hook_kwargs", "train_update", "eval_update", "scope", "tags", "on_error")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODULE_FIELD_NUMBER: _ClassVar[int]
     PREHOOK_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +100,8 @@ class HookSpec(_message.Message):
     TRAIN_UPDATE_FIELD_NUMBER: _ClassVar[int]
     EVAL_UPDATE_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    ON_ERROR_FIELD_NUMBER: _ClassVar[int]
     model: str
     module: str
     prehook: HookAction
@@ -106,19 +115,25 @@ class HookSpec(_message.Message):
     train_update: bool
     eval_update: bool
     scope: Scope
-    def __init__(self, model: _Optional[str] = ..., module: _Optional[str] = ..., prehook: _Optional[_Union[HookAction, _Mapping]] = ..., posthook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_prehook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_hook: _Optional[_Union[HookAction, _Mapping]] = ..., prehook_kwargs: _Optional[_Union[PreHookOptions, _Mapping]] = ..., posthook_kwargs: _Optional[_Union[PostHookOptions, _Mapping]] = ..., backward_prehook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., backward_hook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., train_update: _Optional[bool] = ..., eval_update: _Optional[bool] = ..., scope: _Optional[_Union[Scope, str]] = ...) -> None: ...
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    on_error: _rule_pb2.OnError
+    def __init__(self, model: _Optional[str] = ..., module: _Optional[str] = ..., prehook: _Optional[_Union[HookAction, _Mapping]] = ..., posthook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_prehook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_hook: _Optional[_Union[HookAction, _Mapping]] = ..., prehook_kwargs: _Optional[_Union[PreHookOptions, _Mapping]] = ..., posthook_kwargs: _Optional[_Union[PostHookOptions, _Mapping]] = ..., backward_prehook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., backward_hook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., train_update: _Optional[bool] = ..., eval_update: _Optional[bool] = ..., scope: _Optional[_Union[Scope, str]] = ..., tags: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[_rule_pb2.OnError, str]] = ...) -> None: ...
 
 class Hook(_message.Message):
-    __slots__ = ("hook_id", "spec", "modules", "session_id")
+    __slots__ = ("hook_id", "spec", "modules", "session_id", "disabled", "disabled_reason")
     HOOK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DISABLED_FIELD_NUMBER: _ClassVar[int]
+    DISABLED_REASON_FIELD_NUMBER: _ClassVar[int]
     hook_id: str
     spec: HookSpec
     modules: _containers.RepeatedScalarFieldContainer[str]
     session_id: str
-    def __init__(self, hook_id: _Optional[str] = ..., spec: _Optional[_Union[HookSpec, _Mapping]] = ..., modules: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    disabled: bool
+    disabled_reason: str
+    def __init__(self, hook_id: _Optional[str] = ..., spec: _Optional[_Union[HookSpec, _Mapping]] = ..., modules: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., disabled: _Optional[bool] = ..., disabled_reason: _Optional[str] = ...) -> None: ...
 
 class InterceptEvent(_message.Message):
     __slots__ = ("hook_id", "model", "module", "phase", "seq", "call_index", "request_id", "training", "time", "args", "kwargs", "output", "grad_input", "grad_output")

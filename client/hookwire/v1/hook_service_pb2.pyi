@@ -1,4 +1,5 @@
 from hookwire.v1 import hook_pb2 as _hook_pb2
+from hookwire.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -18,11 +19,51 @@ class NoticeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOTICE_KIND_UNSPECIFIED: _ClassVar[NoticeKind]
     NOTICE_KIND_HOOK_REMOVED: _ClassVar[NoticeKind]
     NOTICE_KIND_CAPTURE_FAILED: _ClassVar[NoticeKind]
+    NOTICE_KIND_HOOK_DISABLED: _ClassVar[NoticeKind]
 DELIVERY_POLICY_UNSPECIFIED: DeliveryPolicy
 DELIVERY_POLICY_BLOCK: DeliveryPolicy
 NOTICE_KIND_UNSPECIFIED: NoticeKind
 NOTICE_KIND_HOOK_REMOVED: NoticeKind
 NOTICE_KIND_CAPTURE_FAILED: NoticeKind
+NOTICE_KIND_HOOK_DISABLED: NoticeKind
+
+class GetSlotRequest(_message.Message):
+    __slots__ = ("session_id", "name")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    name: str
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class Slot(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: _tensor_pb2.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    tensor: _tensor_pb2.Tensor
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ListSlotsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ListSlotsResponse(_message.Message):
+    __slots__ = ("slots", "total_bytes", "max_bytes")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    total_bytes: int
+    max_bytes: int
+    def __init__(self, slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class DeliveryOptions(_message.Message):
     __slots__ = ("policy", "max_events", "max_bytes")

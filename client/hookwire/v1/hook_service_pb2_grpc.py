@@ -61,6 +61,16 @@ class HookServiceStub:
                 request_serializer=hookwire_dot_v1_dot_hook__service__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=hookwire_dot_v1_dot_hook__service__pb2.SessionMessage.FromString,
                 _registered_method=True)
+        self.GetSlot = channel.unary_unary(
+                '/hookwire.v1.HookService/GetSlot',
+                request_serializer=hookwire_dot_v1_dot_hook__service__pb2.GetSlotRequest.SerializeToString,
+                response_deserializer=hookwire_dot_v1_dot_hook__service__pb2.Slot.FromString,
+                _registered_method=True)
+        self.ListSlots = channel.unary_unary(
+                '/hookwire.v1.HookService/ListSlots',
+                request_serializer=hookwire_dot_v1_dot_hook__service__pb2.ListSlotsRequest.SerializeToString,
+                response_deserializer=hookwire_dot_v1_dot_hook__service__pb2.ListSlotsResponse.FromString,
+                _registered_method=True)
 
 
 class HookServiceServicer:
@@ -112,6 +122,21 @@ class HookServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSlot(self, request, context):
+        """Reads a slot of a session (written by `save` rules). NOT_FOUND for an
+        unknown session or slot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSlots(self, request, context):
+        """Lists a session's slots (without their data).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HookServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +164,16 @@ def add_HookServiceServicer_to_server(servicer, server):
                     servicer.Subscribe,
                     request_deserializer=hookwire_dot_v1_dot_hook__service__pb2.SubscribeRequest.FromString,
                     response_serializer=hookwire_dot_v1_dot_hook__service__pb2.SessionMessage.SerializeToString,
+            ),
+            'GetSlot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSlot,
+                    request_deserializer=hookwire_dot_v1_dot_hook__service__pb2.GetSlotRequest.FromString,
+                    response_serializer=hookwire_dot_v1_dot_hook__service__pb2.Slot.SerializeToString,
+            ),
+            'ListSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSlots,
+                    request_deserializer=hookwire_dot_v1_dot_hook__service__pb2.ListSlotsRequest.FromString,
+                    response_serializer=hookwire_dot_v1_dot_hook__service__pb2.ListSlotsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -277,6 +312,60 @@ class HookService:
             '/hookwire.v1.HookService/Subscribe',
             hookwire_dot_v1_dot_hook__service__pb2.SubscribeRequest.SerializeToString,
             hookwire_dot_v1_dot_hook__service__pb2.SessionMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSlot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hookwire.v1.HookService/GetSlot',
+            hookwire_dot_v1_dot_hook__service__pb2.GetSlotRequest.SerializeToString,
+            hookwire_dot_v1_dot_hook__service__pb2.Slot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hookwire.v1.HookService/ListSlots',
+            hookwire_dot_v1_dot_hook__service__pb2.ListSlotsRequest.SerializeToString,
+            hookwire_dot_v1_dot_hook__service__pb2.ListSlotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

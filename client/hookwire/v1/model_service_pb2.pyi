@@ -69,7 +69,7 @@ class ParameterInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., requires_grad: _Optional[bool] = ...) -> None: ...
 
 class InferRequest(_message.Message):
-    __slots__ = ("model", "args", "kwargs", "mode", "session_id", "hooks", "backward", "seed")
+    __slots__ = ("model", "args", "kwargs", "mode", "session_id", "hooks", "backward", "seed", "tags")
     class KwargsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class InferRequest(_message.Message):
     HOOKS_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
     model: str
     args: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
     kwargs: _containers.MessageMap[str, _tensor_pb2.Value]
@@ -93,7 +94,8 @@ class InferRequest(_message.Message):
     hooks: _containers.RepeatedCompositeFieldContainer[_hook_pb2.HookSpec]
     backward: Backward
     seed: int
-    def __init__(self, model: _Optional[str] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., mode: _Optional[_Union[Mode, str]] = ..., session_id: _Optional[str] = ..., hooks: _Optional[_Iterable[_Union[_hook_pb2.HookSpec, _Mapping]]] = ..., backward: _Optional[_Union[Backward, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., mode: _Optional[_Union[Mode, str]] = ..., session_id: _Optional[str] = ..., hooks: _Optional[_Iterable[_Union[_hook_pb2.HookSpec, _Mapping]]] = ..., backward: _Optional[_Union[Backward, _Mapping]] = ..., seed: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Backward(_message.Message):
     __slots__ = ("output_path", "grad", "return_input_grads")

@@ -1,0 +1,83 @@
+"""Session slots: tensors kept on the server between Infer calls (activation patching)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from hookwire import _codec
+from hookwire.v1 import hook_service_pb2
+
+from .errors import NotFound, ResourceExhausted
+
+DEFAULT_MAX_SLOT_BYTES = 256 * 1024 * 1024
+
+
+class SlotStore:
+    """A session's named tensors, bounded in total bytes. Written from model worker
+    threads, read from the event loop: every access holds the lock."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_SLOT_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._slots: dict[str, torch.Tensor] = {}
+        self._bytes = 0
+
+    @staticmethod
+    def _size(tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    def save(self, name: str, tensor: torch.Tensor) -> None:
+        """Stores a detached copy under ``name`` (replacing it); ResourceExhausted past the bound."""
+        size = self._size(tensor)
+        with self._lock:
+            old = self._slots.get(name)
+            total = self._bytes - (self._size(old) if old is not None else 0) + size
+            if total > self.max_bytes:
+                raise ResourceExhausted(
+                    f"slot {name!r}: saving {size} bytes would put the session's slots at {total} bytes, "
+                    f"over its limit of {self.max_bytes}"
+                )
+            self._slots[name] = tensor.detach().clone()
+            self._bytes = total
+
+    def get(self, name: str) -> torch.Tensor | None:
+        """The tensor in ``name``, or None."""
+        with self._lock:
+            return self._slots.get(name)
+
+    def require(self, name: str) -> torch.Tensor:
+        """The tensor in ``name``; NotFound when empty."""
+        tensor = self.get(name)
+        if tensor is None:
+            raise NotFound(f"no slot {name!r} in this session")
+        return tensor
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs, by name."""
+        with self._lock:
+            return sorted(self._slots.items())
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes held."""
+        with self._lock:
+            return self._bytes
+
+    def clear(self) -> None:
+        """Frees every slot."""
+        with self._lock:
+            self._slots.clear()
+            self._bytes = 0
+
+
+def slot_to_proto(name: str, tensor: torch.Tensor, *, with_data: bool) -> hook_service_pb2.Slot:
+    """A slot as the wire describes it (with its data for GetSlot)."""
+    msg = hook_service_pb2.Slot(
+        name=name, dtype=_codec.wire_dtype_of(tensor.dtype), shape=list(tensor.shape),
+        nbytes=tensor.numel() * tensor.element_size(),
+    )
+    if with_data:
+        _codec.encode_tensor_into(tensor, msg.tensor)
+    return msg
