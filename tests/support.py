@@ -58,8 +58,8 @@ def build_test_registry() -> ModelRegistry:
 class ServerThread:
     """A real grpc.aio server on a free loopback port, on its own event loop thread."""
 
-    def __init__(self, registry: ModelRegistry) -> None:
-        self.server = HookwireServer(registry, ServerSettings(port=0))
+    def __init__(self, registry: ModelRegistry, settings: ServerSettings | None = None) -> None:
+        self.server = HookwireServer(registry, settings or ServerSettings(port=0))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="test-server", daemon=True)
 

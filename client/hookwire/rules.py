@@ -103,7 +103,11 @@ def project_out(target: str, direction: Any, *, index: str | None = None) -> Rul
 
 
 def patch(target: str, slot: str, *, index: str | None = None) -> Rule:
-    """Replace with the tensor saved in ``slot`` of the session (activation patching)."""
+    """Replace with the tensor saved in ``slot`` of the session (activation patching).
+
+    With ``index``, a slot holding a tensor of the target's whole shape is indexed the
+    same way: ``new[index] = slot[index]``; any other slot tensor is broadcast into it.
+    """
     return _rule(target, "patch", index, slot=slot)
 
 

@@ -10,8 +10,10 @@ with op one of: scale ``x * factor``; add ``x + v``; set ``v.expand(x.shape).clo
 zero ``torch.zeros_like(x)``; clamp ``x.clamp(min, max)``; noise ``x + std *
 torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(seed), dtype=x.dtype,
 device=x.device)``; project_out ``x - (x @ d).unsqueeze(-1) * d`` with ``d = dir /
-torch.linalg.vector_norm(dir)``; patch ``slot.expand(x.shape).clone()``. Tensor operands
-are cast to the target's dtype and device (``.to(x)``). ``save`` stores ``t[index]``.
+torch.linalg.vector_norm(dir)``; patch ``s.expand(x.shape).clone()`` where ``s`` is the slot's
+tensor, or ``slot[index]`` when the slot holds a tensor of the target's whole shape (a saved
+activation patched at the same positions). Tensor operands are cast to the target's dtype and
+device. ``save`` stores ``t[index]``.
 """
 
 from __future__ import annotations
@@ -184,13 +186,22 @@ class CompiledRule:
         if kind == "project_out":
             d = self._operand(x)
             return x - (x @ d).unsqueeze(-1) * d
-        if kind == "patch":
-            assert slots is not None
-            source = slots.get(self.slot)
-            if source is None:
-                raise FailedPrecondition(f"slot {self.slot!r} is empty (save into it first)")
-            return source.to(dtype=x.dtype, device=x.device).expand(x.shape).clone()
         raise AssertionError(kind)  # pragma: no cover
+
+    def _patch(self, t: torch.Tensor, slots: SlotStore | None) -> torch.Tensor:
+        assert slots is not None
+        source = slots.get(self.slot)
+        if source is None:
+            raise FailedPrecondition(f"slot {self.slot!r} is empty (save into it first)")
+        if self.index is not None and source.shape == t.shape:
+            source = source[self.index]  # a whole saved activation: patch the same selection
+        target = t if self.index is None else t[self.index]
+        value = source.to(dtype=t.dtype, device=t.device).expand(target.shape).clone()
+        if self.index is None:
+            return value
+        new = t.clone()
+        new[self.index] = value
+        return new
 
     def apply(self, x: Any, slots: SlotStore | None) -> Any:
         """The new value of the target (``x`` itself for save)."""
@@ -200,6 +211,8 @@ class CompiledRule:
             assert slots is not None
             slots.save(self.slot, x if self.index is None else x[self.index])
             return x
+        if self.kind == "patch":
+            return self._patch(x, slots)
         if self.index is None:
             return self._op(x, slots)
         new = x.clone()
