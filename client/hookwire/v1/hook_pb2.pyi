@@ -52,14 +52,38 @@ PHASE_BACKWARD_PRE: Phase
 PHASE_BACKWARD: Phase
 
 class HookAction(_message.Message):
-    __slots__ = ("capture", "rules", "capture_stage")
+    __slots__ = ("capture", "rules", "capture_stage", "select", "cast", "summarize")
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
     RULES_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_STAGE_FIELD_NUMBER: _ClassVar[int]
+    SELECT_FIELD_NUMBER: _ClassVar[int]
+    CAST_FIELD_NUMBER: _ClassVar[int]
+    SUMMARIZE_FIELD_NUMBER: _ClassVar[int]
     capture: _containers.RepeatedScalarFieldContainer[Part]
     rules: _containers.RepeatedCompositeFieldContainer[_rule_pb2.Rule]
     capture_stage: _rule_pb2.CaptureStage
-    def __init__(self, capture: _Optional[_Iterable[_Union[Part, str]]] = ..., rules: _Optional[_Iterable[_Union[_rule_pb2.Rule, _Mapping]]] = ..., capture_stage: _Optional[_Union[_rule_pb2.CaptureStage, str]] = ...) -> None: ...
+    select: str
+    cast: _tensor_pb2.DType
+    summarize: SummaryOptions
+    def __init__(self, capture: _Optional[_Iterable[_Union[Part, str]]] = ..., rules: _Optional[_Iterable[_Union[_rule_pb2.Rule, _Mapping]]] = ..., capture_stage: _Optional[_Union[_rule_pb2.CaptureStage, str]] = ..., select: _Optional[str] = ..., cast: _Optional[_Union[_tensor_pb2.DType, str]] = ..., summarize: _Optional[_Union[SummaryOptions, _Mapping]] = ...) -> None: ...
+
+class SummaryOptions(_message.Message):
+    __slots__ = ("histogram_bins",)
+    HISTOGRAM_BINS_FIELD_NUMBER: _ClassVar[int]
+    histogram_bins: int
+    def __init__(self, histogram_bins: _Optional[int] = ...) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("every_n", "probability", "seed", "max_events")
+    EVERY_N_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    every_n: int
+    probability: float
+    seed: int
+    max_events: int
+    def __init__(self, every_n: _Optional[int] = ..., probability: _Optional[float] = ..., seed: _Optional[int] = ..., max_events: _Optional[int] = ...) -> None: ...
 
 class PreHookOptions(_message.Message):
     __slots__ = ("with_kwargs", "prepend")
@@ -86,7 +110,7 @@ class BackwardHookOptions(_message.Message):
     def __init__(self, prepend: _Optional[bool] = ...) -> None: ...
 
 class HookSpec(_message.Message):
-    __slots__ = ("model", "module", "prehook", "posthook", "backward_prehook", "backward_hook", "prehook_kwargs", "posthook_kwargs", "backward_prehook_kwargs", "backward_hook_kwargs", "train_update", "eval_update", "scope", "tags", "on_error")
+    __slots__ = ("model", "module", "prehook", "posthook", "backward_prehook", "backward_hook", "prehook_kwargs", "posthook_kwargs", "backward_prehook_kwargs", "backward_hook_kwargs", "train_update", "eval_update", "scope", "tags", "on_error", "sampling", "ttl_seconds")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODULE_FIELD_NUMBER: _ClassVar[int]
     PREHOOK_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +126,8 @@ class HookSpec(_message.Message):
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     TAGS_FIELD_NUMBER: _ClassVar[int]
     ON_ERROR_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     module: str
     prehook: HookAction
@@ -117,26 +143,40 @@ class HookSpec(_message.Message):
     scope: Scope
     tags: _containers.RepeatedScalarFieldContainer[str]
     on_error: _rule_pb2.OnError
-    def __init__(self, model: _Optional[str] = ..., module: _Optional[str] = ..., prehook: _Optional[_Union[HookAction, _Mapping]] = ..., posthook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_prehook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_hook: _Optional[_Union[HookAction, _Mapping]] = ..., prehook_kwargs: _Optional[_Union[PreHookOptions, _Mapping]] = ..., posthook_kwargs: _Optional[_Union[PostHookOptions, _Mapping]] = ..., backward_prehook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., backward_hook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., train_update: _Optional[bool] = ..., eval_update: _Optional[bool] = ..., scope: _Optional[_Union[Scope, str]] = ..., tags: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[_rule_pb2.OnError, str]] = ...) -> None: ...
+    sampling: Sampling
+    ttl_seconds: int
+    def __init__(self, model: _Optional[str] = ..., module: _Optional[str] = ..., prehook: _Optional[_Union[HookAction, _Mapping]] = ..., posthook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_prehook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_hook: _Optional[_Union[HookAction, _Mapping]] = ..., prehook_kwargs: _Optional[_Union[PreHookOptions, _Mapping]] = ..., posthook_kwargs: _Optional[_Union[PostHookOptions, _Mapping]] = ..., backward_prehook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., backward_hook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., train_update: _Optional[bool] = ..., eval_update: _Optional[bool] = ..., scope: _Optional[_Union[Scope, str]] = ..., tags: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[_rule_pb2.OnError, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
 
 class Hook(_message.Message):
-    __slots__ = ("hook_id", "spec", "modules", "session_id", "disabled", "disabled_reason")
+    __slots__ = ("hook_id", "spec", "modules", "session_id", "disabled", "disabled_reason", "fire_count", "events_sent", "events_dropped", "errors", "last_fired", "expires")
     HOOK_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     DISABLED_REASON_FIELD_NUMBER: _ClassVar[int]
+    FIRE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_SENT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIRED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_FIELD_NUMBER: _ClassVar[int]
     hook_id: str
     spec: HookSpec
     modules: _containers.RepeatedScalarFieldContainer[str]
     session_id: str
     disabled: bool
     disabled_reason: str
-    def __init__(self, hook_id: _Optional[str] = ..., spec: _Optional[_Union[HookSpec, _Mapping]] = ..., modules: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., disabled: _Optional[bool] = ..., disabled_reason: _Optional[str] = ...) -> None: ...
+    fire_count: int
+    events_sent: int
+    events_dropped: int
+    errors: int
+    last_fired: _timestamp_pb2.Timestamp
+    expires: _timestamp_pb2.Timestamp
+    def __init__(self, hook_id: _Optional[str] = ..., spec: _Optional[_Union[HookSpec, _Mapping]] = ..., modules: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., disabled: _Optional[bool] = ..., disabled_reason: _Optional[str] = ..., fire_count: _Optional[int] = ..., events_sent: _Optional[int] = ..., events_dropped: _Optional[int] = ..., errors: _Optional[int] = ..., last_fired: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class InterceptEvent(_message.Message):
-    __slots__ = ("hook_id", "model", "module", "phase", "seq", "call_index", "request_id", "training", "time", "args", "kwargs", "output", "grad_input", "grad_output")
+    __slots__ = ("hook_id", "model", "module", "phase", "seq", "call_index", "request_id", "training", "time", "args", "kwargs", "output", "grad_input", "grad_output", "dropped")
     class KwargsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +198,7 @@ class InterceptEvent(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     GRAD_INPUT_FIELD_NUMBER: _ClassVar[int]
     GRAD_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     hook_id: str
     model: str
     module: str
@@ -172,4 +213,5 @@ class InterceptEvent(_message.Message):
     output: _tensor_pb2.Value
     grad_input: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
     grad_output: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
-    def __init__(self, hook_id: _Optional[str] = ..., model: _Optional[str] = ..., module: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., seq: _Optional[int] = ..., call_index: _Optional[int] = ..., request_id: _Optional[str] = ..., training: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., grad_input: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., grad_output: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ...) -> None: ...
+    dropped: int
+    def __init__(self, hook_id: _Optional[str] = ..., model: _Optional[str] = ..., module: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., seq: _Optional[int] = ..., call_index: _Optional[int] = ..., request_id: _Optional[str] = ..., training: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., grad_input: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., grad_output: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., dropped: _Optional[int] = ...) -> None: ...

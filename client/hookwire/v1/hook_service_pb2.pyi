@@ -13,6 +13,8 @@ class DeliveryPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DELIVERY_POLICY_UNSPECIFIED: _ClassVar[DeliveryPolicy]
     DELIVERY_POLICY_BLOCK: _ClassVar[DeliveryPolicy]
+    DELIVERY_POLICY_DROP_OLDEST: _ClassVar[DeliveryPolicy]
+    DELIVERY_POLICY_DROP_NEWEST: _ClassVar[DeliveryPolicy]
 
 class NoticeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -20,12 +22,18 @@ class NoticeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOTICE_KIND_HOOK_REMOVED: _ClassVar[NoticeKind]
     NOTICE_KIND_CAPTURE_FAILED: _ClassVar[NoticeKind]
     NOTICE_KIND_HOOK_DISABLED: _ClassVar[NoticeKind]
+    NOTICE_KIND_DROPS_STARTED: _ClassVar[NoticeKind]
+    NOTICE_KIND_DROPS_ENDED: _ClassVar[NoticeKind]
 DELIVERY_POLICY_UNSPECIFIED: DeliveryPolicy
 DELIVERY_POLICY_BLOCK: DeliveryPolicy
+DELIVERY_POLICY_DROP_OLDEST: DeliveryPolicy
+DELIVERY_POLICY_DROP_NEWEST: DeliveryPolicy
 NOTICE_KIND_UNSPECIFIED: NoticeKind
 NOTICE_KIND_HOOK_REMOVED: NoticeKind
 NOTICE_KIND_CAPTURE_FAILED: NoticeKind
 NOTICE_KIND_HOOK_DISABLED: NoticeKind
+NOTICE_KIND_DROPS_STARTED: NoticeKind
+NOTICE_KIND_DROPS_ENDED: NoticeKind
 
 class GetSlotRequest(_message.Message):
     __slots__ = ("session_id", "name")
@@ -66,14 +74,16 @@ class ListSlotsResponse(_message.Message):
     def __init__(self, slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class DeliveryOptions(_message.Message):
-    __slots__ = ("policy", "max_events", "max_bytes")
+    __slots__ = ("policy", "max_events", "max_bytes", "max_message_bytes")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_EVENTS_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     policy: DeliveryPolicy
     max_events: int
     max_bytes: int
-    def __init__(self, policy: _Optional[_Union[DeliveryPolicy, str]] = ..., max_events: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, policy: _Optional[_Union[DeliveryPolicy, str]] = ..., max_events: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("delivery",)
@@ -82,18 +92,20 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, delivery: _Optional[_Union[DeliveryOptions, _Mapping]] = ...) -> None: ...
 
 class SessionMessage(_message.Message):
-    __slots__ = ("opened", "event", "notice", "subscribed", "batch")
+    __slots__ = ("opened", "event", "notice", "subscribed", "batch", "chunk")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBED_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     event: _hook_pb2.InterceptEvent
     notice: Notice
     subscribed: Subscribed
     batch: EventBatch
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., subscribed: _Optional[_Union[Subscribed, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+    chunk: _tensor_pb2.TensorChunk
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., subscribed: _Optional[_Union[Subscribed, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("events",)
@@ -114,14 +126,16 @@ class Subscribed(_message.Message):
     def __init__(self, hook_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Notice(_message.Message):
-    __slots__ = ("kind", "hook_id", "message")
+    __slots__ = ("kind", "hook_id", "message", "dropped")
     KIND_FIELD_NUMBER: _ClassVar[int]
     HOOK_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     kind: NoticeKind
     hook_id: str
     message: str
-    def __init__(self, kind: _Optional[_Union[NoticeKind, str]] = ..., hook_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    dropped: int
+    def __init__(self, kind: _Optional[_Union[NoticeKind, str]] = ..., hook_id: _Optional[str] = ..., message: _Optional[str] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class RegisterHookRequest(_message.Message):
     __slots__ = ("session_id", "spec")

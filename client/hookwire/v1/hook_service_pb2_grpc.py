@@ -88,8 +88,8 @@ class HookServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterHook(self, request, context):
-        """Registers a hook owned by a session. NOT_FOUND for an unknown or ended
-        session, an unknown model, or a module pattern that matches nothing;
+        """Registers a hook, owned by a session or (without one) living for a TTL.
+        NOT_FOUND for an unknown or ended session, an unknown model, or a module pattern that matches nothing;
         INVALID_ARGUMENT for an empty model name, a spec with no action, or a part
         the phase cannot see.
         When it returns, the hook is attached and fires for the next pass.

@@ -18,6 +18,24 @@ MODE_UNSPECIFIED: Mode
 MODE_EVAL: Mode
 MODE_TRAIN: Mode
 
+class InferStreamRequest(_message.Message):
+    __slots__ = ("request", "chunk", "max_response_message_bytes")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request: InferRequest
+    chunk: _tensor_pb2.TensorChunk
+    max_response_message_bytes: int
+    def __init__(self, request: _Optional[_Union[InferRequest, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., max_response_message_bytes: _Optional[int] = ...) -> None: ...
+
+class InferStreamResponse(_message.Message):
+    __slots__ = ("response", "chunk")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    response: InferResponse
+    chunk: _tensor_pb2.TensorChunk
+    def __init__(self, response: _Optional[_Union[InferResponse, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -50,6 +50,11 @@ class ModelServiceStub:
                 request_serializer=hookwire_dot_v1_dot_model__service__pb2.InferRequest.SerializeToString,
                 response_deserializer=hookwire_dot_v1_dot_model__service__pb2.InferResponse.FromString,
                 _registered_method=True)
+        self.InferStream = channel.stream_stream(
+                '/hookwire.v1.ModelService/InferStream',
+                request_serializer=hookwire_dot_v1_dot_model__service__pb2.InferStreamRequest.SerializeToString,
+                response_deserializer=hookwire_dot_v1_dot_model__service__pb2.InferStreamResponse.FromString,
+                _registered_method=True)
 
 
 class ModelServiceServicer:
@@ -79,6 +84,17 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InferStream(self, request_iterator, context):
+        """Infer for tensors larger than a peer's message limit (gRPC's default is
+        4 MiB). The client sends the InferRequest, with large tensors marked by
+        Tensor.chunk_id and empty data, then their TensorChunks, then closes its
+        side; the server answers with the InferResponse, chunked the same way.
+        Memory on either side stays at the tensors plus one chunk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +112,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.Infer,
                     request_deserializer=hookwire_dot_v1_dot_model__service__pb2.InferRequest.FromString,
                     response_serializer=hookwire_dot_v1_dot_model__service__pb2.InferResponse.SerializeToString,
+            ),
+            'InferStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.InferStream,
+                    request_deserializer=hookwire_dot_v1_dot_model__service__pb2.InferStreamRequest.FromString,
+                    response_serializer=hookwire_dot_v1_dot_model__service__pb2.InferStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +201,33 @@ class ModelService:
             '/hookwire.v1.ModelService/Infer',
             hookwire_dot_v1_dot_model__service__pb2.InferRequest.SerializeToString,
             hookwire_dot_v1_dot_model__service__pb2.InferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InferStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hookwire.v1.ModelService/InferStream',
+            hookwire_dot_v1_dot_model__service__pb2.InferStreamRequest.SerializeToString,
+            hookwire_dot_v1_dot_model__service__pb2.InferStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

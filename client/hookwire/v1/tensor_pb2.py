@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18hookwire/v1/tensor.proto\x12\x0bhookwire.v1\x1a\x1cgoogle/protobuf/struct.proto\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.hookwire.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x90\x02\n\x05Value\x12%\n\x06tensor\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.TensorH\x00\x12&\n\x04list\x18\x02 \x01(\x0b\x32\x16.hookwire.v1.ValueListH\x00\x12$\n\x03map\x18\x03 \x01(\x0b\x32\x15.hookwire.v1.ValueMapH\x00\x12\x15\n\x0b\x66loat_value\x18\x04 \x01(\x01H\x00\x12\x13\n\tint_value\x18\x05 \x01(\x03H\x00\x12\x14\n\nbool_value\x18\x06 \x01(\x08H\x00\x12\x16\n\x0cstring_value\x18\x07 \x01(\tH\x00\x12\x30\n\nnull_value\x18\x08 \x01(\x0e\x32\x1a.google.protobuf.NullValueH\x00\x42\x06\n\x04kind\"?\n\tValueList\x12!\n\x05items\x18\x01 \x03(\x0b\x32\x12.hookwire.v1.Value\x12\x0f\n\x07is_list\x18\x02 \x01(\x08\"\x91\x01\n\x08ValueMap\x12\x33\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\".hookwire.v1.ValueMap.EntriesEntry\x12\x0c\n\x04keys\x18\x02 \x03(\t\x1a\x42\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.hookwire.v1.Value:\x02\x38\x01*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x0e\n\nDTYPE_INT8\x10\x05\x12\x0f\n\x0b\x44TYPE_INT16\x10\x06\x12\x0f\n\x0b\x44TYPE_INT32\x10\x07\x12\x0f\n\x0b\x44TYPE_INT64\x10\x08\x12\x0f\n\x0b\x44TYPE_UINT8\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\nb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18hookwire/v1/tensor.proto\x12\x0bhookwire.v1\x1a\x1cgoogle/protobuf/struct.proto\"Z\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.hookwire.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hunk_id\x18\x04 \x01(\r\"=\n\x0bTensorChunk\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xfd\x01\n\rTensorSummary\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.hookwire.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x0b\n\x03min\x18\x04 \x01(\x01\x12\x0b\n\x03max\x18\x05 \x01(\x01\x12\x0c\n\x04mean\x18\x06 \x01(\x01\x12\x0b\n\x03std\x18\x07 \x01(\x01\x12\x0f\n\x07l2_norm\x18\x08 \x01(\x01\x12\x11\n\tnan_count\x18\t \x01(\x04\x12\x11\n\tinf_count\x18\n \x01(\x04\x12\x11\n\thistogram\x18\x0b \x03(\x04\x12\x15\n\rhistogram_min\x18\x0c \x01(\x01\x12\x15\n\rhistogram_max\x18\r \x01(\x01\"\xbf\x02\n\x05Value\x12%\n\x06tensor\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.TensorH\x00\x12&\n\x04list\x18\x02 \x01(\x0b\x32\x16.hookwire.v1.ValueListH\x00\x12$\n\x03map\x18\x03 \x01(\x0b\x32\x15.hookwire.v1.ValueMapH\x00\x12\x15\n\x0b\x66loat_value\x18\x04 \x01(\x01H\x00\x12\x13\n\tint_value\x18\x05 \x01(\x03H\x00\x12\x14\n\nbool_value\x18\x06 \x01(\x08H\x00\x12\x16\n\x0cstring_value\x18\x07 \x01(\tH\x00\x12\x30\n\nnull_value\x18\x08 \x01(\x0e\x32\x1a.google.protobuf.NullValueH\x00\x12-\n\x07summary\x18\t \x01(\x0b\x32\x1a.hookwire.v1.TensorSummaryH\x00\x42\x06\n\x04kind\"?\n\tValueList\x12!\n\x05items\x18\x01 \x03(\x0b\x32\x12.hookwire.v1.Value\x12\x0f\n\x07is_list\x18\x02 \x01(\x08\"\x91\x01\n\x08ValueMap\x12\x33\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\".hookwire.v1.ValueMap.EntriesEntry\x12\x0c\n\x04keys\x18\x02 \x03(\t\x1a\x42\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.hookwire.v1.Value:\x02\x38\x01*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x0e\n\nDTYPE_INT8\x10\x05\x12\x0f\n\x0b\x44TYPE_INT16\x10\x06\x12\x0f\n\x0b\x44TYPE_INT32\x10\x07\x12\x0f\n\x0b\x44TYPE_INT64\x10\x08\x12\x0f\n\x0b\x44TYPE_UINT8\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\nb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,16 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VALUEMAP_ENTRIESENTRY']._loaded_options = None
   _globals['_VALUEMAP_ENTRIESENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=634
-  _globals['_DTYPE']._serialized_end=841
+  _globals['_DTYPE']._serialized_start=1018
+  _globals['_DTYPE']._serialized_end=1225
   _globals['_TENSOR']._serialized_start=71
-  _globals['_TENSOR']._serialized_end=143
-  _globals['_VALUE']._serialized_start=146
-  _globals['_VALUE']._serialized_end=418
-  _globals['_VALUELIST']._serialized_start=420
-  _globals['_VALUELIST']._serialized_end=483
-  _globals['_VALUEMAP']._serialized_start=486
-  _globals['_VALUEMAP']._serialized_end=631
-  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_start=565
-  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_end=631
+  _globals['_TENSOR']._serialized_end=161
+  _globals['_TENSORCHUNK']._serialized_start=163
+  _globals['_TENSORCHUNK']._serialized_end=224
+  _globals['_TENSORSUMMARY']._serialized_start=227
+  _globals['_TENSORSUMMARY']._serialized_end=480
+  _globals['_VALUE']._serialized_start=483
+  _globals['_VALUE']._serialized_end=802
+  _globals['_VALUELIST']._serialized_start=804
+  _globals['_VALUELIST']._serialized_end=867
+  _globals['_VALUEMAP']._serialized_start=870
+  _globals['_VALUEMAP']._serialized_end=1015
+  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_start=949
+  _globals['_VALUEMAP_ENTRIESENTRY']._serialized_end=1015
 # @@protoc_insertion_point(module_scope)

@@ -34,17 +34,59 @@ DTYPE_UINT8: DType
 DTYPE_BOOL: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "chunk_id")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    chunk_id: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., chunk_id: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("chunk_id", "offset", "data")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: int
+    offset: int
+    data: bytes
+    def __init__(self, chunk_id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TensorSummary(_message.Message):
+    __slots__ = ("dtype", "shape", "numel", "min", "max", "mean", "std", "l2_norm", "nan_count", "inf_count", "histogram", "histogram_min", "histogram_max")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    L2_NORM_FIELD_NUMBER: _ClassVar[int]
+    NAN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_MIN_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_MAX_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    numel: int
+    min: float
+    max: float
+    mean: float
+    std: float
+    l2_norm: float
+    nan_count: int
+    inf_count: int
+    histogram: _containers.RepeatedScalarFieldContainer[int]
+    histogram_min: float
+    histogram_max: float
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., numel: _Optional[int] = ..., min: _Optional[float] = ..., max: _Optional[float] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., l2_norm: _Optional[float] = ..., nan_count: _Optional[int] = ..., inf_count: _Optional[int] = ..., histogram: _Optional[_Iterable[int]] = ..., histogram_min: _Optional[float] = ..., histogram_max: _Optional[float] = ...) -> None: ...
 
 class Value(_message.Message):
-    __slots__ = ("tensor", "list", "map", "float_value", "int_value", "bool_value", "string_value", "null_value")
+    __slots__ = ("tensor", "list", "map", "float_value", "int_value", "bool_value", "string_value", "null_value", "summary")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     LIST_FIELD_NUMBER: _ClassVar[int]
     MAP_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +95,7 @@ class Value(_message.Message):
     BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
     STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
     NULL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
     tensor: Tensor
     list: ValueList
     map: ValueMap
@@ -61,7 +104,8 @@ class Value(_message.Message):
     bool_value: bool
     string_value: str
     null_value: _struct_pb2.NullValue
-    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., list: _Optional[_Union[ValueList, _Mapping]] = ..., map: _Optional[_Union[ValueMap, _Mapping]] = ..., float_value: _Optional[float] = ..., int_value: _Optional[int] = ..., bool_value: _Optional[bool] = ..., string_value: _Optional[str] = ..., null_value: _Optional[_Union[_struct_pb2.NullValue, str]] = ...) -> None: ...
+    summary: TensorSummary
+    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., list: _Optional[_Union[ValueList, _Mapping]] = ..., map: _Optional[_Union[ValueMap, _Mapping]] = ..., float_value: _Optional[float] = ..., int_value: _Optional[int] = ..., bool_value: _Optional[bool] = ..., string_value: _Optional[str] = ..., null_value: _Optional[_Union[_struct_pb2.NullValue, str]] = ..., summary: _Optional[_Union[TensorSummary, _Mapping]] = ...) -> None: ...
 
 class ValueList(_message.Message):
     __slots__ = ("items", "is_list")
