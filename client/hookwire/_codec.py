@@ -8,7 +8,7 @@ unpickles or evaluates anything: a Tensor is dtype + shape + raw bytes.
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping, cast
+from typing import Any, Iterator, Mapping, cast
 
 import numpy as np
 from google.protobuf import struct_pb2
@@ -96,11 +96,57 @@ def wire_dtype_of(dtype: Any) -> tensor_pb2.DType:
 # --------------------------------------------------------------------------- encode
 
 
-def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor) -> int:
+class Chunker:
+    """Collects the tensors of one message that are too large to travel inline.
+
+    They are sent after the message as TensorChunk messages (``chunks()``). Small
+    tensors stay inline until the message's inline bytes reach ``inline_total_max``,
+    so the message itself stays well under any peer's limit (>= 1 MiB).
+    """
+
+    INLINE_TENSOR_MAX = 256 * 1024
+    INLINE_TOTAL_MAX = 512 * 1024
+
+    def __init__(self, *, snapshot: bool) -> None:
+        #: Copy tensors that may change before they are sent (captures inside a pass).
+        self.snapshot = snapshot
+        self.tensors: list[tuple[int, Any]] = []  # (chunk_id, flat uint8 array)
+        self._inline = 0
+
+    def keeps(self, nbytes: int) -> bool:
+        """Whether a tensor of ``nbytes`` goes out in chunks (else it is counted inline)."""
+        if nbytes > self.INLINE_TENSOR_MAX or self._inline + nbytes > self.INLINE_TOTAL_MAX:
+            return True
+        self._inline += nbytes
+        return False
+
+    def add(self, flat_bytes: Any) -> int:
+        """Keeps a flat uint8 array (numpy); returns its chunk id."""
+        chunk_id = len(self.tensors) + 1
+        self.tensors.append((chunk_id, flat_bytes))
+        return chunk_id
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept for chunks."""
+        return sum(int(buf.nbytes) for _, buf in self.tensors)
+
+    def chunks(self, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
+        """The TensorChunk messages, one ``chunk_bytes`` slice at a time (lazy)."""
+        for chunk_id, buf in self.tensors:
+            view = memoryview(buf)
+            for offset in range(0, len(view), chunk_bytes):
+                yield tensor_pb2.TensorChunk(
+                    chunk_id=chunk_id, offset=offset, data=view[offset : offset + chunk_bytes].tobytes()
+                )
+
+
+def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | None = None) -> int:
     """Writes a torch tensor or numpy array into ``out``; returns the data size.
 
-    The only copy is the one into the ``bytes`` that protobuf needs. CUDA tensors
-    are copied to the host first; the caller decides where that happens.
+    The only copy is the one into the ``bytes`` that protobuf needs (or, for a
+    tensor the ``chunker`` keeps, the snapshot it asks for). CUDA tensors are
+    copied to the host first; the caller decides where that happens.
     """
     torch = _torch_mod
     code: int | None
@@ -109,37 +155,59 @@ def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor) -> int:
         if code is None:
             raise CodecError(f"tensor dtype {tensor.dtype} has no wire form")
         t = tensor.detach()
+        copied = False
         if t.device.type != "cpu":
-            t = t.cpu()
+            t, copied = t.cpu(), True
         if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()
+            t, copied = t.resolve_conj().resolve_neg(), True
         shape = tuple(t.shape)
-        t = t.contiguous().reshape(-1)
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        if not t.is_contiguous():
+            t, copied = t.contiguous(), True
+        flat = t.reshape(-1).view(torch.uint8) if t.numel() else None
+        nbytes = t.numel() * t.element_size()
+        if chunker is not None and flat is not None and chunker.keeps(nbytes):
+            if chunker.snapshot and not copied:
+                flat = flat.clone()
+            out.chunk_id = chunker.add(flat.numpy())
+            data = b""
+        else:
+            data = flat.numpy().tobytes() if flat is not None else b""
     elif isinstance(tensor, np.ndarray):
         code = wire_dtype_of(tensor.dtype)
         shape = tensor.shape
         arr = np.ascontiguousarray(tensor, dtype=_NUMPY_DTYPES[code])
-        data = arr.tobytes()
+        nbytes = arr.nbytes
+        if chunker is not None and nbytes and chunker.keeps(nbytes):
+            flat_np = arr.reshape(-1).view(np.uint8)
+            if chunker.snapshot and np.shares_memory(flat_np, tensor):
+                flat_np = flat_np.copy()
+            out.chunk_id = chunker.add(flat_np)
+            data = b""
+        else:
+            data = arr.tobytes()
     else:
         raise CodecError(f"expected a tensor, got {type(tensor).__name__}")
     out.dtype = code  # type: ignore[assignment]  # an int of the DType enum
     out.shape.extend(shape)
-    out.data = data
-    return len(data)
+    if data:
+        out.data = data
+    return nbytes
 
 
-def encode_value_into(obj: Any, out: tensor_pb2.Value, _depth: int = 0) -> int:
-    """Writes a Python object into ``out``; returns the tensor bytes written.
+def encode_value_into(obj: Any, out: tensor_pb2.Value, _depth: int = 0, *, chunker: Chunker | None = None) -> int:
+    """Writes a Python object into ``out``; returns the tensor bytes written (inline or chunked).
 
-    Tensors, tuples, lists, str-keyed mappings, float, int, bool, str and None
-    have a wire form; anything else raises CodecError.
+    Tensors, tuples, lists, str-keyed mappings, float, int, bool, str, None and
+    TensorSummary messages have a wire form; anything else raises CodecError.
     """
     if _depth > MAX_DEPTH:
         raise CodecError(f"value nests deeper than {MAX_DEPTH} levels")
     torch = _torch_mod
     if (torch is not None and isinstance(obj, torch.Tensor)) or isinstance(obj, np.ndarray):
-        return encode_tensor_into(obj, out.tensor)
+        return encode_tensor_into(obj, out.tensor, chunker)
+    if isinstance(obj, tensor_pb2.TensorSummary):
+        out.summary.CopyFrom(obj)
+        return 0
     if obj is None:
         out.null_value = struct_pb2.NULL_VALUE
         return 0
@@ -163,7 +231,7 @@ def encode_value_into(obj: Any, out: tensor_pb2.Value, _depth: int = 0) -> int:
         seq.is_list = isinstance(obj, list)
         total = 0
         for item in obj:
-            total += encode_value_into(item, seq.items.add(), _depth + 1)
+            total += encode_value_into(item, seq.items.add(), _depth + 1, chunker=chunker)
         return total
     if isinstance(obj, Mapping):
         mapping = out.map
@@ -173,7 +241,7 @@ def encode_value_into(obj: Any, out: tensor_pb2.Value, _depth: int = 0) -> int:
             if not isinstance(key, str):
                 raise CodecError(f"mapping key {key!r} is not a string")
             mapping.keys.append(key)
-            total += encode_value_into(item, mapping.entries[key], _depth + 1)
+            total += encode_value_into(item, mapping.entries[key], _depth + 1, chunker=chunker)
         return total
     raise CodecError(f"a value of type {type(obj).__name__} has no wire form")
 
@@ -196,7 +264,7 @@ def encode_tensor(tensor: Any) -> tensor_pb2.Tensor:
 
 
 def check_tensor(msg: tensor_pb2.Tensor, where: str = "tensor") -> int:
-    """Validates dtype, shape and byte length; returns the element count."""
+    """Validates dtype, shape and byte length (none for a chunked tensor); returns the element count."""
     itemsize = ITEMSIZE.get(msg.dtype)
     if itemsize is None:
         raise CodecError(f"{where}: {dtype_name(msg.dtype)} is not a valid dtype")
@@ -205,6 +273,10 @@ def check_tensor(msg: tensor_pb2.Tensor, where: str = "tensor") -> int:
         if dim < 0:
             raise CodecError(f"{where}: shape {list(msg.shape)} has a negative dimension")
         count *= dim
+    if msg.chunk_id:
+        if msg.data:
+            raise CodecError(f"{where}: a chunked tensor (chunk_id {msg.chunk_id}) carries inline data")
+        return count
     expected = count * itemsize
     if len(msg.data) != expected:
         raise CodecError(
@@ -214,14 +286,21 @@ def check_tensor(msg: tensor_pb2.Tensor, where: str = "tensor") -> int:
     return count
 
 
-def decode_tensor(msg: tensor_pb2.Tensor, *, where: str = "tensor", as_numpy: bool = False) -> Any:
+def decode_tensor(
+    msg: tensor_pb2.Tensor, *, where: str = "tensor", as_numpy: bool = False, chunked: Mapping[int, Any] | None = None
+) -> Any:
     """A torch tensor (numpy array when torch is missing or ``as_numpy``).
 
     The result owns writable memory (one copy of the bytes). Without torch, a
-    bfloat16 tensor is widened to float32, which represents it exactly.
+    bfloat16 tensor is widened to float32, which represents it exactly. A
+    chunked tensor is taken from ``chunked`` (see ChunkAssembler).
     Raises CodecError when the bytes do not match dtype and shape.
     """
     check_tensor(msg, where)
+    if msg.chunk_id:
+        if chunked is None or msg.chunk_id not in chunked:
+            raise CodecError(f"{where}: the data of chunk {msg.chunk_id} did not arrive")
+        return chunked[msg.chunk_id]
     shape = tuple(msg.shape)
     torch = None if as_numpy else _torch_mod
     if torch is not None:
@@ -237,16 +316,24 @@ def decode_tensor(msg: tensor_pb2.Tensor, *, where: str = "tensor", as_numpy: bo
     return arr.copy()
 
 
-def decode_value(msg: tensor_pb2.Value, *, where: str = "value", as_numpy: bool = False, _depth: int = 0) -> Any:
-    """The Python object a Value holds; raises CodecError naming the bad part."""
+def decode_value(
+    msg: tensor_pb2.Value, *, where: str = "value", as_numpy: bool = False, _depth: int = 0,
+    chunked: Mapping[int, Any] | None = None,
+) -> Any:
+    """The Python object a Value holds; raises CodecError naming the bad part.
+
+    A summary (Value.summary) decodes to the TensorSummary message itself.
+    """
     if _depth > MAX_DEPTH:
         raise CodecError(f"{where}: nests deeper than {MAX_DEPTH} levels")
     kind = msg.WhichOneof("kind")
     if kind == "tensor":
-        return decode_tensor(msg.tensor, where=where, as_numpy=as_numpy)
+        return decode_tensor(msg.tensor, where=where, as_numpy=as_numpy, chunked=chunked)
+    if kind == "summary":
+        return msg.summary
     if kind == "list":
         items = [
-            decode_value(item, where=f"{where}[{i}]", as_numpy=as_numpy, _depth=_depth + 1)
+            decode_value(item, where=f"{where}[{i}]", as_numpy=as_numpy, _depth=_depth + 1, chunked=chunked)
             for i, item in enumerate(msg.list.items)
         ]
         return items if msg.list.is_list else tuple(items)
@@ -254,7 +341,7 @@ def decode_value(msg: tensor_pb2.Value, *, where: str = "value", as_numpy: bool 
         entries = msg.map.entries
         order = list(msg.map.keys) if set(msg.map.keys) == set(entries.keys()) else sorted(entries.keys())
         return {
-            key: decode_value(entries[key], where=f"{where}[{key!r}]", as_numpy=as_numpy, _depth=_depth + 1)
+            key: decode_value(entries[key], where=f"{where}[{key!r}]", as_numpy=as_numpy, _depth=_depth + 1, chunked=chunked)
             for key in order
         }
     if kind == "float_value":
@@ -268,3 +355,95 @@ def decode_value(msg: tensor_pb2.Value, *, where: str = "value", as_numpy: bool 
     if kind == "null_value" or kind is None:
         return None
     raise CodecError(f"{where}: unknown value kind {kind}")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- chunk reassembly
+
+
+def chunked_tensors(msg: Any) -> Iterator[tensor_pb2.Tensor]:
+    """Every Tensor with a chunk_id inside a message (any message type)."""
+    for field, value in msg.ListFields():
+        if field.type != field.TYPE_MESSAGE:
+            continue
+        if field.message_type.GetOptions().map_entry:
+            values = value.values()
+        elif field.is_repeated:
+            values = value
+        else:
+            values = [value]
+        for item in values:
+            if isinstance(item, tensor_pb2.Tensor):
+                if item.chunk_id:
+                    yield item
+            else:
+                yield from chunked_tensors(item)
+
+
+class ChunkAssembler:
+    """Receives the TensorChunks that follow a message into preallocated tensors.
+
+    Memory: the tensors themselves plus the chunk being copied. Raises
+    CodecError for a chunk that does not fit (unknown id, out of order, too long)
+    and when the tensors claim more than ``max_bytes``.
+    """
+
+    def __init__(self, msg: Any, *, as_numpy: bool = False, max_bytes: int | None = None) -> None:
+        self.tensors: dict[int, Any] = {}
+        self._views: dict[int, memoryview] = {}
+        self._filled: dict[int, int] = {}
+        total = 0
+        for tensor in chunked_tensors(msg):
+            if tensor.chunk_id in self.tensors:
+                raise CodecError(f"chunk id {tensor.chunk_id} is used twice in one message")
+            count = check_tensor(tensor, f"chunked tensor {tensor.chunk_id}")
+            nbytes = count * ITEMSIZE[tensor.dtype]
+            total += nbytes
+            if max_bytes is not None and total > max_bytes:
+                raise CodecError(f"chunked tensors claim {total} bytes, over the limit of {max_bytes}")
+            torch = None if as_numpy else _torch_mod
+            if torch is not None:
+                value = torch.empty(tuple(tensor.shape), dtype=TORCH_DTYPES[tensor.dtype])
+                view = memoryview(value.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+            else:
+                value = np.empty(tuple(tensor.shape), dtype=_NUMPY_DTYPES[tensor.dtype])
+                view = memoryview(cast(Any, value.reshape(-1).view(np.uint8)))
+            self.tensors[tensor.chunk_id] = value
+            self._views[tensor.chunk_id] = view
+            self._filled[tensor.chunk_id] = 0
+        self._pending = {cid for cid, view in self._views.items() if len(view)}
+        self._as_numpy = as_numpy or _torch_mod is None
+        self._bf16 = {t.chunk_id for t in chunked_tensors(msg) if t.dtype == tensor_pb2.DTYPE_BFLOAT16}
+
+    @property
+    def done(self) -> bool:
+        """Whether every chunked tensor is complete."""
+        return not self._pending
+
+    def feed(self, chunk: tensor_pb2.TensorChunk) -> None:
+        """Copies one chunk into place."""
+        view = self._views.get(chunk.chunk_id)
+        if view is None or chunk.chunk_id not in self._pending:
+            raise CodecError(f"chunk for unknown or complete tensor {chunk.chunk_id}")
+        filled = self._filled[chunk.chunk_id]
+        if chunk.offset != filled:
+            raise CodecError(f"chunk of tensor {chunk.chunk_id} at offset {chunk.offset}, expected {filled}")
+        end = filled + len(chunk.data)
+        if end > len(view) or not chunk.data:
+            raise CodecError(f"chunk of tensor {chunk.chunk_id} overruns its {len(view)} bytes")
+        view[filled:end] = chunk.data
+        self._filled[chunk.chunk_id] = end
+        if end == len(view):
+            self._pending.discard(chunk.chunk_id)
+
+    def result(self) -> dict[int, Any]:
+        """The complete tensors by chunk id (bfloat16 widened to float32 without torch)."""
+        if not self._as_numpy:
+            return self.tensors
+        out = {}
+        for cid, arr in self.tensors.items():
+            if cid in self._bf16:
+                widened = arr.astype(np.uint32)
+                widened <<= 16
+                arr = widened.view(np.float32)
+            out[cid] = arr
+        return out

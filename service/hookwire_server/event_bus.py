@@ -2,10 +2,18 @@
 
 A hook fires on a model's worker thread and must never await. It hands each
 message to the EventStream of every stream that wants it; the stream's policy
-decides what a full buffer does. Today there is one policy, BLOCK (lossless):
-the producing forward pass waits for space. The buffer counts events and bytes
-and numbers events per hook when they enter, so a drop policy only has to
-decide which item to discard and count it.
+decides what a full buffer does:
+
+- BLOCK: lossless; the producing forward pass waits for space.
+- DROP_OLDEST / DROP_NEWEST: the pass never waits; the oldest buffered event,
+  or the new one, is dropped and counted.
+- UNSPECIFIED: BLOCK for the calls of the stream's own session, DROP_OLDEST for
+  everyone else's, so no other caller ever waits on this stream.
+
+Events are numbered per hook when they are offered, so a dropped event leaves a
+gap in its hook's ``seq``; every event carries the stream's drop total, and
+DROPS_STARTED / DROPS_ENDED notices bracket each run of drops. The accounting
+is exact: it is all done under the stream's lock.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import dataclasses
 import threading
 from typing import AsyncIterator, Iterator
 
+from hookwire._codec import Chunker
 from hookwire.v1 import hook_service_pb2
 
 from .errors import InvalidArgument
@@ -24,47 +33,102 @@ DEFAULT_MAX_EVENTS = 1024
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 LIMIT_MAX_EVENTS = 1 << 20
 LIMIT_MAX_BYTES = 4 * 1024 * 1024 * 1024
+#: gRPC's default receive limit, which many clients keep.
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MIN_MAX_MESSAGE_BYTES = 1024 * 1024
+#: Payload of one TensorChunk, at most (1-4 MiB messages stream fastest).
+CHUNK_BYTES = 1024 * 1024
 #: Events with at most this many tensor bytes may share a message ...
 BATCH_EVENT_MAX_BYTES = 64 * 1024
 #: ... of at most this many tensor bytes (well under clients' 4 MiB default).
 BATCH_MAX_BYTES = 1024 * 1024
 BATCH_MAX_EVENTS = 256
 
+BLOCK = hook_service_pb2.DELIVERY_POLICY_BLOCK
+DROP_OLDEST = hook_service_pb2.DELIVERY_POLICY_DROP_OLDEST
+DROP_NEWEST = hook_service_pb2.DELIVERY_POLICY_DROP_NEWEST
+AUTO = hook_service_pb2.DELIVERY_POLICY_UNSPECIFIED
+
 
 @dataclasses.dataclass(frozen=True)
 class DeliveryLimits:
     """How one stream buffers: its policy and bounds."""
 
-    policy: int = hook_service_pb2.DELIVERY_POLICY_BLOCK
+    policy: int = AUTO
     max_events: int = DEFAULT_MAX_EVENTS
     max_bytes: int = DEFAULT_MAX_BYTES
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     @classmethod
     def from_proto(cls, msg: hook_service_pb2.DeliveryOptions) -> DeliveryLimits:
         """Validated limits; zero fields take the server's defaults."""
-        policy = msg.policy or hook_service_pb2.DELIVERY_POLICY_BLOCK
-        if policy != hook_service_pb2.DELIVERY_POLICY_BLOCK:
+        if msg.policy not in hook_service_pb2.DeliveryPolicy.values():
             raise InvalidArgument(f"delivery.policy: unknown policy {msg.policy}")
         max_events = msg.max_events or DEFAULT_MAX_EVENTS
         max_bytes = msg.max_bytes or DEFAULT_MAX_BYTES
+        max_message = msg.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
         if max_events > LIMIT_MAX_EVENTS:
             raise InvalidArgument(f"delivery.max_events: {max_events} is above the limit {LIMIT_MAX_EVENTS}")
         if max_bytes > LIMIT_MAX_BYTES:
             raise InvalidArgument(f"delivery.max_bytes: {max_bytes} is above the limit {LIMIT_MAX_BYTES}")
-        return cls(policy=policy, max_events=max_events, max_bytes=max_bytes)
+        if max_message < MIN_MAX_MESSAGE_BYTES:
+            raise InvalidArgument(
+                f"delivery.max_message_bytes: {max_message} is below the minimum {MIN_MAX_MESSAGE_BYTES}"
+            )
+        return cls(policy=msg.policy, max_events=max_events, max_bytes=max_bytes, max_message_bytes=max_message)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Payload per TensorChunk on this stream."""
+        return min(CHUNK_BYTES, self.max_message_bytes - 64 * 1024)
+
+
+class HookCounters:
+    """What happened to a hook's events, across all its streams. Any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.events_sent = 0
+        self.events_dropped = 0
+
+    def add(self, *, sent: int = 0, dropped: int = 0) -> None:
+        """Counts queued and dropped events."""
+        with self._lock:
+            self.events_sent += sent
+            self.events_dropped += dropped
+
+
+@dataclasses.dataclass
+class _Item:
+    msg: hook_service_pb2.SessionMessage
+    nbytes: int
+    counters: HookCounters | None = None
+    chunker: Chunker | None = None
+
+
+def _notice(kind: hook_service_pb2.NoticeKind, message: str, dropped: int) -> hook_service_pb2.SessionMessage:
+    return hook_service_pb2.SessionMessage(
+        notice=hook_service_pb2.Notice(kind=kind, message=message, dropped=dropped)
+    )
 
 
 class EventStream:
     """The buffer of one outgoing stream: many producer threads, one consumer on the loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, limits: DeliveryLimits) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, limits: DeliveryLimits, *, owner_session_id: str = "") -> None:
         self._loop = loop
         self.limits = limits
+        #: The session whose own calls block under the default policy ("" for none).
+        self.owner_session_id = owner_session_id
         self._lock = threading.Lock()
         self._not_full = threading.Condition(self._lock)
-        self._items: collections.deque[tuple[hook_service_pb2.SessionMessage, int]] = collections.deque()
+        self._items: collections.deque[_Item] = collections.deque()
+        self._events = 0  # event items in _items (notices do not count)
         self._bytes = 0
         self._seq: dict[str, int] = {}
+        #: Events dropped on this stream so far.
+        self.dropped = 0
+        self._dropping = False
         self._closed = False
         self._ending = False
         self._ready = asyncio.Event()
@@ -74,49 +138,98 @@ class EventStream:
         """True once close() was called."""
         return self._closed
 
-    def put_event(self, msg: hook_service_pb2.SessionMessage, hook_id: str, nbytes: int) -> bool:
-        """Queues an event, numbering it for its hook; blocks while the buffer is full.
+    def blocks_for(self, session_id: str) -> bool:
+        """Whether an event of a call of ``session_id`` waits for space (else it may drop)."""
+        policy = self.limits.policy
+        if policy == AUTO:
+            return bool(session_id) and session_id == self.owner_session_id
+        return policy == BLOCK
 
-        Called from a model's worker thread, never the event loop (it may wait).
-        Returns False when the stream closed before the event could be queued.
+    def put_event(
+        self, msg: hook_service_pb2.SessionMessage, hook_id: str, nbytes: int, *,
+        session_id: str = "", counters: HookCounters | None = None, chunker: Chunker | None = None,
+    ) -> bool:
+        """Offers an event, numbering it for its hook; True if it was queued.
+
+        Called from a model's worker thread, never the event loop: under BLOCK it
+        waits while the buffer is full. Under a drop policy it never waits.
         """
+        block = self.blocks_for(session_id)
         with self._lock:
-            while not self._closed and not self._ending and self._is_full(nbytes):
-                self._not_full.wait()
             if self._closed or self._ending:
                 return False
+            if block:
+                while not self._closed and not self._ending and self._is_full(nbytes):
+                    self._not_full.wait()
+                if self._closed or self._ending:
+                    return False
+            # Numbered once it has a place (or is dropped), under the lock: seq
+            # follows stream order, and a dropped event leaves its gap.
             seq = self._seq.get(hook_id, 0) + 1
             self._seq[hook_id] = seq
+            evicted = False
+            if not block and self._is_full(nbytes):
+                if self.limits.policy == DROP_NEWEST:
+                    self._count_drop(counters)
+                    return False
+                while self._events and self._is_full(nbytes):
+                    self._evict_oldest_event()
+                    evicted = True
+            if self._dropping and not evicted:
+                self._dropping = False
+                self._append(_Item(_notice(
+                    hook_service_pb2.NOTICE_KIND_DROPS_ENDED,
+                    f"delivering again; {self.dropped} events dropped on this stream so far", self.dropped), 0))
             msg.event.seq = seq
-            self._append(msg, nbytes)
+            msg.event.dropped = self.dropped
+            self._append(_Item(msg, nbytes, counters, chunker))
+            self._events += 1
+        if counters is not None:
+            counters.add(sent=1)
         return True
+
+    def _count_drop(self, counters: HookCounters | None) -> None:
+        self.dropped += 1
+        if counters is not None:
+            counters.add(dropped=1)
+        if not self._dropping:
+            self._dropping = True
+            self._append(_Item(_notice(
+                hook_service_pb2.NOTICE_KIND_DROPS_STARTED,
+                f"buffer full ({self.limits.max_events} events / {self.limits.max_bytes} bytes): dropping events",
+                self.dropped), 0))
+
+    def _evict_oldest_event(self) -> None:
+        for i, item in enumerate(self._items):
+            if item.msg.WhichOneof("kind") == "event":
+                del self._items[i]
+                self._events -= 1
+                self._bytes -= item.nbytes
+                if item.counters is not None:
+                    item.counters.add(sent=-1)
+                self._count_drop(item.counters)
+                return
 
     def put_notice(self, msg: hook_service_pb2.SessionMessage) -> None:
         """Queues a notice without waiting (notices are small and rare); any thread."""
         with self._lock:
             if not (self._closed or self._ending):
-                self._append(msg, 0)
+                self._append(_Item(msg, 0))
 
     def _is_full(self, nbytes: int) -> bool:
-        if len(self._items) >= self.limits.max_events:
+        if self._events >= self.limits.max_events:
             return True
         # An event larger than the whole byte budget still goes through, alone.
-        return bool(self._items) and self._bytes + nbytes > self.limits.max_bytes
+        return bool(self._events) and self._bytes + nbytes > self.limits.max_bytes
 
-    def _append(self, msg: hook_service_pb2.SessionMessage, nbytes: int) -> None:
+    def _append(self, item: _Item) -> None:
         was_empty = not self._items
-        self._items.append((msg, nbytes))
-        self._bytes += nbytes
+        self._items.append(item)
+        self._bytes += item.nbytes
         if was_empty:
             self._wake()
 
-    async def get(self) -> hook_service_pb2.SessionMessage | None:
-        """The next message, waiting for one; None once closed (queued messages are
-        dropped) or ended and drained."""
-        items = await self._take(0, 1)
-        return items[0][0] if items else None
-
-    async def _take(self, max_bytes: int, max_items: int) -> list[tuple[hook_service_pb2.SessionMessage, int]]:
+    async def _take(self, max_bytes: int, max_items: int) -> list[_Item]:
         """The next item and, without waiting, those queued behind it, up to ``max_items``
         items whose bytes stay under ``max_bytes``; [] once closed (or ended and drained)."""
         while True:
@@ -125,11 +238,17 @@ class EventStream:
                     return []
                 if self._items:
                     out = [self._items.popleft()]
-                    budget = max_bytes - out[0][1]
-                    while self._items and len(out) < max_items and self._items[0][1] <= budget:
-                        budget -= self._items[0][1]
+                    budget = max_bytes - out[0].nbytes
+                    while (
+                        self._items and len(out) < max_items and out[-1].chunker is None
+                        and self._items[0].chunker is None and self._items[0].nbytes <= budget
+                    ):
+                        budget -= self._items[0].nbytes
                         out.append(self._items.popleft())
-                    self._bytes -= sum(nbytes for _, nbytes in out)
+                    for item in out:
+                        self._bytes -= item.nbytes
+                        if item.msg.WhichOneof("kind") == "event":
+                            self._events -= 1
                     self._not_full.notify_all()
                     return out
                 if self._ending:
@@ -137,22 +256,35 @@ class EventStream:
                 self._ready.clear()
             await self._ready.wait()
 
+    async def get(self) -> hook_service_pb2.SessionMessage | None:
+        """The next message, waiting for one; None once closed (queued messages are
+        dropped) or ended and drained. Chunks of a chunked event are not included."""
+        items = await self._take(0, 1)
+        return items[0].msg if items else None
+
     async def messages(self) -> AsyncIterator[hook_service_pb2.SessionMessage]:
         """What to send, in order, until the stream closes or ends.
 
         Small events that are waiting together go out as one EventBatch: gRPC's
         cost per message, on both ends, is far above the cost of a small event.
+        An event with chunked tensors goes out alone, followed by its chunks.
         """
         while items := await self._take(BATCH_MAX_BYTES, BATCH_MAX_EVENTS):
             run: list[hook_service_pb2.SessionMessage] = []
-            for msg, nbytes in items:
-                if msg.WhichOneof("kind") == "event" and nbytes <= BATCH_EVENT_MAX_BYTES:
+            for item in items:
+                msg = item.msg
+                if item.chunker is None and msg.WhichOneof("kind") == "event" and item.nbytes <= BATCH_EVENT_MAX_BYTES:
                     run.append(msg)
                     continue
                 for out in _coalesce(run):
                     yield out
                 run = []
                 yield msg
+                if item.chunker is not None:
+                    for chunk in item.chunker.chunks(self.limits.chunk_bytes):
+                        if self._closed:
+                            return
+                        yield hook_service_pb2.SessionMessage(chunk=chunk)
             for out in _coalesce(run):
                 yield out
 
@@ -170,6 +302,7 @@ class EventStream:
                 return
             self._closed = True
             self._items.clear()
+            self._events = 0
             self._bytes = 0
             self._not_full.notify_all()
         self._wake()
@@ -183,7 +316,7 @@ class EventStream:
     def occupancy(self) -> tuple[int, int]:
         """(events, bytes) buffered now."""
         with self._lock:
-            return len(self._items), self._bytes
+            return self._events, self._bytes
 
 
 def _coalesce(events: list[hook_service_pb2.SessionMessage]) -> Iterator[hook_service_pb2.SessionMessage]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import secrets
 import time
@@ -24,10 +25,12 @@ from google.protobuf import timestamp_pb2
 from torch.utils.hooks import RemovableHandle
 
 from hookwire import _codec
+from hookwire._codec import Chunker
 from hookwire.v1 import hook_pb2, hook_service_pb2, rule_pb2
 
+from .capture import CaptureOptions, Sampler
 from .errors import InvalidArgument, NotFound, PermissionDenied, Unimplemented
-from .event_bus import DeliveryLimits, EventStream
+from .event_bus import DeliveryLimits, EventStream, HookCounters
 from .model_registry import ModelHost, ModelRegistry
 from .rules import CompiledRule, RuleFailure, apply_rules, compile_rules
 from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hookwire.hooks")
 
 SCOPE_REQUEST = -1  # internal: InferRequest.hooks, which have no wire scope value
+DEFAULT_MAX_TTL_SECONDS = 24 * 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +86,7 @@ class Action:
     always_call: bool = False
     rules: tuple[CompiledRule, ...] = ()
     capture_before_rules: bool = False
+    options: CaptureOptions = CaptureOptions()
 
     @property
     def modifies(self) -> bool:
@@ -151,6 +156,7 @@ def compile_spec(
                     device=host.device,
                 ),
                 capture_before_rules=action_msg.capture_stage == rule_pb2.CAPTURE_STAGE_BEFORE_RULES,
+                options=CaptureOptions.compile(action_msg, info.field),
             )
         )
     if not actions:
@@ -182,6 +188,7 @@ def compile_spec(
         )
     if spec.on_error not in rule_pb2.OnError.values():
         raise InvalidArgument(f"on_error: unknown policy {spec.on_error}")
+    Sampler.compile(spec.sampling)  # validates
     fail_call = spec.on_error == rule_pb2.ON_ERROR_FAIL_CALL or (
         spec.on_error == rule_pb2.ON_ERROR_UNSPECIFIED and not shared
     )
@@ -217,9 +224,17 @@ class HookRecord:
         self.slots = slots
         self.active = False
         self.removed = False
-        #: Set (once) when a failing rule disabled the hook.
+        #: Set (once) when a failing rule or capture disabled the hook.
         self.disabled_reason = ""
         self.fire_count = 0
+        self.errors = 0
+        self.counters = HookCounters()
+        self.last_fired_ns = 0
+        #: Wall-clock expiry (ns) of a hook without a session; 0 for none.
+        self.expires_ns = 0
+        self._sampler = Sampler.compile(spec.sampling)
+        #: Called once when the hook is removed (cancels a TTL timer).
+        self.on_removed: Callable[[], Any] | None = None
         #: The background detach, once removed.
         self.detaching: asyncio.Future[None] | None = None
         self._handles: list[RemovableHandle] = []
@@ -303,31 +318,34 @@ class HookRecord:
         if not (self.compiled.train_update if training else self.compiled.eval_update):
             return None
         self.fire_count += 1
+        self.last_fired_ns = time.time_ns()
+        capture = bool(action.capture) and (self._sampler is None or self._sampler.take())
         if not action.rules:
-            if action.capture:
+            if capture:
                 self._capture(action, path, p, call_index, training, parts)
             return None
-        if action.capture and action.capture_before_rules:
+        if capture and action.capture_before_rules:
             self._capture(action, path, p, call_index, training, parts)
         try:
             new_parts, changed = apply_rules(
                 action.rules, parts, self.slots, f"hook {self.hook_id} on module {path!r} of {self.host.name!r}"
             )
         except RuleFailure as failure:
+            self.errors += 1
             if self.compiled.fail_call_on_error:
                 raise failure.error from None  # through forward/backward: the Infer call fails
-            self._disable(str(failure.error))
+            self._disable(str(failure.error), hook_service_pb2.NOTICE_KIND_HOOK_DISABLED)
             return None  # the failing firing changes nothing
-        if action.capture and not action.capture_before_rules:
+        if capture and not action.capture_before_rules:
             self._capture(action, path, p, call_index, training, new_parts)
         return new_parts if changed else None
 
-    def _disable(self, reason: str) -> None:
+    def _disable(self, reason: str, kind: hook_service_pb2.NoticeKind) -> None:
         """Stops the hook for good (it stays listed) and tells its streams. Worker thread."""
         self.active = False
         self.disabled_reason = reason
         log.warning("hook %s disabled: %s", self.hook_id, reason)
-        notice = _notice(hook_service_pb2.NOTICE_KIND_HOOK_DISABLED, self.hook_id, f"hook disabled: {reason}")
+        notice = _notice(kind, self.hook_id, f"hook disabled: {reason}")
         for stream in self.streams:
             stream.put_notice(notice)
 
@@ -337,33 +355,29 @@ class HookRecord:
         if self.compiled.scope == SCOPE_REQUEST:
             # The request's own hook: a capture failure fails the request (raised through forward).
             event = p.response.events.add()
-            self._fill_event(event, action, path, p, call_index, training, parts)
+            self._fill_event(event, action, path, p, call_index, training, parts, p.chunker)
             event.seq = p.next_seq(self.hook_id)
             return
         streams = self.streams
         if not streams:
             return  # nobody listens: no copies
         msg = hook_service_pb2.SessionMessage()
+        chunker = Chunker(snapshot=True)
         try:
-            nbytes = self._fill_event(msg.event, action, path, p, call_index, training, parts)
-        except Exception as exc:  # never break a pass because a capture cannot be sent
+            nbytes = self._fill_event(msg.event, action, path, p, call_index, training, parts, chunker)
+        except Exception as exc:  # never break a pass because a capture cannot be made
+            self.errors += 1
             detail = f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}"
-            log.warning("%s", detail)
-            notice = hook_service_pb2.SessionMessage(
-                notice=hook_service_pb2.Notice(
-                    kind=hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, hook_id=self.hook_id, message=detail
-                )
-            )
-            for stream in streams:
-                stream.put_notice(notice)
+            self._disable(detail, hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED)
             return
         copies = [msg] + [_copy(msg) for _ in streams[1:]]
+        kept = chunker if chunker.tensors else None
         for stream, m in zip(streams, copies):
-            stream.put_event(m, self.hook_id, nbytes)
+            stream.put_event(m, self.hook_id, nbytes, session_id=p.session_id, counters=self.counters, chunker=kept)
 
     def _fill_event(
         self, event: hook_pb2.InterceptEvent, action: Action, path: str, p: Pass,
-        call_index: int, training: bool, parts: dict[str, Any],
+        call_index: int, training: bool, parts: dict[str, Any], chunker: Chunker | None,
     ) -> int:
         event.hook_id = self.hook_id
         event.model = self.host.name
@@ -374,34 +388,48 @@ class HookRecord:
         event.training = training
         event.time.CopyFrom(_now())
         nbytes = 0
+        options = action.options
+        encode = _codec.encode_value_into
         try:
             for part in action.capture:
                 if part == hook_pb2.PART_ARGS:
                     for value in parts["args"]:
-                        nbytes += _codec.encode_value_into(value, event.args.add())
+                        value = options.prepare(value) if options.transforms else value
+                        nbytes += encode(value, event.args.add(), chunker=chunker)
                 elif part == hook_pb2.PART_KWARGS:
                     for key, value in parts["kwargs"].items():
-                        nbytes += _codec.encode_value_into(value, event.kwargs[key])
+                        value = options.prepare(value) if options.transforms else value
+                        nbytes += encode(value, event.kwargs[key], chunker=chunker)
                 elif part == hook_pb2.PART_OUTPUT:
-                    nbytes += _codec.encode_value_into(parts["output"], event.output)
-                elif part == hook_pb2.PART_GRAD_INPUT:
-                    for value in parts["grad_input"]:
-                        nbytes += _codec.encode_value_into(value, event.grad_input.add())
+                    value = options.prepare(parts["output"]) if options.transforms else parts["output"]
+                    nbytes += encode(value, event.output, chunker=chunker)
                 else:
-                    for value in parts["grad_output"]:
-                        nbytes += _codec.encode_value_into(value, event.grad_output.add())
+                    field = "grad_input" if part == hook_pb2.PART_GRAD_INPUT else "grad_output"
+                    target = getattr(event, field)
+                    for value in parts[field]:
+                        value = options.prepare(value) if options.transforms else value
+                        nbytes += encode(value, target.add(), chunker=chunker)
         except _codec.CodecError as exc:
-            raise Unimplemented(
-                f"hook {self.hook_id} on module {path!r} cannot capture {_part_name(part)}: {exc}"
+            raise Unimplemented(f"hook {self.hook_id} on module {path!r} cannot capture {_part_name(part)}: {exc}") from None
+        except (IndexError, RuntimeError, ValueError, TypeError) as exc:  # a selection that does not fit, ...
+            raise InvalidArgument(
+                f"hook {self.hook_id} on module {path!r} cannot capture {_part_name(part)}: {type(exc).__name__}: {exc}"
             ) from None
         return nbytes
 
     def to_proto(self) -> hook_pb2.Hook:
         """The wire description of this hook."""
-        return hook_pb2.Hook(
+        msg = hook_pb2.Hook(
             hook_id=self.hook_id, spec=self.spec, modules=list(self.compiled.modules), session_id=self.session_id,
             disabled=bool(self.disabled_reason), disabled_reason=self.disabled_reason,
+            fire_count=self.fire_count, events_sent=self.counters.events_sent,
+            events_dropped=self.counters.events_dropped, errors=self.errors,
         )
+        if self.last_fired_ns:
+            msg.last_fired.FromNanoseconds(self.last_fired_ns)
+        if self.expires_ns:
+            msg.expires.FromNanoseconds(self.expires_ns)
+        return msg
 
 
 def _install(module: Any, action: Action, fn: Callable[..., None]) -> RemovableHandle:
@@ -463,9 +491,11 @@ class HookManager:
     """Sessions, registered hooks and subscriptions. Lives on the event loop."""
 
     def __init__(
-        self, registry: ModelRegistry, *, allow_shared_rules: bool = False, max_slot_bytes: int = DEFAULT_MAX_SLOT_BYTES
+        self, registry: ModelRegistry, *, allow_shared_rules: bool = False,
+        max_slot_bytes: int = DEFAULT_MAX_SLOT_BYTES, max_ttl_seconds: int = DEFAULT_MAX_TTL_SECONDS,
     ) -> None:
         self._registry = registry
+        self.max_ttl_seconds = max_ttl_seconds
         self.allow_shared_rules = allow_shared_rules
         self.max_slot_bytes = max_slot_bytes
         self._hooks: dict[str, HookRecord] = {}
@@ -476,7 +506,9 @@ class HookManager:
 
     def open_session(self, limits: DeliveryLimits) -> Session:
         """A new session with its own event stream."""
-        session = Session(new_id("ses"), EventStream(asyncio.get_running_loop(), limits), self.max_slot_bytes)
+        session_id = new_id("ses")
+        stream = EventStream(asyncio.get_running_loop(), limits, owner_session_id=session_id)
+        session = Session(session_id, stream, self.max_slot_bytes)
         self._sessions[session.session_id] = session
         log.info("session %s opened", session.session_id)
         return session
@@ -508,15 +540,38 @@ class HookManager:
     # ---------------------------------------------------------------- hooks
 
     async def register(self, session_id: str, spec: hook_pb2.HookSpec) -> HookRecord:
-        """Registers and attaches a hook; returns once it fires for the next pass."""
-        session = self.require_session(session_id)
+        """Registers and attaches a hook; returns once it fires for the next pass.
+
+        Without a session, the hook must watch shared traffic (SCOPE_ALL/TAGGED),
+        carries a TTL (capped at max_ttl_seconds) and delivers to subscribers only.
+        """
+        session = self.require_session(session_id) if session_id else None
         host = self._registry.get(spec.model)
         compiled = compile_spec(spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules)
-        record = HookRecord(new_id("hk"), host, spec, compiled, session_id=session_id, slots=session.slots)
-        record.streams = (session.stream,)
+        if session is None:
+            if compiled.scope not in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED):
+                raise InvalidArgument("session_id: a hook without a session must have scope SCOPE_ALL or SCOPE_TAGGED")
+            if spec.ttl_seconds <= 0:
+                raise InvalidArgument("spec.ttl_seconds: a hook without a session needs a TTL")
+            if compiled.uses_slots:
+                raise InvalidArgument("save and patch rules keep slots in a session: register with a session_id")
+        elif spec.ttl_seconds:
+            raise InvalidArgument("spec.ttl_seconds: session hooks live as long as their session")
+        record = HookRecord(
+            new_id("hk"), host, spec, compiled, session_id=session_id, slots=session.slots if session else None
+        )
+        if session is not None:
+            record.streams = (session.stream,)
+            session.hook_ids[record.hook_id] = None
+        else:
+            ttl = min(spec.ttl_seconds, self.max_ttl_seconds)
+            record.expires_ns = time.time_ns() + ttl * 1_000_000_000
+            handle = asyncio.get_running_loop().call_later(
+                ttl, functools.partial(self._remove, record.hook_id, reason=f"its TTL of {ttl} s expired")
+            )
+            record.on_removed = handle.cancel
         # Known before the attach completes, so that a session ending meanwhile removes it.
         self._hooks[record.hook_id] = record
-        session.hook_ids[record.hook_id] = None
         try:
             await host.run(record.attach)
         except BaseException:
@@ -543,6 +598,8 @@ class HookManager:
             return None
         record.removed = True
         record.active = False
+        if record.on_removed is not None:
+            record.on_removed()
         session = self._sessions.get(record.session_id)
         if session is not None:
             session.hook_ids.pop(hook_id, None)

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from hookwire import _codec
+from hookwire._codec import Chunker
 from hookwire.v1 import model_service_pb2
 
 from .errors import FailedPrecondition, HookwireServerError, InvalidArgument, ResourceExhausted, Unimplemented
@@ -34,6 +35,8 @@ class Pass:
         self.session_id = session_id
         self.tags = tags
         self.response = model_service_pb2.InferResponse(request_id=request_id)
+        #: Collects large tensors of the response when it is streamed (InferStream).
+        self.chunker: Chunker | None = None
         self._calls: dict[tuple[str, str, int], int] = {}
         self._seqs: dict[str, int] = {}
 

@@ -31,8 +31,11 @@ def notice(text: str) -> hook_service_pb2.SessionMessage:
     return msg
 
 
-def make_stream(max_events: int = event_bus.DEFAULT_MAX_EVENTS, max_bytes: int = event_bus.DEFAULT_MAX_BYTES):
-    return EventStream(asyncio.get_running_loop(), DeliveryLimits(max_events=max_events, max_bytes=max_bytes))
+def make_stream(
+    max_events: int = event_bus.DEFAULT_MAX_EVENTS, max_bytes: int = event_bus.DEFAULT_MAX_BYTES,
+    policy: int = event_bus.BLOCK,
+):
+    return EventStream(asyncio.get_running_loop(), DeliveryLimits(policy=policy, max_events=max_events, max_bytes=max_bytes))
 
 
 class Producer(threading.Thread):
@@ -343,7 +346,7 @@ async def test_put_notice_never_blocks():
     t = threading.Thread(target=put_notices, daemon=True)
     t.start()
     await join(t)
-    assert stream.occupancy() == (51, 1)
+    assert stream.occupancy() == (1, 1)  # notices are not events and take no budget
     first = await get(stream)
     assert first.WhichOneof("kind") == "event"
     got = [await get(stream) for _ in range(50)]
@@ -377,7 +380,7 @@ async def test_notices_do_not_consume_seq_numbers():
 def test_limits_zero_fields_take_defaults():
     limits = DeliveryLimits.from_proto(hook_service_pb2.DeliveryOptions())
     assert limits == DeliveryLimits()
-    assert limits.policy == hook_service_pb2.DELIVERY_POLICY_BLOCK
+    assert limits.policy == hook_service_pb2.DELIVERY_POLICY_UNSPECIFIED
     assert limits.max_events == event_bus.DEFAULT_MAX_EVENTS
     assert limits.max_bytes == event_bus.DEFAULT_MAX_BYTES
 
@@ -491,3 +494,66 @@ async def test_messages_end_when_the_stream_ends() -> None:
     stream.put_event(event("h"), "h", 1)
     stream.end()
     assert [m async for m in stream.messages()][0].event.seq == 1
+
+
+# --------------------------------------------------------------------------- drop policies
+
+
+async def test_drop_newest_counts_exactly_and_leaves_seq_gaps() -> None:
+    stream = make_stream(max_events=3, policy=event_bus.DROP_NEWEST)
+    counters = event_bus.HookCounters()
+    results = [stream.put_event(event("h", f"r{i}"), "h", 1, counters=counters) for i in range(10)]
+    assert results == [True] * 3 + [False] * 7
+    assert stream.dropped == 7 and counters.events_dropped == 7 and counters.events_sent == 3
+    msgs = [await get(stream) for _ in range(4)]
+    assert [m.WhichOneof("kind") for m in msgs] == ["event", "event", "event", "notice"]
+    assert [m.event.seq for m in msgs[:3]] == [1, 2, 3]
+    assert msgs[3].notice.kind == hook_service_pb2.NOTICE_KIND_DROPS_STARTED and msgs[3].notice.dropped == 1
+    assert stream.put_event(event("h", "after"), "h", 1, counters=counters)
+    ended, after = await get(stream), await get(stream)
+    assert ended.notice.kind == hook_service_pb2.NOTICE_KIND_DROPS_ENDED and ended.notice.dropped == 7
+    assert after.event.seq == 11 and after.event.dropped == 7  # seq 4..10 were dropped
+
+
+async def test_drop_oldest_keeps_the_newest_and_counts_per_hook() -> None:
+    stream = make_stream(max_events=2, policy=event_bus.DROP_OLDEST)
+    a, b = event_bus.HookCounters(), event_bus.HookCounters()
+    for i in range(6):
+        hook, counters = ("a", a) if i % 2 == 0 else ("b", b)
+        assert stream.put_event(event(hook, f"r{i}"), hook, 1, counters=counters)
+    assert stream.dropped == 4
+    assert (a.events_sent, a.events_dropped, b.events_sent, b.events_dropped) == (1, 2, 1, 2)
+    msgs = [await get(stream) for _ in range(3)]
+    kinds = [m.WhichOneof("kind") for m in msgs]
+    assert kinds == ["notice", "event", "event"]  # one DROPS_STARTED for the whole run of drops
+    assert [m.event.request_id for m in msgs[1:]] == ["r4", "r5"]
+    assert [m.event.dropped for m in msgs[1:]] == [3, 4]
+    assert stream.put_event(event("a", "calm"), "a", 1, counters=a)  # room again: the run ends
+    ended, calm = await get(stream), await get(stream)
+    assert ended.notice.kind == hook_service_pb2.NOTICE_KIND_DROPS_ENDED and calm.event.request_id == "calm"
+
+
+async def test_default_policy_blocks_only_the_owners_calls() -> None:
+    stream = EventStream(asyncio.get_running_loop(), DeliveryLimits(max_events=1), owner_session_id="ses_me")
+    assert stream.blocks_for("ses_me") and not stream.blocks_for("ses_other") and not stream.blocks_for("")
+    assert stream.put_event(event("h"), "h", 1, session_id="ses_other")
+    assert stream.put_event(event("h"), "h", 1, session_id="ses_other")  # evicts the first: never waits
+    assert stream.dropped == 1
+    producer = Producer(stream, [])
+    blocked = threading.Thread(target=lambda: stream.put_event(event("h"), "h", 1, session_id="ses_me"), daemon=True)
+    blocked.start()
+    await asyncio.sleep(SETTLE)
+    assert blocked.is_alive(), "the owner's own call waits for space"
+    assert (await get(stream)).WhichOneof("kind") == "notice"  # DROPS_STARTED
+    assert (await get(stream)).WhichOneof("kind") == "event"
+    await join(blocked)
+    del producer
+
+
+async def test_drop_policy_memory_is_bounded_by_bytes() -> None:
+    stream = make_stream(max_events=1000, max_bytes=1000, policy=event_bus.DROP_OLDEST)
+    for i in range(500):
+        stream.put_event(event("h"), "h", 100)
+        assert stream.occupancy()[1] <= 1000
+    assert stream.occupancy() == (10, 1000)
+    assert stream.dropped == 490

@@ -1,0 +1,143 @@
+"""What a capture sends: selection, cast and server-side summaries of captured tensors,
+and which firings send at all (sampling). Compiled at registration; applied in hooks."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from hookwire import _codec
+from hookwire.v1 import hook_pb2, tensor_pb2
+
+from .errors import InvalidArgument
+from .selection import Index, SelectionError, parse_selection
+
+MAX_HISTOGRAM_BINS = 4096
+_CASTS = {
+    tensor_pb2.DTYPE_FLOAT16: torch.float16,
+    tensor_pb2.DTYPE_BFLOAT16: torch.bfloat16,
+    tensor_pb2.DTYPE_FLOAT32: torch.float32,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureOptions:
+    """How captured tensors are reduced before they are sent."""
+
+    select: Index | None = None
+    cast: torch.dtype | None = None
+    #: None: send tensors; an int: send summaries with that many histogram bins.
+    summary_bins: int | None = None
+
+    @property
+    def transforms(self) -> bool:
+        """Whether captured values need preparing at all."""
+        return self.select is not None or self.cast is not None or self.summary_bins is not None
+
+    @classmethod
+    def compile(cls, action: hook_pb2.HookAction, field: str) -> CaptureOptions:
+        """Validated options of a HookAction; InvalidArgument naming the field."""
+        select = None
+        if action.select:
+            try:
+                select = parse_selection(action.select)
+            except SelectionError as exc:
+                raise InvalidArgument(f"{field}.select: {exc}") from None
+        cast = None
+        if action.cast:
+            cast = _CASTS.get(action.cast)
+            if cast is None:
+                raise InvalidArgument(
+                    f"{field}.cast: {_codec.dtype_name(action.cast)} is not one of DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_FLOAT32"
+                )
+        bins = None
+        if action.HasField("summarize"):
+            bins = action.summarize.histogram_bins
+            if bins > MAX_HISTOGRAM_BINS:
+                raise InvalidArgument(f"{field}.summarize.histogram_bins: {bins} is above {MAX_HISTOGRAM_BINS}")
+        return cls(select=select, cast=cast, summary_bins=bins)
+
+    def prepare(self, value: Any) -> Any:
+        """``value`` with each tensor selected, cast, or summarized (containers rebuilt)."""
+        if isinstance(value, torch.Tensor):
+            t = value.detach()
+            if self.select is not None:
+                t = t[self.select]
+            if self.cast is not None and t.is_floating_point():
+                t = t.to(self.cast)
+            return summarize(t, self.summary_bins) if self.summary_bins is not None else t
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.prepare(v) for v in value) if type(value) in (tuple, list) else tuple(
+                self.prepare(v) for v in value)
+        if isinstance(value, Mapping):
+            return {k: self.prepare(v) for k, v in value.items()}
+        return value
+
+
+def summarize(t: torch.Tensor, bins: int = 0) -> tensor_pb2.TensorSummary:
+    """Statistics of ``t``, computed by torch in float64 on the tensor's device."""
+    msg = tensor_pb2.TensorSummary(
+        dtype=_codec.wire_dtype_of(t.dtype), shape=list(t.shape), numel=t.numel()
+    )
+    x = t.detach().to(torch.float64)
+    if x.numel() == 0:
+        msg.min = msg.max = msg.mean = msg.std = math.nan
+        msg.l2_norm = 0.0
+        return msg
+    msg.min = x.min().item()
+    msg.max = x.max().item()
+    msg.mean = x.mean().item()
+    msg.std = x.std().item() if x.numel() > 1 else math.nan
+    msg.l2_norm = torch.linalg.vector_norm(x).item()
+    msg.nan_count = int(torch.isnan(x).sum().item())
+    msg.inf_count = int(torch.isinf(x).sum().item())
+    if bins:
+        finite = x[torch.isfinite(x)]
+        if finite.numel():
+            lo, hi = finite.min().item(), finite.max().item()
+            msg.histogram_min, msg.histogram_max = lo, hi
+            counts = torch.histc(finite, bins=bins, min=lo, max=hi) if hi > lo else None
+            if counts is None:  # all equal: everything in the first bin
+                msg.histogram.extend([finite.numel()] + [0] * (bins - 1))
+            else:
+                msg.histogram.extend(int(c) for c in counts.tolist())
+    return msg
+
+
+class Sampler:
+    """Decides which firings of a hook send an event. One per hook; worker thread only."""
+
+    def __init__(self, sampling: hook_pb2.Sampling) -> None:
+        self.every_n = max(1, sampling.every_n)
+        self.probability = sampling.probability if sampling.HasField("probability") else None
+        self.max_events = sampling.max_events
+        self._rng = random.Random(sampling.seed)
+        self._firings = 0
+        self._sent = 0
+
+    @classmethod
+    def compile(cls, sampling: hook_pb2.Sampling) -> Sampler | None:
+        """A sampler, or None when every firing sends; InvalidArgument for bad values."""
+        if sampling.HasField("probability") and not 0.0 <= sampling.probability <= 1.0:
+            raise InvalidArgument(f"sampling.probability: {sampling.probability} is not in [0, 1]")
+        if sampling.every_n <= 1 and not sampling.HasField("probability") and not sampling.max_events:
+            return None
+        return cls(sampling)
+
+    def take(self) -> bool:
+        """Whether this firing sends (and counts it)."""
+        index = self._firings
+        self._firings += 1
+        if self.max_events and self._sent >= self.max_events:
+            return False
+        if index % self.every_n:
+            return False
+        if self.probability is not None and self._rng.random() >= self.probability:
+            return False
+        self._sent += 1
+        return True
