@@ -37,8 +37,18 @@ from ._errors import (
     UnimplementedError,
 )
 from . import rules
-from ._specs import Backward, HookAction, HookSpec, capture, edit
-from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, ModuleInfo, Notice, ParameterInfo, SlotInfo
+from ._specs import Backward, HookAction, HookSpec, Sampling, capture, edit
+from ._types import (
+    HookInfo,
+    InferResult,
+    InterceptEvent,
+    ModelInfo,
+    ModuleInfo,
+    Notice,
+    ParameterInfo,
+    SlotInfo,
+    TensorSummary,
+)
 
 __version__ = "0.1.0"
 
@@ -69,9 +79,11 @@ __all__ = [
     "PermissionDeniedError",
     "RemoteModel",
     "ResourceExhaustedError",
+    "Sampling",
     "Session",
     "SlotInfo",
     "Subscription",
+    "TensorSummary",
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from types import TracebackType
-from typing import Any, AsyncIterator, Generator, Iterable, Mapping, Sequence
+from typing import Any, AsyncIterator, Generator, Iterable, Literal, Mapping, Sequence
 
 import grpc
 
 from . import _codec
 from ._errors import from_rpc_error
-from ._session import EventRouter, pump
-from ._specs import ActionLike, Backward, HookSpec, OnErrorName, ScopeName
-from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, SlotInfo
+from ._session import EventRouter, pump, stream_items
+from ._specs import ActionLike, Backward, HookSpec, OnErrorName, Sampling, ScopeName
+from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, Notice, SlotInfo
 from .v1 import (
     hook_service_pb2,
     hook_service_pb2_grpc,
@@ -37,7 +37,32 @@ class ConnectOptions:
     session_max_events: int = 0
     #: Buffer of the session stream on the server, in bytes (0: the server's default).
     session_max_bytes: int = 0
+    #: What the session stream does when its buffer is full: "default" (block for this
+    #: client's own calls, drop the oldest of other callers'), "block", "drop_oldest", "drop_newest".
+    session_policy: PolicyName = "default"
 
+    @property
+    def stream_max_message_bytes(self) -> int:
+        """The largest message streams send to this client (larger events come in chunks)."""
+        return min(self.max_message_bytes, 2**31 - 1)
+
+
+PolicyName = Literal["default", "block", "drop_oldest", "drop_newest"]
+_POLICIES = {
+    "default": hook_service_pb2.DELIVERY_POLICY_UNSPECIFIED,
+    "block": hook_service_pb2.DELIVERY_POLICY_BLOCK,
+    "drop_oldest": hook_service_pb2.DELIVERY_POLICY_DROP_OLDEST,
+    "drop_newest": hook_service_pb2.DELIVERY_POLICY_DROP_NEWEST,
+}
+
+
+def _delivery(policy: str, max_events: int, max_bytes: int, max_message_bytes: int) -> hook_service_pb2.DeliveryOptions:
+    if policy not in _POLICIES:
+        raise ValueError(f"policy must be one of {sorted(_POLICIES)}, not {policy!r}")
+    return hook_service_pb2.DeliveryOptions(
+        policy=_POLICIES[policy], max_events=max_events, max_bytes=max_bytes,
+        max_message_bytes=min(max_message_bytes, 2**32 - 1),
+    )
 
 def connect(target: str = DEFAULT_TARGET, *, options: ConnectOptions | None = None) -> Client:
     """A client for the server at ``target`` ("host:port").
@@ -146,10 +171,17 @@ class Client:
         return self._session.session_id if self._session is not None and not self._session.ended else ""
 
     async def register_hook(self, spec: HookSpec, *, model: str = "") -> HookHandle:
-        """Registers ``spec`` in the client's session; returns once the hook is attached.
+        """Registers ``spec``; returns once the hook is attached.
 
-        Raises NotFoundError (model, module), InvalidArgumentError (spec).
+        A spec with ``ttl_seconds`` is registered without a session (it outlives this
+        client until the TTL, needs scope "all" or "tagged", and its events reach
+        subscribers: ``handle.events()`` subscribes). Otherwise it joins the client's
+        session. Raises NotFoundError (model, module), InvalidArgumentError (spec).
         """
+        if spec.ttl_seconds:
+            request = hook_service_pb2.RegisterHookRequest(spec=spec.to_proto(model))
+            reply = await self._unary(self.hook_stub.RegisterHook, request)
+            return HookHandle(self, HookInfo.from_proto(reply), None)
         session = await self.session()
         return await session.register(spec, model=model)
 
@@ -182,14 +214,20 @@ class Client:
         )
         return [SlotInfo.from_proto(s) for s in reply.slots]
 
-    def subscribe(self, hook_ids: Iterable[str], *, max_events: int = 0, max_bytes: int = 0) -> Subscription:
+    def subscribe(
+        self, hook_ids: Iterable[str], *, policy: PolicyName = "default", max_events: int = 0, max_bytes: int = 0,
+    ) -> Subscription:
         """A further stream of the events of existing hooks (fan-out).
 
-        Lazy: the RPC starts on ``async with`` (which waits until the server has
-        attached the stream, so later events are not missed) or on first iteration.
+        ``policy`` is what the server does when this stream's buffer is full: the
+        default drops the oldest events (a subscriber never slows the model);
+        "block" is lossless and makes passes wait for this reader. Lazy: the RPC
+        starts on ``async with`` (which waits until the server has attached the
+        stream, so later events are not missed) or on first iteration.
         """
         request = hook_service_pb2.SubscribeRequest(
-            hook_ids=list(hook_ids), delivery=hook_service_pb2.DeliveryOptions(max_events=max_events, max_bytes=max_bytes)
+            hook_ids=list(hook_ids),
+            delivery=_delivery(policy, max_events, max_bytes, self.options.stream_max_message_bytes),
         )
         return Subscription(self, request)
 
@@ -207,10 +245,10 @@ class Session:
     @classmethod
     async def open(cls, client: Client) -> Session:
         """Opens a session; waits for the server's SessionOpened."""
+        options = client.options
         request = hook_service_pb2.OpenSessionRequest(
-            delivery=hook_service_pb2.DeliveryOptions(
-                max_events=client.options.session_max_events, max_bytes=client.options.session_max_bytes
-            )
+            delivery=_delivery(options.session_policy, options.session_max_events, options.session_max_bytes,
+                               options.stream_max_message_bytes)
         )
         call = client.hook_stub.OpenSession(request)
         try:
@@ -242,10 +280,10 @@ class Session:
 class HookHandle:
     """A registered hook. ``remove()`` is idempotent; ``async with`` removes it on exit."""
 
-    def __init__(self, client: Client, info: HookInfo, router: EventRouter) -> None:
+    def __init__(self, client: Client, info: HookInfo, router: EventRouter | None) -> None:
         self._client = client
         self.info = info
-        self._router = router
+        self._router = router  # None for a hook without a session
         self._removed = False
 
     @property
@@ -263,8 +301,11 @@ class HookHandle:
 
         Waits for each event; ends after the hook is removed (every event fired
         before the removal is delivered first) or raises the session's error if
-        its stream failed.
+        its stream failed. For a hook without a session this subscribes (with the
+        default drop policy) when iteration starts.
         """
+        if self._router is None:
+            return self._client.subscribe([self.id]).__aiter__()
         return self._router.events(self.id)
 
     async def remove(self) -> bool:
@@ -272,7 +313,7 @@ class HookHandle:
         if self._removed:
             return False
         self._removed = True
-        if self._router.closed:
+        if self._router is not None and self._router.closed:
             return False  # the session is gone, and its hooks with it
         return await self._client.deregister_hook(self.id)
 
@@ -313,6 +354,8 @@ class Subscription:
         self._client = client
         self._request = request
         self._call: grpc.aio.UnaryStreamCall | None = None
+        #: Notices received so far (drops, removed or disabled hooks).
+        self.notices: list[Notice] = []
 
     async def start(self) -> None:
         """Starts the RPC and waits until the server has attached it. Idempotent."""
@@ -343,13 +386,11 @@ class Subscription:
         await self.start()
         assert self._call is not None
         try:
-            while (msg := await self._call.read()) is not grpc.aio.EOF:
-                kind = msg.WhichOneof("kind")
-                if kind == "event":
-                    yield InterceptEvent.from_proto(msg.event)
-                elif kind == "batch":
-                    for event in msg.batch.events:
-                        yield InterceptEvent.from_proto(event)
+            async for item in stream_items(self._call):
+                if isinstance(item, Notice):
+                    self.notices.append(item)
+                else:
+                    yield InterceptEvent.from_proto(item[0], chunked=item[1])
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 raise from_rpc_error(exc) from None
@@ -429,13 +470,17 @@ class RemoteModel:
         scope: ScopeName = "session",
         tags: Sequence[str] = (),
         on_error: OnErrorName = "default",
+        sampling: Sampling | None = None,
+        ttl_seconds: int = 0,
     ) -> PendingHook:
         """A hook on the modules ``module`` names, in the client's session.
 
         ``await model.hook(...)`` registers it and returns a HookHandle;
         ``async with model.hook(...) as h:`` also removes it on exit. Scope
         "session" fires for this client's calls only; "all" for every caller's;
-        "tagged" for calls carrying one of ``tags``. An action is a HookAction
+        "tagged" for calls carrying one of ``tags``. ``sampling`` thins its events;
+        ``ttl_seconds`` registers it without a session (see Client.register_hook).
+        An action is a HookAction
         (``hookwire.capture(...)``, ``hookwire.edit(...)``), a rule, or a list of rules.
         """
         spec = HookSpec(
@@ -443,6 +488,6 @@ class RemoteModel:
             backward_hook=backward_hook, prehook_kwargs=prehook_kwargs, posthook_kwargs=posthook_kwargs,
             backward_prehook_kwargs=backward_prehook_kwargs, backward_hook_kwargs=backward_hook_kwargs,
             train_update=train_update, eval_update=eval_update, scope=scope, model=self.name,
-            tags=tuple(tags), on_error=on_error,
+            tags=tuple(tags), on_error=on_error, sampling=sampling, ttl_seconds=ttl_seconds,
         )
         return PendingHook(self._client, spec, self.name)

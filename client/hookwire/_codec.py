@@ -318,11 +318,12 @@ def decode_tensor(
 
 def decode_value(
     msg: tensor_pb2.Value, *, where: str = "value", as_numpy: bool = False, _depth: int = 0,
-    chunked: Mapping[int, Any] | None = None,
+    chunked: Mapping[int, Any] | None = None, on_summary: Any = None,
 ) -> Any:
     """The Python object a Value holds; raises CodecError naming the bad part.
 
-    A summary (Value.summary) decodes to the TensorSummary message itself.
+    A summary (Value.summary) decodes to ``on_summary(message)``, or the
+    TensorSummary message itself.
     """
     if _depth > MAX_DEPTH:
         raise CodecError(f"{where}: nests deeper than {MAX_DEPTH} levels")
@@ -330,10 +331,11 @@ def decode_value(
     if kind == "tensor":
         return decode_tensor(msg.tensor, where=where, as_numpy=as_numpy, chunked=chunked)
     if kind == "summary":
-        return msg.summary
+        return on_summary(msg.summary) if on_summary is not None else msg.summary
     if kind == "list":
         items = [
-            decode_value(item, where=f"{where}[{i}]", as_numpy=as_numpy, _depth=_depth + 1, chunked=chunked)
+            decode_value(item, where=f"{where}[{i}]", as_numpy=as_numpy, _depth=_depth + 1, chunked=chunked,
+                         on_summary=on_summary)
             for i, item in enumerate(msg.list.items)
         ]
         return items if msg.list.is_list else tuple(items)
@@ -341,7 +343,8 @@ def decode_value(
         entries = msg.map.entries
         order = list(msg.map.keys) if set(msg.map.keys) == set(entries.keys()) else sorted(entries.keys())
         return {
-            key: decode_value(entries[key], where=f"{where}[{key!r}]", as_numpy=as_numpy, _depth=_depth + 1, chunked=chunked)
+            key: decode_value(entries[key], where=f"{where}[{key!r}]", as_numpy=as_numpy, _depth=_depth + 1,
+                              chunked=chunked, on_summary=on_summary)
             for key in order
         }
     if kind == "float_value":

@@ -1,13 +1,14 @@
-"""A session stream and the per-hook event queues it feeds."""
+"""Reading event streams: chunk reassembly, and routing to per-hook queues."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Union, cast
 
 import grpc
 
+from . import _codec
 from ._errors import HookwireError, from_rpc_error
 from ._types import InterceptEvent, Notice
 from .v1 import hook_pb2, hook_service_pb2
@@ -16,9 +17,44 @@ log = logging.getLogger("hookwire")
 
 _END = object()
 
+Item = Union["tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]", Notice]
+
+
+async def stream_items(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[Item]:
+    """The events (with their chunked tensors reassembled) and notices of a stream.
+
+    Memory: a chunked event's tensors are allocated once and filled chunk by chunk.
+    Uses read(), not async-for: callers read the opening message with read(), and
+    grpc forbids mixing the two styles on one call.
+    """
+    pending: tuple[hook_pb2.InterceptEvent, _codec.ChunkAssembler] | None = None
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        kind = msg.WhichOneof("kind")
+        if kind == "chunk":
+            if pending is None:
+                raise HookwireError("a tensor chunk arrived without its event", code="DATA_LOSS")
+            pending[1].feed(msg.chunk)
+            if pending[1].done:
+                yield pending[0], pending[1].result()
+                pending = None
+        elif kind == "event":
+            assembler = _codec.ChunkAssembler(msg.event)
+            if assembler.done:
+                yield msg.event, None
+            else:
+                pending = (msg.event, assembler)
+        elif kind == "batch":
+            for event in msg.batch.events:
+                yield event, None
+        elif kind == "notice":
+            notice = Notice.from_proto(msg.notice)
+            if notice.kind in ("capture_failed", "hook_disabled", "drops_started"):
+                log.warning("hook %s: %s", notice.hook_id or "-", notice.message)
+            yield notice
+
 
 class EventRouter:
-    """Routes the messages of one stream to per-hook queues.
+    """Routes the items of one stream to per-hook queues.
 
     Queues are unbounded on the client: the server's buffer is the bounded one,
     and a reader that falls behind holds events in its own memory instead of
@@ -41,26 +77,17 @@ class EventRouter:
                 queue.put_nowait(_END)
         return queue
 
-    def route(self, msg: hook_service_pb2.SessionMessage) -> None:
-        """Dispatches one stream message."""
-        kind = msg.WhichOneof("kind")
-        if kind == "event":
-            self._route_event(msg.event)
-        elif kind == "batch":
-            for event in msg.batch.events:
-                self._route_event(event)
-        elif kind == "notice":
-            notice = Notice.from_proto(msg.notice)
-            self.notices.append(notice)
-            if notice.kind == "capture_failed":
-                log.warning("hook %s: %s", notice.hook_id, notice.message)
-            elif notice.kind == "hook_removed" and notice.hook_id:
-                self._queue(notice.hook_id).put_nowait(_END)
-                self._ended.add(notice.hook_id)
-
-    def _route_event(self, event: hook_pb2.InterceptEvent) -> None:
+    def route(self, item: Item) -> None:
+        """Dispatches one stream item."""
+        if isinstance(item, Notice):
+            self.notices.append(item)
+            if item.kind == "hook_removed" and item.hook_id:
+                self._queue(item.hook_id).put_nowait(_END)
+                self._ended.add(item.hook_id)
+            return
+        event, _ = item
         if event.hook_id not in self._ended:
-            self._queue(event.hook_id).put_nowait(event)
+            self._queue(event.hook_id).put_nowait(item)
 
     def end(self, error: HookwireError | None = None) -> None:
         """The stream is over: every reader stops (with ``error`` if it failed)."""
@@ -68,11 +95,6 @@ class EventRouter:
         self.error = error
         for queue in self._queues.values():
             queue.put_nowait(_END)
-
-    def forget(self, hook_id: str) -> None:
-        """Drops a removed hook's queue."""
-        self._queues.pop(hook_id, None)
-        self._ended.add(hook_id)
 
     async def events(self, hook_id: str) -> AsyncIterator[InterceptEvent]:
         """The hook's events in arrival order, until it is removed or the stream ends."""
@@ -84,21 +106,22 @@ class EventRouter:
                 if self.error is not None:
                     raise self.error
                 return
-            yield InterceptEvent.from_proto(item)  # type: ignore[arg-type]
+            event, chunked = cast("tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]", item)
+            yield InterceptEvent.from_proto(event, chunked=chunked)
 
 
 async def pump(call: grpc.aio.UnaryStreamCall, router: EventRouter) -> None:
     """Reads a stream into ``router`` until it ends; records a failure in router.error."""
     error: HookwireError | None = None
     try:
-        # read(), not async-for: the opening message was read with read() and grpc
-        # forbids mixing the two styles on one call.
-        while (msg := await call.read()) is not grpc.aio.EOF:
-            router.route(msg)
+        async for item in stream_items(call):
+            router.route(item)
     except asyncio.CancelledError:
         pass
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.CANCELLED:
             error = from_rpc_error(exc)
+    except (HookwireError, _codec.CodecError) as exc:
+        error = exc if isinstance(exc, HookwireError) else HookwireError(str(exc), code="DATA_LOSS")
     finally:
         router.end(error)

@@ -7,7 +7,7 @@ from typing import Any, Literal, Mapping, Sequence, Union
 
 from . import _codec
 from .rules import Rule
-from .v1 import hook_pb2, model_service_pb2, rule_pb2
+from .v1 import hook_pb2, model_service_pb2, rule_pb2, tensor_pb2
 
 PartName = Literal["args", "kwargs", "output", "grad_input", "grad_output"]
 ScopeName = Literal["session", "all", "tagged"]
@@ -36,14 +36,27 @@ _OPTIONS: dict[str, tuple[type, frozenset[str]]] = {
 }
 
 
+_CASTS = {"float16": tensor_pb2.DTYPE_FLOAT16, "bfloat16": tensor_pb2.DTYPE_BFLOAT16, "float32": tensor_pb2.DTYPE_FLOAT32}
+CastName = Literal["float16", "bfloat16", "float32"]
+
+
 @dataclasses.dataclass(frozen=True)
 class HookAction:
     """What a hook does when it fires: rules applied in order, then the parts it sends
-    back (as the rules left them, or as it received them with ``capture_before_rules``)."""
+    back (as the rules left them, or as it received them with ``capture_before_rules``).
+
+    ``select`` (numpy basic indexing, e.g. "[:, -1]") and ``cast`` reduce every
+    captured tensor on the server before it is sent; ``summarize`` sends statistics
+    (hookwire.TensorSummary) instead of tensors, with ``histogram_bins`` bins.
+    """
 
     capture: tuple[PartName, ...] = ()
     rules: tuple[Rule, ...] = ()
     capture_before_rules: bool = False
+    select: str = ""
+    cast: CastName | None = None
+    summarize: bool = False
+    histogram_bins: int = 0
 
     def to_proto(self) -> hook_pb2.HookAction:
         """The wire form; ValueError for an unknown part name."""
@@ -55,15 +68,26 @@ class HookAction:
             msg.rules.append(rule.to_proto())
         if self.capture_before_rules:
             msg.capture_stage = rule_pb2.CAPTURE_STAGE_BEFORE_RULES
+        msg.select = self.select
+        if self.cast is not None:
+            if self.cast not in _CASTS:
+                raise ValueError(f"cast must be one of {sorted(_CASTS)}, not {self.cast!r}")
+            msg.cast = _CASTS[self.cast]
+        if self.summarize:
+            msg.summarize.histogram_bins = self.histogram_bins
         return msg
 
 
-def capture(*parts: PartName) -> HookAction:
+def capture(
+    *parts: PartName, select: str = "", cast: CastName | None = None, summarize: bool = False, histogram_bins: int = 0,
+) -> HookAction:
     """A hook action that sends back ``parts``: "args", "kwargs", "output", "grad_input", "grad_output".
 
-    ``capture()`` with no parts fires without sending anything.
+    ``capture()`` with no parts fires without sending anything. ``select``, ``cast``
+    and ``summarize`` (with ``histogram_bins``) reduce what is sent; see HookAction.
     """
-    action = HookAction(tuple(parts))
+    action = HookAction(tuple(parts), select=select, cast=cast, summarize=summarize or bool(histogram_bins),
+                        histogram_bins=histogram_bins)
     action.to_proto()  # fail early on a typo
     return action
 
@@ -85,6 +109,24 @@ def as_action(value: ActionLike) -> HookAction | None:
     if isinstance(value, Rule):
         return HookAction(rules=(value,))
     return HookAction(rules=tuple(value))
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Which firings send events (rules apply at every firing): every ``every_n``-th,
+    with ``probability`` from a generator seeded with ``seed``, at most ``max_events``."""
+
+    every_n: int = 1
+    probability: float | None = None
+    seed: int = 0
+    max_events: int = 0
+
+    def to_proto(self) -> hook_pb2.Sampling:
+        """The wire form."""
+        msg = hook_pb2.Sampling(every_n=self.every_n, seed=self.seed, max_events=self.max_events)
+        if self.probability is not None:
+            msg.probability = self.probability
+        return msg
+
 
 @dataclasses.dataclass(frozen=True)
 class HookSpec:
@@ -112,6 +154,10 @@ class HookSpec:
     tags: tuple[str, ...] = ()
     #: What a rule failing at run time does: "fail_call", "disable_hook", or the scope's default.
     on_error: OnErrorName = "default"
+    #: Which firings send events.
+    sampling: Sampling | None = None
+    #: For a hook registered without a session: its lifetime in seconds.
+    ttl_seconds: int = 0
 
     def to_proto(self, model: str = "") -> hook_pb2.HookSpec:
         """The wire form; ValueError / TypeError for unknown names or options."""
@@ -126,6 +172,9 @@ class HookSpec:
         if self.on_error not in _ON_ERROR:
             raise ValueError(f"on_error must be one of {sorted(_ON_ERROR)}, not {self.on_error!r}")
         msg.on_error = _ON_ERROR[self.on_error]
+        if self.sampling is not None:
+            msg.sampling.CopyFrom(self.sampling.to_proto())
+        msg.ttl_seconds = self.ttl_seconds
         for name in ("prehook", "posthook", "backward_prehook", "backward_hook"):
             action = as_action(getattr(self, name))
             if action is not None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any
+import functools
+from typing import Any, Mapping
 
 from . import _codec
-from .v1 import hook_pb2, hook_service_pb2, model_service_pb2
+from .v1 import hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
 
 PHASE_NAMES = {
     hook_pb2.PHASE_FORWARD_PRE: "forward_pre",
@@ -90,12 +91,14 @@ class InterceptEvent:
     output: Any
     grad_input: tuple[Any, ...]
     grad_output: tuple[Any, ...]
+    #: Events the stream had dropped when this one was queued (drop policies).
+    dropped: int
     raw: hook_pb2.InterceptEvent = dataclasses.field(repr=False, compare=False)
 
     @classmethod
-    def from_proto(cls, msg: hook_pb2.InterceptEvent) -> InterceptEvent:
-        """Decodes the wire message (tensors included)."""
-        decode = _codec.decode_value
+    def from_proto(cls, msg: hook_pb2.InterceptEvent, chunked: Mapping[int, Any] | None = None) -> InterceptEvent:
+        """Decodes the wire message (tensors included; chunked ones from ``chunked``)."""
+        decode = functools.partial(_codec.decode_value, chunked=chunked, on_summary=TensorSummary.from_proto)
         return cls(
             hook_id=msg.hook_id,
             model=msg.model,
@@ -111,7 +114,37 @@ class InterceptEvent:
             output=decode(msg.output, where="output") if msg.HasField("output") else None,
             grad_input=tuple(decode(v, where=f"grad_input[{i}]") for i, v in enumerate(msg.grad_input)),
             grad_output=tuple(decode(v, where=f"grad_output[{i}]") for i, v in enumerate(msg.grad_output)),
+            dropped=msg.dropped,
             raw=msg,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSummary:
+    """Statistics the server computed instead of sending a tensor (torch reductions in float64)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    min: float
+    max: float
+    mean: float
+    std: float
+    l2_norm: float
+    nan_count: int
+    inf_count: int
+    #: Counts of finite values in equal-width bins over [histogram_min, histogram_max]; () if not asked.
+    histogram: tuple[int, ...]
+    histogram_min: float
+    histogram_max: float
+
+    @classmethod
+    def from_proto(cls, msg: tensor_pb2.TensorSummary) -> TensorSummary:
+        """Builds it from the wire message."""
+        return cls(
+            _codec.dtype_name(msg.dtype).removeprefix("DTYPE_").lower(), tuple(msg.shape), msg.numel, msg.min,
+            msg.max, msg.mean, msg.std, msg.l2_norm, msg.nan_count, msg.inf_count, tuple(msg.histogram),
+            msg.histogram_min, msg.histogram_max,
         )
 
 
@@ -132,13 +165,13 @@ class InferResult:
     raw: model_service_pb2.InferResponse = dataclasses.field(repr=False, compare=False)
 
     @classmethod
-    def from_proto(cls, msg: model_service_pb2.InferResponse) -> InferResult:
-        """Decodes the wire message."""
-        decode = _codec.decode_value
+    def from_proto(cls, msg: model_service_pb2.InferResponse, chunked: Mapping[int, Any] | None = None) -> InferResult:
+        """Decodes the wire message (chunked tensors from ``chunked``)."""
+        decode = functools.partial(_codec.decode_value, chunked=chunked, on_summary=TensorSummary.from_proto)
         return cls(
             request_id=msg.request_id,
             output=decode(msg.output, where="output"),
-            events=tuple(InterceptEvent.from_proto(e) for e in msg.events),
+            events=tuple(InterceptEvent.from_proto(e, chunked) for e in msg.events),
             hook_ids=tuple(msg.hook_ids),
             input_grads=tuple(decode(v) for v in msg.input_grads),
             input_kwargs_grads={k: decode(v) for k, v in msg.input_kwargs_grads.items()},
@@ -155,15 +188,30 @@ class HookInfo:
     module_pattern: str
     modules: tuple[str, ...]
     session_id: str
-    #: Why a failing rule disabled the hook; "" while it is active.
+    #: Why a failing rule or capture disabled the hook; "" while it is active.
     disabled_reason: str
+    #: "session", "all" or "tagged".
+    scope: str
+    fire_count: int
+    events_sent: int
+    events_dropped: int
+    errors: int
+    last_fired: datetime.datetime | None
+    #: When a hook without a session expires.
+    expires: datetime.datetime | None
     raw: hook_pb2.Hook = dataclasses.field(repr=False, compare=False)
 
     @classmethod
     def from_proto(cls, msg: hook_pb2.Hook) -> HookInfo:
         """Builds it from the wire message."""
+        utc = datetime.timezone.utc
+        scope = hook_pb2.Scope.Name(msg.spec.scope or hook_pb2.SCOPE_SESSION).removeprefix("SCOPE_").lower()
         return cls(
-            msg.hook_id, msg.spec.model, msg.spec.module, tuple(msg.modules), msg.session_id, msg.disabled_reason, msg
+            msg.hook_id, msg.spec.model, msg.spec.module, tuple(msg.modules), msg.session_id, msg.disabled_reason,
+            scope, msg.fire_count, msg.events_sent, msg.events_dropped, msg.errors,
+            msg.last_fired.ToDatetime(tzinfo=utc) if msg.HasField("last_fired") else None,
+            msg.expires.ToDatetime(tzinfo=utc) if msg.HasField("expires") else None,
+            msg,
         )
 
 
@@ -184,14 +232,17 @@ class SlotInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Notice:
-    """An out-of-band message on a stream: ``kind`` is "hook_removed", "capture_failed" or "hook_disabled"."""
+    """An out-of-band message on a stream: ``kind`` is "hook_removed", "hook_disabled", "capture_failed",
+    "drops_started" or "drops_ended"."""
 
     kind: str
     hook_id: str
     message: str
+    #: For "drops_started" / "drops_ended": the stream's drop total so far.
+    dropped: int = 0
 
     @classmethod
     def from_proto(cls, msg: hook_service_pb2.Notice) -> Notice:
         """Builds it from the wire message."""
         name = hook_service_pb2.NoticeKind.Name(msg.kind) if msg.kind in hook_service_pb2.NoticeKind.values() else "NOTICE_KIND_UNSPECIFIED"
-        return cls(name.removeprefix("NOTICE_KIND_").lower(), msg.hook_id, msg.message)
+        return cls(name.removeprefix("NOTICE_KIND_").lower(), msg.hook_id, msg.message, msg.dropped)
