@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Generator, Iterable, Literal, Mapping, Se
 import grpc
 
 from . import _codec
-from ._errors import from_rpc_error
+from ._errors import HookwireError, from_rpc_error
 from ._session import EventRouter, pump, stream_items
 from ._specs import ActionLike, Backward, HookSpec, OnErrorName, Sampling, ScopeName
 from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, Notice, SlotInfo
@@ -22,6 +22,8 @@ from .v1 import (
 )
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+#: Below this message limit, Infer always streams (InferStream), so responses fit too.
+UNARY_MIN_MESSAGE_BYTES = 64 * 1024 * 1024
 _MODES = {"eval": model_service_pb2.MODE_EVAL, "train": model_service_pb2.MODE_TRAIN}
 
 
@@ -437,21 +439,49 @@ class RemoteModel:
         if mode not in _MODES:
             raise ValueError(f"mode must be 'eval' or 'train', not {mode!r}")
         request = model_service_pb2.InferRequest(model=self.name, mode=_MODES[mode])
+        chunker = _codec.Chunker(snapshot=False)  # the call is awaited: inputs do not change meanwhile
         for arg in args:
-            _codec.encode_value_into(arg, request.args.add())
+            _codec.encode_value_into(arg, request.args.add(), chunker=chunker)
         for key, value in {**(kwargs or {}), **model_kwargs}.items():
-            _codec.encode_value_into(value, request.kwargs[key])
+            _codec.encode_value_into(value, request.kwargs[key], chunker=chunker)
         if use_session:
             request.session_id = self._client.session_id
         for spec in hooks:
             request.hooks.append(spec.to_proto(self.name))
         if backward is not None:
-            request.backward.CopyFrom(backward.to_proto())
+            request.backward.CopyFrom(backward.to_proto(chunker))
         if seed is not None:
             request.seed = seed
         request.tags.extend(tags)
-        reply = await self._client._unary(self._client.model_stub.Infer, request)
-        return InferResult.from_proto(reply)
+        if not chunker.tensors and self._client.options.max_message_bytes >= UNARY_MIN_MESSAGE_BYTES:
+            reply = await self._client._unary(self._client.model_stub.Infer, request)
+            return InferResult.from_proto(reply)
+        return await self._infer_stream(request, chunker)
+
+    async def _infer_stream(self, request: model_service_pb2.InferRequest, chunker: _codec.Chunker) -> InferResult:
+        """InferStream: large tensors travel as chunks both ways, each message within the limit."""
+        limit = self._client.options.max_message_bytes
+        chunk_bytes = max(64 * 1024, min(1024 * 1024, limit - 64 * 1024))
+
+        async def messages() -> AsyncIterator[model_service_pb2.InferStreamRequest]:
+            yield model_service_pb2.InferStreamRequest(request=request, max_response_message_bytes=min(limit, 2**32 - 1))
+            for chunk in chunker.chunks(chunk_bytes):
+                yield model_service_pb2.InferStreamRequest(chunk=chunk)
+
+        call = self._client.model_stub.InferStream(messages(), timeout=self._client.options.timeout)
+        try:
+            first = await call.read()
+            if first is grpc.aio.EOF or first.WhichOneof("kind") != "response":
+                raise HookwireError("InferStream ended without a response", code="DATA_LOSS")
+            assembler = _codec.ChunkAssembler(first.response)
+            while not assembler.done:
+                msg = await call.read()
+                if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "chunk":
+                    raise HookwireError("InferStream ended before the response's tensors were complete", code="DATA_LOSS")
+                assembler.feed(msg.chunk)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return InferResult.from_proto(first.response, chunked=assembler.result())
 
     def hook(
         self,

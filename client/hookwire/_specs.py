@@ -203,9 +203,9 @@ class Backward:
     grad: Any = None
     return_input_grads: bool = False
 
-    def to_proto(self) -> model_service_pb2.Backward:
-        """The wire form."""
+    def to_proto(self, chunker: _codec.Chunker | None = None) -> model_service_pb2.Backward:
+        """The wire form (a large ``grad`` goes to ``chunker`` when given)."""
         msg = model_service_pb2.Backward(output_path=self.output_path, return_input_grads=self.return_input_grads)
         if self.grad is not None:
-            _codec.encode_tensor_into(self.grad, msg.grad)
+            _codec.encode_tensor_into(self.grad, msg.grad, chunker)
         return msg

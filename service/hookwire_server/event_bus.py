@@ -80,7 +80,12 @@ class DeliveryLimits:
     @property
     def chunk_bytes(self) -> int:
         """Payload per TensorChunk on this stream."""
-        return min(CHUNK_BYTES, self.max_message_bytes - 64 * 1024)
+        return chunk_bytes_for(self.max_message_bytes)
+
+
+def chunk_bytes_for(max_message_bytes: int) -> int:
+    """Payload per TensorChunk for a peer that accepts messages up to ``max_message_bytes``."""
+    return max(64 * 1024, min(CHUNK_BYTES, max_message_bytes - 64 * 1024))
 
 
 class HookCounters:

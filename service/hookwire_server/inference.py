@@ -12,19 +12,21 @@ import dataclasses
 import logging
 import traceback
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import torch
 
 from hookwire import _codec
 from hookwire._codec import Chunker
-from hookwire.v1 import model_service_pb2
+from hookwire.v1 import model_service_pb2, tensor_pb2
 
 from .errors import FailedPrecondition, HookwireServerError, InvalidArgument, ResourceExhausted, Unimplemented
 from .hook_manager import HookManager, HookRecord, new_id
 from .model_registry import ModelHost, ModelRegistry
 
 log = logging.getLogger("hookwire.infer")
+
+DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024 * 1024
 
 
 class Pass:
@@ -98,12 +100,42 @@ def select_output(output: Any, segments: tuple[str, ...]) -> Any:
 class Inference:
     """Runs Infer calls."""
 
-    def __init__(self, registry: ModelRegistry, hooks: HookManager) -> None:
+    def __init__(self, registry: ModelRegistry, hooks: HookManager, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self._registry = registry
         self._hooks = hooks
+        #: Most bytes the chunked tensors of one InferStream request may claim.
+        self.max_request_bytes = max_request_bytes
 
-    async def infer(self, request: model_service_pb2.InferRequest) -> model_service_pb2.InferResponse:
-        """Runs one call; raises a HookwireServerError for anything the client can act on."""
+    async def infer_chunked(
+        self, request: model_service_pb2.InferRequest, chunks: AsyncIterator[tensor_pb2.TensorChunk],
+    ) -> tuple[model_service_pb2.InferResponse, Chunker]:
+        """InferStream: the request's chunked tensors come from ``chunks``; the response's
+        large tensors are left in the returned Chunker, to follow the response."""
+        try:
+            assembler = _codec.ChunkAssembler(request, max_bytes=self.max_request_bytes)
+            async for chunk in chunks:
+                if assembler.done:
+                    raise InvalidArgument("InferStream: more chunks than the request's chunked tensors hold")
+                assembler.feed(chunk)
+        except _codec.CodecError as exc:
+            if "over the limit" in str(exc):
+                raise ResourceExhausted(f"InferStream: {exc}") from None
+            raise InvalidArgument(f"InferStream: {exc}") from None
+        if not assembler.done:
+            raise InvalidArgument("InferStream: the stream ended before every chunked tensor was complete")
+        chunker = Chunker(snapshot=True)
+        response = await self.infer(request, chunked=assembler.result(), chunker=chunker)
+        return response, chunker
+
+    async def infer(
+        self, request: model_service_pb2.InferRequest, *, chunked: Mapping[int, Any] | None = None,
+        chunker: Chunker | None = None,
+    ) -> model_service_pb2.InferResponse:
+        """Runs one call; raises a HookwireServerError for anything the client can act on.
+
+        ``chunked`` holds the request's chunked tensors (InferStream); with a
+        ``chunker``, large response tensors are left in it instead of inline.
+        """
         host = self._registry.get(request.model)
         if request.mode not in model_service_pb2.Mode.values():
             raise InvalidArgument(f"mode: unknown mode {request.mode}")
@@ -126,15 +158,18 @@ class Inference:
         request_id = new_id("req")
         records = self._hooks.request_hooks(host, request.hooks, request_id, session)
         p = Pass(request_id, request.session_id, frozenset(request.tags))
+        p.chunker = chunker
         p.response.hook_ids.extend(r.hook_id for r in records)
         seed = request.seed if request.HasField("seed") else None
-        return await host.run(_run_pass, host, p, request, records, train, backward, seed)
+        return await host.run(_run_pass, host, p, request, records, train, backward, seed, chunked)
 
 
-def _decode_inputs(request: model_service_pb2.InferRequest) -> tuple[list[Any], dict[str, Any]]:
+def _decode_inputs(
+    request: model_service_pb2.InferRequest, chunked: Mapping[int, Any] | None
+) -> tuple[list[Any], dict[str, Any]]:
     try:
-        args = [_codec.decode_value(v, where=f"args[{i}]") for i, v in enumerate(request.args)]
-        kwargs = {k: _codec.decode_value(v, where=f"kwargs[{k!r}]") for k, v in request.kwargs.items()}
+        args = [_codec.decode_value(v, where=f"args[{i}]", chunked=chunked) for i, v in enumerate(request.args)]
+        kwargs = {k: _codec.decode_value(v, where=f"kwargs[{k!r}]", chunked=chunked) for k, v in request.kwargs.items()}
     except _codec.CodecError as exc:
         raise InvalidArgument(str(exc)) from None
     return args, kwargs
@@ -142,10 +177,10 @@ def _decode_inputs(request: model_service_pb2.InferRequest) -> tuple[list[Any], 
 
 def _run_pass(
     host: ModelHost, p: Pass, request: model_service_pb2.InferRequest, records: list[HookRecord],
-    train: bool, backward: BackwardPlan | None, seed: int | None,
+    train: bool, backward: BackwardPlan | None, seed: int | None, chunked: Mapping[int, Any] | None,
 ) -> model_service_pb2.InferResponse:
     """The whole call on the model's worker thread."""
-    args, kwargs = _decode_inputs(request)
+    args, kwargs = _decode_inputs(request, chunked)
     model = host.module
     for record in records:
         record.attach()
@@ -159,11 +194,13 @@ def _run_pass(
                         leaf.requires_grad_(True)
             output = _call(host, "forward", lambda: model(*args, **kwargs))
             if backward is not None:
-                _backward(host, output, backward)
+                _backward(host, output, backward, chunked)
                 if backward.return_input_grads:
-                    _encode_grads(p.response, args, kwargs)
+                    _encode_grads(p.response, args, kwargs, p.chunker)
+        if p.chunker is not None:
+            p.chunker.snapshot = False  # the pass is over: the output no longer changes
         try:
-            _codec.encode_value_into(output, p.response.output)
+            _codec.encode_value_into(output, p.response.output, chunker=p.chunker)
         except _codec.CodecError as exc:
             raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
     finally:
@@ -174,7 +211,7 @@ def _run_pass(
     return p.response
 
 
-def _backward(host: ModelHost, output: Any, plan: BackwardPlan) -> None:
+def _backward(host: ModelHost, output: Any, plan: BackwardPlan, chunked: Mapping[int, Any] | None) -> None:
     target = select_output(output, plan.path)
     where = ".".join(plan.path) or "the output"
     if not isinstance(target, torch.Tensor) or not target.is_floating_point():
@@ -182,7 +219,7 @@ def _backward(host: ModelHost, output: Any, plan: BackwardPlan) -> None:
     if not target.requires_grad:
         raise InvalidArgument(f"backward.output_path: {where!r} does not depend on anything that requires grad")
     if plan.grad is not None:
-        grad = _codec.decode_tensor(plan.grad.grad, where="backward.grad")
+        grad = _codec.decode_tensor(plan.grad.grad, where="backward.grad", chunked=chunked)
         if tuple(grad.shape) != tuple(target.shape):
             raise InvalidArgument(
                 f"backward.grad: shape {list(grad.shape)} does not match {where!r}'s shape {list(target.shape)}"
@@ -251,11 +288,13 @@ def _grads_of(value: Any) -> Any:
     return None
 
 
-def _encode_grads(response: model_service_pb2.InferResponse, args: list[Any], kwargs: dict[str, Any]) -> None:
+def _encode_grads(
+    response: model_service_pb2.InferResponse, args: list[Any], kwargs: dict[str, Any], chunker: Chunker | None
+) -> None:
     for arg in args:
-        _codec.encode_value_into(_grads_of(arg), response.input_grads.add())
+        _codec.encode_value_into(_grads_of(arg), response.input_grads.add(), chunker=chunker)
     for key, value in kwargs.items():
-        _codec.encode_value_into(_grads_of(value), response.input_kwargs_grads[key])
+        _codec.encode_value_into(_grads_of(value), response.input_kwargs_grads[key], chunker=chunker)
 
 
 @contextlib.contextmanager

@@ -12,8 +12,8 @@ import grpc
 
 from hookwire.v1 import hook_service_pb2_grpc, model_service_pb2_grpc
 
-from .hook_manager import HookManager
-from .inference import Inference
+from .hook_manager import DEFAULT_MAX_TTL_SECONDS, HookManager
+from .inference import DEFAULT_MAX_REQUEST_BYTES, Inference
 from .model_registry import ModelRegistry
 from .servicers import HookServicer, ModelServicer
 from .slots import DEFAULT_MAX_SLOT_BYTES
@@ -38,6 +38,10 @@ class ServerSettings:
     allow_shared_rules: bool = False
     #: Bytes of slots each session may keep.
     max_slot_bytes: int = DEFAULT_MAX_SLOT_BYTES
+    #: Longest TTL of a hook registered without a session.
+    max_ttl_seconds: int = DEFAULT_MAX_TTL_SECONDS
+    #: Most bytes the chunked tensors of one InferStream request may claim.
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -59,9 +63,10 @@ class HookwireServer:
         self.registry = registry
         self.settings = settings or ServerSettings()
         self.hooks = HookManager(
-            registry, allow_shared_rules=self.settings.allow_shared_rules, max_slot_bytes=self.settings.max_slot_bytes
+            registry, allow_shared_rules=self.settings.allow_shared_rules, max_slot_bytes=self.settings.max_slot_bytes,
+            max_ttl_seconds=self.settings.max_ttl_seconds,
         )
-        self.inference = Inference(registry, self.hooks)
+        self.inference = Inference(registry, self.hooks, max_request_bytes=self.settings.max_request_bytes)
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
 

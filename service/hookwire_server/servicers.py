@@ -12,9 +12,11 @@ from hookwire.v1 import (
     hook_service_pb2_grpc,
     model_service_pb2,
     model_service_pb2_grpc,
+    tensor_pb2,
 )
 
-from .event_bus import DeliveryLimits
+from .errors import InvalidArgument
+from .event_bus import DEFAULT_MAX_MESSAGE_BYTES, DeliveryLimits, chunk_bytes_for
 from .hook_manager import HookManager
 from .inference import Inference
 from .model_registry import ModelRegistry
@@ -40,6 +42,23 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     @unary
     async def Infer(self, request: model_service_pb2.InferRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.InferResponse:
         return await self._inference.infer(request)
+
+    @streaming
+    async def InferStream(self, requests: AsyncIterator[model_service_pb2.InferStreamRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.InferStreamResponse]:
+        first = await anext(aiter(requests), None)
+        if first is None or first.WhichOneof("kind") != "request":
+            raise InvalidArgument("InferStream: the first message must carry the request")
+        response, chunker = await self._inference.infer_chunked(first.request, _chunks(requests))
+        yield model_service_pb2.InferStreamResponse(response=response)
+        for chunk in chunker.chunks(chunk_bytes_for(first.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)):
+            yield model_service_pb2.InferStreamResponse(chunk=chunk)
+
+
+async def _chunks(requests: AsyncIterator[model_service_pb2.InferStreamRequest]) -> AsyncIterator[tensor_pb2.TensorChunk]:
+    async for msg in requests:
+        if msg.WhichOneof("kind") != "chunk":
+            raise InvalidArgument("InferStream: after the request, only chunks may follow")
+        yield msg.chunk
 
 
 class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
