@@ -1,0 +1,359 @@
+"""Production delivery: BLOCK under load, drop policies with exact accounting and bounded
+memory, chunked large tensors, sampling, summaries, TTL hooks, cleanup and fault isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import grpc
+import pytest
+import torch
+
+import hookwire
+from hookwire import _codec
+from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc
+from support import assert_same, local_models
+
+X = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+async def test_block_8_callers_4_subscribers_nothing_lost(server) -> None:
+    callers, per_caller, subscribers = 8, 150, 4
+    total = callers * per_caller
+    async with hookwire.connect(server.target, options=hookwire.ConnectOptions(session_policy="block")) as owner:
+        handle = await owner.model("mlp").hook("fc1", posthook=hookwire.capture("output"), scope="all")
+        subs = [owner.subscribe([handle.id], policy="block", max_events=16) for _ in range(subscribers)]
+        for sub in subs:
+            await sub.start()
+        clients = [hookwire.connect(server.target) for _ in range(callers)]
+
+        async def call(c: hookwire.Client) -> None:
+            for _ in range(per_caller):
+                await c.model("mlp")(X)
+
+        async def drain(iterator, n) -> list[int]:
+            seqs = []
+            async for event in iterator:
+                seqs.append(event.seq)
+                if len(seqs) == n:
+                    break
+            return seqs
+
+        readers = [asyncio.ensure_future(drain(sub, total)) for sub in subs]
+        readers.append(asyncio.ensure_future(drain(handle.events(), total)))
+        await asyncio.gather(*(call(c) for c in clients))
+        results = await asyncio.wait_for(asyncio.gather(*readers), 60)
+        for c in clients:
+            await c.close()
+        for seqs in results:
+            assert seqs == list(range(1, total + 1))
+        (info,) = await owner.list_hooks(session_id=owner.session_id)
+        assert info.fire_count == total
+        assert info.events_sent == total * (subscribers + 1) and info.events_dropped == 0
+        for sub in subs:
+            await sub.aclose()
+
+
+async def test_drop_policies_count_exactly_with_a_stalled_subscriber_and_memory_stays_bounded(server, client) -> None:
+    # No session: only the two stalled subscribers receive (the test process is also the server).
+    handle = await client.model("scale").hook("", posthook=hookwire.capture("output"), scope="all", ttl_seconds=600)
+    x = torch.ones(256 * 1024)  # 1 MiB per event
+    calls = 150
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        stub = hook_service_pb2_grpc.HookServiceStub(channel)
+        stalled = {}
+        for name, policy in (("newest", hook_service_pb2.DELIVERY_POLICY_DROP_NEWEST),
+                             ("oldest", hook_service_pb2.DELIVERY_POLICY_DROP_OLDEST)):
+            stalled[name] = stub.Subscribe(hook_service_pb2.SubscribeRequest(
+                hook_ids=[handle.id], delivery=hook_service_pb2.DeliveryOptions(policy=policy, max_events=8, max_bytes=4 << 20)))
+            assert (await stalled[name].read()).WhichOneof("kind") == "subscribed"
+        rss_before = _rss_bytes()
+        started = time.monotonic()
+        caller = hookwire.connect(server.target)
+        for _ in range(calls):
+            await caller.model("scale")(x)
+        elapsed = time.monotonic() - started
+        growth = _rss_bytes() - rss_before
+        # 150 MiB were offered to each stalled stream; each holds at most 4 MiB (+ what gRPC buffers).
+        assert growth < 80 << 20, f"server memory grew by {growth >> 20} MiB"
+        assert elapsed < 30
+
+        async def read_event(queue: asyncio.Queue) -> hook_service_pb2.SessionMessage | None:
+            # Through a queue: cancelling a grpc read (a timeout) would cancel the whole call.
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), 1.0)
+                except asyncio.TimeoutError:
+                    return None
+                if msg.WhichOneof("kind") == "notice":
+                    notices.append(msg.notice)
+                    continue
+                assembler = _codec.ChunkAssembler(msg.event)
+                while not assembler.done:
+                    assembler.feed((await queue.get()).chunk)
+                return msg
+
+        async def pump(call, queue: asyncio.Queue) -> None:
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                queue.put_nowait(msg)
+
+        offered = calls
+        for name, call in stalled.items():
+            queue: asyncio.Queue = asyncio.Queue()
+            reader = asyncio.ensure_future(pump(call, queue))
+            events, notices = [], []
+            while (msg := await read_event(queue)) is not None:
+                events.append(msg.event.seq)
+            assert len(set(events)) == len(events) and events == sorted(events)
+            dropped = offered - len(events)
+            assert dropped > 0, name
+            assert notices[0].kind == hook_service_pb2.NOTICE_KIND_DROPS_STARTED
+            if name == "oldest":
+                assert max(events) == offered  # the newest survive
+            # Reading made room: the next event ends the run of drops, and says exactly how many.
+            await caller.model("scale")(x)
+            offered += 1
+            msg = await read_event(queue)
+            assert msg is not None and msg.event.seq == offered
+            assert notices[-1].kind == hook_service_pb2.NOTICE_KIND_DROPS_ENDED
+            assert msg.event.dropped == notices[-1].dropped == dropped, name
+            call.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        await caller.close()
+    (info,) = [h for h in await client.list_hooks() if h.hook_id == handle.id]
+    assert info.fire_count == calls + 2 and info.events_dropped > 0
+    assert info.events_sent + info.events_dropped == (calls + 2) * 2 - 1  # two subscribers, one was cancelled
+    await handle.remove()
+
+
+async def test_a_slow_stream_never_slows_other_callers(server, client) -> None:
+    """The owner's session stream is not read at all; other callers' passes still never wait."""
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        stub = hook_service_pb2_grpc.HookServiceStub(channel)
+        session = stub.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(max_events=2)))
+        session_id = (await session.read()).opened.session_id
+        await stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="scale", module="", scope=hook_pb2.SCOPE_ALL, posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))))
+        x = torch.ones(256 * 1024)
+        started = time.monotonic()
+        for _ in range(60):
+            await client.model("scale")(x, )
+        assert time.monotonic() - started < 20
+        session.cancel()
+
+
+async def test_chunked_tensors_round_trip_for_a_client_with_grpc_default_limits(server) -> None:
+    options = hookwire.ConnectOptions(max_message_bytes=4 * 1024 * 1024)
+    big = torch.randn(3, 1024, 1024, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).transpose(0, 2)
+    assert not big.is_contiguous() and big.numel() * 2 > 4 * (1 << 20)
+    async with hookwire.connect(server.target, options=options) as small:
+        model = small.model("scale")
+        async with model.hook("", prehook=hookwire.capture("args"), posthook=hookwire.capture("output")) as hook:
+            result = await model.infer(big, backward=None)
+            events = [e async for e in _take(hook, 2)]
+        assert_same(result.output, big * 2)
+        assert_same(events[0].args[0], big)
+        assert_same(events[1].output, big * 2)
+        f32 = torch.randn(2, 1536, 1024)  # 12 MiB float32, 12 chunks
+        assert_same((await model.infer(f32)).output, f32 * 2)
+
+
+async def _take(hook, n):
+    got = 0
+    async for event in hook.events():
+        yield event
+        got += 1
+        if got == n:
+            return
+
+
+async def test_grpc_default_client_without_the_sdk_gets_chunks_not_errors(server) -> None:
+    async with grpc.aio.insecure_channel(server.target) as channel:  # 4 MiB receive limit
+        stub = hook_service_pb2_grpc.HookServiceStub(channel)
+        session = stub.OpenSession(hook_service_pb2.OpenSessionRequest())
+        session_id = (await session.read()).opened.session_id
+        await stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="scale", module="", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))))
+        async with hookwire.connect(server.target) as sdk:
+            sdk._session = None
+            request_x = torch.arange(3_000_000, dtype=torch.float32)
+            from hookwire.v1 import model_service_pb2, model_service_pb2_grpc
+            models = model_service_pb2_grpc.ModelServiceStub(sdk._channel or (sdk._open() or sdk._channel))
+            await models.Infer(model_service_pb2.InferRequest(model="scale", session_id=session_id,
+                                                              args=[_codec.encode_value(request_x)]))
+        header = await session.read()
+        assembler = _codec.ChunkAssembler(header.event)
+        chunks = 0
+        while not assembler.done:
+            assembler.feed((await session.read()).chunk)
+            chunks += 1
+        assert chunks == math.ceil(12_000_000 / (1 << 20))
+        assert torch.equal(_codec.decode_value(header.event.output, chunked=assembler.result()), request_x * 2)
+        session.cancel()
+
+
+async def test_every_n_and_max_events_are_exact(client) -> None:
+    model = client.model("mlp")
+    async with model.hook("fc1", posthook=hookwire.capture("output"), sampling=hookwire.Sampling(every_n=3, max_events=4)) as h:
+        results = [await model.infer(X) for _ in range(20)]
+        marker = await model.hook("fc2", posthook=hookwire.capture())
+        await h.remove()
+        seen = [e.request_id async for e in h.events()]
+        await marker.remove()
+    assert seen == [results[i].request_id for i in (0, 3, 6, 9)]
+
+
+async def test_seeded_probability_is_reproducible(client) -> None:
+    async def picks(seed: int) -> list[int]:
+        model = client.model("mlp")
+        sampling = hookwire.Sampling(probability=0.3, seed=seed)
+        async with model.hook("fc1", posthook=hookwire.capture(), prehook=hookwire.capture("args"), sampling=sampling) as h:
+            ids = [(await model.infer(X)).request_id for _ in range(40)]
+            await h.remove()
+            events = [e async for e in h.events()]
+        return [ids.index(e.request_id) for e in events]
+
+    first, again, other = await picks(7), await picks(7), await picks(8)
+    assert first == again and first != other
+    assert 3 <= len(first) <= 25
+
+
+async def test_summaries_equal_torchs_reductions(client) -> None:
+    local = local_models()["mlp"]
+    out = local.fc1(X).detach()
+    result = await client.model("mlp").infer(X, hooks=[hookwire.HookSpec(
+        "fc1", posthook=hookwire.capture("args", "output", summarize=True, histogram_bins=8))])
+    (event,) = result.events
+    s = event.output
+    assert isinstance(s, hookwire.TensorSummary)
+    x = out.double()
+    assert (s.dtype, s.shape, s.numel) == ("float32", (2, 32), 64)
+    assert s.min == x.min().item() and s.max == x.max().item()
+    assert s.mean == x.mean().item() and s.std == x.std().item()
+    assert s.l2_norm == torch.linalg.vector_norm(x).item()
+    assert (s.nan_count, s.inf_count) == (0, 0)
+    assert list(s.histogram) == [int(c) for c in torch.histc(x, 8, x.min().item(), x.max().item()).tolist()]
+    assert sum(s.histogram) == 64
+    assert isinstance(event.args[0], hookwire.TensorSummary)
+    assert len(event.raw.SerializeToString()) < 600
+
+
+async def test_summaries_count_nan_and_inf(client) -> None:
+    x = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 2.0])
+    result = await client.model("scale").infer(x, hooks=[hookwire.HookSpec("", prehook=hookwire.capture("args", summarize=True))])
+    s = result.events[0].args[0]
+    assert (s.nan_count, s.inf_count) == (1, 2) and math.isnan(s.mean)
+
+
+async def test_select_and_cast_before_sending(client, tokens) -> None:
+    ids, mask = tokens
+    local = local_models()["tiny-transformer"]
+    seen = {}
+    local.encoder.layers[1].register_forward_hook(lambda m, a, out: seen.setdefault("out", out.detach().clone()))
+    with torch.no_grad():
+        local(ids, attention_mask=mask)
+    result = await client.model("tiny-transformer").infer(ids, attention_mask=mask, hooks=[hookwire.HookSpec(
+        "encoder.layers.1", posthook=hookwire.capture("output", select="[:, -1]", cast="bfloat16"))])
+    assert_same(result.events[0].output, seen["out"][:, -1].to(torch.bfloat16))
+    assert len(result.events[0].raw.output.tensor.data) == 2 * 32 * 2
+
+
+async def test_bad_capture_options_are_rejected(client) -> None:
+    model = client.model("mlp")
+    with pytest.raises(hookwire.InvalidArgumentError, match="posthook.select"):
+        await model.hook("fc1", posthook=hookwire.capture("output", select="[0,"))
+    with pytest.raises(hookwire.InvalidArgumentError, match="sampling.probability"):
+        await model.hook("fc1", posthook=hookwire.capture("output"), sampling=hookwire.Sampling(probability=1.5))
+    with pytest.raises(hookwire.InvalidArgumentError, match="histogram_bins"):
+        await model.hook("fc1", posthook=hookwire.capture("output", histogram_bins=100_000))
+
+
+async def test_ttl_hook_outlives_its_client_and_expires_telling_subscribers(server, client) -> None:
+    async with hookwire.connect(server.target) as operator:
+        handle = await operator.model("mlp").hook("fc2", posthook=hookwire.capture("output"), scope="all", ttl_seconds=2)
+        assert handle.info.session_id == "" and handle.info.expires is not None
+    # The operator is gone; the hook is not.
+    (info,) = [h for h in await client.list_hooks() if h.hook_id == handle.id]
+    async with client.subscribe([handle.id]) as sub:
+        r = await client.model("mlp").infer(X)
+        got = []
+        async for event in sub:
+            got.append(event.request_id)
+            if len(got) == 1:
+                break
+        assert got == [r.request_id]
+        rest = [e async for e in sub]  # ends when the TTL removes the hook
+    assert rest == []
+    assert any(n.kind == "hook_removed" and "TTL" in n.message for n in sub.notices)
+    assert handle.id not in [h.hook_id for h in await client.list_hooks()]
+
+
+async def test_ttl_rules(client) -> None:
+    model = client.model("mlp")
+    with pytest.raises(hookwire.InvalidArgumentError, match="SCOPE_ALL or SCOPE_TAGGED"):
+        await model.hook("fc1", posthook=hookwire.capture(), ttl_seconds=5)
+    stub = client.hook_stub
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.RegisterHook(hook_service_pb2.RegisterHookRequest(spec=hook_pb2.HookSpec(
+            model="mlp", module="fc1", scope=hook_pb2.SCOPE_ALL, posthook=hook_pb2.HookAction())))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "needs a TTL" in info.value.details()
+
+
+async def test_subscriber_disconnect_frees_its_buffer_at_once(server, client) -> None:
+    handle = await client.model("mlp").hook("fc1", posthook=hookwire.capture("output"), scope="all")
+    record = server.call(lambda: server.server.hooks.get(handle.id))
+    async with hookwire.connect(server.target) as watcher:
+        sub = watcher.subscribe([handle.id])
+        await sub.start()
+        assert len(record.streams) == 2
+        stream = record.streams[1]
+        await sub.aclose()
+        deadline = time.monotonic() + 1.0
+        while len(record.streams) != 1:
+            assert time.monotonic() < deadline, "subscriber not detached within a second"
+            await asyncio.sleep(0.01)
+        assert stream.closed and stream.occupancy() == (0, 0)
+    await handle.remove()
+
+
+async def test_a_failing_capture_never_fails_another_clients_call(client, other_client) -> None:
+    async with client.model("mlp").hook("fc1", posthook=hookwire.capture("output", select="[5]"), scope="all") as hook:
+        out = await other_client.model("mlp")(X)  # batch of 2: [5] is out of range
+        assert_same(out, local_models()["mlp"](X).detach())
+        (info,) = [h for h in await client.list_hooks() if h.hook_id == hook.id]
+        assert info.errors == 1 and "could not capture" in info.disabled_reason
+        session = await client.session()
+        for _ in range(50):
+            if any(n.kind == "capture_failed" and n.hook_id == hook.id for n in session.router.notices):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("no capture_failed notice")
+        assert_same(await other_client.model("mlp")(X), out)
+
+
+async def test_list_hooks_shows_stats(client) -> None:
+    model = client.model("mlp")
+    async with model.hook("fc*", posthook=hookwire.capture("output")) as hook:
+        for _ in range(3):
+            await model(X)
+        await asyncio.wait_for(_drain(hook, 6), 5)
+        (info,) = await client.list_hooks(session_id=client.session_id)
+    assert (info.scope, info.modules, info.fire_count, info.events_sent, info.events_dropped, info.errors) == (
+        "session", ("fc1", "fc2"), 6, 6, 0, 0)
+    assert info.last_fired is not None and info.expires is None
+
+
+async def _drain(hook, n):
+    got = 0
+    async for _ in hook.events():
+        got += 1
+        if got == n:
+            return
