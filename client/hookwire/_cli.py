@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from typing import Any
@@ -20,15 +19,20 @@ def _serve(ns: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"hookwire serve needs the server extra (pip install 'hookwire[server]'): {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from hookwire_server.logging_setup import configure
+
+    configure(ns.log_format, ns.log_level)
     settings = ServerSettings()
     models: list[Any] = []
     try:
         if ns.config:
             server_table, models = load_config_file(ns.config)
-            for key in ("host", "port", "max_message_bytes", "grace", "allow_shared_rules", "max_slot_bytes"):
+            for key in ("host", "port", "max_message_bytes", "grace", "allow_shared_rules", "max_slot_bytes",
+                        "max_ttl_seconds", "max_request_bytes", "metrics_port"):
                 if key in server_table:
-                    setattr(settings, key, type(getattr(settings, key))(server_table[key]))
+                    current = getattr(settings, key)
+                    value = server_table[key]
+                    setattr(settings, key, value if current is None else type(current)(value))
         models += [parse_model_flag(text) for text in ns.model]
         if ns.demo or not models:
             models = demo_configs() + models
@@ -42,10 +46,14 @@ def _serve(ns: argparse.Namespace) -> int:
         settings.port = ns.port
     if ns.allow_shared_rules:
         settings.allow_shared_rules = True
+    if ns.metrics_port is not None:
+        settings.metrics_port = ns.metrics_port
 
     def ready(server: Any) -> None:
         names = ", ".join(h.name for h in registry)
         print(f"hookwire serving {names} on {server.target}", flush=True)
+        if server.metrics_port is not None:
+            print(f"metrics on http://{settings.host}:{server.metrics_port}/metrics", flush=True)
 
     asyncio.run(serve(registry, settings, on_ready=ready))
     return 0
@@ -84,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="host the nn.Module a factory returns (repeatable)")
     serve.add_argument("--config", help="a TOML config file with [server] settings and [[models]]")
     serve.add_argument("--demo", action="store_true", help="also host the demo models when --model/--config are given")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    serve.add_argument("--log-format", choices=["text", "json"], default="text", help="log lines as text or JSON")
+    serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
     serve.add_argument("--allow-shared-rules", action="store_true",
                        help="allow rules that change values on SCOPE_ALL/SCOPE_TAGGED hooks (other callers' results)")
 

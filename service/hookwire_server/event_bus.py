@@ -22,7 +22,7 @@ import asyncio
 import collections
 import dataclasses
 import threading
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 from hookwire._codec import Chunker
 from hookwire.v1 import hook_service_pb2
@@ -91,16 +91,19 @@ def chunk_bytes_for(max_message_bytes: int) -> int:
 class HookCounters:
     """What happened to a hook's events, across all its streams. Any thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_drop: Callable[[], None] | None = None) -> None:
         self._lock = threading.Lock()
         self.events_sent = 0
         self.events_dropped = 0
+        self._on_drop = on_drop
 
     def add(self, *, sent: int = 0, dropped: int = 0) -> None:
-        """Counts queued and dropped events."""
+        """Counts queued (net of evictions) and dropped events."""
         with self._lock:
             self.events_sent += sent
             self.events_dropped += dropped
+        if dropped and self._on_drop is not None:
+            self._on_drop()
 
 
 @dataclasses.dataclass
@@ -120,9 +123,14 @@ def _notice(kind: hook_service_pb2.NoticeKind, message: str, dropped: int) -> ho
 class EventStream:
     """The buffer of one outgoing stream: many producer threads, one consumer on the loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, limits: DeliveryLimits, *, owner_session_id: str = "") -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, limits: DeliveryLimits, *, owner_session_id: str = "",
+        on_sent: Callable[[int, int], None] | None = None,
+    ) -> None:
         self._loop = loop
         self.limits = limits
+        #: Called with (events, tensor bytes) as messages are handed to gRPC.
+        self._on_sent = on_sent
         #: The session whose own calls block under the default policy ("" for none).
         self.owner_session_id = owner_session_id
         self._lock = threading.Lock()
@@ -275,6 +283,9 @@ class EventStream:
         An event with chunked tensors goes out alone, followed by its chunks.
         """
         while items := await self._take(BATCH_MAX_BYTES, BATCH_MAX_EVENTS):
+            if self._on_sent is not None:
+                events = [item for item in items if item.msg.WhichOneof("kind") == "event"]
+                self._on_sent(len(events), sum(item.nbytes for item in events))
             run: list[hook_service_pb2.SessionMessage] = []
             for item in items:
                 msg = item.msg

@@ -31,6 +31,7 @@ from hookwire.v1 import hook_pb2, hook_service_pb2, rule_pb2
 from .capture import CaptureOptions, Sampler
 from .errors import InvalidArgument, NotFound, PermissionDenied, Unimplemented
 from .event_bus import DeliveryLimits, EventStream, HookCounters
+from .metrics import Metrics
 from .model_registry import ModelHost, ModelRegistry
 from .rules import CompiledRule, RuleFailure, apply_rules, compile_rules
 from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hookwire.hooks")
 
 SCOPE_REQUEST = -1  # internal: InferRequest.hooks, which have no wire scope value
+_NO_METRICS = Metrics()  # for records built without a server (unit tests)
 DEFAULT_MAX_TTL_SECONDS = 24 * 3600
 
 
@@ -210,6 +212,7 @@ class HookRecord:
     def __init__(
         self, hook_id: str, host: ModelHost, spec: hook_pb2.HookSpec, compiled: CompiledSpec,
         *, session_id: str = "", request_id: str = "", slots: SlotStore | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.hook_id = hook_id
         self.host = host
@@ -228,7 +231,9 @@ class HookRecord:
         self.disabled_reason = ""
         self.fire_count = 0
         self.errors = 0
-        self.counters = HookCounters()
+        metrics = metrics or _NO_METRICS
+        self._fires_metric = metrics.hook_fires.labels(host.name)
+        self.counters = HookCounters(on_drop=metrics.events_dropped.labels(host.name).inc)
         self.last_fired_ns = 0
         #: Wall-clock expiry (ns) of a hook without a session; 0 for none.
         self.expires_ns = 0
@@ -318,6 +323,7 @@ class HookRecord:
         if not (self.compiled.train_update if training else self.compiled.eval_update):
             return None
         self.fire_count += 1
+        self._fires_metric.inc()
         self.last_fired_ns = time.time_ns()
         capture = bool(action.capture) and (self._sampler is None or self._sampler.take())
         if not action.rules:
@@ -493,8 +499,15 @@ class HookManager:
     def __init__(
         self, registry: ModelRegistry, *, allow_shared_rules: bool = False,
         max_slot_bytes: int = DEFAULT_MAX_SLOT_BYTES, max_ttl_seconds: int = DEFAULT_MAX_TTL_SECONDS,
+        metrics: Metrics | None = None,
     ) -> None:
         self._registry = registry
+        self.metrics = metrics or Metrics()
+        self._subscriptions: set[Subscription] = set()
+        self.metrics.watch(
+            sessions=lambda: len(self._sessions), hooks=lambda: len(self._hooks),
+            streams=lambda: len(self._sessions) + len(self._subscriptions), buffered=self._buffered,
+        )
         self.max_ttl_seconds = max_ttl_seconds
         self.allow_shared_rules = allow_shared_rules
         self.max_slot_bytes = max_slot_bytes
@@ -507,7 +520,7 @@ class HookManager:
     def open_session(self, limits: DeliveryLimits) -> Session:
         """A new session with its own event stream."""
         session_id = new_id("ses")
-        stream = EventStream(asyncio.get_running_loop(), limits, owner_session_id=session_id)
+        stream = EventStream(asyncio.get_running_loop(), limits, owner_session_id=session_id, on_sent=self._count_sent)
         session = Session(session_id, stream, self.max_slot_bytes)
         self._sessions[session.session_id] = session
         log.info("session %s opened", session.session_id)
@@ -558,7 +571,8 @@ class HookManager:
         elif spec.ttl_seconds:
             raise InvalidArgument("spec.ttl_seconds: session hooks live as long as their session")
         record = HookRecord(
-            new_id("hk"), host, spec, compiled, session_id=session_id, slots=session.slots if session else None
+            new_id("hk"), host, spec, compiled, session_id=session_id, slots=session.slots if session else None,
+            metrics=self.metrics,
         )
         if session is not None:
             record.streams = (session.stream,)
@@ -664,7 +678,7 @@ class HookManager:
                 raise InvalidArgument(f"hooks[{i}]: save and patch rules keep slots in a session: set session_id")
             records.append(HookRecord(
                 new_id("hk"), host, spec, compiled, request_id=request_id,
-                slots=session.slots if session is not None else None,
+                slots=session.slots if session is not None else None, metrics=self.metrics,
             ))
         return records
 
@@ -682,7 +696,8 @@ class HookManager:
         if not ids:
             raise InvalidArgument("hook_ids: name at least one hook")
         records = [self.get(hook_id) for hook_id in ids]
-        sub = Subscription(EventStream(asyncio.get_running_loop(), limits), ids)
+        sub = Subscription(EventStream(asyncio.get_running_loop(), limits, on_sent=self._count_sent), ids)
+        self._subscriptions.add(sub)
         for record in records:
             record.streams = record.streams + (sub.stream,)
             record.subscriptions.append(sub)
@@ -690,6 +705,7 @@ class HookManager:
 
     def unsubscribe(self, sub: Subscription) -> None:
         """Detaches a subscription from its hooks and frees its buffer."""
+        self._subscriptions.discard(sub)
         sub.stream.close()
         for hook_id in list(sub.hook_ids):
             record = self._hooks.get(hook_id)
@@ -698,6 +714,17 @@ class HookManager:
                 if sub in record.subscriptions:
                     record.subscriptions.remove(sub)
         sub.hook_ids.clear()
+
+    # ---------------------------------------------------------------- metrics
+
+    def _count_sent(self, events: int, nbytes: int) -> None:
+        self.metrics.events_sent.inc(events)
+        self.metrics.stream_bytes.inc(nbytes)
+
+    def _buffered(self) -> tuple[int, int]:
+        streams = [s.stream for s in self._sessions.values()] + [s.stream for s in self._subscriptions]
+        occupancy = [stream.occupancy() for stream in streams]
+        return sum(e for e, _ in occupancy), sum(b for _, b in occupancy)
 
     # ---------------------------------------------------------------- shutdown
 

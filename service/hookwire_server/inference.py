@@ -8,6 +8,7 @@ the event loop only validates what is cheap to validate and waits.
 from __future__ import annotations
 
 import contextlib
+import time
 import dataclasses
 import logging
 import traceback
@@ -161,7 +162,20 @@ class Inference:
         p.chunker = chunker
         p.response.hook_ids.extend(r.hook_id for r in records)
         seed = request.seed if request.HasField("seed") else None
-        return await host.run(_run_pass, host, p, request, records, train, backward, seed, chunked)
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            response = await host.run(_run_pass, host, p, request, records, train, backward, seed, chunked)
+            outcome = "ok"
+            return response
+        finally:
+            elapsed = time.perf_counter() - started
+            self._hooks.metrics.infer_seconds.labels(host.name).observe(elapsed)
+            log.info(
+                "infer %s", outcome,
+                extra={"request_id": request_id, "model": host.name, "session_id": request.session_id,
+                       "duration_ms": round(elapsed * 1e3, 3), "hooks": len(records)},
+            )
 
 
 def _decode_inputs(

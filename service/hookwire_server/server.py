@@ -14,6 +14,7 @@ from hookwire.v1 import hook_service_pb2_grpc, model_service_pb2_grpc
 
 from .hook_manager import DEFAULT_MAX_TTL_SECONDS, HookManager
 from .inference import DEFAULT_MAX_REQUEST_BYTES, Inference
+from .metrics import Metrics
 from .model_registry import ModelRegistry
 from .servicers import HookServicer, ModelServicer
 from .slots import DEFAULT_MAX_SLOT_BYTES
@@ -42,6 +43,8 @@ class ServerSettings:
     max_ttl_seconds: int = DEFAULT_MAX_TTL_SECONDS
     #: Most bytes the chunked tensors of one InferStream request may claim.
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    #: Port of the Prometheus /metrics endpoint (on ``host``); None for none, 0 for a free one.
+    metrics_port: int | None = None
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -62,18 +65,22 @@ class HookwireServer:
     def __init__(self, registry: ModelRegistry, settings: ServerSettings | None = None) -> None:
         self.registry = registry
         self.settings = settings or ServerSettings()
+        self.metrics = Metrics()
         self.hooks = HookManager(
             registry, allow_shared_rules=self.settings.allow_shared_rules, max_slot_bytes=self.settings.max_slot_bytes,
-            max_ttl_seconds=self.settings.max_ttl_seconds,
+            max_ttl_seconds=self.settings.max_ttl_seconds, metrics=self.metrics,
         )
         self.inference = Inference(registry, self.hooks, max_request_bytes=self.settings.max_request_bytes)
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.metrics_port: int | None = None
 
     async def start(self) -> int:
         """Binds and starts serving; returns the bound port."""
         server = grpc.aio.server(options=channel_options(self.settings.max_message_bytes))
-        model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(self.registry, self.inference), server)
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server(
+            ModelServicer(self.registry, self.inference, self.metrics), server
+        )
         hook_service_pb2_grpc.add_HookServiceServicer_to_server(HookServicer(self.hooks), server)
         address = f"{self.settings.host}:{self.settings.port}"
         port = server.add_insecure_port(address)
@@ -81,6 +88,9 @@ class HookwireServer:
             raise OSError(f"cannot listen on {address}")
         await server.start()
         self._server, self.port = server, port
+        if self.settings.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", self.settings.host, self.metrics_port)
         log.info("serving on %s:%d", self.settings.host, port)
         return port
 
@@ -94,6 +104,7 @@ class HookwireServer:
         await self.hooks.close()
         if self._server is not None:
             await self._server.stop(self.settings.grace if grace is None else grace)
+        self.metrics.stop()
         self.registry.shutdown()
 
     async def wait(self) -> None:

@@ -19,6 +19,7 @@ from .errors import InvalidArgument
 from .event_bus import DEFAULT_MAX_MESSAGE_BYTES, DeliveryLimits, chunk_bytes_for
 from .hook_manager import HookManager
 from .inference import Inference
+from .metrics import Metrics
 from .model_registry import ModelRegistry
 from .slots import slot_to_proto
 from .status_mapping import streaming, unary
@@ -27,9 +28,10 @@ from .status_mapping import streaming, unary
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     """hookwire.v1.ModelService."""
 
-    def __init__(self, registry: ModelRegistry, inference: Inference) -> None:
+    def __init__(self, registry: ModelRegistry, inference: Inference, metrics: Metrics) -> None:
         self._registry = registry
         self._inference = inference
+        self.metrics = metrics
 
     @unary
     async def ListModels(self, request: model_service_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.ListModelsResponse:
@@ -66,6 +68,7 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
 
     def __init__(self, hooks: HookManager) -> None:
         self._hooks = hooks
+        self.metrics = hooks.metrics
 
     @streaming
     async def OpenSession(self, request: hook_service_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage]:

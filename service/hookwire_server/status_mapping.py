@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import secrets
@@ -40,22 +41,41 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
     if isinstance(exc, errors.HookwireServerError):
         await context.abort(status_of(exc), str(exc))
     incident = secrets.token_hex(6)
-    log.exception("incident %s in %s", incident, method, exc_info=exc)
+    log.exception("incident %s in %s", incident, method, exc_info=exc, extra={"incident": incident})
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}); see the server log")
 
 
+def _count(servicer: Any, method: str, code: str) -> None:
+    metrics = getattr(servicer, "metrics", None)
+    if metrics is not None:
+        metrics.rpcs.labels(method, code).inc()
+
+
+def _code_of(exc: BaseException) -> str:
+    if isinstance(exc, errors.HookwireServerError):
+        return status_of(exc).name
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    return "INTERNAL"
+
+
 def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
-    """Wraps a unary servicer method with the status mapping."""
+    """Wraps a unary servicer method with the status mapping and RPC metrics."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
-            return await fn(self, request, context)
-        except (grpc.aio.AbortError, GeneratorExit):
+            response = await fn(self, request, context)
+        except grpc.aio.AbortError:
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            _count(self, fn.__name__, _code_of(exc))
+            if not isinstance(exc, Exception):
+                raise
             await _abort(context, fn.__name__, exc)
             raise  # unreachable: abort raises
+        _count(self, fn.__name__, "OK")
+        return response
 
     return wrapper
 
@@ -63,19 +83,24 @@ def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -
 def streaming(
     fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]],
 ) -> Callable[..., AsyncIterator[Resp]]:
-    """Wraps a server-streaming servicer method with the status mapping."""
+    """Wraps a streaming servicer method with the status mapping and RPC metrics."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
         inner = fn(self, request, context)
+        code = "OK"
         try:
             async for item in inner:
                 yield item
-        except (grpc.aio.AbortError, GeneratorExit):
+        except grpc.aio.AbortError:
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            code = _code_of(exc)
+            if not isinstance(exc, Exception):
+                raise
             await _abort(context, fn.__name__, exc)
         finally:
+            _count(self, fn.__name__, code)
             # Closed now, not whenever it is collected: its cleanup (ending a
             # session and removing its hooks) must run when the stream ends.
             await inner.aclose()  # type: ignore[attr-defined]
