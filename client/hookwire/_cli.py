@@ -79,6 +79,40 @@ async def _inspect(ns: argparse.Namespace) -> int:
     return 0
 
 
+async def _hooks(ns: argparse.Namespace) -> int:
+    async with connect(ns.target) as client:
+        if ns.hooks_command == "list":
+            hooks = await client.list_hooks(model=ns.model or "", session_id=ns.session or "")
+            print(f"{'id':<36} {'model':<18} {'modules':<28} {'scope':<8} {'session':<12} "
+                  f"{'fires':>8} {'sent':>8} {'dropped':>8} {'errors':>6}  status")
+            for h in hooks:
+                status = f"disabled: {h.disabled_reason}" if h.disabled_reason else (
+                    f"expires {h.expires:%H:%M:%S}" if h.expires else "active")
+                print(f"{h.hook_id:<36} {h.model:<18} {h.module_pattern or '<root>':<28} {h.scope:<8} "
+                      f"{(h.session_id or '-')[:12]:<12} {h.fire_count:>8} {h.events_sent:>8} "
+                      f"{h.events_dropped:>8} {h.errors:>6}  {status}")
+            return 0
+        missing = 0
+        for hook_id in ns.ids:
+            removed = await client.deregister_hook(hook_id)
+            print(f"{hook_id}: {'removed' if removed else 'not found'}")
+            missing += not removed
+        return 1 if missing else 0
+
+
+def _tap(ns: argparse.Namespace) -> int:
+    from ._tap import run_tap
+
+    try:
+        return asyncio.run(run_tap(
+            ns.target, ns.model, ns.pattern, stats=ns.stats, every=ns.every, scope=ns.scope,
+            interval=ns.interval, duration=ns.duration, plain=ns.plain or not sys.stdout.isatty(),
+        ))
+    except KeyboardInterrupt:
+        print("tap stopped; its hooks were removed with its session")
+        return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``hookwire`` command."""
     parser = argparse.ArgumentParser(prog="hookwire", description="Remote PyTorch model interception over gRPC.")
@@ -104,6 +138,27 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="show a model's module tree with types and parameter shapes")
     inspect.add_argument("model")
     inspect.add_argument("--target", default=target_default, help=f"server host:port (default {target_default})")
+
+    tap = sub.add_parser("tap", help="live view of the matched modules: calls/s, summary statistics, drops")
+    tap.add_argument("model")
+    tap.add_argument("pattern", help="module path or glob, e.g. 'encoder.layers.*'")
+    tap.add_argument("--stats", action="store_true", help="show mean/std/min/max/norm/NaN of each module's output")
+    tap.add_argument("--every", type=int, default=1, metavar="N", help="sample every N-th call (cheaper)")
+    tap.add_argument("--scope", choices=["all", "session"], default="all", help="watch every caller (default) or only this session")
+    tap.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    tap.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
+    tap.add_argument("--plain", action="store_true", help="append tables instead of redrawing (default when not a terminal)")
+    tap.add_argument("--target", default=target_default, help=f"server host:port (default {target_default})")
+
+    hooks = sub.add_parser("hooks", help="list or remove registered hooks")
+    hooks_sub = hooks.add_subparsers(dest="hooks_command", required=True)
+    hooks_list = hooks_sub.add_parser("list", help="every hook, with its statistics")
+    hooks_list.add_argument("--model", help="only hooks on this model")
+    hooks_list.add_argument("--session", help="only hooks of this session")
+    hooks_list.add_argument("--target", default=target_default, help=f"server host:port (default {target_default})")
+    hooks_rm = hooks_sub.add_parser("rm", help="remove hooks by id")
+    hooks_rm.add_argument("ids", nargs="+", metavar="ID")
+    hooks_rm.add_argument("--target", default=target_default, help=f"server host:port (default {target_default})")
     return parser
 
 
@@ -112,8 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "serve":
         return _serve(ns)
+    if ns.command == "tap":
+        try:
+            return _tap(ns)
+        except HookwireError as exc:
+            print(f"hookwire tap: {exc}", file=sys.stderr)
+            return 1
+    commands = {"models": _models, "inspect": _inspect, "hooks": _hooks}
     try:
-        return asyncio.run(_models(ns) if ns.command == "models" else _inspect(ns))
+        return asyncio.run(commands[ns.command](ns))
     except HookwireError as exc:
         print(f"hookwire {ns.command}: {exc}", file=sys.stderr)
         return 1

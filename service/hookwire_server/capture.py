@@ -110,14 +110,19 @@ def summarize(t: torch.Tensor, bins: int = 0) -> tensor_pb2.TensorSummary:
 
 
 class Sampler:
-    """Decides which firings of a hook send an event. One per hook; worker thread only."""
+    """Decides which firings of a hook send an event. One per hook; worker thread only.
+
+    ``every_n`` counts the firings of each module (and phase) of the hook on its own,
+    so a hook on several modules samples each of them evenly; the probability draw
+    and ``max_events`` are per hook.
+    """
 
     def __init__(self, sampling: hook_pb2.Sampling) -> None:
         self.every_n = max(1, sampling.every_n)
         self.probability = sampling.probability if sampling.HasField("probability") else None
         self.max_events = sampling.max_events
         self._rng = random.Random(sampling.seed)
-        self._firings = 0
+        self._firings: dict[tuple[str, int], int] = {}
         self._sent = 0
 
     @classmethod
@@ -129,10 +134,11 @@ class Sampler:
             return None
         return cls(sampling)
 
-    def take(self) -> bool:
-        """Whether this firing sends (and counts it)."""
-        index = self._firings
-        self._firings += 1
+    def take(self, module: str, phase: int) -> bool:
+        """Whether this firing of ``module`` in ``phase`` sends (and counts it)."""
+        key = (module, phase)
+        index = self._firings.get(key, 0)
+        self._firings[key] = index + 1
         if self.max_events and self._sent >= self.max_events:
             return False
         if index % self.every_n:

@@ -325,7 +325,7 @@ class HookRecord:
         self.fire_count += 1
         self._fires_metric.inc()
         self.last_fired_ns = time.time_ns()
-        capture = bool(action.capture) and (self._sampler is None or self._sampler.take())
+        capture = bool(action.capture) and (self._sampler is None or self._sampler.take(path, action.phase))
         if not action.rules:
             if capture:
                 self._capture(action, path, p, call_index, training, parts)

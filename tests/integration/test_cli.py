@@ -7,6 +7,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Iterator
 
 import pytest
@@ -27,14 +28,17 @@ def _env() -> dict[str, str]:
 
 class Served:
     def __init__(self, *args: str) -> None:
+        # The log goes to a file: an undrained pipe would fill up and stall the server.
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
-            [*HOOKWIRE, "serve", "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [*HOOKWIRE, "serve", "--port", "0", *args], stdout=subprocess.PIPE, stderr=self.log,
             text=True, env=_env(),
         )
         line = self.proc.stdout.readline()
         if "serving" not in line:
             self.proc.kill()
-            raise AssertionError(f"server did not start: {line!r} {self.proc.stderr.read()}")
+            self.log.seek(0)
+            raise AssertionError(f"server did not start: {line!r} {self.log.read()}")
         self.banner = line.strip()
         self.target = line.rsplit(" ", 1)[-1].strip()
 
@@ -118,3 +122,67 @@ def test_pickled_weights_are_refused(tmp_path: pathlib.Path) -> None:
 def test_bad_model_flag_is_reported() -> None:
     proc = subprocess.run([*HOOKWIRE, "serve", "--model", "nonsense"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "NAME=package.module:factory" in proc.stderr
+
+
+def test_tap_shows_live_stats_and_removes_its_hook_on_ctrl_c(demo: Served) -> None:
+    import asyncio as _asyncio
+    import time as _time
+
+    import hookwire
+
+    tap = subprocess.Popen(
+        [*HOOKWIRE, "tap", "tiny-transformer", "encoder.layers.*", "--stats", "--every", "2", "--interval", "0.3",
+         "--plain", "--target", demo.target],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+    async def traffic() -> list:
+        async with hookwire.connect(demo.target) as client:
+            for _ in range(50):  # wait for the tap's hook
+                if await client.list_hooks(model="tiny-transformer"):
+                    break
+                await _asyncio.sleep(0.1)
+            hooks = await client.list_hooks(model="tiny-transformer")
+            ids = torch.randint(0, 64, (2, 6))
+            end = _time.monotonic() + 2.0
+            while _time.monotonic() < end:
+                await client.model("tiny-transformer")(ids)
+            return hooks
+
+    try:
+        hooks = _asyncio.run(traffic())
+        assert len(hooks) == 1 and hooks[0].scope == "all"
+        _time.sleep(0.8)
+        tap.send_signal(signal.SIGINT)
+        out, err = tap.communicate(timeout=30)
+    finally:
+        tap.kill()
+    assert tap.returncode == 0, err
+    assert "encoder.layers.0" in out and "encoder.layers.1" in out and "calls/s" in out and "mean" in out
+    last_table = out.strip().split("\n\n")[-2] if "tap stopped" in out.strip().split("\n\n")[-1] else out
+    rows = [line.split() for line in last_table.splitlines() if line.startswith("encoder.layers.")]
+    assert rows and all(int(row[2]) > 0 for row in rows), last_table  # events arrived
+    assert all(row[3] != "-" for row in rows)  # a mean is shown
+    listing = demo.run("hooks", "list")
+    assert listing.returncode == 0 and "encoder.layers.*" not in listing.stdout
+
+
+def test_hooks_list_and_rm(demo: Served) -> None:
+    import asyncio as _asyncio
+
+    import hookwire
+
+    async def register() -> str:
+        async with hookwire.connect(demo.target) as client:
+            handle = await client.model("mlp").hook("fc1", posthook=hookwire.capture(), scope="all", ttl_seconds=60)
+            return handle.id
+
+    hook_id = _asyncio.run(register())
+    listing = demo.run("hooks", "list", "--model", "mlp")
+    assert listing.returncode == 0, listing.stderr
+    assert hook_id in listing.stdout and "fc1" in listing.stdout and "expires" in listing.stdout
+    removed = demo.run("hooks", "rm", hook_id)
+    assert removed.returncode == 0 and f"{hook_id}: removed" in removed.stdout
+    again = demo.run("hooks", "rm", hook_id)
+    assert again.returncode == 1 and "not found" in again.stdout
+    assert hook_id not in demo.run("hooks", "list").stdout

@@ -357,3 +357,14 @@ async def _drain(hook, n):
         got += 1
         if got == n:
             return
+
+
+async def test_every_n_counts_each_module_on_its_own(client) -> None:
+    model = client.model("mlp")
+    async with model.hook("fc*", posthook=hookwire.capture(), prehook=hookwire.capture("args"),
+                          sampling=hookwire.Sampling(every_n=2)) as h:
+        results = [await model.infer(X) for _ in range(6)]
+        await h.remove()
+        seen = [(e.module, e.request_id) async for e in h.events()]
+    expected = [(m, results[i].request_id) for i in (0, 2, 4) for m in ("fc1", "fc2")]
+    assert seen == expected
