@@ -40,6 +40,17 @@ class Odd(nn.Module):
         return {"device": x.device}
 
 
+def slow_factory() -> nn.Module:
+    """A factory that takes 2 s (a model that loads slowly), for health checks while starting."""
+    time.sleep(2.0)
+    return Scale()
+
+
+def sleeper_factory() -> nn.Module:
+    """The Sleeper model, for the CLI tests."""
+    return Sleeper()
+
+
 def scale_factory() -> nn.Module:
     """Factory for the CLI tests (--model NAME=support:scale_factory)."""
     return Scale()
@@ -66,6 +77,7 @@ class ServerThread:
     def start(self) -> ServerThread:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(30)
+        asyncio.run_coroutine_threadsafe(self.server.set_serving(True), self._loop).result(30)
         return self
 
     def call(self, fn: Callable[[], Any]) -> Any:

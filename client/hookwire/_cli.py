@@ -1,4 +1,4 @@
-"""The ``hookwire`` command: serve, models, inspect."""
+"""The ``hookwire`` command: serve, health, models, inspect, tap, hooks."""
 
 from __future__ import annotations
 
@@ -14,49 +14,70 @@ from ._errors import HookwireError
 
 def _serve(ns: argparse.Namespace) -> int:
     try:
-        from hookwire_server import ServerSettings, build_registry, demo_configs, serve
-        from hookwire_server.model_loading import ConfigError, load_config_file, parse_model_flag
+        from hookwire_server import serve
+        from hookwire_server.config import pick, resolve_settings
+        from hookwire_server.logging_setup import configure
+        from hookwire_server.model_loading import (
+            ConfigError, build_hosts, demo_configs, load_config_file, parse_model_flag,
+        )
     except ImportError as exc:
         print(f"hookwire serve needs the server extra (pip install 'hookwire[server]'): {exc}", file=sys.stderr)
         return 2
-    from hookwire_server.logging_setup import configure
-
-    configure(ns.log_format, ns.log_level)
-    settings = ServerSettings()
-    models: list[Any] = []
+    env = os.environ
     try:
-        if ns.config:
-            server_table, models = load_config_file(ns.config)
-            for key in ("host", "port", "max_message_bytes", "grace", "allow_shared_rules", "max_slot_bytes",
-                        "max_ttl_seconds", "max_request_bytes", "metrics_port"):
-                if key in server_table:
-                    current = getattr(settings, key)
-                    value = server_table[key]
-                    setattr(settings, key, value if current is None else type(current)(value))
-        models += [parse_model_flag(text) for text in ns.model]
+        config_path = pick("config", ns.config, env, {}, None)
+        server_table, models = load_config_file(config_path) if config_path else ({}, [])
+        cli_keys = {"log_format", "log_level", "models"}
+        log_format = pick("log_format", ns.log_format, env, server_table, "text")
+        log_level = pick("log_level", ns.log_level, env, server_table, "info")
+        flags = {"host": ns.host, "port": ns.port, "metrics_port": ns.metrics_port,
+                 "allow_shared_rules": True if ns.allow_shared_rules else None,
+                 "reflection": False if ns.no_reflection else None}
+        settings, sources = resolve_settings(flags, env, {k: v for k, v in server_table.items() if k not in cli_keys})
+        model_flags = ns.model or [m for m in env.get("HOOKWIRE_MODELS", "").split(",") if m.strip()]
+        models += [parse_model_flag(text) for text in model_flags]
         if ns.demo or not models:
             models = demo_configs() + models
-        registry = build_registry(models)
+        if log_format not in ("text", "json"):
+            raise ConfigError(f"log format {log_format!r} is not text or json")
     except (ConfigError, ValueError) as exc:
         print(f"hookwire serve: {exc}", file=sys.stderr)
         return 2
-    if ns.host is not None:
-        settings.host = ns.host
-    if ns.port is not None:
-        settings.port = ns.port
-    if ns.allow_shared_rules:
-        settings.allow_shared_rules = True
-    if ns.metrics_port is not None:
-        settings.metrics_port = ns.metrics_port
+    configure(log_format, log_level)
 
     def ready(server: Any) -> None:
-        names = ", ".join(h.name for h in registry)
+        names = ", ".join(h.name for h in server.registry)
         print(f"hookwire serving {names} on {server.target}", flush=True)
         if server.metrics_port is not None:
             print(f"metrics on http://{settings.host}:{server.metrics_port}/metrics", flush=True)
+        extras = ["grpc.health.v1.Health"] + (["reflection"] if settings.reflection else [])
+        print(f"also serving {', '.join(extras)}; logs: {log_format}", flush=True)
+        if sources:
+            print("settings: " + ", ".join(f"{k}={getattr(settings, k)!r} ({v})" for k, v in sorted(sources.items())),
+                  flush=True)
 
-    asyncio.run(serve(registry, settings, on_ready=ready))
+    try:
+        asyncio.run(serve(settings, lambda: build_hosts(models), on_ready=ready))
+    except ConfigError as exc:
+        print(f"hookwire serve: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+async def _health(ns: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(ns.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=ns.service), timeout=ns.timeout)
+        except grpc.RpcError as exc:
+            print(f"{ns.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{ns.target}{' ' + ns.service if ns.service else ''}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 async def _models(ns: argparse.Namespace) -> int:
@@ -119,7 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     target_default = os.environ.get("HOOKWIRE_TARGET", DEFAULT_TARGET)
 
-    serve = sub.add_parser("serve", help="host models (the demo models when none are given)")
+    serve = sub.add_parser(
+        "serve", help="host models (the demo models when none are given)",
+        description="Settings come from flags, then HOOKWIRE_* environment variables (HOOKWIRE_PORT, "
+                    "HOOKWIRE_METRICS_PORT, HOOKWIRE_CONFIG, HOOKWIRE_MODELS=a=pkg.mod:fn,..., ...), then the "
+                    "TOML config's [server] table.")
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (default 50051; 0 picks a free one)")
     serve.add_argument("--model", action="append", default=[], metavar="NAME=package.module:factory",
@@ -127,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="a TOML config file with [server] settings and [[models]]")
     serve.add_argument("--demo", action="store_true", help="also host the demo models when --model/--config are given")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
-    serve.add_argument("--log-format", choices=["text", "json"], default="text", help="log lines as text or JSON")
-    serve.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    serve.add_argument("--log-format", choices=["text", "json"], help="log lines as text (default) or JSON")
+    serve.add_argument("--log-level", help="debug, info (default), warning, error")
+    serve.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
     serve.add_argument("--allow-shared-rules", action="store_true",
                        help="allow rules that change values on SCOPE_ALL/SCOPE_TAGGED hooks (other callers' results)")
 
@@ -149,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     tap.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
     tap.add_argument("--plain", action="store_true", help="append tables instead of redrawing (default when not a terminal)")
     tap.add_argument("--target", default=target_default, help=f"server host:port (default {target_default})")
+
+    health = sub.add_parser("health", help="check a server's gRPC health (exit 0 when SERVING)")
+    health.add_argument("target", nargs="?", default=target_default, help=f"server host:port (default {target_default})")
+    health.add_argument("--service", default="", help="a service name, e.g. hookwire.v1.ModelService (default: the server)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
 
     hooks = sub.add_parser("hooks", help="list or remove registered hooks")
     hooks_sub = hooks.add_subparsers(dest="hooks_command", required=True)
@@ -173,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         except HookwireError as exc:
             print(f"hookwire tap: {exc}", file=sys.stderr)
             return 1
-    commands = {"models": _models, "inspect": _inspect, "hooks": _hooks}
+    commands = {"models": _models, "inspect": _inspect, "hooks": _hooks, "health": _health}
     try:
         return asyncio.run(commands[ns.command](ns))
     except HookwireError as exc:

@@ -146,6 +146,8 @@ class EventStream:
         self._dropping = False
         self._closed = False
         self._ending = False
+        #: Why the server closed the stream ("" when the client went away or it ended normally).
+        self.close_reason = ""
         self._ready = asyncio.Event()
 
     @property
@@ -313,12 +315,16 @@ class EventStream:
             self._not_full.notify_all()
         self._wake()
 
-    def close(self) -> None:
-        """Ends the stream: frees the buffer and releases every waiting producer. Any thread."""
+    def close(self, reason: str = "") -> None:
+        """Ends the stream: frees the buffer and releases every waiting producer. Any thread.
+
+        A ``reason`` means the server ended it (the RPC then fails with UNAVAILABLE).
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self.close_reason = reason
             self._items.clear()
             self._events = 0
             self._bytes = 0

@@ -29,7 +29,7 @@ from hookwire._codec import Chunker
 from hookwire.v1 import hook_pb2, hook_service_pb2, rule_pb2
 
 from .capture import CaptureOptions, Sampler
-from .errors import InvalidArgument, NotFound, PermissionDenied, Unimplemented
+from .errors import InvalidArgument, NotFound, PermissionDenied, Unavailable, Unimplemented
 from .event_bus import DeliveryLimits, EventStream, HookCounters
 from .metrics import Metrics
 from .model_registry import ModelHost, ModelRegistry
@@ -44,6 +44,7 @@ log = logging.getLogger("hookwire.hooks")
 SCOPE_REQUEST = -1  # internal: InferRequest.hooks, which have no wire scope value
 _NO_METRICS = Metrics()  # for records built without a server (unit tests)
 DEFAULT_MAX_TTL_SECONDS = 24 * 3600
+SHUTDOWN_REASON = "the server is shutting down"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,6 +503,8 @@ class HookManager:
         metrics: Metrics | None = None,
     ) -> None:
         self._registry = registry
+        #: True once the server is stopping: nothing new is accepted.
+        self.draining = False
         self.metrics = metrics or Metrics()
         self._subscriptions: set[Subscription] = set()
         self.metrics.watch(
@@ -517,8 +520,13 @@ class HookManager:
 
     # ---------------------------------------------------------------- sessions
 
+    def _refuse_when_draining(self) -> None:
+        if self.draining:
+            raise Unavailable(SHUTDOWN_REASON)
+
     def open_session(self, limits: DeliveryLimits) -> Session:
         """A new session with its own event stream."""
+        self._refuse_when_draining()
         session_id = new_id("ses")
         stream = EventStream(asyncio.get_running_loop(), limits, owner_session_id=session_id, on_sent=self._count_sent)
         session = Session(session_id, stream, self.max_slot_bytes)
@@ -558,6 +566,7 @@ class HookManager:
         Without a session, the hook must watch shared traffic (SCOPE_ALL/TAGGED),
         carries a TTL (capped at max_ttl_seconds) and delivers to subscribers only.
         """
+        self._refuse_when_draining()
         session = self.require_session(session_id) if session_id else None
         host = self._registry.get(spec.model)
         compiled = compile_spec(spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules)
@@ -692,6 +701,7 @@ class HookManager:
 
     def subscribe(self, hook_ids: Iterable[str], limits: DeliveryLimits) -> Subscription:
         """A stream for the events of existing hooks; NotFound if any is unknown."""
+        self._refuse_when_draining()
         ids = list(dict.fromkeys(hook_ids))
         if not ids:
             raise InvalidArgument("hook_ids: name at least one hook")
@@ -727,6 +737,16 @@ class HookManager:
         return sum(e for e, _ in occupancy), sum(b for _, b in occupancy)
 
     # ---------------------------------------------------------------- shutdown
+
+    def begin_shutdown(self) -> None:
+        """Refuses new sessions, subscriptions and hooks, and ends every event stream
+        with the reason "server is shutting down" (their hooks are removed)."""
+        self.draining = True
+        for session in list(self._sessions.values()):
+            session.stream.close(SHUTDOWN_REASON)
+            self.close_session(session.session_id)
+        for sub in list(self._subscriptions):
+            sub.stream.close(SHUTDOWN_REASON)
 
     async def close(self) -> None:
         """Ends every session and stream, then waits for the detaches."""

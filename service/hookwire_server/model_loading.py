@@ -132,14 +132,19 @@ def load_weights(model: nn.Module, path: str) -> None:
     model.load_state_dict(state, strict=True)
 
 
+def build_hosts(configs: list[ModelConfig]) -> list[ModelHost]:
+    """Builds every configured model; ConfigError on a duplicate name or a bad entry."""
+    names = [c.name for c in configs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(f"models {duplicates} are configured twice")
+    return [
+        ModelHost(config.name, build_model(config), description=config.description,
+                  training_allowed=config.training_allowed)
+        for config in configs
+    ]
+
+
 def build_registry(configs: list[ModelConfig]) -> ModelRegistry:
     """A registry hosting every configured model."""
-    registry = ModelRegistry()
-    for config in configs:
-        registry.add(
-            ModelHost(
-                config.name, build_model(config),
-                description=config.description, training_allowed=config.training_allowed,
-            )
-        )
-    return registry
+    return ModelRegistry(build_hosts(configs))

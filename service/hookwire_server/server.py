@@ -9,19 +9,25 @@ import signal
 from typing import Callable
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
-from hookwire.v1 import hook_service_pb2_grpc, model_service_pb2_grpc
+from hookwire.v1 import hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 
 from .hook_manager import DEFAULT_MAX_TTL_SECONDS, HookManager
 from .inference import DEFAULT_MAX_REQUEST_BYTES, Inference
 from .metrics import Metrics
-from .model_registry import ModelRegistry
+from .model_registry import ModelHost, ModelRegistry
 from .servicers import HookServicer, ModelServicer
 from .slots import DEFAULT_MAX_SLOT_BYTES
 
 log = logging.getLogger("hookwire.server")
 
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
+SERVICES = (
+    model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+    hook_service_pb2.DESCRIPTOR.services_by_name["HookService"].full_name,
+)
 
 
 @dataclasses.dataclass
@@ -45,6 +51,8 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     #: Port of the Prometheus /metrics endpoint (on ``host``); None for none, 0 for a free one.
     metrics_port: int | None = None
+    #: Serve gRPC server reflection (grpcurl, buf curl, Postman discover the API from it).
+    reflection: bool = True
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -74,6 +82,7 @@ class HookwireServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.health = health.aio.HealthServicer()
 
     async def start(self) -> int:
         """Binds and starts serving; returns the bound port."""
@@ -82,6 +91,10 @@ class HookwireServer:
             ModelServicer(self.registry, self.inference, self.metrics), server
         )
         hook_service_pb2_grpc.add_HookServiceServicer_to_server(HookServicer(self.hooks), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if self.settings.reflection:
+            reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        await self.set_serving(False)  # until the caller says the models are ready
         address = f"{self.settings.host}:{self.settings.port}"
         port = server.add_insecure_port(address)
         if port == 0:
@@ -99,11 +112,21 @@ class HookwireServer:
         """host:port clients connect to."""
         return f"{self.settings.host}:{self.port}"
 
+    async def set_serving(self, serving: bool) -> None:
+        """Sets the health status of the server ("") and of each hookwire service."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", *SERVICES):
+            await self.health.set(service, status)
+
     async def stop(self, grace: float | None = None) -> None:
-        """Ends sessions (their hooks go), lets in-flight calls finish within ``grace``, stops."""
-        await self.hooks.close()
+        """Graceful stop: health turns NOT_SERVING, event streams end with UNAVAILABLE,
+        new calls are refused, in-flight Infer calls get ``grace`` seconds to finish, then
+        every hook is removed and the model threads stop."""
+        await self.set_serving(False)
+        self.hooks.begin_shutdown()
         if self._server is not None:
             await self._server.stop(self.settings.grace if grace is None else grace)
+        await self.hooks.close()
         self.metrics.stop()
         self.registry.shutdown()
 
@@ -114,19 +137,31 @@ class HookwireServer:
 
 
 async def serve(
-    registry: ModelRegistry, settings: ServerSettings, on_ready: Callable[[HookwireServer], None] | None = None
+    settings: ServerSettings, load_models: Callable[[], list[ModelHost]],
+    on_ready: Callable[[HookwireServer], None] | None = None,
 ) -> None:
-    """Serves until SIGINT or SIGTERM, then stops gracefully."""
+    """Serves until SIGINT or SIGTERM, then stops gracefully.
+
+    The server answers health checks (NOT_SERVING) while ``load_models`` runs in a
+    thread; it turns SERVING once every model is hosted.
+    """
+    registry = ModelRegistry()
     server = HookwireServer(registry, settings)
-    await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    if on_ready is not None:
-        on_ready(server)
+    await server.start()
     try:
-        await stop.wait()
+        loading = asyncio.ensure_future(asyncio.to_thread(load_models))
+        await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set():
+            for host in loading.result():
+                registry.add(host)
+            await server.set_serving(True)
+            if on_ready is not None:
+                on_ready(server)
+            await stop.wait()
     finally:
         log.info("stopping")
         await server.stop()

@@ -15,7 +15,7 @@ from hookwire.v1 import (
     tensor_pb2,
 )
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, Unavailable
 from .event_bus import DEFAULT_MAX_MESSAGE_BYTES, DeliveryLimits, chunk_bytes_for
 from .hook_manager import HookManager
 from .inference import Inference
@@ -77,6 +77,8 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
             yield hook_service_pb2.SessionMessage(opened=hook_service_pb2.SessionOpened(session_id=session.session_id))
             async for msg in session.stream.messages():
                 yield msg
+            if session.stream.close_reason:
+                raise Unavailable(session.stream.close_reason)
         finally:
             self._hooks.close_session(session.session_id)
 
@@ -114,5 +116,7 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
             yield hook_service_pb2.SessionMessage(subscribed=hook_service_pb2.Subscribed(hook_ids=list(sub.hook_ids)))
             async for msg in sub.stream.messages():
                 yield msg
+            if sub.stream.close_reason:
+                raise Unavailable(sub.stream.close_reason)
         finally:
             self._hooks.unsubscribe(sub)
