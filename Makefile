@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+NODE_STAMP := client/node/node_modules/.installed
 
 .PHONY: serve test proto lint-proto bench clean
 
@@ -16,7 +17,11 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/hookwire serve
 
-test: $(STAMP)
+$(NODE_STAMP): client/node/package.json client/node/package-lock.json
+	npm ci --prefix client/node --no-audit --no-fund
+	touch $(NODE_STAMP)
+
+test: $(STAMP) $(NODE_STAMP)
 	$(BIN)/python -m pytest -q
 
 proto: $(STAMP)
