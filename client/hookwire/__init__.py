@@ -22,6 +22,7 @@ from ._client import (
     connect,
 )
 from ._codec import CodecError
+from ._fleet import FleetClient, FleetHookHandle, FleetModel, FleetNotice, connect_fleet
 from ._errors import (
     CancelledError,
     DeadlineExceededError,
@@ -61,6 +62,10 @@ __all__ = [
     "ConnectOptions",
     "DeadlineExceededError",
     "FailedPreconditionError",
+    "FleetClient",
+    "FleetHookHandle",
+    "FleetModel",
+    "FleetNotice",
     "HookAction",
     "HookHandle",
     "HookInfo",
@@ -89,6 +94,7 @@ __all__ = [
     "UnimplementedError",
     "capture",
     "connect",
+    "connect_fleet",
     "edit",
     "rules",
 ]

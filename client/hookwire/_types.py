@@ -94,6 +94,8 @@ class InterceptEvent:
     #: Events the stream had dropped when this one was queued (drop policies).
     dropped: int
     raw: hook_pb2.InterceptEvent = dataclasses.field(repr=False, compare=False)
+    #: The server ("host:port") it came from, when read through a fleet client; else "".
+    replica: str = ""
 
     @classmethod
     def from_proto(cls, msg: hook_pb2.InterceptEvent, chunked: Mapping[int, Any] | None = None) -> InterceptEvent:

@@ -23,6 +23,10 @@ EXPECTED_ALL = [
     "ConnectOptions",
     "DeadlineExceededError",
     "FailedPreconditionError",
+    "FleetClient",
+    "FleetHookHandle",
+    "FleetModel",
+    "FleetNotice",
     "HookAction",
     "HookHandle",
     "HookInfo",
@@ -51,6 +55,7 @@ EXPECTED_ALL = [
     "UnimplementedError",
     "capture",
     "connect",
+    "connect_fleet",
     "edit",
     "rules",
 ]

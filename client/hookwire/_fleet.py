@@ -1,0 +1,323 @@
+"""The fleet client: one model served by many replicas, hooked and called as one."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import socket
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, Union
+
+from ._client import Client, ConnectOptions, HookHandle, connect
+from ._errors import HookwireError, UnavailableError
+from ._specs import ActionLike, HookSpec, OnErrorName, Sampling, ScopeName
+from ._types import InferResult, InterceptEvent
+
+log = logging.getLogger("hookwire.fleet")
+
+Resolver = Callable[[], Union[Sequence[str], Awaitable[Sequence[str]]]]
+TargetsLike = Union[str, Sequence[str], Resolver]
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetNotice:
+    """A change in the fleet: ``kind`` is "replica_joined", "replica_lost" or "hook_failed"."""
+
+    kind: str
+    replica: str
+    message: str
+    time: float = dataclasses.field(default_factory=time.time)
+
+
+def dns_resolver(name: str) -> Resolver:
+    """Resolves "dns:///host:port" (or "host:port") to every address of host, e.g. a
+    Kubernetes headless Service, at each call."""
+    hostport = name.removeprefix("dns:///").removeprefix("dns:")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected dns:///host:port, got {name!r}")
+
+    async def resolve() -> list[str]:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        addresses = sorted({str(info[4][0]) for info in infos})
+        return [f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addresses]
+
+    return resolve
+
+
+def _resolver(targets: TargetsLike) -> Resolver:
+    if callable(targets):
+        return targets
+    if isinstance(targets, str):
+        if targets.startswith("dns:"):
+            return dns_resolver(targets)
+        fixed = [targets]
+    else:
+        fixed = list(targets)
+    return lambda: fixed
+
+
+class _Replica:
+    def __init__(self, target: str, options: ConnectOptions) -> None:
+        self.target = target
+        self.client: Client = connect(target, options=options)
+        self.up = True
+
+
+class FleetClient:
+    """Several replicas of the same models, used as one.
+
+    - Hooks are registered on every live replica, all or nothing: if one refuses,
+      the others are rolled back and its error is raised.
+    - A hook's ``events()`` merges the replicas' streams; each event's ``replica``
+      says where it came from.
+    - ``model(...)`` calls go round-robin over live replicas; a replica that is
+      unreachable is marked lost and the call moves on to the next one.
+    - Every ``refresh_seconds`` the targets are resolved again: a new replica gets
+      the fleet's hooks, a lost one is retried. Changes are kept in ``notices``
+      and logged.
+    """
+
+    def __init__(self, targets: TargetsLike, *, options: ConnectOptions | None = None, refresh_seconds: float = 5.0):
+        self._resolve = _resolver(targets)
+        self.options = options or ConnectOptions()
+        self.refresh_seconds = refresh_seconds
+        self._replicas: dict[str, _Replica] = {}
+        self._hooks: list[FleetHookHandle] = []
+        self._rr = 0
+        self._lock = asyncio.Lock()
+        self._refresher: asyncio.Task[None] | None = None
+        #: What happened to the fleet, oldest first.
+        self.notices: list[FleetNotice] = []
+
+    # ---------------------------------------------------------------- membership
+
+    @property
+    def replicas(self) -> dict[str, bool]:
+        """Known replicas and whether each is live."""
+        return {t: r.up for t, r in self._replicas.items()}
+
+    def _notice(self, kind: str, replica: str, message: str) -> None:
+        self.notices.append(FleetNotice(kind, replica, message))
+        (log.warning if kind != "replica_joined" else log.info)("fleet: %s %s: %s", kind, replica, message)
+
+    async def _targets(self) -> list[str]:
+        result = self._resolve()
+        if inspect.isawaitable(result):
+            result = await result
+        return list(dict.fromkeys(result))
+
+    async def refresh(self) -> None:
+        """Resolves the targets now: joins new replicas, retries lost ones."""
+        async with self._lock:
+            try:
+                targets = await self._targets()
+            except OSError as exc:
+                self._notice("resolve_failed", "", str(exc))
+                return
+            for target in targets:
+                replica = self._replicas.get(target)
+                if replica is None:
+                    replica = self._replicas[target] = _Replica(target, self.options)
+                    if await self._join(replica):
+                        self._notice("replica_joined", target, f"{len(self._hooks)} fleet hooks registered")
+                elif not replica.up and await self._join(replica):
+                    self._notice("replica_joined", target, "back; fleet hooks registered again")
+
+    async def _join(self, replica: _Replica) -> bool:
+        try:
+            await replica.client.list_models()
+            for hook in list(self._hooks):
+                await hook._attach(replica)
+        except HookwireError as exc:
+            if replica.up:
+                self._lost(replica, str(exc))
+            return False
+        replica.up = True
+        return True
+
+    def _lost(self, replica: _Replica, why: str) -> None:
+        if replica.up:
+            replica.up = False
+            self._notice("replica_lost", replica.target, why)
+
+    def _live(self) -> list[_Replica]:
+        return [r for r in self._replicas.values() if r.up]
+
+    async def __aenter__(self) -> FleetClient:
+        await self.refresh()
+        if not self._live():
+            raise UnavailableError("no replica of the fleet answered")
+        self._refresher = asyncio.ensure_future(self._refresh_forever())
+        return self
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_seconds)
+            await self.refresh()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stops refreshing, ends every replica's session (removing the fleet's hooks)."""
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+        for hook in self._hooks:
+            hook._stop()
+        await asyncio.gather(*(r.client.close() for r in self._replicas.values()), return_exceptions=True)
+
+    # ---------------------------------------------------------------- calls
+
+    def model(self, name: str) -> FleetModel:
+        """A model served by the fleet; nothing is sent until it is used."""
+        return FleetModel(self, name)
+
+    async def _call(self, fn: Callable[[Client], Awaitable[Any]]) -> Any:
+        tried = 0
+        while True:
+            live = self._live()
+            if not live or tried >= len(live):
+                raise UnavailableError("no live replica of the fleet answered")
+            replica = live[self._rr % len(live)]
+            self._rr += 1
+            tried += 1
+            try:
+                return await fn(replica.client)
+            except UnavailableError as exc:
+                self._lost(replica, str(exc))
+
+
+class FleetModel:
+    """A model served by every replica: calls go round-robin, hooks go everywhere."""
+
+    def __init__(self, fleet: FleetClient, name: str) -> None:
+        self._fleet = fleet
+        self.name = name
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs forward on the next live replica; see RemoteModel.__call__."""
+        return (await self.infer(*args, kwargs=kwargs)).output
+
+    async def infer(self, *args: Any, **kwargs: Any) -> InferResult:
+        """RemoteModel.infer on the next live replica (moving on from unreachable ones)."""
+        return await self._fleet._call(lambda client: client.model(self.name).infer(*args, **kwargs))
+
+    def hook(
+        self, module: str, *, prehook: ActionLike = None, posthook: ActionLike = None,
+        backward_prehook: ActionLike = None, backward_hook: ActionLike = None,
+        prehook_kwargs: dict[str, bool] | None = None, posthook_kwargs: dict[str, bool] | None = None,
+        backward_prehook_kwargs: dict[str, bool] | None = None, backward_hook_kwargs: dict[str, bool] | None = None,
+        train_update: bool = True, eval_update: bool = True, scope: ScopeName = "session",
+        tags: Sequence[str] = (), on_error: OnErrorName = "default", sampling: Sampling | None = None,
+    ) -> PendingFleetHook:
+        """A hook on every replica (see RemoteModel.hook): await it, or ``async with`` it."""
+        spec = HookSpec(
+            module=module, prehook=prehook, posthook=posthook, backward_prehook=backward_prehook,
+            backward_hook=backward_hook, prehook_kwargs=prehook_kwargs, posthook_kwargs=posthook_kwargs,
+            backward_prehook_kwargs=backward_prehook_kwargs, backward_hook_kwargs=backward_hook_kwargs,
+            train_update=train_update, eval_update=eval_update, scope=scope, model=self.name,
+            tags=tuple(tags), on_error=on_error, sampling=sampling,
+        )
+        return PendingFleetHook(self._fleet, spec)
+
+
+class PendingFleetHook:
+    """``fleet_model.hook(...)``: awaitable and an async context manager."""
+
+    def __init__(self, fleet: FleetClient, spec: HookSpec) -> None:
+        self._fleet = fleet
+        self._spec = spec
+        self._handle: FleetHookHandle | None = None
+
+    async def _register(self) -> FleetHookHandle:
+        handle = FleetHookHandle(self._fleet, self._spec)
+        async with self._fleet._lock:
+            live = self._fleet._live()
+            results = await asyncio.gather(*(handle._attach(r) for r in live), return_exceptions=True)
+            failures = [(r, e) for r, e in zip(live, results) if isinstance(e, BaseException)]
+            if failures:
+                await handle.remove()
+                replica, error = failures[0]
+                if isinstance(error, HookwireError):
+                    raise type(error)(f"replica {replica.target} refused the hook: {error.details}") from None
+                raise error
+            self._fleet._hooks.append(handle)
+        return handle
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return self._register().__await__()
+
+    async def __aenter__(self) -> FleetHookHandle:
+        self._handle = await self._register()
+        return self._handle
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            await self._handle.remove()
+
+
+class FleetHookHandle:
+    """One hook on every replica. ``events()`` merges them; ``remove()`` is idempotent."""
+
+    def __init__(self, fleet: FleetClient, spec: HookSpec) -> None:
+        self._fleet = fleet
+        self.spec = spec
+        #: The hook on each replica, by target.
+        self.handles: dict[str, HookHandle] = {}
+        self._queue: asyncio.Queue[InterceptEvent | None] = asyncio.Queue()
+        self._pumps: dict[str, asyncio.Task[None]] = {}
+        self._removed = False
+
+    async def _attach(self, replica: _Replica) -> None:
+        old = self.handles.pop(replica.target, None)
+        if old is not None:
+            self._pumps.pop(replica.target).cancel()
+        handle = await replica.client.register_hook(self.spec)
+        self.handles[replica.target] = handle
+        self._pumps[replica.target] = asyncio.ensure_future(self._pump(replica, handle))
+
+    async def _pump(self, replica: _Replica, handle: HookHandle) -> None:
+        try:
+            async for event in handle.events():
+                self._queue.put_nowait(dataclasses.replace(event, replica=replica.target))
+        except HookwireError as exc:
+            if not self._removed:
+                self._fleet._lost(replica, f"event stream failed: {exc}")
+
+    def events(self) -> AsyncIterator[InterceptEvent]:
+        """Events of every replica, merged in arrival order; ends after remove()."""
+
+        async def merged() -> AsyncIterator[InterceptEvent]:
+            while (event := await self._queue.get()) is not None:
+                yield event
+
+        return merged()
+
+    async def remove(self) -> None:
+        """Removes the hook from every replica that has it (unreachable ones lose it with their session)."""
+        if self._removed:
+            return
+        self._removed = True
+        if self in self._fleet._hooks:
+            self._fleet._hooks.remove(self)
+        await asyncio.gather(*(h.remove() for h in self.handles.values()), return_exceptions=True)
+        self._stop()
+
+    def _stop(self) -> None:
+        for pump in self._pumps.values():
+            pump.cancel()
+        self._queue.put_nowait(None)
+
+
+def connect_fleet(
+    targets: TargetsLike, *, options: ConnectOptions | None = None, refresh_seconds: float = 5.0
+) -> FleetClient:
+    """A client for many replicas: a list of "host:port", "dns:///name:port" (every
+    address the name resolves to, e.g. a Kubernetes headless Service), or a function
+    returning the current targets. Use ``async with`` (which connects and raises
+    UnavailableError when no replica answers)."""
+    return FleetClient(targets, options=options, refresh_seconds=refresh_seconds)

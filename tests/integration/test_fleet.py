@@ -1,0 +1,144 @@
+"""Fleet mode: three server processes on loopback used as one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator
+
+import pytest
+import torch
+
+import hookwire
+
+TESTS = pathlib.Path(__file__).resolve().parent.parent
+X = torch.randn(1, 8)
+
+
+class Replica:
+    def __init__(self, *models: str) -> None:
+        self.log = tempfile.TemporaryFile(mode="w+")
+        args = [arg for m in models for arg in ("--model", m)]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", *args, "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])},
+        )
+        self.target = self.proc.stdout.readline().rsplit(" ", 1)[-1].strip()
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def replicas() -> Iterator[list[Replica]]:
+    started = [Replica("mlp=hookwire_server.demo_models:mlp") for _ in range(3)]
+    yield started
+    for r in started:
+        r.stop()
+
+
+async def _count_hooks(target: str) -> int:
+    async with hookwire.connect(target) as c:
+        return len(await c.list_hooks(model="mlp"))
+
+
+async def _take(iterator, n: int, timeout: float = 10.0) -> list:
+    out = []
+
+    async def run() -> None:
+        async for item in iterator:
+            out.append(item)
+            if len(out) == n:
+                return
+
+    await asyncio.wait_for(run(), timeout)
+    return out
+
+
+async def test_fleet_registers_everywhere_merges_events_survives_a_kill_and_adopts_a_new_replica(replicas) -> None:
+    targets = [r.target for r in replicas]
+    async with hookwire.connect_fleet(lambda: list(targets), refresh_seconds=0.3) as fleet:
+        model = fleet.model("mlp")
+        async with model.hook("fc1", posthook=hookwire.capture("output")) as hook:
+            # Registered on every replica.
+            assert sorted(hook.handles) == sorted(targets)
+            assert [await _count_hooks(t) for t in targets] == [1, 1, 1]
+            events = hook.events()
+            # Round-robin calls, merged events: complete, each naming its replica.
+            results = [await model.infer(X) for _ in range(9)]
+            got = await _take(events, 9)
+            assert sorted(e.request_id for e in got) == sorted(r.request_id for r in results)
+            assert {e.replica for e in got} == set(targets)
+            assert all(sum(e.replica == t for e in got) == 3 for t in targets)
+            expected = hookwire_local_fc1()
+            assert all(torch.equal(e.output, expected) for e in got)
+
+            # One replica dies mid-stream: the others go on, the fleet reports it.
+            replicas[0].kill()
+            results = [await model.infer(X) for _ in range(6)]
+            got = await _take(events, 6)
+            assert {e.replica for e in got} == set(targets[1:])
+            assert sorted(e.request_id for e in got) == sorted(r.request_id for r in results)
+            assert any(n.kind == "replica_lost" and n.replica == targets[0] for n in fleet.notices)
+            assert fleet.replicas[targets[0]] is False
+
+            # A new replica appears: it gets the fleet's hook and serves calls.
+            newcomer = Replica("mlp=hookwire_server.demo_models:mlp")
+            replicas.append(newcomer)
+            targets.append(newcomer.target)
+            deadline = time.monotonic() + 10
+            while fleet.replicas.get(newcomer.target) is not True:
+                assert time.monotonic() < deadline, fleet.notices
+                await asyncio.sleep(0.05)
+            assert await _count_hooks(newcomer.target) == 1
+            results = [await model.infer(X) for _ in range(6)]
+            got = await _take(events, 6)
+            assert newcomer.target in {e.replica for e in got}
+            assert any(n.kind == "replica_joined" and n.replica == newcomer.target for n in fleet.notices)
+        # Removing the hook removes it everywhere that is alive.
+        assert [await _count_hooks(t) for t in targets[1:]] == [0, 0, 0]
+
+
+def hookwire_local_fc1() -> torch.Tensor:
+    from hookwire_server.demo_models import mlp
+
+    return mlp().fc1(X).detach()
+
+
+async def test_registration_is_all_or_nothing(replicas) -> None:
+    odd = Replica("scale=support:scale_factory")  # does not host "mlp"
+    try:
+        targets = [r.target for r in replicas] + [odd.target]
+        async with hookwire.connect_fleet(targets) as fleet:
+            with pytest.raises(hookwire.NotFoundError, match=f"replica {odd.target} refused the hook"):
+                await fleet.model("mlp").hook("fc1", posthook=hookwire.capture("output"))
+            assert [await _count_hooks(r.target) for r in replicas] == [0, 0, 0]
+    finally:
+        odd.stop()
+
+
+async def test_fleet_needs_a_live_replica() -> None:
+    with pytest.raises(hookwire.UnavailableError):
+        async with hookwire.connect_fleet(["127.0.0.1:1"], options=hookwire.ConnectOptions(timeout=2)):
+            pass
+
+
+async def test_dns_targets_resolve(replicas) -> None:
+    port = replicas[0].target.rsplit(":", 1)[1]
+    async with hookwire.connect_fleet(f"dns:///localhost:{port}") as fleet:
+        assert any(t.endswith(f":{port}") for t, up in fleet.replicas.items() if up)
+        out = await fleet.model("mlp")(X)
+        assert out.shape == (1, 4)
