@@ -62,7 +62,10 @@ class ModelHost:
 
     def resolve(self, pattern: str) -> list[str]:
         """The module paths ``pattern`` names; NotFound when none."""
-        found = match_paths(pattern, self.paths)
+        try:
+            found = match_paths(pattern, self.paths)
+        except ValueError as exc:
+            raise InvalidArgument(f"module: {exc}") from None
         if not found:
             if "*" in pattern or "?" in pattern:
                 raise NotFound(f"pattern {pattern!r} matches no module of model {self.name!r}")

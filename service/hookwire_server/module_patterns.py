@@ -1,30 +1,74 @@
-"""Module path globs: `*` within one dotted segment, `**` across segments, `?` one character."""
+"""Module path globs: `*` within one dotted segment, `**` across segments, `?` one character.
+
+Matching simulates the pattern as a small automaton over the path, in time
+proportional to len(pattern) * len(path), whatever the pattern: client patterns
+never reach a backtracking regex engine.
+"""
 
 from __future__ import annotations
 
 import functools
-import re
+
+MAX_PATTERN_LENGTH = 1024
+
+_STAR, _GLOBSTAR, _ONE = object(), object(), object()
 
 
 @functools.lru_cache(maxsize=1024)
-def compile_pattern(pattern: str) -> re.Pattern[str]:
-    """A regex matching exactly the module paths the glob ``pattern`` names."""
-    out: list[str] = []
+def _tokens(pattern: str) -> tuple[object, ...]:
+    out: list[object] = []
     i = 0
     while i < len(pattern):
-        ch = pattern[i]
         if pattern.startswith("**", i):
-            out.append(".*")
+            token: object = _GLOBSTAR
             i += 2
-            continue
-        if ch == "*":
-            out.append("[^.]*")
-        elif ch == "?":
-            out.append("[^.]")
+            while i < len(pattern) and pattern[i] == "*":
+                i += 1
+        elif pattern[i] == "*":
+            token, i = _STAR, i + 1
+        elif pattern[i] == "?":
+            token, i = _ONE, i + 1
         else:
-            out.append(re.escape(ch))
-        i += 1
-    return re.compile("".join(out))
+            token, i = pattern[i], i + 1
+        # Runs of wildcards collapse: "***" == "**", "*" next to "**" adds nothing.
+        if out and token in (_STAR, _GLOBSTAR) and out[-1] in (_STAR, _GLOBSTAR):
+            if token is _GLOBSTAR:
+                out[-1] = _GLOBSTAR
+            continue
+        out.append(token)
+    return tuple(out)
+
+
+def matches(pattern: str, path: str) -> bool:
+    """Whether the glob ``pattern`` matches the whole module ``path``."""
+    tokens = _tokens(pattern)
+    n = len(tokens)
+
+    def closure(states: set[int]) -> set[int]:
+        # A wildcard may match nothing: also be past it.
+        stack = list(states)
+        while stack:
+            s = stack.pop()
+            if s < n and tokens[s] in (_STAR, _GLOBSTAR) and s + 1 not in states:
+                states.add(s + 1)
+                stack.append(s + 1)
+        return states
+
+    states = closure({0})
+    for ch in path:
+        following: set[int] = set()
+        for s in states:
+            if s == n:
+                continue
+            token = tokens[s]
+            if token is _GLOBSTAR or (token is _STAR and ch != "."):
+                following.add(s)
+            elif (token is _ONE and ch != ".") or token == ch:
+                following.add(s + 1)
+        if not following:
+            return False
+        states = closure(following)
+    return n in states
 
 
 def is_glob(pattern: str) -> bool:
@@ -34,7 +78,8 @@ def is_glob(pattern: str) -> bool:
 
 def match_paths(pattern: str, paths: list[str]) -> list[str]:
     """The paths that ``pattern`` matches, in the given order."""
+    if len(pattern) > MAX_PATTERN_LENGTH:
+        raise ValueError(f"a module pattern is at most {MAX_PATTERN_LENGTH} characters")
     if not is_glob(pattern):
         return [pattern] if pattern in paths else []
-    regex = compile_pattern(pattern)
-    return [p for p in paths if regex.fullmatch(p)]
+    return [p for p in paths if matches(pattern, p)]
