@@ -40,9 +40,9 @@ MIN_MAX_MESSAGE_BYTES = 1024 * 1024
 #: 1 MiB chunks stream captured tensors into the SDK at about 1 GiB/s, 2 MiB and 4 MiB
 #: chunks at a third to a half of that (the raw gRPC stream does not slow down alike).
 CHUNK_BYTES = 1024 * 1024
-#: Events with at most this many tensor bytes may share a message ...
+#: Events of at most this many serialized bytes may share a message ...
 BATCH_EVENT_MAX_BYTES = 64 * 1024
-#: ... of at most this many tensor bytes (well under clients' 4 MiB default).
+#: ... of at most this many serialized bytes (and under the stream's message limit).
 BATCH_MAX_BYTES = 1024 * 1024
 BATCH_MAX_EVENTS = 256
 
@@ -108,12 +108,18 @@ class HookCounters:
             self._on_drop()
 
 
+#: Room left in a message for its envelope (batch framing, field tags).
+ENVELOPE_BYTES = 16 * 1024
+
+
 @dataclasses.dataclass
 class _Item:
     msg: hook_service_pb2.SessionMessage
-    nbytes: int
+    nbytes: int  # tensor bytes it holds (inline and chunked): what the buffer counts
     counters: HookCounters | None = None
     chunker: Chunker | None = None
+    wire: int = 0  # serialized size of the message itself (chunks excluded)
+    droppable: bool = False  # queued without waiting: a drop policy may evict it
 
 
 def _notice(kind: hook_service_pb2.NoticeKind, message: str, dropped: int) -> hook_service_pb2.SessionMessage:
@@ -165,33 +171,51 @@ class EventStream:
     def put_event(
         self, msg: hook_service_pb2.SessionMessage, hook_id: str, nbytes: int, *,
         session_id: str = "", counters: HookCounters | None = None, chunker: Chunker | None = None,
+        wire: int | None = None, cancelled: Callable[[], bool] | None = None,
     ) -> bool:
         """Offers an event, numbering it for its hook; True if it was queued.
 
         Called from a model's worker thread, never the event loop: under BLOCK it
-        waits while the buffer is full. Under a drop policy it never waits.
+        waits while the buffer is full (until ``cancelled()`` turns true, e.g. the
+        hook was removed). Under a drop policy it never waits. ``wire`` is the
+        message's serialized size; an event that cannot fit this stream's
+        max_message_bytes is dropped, with a notice.
         """
         block = self.blocks_for(session_id)
+        if wire is None:
+            wire = msg.ByteSize()
         with self._lock:
             if self._closed or self._ending:
                 return False
             if block:
-                while not self._closed and not self._ending and self._is_full(nbytes):
+                while (
+                    not self._closed and not self._ending and self._is_full(nbytes)
+                    and not (cancelled is not None and cancelled())
+                ):
                     self._not_full.wait()
-                if self._closed or self._ending:
+                if self._closed or self._ending or (cancelled is not None and cancelled()):
                     return False
             # Numbered once it has a place (or is dropped), under the lock: seq
             # follows stream order, and a dropped event leaves its gap.
             seq = self._seq.get(hook_id, 0) + 1
             self._seq[hook_id] = seq
+            if wire > self.limits.max_message_bytes - ENVELOPE_BYTES:
+                self._count_drop(counters, run=False)
+                self._append(_Item(hook_service_pb2.SessionMessage(notice=hook_service_pb2.Notice(
+                    kind=hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, hook_id=hook_id, dropped=self.dropped,
+                    message=f"event {seq} of hook {hook_id} takes {wire} bytes, more than this stream's "
+                            f"max_message_bytes ({self.limits.max_message_bytes}): dropped")), 0))
+                return False
             evicted = False
             if not block and self._is_full(nbytes):
                 if self.limits.policy == DROP_NEWEST:
                     self._count_drop(counters)
                     return False
-                while self._events and self._is_full(nbytes):
-                    self._evict_oldest_event()
+                while self._is_full(nbytes) and self._evict_oldest_droppable():
                     evicted = True
+                if self._is_full(nbytes):  # only events that were promised delivery are left
+                    self._count_drop(counters)
+                    return False
             if self._dropping and not evicted:
                 self._dropping = False
                 self._append(_Item(_notice(
@@ -199,33 +223,45 @@ class EventStream:
                     f"delivering again; {self.dropped} events dropped on this stream so far", self.dropped), 0))
             msg.event.seq = seq
             msg.event.dropped = self.dropped
-            self._append(_Item(msg, nbytes, counters, chunker))
+            self._append(_Item(msg, nbytes, counters, chunker, wire, droppable=not block))
             self._events += 1
         if counters is not None:
             counters.add(sent=1)
         return True
 
-    def _count_drop(self, counters: HookCounters | None) -> None:
+    def _count_drop(self, counters: HookCounters | None, *, run: bool = True) -> None:
+        """Counts a drop; ``run``: because the buffer is full (a run of drops, with notices)."""
         self.dropped += 1
         if counters is not None:
             counters.add(dropped=1)
-        if not self._dropping:
+        if run and not self._dropping:
             self._dropping = True
             self._append(_Item(_notice(
                 hook_service_pb2.NOTICE_KIND_DROPS_STARTED,
                 f"buffer full ({self.limits.max_events} events / {self.limits.max_bytes} bytes): dropping events",
                 self.dropped), 0))
 
-    def _evict_oldest_event(self) -> None:
+    def _evict_oldest_droppable(self) -> bool:
         for i, item in enumerate(self._items):
-            if item.msg.WhichOneof("kind") == "event":
+            if item.droppable:
                 del self._items[i]
                 self._events -= 1
                 self._bytes -= item.nbytes
                 if item.counters is not None:
                     item.counters.add(sent=-1)
                 self._count_drop(item.counters)
-                return
+                return True
+        return False
+
+    def wake_producers(self) -> None:
+        """Makes producers waiting for space re-check their ``cancelled`` condition."""
+        with self._lock:
+            self._not_full.notify_all()
+
+    def forget_hook(self, hook_id: str) -> None:
+        """Drops a removed hook's numbering (ids are never reused)."""
+        with self._lock:
+            self._seq.pop(hook_id, None)
 
     def put_notice(self, msg: hook_service_pb2.SessionMessage) -> None:
         """Queues a notice without waiting (notices are small and rare); any thread."""
@@ -246,21 +282,22 @@ class EventStream:
         if was_empty:
             self._wake()
 
-    async def _take(self, max_bytes: int, max_items: int) -> list[_Item]:
+    async def _take(self, max_wire: int, max_items: int) -> list[_Item]:
         """The next item and, without waiting, those queued behind it, up to ``max_items``
-        items whose bytes stay under ``max_bytes``; [] once closed (or ended and drained)."""
+        items whose messages together stay under ``max_wire`` serialized bytes;
+        [] once closed (or ended and drained)."""
         while True:
             with self._lock:
                 if self._closed:
                     return []
                 if self._items:
                     out = [self._items.popleft()]
-                    budget = max_bytes - out[0].nbytes
+                    budget = max_wire - out[0].wire
                     while (
                         self._items and len(out) < max_items and out[-1].chunker is None
-                        and self._items[0].chunker is None and self._items[0].nbytes <= budget
+                        and self._items[0].chunker is None and self._items[0].wire <= budget
                     ):
-                        budget -= self._items[0].nbytes
+                        budget -= self._items[0].wire
                         out.append(self._items.popleft())
                     for item in out:
                         self._bytes -= item.nbytes
@@ -286,14 +323,15 @@ class EventStream:
         cost per message, on both ends, is far above the cost of a small event.
         An event with chunked tensors goes out alone, followed by its chunks.
         """
-        while items := await self._take(BATCH_MAX_BYTES, BATCH_MAX_EVENTS):
+        batch_budget = min(BATCH_MAX_BYTES, self.limits.max_message_bytes - ENVELOPE_BYTES)
+        while items := await self._take(batch_budget, BATCH_MAX_EVENTS):
             if self._on_sent is not None:
                 events = [item for item in items if item.msg.WhichOneof("kind") == "event"]
                 self._on_sent(len(events), sum(item.nbytes for item in events))
             run: list[hook_service_pb2.SessionMessage] = []
             for item in items:
                 msg = item.msg
-                if item.chunker is None and msg.WhichOneof("kind") == "event" and item.nbytes <= BATCH_EVENT_MAX_BYTES:
+                if item.chunker is None and msg.WhichOneof("kind") == "event" and item.wire <= BATCH_EVENT_MAX_BYTES:
                     run.append(msg)
                     continue
                 for out in _coalesce(run):

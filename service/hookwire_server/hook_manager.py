@@ -184,6 +184,11 @@ def compile_spec(
     if "" in tags:
         raise InvalidArgument("tags: a tag cannot be empty")
     shared = scope in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED)
+    if shared and not allow_shared_rules and spec.on_error == rule_pb2.ON_ERROR_FAIL_CALL:
+        raise PermissionDenied(
+            "on_error: ON_ERROR_FAIL_CALL on a shared hook would fail other callers' calls; this server does not "
+            "allow it (start it with --allow-shared-rules)"
+        )
     if shared and not allow_shared_rules and any(a.modifies for a in actions):
         raise PermissionDenied(
             f"rules on a {hook_pb2.Scope.Name(scope)} hook change other callers' results; this server does not "
@@ -377,10 +382,17 @@ class HookRecord:
             detail = f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}"
             self._disable(detail, hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED)
             return
+        wire = msg.ByteSize()
         copies = [msg] + [_copy(msg) for _ in streams[1:]]
         kept = chunker if chunker.tensors else None
         for stream, m in zip(streams, copies):
-            stream.put_event(m, self.hook_id, nbytes, session_id=p.session_id, counters=self.counters, chunker=kept)
+            stream.put_event(
+                m, self.hook_id, nbytes, session_id=p.session_id, counters=self.counters, chunker=kept,
+                wire=wire, cancelled=self._is_removed,
+            )
+
+    def _is_removed(self) -> bool:
+        return self.removed
 
     def _fill_event(
         self, event: hook_pb2.InterceptEvent, action: Action, path: str, p: Pass,
@@ -621,6 +633,8 @@ class HookManager:
             return None
         record.removed = True
         record.active = False
+        for stream in record.streams:
+            stream.wake_producers()  # a pass blocked delivering this hook's event gives up now
         if record.on_removed is not None:
             record.on_removed()
         session = self._sessions.get(record.session_id)
@@ -647,6 +661,7 @@ class HookManager:
         )
         for stream in streams:
             stream.put_notice(notice)
+            stream.forget_hook(record.hook_id)
         for sub in subscriptions:
             sub.hook_ids.pop(record.hook_id, None)
             if not sub.hook_ids:

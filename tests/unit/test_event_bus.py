@@ -463,7 +463,7 @@ async def test_large_events_and_notices_split_batches_and_keep_their_place() -> 
     stream.put_event(event("h", "b"), "h", 10)
     stream.put_notice(notice("n"))
     stream.put_event(event("h", "c"), "h", 10)
-    stream.put_event(event("h", "big"), "h", big)
+    stream.put_event(event("h", "big"), "h", big, wire=big)
     stream.put_event(event("h", "d"), "h", 10)
     msgs = await _sent(stream, 5)
     shape = [
@@ -483,7 +483,7 @@ async def test_batches_respect_the_byte_and_count_caps() -> None:
     assert len(second.batch.events) == 10
     per = event_bus.BATCH_EVENT_MAX_BYTES
     for _ in range(40):
-        stream.put_event(event("h"), "h", per)
+        stream.put_event(event("h"), "h", per, wire=per)
     msg = (await _sent(stream, 1))[0]
     assert len(msg.batch.events) * per <= event_bus.BATCH_MAX_BYTES
     assert len(msg.batch.events) == event_bus.BATCH_MAX_BYTES // per
@@ -557,3 +557,46 @@ async def test_drop_policy_memory_is_bounded_by_bytes() -> None:
         assert stream.occupancy()[1] <= 1000
     assert stream.occupancy() == (10, 1000)
     assert stream.dropped == 490
+
+
+async def test_batches_are_sized_by_serialized_bytes_not_tensor_bytes() -> None:
+    stream = make_stream()
+    for i in range(40):  # no tensor bytes, but 60 KB of message each (e.g. histograms)
+        stream.put_event(event("h", f"r{i}"), "h", 0, wire=60_000)
+    first = (await _sent(stream, 1))[0]
+    assert 0 < len(first.batch.events) <= event_bus.BATCH_MAX_BYTES // 60_000
+
+
+async def test_an_event_larger_than_the_message_limit_is_dropped_with_a_notice() -> None:
+    stream = make_stream()
+    counters = event_bus.HookCounters()
+    assert not stream.put_event(event("h"), "h", 0, wire=event_bus.DEFAULT_MAX_MESSAGE_BYTES, counters=counters)
+    assert stream.put_event(event("h"), "h", 0, counters=counters)
+    notice, ok = await get(stream), await get(stream)
+    assert notice.notice.kind == hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED and "max_message_bytes" in notice.notice.message
+    assert ok.event.seq == 2 and ok.event.dropped == 1 and counters.events_dropped == 1
+
+
+async def test_default_policy_never_evicts_the_owners_own_events() -> None:
+    stream = EventStream(asyncio.get_running_loop(), DeliveryLimits(max_events=2), owner_session_id="ses_me")
+    assert stream.put_event(event("mine", "m1"), "mine", 1, session_id="ses_me")
+    assert stream.put_event(event("mine", "m2"), "mine", 1, session_id="ses_me")
+    assert not stream.put_event(event("all", "o1"), "all", 1, session_id="ses_other")  # nothing evictable
+    msgs = [await get(stream) for _ in range(3)]
+    assert [m.event.request_id for m in msgs if m.WhichOneof("kind") == "event"] == ["m1", "m2"]
+
+
+async def test_a_blocked_producer_gives_up_when_cancelled() -> None:
+    stream = make_stream(max_events=1)
+    assert stream.put_event(event("h"), "h", 1)
+    removed = threading.Event()
+    results = []
+    t = threading.Thread(target=lambda: results.append(
+        stream.put_event(event("h"), "h", 1, cancelled=removed.is_set)), daemon=True)
+    t.start()
+    await asyncio.sleep(SETTLE)
+    assert t.is_alive()
+    removed.set()
+    stream.wake_producers()
+    await join(t)
+    assert results == [False]
