@@ -307,8 +307,13 @@ class HookHandle:
         default drop policy) when iteration starts.
         """
         if self._router is None:
-            return self._client.subscribe([self.id]).__aiter__()
+            return self._subscribed_events()
         return self._router.events(self.id)
+
+    async def _subscribed_events(self) -> AsyncIterator[InterceptEvent]:
+        async with self._client.subscribe([self.id]) as sub:  # ends when iteration does
+            async for event in sub:
+                yield event
 
     async def remove(self) -> bool:
         """Removes the hook on the server; True if this call removed it. Safe to repeat."""
@@ -479,9 +484,13 @@ class RemoteModel:
                 if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "chunk":
                     raise HookwireError("InferStream ended before the response's tensors were complete", code="DATA_LOSS")
                 assembler.feed(msg.chunk)
+            return InferResult.from_proto(first.response, chunked=assembler.result())
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        return InferResult.from_proto(first.response, chunked=assembler.result())
+        except _codec.CodecError as exc:
+            raise HookwireError(f"InferStream: {exc}", code="DATA_LOSS") from None
+        finally:
+            call.cancel()  # a no-op once it has finished
 
     def hook(
         self,

@@ -269,10 +269,14 @@ def check_tensor(msg: tensor_pb2.Tensor, where: str = "tensor") -> int:
     if itemsize is None:
         raise CodecError(f"{where}: {dtype_name(msg.dtype)} is not a valid dtype")
     count = 1
+    nonzero = 1
     for dim in msg.shape:
         if dim < 0:
             raise CodecError(f"{where}: shape {list(msg.shape)} has a negative dimension")
         count *= dim
+        nonzero *= max(dim, 1)
+        if nonzero * itemsize >= 2**62:  # no real tensor is this large, even with a zero dimension
+            raise CodecError(f"{where}: shape {list(msg.shape)} is too large")
     if msg.chunk_id:
         if msg.data:
             raise CodecError(f"{where}: a chunked tensor (chunk_id {msg.chunk_id}) carries inline data")

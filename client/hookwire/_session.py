@@ -38,6 +38,8 @@ async def stream_items(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[Item]:
                 yield pending[0], pending[1].result()
                 pending = None
         elif kind == "event":
+            if pending is not None:
+                raise HookwireError("an event arrived before the chunks of the previous one", code="DATA_LOSS")
             assembler = _codec.ChunkAssembler(msg.event)
             if assembler.done:
                 yield msg.event, None
@@ -51,6 +53,8 @@ async def stream_items(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[Item]:
             if notice.kind in ("capture_failed", "hook_disabled", "drops_started"):
                 log.warning("hook %s: %s", notice.hook_id or "-", notice.message)
             yield notice
+    if pending is not None:
+        raise HookwireError("the stream ended before an event's chunks were complete", code="DATA_LOSS")
 
 
 class EventRouter:
@@ -105,6 +109,8 @@ class EventRouter:
                 queue.put_nowait(_END)  # later readers stop too
                 if self.error is not None:
                     raise self.error
+                if hook_id in self._ended:
+                    self._queues.pop(hook_id, None)  # removed for good: free its queue
                 return
             event, chunked = cast("tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]", item)
             yield InterceptEvent.from_proto(event, chunked=chunked)
@@ -121,7 +127,12 @@ async def pump(call: grpc.aio.UnaryStreamCall, router: EventRouter) -> None:
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.CANCELLED:
             error = from_rpc_error(exc)
-    except (HookwireError, _codec.CodecError) as exc:
-        error = exc if isinstance(exc, HookwireError) else HookwireError(str(exc), code="DATA_LOSS")
+    except HookwireError as exc:
+        error = exc
+    except _codec.CodecError as exc:
+        error = HookwireError(str(exc), code="DATA_LOSS")
+    except Exception as exc:  # a reader must never see a failed stream as a clean end
+        log.exception("session stream reader failed")
+        error = HookwireError(f"{type(exc).__name__}: {exc}", code="UNKNOWN")
     finally:
         router.end(error)

@@ -331,7 +331,8 @@ class HookRecord:
         self.fire_count += 1
         self._fires_metric.inc()
         self.last_fired_ns = time.time_ns()
-        capture = bool(action.capture) and (self._sampler is None or self._sampler.take(path, action.phase))
+        listened = self.compiled.scope == SCOPE_REQUEST or bool(self.streams)
+        capture = bool(action.capture) and listened and (self._sampler is None or self._sampler.take(path, action.phase))
         if not action.rules:
             if capture:
                 self._capture(action, path, p, call_index, training, parts)
@@ -613,7 +614,10 @@ class HookManager:
             self._remove(record.hook_id, reason="registration failed")
             raise
         if record.removed:
-            raise NotFound(f"session {session_id!r} ended while the hook was being registered")
+            raise NotFound(
+                f"hook {record.hook_id} was removed while it was being registered "
+                f"({'its session ended' if session is not None and session.closed else 'deregistered'})"
+            )
         log.info("hook %s registered on %s:%s", record.hook_id, host.name, ",".join(compiled.modules) or "<root>")
         return record
 

@@ -88,7 +88,7 @@ def select_output(output: Any, segments: tuple[str, ...]) -> Any:
                 raise InvalidArgument(f"backward.output_path: no key {seg!r} at {where!r} (keys: {list(current)})")
             current = current[seg]
         elif isinstance(current, (tuple, list)):
-            if not seg.isdigit() or int(seg) >= len(current):
+            if not (seg.isascii() and seg.isdigit() and len(seg) <= 9) or int(seg) >= len(current):
                 raise InvalidArgument(
                     f"backward.output_path: {seg!r} at {where!r} is not an index of a sequence of {len(current)} items"
                 )
@@ -138,6 +138,8 @@ class Inference:
         ``chunker``, large response tensors are left in it instead of inline.
         """
         host = self._registry.get(request.model)
+        if chunked is None and next(_codec.chunked_tensors(request), None) is not None:
+            raise InvalidArgument("a tensor has a chunk_id: chunked tensors travel over InferStream, not Infer")
         if request.mode not in model_service_pb2.Mode.values():
             raise InvalidArgument(f"mode: unknown mode {request.mode}")
         train = request.mode == model_service_pb2.MODE_TRAIN
@@ -196,10 +198,10 @@ def _run_pass(
     """The whole call on the model's worker thread."""
     args, kwargs = _decode_inputs(request, chunked)
     model = host.module
-    for record in records:
-        record.attach()
-    host.current_pass = p
     try:
+        for record in records:
+            record.attach()
+        host.current_pass = p
         model.train(train)
         with _seeded(seed), torch.set_grad_enabled(backward is not None):
             if backward is not None and backward.return_input_grads:
@@ -215,7 +217,8 @@ def _run_pass(
             p.chunker.snapshot = False  # the pass is over: the output no longer changes
         try:
             _codec.encode_value_into(output, p.response.output, chunker=p.chunker)
-        except _codec.CodecError as exc:
+        except (_codec.CodecError, RuntimeError, NotImplementedError, TypeError) as exc:
+            # e.g. a type with no wire form, a sparse or meta tensor
             raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
     finally:
         host.current_pass = None

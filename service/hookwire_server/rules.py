@@ -102,7 +102,7 @@ def _child(value: Any, seg: str, where: str) -> Any:
             raise InvalidArgument(f"{where}: no key {seg!r} (keys: {list(value)})")
         return value[seg]
     if isinstance(value, (tuple, list)):
-        if not seg.isdigit() or int(seg) >= len(value):
+        if not (seg.isascii() and seg.isdigit() and len(seg) <= 9) or int(seg) >= len(value):
             raise InvalidArgument(f"{where}: no item {seg!r} in a sequence of {len(value)}")
         return value[int(seg)]
     raise InvalidArgument(f"{where}: cannot go inside a {type(value).__name__}")

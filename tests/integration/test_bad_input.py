@@ -44,7 +44,22 @@ INFER_CASES = {
     ),
     "huge claimed shape": (
         model_service_pb2.InferRequest(model="mlp", args=[_tensor(shape=(1 << 40, 1 << 20), data=b"\0" * 4)]),
-        grpc.StatusCode.INVALID_ARGUMENT, "bytes of data",
+        grpc.StatusCode.INVALID_ARGUMENT, "is too large",
+    ),
+    "overflowing shape with a zero dimension": (
+        model_service_pb2.InferRequest(model="mlp", args=[_tensor(shape=(1 << 40, 1 << 40, 0), data=b"")]),
+        grpc.StatusCode.INVALID_ARGUMENT, "is too large",
+    ),
+    "chunked tensor in unary Infer": (
+        model_service_pb2.InferRequest(model="mlp", args=[tensor_pb2.Value(tensor=tensor_pb2.Tensor(
+            dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1, 8], chunk_id=1))]),
+        grpc.StatusCode.INVALID_ARGUMENT, "travel over InferStream",
+    ),
+    "non-ascii digit in output_path": (
+        model_service_pb2.InferRequest(
+            model="tiny-transformer", args=[_codec.encode_value(torch.zeros(1, 3, dtype=torch.int64))],
+            backward=model_service_pb2.Backward(output_path="logits.\u00b2")),
+        grpc.StatusCode.INVALID_ARGUMENT, "goes inside a Tensor",
     ),
     "malformed output_path": (
         model_service_pb2.InferRequest(model="mlp", args=[GOOD], backward=model_service_pb2.Backward(output_path="0..1")),

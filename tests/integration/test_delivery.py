@@ -368,3 +368,41 @@ async def test_every_n_counts_each_module_on_its_own(client) -> None:
         seen = [(e.module, e.request_id) async for e in h.events()]
     expected = [(m, results[i].request_id) for i in (0, 2, 4) for m in ("fc1", "fc2")]
     assert seen == expected
+
+
+async def test_removing_a_hook_releases_a_pass_blocked_on_a_stalled_block_subscriber(server, client, other_client) -> None:
+    handle = await client.model("scale").hook("", posthook=hookwire.capture("output"), scope="all", ttl_seconds=600)
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        stalled = hook_service_pb2_grpc.HookServiceStub(channel).Subscribe(hook_service_pb2.SubscribeRequest(
+            hook_ids=[handle.id], delivery=hook_service_pb2.DeliveryOptions(
+                policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=1)))
+        await stalled.read()
+        x = torch.ones(1 << 20)  # 4 MiB events: gRPC's own buffers fill quickly too
+        calls = [asyncio.ensure_future(other_client.model("scale")(x)) for _ in range(12)]
+        await asyncio.sleep(1.0)
+        assert not all(c.done() for c in calls), "BLOCK must hold the passes"
+        assert await asyncio.wait_for(client.deregister_hook(handle.id), 10)
+        await asyncio.wait_for(asyncio.gather(*calls), 20)  # the model is free again
+        stalled.cancel()
+
+
+async def test_max_events_is_not_used_up_while_nobody_listens(client, other_client) -> None:
+    handle = await client.model("mlp").hook("fc1", posthook=hookwire.capture("output"), scope="all",
+                                            ttl_seconds=600, sampling=hookwire.Sampling(max_events=2))
+    for _ in range(3):
+        await other_client.model("mlp")(X)  # nobody subscribed yet
+    async with client.subscribe([handle.id]) as sub:
+        results = [await other_client.model("mlp").infer(X) for _ in range(3)]
+        got = []
+        async for event in sub:
+            got.append(event.request_id)
+            if len(got) == 2:
+                break
+    assert got == [r.request_id for r in results[:2]]
+    await handle.remove()
+
+
+async def test_fail_call_on_a_shared_hook_needs_shared_rules(client) -> None:
+    with pytest.raises(hookwire.PermissionDeniedError, match="ON_ERROR_FAIL_CALL on a shared hook"):
+        await client.model("mlp").hook("fc1", posthook=[hookwire.rules.save("output", "s", index="[1000]")],
+                                       scope="all", on_error="fail_call")
