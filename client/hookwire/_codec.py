@@ -367,23 +367,30 @@ def decode_value(
 # --------------------------------------------------------------------------- chunk reassembly
 
 
-def chunked_tensors(msg: Any) -> Iterator[tensor_pb2.Tensor]:
-    """Every Tensor with a chunk_id inside a message (any message type)."""
+def iter_tensors(msg: Any, where: str = "") -> Iterator[tuple[str, tensor_pb2.Tensor]]:
+    """(where, tensor) for every Tensor inside a message (any type), depth first;
+    ``where`` reads like "args[0]" or "kwargs['mask'][1]"."""
     for field, value in msg.ListFields():
         if field.type != field.TYPE_MESSAGE:
             continue
+        name = "" if field.name in ("tensor", "list", "items", "map", "entries") else field.name
+        prefix = f"{where}.{name}" if where and name else where or name
         if field.message_type.GetOptions().map_entry:
-            values = value.values()
+            items: Any = ((f"{prefix}[{key!r}]", item) for key, item in value.items())
         elif field.is_repeated:
-            values = value
+            items = ((f"{prefix}[{i}]", item) for i, item in enumerate(value))
         else:
-            values = [value]
-        for item in values:
+            items = [(prefix, value)]
+        for path, item in items:
             if isinstance(item, tensor_pb2.Tensor):
-                if item.chunk_id:
-                    yield item
+                yield path or "tensor", item
             else:
-                yield from chunked_tensors(item)
+                yield from iter_tensors(item, path)
+
+
+def chunked_tensors(msg: Any) -> Iterator[tensor_pb2.Tensor]:
+    """Every Tensor with a chunk_id inside a message."""
+    return (t for _, t in iter_tensors(msg) if t.chunk_id)
 
 
 class ChunkAssembler:

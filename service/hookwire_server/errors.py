@@ -31,5 +31,9 @@ class Unimplemented(HookwireServerError):
     """The server cannot represent something on the wire (e.g. an output type)."""
 
 
+class DeadlineExceeded(HookwireServerError):
+    """A call ran past the server's time limit."""
+
+
 class Unavailable(HookwireServerError):
     """The server is shutting down."""

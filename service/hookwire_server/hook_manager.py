@@ -28,12 +28,15 @@ from hookwire import _codec
 from hookwire._codec import Chunker
 from hookwire.v1 import hook_pb2, hook_service_pb2, rule_pb2
 
+from . import limits
+from .auth import ANONYMOUS, Principal
 from .capture import CaptureOptions, Sampler
-from .errors import InvalidArgument, NotFound, PermissionDenied, Unavailable, Unimplemented
+from .errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable, Unimplemented
 from .event_bus import DeliveryLimits, EventStream, HookCounters
 from .metrics import Metrics
 from .model_registry import ModelHost, ModelRegistry
 from .rules import CompiledRule, RuleFailure, apply_rules, compile_rules
+from .limits import Limits
 from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
 
 if TYPE_CHECKING:
@@ -121,7 +124,8 @@ class CompiledSpec:
 
 
 def compile_spec(
-    spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bool, allow_shared_rules: bool = False
+    spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bool, allow_shared_rules: bool = False,
+    max_rules: int = 64,
 ) -> CompiledSpec:
     """Validates ``spec`` for ``host``; raises InvalidArgument, NotFound or PermissionDenied naming the field."""
     actions: list[Action] = []
@@ -145,6 +149,8 @@ def compile_spec(
                 )
             if part not in parts:
                 parts.append(part)
+        if len(action_msg.rules) > max_rules:
+            raise InvalidArgument(f"{info.field}.rules: {len(action_msg.rules)} rules, over the limit of {max_rules}")
         if action_msg.capture_stage not in rule_pb2.CaptureStage.values():
             raise InvalidArgument(f"{info.field}.capture_stage: unknown stage {action_msg.capture_stage}")
         actions.append(
@@ -218,9 +224,11 @@ class HookRecord:
     def __init__(
         self, hook_id: str, host: ModelHost, spec: hook_pb2.HookSpec, compiled: CompiledSpec,
         *, session_id: str = "", request_id: str = "", slots: SlotStore | None = None,
-        metrics: Metrics | None = None,
+        metrics: Metrics | None = None, owner: Principal = ANONYMOUS,
     ) -> None:
         self.hook_id = hook_id
+        #: Who registered it: only they (or an operator) see, subscribe to and remove it.
+        self.owner = owner
         self.host = host
         self.spec = spec
         self.compiled = compiled
@@ -486,9 +494,13 @@ def _notice(kind: hook_service_pb2.NoticeKind, hook_id: str, message: str) -> ho
 class Session:
     """A client's session: its stream and the hooks it owns."""
 
-    def __init__(self, session_id: str, stream: EventStream, max_slot_bytes: int = DEFAULT_MAX_SLOT_BYTES) -> None:
+    def __init__(
+        self, session_id: str, stream: EventStream, max_slot_bytes: int = DEFAULT_MAX_SLOT_BYTES,
+        principal: Principal = ANONYMOUS,
+    ) -> None:
         self.session_id = session_id
         self.stream = stream
+        self.principal = principal
         self.slots = SlotStore(max_slot_bytes)
         self.hook_ids: dict[str, None] = {}  # ordered set
         self.closed = False
@@ -497,8 +509,9 @@ class Session:
 class Subscription:
     """A further stream for the events of existing hooks."""
 
-    def __init__(self, stream: EventStream, hook_ids: Iterable[str]) -> None:
+    def __init__(self, stream: EventStream, hook_ids: Iterable[str], principal: Principal = ANONYMOUS) -> None:
         self.stream = stream
+        self.principal = principal
         self.hook_ids = dict.fromkeys(hook_ids)
 
 
@@ -511,11 +524,11 @@ class HookManager:
     """Sessions, registered hooks and subscriptions. Lives on the event loop."""
 
     def __init__(
-        self, registry: ModelRegistry, *, allow_shared_rules: bool = False,
-        max_slot_bytes: int = DEFAULT_MAX_SLOT_BYTES, max_ttl_seconds: int = DEFAULT_MAX_TTL_SECONDS,
+        self, registry: ModelRegistry, *, allow_shared_rules: bool = False, limits: Limits | None = None,
         metrics: Metrics | None = None,
     ) -> None:
         self._registry = registry
+        self.limits = limits or Limits()
         #: True once the server is stopping: nothing new is accepted.
         self.draining = False
         self.metrics = metrics or Metrics()
@@ -524,9 +537,7 @@ class HookManager:
             sessions=lambda: len(self._sessions), hooks=lambda: len(self._hooks),
             streams=lambda: len(self._sessions) + len(self._subscriptions), buffered=self._buffered,
         )
-        self.max_ttl_seconds = max_ttl_seconds
         self.allow_shared_rules = allow_shared_rules
-        self.max_slot_bytes = max_slot_bytes
         self._hooks: dict[str, HookRecord] = {}
         self._sessions: dict[str, Session] = {}
         self._background: set[asyncio.Future[None]] = set()
@@ -537,20 +548,40 @@ class HookManager:
         if self.draining:
             raise Unavailable(SHUTDOWN_REASON)
 
-    def open_session(self, limits: DeliveryLimits) -> Session:
+    def _admit_stream(self, principal: Principal, delivery: DeliveryLimits) -> None:
+        """Limits on streams: per principal, and the server's total buffer budget."""
+        streams = [s.stream for s in self._sessions.values()] + [s.stream for s in self._subscriptions]
+        mine = sum(1 for s in self._sessions.values() if s.principal == principal)
+        mine += sum(1 for s in self._subscriptions if s.principal == principal)
+        limits.check(mine, self.limits.max_streams_per_principal, f"{principal.name!r} has {mine} open streams",
+                     "max_streams_per_principal")
+        budget = sum(s.limits.max_bytes for s in streams) + delivery.max_bytes
+        if budget > self.limits.max_buffered_bytes:
+            raise ResourceExhausted(
+                f"opening a stream with a {delivery.max_bytes}-byte buffer would put the server's stream buffers at "
+                f"{budget} bytes, over its limit of {self.limits.max_buffered_bytes} (max_buffered_bytes); "
+                "ask for a smaller delivery.max_bytes"
+            )
+
+    def open_session(self, delivery: DeliveryLimits, principal: Principal = ANONYMOUS) -> Session:
         """A new session with its own event stream."""
         self._refuse_when_draining()
+        principal.require("user", "opening a session")
+        sessions = sum(1 for s in self._sessions.values() if s.principal == principal)
+        limits.check(sessions, self.limits.max_sessions_per_principal,
+                     f"{principal.name!r} has {sessions} open sessions", "max_sessions_per_principal")
+        self._admit_stream(principal, delivery)
         session_id = new_id("ses")
-        stream = EventStream(asyncio.get_running_loop(), limits, owner_session_id=session_id, on_sent=self._count_sent)
-        session = Session(session_id, stream, self.max_slot_bytes)
+        stream = EventStream(asyncio.get_running_loop(), delivery, owner_session_id=session_id, on_sent=self._count_sent)
+        session = Session(session_id, stream, self.limits.max_slot_bytes, principal)
         self._sessions[session.session_id] = session
-        log.info("session %s opened", session.session_id)
+        log.info("session opened", extra={"session_id": session_id, "principal": principal.name})
         return session
 
-    def require_session(self, session_id: str) -> Session:
-        """The open session ``session_id``; NotFound otherwise."""
+    def require_session(self, session_id: str, principal: Principal = ANONYMOUS) -> Session:
+        """The open session ``session_id`` of ``principal`` (any, for operators); NotFound otherwise."""
         session = self._sessions.get(session_id)
-        if session is None or session.closed:
+        if session is None or session.closed or not (principal.is_operator or session.principal == principal):
             raise NotFound(f"no open session {session_id!r}")
         return session
 
@@ -573,17 +604,24 @@ class HookManager:
 
     # ---------------------------------------------------------------- hooks
 
-    async def register(self, session_id: str, spec: hook_pb2.HookSpec) -> HookRecord:
+    async def register(self, session_id: str, spec: hook_pb2.HookSpec, principal: Principal = ANONYMOUS) -> HookRecord:
         """Registers and attaches a hook; returns once it fires for the next pass.
 
         Without a session, the hook must watch shared traffic (SCOPE_ALL/TAGGED),
         carries a TTL (capped at max_ttl_seconds) and delivers to subscribers only.
         """
         self._refuse_when_draining()
-        session = self.require_session(session_id) if session_id else None
+        principal.require("user", "registering a hook")
+        session = self.require_session(session_id, principal) if session_id else None
         host = self._registry.get(spec.model)
-        compiled = compile_spec(spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules)
+        compiled = compile_spec(
+            spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules and principal.is_operator,
+            max_rules=self.limits.max_rules_per_action,
+        )
+        if compiled.scope in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED):
+            principal.require("observer", "a SCOPE_ALL or SCOPE_TAGGED hook (other callers' traffic)")
         if session is None:
+            principal.require("operator", "a hook without a session (it outlives its client)")
             if compiled.scope not in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED):
                 raise InvalidArgument("session_id: a hook without a session must have scope SCOPE_ALL or SCOPE_TAGGED")
             if spec.ttl_seconds <= 0:
@@ -592,15 +630,21 @@ class HookManager:
                 raise InvalidArgument("save and patch rules keep slots in a session: register with a session_id")
         elif spec.ttl_seconds:
             raise InvalidArgument("spec.ttl_seconds: session hooks live as long as their session")
+        if session is not None:
+            limits.check(len(session.hook_ids), self.limits.max_hooks_per_session,
+                         f"session {session_id} has {len(session.hook_ids)} hooks", "max_hooks_per_session")
+        owned = sum(1 for r in self._hooks.values() if r.owner == principal)
+        limits.check(owned, self.limits.max_hooks_per_principal, f"{principal.name!r} has {owned} hooks",
+                     "max_hooks_per_principal")
         record = HookRecord(
             new_id("hk"), host, spec, compiled, session_id=session_id, slots=session.slots if session else None,
-            metrics=self.metrics,
+            metrics=self.metrics, owner=principal,
         )
         if session is not None:
             record.streams = (session.stream,)
             session.hook_ids[record.hook_id] = None
         else:
-            ttl = min(spec.ttl_seconds, self.max_ttl_seconds)
+            ttl = min(spec.ttl_seconds, self.limits.max_ttl_seconds)
             record.expires_ns = time.time_ns() + ttl * 1_000_000_000
             handle = asyncio.get_running_loop().call_later(
                 ttl, functools.partial(self._remove, record.hook_id, reason=f"its TTL of {ttl} s expired")
@@ -621,9 +665,13 @@ class HookManager:
         log.info("hook %s registered on %s:%s", record.hook_id, host.name, ",".join(compiled.modules) or "<root>")
         return record
 
-    async def deregister(self, hook_id: str) -> bool:
-        """Removes a hook; False when unknown or already removed. Returns once detached."""
-        record = self._remove(hook_id, reason="deregistered")
+    async def deregister(self, hook_id: str, principal: Principal = ANONYMOUS) -> bool:
+        """Removes a hook; False when unknown, already removed, or not the principal's
+        (operators may remove any). Returns once detached."""
+        existing = self._hooks.get(hook_id)
+        if existing is None or not (principal.is_operator or existing.owner == principal):
+            return False
+        record = self._remove(hook_id, reason=f"deregistered by {principal.name}")
         if record is None:
             return False
         assert record.detaching is not None
@@ -671,18 +719,20 @@ class HookManager:
             if not sub.hook_ids:
                 sub.stream.end()
 
-    def get(self, hook_id: str) -> HookRecord:
-        """A registered hook; NotFound otherwise."""
+    def get(self, hook_id: str, principal: Principal = ANONYMOUS) -> HookRecord:
+        """A registered hook of ``principal`` (any, for operators); NotFound otherwise."""
         record = self._hooks.get(hook_id)
-        if record is None:
+        if record is None or not (principal.is_operator or record.owner == principal):
             raise NotFound(f"no hook {hook_id!r}")
         return record
 
-    def list_hooks(self, *, model: str = "", session_id: str = "") -> list[HookRecord]:
-        """Registered hooks, oldest first, filtered by model and owner session."""
+    def list_hooks(self, *, model: str = "", session_id: str = "", principal: Principal = ANONYMOUS) -> list[HookRecord]:
+        """Registered hooks, oldest first, filtered by model and owner session: the
+        principal's own, or everyone's for operators."""
         return [
             r for r in self._hooks.values()
             if (not model or r.host.name == model) and (not session_id or r.session_id == session_id)
+            and (principal.is_operator or r.owner == principal)
         ]
 
     @property
@@ -691,7 +741,8 @@ class HookManager:
         return len(self._hooks)
 
     def request_hooks(
-        self, host: ModelHost, specs: Iterable[hook_pb2.HookSpec], request_id: str, session: Session | None
+        self, host: ModelHost, specs: Iterable[hook_pb2.HookSpec], request_id: str, session: Session | None,
+        principal: Principal = ANONYMOUS,
     ) -> list[HookRecord]:
         """Compiles InferRequest.hooks; the pass attaches and detaches them on the worker."""
         records = []
@@ -699,33 +750,36 @@ class HookManager:
             if spec.model and spec.model != host.name:
                 raise InvalidArgument(f"hooks[{i}].model: {spec.model!r} is not the request's model {host.name!r}")
             try:
-                compiled = compile_spec(spec, host, request_scoped=True)
+                compiled = compile_spec(spec, host, request_scoped=True, max_rules=self.limits.max_rules_per_action)
             except (InvalidArgument, NotFound) as exc:
                 raise type(exc)(f"hooks[{i}]: {exc}") from None
             if compiled.uses_slots and session is None:
                 raise InvalidArgument(f"hooks[{i}]: save and patch rules keep slots in a session: set session_id")
             records.append(HookRecord(
                 new_id("hk"), host, spec, compiled, request_id=request_id,
-                slots=session.slots if session is not None else None, metrics=self.metrics,
+                slots=session.slots if session is not None else None, metrics=self.metrics, owner=principal,
             ))
         return records
 
     # ---------------------------------------------------------------- slots
 
-    def slots(self, session_id: str) -> SlotStore:
-        """The slots of an open session; NotFound otherwise."""
-        return self.require_session(session_id).slots
+    def slots(self, session_id: str, principal: Principal = ANONYMOUS) -> SlotStore:
+        """The slots of an open session of ``principal``; NotFound otherwise."""
+        return self.require_session(session_id, principal).slots
 
     # ---------------------------------------------------------------- subscriptions
 
-    def subscribe(self, hook_ids: Iterable[str], limits: DeliveryLimits) -> Subscription:
-        """A stream for the events of existing hooks; NotFound if any is unknown."""
+    def subscribe(self, hook_ids: Iterable[str], delivery: DeliveryLimits, principal: Principal = ANONYMOUS) -> Subscription:
+        """A stream for the events of existing hooks of ``principal`` (any, for operators);
+        NotFound if any is unknown (or someone else's)."""
         self._refuse_when_draining()
+        principal.require("user", "subscribing")
         ids = list(dict.fromkeys(hook_ids))
         if not ids:
             raise InvalidArgument("hook_ids: name at least one hook")
-        records = [self.get(hook_id) for hook_id in ids]
-        sub = Subscription(EventStream(asyncio.get_running_loop(), limits, on_sent=self._count_sent), ids)
+        records = [self.get(hook_id, principal) for hook_id in ids]
+        self._admit_stream(principal, delivery)
+        sub = Subscription(EventStream(asyncio.get_running_loop(), delivery, on_sent=self._count_sent), ids, principal)
         self._subscriptions.add(sub)
         for record in records:
             record.streams = record.streams + (sub.stream,)

@@ -7,6 +7,7 @@ the event loop only validates what is cheap to validate and waits.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import dataclasses
@@ -21,13 +22,22 @@ from hookwire import _codec
 from hookwire._codec import Chunker
 from hookwire.v1 import model_service_pb2, tensor_pb2
 
-from .errors import FailedPrecondition, HookwireServerError, InvalidArgument, ResourceExhausted, Unimplemented
+from .errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    HookwireServerError,
+    InvalidArgument,
+    ResourceExhausted,
+    Unimplemented,
+)
 from .hook_manager import HookManager, HookRecord, new_id
+from .auth import ANONYMOUS, Principal
+from .limits import Limits
 from .model_registry import ModelHost, ModelRegistry
 
 log = logging.getLogger("hookwire.infer")
 
-DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024 * 1024
+
 
 
 class Pass:
@@ -101,19 +111,22 @@ def select_output(output: Any, segments: tuple[str, ...]) -> Any:
 class Inference:
     """Runs Infer calls."""
 
-    def __init__(self, registry: ModelRegistry, hooks: HookManager, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    def __init__(self, registry: ModelRegistry, hooks: HookManager, *, limits: Limits | None = None) -> None:
         self._registry = registry
         self._hooks = hooks
-        #: Most bytes the chunked tensors of one InferStream request may claim.
-        self.max_request_bytes = max_request_bytes
+        self.limits = limits or Limits()
+        self._queued: dict[str, int] = {}
 
     async def infer_chunked(
         self, request: model_service_pb2.InferRequest, chunks: AsyncIterator[tensor_pb2.TensorChunk],
+        principal: Principal = ANONYMOUS,
     ) -> tuple[model_service_pb2.InferResponse, Chunker]:
         """InferStream: the request's chunked tensors come from ``chunks``; the response's
         large tensors are left in the returned Chunker, to follow the response."""
+        principal.require("user", "Infer")
+        self._check_elements(request)
         try:
-            assembler = _codec.ChunkAssembler(request, max_bytes=self.max_request_bytes)
+            assembler = _codec.ChunkAssembler(request, max_bytes=self.limits.max_request_bytes)
             async for chunk in chunks:
                 if assembler.done:
                     raise InvalidArgument("InferStream: more chunks than the request's chunked tensors hold")
@@ -125,19 +138,36 @@ class Inference:
         if not assembler.done:
             raise InvalidArgument("InferStream: the stream ended before every chunked tensor was complete")
         chunker = Chunker(snapshot=True)
-        response = await self.infer(request, chunked=assembler.result(), chunker=chunker)
+        response = await self.infer(request, chunked=assembler.result(), chunker=chunker, principal=principal)
         return response, chunker
+
+    def _check_elements(self, request: model_service_pb2.InferRequest) -> None:
+        """Validates every tensor's dtype, shape and byte count, and the element limit,
+        before anything is queued (cheap: nothing is decoded)."""
+        elements = 0
+        try:
+            for where, tensor in _codec.iter_tensors(request):
+                elements += _codec.check_tensor(tensor, where)
+        except _codec.CodecError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if elements > self.limits.max_infer_elements:
+            raise ResourceExhausted(
+                f"the request's tensors hold {elements} elements, over the limit of {self.limits.max_infer_elements} "
+                "(max_infer_elements)"
+            )
 
     async def infer(
         self, request: model_service_pb2.InferRequest, *, chunked: Mapping[int, Any] | None = None,
-        chunker: Chunker | None = None,
+        chunker: Chunker | None = None, principal: Principal = ANONYMOUS,
     ) -> model_service_pb2.InferResponse:
         """Runs one call; raises a HookwireServerError for anything the client can act on.
 
         ``chunked`` holds the request's chunked tensors (InferStream); with a
         ``chunker``, large response tensors are left in it instead of inline.
         """
+        principal.require("user", "Infer")
         host = self._registry.get(request.model)
+        self._check_elements(request)
         if chunked is None and next(_codec.chunked_tensors(request), None) is not None:
             raise InvalidArgument("a tensor has a chunk_id: chunked tensors travel over InferStream, not Infer")
         if request.mode not in model_service_pb2.Mode.values():
@@ -145,7 +175,7 @@ class Inference:
         train = request.mode == model_service_pb2.MODE_TRAIN
         if train and not host.training_allowed:
             raise FailedPrecondition(f"model {host.name!r} does not allow MODE_TRAIN")
-        session = self._hooks.require_session(request.session_id) if request.session_id else None
+        session = self._hooks.require_session(request.session_id, principal) if request.session_id else None
         backward = None
         if request.HasField("backward"):
             backward = BackwardPlan(
@@ -159,18 +189,35 @@ class Inference:
                 except _codec.CodecError as exc:
                     raise InvalidArgument(str(exc)) from None
         request_id = new_id("req")
-        records = self._hooks.request_hooks(host, request.hooks, request_id, session)
+        records = self._hooks.request_hooks(host, request.hooks, request_id, session, principal)
         p = Pass(request_id, request.session_id, frozenset(request.tags))
         p.chunker = chunker
         p.response.hook_ids.extend(r.hook_id for r in records)
         seed = request.seed if request.HasField("seed") else None
+        queued = self._queued.get(host.name, 0)
+        if queued > self.limits.max_queued_infers:
+            raise ResourceExhausted(
+                f"model {host.name!r} has {queued - 1} calls waiting, the limit is {self.limits.max_queued_infers} "
+                "(max_queued_infers); retry later"
+            )
+        self._queued[host.name] = queued + 1
         started = time.perf_counter()
         outcome = "error"
         try:
-            response = await host.run(_run_pass, host, p, request, records, train, backward, seed, chunked)
+            response = await asyncio.wait_for(
+                host.run(_run_pass, host, p, request, records, train, backward, seed, chunked),
+                self.limits.infer_timeout,
+            )
             outcome = "ok"
             return response
+        except asyncio.TimeoutError:
+            outcome = "timeout"
+            raise DeadlineExceeded(
+                f"Infer on {host.name!r} ran past the server's limit of {self.limits.infer_timeout} s (infer_timeout); "
+                "a pass that already started runs to its end, and the model's next calls wait for it"
+            ) from None
         finally:
+            self._queued[host.name] -= 1
             elapsed = time.perf_counter() - started
             self._hooks.metrics.infer_seconds.labels(host.name).observe(elapsed)
             log.info(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import signal
 from typing import Callable
@@ -14,12 +15,14 @@ from grpc_reflection.v1alpha import reflection
 
 from hookwire.v1 import hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 
-from .hook_manager import DEFAULT_MAX_TTL_SECONDS, HookManager
-from .inference import DEFAULT_MAX_REQUEST_BYTES, Inference
+from .auth import TokenStore
+from .security import AuthInterceptor, server_credentials
+from .hook_manager import HookManager
+from .inference import Inference
+from .limits import Limits
 from .metrics import Metrics
 from .model_registry import ModelHost, ModelRegistry
 from .servicers import HookServicer, ModelServicer
-from .slots import DEFAULT_MAX_SLOT_BYTES
 
 log = logging.getLogger("hookwire.server")
 
@@ -31,8 +34,8 @@ SERVICES = (
 
 
 @dataclasses.dataclass
-class ServerSettings:
-    """Where and how the server listens."""
+class ServerSettings(Limits):
+    """Where and how the server listens, who may call it, and its limits (see Limits)."""
 
     host: str = "127.0.0.1"
     #: 0 picks a free port.
@@ -41,18 +44,34 @@ class ServerSettings:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     #: Seconds in-flight calls get to finish on stop.
     grace: float = 5.0
-    #: Allow rules that change values on SCOPE_ALL / SCOPE_TAGGED hooks (other callers' results).
+    #: Allow rules that change values on SCOPE_ALL / SCOPE_TAGGED hooks (other callers' results);
+    #: with authentication on, only operators may register them.
     allow_shared_rules: bool = False
-    #: Bytes of slots each session may keep.
-    max_slot_bytes: int = DEFAULT_MAX_SLOT_BYTES
-    #: Longest TTL of a hook registered without a session.
-    max_ttl_seconds: int = DEFAULT_MAX_TTL_SECONDS
-    #: Most bytes the chunked tensors of one InferStream request may claim.
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    #: A token file (see auth.py); with it, or HOOKWIRE_TOKENS, every call needs credentials.
+    tokens_file: str | None = None
+    #: principal:roles:sha256 entries (also read from the HOOKWIRE_TOKENS variable).
+    tokens: str | None = None
+    #: PEM certificate chain and key: serve TLS.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: PEM CA of client certificates: require and verify them (mTLS).
+    tls_client_ca: str | None = None
+    #: Allow listening beyond loopback without authentication.
+    insecure: bool = False
     #: Port of the Prometheus /metrics endpoint (on ``host``); None for none, 0 for a free one.
     metrics_port: int | None = None
     #: Serve gRPC server reflection (grpcurl, buf curl, Postman discover the API from it).
     reflection: bool = True
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine."""
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -75,10 +94,10 @@ class HookwireServer:
         self.settings = settings or ServerSettings()
         self.metrics = Metrics()
         self.hooks = HookManager(
-            registry, allow_shared_rules=self.settings.allow_shared_rules, max_slot_bytes=self.settings.max_slot_bytes,
-            max_ttl_seconds=self.settings.max_ttl_seconds, metrics=self.metrics,
+            registry, allow_shared_rules=self.settings.allow_shared_rules, limits=self.settings, metrics=self.metrics,
         )
-        self.inference = Inference(registry, self.hooks, max_request_bytes=self.settings.max_request_bytes)
+        self.inference = Inference(registry, self.hooks, limits=self.settings)
+        self.tokens = TokenStore(self.settings.tokens_file, self.settings.tokens)
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -86,17 +105,34 @@ class HookwireServer:
 
     async def start(self) -> int:
         """Binds and starts serving; returns the bound port."""
-        server = grpc.aio.server(options=channel_options(self.settings.max_message_bytes))
+        settings = self.settings
+        tls = bool(settings.tls_cert and settings.tls_key)
+        if bool(settings.tls_cert) != bool(settings.tls_key):
+            raise ValueError("TLS needs both tls_cert and tls_key")
+        if settings.tls_client_ca and not tls:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        if not self.tokens.enabled and not is_loopback(settings.host) and not settings.insecure:
+            raise ValueError(
+                f"refusing to listen on {settings.host} without authentication: configure tokens "
+                "(--tokens-file or HOOKWIRE_TOKENS), or pass --insecure"
+            )
+        interceptor = AuthInterceptor(self.tokens, client_certs=bool(settings.tls_client_ca))
+        server = grpc.aio.server(options=channel_options(settings.max_message_bytes), interceptors=[interceptor])
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(
-            ModelServicer(self.registry, self.inference, self.metrics), server
+            ModelServicer(self.registry, self.inference, self.metrics, self.tokens), server
         )
-        hook_service_pb2_grpc.add_HookServiceServicer_to_server(HookServicer(self.hooks), server)
+        hook_service_pb2_grpc.add_HookServiceServicer_to_server(HookServicer(self.hooks, self.tokens), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.settings.reflection:
             reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self.set_serving(False)  # until the caller says the models are ready
         address = f"{self.settings.host}:{self.settings.port}"
-        port = server.add_insecure_port(address)
+        if tls:
+            port = server.add_secure_port(
+                address, server_credentials(str(settings.tls_cert), str(settings.tls_key), settings.tls_client_ca)
+            )
+        else:
+            port = server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"cannot listen on {address}")
         await server.start()
@@ -104,7 +140,11 @@ class HookwireServer:
         if self.settings.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.settings.host, self.metrics_port)
-        log.info("serving on %s:%d", self.settings.host, port)
+        log.info(
+            "serving on %s:%d (%s, %s)", self.settings.host, port, "TLS" if tls else "plaintext",
+            f"{'mTLS and ' if settings.tls_client_ca else ''}tokens required" if self.tokens.enabled
+            else "no authentication: loopback only" if is_loopback(settings.host) else "no authentication (--insecure)",
+        )
         return port
 
     @property
@@ -151,6 +191,14 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    def reload_tokens() -> None:
+        try:
+            log.info("tokens reloaded: %d principals", server.tokens.reload())
+        except ValueError as exc:  # keep the tokens in force
+            log.error("tokens not reloaded: %s", exc)
+
+    loop.add_signal_handler(signal.SIGHUP, reload_tokens)
     await server.start()
     try:
         loading = asyncio.ensure_future(asyncio.to_thread(load_models))

@@ -19,7 +19,9 @@ from .errors import InvalidArgument, Unavailable
 from .event_bus import DEFAULT_MAX_MESSAGE_BYTES, DeliveryLimits, chunk_bytes_for
 from .hook_manager import HookManager
 from .inference import Inference
+from .auth import TokenStore
 from .metrics import Metrics
+from .security import principal_of
 from .model_registry import ModelRegistry
 from .slots import slot_to_proto
 from .status_mapping import streaming, unary
@@ -28,29 +30,33 @@ from .status_mapping import streaming, unary
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     """hookwire.v1.ModelService."""
 
-    def __init__(self, registry: ModelRegistry, inference: Inference, metrics: Metrics) -> None:
+    def __init__(self, registry: ModelRegistry, inference: Inference, metrics: Metrics, tokens: TokenStore) -> None:
         self._registry = registry
         self._inference = inference
+        self._tokens = tokens
         self.metrics = metrics
 
     @unary
     async def ListModels(self, request: model_service_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.ListModelsResponse:
+        principal_of(context, self._tokens).require("viewer", "listing models")
         return model_service_pb2.ListModelsResponse(models=[h.describe(with_modules=False) for h in self._registry])
 
     @unary
     async def GetModel(self, request: model_service_pb2.GetModelRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.Model:
+        principal_of(context, self._tokens).require("viewer", "inspecting a model")
         return self._registry.get(request.name).describe(with_modules=True)
 
     @unary
     async def Infer(self, request: model_service_pb2.InferRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.InferResponse:
-        return await self._inference.infer(request)
+        return await self._inference.infer(request, principal=principal_of(context, self._tokens))
 
     @streaming
     async def InferStream(self, requests: AsyncIterator[model_service_pb2.InferStreamRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.InferStreamResponse]:
         first = await anext(aiter(requests), None)
         if first is None or first.WhichOneof("kind") != "request":
             raise InvalidArgument("InferStream: the first message must carry the request")
-        response, chunker = await self._inference.infer_chunked(first.request, _chunks(requests))
+        principal = principal_of(context, self._tokens)
+        response, chunker = await self._inference.infer_chunked(first.request, _chunks(requests), principal)
         yield model_service_pb2.InferStreamResponse(response=response)
         for chunk in chunker.chunks(chunk_bytes_for(first.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)):
             yield model_service_pb2.InferStreamResponse(chunk=chunk)
@@ -66,13 +72,14 @@ async def _chunks(requests: AsyncIterator[model_service_pb2.InferStreamRequest])
 class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
     """hookwire.v1.HookService."""
 
-    def __init__(self, hooks: HookManager) -> None:
+    def __init__(self, hooks: HookManager, tokens: TokenStore) -> None:
         self._hooks = hooks
+        self._tokens = tokens
         self.metrics = hooks.metrics
 
     @streaming
     async def OpenSession(self, request: hook_service_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage]:
-        session = self._hooks.open_session(DeliveryLimits.from_proto(request.delivery))
+        session = self._hooks.open_session(DeliveryLimits.from_proto(request.delivery), principal_of(context, self._tokens))
         try:
             yield hook_service_pb2.SessionMessage(opened=hook_service_pb2.SessionOpened(session_id=session.session_id))
             async for msg in session.stream.messages():
@@ -84,26 +91,29 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
 
     @unary
     async def RegisterHook(self, request: hook_service_pb2.RegisterHookRequest, context: grpc.aio.ServicerContext) -> hook_pb2.Hook:
-        record = await self._hooks.register(request.session_id, request.spec)
+        record = await self._hooks.register(request.session_id, request.spec, principal_of(context, self._tokens))
         return record.to_proto()
 
     @unary
     async def DeregisterHook(self, request: hook_service_pb2.DeregisterHookRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.DeregisterHookResponse:
-        return hook_service_pb2.DeregisterHookResponse(removed=await self._hooks.deregister(request.hook_id))
+        removed = await self._hooks.deregister(request.hook_id, principal_of(context, self._tokens))
+        return hook_service_pb2.DeregisterHookResponse(removed=removed)
 
     @unary
     async def ListHooks(self, request: hook_service_pb2.ListHooksRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.ListHooksResponse:
-        records = self._hooks.list_hooks(model=request.model, session_id=request.session_id)
+        records = self._hooks.list_hooks(
+            model=request.model, session_id=request.session_id, principal=principal_of(context, self._tokens)
+        )
         return hook_service_pb2.ListHooksResponse(hooks=[r.to_proto() for r in records])
 
     @unary
     async def GetSlot(self, request: hook_service_pb2.GetSlotRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.Slot:
-        tensor = self._hooks.slots(request.session_id).require(request.name)
+        tensor = self._hooks.slots(request.session_id, principal_of(context, self._tokens)).require(request.name)
         return slot_to_proto(request.name, tensor, with_data=True)
 
     @unary
     async def ListSlots(self, request: hook_service_pb2.ListSlotsRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.ListSlotsResponse:
-        store = self._hooks.slots(request.session_id)
+        store = self._hooks.slots(request.session_id, principal_of(context, self._tokens))
         return hook_service_pb2.ListSlotsResponse(
             slots=[slot_to_proto(name, tensor, with_data=False) for name, tensor in store.items()],
             total_bytes=store.total_bytes, max_bytes=store.max_bytes,
@@ -111,7 +121,9 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
 
     @streaming
     async def Subscribe(self, request: hook_service_pb2.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage]:
-        sub = self._hooks.subscribe(request.hook_ids, DeliveryLimits.from_proto(request.delivery))
+        sub = self._hooks.subscribe(
+            request.hook_ids, DeliveryLimits.from_proto(request.delivery), principal_of(context, self._tokens)
+        )
         try:
             yield hook_service_pb2.SessionMessage(subscribed=hook_service_pb2.Subscribed(hook_ids=list(sub.hook_ids)))
             async for msg in sub.stream.messages():

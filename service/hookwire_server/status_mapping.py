@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 import grpc
 
 from . import errors
+from .auth import Unauthenticated
 
 log = logging.getLogger("hookwire.rpc")
 
@@ -22,6 +23,8 @@ STATUS_OF: dict[type[errors.HookwireServerError], grpc.StatusCode] = {
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 Req = TypeVar("Req")
