@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from ._client import DEFAULT_TARGET, connect
+from ._client import DEFAULT_TARGET, ConnectOptions, connect
 from ._errors import HookwireError
 
 
@@ -32,7 +32,9 @@ def _serve(ns: argparse.Namespace) -> int:
         log_level = pick("log_level", ns.log_level, env, server_table, "info")
         flags = {"host": ns.host, "port": ns.port, "metrics_port": ns.metrics_port,
                  "allow_shared_rules": True if ns.allow_shared_rules else None,
-                 "reflection": False if ns.no_reflection else None}
+                 "reflection": False if ns.no_reflection else None,
+                 "tokens_file": ns.tokens_file, "tls_cert": ns.tls_cert, "tls_key": ns.tls_key,
+                 "tls_client_ca": ns.tls_client_ca, "insecure": True if ns.insecure else None}
         settings, sources = resolve_settings(flags, env, {k: v for k, v in server_table.items() if k not in cli_keys})
         model_flags = ns.model or [m for m in env.get("HOOKWIRE_MODELS", "").split(",") if m.strip()]
         models += [parse_model_flag(text) for text in model_flags]
@@ -52,15 +54,38 @@ def _serve(ns: argparse.Namespace) -> int:
             print(f"metrics on http://{settings.host}:{server.metrics_port}/metrics", flush=True)
         extras = ["grpc.health.v1.Health"] + (["reflection"] if settings.reflection else [])
         print(f"also serving {', '.join(extras)}; logs: {log_format}", flush=True)
+        security = "TLS" if settings.tls_cert else "plaintext"
+        if settings.tls_client_ca:
+            security += ", client certificates required (mTLS)"
+        security += ", tokens required" if server.tokens.enabled else ", NO authentication"
+        print(f"security: {security}", flush=True)
         if sources:
-            print("settings: " + ", ".join(f"{k}={getattr(settings, k)!r} ({v})" for k, v in sorted(sources.items())),
-                  flush=True)
+            secret = {"tokens"}
+            print("settings: " + ", ".join(
+                f"{k}={'<set>' if k in secret else repr(getattr(settings, k))} ({v})" for k, v in sorted(sources.items())
+            ), flush=True)
 
     try:
         asyncio.run(serve(settings, lambda: build_hosts(models), on_ready=ready))
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:  # includes bad token files and refused insecure binds
         print(f"hookwire serve: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _client_options(ns: argparse.Namespace) -> ConnectOptions:
+    return ConnectOptions(token=ns.token, tls=ns.tls, tls_ca=ns.tls_ca, tls_cert=ns.tls_cert, tls_key=ns.tls_key)
+
+
+def _token(ns: argparse.Namespace) -> int:
+    from hookwire_server.auth import ROLES, hash_token, new_token
+
+    if ns.role not in ROLES:
+        print(f"hookwire token: role must be one of {', '.join(ROLES)}", file=sys.stderr)
+        return 2
+    token = new_token()
+    print(f"token (give it to {ns.name}; it is shown once): {token}")
+    print(f"token file line: {ns.name}:{ns.role}:{hash_token(token)}")
     return 0
 
 
@@ -68,7 +93,14 @@ async def _health(ns: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async with grpc.aio.insecure_channel(ns.target) as channel:
+    options = _client_options(ns)
+    if options.tls or options.tls_ca or options.tls_cert:
+        from ._credentials import channel_credentials
+
+        channel = grpc.aio.secure_channel(ns.target, channel_credentials(options.tls_ca, options.tls_cert, options.tls_key))
+    else:
+        channel = grpc.aio.insecure_channel(ns.target)
+    async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=ns.service), timeout=ns.timeout)
@@ -81,7 +113,7 @@ async def _health(ns: argparse.Namespace) -> int:
 
 
 async def _models(ns: argparse.Namespace) -> int:
-    async with connect(ns.target) as client:
+    async with connect(ns.target, options=_client_options(ns)) as client:
         for info in await client.list_models():
             train = "train+eval" if info.training_allowed else "eval only"
             print(f"{info.name}\t{train}\t{info.description}")
@@ -89,7 +121,7 @@ async def _models(ns: argparse.Namespace) -> int:
 
 
 async def _inspect(ns: argparse.Namespace) -> int:
-    async with connect(ns.target) as client:
+    async with connect(ns.target, options=_client_options(ns)) as client:
         info = await client.model(ns.model).info()
     print(f"{info.name}: {info.description}")
     for module in info.modules:
@@ -101,7 +133,7 @@ async def _inspect(ns: argparse.Namespace) -> int:
 
 
 async def _hooks(ns: argparse.Namespace) -> int:
-    async with connect(ns.target) as client:
+    async with connect(ns.target, options=_client_options(ns)) as client:
         if ns.hooks_command == "list":
             hooks = await client.list_hooks(model=ns.model or "", session_id=ns.session or "")
             print(f"{'id':<36} {'model':<18} {'modules':<28} {'scope':<8} {'session':<12} "
@@ -126,7 +158,7 @@ def _tap(ns: argparse.Namespace) -> int:
 
     try:
         return asyncio.run(run_tap(
-            ns.target, ns.model, ns.pattern, stats=ns.stats, every=ns.every, scope=ns.scope,
+            ns.target, ns.model, ns.pattern, options=_client_options(ns), stats=ns.stats, every=ns.every, scope=ns.scope,
             interval=ns.interval, duration=ns.duration, plain=ns.plain or not sys.stdout.isatty(),
         ))
     except KeyboardInterrupt:
@@ -155,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", choices=["text", "json"], help="log lines as text (default) or JSON")
     serve.add_argument("--log-level", help="debug, info (default), warning, error")
     serve.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
+    serve.add_argument("--tokens-file", help="principals and token hashes (see docs/security.md); also HOOKWIRE_TOKENS")
+    serve.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", help="PEM CA of client certificates: require them (mTLS)")
+    serve.add_argument("--insecure", action="store_true", help="allow a non-loopback address without authentication")
     serve.add_argument("--allow-shared-rules", action="store_true",
                        help="allow rules that change values on SCOPE_ALL/SCOPE_TAGGED hooks (other callers' results)")
 
@@ -190,6 +227,18 @@ def build_parser() -> argparse.ArgumentParser:
     hooks_rm = hooks_sub.add_parser("rm", help="remove hooks by id")
     hooks_rm.add_argument("ids", nargs="+", metavar="ID")
     hooks_rm.add_argument("--target", default=target_default, help=f"server host:port (default {target_default})")
+    for command in (models, inspect, tap, health, hooks_list, hooks_rm):
+        command.add_argument("--token", help="bearer token (default: the HOOKWIRE_TOKEN variable)")
+        command.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server with the system roots")
+        command.add_argument("--tls-ca", help="PEM CA that verifies the server (implies --tls)")
+        command.add_argument("--tls-cert", help="PEM client certificate, for mTLS")
+        command.add_argument("--tls-key", help="PEM client key, for mTLS")
+
+    token = sub.add_parser("token", help="create an access token for a principal")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    token_new = token_sub.add_parser("new", help="print a new random token and its token-file line")
+    token_new.add_argument("name", help="the principal")
+    token_new.add_argument("--role", default="user", help="viewer, user, observer or operator (default user)")
     return parser
 
 
@@ -204,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         except HookwireError as exc:
             print(f"hookwire tap: {exc}", file=sys.stderr)
             return 1
+    if ns.command == "token":
+        return _token(ns)
     commands = {"models": _models, "inspect": _inspect, "hooks": _hooks, "health": _health}
     try:
         return asyncio.run(commands[ns.command](ns))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from types import TracebackType
 from typing import Any, AsyncIterator, Generator, Iterable, Literal, Mapping, Sequence
 
 import grpc
 
 from . import _codec
+from ._credentials import bearer_token_interceptors, channel_credentials
 from ._errors import HookwireError, from_rpc_error
 from ._session import EventRouter, pump, stream_items
 from ._specs import ActionLike, Backward, HookSpec, OnErrorName, Sampling, ScopeName
@@ -42,6 +44,17 @@ class ConnectOptions:
     #: What the session stream does when its buffer is full: "default" (block for this
     #: client's own calls, drop the oldest of other callers'), "block", "drop_oldest", "drop_newest".
     session_policy: PolicyName = "default"
+    #: Bearer token sent with every call; None reads HOOKWIRE_TOKEN (unset: no token).
+    token: str | None = None
+    #: Use TLS. Implied by tls_ca / tls_cert.
+    tls: bool = False
+    #: CA certificate (path or PEM bytes) that verifies the server; None for the system roots.
+    tls_ca: str | bytes | None = None
+    #: Client certificate and key (paths or PEM bytes) for mTLS.
+    tls_cert: str | bytes | None = None
+    tls_key: str | bytes | None = None
+    #: Expected server name in its certificate, when it differs from the target's host.
+    tls_server_name: str | None = None
 
     @property
     def stream_max_message_bytes(self) -> int:
@@ -96,16 +109,27 @@ class Client:
 
     def _open(self) -> None:
         if self._channel is None:
-            size = self.options.max_message_bytes
-            self._channel = grpc.aio.insecure_channel(
-                self.target,
-                options=[
-                    ("grpc.max_send_message_length", size),
-                    ("grpc.max_receive_message_length", size),
-                    ("grpc.keepalive_time_ms", 10_000),
-                    ("grpc.keepalive_timeout_ms", 5_000),
-                ],
-            )
+            options = self.options
+            size = options.max_message_bytes
+            channel_options: list[tuple[str, Any]] = [
+                ("grpc.max_send_message_length", size),
+                ("grpc.max_receive_message_length", size),
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+            ]
+            token = options.token if options.token is not None else os.environ.get("HOOKWIRE_TOKEN")
+            interceptors = bearer_token_interceptors(token) if token else []
+            if options.tls or options.tls_ca is not None or options.tls_cert is not None:
+                if options.tls_server_name:
+                    channel_options.append(("grpc.ssl_target_name_override", options.tls_server_name))
+                credentials = channel_credentials(options.tls_ca, options.tls_cert, options.tls_key)
+                self._channel = grpc.aio.secure_channel(
+                    self.target, credentials, options=channel_options, interceptors=interceptors
+                )
+            else:
+                self._channel = grpc.aio.insecure_channel(
+                    self.target, options=channel_options, interceptors=interceptors
+                )
             self._models = model_service_pb2_grpc.ModelServiceStub(self._channel)
             self._hooks = hook_service_pb2_grpc.HookServiceStub(self._channel)
 

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from ._client import connect
+from ._client import ConnectOptions, connect
 from ._specs import Sampling, capture
 from ._types import InterceptEvent, TensorSummary
 
@@ -83,10 +83,10 @@ class TapView:
 
 async def run_tap(
     target: str, model: str, pattern: str, *, stats: bool, every: int, scope: str, interval: float,
-    duration: float | None, plain: bool, out: TextIO = sys.stdout,
+    duration: float | None, plain: bool, out: TextIO = sys.stdout, options: ConnectOptions | None = None,
 ) -> int:
     """Registers a summarizing hook, renders until Ctrl-C (or ``duration``), then removes it."""
-    async with connect(target) as client:
+    async with connect(target, options=options) as client:
         async with client.model(model).hook(
             pattern, posthook=capture("output", summarize=True), scope=scope,  # type: ignore[arg-type]
             sampling=Sampling(every_n=every) if every > 1 else None,

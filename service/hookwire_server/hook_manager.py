@@ -615,11 +615,13 @@ class HookManager:
         session = self.require_session(session_id, principal) if session_id else None
         host = self._registry.get(spec.model)
         compiled = compile_spec(
-            spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules and principal.is_operator,
+            spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules,
             max_rules=self.limits.max_rules_per_action,
         )
         if compiled.scope in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED):
             principal.require("observer", "a SCOPE_ALL or SCOPE_TAGGED hook (other callers' traffic)")
+            if any(a.modifies for a in compiled.actions) or spec.on_error == rule_pb2.ON_ERROR_FAIL_CALL:
+                principal.require("operator", "rules that change or fail other callers' calls")
         if session is None:
             principal.require("operator", "a hook without a session (it outlives its client)")
             if compiled.scope not in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED):
