@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hookwire.v1 import hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
+from hookwire.v1 import hook_service_pb2, model_service_pb2
 
 from .auth import TokenStore
 from .security import AuthInterceptor, server_credentials
@@ -22,7 +22,7 @@ from .inference import Inference
 from .limits import Limits
 from .metrics import Metrics
 from .model_registry import ModelHost, ModelRegistry
-from .servicers import HookServicer, ModelServicer
+from .servicers import HookServicer, ModelServicer, add_to_server
 
 log = logging.getLogger("hookwire.server")
 
@@ -118,10 +118,13 @@ class HookwireServer:
             )
         interceptor = AuthInterceptor(self.tokens, client_certs=bool(settings.tls_client_ca))
         server = grpc.aio.server(options=channel_options(settings.max_message_bytes), interceptors=[interceptor])
-        model_service_pb2_grpc.add_ModelServiceServicer_to_server(
-            ModelServicer(self.registry, self.inference, self.metrics, self.tokens), server
+        add_to_server(
+            ModelServicer(self.registry, self.inference, self.metrics, self.tokens),
+            model_service_pb2.DESCRIPTOR.services_by_name["ModelService"], server,
         )
-        hook_service_pb2_grpc.add_HookServiceServicer_to_server(HookServicer(self.hooks, self.tokens), server)
+        add_to_server(
+            HookServicer(self.hooks, self.tokens), hook_service_pb2.DESCRIPTOR.services_by_name["HookService"], server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.settings.reflection:
             reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

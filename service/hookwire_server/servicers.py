@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
 
 from hookwire.v1 import (
     hook_pb2,
@@ -24,7 +26,7 @@ from .metrics import Metrics
 from .security import principal_of
 from .model_registry import ModelRegistry
 from .slots import slot_to_proto
-from .status_mapping import streaming, unary
+from .status_mapping import MalformedRequest, streaming, tolerant_parser, unary
 
 
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
@@ -53,6 +55,8 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     @streaming
     async def InferStream(self, requests: AsyncIterator[model_service_pb2.InferStreamRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.InferStreamResponse]:
         first = await anext(aiter(requests), None)
+        if isinstance(first, MalformedRequest):
+            raise first.to_error()
         if first is None or first.WhichOneof("kind") != "request":
             raise InvalidArgument("InferStream: the first message must carry the request")
         principal = principal_of(context, self._tokens)
@@ -64,6 +68,8 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
 async def _chunks(requests: AsyncIterator[model_service_pb2.InferStreamRequest]) -> AsyncIterator[tensor_pb2.TensorChunk]:
     async for msg in requests:
+        if isinstance(msg, MalformedRequest):
+            raise msg.to_error()
         if msg.WhichOneof("kind") != "chunk":
             raise InvalidArgument("InferStream: after the request, only chunks may follow")
         yield msg.chunk
@@ -132,3 +138,25 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
                 raise Unavailable(sub.stream.close_reason)
         finally:
             self._hooks.unsubscribe(sub)
+
+
+def add_to_server(servicer: Any, service: ServiceDescriptor, server: grpc.aio.Server) -> None:
+    """Registers a servicer like the generated add_*_to_server, but with request
+    parsers that let malformed bytes become INVALID_ARGUMENT instead of INTERNAL."""
+    handlers = {}
+    for method in service.methods:
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+        factory = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=tolerant_parser(request_class),
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

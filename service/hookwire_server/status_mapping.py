@@ -48,6 +48,32 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}); see the server log")
 
 
+class MalformedRequest:
+    """Stands in for request bytes that do not parse, so the handler can answer
+    INVALID_ARGUMENT (gRPC itself would answer INTERNAL)."""
+
+    def __init__(self, message_type: str, error: str) -> None:
+        self.message_type = message_type
+        self.error = error
+
+    def to_error(self) -> errors.InvalidArgument:
+        """The domain error it becomes."""
+        return errors.InvalidArgument(f"the request is not a valid {self.message_type} message: {self.error}")
+
+
+def tolerant_parser(message_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that returns MalformedRequest instead of raising."""
+    name = message_class.DESCRIPTOR.full_name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except Exception as exc:  # DecodeError, and anything else a parser may raise on garbage
+            return MalformedRequest(name, str(exc) or type(exc).__name__)
+
+    return parse
+
+
 def _count(servicer: Any, method: str, code: str) -> None:
     metrics = getattr(servicer, "metrics", None)
     if metrics is not None:
@@ -68,6 +94,8 @@ def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
+            if isinstance(request, MalformedRequest):
+                raise request.to_error()
             response = await fn(self, request, context)
         except grpc.aio.AbortError:
             raise
@@ -93,6 +121,8 @@ def streaming(
         inner = fn(self, request, context)
         code = "OK"
         try:
+            if isinstance(request, MalformedRequest):
+                raise request.to_error()
             async for item in inner:
                 yield item
         except grpc.aio.AbortError:

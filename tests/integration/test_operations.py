@@ -137,13 +137,14 @@ def test_settings_precedence_flags_over_env_over_config(tmp_path) -> None:
     proc, log = _spawn("--port", str(port), HOOKWIRE_CONFIG=str(config), HOOKWIRE_MAX_TTL_SECONDS="60",
                        HOOKWIRE_GRACE="3", HOOKWIRE_PORT="1")
     try:
-        lines = [proc.stdout.readline() for _ in range(3)]
+        lines = [proc.stdout.readline() for _ in range(4)]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     assert lines[0].startswith("hookwire serving mlp, tiny-transformer on 127.0.0.1:" + str(port))
     assert "logs: json" in lines[1]
-    settings = lines[2]
+    assert lines[2].startswith("security: plaintext") and "NO authentication" in lines[2]
+    settings = lines[3]
     assert f"port={port} (flag)" in settings
     assert "max_ttl_seconds=60 (env)" in settings and "grace=3.0 (env)" in settings
     assert "max_slot_bytes=1000 (config)" in settings
