@@ -1,0 +1,335 @@
+"""Property-based fuzzing of every RPC with random and malformed requests.
+
+Every answer must be OK or a deliberate status (never INTERNAL or UNKNOWN); the server
+stays SERVING, its memory stays bounded, and a valid request succeeds afterwards.
+CI runs a bounded number of examples; `tests/bench/fuzz_long.py` runs many more
+(HOOKWIRE_FUZZ_EXAMPLES=N).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Iterator
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hookwire import _codec
+from hookwire.v1 import (
+    hook_pb2,
+    hook_service_pb2,
+    hook_service_pb2_grpc,
+    model_service_pb2,
+    model_service_pb2_grpc,
+    rule_pb2,
+    tensor_pb2,
+)
+from hookwire_server import ModelHost, ServerSettings, build_registry, demo_configs
+from support import Odd, Scale, ServerThread
+
+EXAMPLES = int(os.environ.get("HOOKWIRE_FUZZ_EXAMPLES", "60"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=not os.environ.get("HOOKWIRE_FUZZ_RANDOM"))
+BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+MB = 1 << 20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.fixture(scope="module")
+def fuzz_server() -> Iterator[dict[str, Any]]:
+    registry = build_registry(demo_configs())
+    registry.add(ModelHost("scale", Scale()))
+    registry.add(ModelHost("odd", Odd()))
+    srv = ServerThread(registry, ServerSettings(port=0, allow_shared_rules=True, max_slot_bytes=1 * MB,
+                                                infer_timeout=10.0)).start()
+    channel = grpc.insecure_channel(srv.target, options=[("grpc.max_receive_message_length", 64 * MB)])
+    hooks = hook_service_pb2_grpc.HookServiceStub(channel)
+    session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest())
+    session_id = next(session).opened.session_id
+    def drain_session() -> None:
+        try:
+            for _ in session:
+                pass
+        except grpc.RpcError:
+            pass  # cancelled at teardown
+
+    drain = threading.Thread(target=drain_session, daemon=True)
+    drain.start()
+    rss_before = _rss()
+    yield {"srv": srv, "channel": channel, "models": model_service_pb2_grpc.ModelServiceStub(channel),
+           "hooks": hooks, "session_id": session_id}
+    # The server stayed healthy, bounded, and useful.
+    status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert _rss() - rss_before < 400 * MB
+    out = model_service_pb2_grpc.ModelServiceStub(channel).Infer(model_service_pb2.InferRequest(
+        model="mlp", args=[_codec.encode_value(torch.ones(1, 8))]), timeout=10)
+    assert list(out.output.tensor.shape) == [1, 4]
+    session.cancel()
+    channel.close()
+    srv.stop()
+
+
+def _check(call: Any) -> None:
+    try:
+        call()
+    except grpc.RpcError as exc:
+        assert exc.code() not in BAD, f"{exc.code()}: {exc.details()}"
+
+
+# ------------------------------------------------------------------ strategies
+
+VALID_DTYPES = [d for d in tensor_pb2.DType.values() if d]
+dtypes = st.one_of(st.sampled_from(VALID_DTYPES), st.integers(-3, 40))
+dims = st.one_of(st.integers(-2, 5), st.sampled_from([0, 2**31, 2**40, 2**62, 2**63 - 1]))
+
+
+@st.composite
+def tensors(draw: Any) -> tensor_pb2.Tensor:
+    shape = draw(st.lists(dims, max_size=4))
+    if draw(st.booleans()):  # consistent bytes for a valid dtype: the model may really run
+        dtype = draw(st.sampled_from(VALID_DTYPES))
+        count = 1
+        for d in shape:
+            count *= d
+        if 0 <= count <= 64 and all(d >= 0 for d in shape):
+            data = draw(st.binary(min_size=count * _codec.ITEMSIZE[dtype], max_size=count * _codec.ITEMSIZE[dtype]))
+            return tensor_pb2.Tensor(dtype=dtype, shape=shape, data=data)
+    return tensor_pb2.Tensor(dtype=draw(dtypes), shape=shape, data=draw(st.binary(max_size=64)),
+                             chunk_id=draw(st.sampled_from([0, 0, 0, 1, 9])))
+
+
+leaves = st.one_of(
+    tensors().map(lambda t: tensor_pb2.Value(tensor=t)),
+    st.floats(allow_nan=True).map(lambda f: tensor_pb2.Value(float_value=f)),
+    st.integers(-(2**63), 2**63 - 1).map(lambda i: tensor_pb2.Value(int_value=i)),
+    st.booleans().map(lambda b: tensor_pb2.Value(bool_value=b)),
+    st.text(max_size=8).map(lambda s: tensor_pb2.Value(string_value=s)),
+    st.just(tensor_pb2.Value()),
+)
+
+
+def _list(items: list[tensor_pb2.Value]) -> tensor_pb2.Value:
+    return tensor_pb2.Value(list=tensor_pb2.ValueList(items=items))
+
+
+def _map(entries: dict[str, tensor_pb2.Value]) -> tensor_pb2.Value:
+    return tensor_pb2.Value(map=tensor_pb2.ValueMap(entries=entries, keys=list(entries)))
+
+
+values = st.recursive(
+    leaves,
+    lambda children: st.one_of(st.lists(children, max_size=3).map(_list),
+                               st.dictionaries(st.text(max_size=4), children, max_size=3).map(_map)),
+    max_leaves=12,
+)
+
+
+@st.composite
+def deep_values(draw: Any) -> tensor_pb2.Value:
+    """Around the server's depth limit (30), within protobuf's parser limit (100 messages)."""
+    value = tensor_pb2.Value(int_value=1)
+    levels = draw(st.integers(25, 40))
+    maps = draw(st.integers(0, 5))
+    for i in range(levels):
+        value = _map({"k": value}) if i < maps else _list([value])
+    return value
+
+
+model_names = st.one_of(st.sampled_from(["mlp", "tiny-transformer", "scale", "odd", "", "nope"]), st.text(max_size=8))
+patterns = st.one_of(st.sampled_from(["fc1", "*", "**", "", "encoder.**", "encoder.layers.?.attn", "head"]),
+                     st.text(alphabet="*?.abcfl01[]()\\", max_size=24))
+parts = st.lists(st.integers(-2, 7), max_size=3)
+targets = st.one_of(st.sampled_from(["output", "output.0", "args.0", "kwargs.attention_mask", "grad_input.0",
+                                     "grad_output.0", "output.logits", "output.99"]), st.text(max_size=10))
+selections = st.one_of(st.sampled_from(["", "[0]", "[:, -1]", "[..., 1:3]", "[::0]", "[None, 5]", "[99]"]),
+                       st.text(alphabet="[]:.,-0123456789 None", max_size=16))
+operands = st.one_of(st.floats().map(lambda f: rule_pb2.Operand(scalar=f)),
+                     tensors().map(lambda t: rule_pb2.Operand(tensor=t)), st.just(rule_pb2.Operand()))
+
+
+@st.composite
+def rules(draw: Any) -> rule_pb2.Rule:
+    rule = rule_pb2.Rule(target=draw(targets), index=draw(selections))
+    op = draw(st.sampled_from(["scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", None]))
+    if op == "scale":
+        rule.scale.factor = draw(st.floats())
+    elif op in ("add", "set"):
+        getattr(rule, op).value.CopyFrom(draw(operands))
+    elif op == "zero":
+        rule.zero.SetInParent()
+    elif op == "clamp":
+        rule.clamp.SetInParent()
+        if draw(st.booleans()):
+            rule.clamp.min = draw(st.floats())
+        if draw(st.booleans()):
+            rule.clamp.max = draw(st.floats())
+    elif op == "noise":
+        rule.noise.std = draw(st.floats())
+        rule.noise.seed = draw(st.integers(0, 2**64 - 1))
+    elif op == "project_out":
+        rule.project_out.direction.CopyFrom(draw(tensors()))
+    elif op in ("patch", "save"):
+        getattr(rule, op).slot = draw(st.sampled_from(["s", "", "x" * 40]))
+    return rule
+
+
+@st.composite
+def actions(draw: Any) -> hook_pb2.HookAction:
+    action = hook_pb2.HookAction(capture=draw(parts), rules=draw(st.lists(rules(), max_size=2)),
+                                 capture_stage=draw(st.integers(-1, 4)), select=draw(selections),
+                                 cast=draw(st.integers(-1, 12)))
+    if draw(st.booleans()):
+        action.summarize.histogram_bins = draw(st.integers(0, 5000))
+    return action
+
+
+@st.composite
+def specs(draw: Any, model: str | None = None) -> hook_pb2.HookSpec:
+    spec = hook_pb2.HookSpec(model=draw(model_names) if model is None else model, module=draw(patterns),
+                             scope=draw(st.integers(-1, 5)), tags=draw(st.lists(st.text(max_size=3), max_size=2)),
+                             on_error=draw(st.integers(-1, 4)), ttl_seconds=draw(st.integers(0, 3)))
+    for field in ("prehook", "posthook", "backward_prehook", "backward_hook"):
+        if draw(st.booleans()):
+            getattr(spec, field).CopyFrom(draw(actions()))
+    if draw(st.booleans()):
+        spec.prehook_kwargs.with_kwargs = draw(st.booleans())
+        spec.posthook_kwargs.always_call = draw(st.booleans())
+    if draw(st.booleans()):
+        spec.train_update = draw(st.booleans())
+    if draw(st.booleans()):
+        spec.sampling.every_n = draw(st.integers(0, 5))
+        if draw(st.booleans()):
+            spec.sampling.probability = draw(st.floats())
+    return spec
+
+
+@st.composite
+def infer_requests(draw: Any) -> model_service_pb2.InferRequest:
+    request = model_service_pb2.InferRequest(
+        model=draw(model_names), args=draw(st.lists(st.one_of(values, deep_values()), max_size=3)),
+        kwargs=draw(st.dictionaries(st.sampled_from(["attention_mask", "inputs_embeds", "x", ""]), values, max_size=2)),
+        mode=draw(st.integers(-1, 4)), hooks=draw(st.lists(specs(model=""), max_size=2)),
+        tags=draw(st.lists(st.text(max_size=3), max_size=2)),
+    )
+    if draw(st.booleans()):
+        request.backward.output_path = draw(st.one_of(st.sampled_from(["", "0", "logits", "0..1", "\u00b2"]),
+                                                      st.text(max_size=6)))
+        if draw(st.booleans()):
+            request.backward.grad.CopyFrom(draw(tensors()))
+        request.backward.return_input_grads = draw(st.booleans())
+    if draw(st.booleans()):
+        request.seed = draw(st.integers(0, 2**64 - 1))
+    return request
+
+
+# ------------------------------------------------------------------ properties
+
+
+@FUZZ
+@given(request=infer_requests(), use_session=st.booleans())
+def test_infer(fuzz_server, request, use_session) -> None:
+    if use_session:
+        request.session_id = fuzz_server["session_id"]
+    _check(lambda: fuzz_server["models"].Infer(request, timeout=30))
+
+
+@FUZZ
+@given(request=infer_requests())
+def test_infer_stream(fuzz_server, request) -> None:
+    chunks = [model_service_pb2.InferStreamRequest(chunk=tensor_pb2.TensorChunk(chunk_id=i, offset=o, data=b"\0" * n))
+              for i, o, n in [(1, 0, 8), (9, 4, 3)]]
+    messages = [model_service_pb2.InferStreamRequest(request=request)] + chunks
+
+    def call() -> None:
+        for _ in fuzz_server["models"].InferStream(iter(messages), timeout=30):
+            pass
+
+    _check(call)
+
+
+@FUZZ
+@given(spec=specs(), use_session=st.booleans(), junk=st.text(max_size=12))
+def test_register_and_deregister(fuzz_server, spec, use_session, junk) -> None:
+    hooks = fuzz_server["hooks"]
+    request = hook_service_pb2.RegisterHookRequest(session_id=fuzz_server["session_id"] if use_session else junk, spec=spec)
+    try:
+        hook = hooks.RegisterHook(request, timeout=30)
+    except grpc.RpcError as exc:
+        assert exc.code() not in BAD, f"{exc.code()}: {exc.details()}"
+        return
+    # A registered hook must survive a pass (its rules and captures fire) without INTERNAL.
+    _check(lambda: fuzz_server["models"].Infer(model_service_pb2.InferRequest(
+        model=spec.model, session_id=fuzz_server["session_id"],
+        args=[_codec.encode_value(torch.ones(1, 8) if spec.model in ("mlp", "scale") else torch.ones(1, 4, dtype=torch.int64))],
+        backward=model_service_pb2.Backward() if spec.model == "mlp" else None), timeout=30))
+    assert hooks.DeregisterHook(hook_service_pb2.DeregisterHookRequest(hook_id=hook.hook_id), timeout=30).removed
+
+
+@FUZZ
+@given(name=st.text(max_size=12), hook_ids=st.lists(st.text(max_size=12), max_size=3), model=model_names,
+       slot=st.text(max_size=6), policy=st.integers(-1, 6), max_events=st.integers(0, 2**32 - 1),
+       max_bytes=st.integers(0, 2**64 - 1), max_message=st.integers(0, 2**32 - 1))
+def test_other_rpcs(fuzz_server, name, hook_ids, model, slot, policy, max_events, max_bytes, max_message) -> None:
+    models, hooks = fuzz_server["models"], fuzz_server["hooks"]
+    _check(lambda: models.GetModel(model_service_pb2.GetModelRequest(name=name), timeout=10))
+    _check(lambda: models.ListModels(model_service_pb2.ListModelsRequest(), timeout=10))
+    _check(lambda: hooks.ListHooks(hook_service_pb2.ListHooksRequest(model=model, session_id=name), timeout=10))
+    for hook_id in hook_ids:
+        _check(lambda: hooks.DeregisterHook(hook_service_pb2.DeregisterHookRequest(hook_id=hook_id), timeout=10))
+    for session_id in (name, fuzz_server["session_id"]):
+        _check(lambda: hooks.GetSlot(hook_service_pb2.GetSlotRequest(session_id=session_id, name=slot), timeout=10))
+        _check(lambda: hooks.ListSlots(hook_service_pb2.ListSlotsRequest(session_id=session_id), timeout=10))
+    delivery = hook_service_pb2.DeliveryOptions(policy=policy, max_events=max_events, max_bytes=max_bytes,
+                                                max_message_bytes=max_message)
+
+    def first_message(call: Any) -> None:
+        try:
+            next(call)
+        finally:
+            call.cancel()
+
+    _check(lambda: first_message(hooks.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=delivery), timeout=10)))
+    _check(lambda: first_message(hooks.Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=hook_ids, delivery=delivery),
+                                                 timeout=10)))
+
+
+METHODS = [
+    ("/hookwire.v1.ModelService/ListModels", "unary"), ("/hookwire.v1.ModelService/GetModel", "unary"),
+    ("/hookwire.v1.ModelService/Infer", "unary"), ("/hookwire.v1.ModelService/InferStream", "bidi"),
+    ("/hookwire.v1.HookService/OpenSession", "stream"), ("/hookwire.v1.HookService/RegisterHook", "unary"),
+    ("/hookwire.v1.HookService/DeregisterHook", "unary"), ("/hookwire.v1.HookService/ListHooks", "unary"),
+    ("/hookwire.v1.HookService/Subscribe", "stream"), ("/hookwire.v1.HookService/GetSlot", "unary"),
+    ("/hookwire.v1.HookService/ListSlots", "unary"),
+]
+
+
+@FUZZ
+@given(payload=st.binary(max_size=200), method=st.sampled_from(METHODS))
+def test_random_bytes_as_messages(fuzz_server, payload, method) -> None:
+    path, kind = method
+    channel = fuzz_server["channel"]
+
+    def call() -> None:
+        if kind == "unary":
+            channel.unary_unary(path)(payload, timeout=10)
+        elif kind == "stream":
+            stream = channel.unary_stream(path)(payload, timeout=10)
+            try:
+                next(stream, None)
+            finally:
+                stream.cancel()
+        else:
+            stream = channel.stream_stream(path)(iter([payload, payload]), timeout=10)
+            for _ in stream:
+                pass
+
+    _check(call)
