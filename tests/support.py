@@ -33,6 +33,19 @@ class Sleeper(nn.Module):
         return self.inner(x)
 
 
+class Flaky(nn.Module):
+    """Runs out of memory when x > 0 (as a GPU would), works otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x.sum()) > 0:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return self.inner(x)
+
+
 class Odd(nn.Module):
     """Returns a value with no wire form (a torch.device), to test UNIMPLEMENTED."""
 
@@ -63,6 +76,7 @@ def build_test_registry() -> ModelRegistry:
     registry.add(ModelHost("scale", Scale()))
     registry.add(ModelHost("sleeper", Sleeper()))
     registry.add(ModelHost("odd", Odd()))
+    registry.add(ModelHost("flaky", Flaky()))
     return registry
 
 

@@ -579,7 +579,9 @@ class HookManager:
         return session
 
     def require_session(self, session_id: str, principal: Principal = ANONYMOUS) -> Session:
-        """The open session ``session_id`` of ``principal`` (any, for operators); NotFound otherwise."""
+        """The open session ``session_id`` of ``principal`` (any, for operators); NotFound otherwise
+        (Unavailable while the server stops: sessions end then, through no fault of the caller)."""
+        self._refuse_when_draining()
         session = self._sessions.get(session_id)
         if session is None or session.closed or not (principal.is_operator or session.principal == principal):
             raise NotFound(f"no open session {session_id!r}")
@@ -660,6 +662,7 @@ class HookManager:
             self._remove(record.hook_id, reason="registration failed")
             raise
         if record.removed:
+            self._refuse_when_draining()
             raise NotFound(
                 f"hook {record.hook_id} was removed while it was being registered "
                 f"({'its session ended' if session is not None and session.closed else 'deregistered'})"

@@ -28,6 +28,7 @@ from .errors import (
     HookwireServerError,
     InvalidArgument,
     ResourceExhausted,
+    Unavailable,
     Unimplemented,
 )
 from .hook_manager import HookManager, HookRecord, new_id
@@ -166,6 +167,8 @@ class Inference:
         ``chunker``, large response tensors are left in it instead of inline.
         """
         principal.require("user", "Infer")
+        if self._hooks.draining:
+            raise Unavailable("the server is shutting down")
         host = self._registry.get(request.model)
         self._check_elements(request)
         if chunked is None and next(_codec.chunked_tensors(request), None) is not None:
