@@ -55,7 +55,7 @@ def test_yaml_passes_yamllint() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("manifest", ["configmap.yaml", "deployment.yaml", "service.yaml"])
+@pytest.mark.parametrize("manifest", ["configmap.yaml", "deployment.yaml", "service.yaml", "secret.example.yaml"])
 def test_kubernetes_manifests_validate_against_the_schemas(manifest: str) -> None:
     proc = _run([str(BIN / "kubernetes-validate"), "--strict", f"deploy/k8s/{manifest}"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -70,6 +70,13 @@ def test_manifests_fit_together() -> None:
     assert container["livenessProbe"]["grpc"]["port"] == 50051
     assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
     assert pod["volumes"][0]["configMap"]["name"] == "hookwire-config"
+    assert pod["volumes"][1]["secret"]["secretName"] == "hookwire-tokens"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["HOOKWIRE_TOKENS_FILE"].startswith("/etc/hookwire/secrets/")  # no unauthenticated pods
+    secret = yaml.safe_load((DEPLOY / "k8s" / "secret.example.yaml").read_text())
+    from hookwire_server.auth import parse_lines
+
+    assert parse_lines(secret["stringData"]["tokens.txt"], "secret")[0].principal.role == "user"
     services = list(yaml.safe_load_all((DEPLOY / "k8s" / "service.yaml").read_text()))
     assert [s["spec"].get("clusterIP") for s in services] == [None, "None"]  # regular + headless
     labels = deployment["spec"]["selector"]["matchLabels"]
