@@ -99,9 +99,8 @@ def _digest(hexdigest: str, where: str) -> bytes:
 def parse_lines(text: str, origin: str) -> list[_Entry]:
     """``principal:roles:sha256hex`` entries, one per line or whitespace-separated."""
     entries = []
-    for n, item in enumerate(text.split(), 1):
-        if item.startswith("#"):
-            continue
+    uncommented = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    for n, item in enumerate(uncommented.split(), 1):
         parts = item.split(":")
         if len(parts) != 3:
             raise AuthConfigError(f"{origin} entry {n}: expected principal:role[,role]:sha256hex")
