@@ -1,0 +1,73 @@
+"""Principals, roles and token files."""
+
+from __future__ import annotations
+
+import pytest
+
+from hookwire_server.auth import (
+    ANONYMOUS, AuthConfigError, Principal, TokenStore, Unauthenticated, hash_token, new_token, parse_lines,
+)
+from hookwire_server.errors import PermissionDenied
+
+
+def test_roles_are_cumulative() -> None:
+    observer = Principal("o", "observer")
+    assert observer.has("viewer") and observer.has("user") and observer.has("observer") and not observer.has("operator")
+    with pytest.raises(PermissionDenied, match="x needs the operator role; 'o' has observer"):
+        observer.require("operator", "x")
+    assert ANONYMOUS.is_operator
+
+
+def test_token_lines_with_comments_and_several_roles() -> None:
+    text = f"""
+    # principal:role:sha256
+    alice:user:{hash_token('a')}   # trailing comment
+    ops:viewer,operator:{hash_token('o')}
+    """
+    entries = parse_lines(text, "t")
+    assert [(e.principal.name, e.principal.role) for e in entries] == [("alice", "user"), ("ops", "operator")]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("alice:user", "expected principal:role"),
+    ("alice:admin:" + "0" * 64, "roles"),
+    ("alice:user:xyz", "64 lowercase hex"),
+])
+def test_bad_token_lines(text: str, message: str) -> None:
+    with pytest.raises(AuthConfigError, match=message):
+        parse_lines(text, "t")
+
+
+def test_store_authenticates_tokens_and_certificates(tmp_path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(
+        f'[[principals]]\nname = "svc"\nroles = ["observer"]\ncert_subject = "CN=svc"\n'
+        f'[[principals]]\nname = "bob"\nroles = ["user"]\ntoken_sha256 = "{hash_token("b")}"\n'
+    )
+    store = TokenStore(str(path), f"eve:viewer:{hash_token('e')}")
+    assert store.enabled
+    assert store.authenticate("b") == Principal("bob", "user")
+    assert store.authenticate("e") == Principal("eve", "viewer")
+    assert store.authenticate(None, ["CN=svc"]) == Principal("svc", "observer")
+    with pytest.raises(Unauthenticated, match="not valid"):
+        store.authenticate("wrong", ["CN=svc"])  # a wrong token is never rescued by a certificate
+    with pytest.raises(Unauthenticated, match="missing credentials"):
+        store.authenticate(None, ["CN=someone"])
+
+
+def test_reload_and_duplicates(tmp_path) -> None:
+    path = tmp_path / "t"
+    path.write_text(f"a:user:{hash_token('1')}")
+    store = TokenStore(str(path))
+    path.write_text(f"a:user:{hash_token('2')}")
+    assert store.reload() == 1
+    assert store.authenticate("2").name == "a"
+    path.write_text(f"a:user:{hash_token('1')} a:user:{hash_token('2')}")
+    with pytest.raises(AuthConfigError, match="twice"):
+        store.reload()
+    assert store.authenticate("2").name == "a"  # a failed reload keeps the tokens in force
+
+
+def test_no_principals_means_authentication_is_off() -> None:
+    assert not TokenStore().enabled
+    assert new_token().startswith("hwt_") and len(new_token()) > 40
