@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
+import logging
 import os
 from types import TracebackType
 from typing import Any, AsyncIterator, Generator, Iterable, Literal, Mapping, Sequence
@@ -22,6 +24,8 @@ from .v1 import (
     model_service_pb2,
     model_service_pb2_grpc,
 )
+
+log = logging.getLogger("hookwire")
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 #: Below this message limit, Infer always streams (InferStream), so responses fit too.
@@ -45,14 +49,14 @@ class ConnectOptions:
     #: client's own calls, drop the oldest of other callers'), "block", "drop_oldest", "drop_newest".
     session_policy: PolicyName = "default"
     #: Bearer token sent with every call; None reads HOOKWIRE_TOKEN (unset: no token).
-    token: str | None = None
+    token: str | None = dataclasses.field(default=None, repr=False)
     #: Use TLS. Implied by tls_ca / tls_cert.
     tls: bool = False
     #: CA certificate (path or PEM bytes) that verifies the server; None for the system roots.
     tls_ca: str | bytes | None = None
     #: Client certificate and key (paths or PEM bytes) for mTLS.
     tls_cert: str | bytes | None = None
-    tls_key: str | bytes | None = None
+    tls_key: str | bytes | None = dataclasses.field(default=None, repr=False)
     #: Expected server name in its certificate, when it differs from the target's host.
     tls_server_name: str | None = None
 
@@ -78,6 +82,16 @@ def _delivery(policy: str, max_events: int, max_bytes: int, max_message_bytes: i
         policy=_POLICIES[policy], max_events=max_events, max_bytes=max_bytes,
         max_message_bytes=min(max_message_bytes, 2**32 - 1),
     )
+
+def _is_loopback_target(target: str) -> bool:
+    host = target.rsplit(":", 1)[0].strip("[]").removeprefix("ipv4:").removeprefix("ipv6:")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
 
 def connect(target: str = DEFAULT_TARGET, *, options: ConnectOptions | None = None) -> Client:
     """A client for the server at ``target`` ("host:port").
@@ -127,6 +141,8 @@ class Client:
                     self.target, credentials, options=channel_options, interceptors=interceptors
                 )
             else:
+                if token and not _is_loopback_target(self.target):
+                    log.warning("sending a bearer token to %s without TLS: anyone on the path can read it", self.target)
                 self._channel = grpc.aio.insecure_channel(
                     self.target, options=channel_options, interceptors=interceptors
                 )

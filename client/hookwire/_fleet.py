@@ -117,13 +117,17 @@ class FleetClient:
             except OSError as exc:
                 self._notice("resolve_failed", "", str(exc))
                 return
+            for gone in [t for t in self._replicas if t not in targets]:
+                vanished = self._replicas.pop(gone)
+                self._lost(vanished, "no longer resolved")
+                await vanished.client.close()
             for target in targets:
-                replica = self._replicas.get(target)
-                if replica is None:
-                    replica = self._replicas[target] = _Replica(target, self.options)
-                    if await self._join(replica):
+                known = self._replicas.get(target)
+                if known is None:
+                    fresh = self._replicas[target] = _Replica(target, self.options)
+                    if await self._join(fresh):
                         self._notice("replica_joined", target, f"{len(self._hooks)} fleet hooks registered")
-                elif not replica.up and await self._join(replica):
+                elif not known.up and await self._join(known):
                     self._notice("replica_joined", target, "back; fleet hooks registered again")
 
     async def _join(self, replica: _Replica) -> bool:
@@ -177,18 +181,18 @@ class FleetClient:
         return FleetModel(self, name)
 
     async def _call(self, fn: Callable[[Client], Awaitable[Any]]) -> Any:
-        tried = 0
-        while True:
-            live = self._live()
-            if not live or tried >= len(live):
-                raise UnavailableError("no live replica of the fleet answered")
-            replica = live[self._rr % len(live)]
-            self._rr += 1
-            tried += 1
+        live = self._live()
+        start = self._rr
+        self._rr += 1
+        for i in range(len(live)):  # each live replica once, starting at the round-robin position
+            replica = live[(start + i) % len(live)]
+            if not replica.up:
+                continue
             try:
                 return await fn(replica.client)
             except UnavailableError as exc:
                 self._lost(replica, str(exc))
+        raise UnavailableError("no live replica of the fleet answered")
 
 
 class FleetModel:
@@ -238,9 +242,16 @@ class PendingFleetHook:
         async with self._fleet._lock:
             live = self._fleet._live()
             results = await asyncio.gather(*(handle._attach(r) for r in live), return_exceptions=True)
-            failures = [(r, e) for r, e in zip(live, results) if isinstance(e, BaseException)]
+            failures = []
+            for replica, result in zip(live, results):
+                if isinstance(result, UnavailableError):
+                    self._fleet._lost(replica, str(result))  # gone, not refusing: it gets the hook when back
+                elif isinstance(result, BaseException):
+                    failures.append((replica, result))
+            if not failures and not handle.handles:
+                failures = [(r, UnavailableError("no live replica of the fleet answered")) for r in live[:1]]
             if failures:
-                await handle.remove()
+                await handle._remove_locked()
                 replica, error = failures[0]
                 if isinstance(error, HookwireError):
                     raise type(error)(f"replica {replica.target} refused the hook: {error.details}") from None
@@ -273,9 +284,15 @@ class FleetHookHandle:
         self._removed = False
 
     async def _attach(self, replica: _Replica) -> None:
+        if self._removed:
+            return
         old = self.handles.pop(replica.target, None)
         if old is not None:
             self._pumps.pop(replica.target).cancel()
+            try:  # it may still be there (a transient failure made the replica look lost)
+                await old.remove()
+            except HookwireError:
+                pass
         handle = await replica.client.register_hook(self.spec)
         self.handles[replica.target] = handle
         self._pumps[replica.target] = asyncio.ensure_future(self._pump(replica, handle))
@@ -301,6 +318,10 @@ class FleetHookHandle:
         """Removes the hook from every replica that has it (unreachable ones lose it with their session)."""
         if self._removed:
             return
+        async with self._fleet._lock:  # not while a refresh attaches it somewhere
+            await self._remove_locked()
+
+    async def _remove_locked(self) -> None:
         self._removed = True
         if self in self._fleet._hooks:
             self._fleet._hooks.remove(self)

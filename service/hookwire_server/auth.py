@@ -41,10 +41,15 @@ class AuthConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Principal:
-    """An authenticated caller."""
+    """An authenticated caller. Ownership compares names (``owns``), so a role change
+    keeps a principal's hooks and sessions its own."""
 
     name: str
     role: str  # the highest role; lower ones are implied
+
+    def owns(self, owner: Principal) -> bool:
+        """Whether something owned by ``owner`` is this principal's."""
+        return owner.name == self.name
 
     def has(self, role: str) -> bool:
         """Whether the principal holds ``role`` (or a higher one)."""
@@ -139,6 +144,8 @@ class TokenStore:
         self._lock = threading.Lock()
         self._entries: list[_Entry] = []
         self.reload()
+        #: Fixed at start: a reload can change the principals, never turn authentication off.
+        self.required = bool(self._entries)
 
     def reload(self) -> int:
         """Reads the file and variable again; returns the number of principals."""
@@ -154,15 +161,22 @@ class TokenStore:
         names = [e.principal.name for e in entries]
         if len(set(names)) != len(names):
             raise AuthConfigError("a principal is configured twice")
+        if not entries and getattr(self, "required", False):
+            raise AuthConfigError("the reload leaves no principal: refusing to turn authentication off")
         with self._lock:
             self._entries = entries
         return len(entries)
 
     @property
-    def enabled(self) -> bool:
-        """Whether any principal is configured (else authentication is off)."""
+    def principals(self) -> dict[str, Principal]:
+        """The configured principals by name."""
         with self._lock:
-            return bool(self._entries)
+            return {e.principal.name: e.principal for e in self._entries}
+
+    @property
+    def enabled(self) -> bool:
+        """Whether authentication is on (principals were configured at start)."""
+        return self.required
 
     def authenticate(self, token: str | None, cert_subjects: Iterable[str] = ()) -> Principal:
         """The principal a bearer token or a verified client certificate names.

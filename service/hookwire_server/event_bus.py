@@ -133,9 +133,12 @@ class EventStream:
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, limits: DeliveryLimits, *, owner_session_id: str = "",
-        on_sent: Callable[[int, int], None] | None = None,
+        on_sent: Callable[[int, int], None] | None = None, blocks_others: bool = True,
     ) -> None:
         self._loop = loop
+        #: Whether BLOCK may also hold other sessions' passes (operators only: an observer
+        #: that stops reading must not stall other callers).
+        self.blocks_others = blocks_others
         self.limits = limits
         #: Called with (events, tensor bytes) as messages are handed to gRPC.
         self._on_sent = on_sent
@@ -164,9 +167,10 @@ class EventStream:
     def blocks_for(self, session_id: str) -> bool:
         """Whether an event of a call of ``session_id`` waits for space (else it may drop)."""
         policy = self.limits.policy
+        own = bool(session_id) and session_id == self.owner_session_id
         if policy == AUTO:
-            return bool(session_id) and session_id == self.owner_session_id
-        return policy == BLOCK
+            return own
+        return policy == BLOCK and (own or self.blocks_others)
 
     def put_event(
         self, msg: hook_service_pb2.SessionMessage, hook_id: str, nbytes: int, *,

@@ -551,10 +551,17 @@ class HookManager:
     def _admit_stream(self, principal: Principal, delivery: DeliveryLimits) -> None:
         """Limits on streams: per principal, and the server's total buffer budget."""
         streams = [s.stream for s in self._sessions.values()] + [s.stream for s in self._subscriptions]
-        mine = sum(1 for s in self._sessions.values() if s.principal == principal)
-        mine += sum(1 for s in self._subscriptions if s.principal == principal)
+        mine = sum(1 for s in self._sessions.values() if principal.owns(s.principal))
+        mine += sum(1 for s in self._subscriptions if principal.owns(s.principal))
         limits.check(mine, self.limits.max_streams_per_principal, f"{principal.name!r} has {mine} open streams",
                      "max_streams_per_principal")
+        own = sum(s.stream.limits.max_bytes for s in self._sessions.values() if principal.owns(s.principal))
+        own += sum(s.stream.limits.max_bytes for s in self._subscriptions if principal.owns(s.principal))
+        if own + delivery.max_bytes > self.limits.max_buffered_bytes_per_principal:
+            raise ResourceExhausted(
+                f"{principal.name!r}'s stream buffers would take {own + delivery.max_bytes} bytes, over its limit of "
+                f"{self.limits.max_buffered_bytes_per_principal} (max_buffered_bytes_per_principal)"
+            )
         budget = sum(s.limits.max_bytes for s in streams) + delivery.max_bytes
         if budget > self.limits.max_buffered_bytes:
             raise ResourceExhausted(
@@ -567,23 +574,26 @@ class HookManager:
         """A new session with its own event stream."""
         self._refuse_when_draining()
         principal.require("user", "opening a session")
-        sessions = sum(1 for s in self._sessions.values() if s.principal == principal)
+        sessions = sum(1 for s in self._sessions.values() if principal.owns(s.principal))
         limits.check(sessions, self.limits.max_sessions_per_principal,
                      f"{principal.name!r} has {sessions} open sessions", "max_sessions_per_principal")
         self._admit_stream(principal, delivery)
         session_id = new_id("ses")
-        stream = EventStream(asyncio.get_running_loop(), delivery, owner_session_id=session_id, on_sent=self._count_sent)
+        stream = EventStream(asyncio.get_running_loop(), delivery, owner_session_id=session_id, on_sent=self._count_sent,
+                             blocks_others=principal.is_operator)
         session = Session(session_id, stream, self.limits.max_slot_bytes, principal)
         self._sessions[session.session_id] = session
         log.info("session opened", extra={"session_id": session_id, "principal": principal.name})
         return session
 
-    def require_session(self, session_id: str, principal: Principal = ANONYMOUS) -> Session:
-        """The open session ``session_id`` of ``principal`` (any, for operators); NotFound otherwise
-        (Unavailable while the server stops: sessions end then, through no fault of the caller)."""
+    def require_session(self, session_id: str, principal: Principal = ANONYMOUS, *, owner_only: bool = False) -> Session:
+        """The open session ``session_id`` of ``principal`` (any, for operators, unless
+        ``owner_only``: hooks and calls in a session are its owner's alone); NotFound
+        otherwise (Unavailable while the server stops)."""
         self._refuse_when_draining()
         session = self._sessions.get(session_id)
-        if session is None or session.closed or not (principal.is_operator or session.principal == principal):
+        allowed = principal.owns(session.principal) or (principal.is_operator and not owner_only) if session else False
+        if session is None or session.closed or not allowed:
             raise NotFound(f"no open session {session_id!r}")
         return session
 
@@ -614,7 +624,7 @@ class HookManager:
         """
         self._refuse_when_draining()
         principal.require("user", "registering a hook")
-        session = self.require_session(session_id, principal) if session_id else None
+        session = self.require_session(session_id, principal, owner_only=True) if session_id else None
         host = self._registry.get(spec.model)
         compiled = compile_spec(
             spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules,
@@ -637,7 +647,7 @@ class HookManager:
         if session is not None:
             limits.check(len(session.hook_ids), self.limits.max_hooks_per_session,
                          f"session {session_id} has {len(session.hook_ids)} hooks", "max_hooks_per_session")
-        owned = sum(1 for r in self._hooks.values() if r.owner == principal)
+        owned = sum(1 for r in self._hooks.values() if principal.owns(r.owner))
         limits.check(owned, self.limits.max_hooks_per_principal, f"{principal.name!r} has {owned} hooks",
                      "max_hooks_per_principal")
         record = HookRecord(
@@ -674,7 +684,7 @@ class HookManager:
         """Removes a hook; False when unknown, already removed, or not the principal's
         (operators may remove any). Returns once detached."""
         existing = self._hooks.get(hook_id)
-        if existing is None or not (principal.is_operator or existing.owner == principal):
+        if existing is None or not (principal.is_operator or principal.owns(existing.owner)):
             return False
         record = self._remove(hook_id, reason=f"deregistered by {principal.name}")
         if record is None:
@@ -727,7 +737,7 @@ class HookManager:
     def get(self, hook_id: str, principal: Principal = ANONYMOUS) -> HookRecord:
         """A registered hook of ``principal`` (any, for operators); NotFound otherwise."""
         record = self._hooks.get(hook_id)
-        if record is None or not (principal.is_operator or record.owner == principal):
+        if record is None or not (principal.is_operator or principal.owns(record.owner)):
             raise NotFound(f"no hook {hook_id!r}")
         return record
 
@@ -737,7 +747,7 @@ class HookManager:
         return [
             r for r in self._hooks.values()
             if (not model or r.host.name == model) and (not session_id or r.session_id == session_id)
-            and (principal.is_operator or r.owner == principal)
+            and (principal.is_operator or principal.owns(r.owner))
         ]
 
     @property
@@ -784,7 +794,8 @@ class HookManager:
             raise InvalidArgument("hook_ids: name at least one hook")
         records = [self.get(hook_id, principal) for hook_id in ids]
         self._admit_stream(principal, delivery)
-        sub = Subscription(EventStream(asyncio.get_running_loop(), delivery, on_sent=self._count_sent), ids, principal)
+        sub = Subscription(EventStream(asyncio.get_running_loop(), delivery, on_sent=self._count_sent,
+                                       blocks_others=principal.is_operator), ids, principal)
         self._subscriptions.add(sub)
         for record in records:
             record.streams = record.streams + (sub.stream,)
@@ -802,6 +813,26 @@ class HookManager:
                 if sub in record.subscriptions:
                     record.subscriptions.remove(sub)
         sub.hook_ids.clear()
+
+    def revoke(self, keep: set[str]) -> int:
+        """Ends the sessions and subscriptions, and removes the hooks, of every principal
+        not in ``keep`` (their tokens were revoked). Returns how many things ended."""
+        ended = 0
+        for session in list(self._sessions.values()):
+            if session.principal.name not in keep:
+                session.stream.close("your credentials were revoked")
+                self.close_session(session.session_id)
+                ended += 1
+        for sub in list(self._subscriptions):
+            if sub.principal.name not in keep:
+                sub.stream.close("your credentials were revoked")
+                self.unsubscribe(sub)
+                ended += 1
+        for record in list(self._hooks.values()):
+            if record.owner.name not in keep and record.owner != ANONYMOUS:
+                self._remove(record.hook_id, reason="its owner's credentials were revoked")
+                ended += 1
+        return ended
 
     # ---------------------------------------------------------------- metrics
 

@@ -117,6 +117,16 @@ class Inference:
         self._hooks = hooks
         self.limits = limits or Limits()
         self._queued: dict[str, int] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def drained(self, timeout: float) -> bool:
+        """Waits until no Infer call is in flight (at most ``timeout`` s); True if none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def infer_chunked(
         self, request: model_service_pb2.InferRequest, chunks: AsyncIterator[tensor_pb2.TensorChunk],
@@ -178,7 +188,7 @@ class Inference:
         train = request.mode == model_service_pb2.MODE_TRAIN
         if train and not host.training_allowed:
             raise FailedPrecondition(f"model {host.name!r} does not allow MODE_TRAIN")
-        session = self._hooks.require_session(request.session_id, principal) if request.session_id else None
+        session = self._hooks.require_session(request.session_id, principal, owner_only=True) if request.session_id else None
         backward = None
         if request.HasField("backward"):
             backward = BackwardPlan(
@@ -204,6 +214,7 @@ class Inference:
                 "(max_queued_infers); retry later"
             )
         self._queued[host.name] = queued + 1
+        self._idle.clear()
         started = time.perf_counter()
         outcome = "error"
         try:
@@ -221,6 +232,8 @@ class Inference:
             ) from None
         finally:
             self._queued[host.name] -= 1
+            if not any(self._queued.values()):
+                self._idle.set()
             elapsed = time.perf_counter() - started
             self._hooks.metrics.infer_seconds.labels(host.name).observe(elapsed)
             log.info(

@@ -28,6 +28,8 @@ class Limits:
     max_streams_per_principal: int = 128
     #: Sum of the byte budgets (DeliveryOptions.max_bytes) of all open streams.
     max_buffered_bytes: int = 8 * 1024 * 1024 * 1024
+    #: The same for the streams of one principal (so one caller cannot take them all).
+    max_buffered_bytes_per_principal: int = 4 * 1024 * 1024 * 1024
     #: Tensor elements in one Infer request (all inputs together).
     max_infer_elements: int = 1 << 31
     #: Infer calls waiting for one model's thread, beyond the running one.

@@ -64,6 +64,11 @@ class ServerSettings(Limits):
     reflection: bool = True
 
 
+def _bracketed(host: str) -> str:
+    """An IPv6 address in the brackets a host:port needs."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names only this machine."""
     if host in ("localhost", ""):
@@ -129,7 +134,7 @@ class HookwireServer:
         if self.settings.reflection:
             reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self.set_serving(False)  # until the caller says the models are ready
-        address = f"{self.settings.host}:{self.settings.port}"
+        address = f"{_bracketed(self.settings.host)}:{self.settings.port}"
         if tls:
             port = server.add_secure_port(
                 address, server_credentials(str(settings.tls_cert), str(settings.tls_key), settings.tls_client_ca)
@@ -153,7 +158,7 @@ class HookwireServer:
     @property
     def target(self) -> str:
         """host:port clients connect to."""
-        return f"{self.settings.host}:{self.port}"
+        return f"{_bracketed(self.settings.host)}:{self.port}"
 
     async def set_serving(self, serving: bool) -> None:
         """Sets the health status of the server ("") and of each hookwire service."""
@@ -162,13 +167,18 @@ class HookwireServer:
             await self.health.set(service, status)
 
     async def stop(self, grace: float | None = None) -> None:
-        """Graceful stop: health turns NOT_SERVING, event streams end with UNAVAILABLE,
-        new calls are refused, in-flight Infer calls get ``grace`` seconds to finish, then
-        every hook is removed and the model threads stop."""
+        """Graceful stop: health turns NOT_SERVING and new calls, sessions and hooks are
+        refused (UNAVAILABLE); in-flight Infer calls get ``grace`` seconds to finish with
+        their sessions' hooks intact; then event streams end with UNAVAILABLE, every hook
+        is removed and the model threads stop."""
+        grace = self.settings.grace if grace is None else grace
+        deadline = asyncio.get_running_loop().time() + grace
         await self.set_serving(False)
+        self.hooks.draining = True
+        await self.inference.drained(grace)
         self.hooks.begin_shutdown()
         if self._server is not None:
-            await self._server.stop(self.settings.grace if grace is None else grace)
+            await self._server.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
         await self.hooks.close()
         self.metrics.stop()
         self.registry.shutdown()
@@ -197,9 +207,13 @@ async def serve(
 
     def reload_tokens() -> None:
         try:
-            log.info("tokens reloaded: %d principals", server.tokens.reload())
+            count = server.tokens.reload()
         except ValueError as exc:  # keep the tokens in force
             log.error("tokens not reloaded: %s", exc)
+            return
+        if server.tokens.enabled:
+            ended = server.hooks.revoke(set(server.tokens.principals))
+            log.info("tokens reloaded: %d principals; %d sessions, streams and hooks of revoked ones ended", count, ended)
 
     loop.add_signal_handler(signal.SIGHUP, reload_tokens)
     await server.start()

@@ -142,3 +142,13 @@ async def test_dns_targets_resolve(replicas) -> None:
         assert any(t.endswith(f":{port}") for t, up in fleet.replicas.items() if up)
         out = await fleet.model("mlp")(X)
         assert out.shape == (1, 4)
+
+
+async def test_round_robin_skips_a_dead_replica_without_failing_calls(replicas) -> None:
+    targets = ["127.0.0.1:1"] + [r.target for r in replicas[:2]]
+    async with hookwire.connect_fleet(targets, options=hookwire.ConnectOptions(timeout=5)) as fleet:
+        for _ in range(6):
+            assert (await fleet.model("mlp")(X)).shape == (1, 4)
+        assert fleet.replicas["127.0.0.1:1"] is False
+        async with fleet.model("mlp").hook("fc1", posthook=hookwire.capture()) as hook:
+            assert sorted(hook.handles) == sorted(targets[1:])  # the dead one gets it when it is back

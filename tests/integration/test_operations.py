@@ -109,13 +109,14 @@ async def test_sigterm_finishes_in_flight_infer_ends_streams_and_exits_zero() ->
         proc.stdout.readline()
         async with hookwire.connect(target) as client:
             await client.model("mlp").hook("fc1", posthook=hookwire.capture("output"))
+            await client.model("sleeper").hook("inner", posthook=[hookwire.rules.scale("output", 10.0)])
             session = await client.session()
             in_flight = asyncio.ensure_future(client.model("sleeper")(torch.tensor(1.5)))
             await asyncio.sleep(0.5)
             proc.send_signal(signal.SIGTERM)
             stopped_at = time.monotonic()
             out = await asyncio.wait_for(in_flight, 10)
-            assert float(out) == 1.5  # the in-flight call finished
+            assert float(out) == 15.0  # the in-flight call finished, its session's rule intact
             for _ in range(100):
                 if session.ended:
                     break

@@ -176,3 +176,76 @@ async def test_tls_and_mtls_with_certificate_principals(tmp_path) -> None:
                 await plain.list_models()  # plaintext to a TLS port
     finally:
         srv.stop()
+
+
+@pytest.fixture
+def budgeted() -> Iterator[ServerThread]:
+    settings = ServerSettings(port=0, tokens=LINES, max_buffered_bytes_per_principal=100 * 1024 * 1024)
+    srv = ServerThread(build_test_registry(), settings).start()
+    yield srv
+    srv.stop()
+
+
+async def test_one_principal_cannot_take_every_stream_buffer(budgeted) -> None:
+    async with _connect(budgeted, "alice") as a1, _connect(budgeted, "alice") as a2, _connect(budgeted, "bob") as bob:
+        await a1.session()  # 64 MiB buffer
+        with pytest.raises(hookwire.ResourceExhaustedError, match="max_buffered_bytes_per_principal"):
+            await a2.session()
+        await bob.session()  # others are not affected
+
+
+async def test_an_observer_that_stops_reading_cannot_stall_other_callers(secured) -> None:
+    from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc
+
+    metadata = (("authorization", f"Bearer {TOKENS['observer']}"),)
+    async with grpc.aio.insecure_channel(secured.target) as channel:
+        stub = hook_service_pb2_grpc.HookServiceStub(channel)
+        stream = stub.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
+            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=1)), metadata=metadata)
+        session_id = (await stream.read()).opened.session_id
+        await stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="scale", module="", scope=hook_pb2.SCOPE_ALL,
+            posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=metadata)
+        async with _connect(secured, "alice") as alice:
+            x = torch.ones(1 << 20)  # 4 MiB events: they would fill any buffer quickly
+            for _ in range(30):
+                await asyncio.wait_for(alice.model("scale")(x), 10)  # never held by the stalled observer
+        stream.cancel()
+
+
+async def test_an_operator_cannot_put_hooks_into_someone_elses_session(secured) -> None:
+    async with _connect(secured, "alice") as alice, _connect(secured, "operator") as operator:
+        await alice.session()
+        from hookwire.v1 import hook_pb2, hook_service_pb2
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await operator.hook_stub.RegisterHook(hook_service_pb2.RegisterHookRequest(
+                session_id=alice.session_id, spec=hook_pb2.HookSpec(
+                    model="mlp", module="fc1", posthook=hook_pb2.HookAction())))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert (await alice.model("mlp")(X)).shape == (1, 4)
+
+
+async def test_revoked_principals_lose_their_sessions_and_hooks(tmp_path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice:user:{hash_token('a')}\nbob:user:{hash_token('b')}\n")
+    srv = ServerThread(build_test_registry(), ServerSettings(port=0, tokens_file=str(tokens))).start()
+    try:
+        async with hookwire.connect(srv.target, options=hookwire.ConnectOptions(token="a")) as alice, \
+                hookwire.connect(srv.target, options=hookwire.ConnectOptions(token="b")) as bob:
+            await alice.model("mlp").hook("fc1", posthook=hookwire.capture())
+            await bob.model("mlp").hook("fc1", posthook=hookwire.capture())
+            session = await alice.session()
+            tokens.write_text(f"bob:user:{hash_token('b')}\n")
+            ended = srv.call(lambda: (srv.server.tokens.reload(), srv.server.hooks.revoke(set(srv.server.tokens.principals))))
+            assert ended[1] >= 1
+            for _ in range(100):
+                if session.ended:
+                    break
+                await asyncio.sleep(0.02)
+            assert isinstance(session.router.error, hookwire.UnavailableError) and "revoked" in str(session.router.error)
+            with pytest.raises(hookwire.UnauthenticatedError):
+                await alice.model("mlp")(X)
+            assert len(await bob.list_hooks()) == 1
+    finally:
+        srv.stop()

@@ -71,3 +71,18 @@ def test_reload_and_duplicates(tmp_path) -> None:
 def test_no_principals_means_authentication_is_off() -> None:
     assert not TokenStore().enabled
     assert new_token().startswith("hwt_") and len(new_token()) > 40
+
+
+def test_a_reload_never_turns_authentication_off(tmp_path) -> None:
+    path = tmp_path / "t"
+    path.write_text(f"a:user:{hash_token('1')}")
+    store = TokenStore(str(path))
+    path.write_text("# everyone removed\n")
+    with pytest.raises(AuthConfigError, match="no principal"):
+        store.reload()
+    assert store.enabled and store.authenticate("1").name == "a"
+
+
+def test_ownership_survives_a_role_change() -> None:
+    assert Principal("a", "observer").owns(Principal("a", "user"))
+    assert not Principal("b", "operator").owns(Principal("a", "user"))

@@ -72,6 +72,7 @@ def test_manifests_fit_together() -> None:
     assert pod["volumes"][0]["configMap"]["name"] == "hookwire-config"
     assert pod["volumes"][1]["secret"]["secretName"] == "hookwire-tokens"
     env = {e["name"]: e["value"] for e in container["env"]}
+    assert pod["enableServiceLinks"] is False and env["HOOKWIRE_PORT"] == "50051"  # no tcp://... from the Service
     assert env["HOOKWIRE_TOKENS_FILE"].startswith("/etc/hookwire/secrets/")  # no unauthenticated pods
     secret = yaml.safe_load((DEPLOY / "k8s" / "secret.example.yaml").read_text())
     from hookwire_server.auth import parse_lines
