@@ -11,7 +11,7 @@ import grpc
 from . import _codec
 from ._errors import HookwireError, from_rpc_error
 from ._types import InterceptEvent, Notice
-from .v1 import hook_pb2, hook_service_pb2
+from .v1 import hook_pb2
 
 log = logging.getLogger("hookwire")
 

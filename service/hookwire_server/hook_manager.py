@@ -46,7 +46,6 @@ log = logging.getLogger("hookwire.hooks")
 
 SCOPE_REQUEST = -1  # internal: InferRequest.hooks, which have no wire scope value
 _NO_METRICS = Metrics()  # for records built without a server (unit tests)
-DEFAULT_MAX_TTL_SECONDS = 24 * 3600
 SHUTDOWN_REASON = "the server is shutting down"
 
 

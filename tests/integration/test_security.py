@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import pathlib
 import signal
 import subprocess
 import sys
-from typing import AsyncIterator, Iterator
+from typing import Iterator
 
 import grpc
 import pytest

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from hookwire_server import module_patterns
 from hookwire_server.module_patterns import is_glob, match_paths, matches
 
 # named_modules() of a small encoder, in its order ("" is the root module).
