@@ -28,6 +28,11 @@ if _version_not_supported:
 
 class HookServiceStub:
     """Sessions, hook registration, and the streams that carry hook events.
+    With authentication on, every call carries `authorization: Bearer <token>`
+    metadata (or a client certificate): UNAUTHENTICATED without valid
+    credentials, PERMISSION_DENIED naming the missing role (viewer < user <
+    observer < operator). Sessions, hooks and slots belong to the principal that
+    created them; others get NOT_FOUND, operators may read and remove them.
     """
 
     def __init__(self, channel):
@@ -75,6 +80,11 @@ class HookServiceStub:
 
 class HookServiceServicer:
     """Sessions, hook registration, and the streams that carry hook events.
+    With authentication on, every call carries `authorization: Bearer <token>`
+    metadata (or a client certificate): UNAUTHENTICATED without valid
+    credentials, PERMISSION_DENIED naming the missing role (viewer < user <
+    observer < operator). Sessions, hooks and slots belong to the principal that
+    created them; others get NOT_FOUND, operators may read and remove them.
     """
 
     def OpenSession(self, request, context):
@@ -185,6 +195,11 @@ def add_HookServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class HookService:
     """Sessions, hook registration, and the streams that carry hook events.
+    With authentication on, every call carries `authorization: Bearer <token>`
+    metadata (or a client certificate): UNAUTHENTICATED without valid
+    credentials, PERMISSION_DENIED naming the missing role (viewer < user <
+    observer < operator). Sessions, hooks and slots belong to the principal that
+    created them; others get NOT_FOUND, operators may read and remove them.
     """
 
     @staticmethod

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class ModelServiceStub:
-    """The models a server hosts, and inference on them.
+    """The models a server hosts, and inference on them. Listing and inspecting
+    need the viewer role, Infer the user role (when authentication is on; see
+    HookService).
     """
 
     def __init__(self, channel):
@@ -58,7 +60,9 @@ class ModelServiceStub:
 
 
 class ModelServiceServicer:
-    """The models a server hosts, and inference on them.
+    """The models a server hosts, and inference on them. Listing and inspecting
+    need the viewer role, Infer the user role (when authentication is on; see
+    HookService).
     """
 
     def ListModels(self, request, context):
@@ -127,7 +131,9 @@ def add_ModelServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ModelService:
-    """The models a server hosts, and inference on them.
+    """The models a server hosts, and inference on them. Listing and inspecting
+    need the viewer role, Infer the user role (when authentication is on; see
+    HookService).
     """
 
     @staticmethod
