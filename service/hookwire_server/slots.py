@@ -10,8 +10,9 @@ from hookwire import _codec
 from hookwire.v1 import hook_service_pb2
 
 from .errors import NotFound, ResourceExhausted
+from .limits import Limits
 
-DEFAULT_MAX_SLOT_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_SLOT_BYTES = Limits.max_slot_bytes  # one default, in limits.py
 
 
 class SlotStore:
