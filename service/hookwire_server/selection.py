@@ -15,8 +15,11 @@ from typing import Union
 
 Index = tuple[Union[int, slice, "ellipsis", None], ...]  # noqa: F821 - ellipsis is Ellipsis' type
 
-_INT = re.compile(r"[+-]?\d+")
+_INT = re.compile(r"[+-]?[0-9]+")
 MAX_ITEMS = 64
+#: Digits of an int64 (19) plus leading zeros a person might write; longer is refused
+#: before conversion (Python's int() refuses over 4300 digits with its own ValueError).
+MAX_INT_DIGITS = 24
 
 
 class SelectionError(ValueError):
@@ -24,9 +27,14 @@ class SelectionError(ValueError):
 
 
 def _int(text: str, where: str) -> int:
-    if not _INT.fullmatch(text):
-        raise SelectionError(f"{where}: {text!r} is not an integer")
-    value = int(text)
+    if not _INT.fullmatch(text):  # linear: the pattern cannot backtrack
+        raise SelectionError(f"{where}: {text[:40]!r}{'...' if len(text) > 40 else ''} is not an integer")
+    if len(text) > MAX_INT_DIGITS + 1:
+        raise SelectionError(f"{where}: an integer of {len(text.lstrip('+-'))} digits is out of range (int64)")
+    try:
+        value = int(text)
+    except ValueError:  # pragma: no cover - the pattern admits only ASCII digits of bounded length
+        raise SelectionError(f"{where}: {text!r} is not an integer") from None
     if not -(2**63) <= value < 2**63:
         raise SelectionError(f"{where}: {text} is out of range")
     return value

@@ -41,6 +41,12 @@ def test_parses_like_numpy(text: str, expected: tuple) -> None:
         ("[::-1]", "must be positive"),
         ("[..., ...]", "only one"),
         ("[99999999999999999999]", "out of range"),
+        # Past Python's int-string limit (4300 digits), int() raises its own ValueError:
+        # the parser must still answer SelectionError (it once escaped as INTERNAL).
+        ("[" + "1" * 4301 + "]", "4301 digits is out of range"),
+        ("[-" + "9" * 10000 + ":]", "10000 digits is out of range"),
+        ("[::" + "1" * 5000 + "]", "out of range"),
+        ("[\u0663]", "not an integer"),  # a non-ASCII digit: only 0-9 are digits here
         ("[" + ",".join(["0"] * 65) + "]", "more than 64"),
     ],
 )
