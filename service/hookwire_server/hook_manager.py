@@ -373,8 +373,9 @@ class HookRecord:
         self, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any]
     ) -> None:
         if self.compiled.scope == SCOPE_REQUEST:
-            # The request's own hook: a capture failure fails the request (raised through forward).
-            event = p.response.events.add()
+            # The request's own hook: a capture failure fails the request (raised through forward),
+            # and so does an event past max_events_per_call (Pass.add_event).
+            event = p.add_event()
             self._fill_event(event, action, path, p, call_index, training, parts, p.chunker)
             event.seq = p.next_seq(self.hook_id)
             return

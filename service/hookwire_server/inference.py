@@ -44,10 +44,14 @@ log = logging.getLogger("hookwire.infer")
 class Pass:
     """The state of one running pass, read by the hooks that fire in it."""
 
-    def __init__(self, request_id: str, session_id: str, tags: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, request_id: str, session_id: str, tags: frozenset[str] = frozenset(), *, max_events: int | None = None,
+    ) -> None:
         self.request_id = request_id
         self.session_id = session_id
         self.tags = tags
+        #: Most events the request-scoped hooks may add to the response (max_events_per_call).
+        self.max_events = max_events
         self.response = model_service_pb2.InferResponse(request_id=request_id)
         #: Collects large tensors of the response when it is streamed (InferStream).
         self.chunker: Chunker | None = None
@@ -60,6 +64,16 @@ class Pass:
         index = self._calls.get(key, 0)
         self._calls[key] = index + 1
         return index
+
+    def add_event(self) -> Any:
+        """A new event in the response (for a request-scoped hook); ResourceExhausted,
+        failing the call, when the call already holds ``max_events`` events."""
+        if self.max_events is not None and len(self.response.events) >= self.max_events:
+            raise ResourceExhausted(
+                f"the call's request-scoped hooks produced more than {self.max_events} events, over the limit of "
+                f"{self.max_events} (max_events_per_call); hook fewer modules or use sampling"
+            )
+        return self.response.events.add()
 
     def next_seq(self, hook_id: str) -> int:
         """The seq of a request-scoped hook's next event (contiguous from 1)."""
@@ -135,9 +149,10 @@ class Inference:
         """InferStream: the request's chunked tensors come from ``chunks``; the response's
         large tensors are left in the returned Chunker, to follow the response."""
         principal.require("user", "Infer")
-        self._check_elements(request)
+        # Off the loop: the walks cost microseconds per Value (bounded by max_request_values).
+        await asyncio.to_thread(self._check_elements, request)
         try:
-            assembler = _codec.ChunkAssembler(request, max_bytes=self.limits.max_request_bytes)
+            assembler = await asyncio.to_thread(_codec.ChunkAssembler, request, max_bytes=self.limits.max_request_bytes)
             async for chunk in chunks:
                 if assembler.done:
                     raise InvalidArgument("InferStream: more chunks than the request's chunked tensors hold")
@@ -149,16 +164,24 @@ class Inference:
         if not assembler.done:
             raise InvalidArgument("InferStream: the stream ended before every chunked tensor was complete")
         chunker = Chunker(snapshot=True)
-        response = await self.infer(request, chunked=assembler.result(), chunker=chunker, principal=principal)
+        response = await self.infer(
+            request, chunked=assembler.result(), chunker=chunker, principal=principal, checked=True
+        )
         return response, chunker
 
-    def _check_elements(self, request: model_service_pb2.InferRequest) -> None:
+    def _check_elements(self, request: model_service_pb2.InferRequest) -> bool:
         """Validates every tensor's dtype, shape and byte count, and the element limit,
-        before anything is queued (cheap: nothing is decoded)."""
+        before anything is queued (nothing is decoded); returns whether a tensor is chunked.
+
+        Walks every Value: the request bounds (max_request_values, checked on the raw
+        bytes before the request was parsed) bound its cost. Blocks: call it off the loop.
+        """
         elements = 0
+        chunked = False
         try:
             for where, tensor in _codec.iter_tensors(request):
                 elements += _codec.check_tensor(tensor, where)
+                chunked = chunked or bool(tensor.chunk_id)
         except _codec.CodecError as exc:
             raise InvalidArgument(str(exc)) from None
         if elements > self.limits.max_infer_elements:
@@ -166,22 +189,30 @@ class Inference:
                 f"the request's tensors hold {elements} elements, over the limit of {self.limits.max_infer_elements} "
                 "(max_infer_elements)"
             )
+        return chunked
 
     async def infer(
         self, request: model_service_pb2.InferRequest, *, chunked: Mapping[int, Any] | None = None,
-        chunker: Chunker | None = None, principal: Principal = ANONYMOUS,
+        chunker: Chunker | None = None, principal: Principal = ANONYMOUS, checked: bool = False,
     ) -> model_service_pb2.InferResponse:
         """Runs one call; raises a HookwireServerError for anything the client can act on.
 
         ``chunked`` holds the request's chunked tensors (InferStream); with a
         ``chunker``, large response tensors are left in it instead of inline.
+        ``checked``: the caller already ran the tensor checks (InferStream).
+        Validation that walks the request's Values, and compiling its request-scoped
+        hooks, run on worker threads: a large request never stalls the event loop.
         """
         principal.require("user", "Infer")
         if self._hooks.draining:
             raise Unavailable("the server is shutting down")
         host = self._registry.get(request.model)
-        self._check_elements(request)
-        if chunked is None and next(_codec.chunked_tensors(request), None) is not None:
+        if len(request.hooks) > self.limits.max_request_hooks:
+            raise ResourceExhausted(
+                f"hooks: {len(request.hooks)} request-scoped hooks, over the limit of {self.limits.max_request_hooks} "
+                "(max_request_hooks)"
+            )
+        if not checked and await asyncio.to_thread(self._check_elements, request) and chunked is None:
             raise InvalidArgument("a tensor has a chunk_id: chunked tensors travel over InferStream, not Infer")
         if request.mode not in model_service_pb2.Mode.values():
             raise InvalidArgument(f"mode: unknown mode {request.mode}")
@@ -202,8 +233,13 @@ class Inference:
                 except _codec.CodecError as exc:
                     raise InvalidArgument(str(exc)) from None
         request_id = new_id("req")
-        records = self._hooks.request_hooks(host, request.hooks, request_id, session, principal)
-        p = Pass(request_id, request.session_id, frozenset(request.tags))
+        records = []
+        if request.hooks:
+            # Off the loop: each hook resolves its module glob against every module path.
+            records = await asyncio.to_thread(
+                self._hooks.request_hooks, host, request.hooks, request_id, session, principal
+            )
+        p = Pass(request_id, request.session_id, frozenset(request.tags), max_events=self.limits.max_events_per_call)
         p.chunker = chunker
         p.response.hook_ids.extend(r.hook_id for r in records)
         seed = request.seed if request.HasField("seed") else None

@@ -39,6 +39,23 @@ class Limits:
     #: Most bytes the chunked tensors of one InferStream request may claim.
     max_request_bytes: int = 2 * 1024 * 1024 * 1024
 
+    # --- request bounds (issue #9: bad input, wide requests, request-scoped hooks) ---
+    #: Protobuf fields on the wire in one request message (each tag, and each element of a
+    #: packed repeated field), counted on its raw bytes before it is parsed.
+    max_request_fields: int = 1 << 20
+    #: Values and map entries in one request message (every list item, dict entry, argument).
+    max_request_values: int = 65536
+    #: Request-scoped hooks (InferRequest.hooks) in one Infer call.
+    max_request_hooks: int = 64
+    #: Events the request-scoped hooks of one Infer call may produce; the event past it fails
+    #: the call with RESOURCE_EXHAUSTED.
+    max_events_per_call: int = 4096
+    #: UTF-8 bytes of a name in a request: model, session, hook and slot names, tags, kwargs and map keys.
+    max_name_length: int = 256
+    #: UTF-8 bytes of a path in a request: module globs, rule targets and indices, selections,
+    #: backward.output_path.
+    max_path_length: int = 1024
+
 
 def check(count: int, limit: int, what: str, name: str) -> None:
     """ResourceExhausted when ``count`` would go past ``limit``."""

@@ -37,6 +37,8 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         self._inference = inference
         self._tokens = tokens
         self.metrics = metrics
+        #: Request bounds, checked before a request is parsed (status_mapping.parse_request).
+        self.limits = inference.limits
 
     @unary
     async def ListModels(self, request: model_service_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.ListModelsResponse:
@@ -82,6 +84,8 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
         self._hooks = hooks
         self._tokens = tokens
         self.metrics = hooks.metrics
+        #: Request bounds, checked before a request is parsed (status_mapping.parse_request).
+        self.limits = hooks.limits
 
     @streaming
     async def OpenSession(self, request: hook_service_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage]:

@@ -10,8 +10,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 
-from . import errors
+from . import errors, request_bounds
 from .auth import Unauthenticated
+from .limits import Limits
+from .request_bounds import RequestBounds
 
 log = logging.getLogger("hookwire.rpc")
 
@@ -61,17 +63,61 @@ class MalformedRequest:
         return errors.InvalidArgument(f"the request is not a valid {self.message_type} message: {self.error}")
 
 
+#: Requests up to this size are checked and parsed on the event loop (at most a few
+#: thousand fields: well under a millisecond); larger ones on a worker thread.
+INLINE_PARSE_BYTES = 16 * 1024
+
+
+class RawRequest:
+    """Request bytes not parsed yet. gRPC calls the deserializer on the event loop;
+    the wrapped handler checks the bytes against the request bounds and parses them,
+    off the loop when they are large (see ``parse_request``)."""
+
+    __slots__ = ("message_class", "data")
+
+    def __init__(self, message_class: Any, data: bytes) -> None:
+        self.message_class = message_class
+        self.data = data
+
+    def parse(self, bounds: RequestBounds) -> Any:
+        """The message; InvalidArgument or ResourceExhausted (naming the limit) when it
+        passes a bound or does not parse. Costs O(min(size, bounds)) before the parse."""
+        descriptor = self.message_class.DESCRIPTOR
+        request_bounds.check(self.data, descriptor, bounds)
+        try:
+            return self.message_class.FromString(self.data)
+        except Exception as exc:  # DecodeError, and anything else a parser may raise on garbage
+            raise MalformedRequest(descriptor.full_name, str(exc) or type(exc).__name__).to_error() from None
+
+
 def tolerant_parser(message_class: Any) -> Callable[[bytes], Any]:
-    """A request deserializer that returns MalformedRequest instead of raising."""
-    name = message_class.DESCRIPTOR.full_name
+    """A request deserializer that never raises: it wraps the bytes in a RawRequest,
+    which the ``unary``/``streaming`` wrappers parse (so malformed bytes become
+    INVALID_ARGUMENT, not gRPC's INTERNAL, and nothing large is parsed on the loop)."""
 
     def parse(data: bytes) -> Any:
-        try:
-            return message_class.FromString(data)
-        except Exception as exc:  # DecodeError, and anything else a parser may raise on garbage
-            return MalformedRequest(name, str(exc) or type(exc).__name__)
+        return RawRequest(message_class, data)
 
     return parse
+
+
+async def parse_request(request: Any, servicer: Any) -> Any:
+    """The parsed message for a RawRequest (anything else as it is), checked against the
+    servicer's ``limits``; large requests are checked and parsed on a worker thread, so a
+    big request never stalls the event loop (health checks, other calls)."""
+    if isinstance(request, MalformedRequest):
+        raise request.to_error()
+    if not isinstance(request, RawRequest):
+        return request
+    bounds = RequestBounds.of(getattr(servicer, "limits", None) or Limits())
+    if len(request.data) <= INLINE_PARSE_BYTES:
+        return request.parse(bounds)
+    return await asyncio.to_thread(request.parse, bounds)
+
+
+async def _parsed_stream(requests: AsyncIterator[Any], servicer: Any) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield await parse_request(request, servicer)
 
 
 def _count(servicer: Any, method: str, code: str) -> None:
@@ -94,8 +140,7 @@ def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
-            if isinstance(request, MalformedRequest):
-                raise request.to_error()
+            request = await parse_request(request, self)
             response = await fn(self, request, context)
         except grpc.aio.AbortError:
             raise
@@ -118,11 +163,14 @@ def streaming(
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
-        inner = fn(self, request, context)
+        incoming: Any = request
+        if hasattr(incoming, "__aiter__"):  # client streaming: each message is parsed as it is read
+            incoming = _parsed_stream(incoming, self)
+        inner = None
         code = "OK"
         try:
-            if isinstance(request, MalformedRequest):
-                raise request.to_error()
+            parsed = await parse_request(incoming, self)
+            inner = fn(self, parsed, context)
             async for item in inner:
                 yield item
         except grpc.aio.AbortError:
@@ -136,6 +184,7 @@ def streaming(
             _count(self, fn.__name__, code)
             # Closed now, not whenever it is collected: its cleanup (ending a
             # session and removing its hooks) must run when the stream ends.
-            await inner.aclose()  # type: ignore[attr-defined]
+            if inner is not None:
+                await inner.aclose()  # type: ignore[attr-defined]
 
     return wrapper

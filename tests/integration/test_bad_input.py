@@ -10,7 +10,7 @@ import torch
 
 import hookwire
 from hookwire import _codec
-from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
+from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2, rule_pb2, tensor_pb2
 
 OUTPUT = hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT])
 
@@ -188,3 +188,133 @@ async def test_bad_delivery_options(client) -> None:
         await stream.read()
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "policy" in info.value.details()
+
+
+# ------------------------------------------------------------------ over-long strings and huge integers
+
+HUGE_INT = "[" + "1" * 4301 + "]"  # past Python's int-string limit: int() raises its own ValueError
+NAME = "n" * 257  # max_name_length is 256 (UTF-8 bytes)
+PATH = "p" * 1025  # max_path_length is 1024
+
+
+def _infer(**fields) -> model_service_pb2.InferRequest:
+    return model_service_pb2.InferRequest(**{"model": "mlp", "args": [GOOD], **fields})
+
+
+def _hooked(**action_fields) -> model_service_pb2.InferRequest:
+    return _infer(hooks=[hook_pb2.HookSpec(module="fc1", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT], **action_fields))])
+
+
+def _rule(**fields) -> rule_pb2.Rule:
+    return rule_pb2.Rule(**{"target": "output", **fields})
+
+
+def _value_map(key: str, *, in_keys: bool = False) -> tensor_pb2.Value:
+    if in_keys:
+        return tensor_pb2.Value(map=tensor_pb2.ValueMap(keys=[key]))
+    return tensor_pb2.Value(map=tensor_pb2.ValueMap(entries={key: tensor_pb2.Value()}))
+
+
+# (rpc, request, field named in the message, limit setting)
+LONG_STRING_CASES = {
+    "GetModel.name": ("GetModel", model_service_pb2.GetModelRequest(name=NAME), "name", "max_name_length"),
+    "Infer.model": ("Infer", _infer(model=NAME), "model", "max_name_length"),
+    "Infer.session_id": ("Infer", _infer(session_id=NAME), "session_id", "max_name_length"),
+    "Infer.tags": ("Infer", _infer(tags=["ok", NAME]), "tags", "max_name_length"),
+    "Infer.kwargs key": ("Infer", _infer(kwargs={NAME: GOOD}), "kwargs.key", "max_name_length"),
+    "Infer map key": ("Infer", _infer(args=[_value_map(NAME)]), "args.map.entries.key", "max_name_length"),
+    "Infer map keys": ("Infer", _infer(args=[_value_map(NAME, in_keys=True)]), "args.map.keys", "max_name_length"),
+    "Infer.backward.output_path": ("Infer", _infer(backward=model_service_pb2.Backward(output_path=PATH)),
+                                   "backward.output_path", "max_path_length"),
+    "hooks.model": ("Infer", _infer(hooks=[hook_pb2.HookSpec(model=NAME, module="fc1", posthook=OUTPUT)]),
+                    "hooks.model", "max_name_length"),
+    "hooks.module": ("Infer", _infer(hooks=[hook_pb2.HookSpec(module="*" * 1025, posthook=OUTPUT)]),
+                     "hooks.module", "max_path_length"),
+    "hooks.tags": ("Infer", _infer(hooks=[hook_pb2.HookSpec(module="fc1", posthook=OUTPUT, tags=[NAME])]),
+                   "hooks.tags", "max_name_length"),
+    "hooks select": ("Infer", _hooked(select=PATH), "hooks.posthook.select", "max_path_length"),
+    "hooks huge-integer select": ("Infer", _hooked(select=HUGE_INT), "hooks.posthook.select", "max_path_length"),
+    "hooks rule target": ("Infer", _hooked(rules=[_rule(target="output." + "0" * 1100, zero=rule_pb2.ZeroOp())]),
+                          "hooks.posthook.rules.target", "max_path_length"),
+    "hooks huge-integer rule index": ("Infer", _hooked(rules=[_rule(index=HUGE_INT, zero=rule_pb2.ZeroOp())]),
+                                      "hooks.posthook.rules.index", "max_path_length"),
+    "hooks patch slot": ("Infer", _hooked(rules=[_rule(patch=rule_pb2.PatchOp(slot=NAME))]),
+                         "hooks.posthook.rules.patch.slot", "max_name_length"),
+    "hooks save slot": ("Infer", _hooked(rules=[_rule(save=rule_pb2.SaveOp(slot=NAME))]),
+                        "hooks.posthook.rules.save.slot", "max_name_length"),
+    "RegisterHook.session_id": ("RegisterHook", hook_service_pb2.RegisterHookRequest(session_id=NAME, spec=_spec(posthook=OUTPUT)),
+                                "session_id", "max_name_length"),
+    "RegisterHook huge-integer select": (
+        "RegisterHook", hook_service_pb2.RegisterHookRequest(spec=_spec(posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT], select=HUGE_INT))),
+        "spec.posthook.select", "max_path_length"),
+    "RegisterHook huge-integer rule index": (
+        "RegisterHook", hook_service_pb2.RegisterHookRequest(spec=_spec(posthook=hook_pb2.HookAction(rules=[_rule(index=HUGE_INT, zero=rule_pb2.ZeroOp())]))),
+        "spec.posthook.rules.index", "max_path_length"),
+    "RegisterHook.spec.module": ("RegisterHook", hook_service_pb2.RegisterHookRequest(spec=_spec(module="fc1." + "a" * 1100, posthook=OUTPUT)),
+                                 "spec.module", "max_path_length"),
+    "DeregisterHook.hook_id": ("DeregisterHook", hook_service_pb2.DeregisterHookRequest(hook_id=NAME), "hook_id", "max_name_length"),
+    "ListHooks.model": ("ListHooks", hook_service_pb2.ListHooksRequest(model=NAME), "model", "max_name_length"),
+    "ListHooks.session_id": ("ListHooks", hook_service_pb2.ListHooksRequest(session_id=NAME), "session_id", "max_name_length"),
+    "GetSlot.session_id": ("GetSlot", hook_service_pb2.GetSlotRequest(session_id=NAME, name="s"), "session_id", "max_name_length"),
+    "GetSlot.name": ("GetSlot", hook_service_pb2.GetSlotRequest(session_id="ses_x", name=NAME), "name", "max_name_length"),
+    "ListSlots.session_id": ("ListSlots", hook_service_pb2.ListSlotsRequest(session_id=NAME), "session_id", "max_name_length"),
+}
+
+
+@pytest.mark.parametrize("case", list(LONG_STRING_CASES))
+async def test_over_long_strings_are_invalid_argument(client, case: str) -> None:
+    rpc, request, field, setting = LONG_STRING_CASES[case]
+    stub = client.model_stub if rpc in ("GetModel", "Infer") else client.hook_stub
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await getattr(stub, rpc)(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert f"{field}: " in info.value.details() and f"({setting})" in info.value.details(), info.value.details()
+    out = await client.model("mlp")(torch.ones(1, 8))
+    assert out.shape == (1, 4)
+
+
+async def test_over_long_strings_in_streams(client) -> None:
+    call = client.hook_stub.Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=["hk_x", NAME]))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hook_ids: 257 bytes, over the limit of 256 (max_name_length)" in info.value.details()
+    call = client.model_stub.InferStream()
+    await call.write(model_service_pb2.InferStreamRequest(request=_infer(model=NAME)))
+    await call.done_writing()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request.model: 257 bytes, over the limit of 256 (max_name_length)" in info.value.details()
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    """A server whose path bound admits huge integers, so they reach the selection parser."""
+    from hookwire_server import ServerSettings
+    from support import ServerThread, build_test_registry
+
+    srv = ServerThread(build_test_registry(), ServerSettings(port=0, max_path_length=1 << 20)).start()
+    yield srv
+    srv.stop()
+
+
+async def test_huge_integers_reach_the_parser_as_invalid_argument(roomy) -> None:
+    huge_spec = _spec(posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT], select=HUGE_INT))
+    huge_rule = _spec(posthook=hook_pb2.HookAction(rules=[_rule(index="[" + "9" * 5000 + ":]", zero=rule_pb2.ZeroOp())]))
+    async with hookwire.connect(roomy.target) as c:
+        session = await c.session()
+        cases = [
+            (c.hook_stub.RegisterHook, hook_service_pb2.RegisterHookRequest(session_id=session.session_id, spec=huge_spec),
+             "posthook.select: item 0 of .*4301 digits is out of range"),
+            (c.hook_stub.RegisterHook, hook_service_pb2.RegisterHookRequest(session_id=session.session_id, spec=huge_rule),
+             r"posthook.rules\[0\].index: item 0 of .*5000 digits is out of range"),
+            (c.model_stub.Infer, _hooked(select=HUGE_INT), r"hooks\[0\]: posthook.select: .*4301 digits is out of range"),
+        ]
+        for call, request, message in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call(request)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            assert re.search(message, info.value.details()), info.value.details()
+        assert await c.list_hooks(session_id=session.session_id) == []
+        assert (await c.model("mlp")(torch.ones(1, 8))).shape == (1, 4)

@@ -144,14 +144,24 @@ def deep_values(draw: Any) -> tensor_pb2.Value:
     return value
 
 
-model_names = st.one_of(st.sampled_from(["mlp", "tiny-transformer", "scale", "odd", "", "nope"]), st.text(max_size=8))
+#: Strings around the request bounds (max_name_length 256, max_path_length 1024) and far past them.
+long_strings = st.builds(lambda c, n: c * n, st.sampled_from(["a", "*", ".", "\u00e9", "1"]),
+                         st.sampled_from([255, 256, 257, 1023, 1024, 1025, 5000]))
+#: Integers past int64 and past Python's int-string limit (4300 digits), in every parsed position.
+huge_ints = st.builds(lambda sign, n: sign + "9" * n, st.sampled_from(["", "-", "+"]),
+                      st.sampled_from([19, 20, 25, 1000, 4301, 5000]))
+huge_selections = st.builds(lambda fmt, i: fmt.format(i), st.sampled_from(["[{}]", "[{}:]", "[:{}]", "[::{}]", "[0, {}]"]),
+                            huge_ints)
+model_names = st.one_of(st.sampled_from(["mlp", "tiny-transformer", "scale", "odd", "", "nope"]), st.text(max_size=8),
+                        long_strings)
 patterns = st.one_of(st.sampled_from(["fc1", "*", "**", "", "encoder.**", "encoder.layers.?.attn", "head"]),
-                     st.text(alphabet="*?.abcfl01[]()\\", max_size=24))
+                     st.text(alphabet="*?.abcfl01[]()\\", max_size=24), long_strings)
 parts = st.lists(st.integers(-2, 7), max_size=3)
 targets = st.one_of(st.sampled_from(["output", "output.0", "args.0", "kwargs.attention_mask", "grad_input.0",
-                                     "grad_output.0", "output.logits", "output.99"]), st.text(max_size=10))
+                                     "grad_output.0", "output.logits", "output.99"]), st.text(max_size=10),
+                  long_strings, huge_ints.map(lambda i: "output." + i))
 selections = st.one_of(st.sampled_from(["", "[0]", "[:, -1]", "[..., 1:3]", "[::0]", "[None, 5]", "[99]"]),
-                       st.text(alphabet="[]:.,-0123456789 None", max_size=16))
+                       st.text(alphabet="[]:.,-0123456789 None", max_size=16), huge_selections, long_strings)
 operands = st.one_of(st.floats().map(lambda f: rule_pb2.Operand(scalar=f)),
                      tensors().map(lambda t: rule_pb2.Operand(tensor=t)), st.just(rule_pb2.Operand()))
 
@@ -178,7 +188,7 @@ def rules(draw: Any) -> rule_pb2.Rule:
     elif op == "project_out":
         rule.project_out.direction.CopyFrom(draw(tensors()))
     elif op in ("patch", "save"):
-        getattr(rule, op).slot = draw(st.sampled_from(["s", "", "x" * 40]))
+        getattr(rule, op).slot = draw(st.one_of(st.sampled_from(["s", "", "x" * 40]), long_strings))
     return rule
 
 
@@ -195,7 +205,8 @@ def actions(draw: Any) -> hook_pb2.HookAction:
 @st.composite
 def specs(draw: Any, model: str | None = None) -> hook_pb2.HookSpec:
     spec = hook_pb2.HookSpec(model=draw(model_names) if model is None else model, module=draw(patterns),
-                             scope=draw(st.integers(-1, 5)), tags=draw(st.lists(st.text(max_size=3), max_size=2)),
+                             scope=draw(st.integers(-1, 5)),
+                             tags=draw(st.lists(st.one_of(st.text(max_size=3), long_strings), max_size=2)),
                              on_error=draw(st.integers(-1, 4)), ttl_seconds=draw(st.integers(0, 3)))
     for field in ("prehook", "posthook", "backward_prehook", "backward_hook"):
         if draw(st.booleans()):
@@ -216,13 +227,15 @@ def specs(draw: Any, model: str | None = None) -> hook_pb2.HookSpec:
 def infer_requests(draw: Any) -> model_service_pb2.InferRequest:
     request = model_service_pb2.InferRequest(
         model=draw(model_names), args=draw(st.lists(st.one_of(values, deep_values()), max_size=3)),
-        kwargs=draw(st.dictionaries(st.sampled_from(["attention_mask", "inputs_embeds", "x", ""]), values, max_size=2)),
+        kwargs=draw(st.dictionaries(st.one_of(st.sampled_from(["attention_mask", "inputs_embeds", "x", ""]), long_strings),
+                                    values, max_size=2)),
         mode=draw(st.integers(-1, 4)), hooks=draw(st.lists(specs(model=""), max_size=2)),
-        tags=draw(st.lists(st.text(max_size=3), max_size=2)),
+        tags=draw(st.lists(st.one_of(st.text(max_size=3), long_strings), max_size=2)),
+        session_id=draw(st.one_of(st.just(""), long_strings)),
     )
     if draw(st.booleans()):
         request.backward.output_path = draw(st.one_of(st.sampled_from(["", "0", "logits", "0..1", "\u00b2"]),
-                                                      st.text(max_size=6)))
+                                                      st.text(max_size=6), long_strings, huge_ints))
         if draw(st.booleans()):
             request.backward.grad.CopyFrom(draw(tensors()))
         request.backward.return_input_grads = draw(st.booleans())
@@ -275,8 +288,9 @@ def test_register_and_deregister(fuzz_server, spec, use_session, junk) -> None:
 
 
 @FUZZ
-@given(name=st.text(max_size=12), hook_ids=st.lists(st.text(max_size=12), max_size=3), model=model_names,
-       slot=st.text(max_size=6), policy=st.integers(-1, 6), max_events=st.integers(0, 2**32 - 1),
+@given(name=st.one_of(st.text(max_size=12), long_strings),
+       hook_ids=st.lists(st.one_of(st.text(max_size=12), long_strings), max_size=3), model=model_names,
+       slot=st.one_of(st.text(max_size=6), long_strings), policy=st.integers(-1, 6), max_events=st.integers(0, 2**32 - 1),
        max_bytes=st.integers(0, 2**64 - 1), max_message=st.integers(0, 2**32 - 1))
 def test_other_rpcs(fuzz_server, name, hook_ids, model, slot, policy, max_events, max_bytes, max_message) -> None:
     models, hooks = fuzz_server["models"], fuzz_server["hooks"]
@@ -300,6 +314,61 @@ def test_other_rpcs(fuzz_server, name, hook_ids, model, slot, policy, max_events
     _check(lambda: first_message(hooks.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=delivery), timeout=10)))
     _check(lambda: first_message(hooks.Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=hook_ids, delivery=delivery),
                                                  timeout=10)))
+
+
+# ------------------------------------------------------------------ wide requests and many request hooks
+
+WIDE = settings(max_examples=max(4, EXAMPLES // 10), deadline=None, suppress_health_check=list(HealthCheck),
+                derandomize=not os.environ.get("HOOKWIRE_FUZZ_RANDOM"))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _wide_value(kind: str, n: int) -> bytes:
+    """An encoded Value holding ``n`` empty items: a flat list, or a map with distinct keys."""
+    if kind == "list":
+        body = b"\x0a\x00" * n
+        return b"\x12" + _varint(len(body)) + body
+    entries = b"".join(b"\x0a" + _varint(len(e)) + e for e in (b"\x0a" + _varint(len(k)) + k + b"\x12\x00"
+                                                             for k in (str(i).encode() for i in range(n))))
+    return b"\x1a" + _varint(len(entries)) + entries
+
+
+@WIDE
+@given(kind=st.sampled_from(["list", "map"]), n=st.sampled_from([1000, 32767, 65535, 65536, 65537, 200_000, 1_000_000]),
+       streamed=st.booleans())
+def test_wide_requests(fuzz_server, kind, n, streamed) -> None:
+    value = _wide_value(kind, n)
+    request = b"\x0a\x05scale\x12" + _varint(len(value)) + value
+    channel = fuzz_server["channel"]
+    if streamed:  # InferStreamRequest.request
+        message = b"\x0a" + _varint(len(request)) + request
+
+        def call() -> None:
+            for _ in channel.stream_stream("/hookwire.v1.ModelService/InferStream")(iter([message]), timeout=60):
+                pass
+    else:
+        def call() -> None:
+            channel.unary_unary("/hookwire.v1.ModelService/Infer")(request, timeout=60)
+    _check(call)
+
+
+@WIDE
+@given(count=st.integers(0, 100), pattern=st.sampled_from(["**", "*", "fc*", "encoder.**"]),
+       model=st.sampled_from(["mlp", "tiny-transformer"]))
+def test_many_request_hooks(fuzz_server, count, pattern, model) -> None:
+    spec = hook_pb2.HookSpec(module=pattern, posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]),
+                             prehook=hook_pb2.HookAction(capture=[hook_pb2.PART_ARGS]))
+    x = torch.ones(1, 8) if model == "mlp" else torch.ones(1, 4, dtype=torch.int64)
+    request = model_service_pb2.InferRequest(model=model, args=[_codec.encode_value(x)], hooks=[spec] * count)
+    _check(lambda: fuzz_server["models"].Infer(request, timeout=60))
 
 
 METHODS = [

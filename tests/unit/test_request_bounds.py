@@ -1,0 +1,121 @@
+"""The raw-bytes request scan: bounds checked before a request is parsed."""
+
+from __future__ import annotations
+
+import pytest
+from google.protobuf.descriptor import FieldDescriptor
+
+from hookwire.v1 import hook_service_pb2, model_service_pb2, tensor_pb2
+from hookwire_server.errors import InvalidArgument, ResourceExhausted
+from hookwire_server.request_bounds import (
+    NAME_FIELDS,
+    PATH_FIELDS,
+    UNBOUNDED_FIELDS,
+    RequestBounds,
+    check,
+)
+
+REQUESTS = [m.DESCRIPTOR for s in (model_service_pb2, hook_service_pb2)
+            for name, m in vars(s).items() if name.endswith("Request") and hasattr(m, "DESCRIPTOR")]
+
+
+def _string_fields() -> set[str]:
+    seen, out, todo = set(), set(), list(REQUESTS)
+    while todo:
+        d = todo.pop()
+        if d.full_name in seen:
+            continue
+        seen.add(d.full_name)
+        for f in d.fields:
+            if f.type == FieldDescriptor.TYPE_STRING:
+                out.add(f.full_name)
+            elif f.type == FieldDescriptor.TYPE_MESSAGE:
+                todo.append(f.message_type)
+    return out
+
+
+def test_every_request_string_is_classified() -> None:
+    # A new string field in a request must be given a bound on purpose.
+    assert _string_fields() == NAME_FIELDS | PATH_FIELDS | UNBOUNDED_FIELDS
+
+
+def _list_request(n: int) -> bytes:
+    request = model_service_pb2.InferRequest(model="m")
+    request.args.add().list.items.extend([tensor_pb2.Value()] * n)
+    return request.SerializeToString()
+
+
+def test_values_are_counted_with_early_exit() -> None:
+    bounds = RequestBounds(max_values=100)
+    check(_list_request(99), model_service_pb2.InferRequest.DESCRIPTOR, bounds)  # 99 items + the argument
+    with pytest.raises(ResourceExhausted, match=r"more than 100 Values .*args.list.items.*\(max_request_values\)"):
+        check(_list_request(100), model_service_pb2.InferRequest.DESCRIPTOR, bounds)
+    # Map entries count too (an entry and its Value: two).
+    request = model_service_pb2.InferRequest(model="m")
+    for i in range(51):
+        request.kwargs[f"k{i}"].SetInParent()
+    with pytest.raises(ResourceExhausted, match="max_request_values"):
+        check(request.SerializeToString(), model_service_pb2.InferRequest.DESCRIPTOR, bounds)
+
+
+def test_fields_bound_repeated_singular_and_packed_fields() -> None:
+    bounds = RequestBounds(max_fields=1000)
+    repeated_int = b"\x0a\x01m\x12" + bytes([0x80 | (4000 & 0x7F), 4000 >> 7]) + b"\x28\x00" * 2000
+    with pytest.raises(ResourceExhausted, match=r"\(max_request_fields\)"):
+        check(repeated_int, model_service_pb2.InferRequest.DESCRIPTOR, bounds)
+    tensor = tensor_pb2.Value(tensor=tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1] * 2000))
+    with pytest.raises(ResourceExhausted, match=r"args.tensor.shape.*\(max_request_fields\)"):
+        check(model_service_pb2.InferRequest(args=[tensor]).SerializeToString(),
+              model_service_pb2.InferRequest.DESCRIPTOR, bounds)
+
+
+def test_strings_are_bounded_by_kind() -> None:
+    bounds = RequestBounds(max_name_length=8, max_path_length=16)
+    ok = model_service_pb2.InferRequest(model="12345678")
+    ok.args.add().string_value = "data is not bounded" * 100
+    check(ok.SerializeToString(), model_service_pb2.InferRequest.DESCRIPTOR, bounds)
+    with pytest.raises(InvalidArgument, match=r"^model: 9 bytes, over the limit of 8 \(max_name_length\)$"):
+        check(model_service_pb2.InferRequest(model="123456789").SerializeToString(),
+              model_service_pb2.InferRequest.DESCRIPTOR, bounds)
+    long_select = model_service_pb2.InferRequest()
+    long_select.hooks.add().posthook.select = "[" + "1" * 20 + "]"
+    with pytest.raises(InvalidArgument, match=r"^hooks.posthook.select: 22 bytes, over the limit of 16 \(max_path_length\)$"):
+        check(long_select.SerializeToString(), model_service_pb2.InferRequest.DESCRIPTOR, bounds)
+
+
+def test_request_hooks_and_rules_are_capped() -> None:
+    request = model_service_pb2.InferRequest(model="m")
+    request.hooks.add().posthook.rules.add().zero.SetInParent()
+    request.hooks[0].posthook.rules.add().zero.SetInParent()
+    bounds = RequestBounds(max_request_hooks=1, max_rules_per_action=1)
+    with pytest.raises(InvalidArgument, match=r"hooks.posthook.rules: 2 or more rules, over the limit of 1"):
+        check(request.SerializeToString(), model_service_pb2.InferRequest.DESCRIPTOR, bounds)
+    request.hooks.add()
+    del request.hooks[0].posthook.rules[1]
+    with pytest.raises(ResourceExhausted, match=r"hooks: 2 or more hooks, over the limit of 1 \(max_request_hooks\)"):
+        check(request.SerializeToString(), model_service_pb2.InferRequest.DESCRIPTOR, bounds)
+
+
+@pytest.mark.parametrize("data", [b"\x0b", b"\x12\x05ab", b"\x0a", b"\x08\xff\xff", b"\x0d\x00"])
+def test_malformed_bytes(data: bytes) -> None:
+    with pytest.raises(InvalidArgument, match="not a valid hookwire.v1.InferRequest message"):
+        check(data, model_service_pb2.InferRequest.DESCRIPTOR, RequestBounds())
+
+
+def test_nesting_past_protobufs_limit_is_malformed() -> None:
+    deep = b"\x12\x00"
+    for _ in range(60):  # Value.list -> ValueList.items -> ...: two messages per level
+        inner = b"\x0a" + _len(deep) + deep
+        deep = b"\x12" + _len(inner) + inner
+    data = b"\x12" + _len(deep) + deep
+    with pytest.raises(InvalidArgument, match="nest deeper than 100"):
+        check(data, model_service_pb2.InferRequest.DESCRIPTOR, RequestBounds())
+
+
+def _len(b: bytes) -> bytes:
+    n, out = len(b), bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
