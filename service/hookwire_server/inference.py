@@ -44,9 +44,13 @@ log = logging.getLogger("hookwire.infer")
 class Pass:
     """The state of one running pass, read by the hooks that fire in it."""
 
-    def __init__(self, request_id: str, session_id: str, tags: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, request_id: str, session_id: str, tags: frozenset[str] = frozenset(), *, principal: str = "",
+    ) -> None:
         self.request_id = request_id
         self.session_id = session_id
+        #: The name of the principal that made the call (BLOCK streams hold their owner's calls).
+        self.principal = principal
         self.tags = tags
         self.response = model_service_pb2.InferResponse(request_id=request_id)
         #: Collects large tensors of the response when it is streamed (InferStream).
@@ -203,7 +207,7 @@ class Inference:
                     raise InvalidArgument(str(exc)) from None
         request_id = new_id("req")
         records = self._hooks.request_hooks(host, request.hooks, request_id, session, principal)
-        p = Pass(request_id, request.session_id, frozenset(request.tags))
+        p = Pass(request_id, request.session_id, frozenset(request.tags), principal=principal.name)
         p.chunker = chunker
         p.response.hook_ids.extend(r.hook_id for r in records)
         seed = request.seed if request.HasField("seed") else None
