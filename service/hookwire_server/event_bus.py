@@ -34,9 +34,11 @@ from hookwire._codec import Chunker
 from hookwire.v1 import hook_service_pb2
 
 from .errors import InvalidArgument
+from .limits import DEFAULT_STREAM_BYTES
 
 DEFAULT_MAX_EVENTS = 1024
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+#: Sized with the per-principal stream limit and byte budget (see limits.py).
+DEFAULT_MAX_BYTES = DEFAULT_STREAM_BYTES
 LIMIT_MAX_EVENTS = 1 << 20
 LIMIT_MAX_BYTES = 4 * 1024 * 1024 * 1024
 #: gRPC's default receive limit, which many clients keep.

@@ -252,3 +252,52 @@ async def test_list_hooks_returns_the_operands_as_registered_when_asked(client) 
     d = (direction / torch.linalg.vector_norm(direction)).to(torch.float32)
     expected = expected - (expected @ d).unsqueeze(-1) * d
     assert torch.equal(await client.model("scale")(x), expected)
+
+
+# ------------------------------------------------------------------ default budgets
+
+
+def test_default_stream_budgets_are_consistent() -> None:
+    from hookwire_server.event_bus import DEFAULT_MAX_BYTES
+    from hookwire_server.limits import Limits
+
+    limits = Limits()
+    assert limits.max_streams_per_principal * DEFAULT_MAX_BYTES <= limits.max_buffered_bytes_per_principal
+    assert limits.max_buffered_bytes_per_principal < limits.max_buffered_bytes
+
+
+@pytest.fixture
+def defaults() -> Iterator[ServerThread]:
+    srv = ServerThread(build_test_registry(), ServerSettings(port=0)).start()
+    yield srv
+    srv.stop()
+
+
+async def test_the_stream_limit_applies_with_default_buffers(defaults) -> None:
+    """One principal opens max_streams_per_principal streams with default DeliveryOptions; the
+    next one is refused naming the stream limit (on main the byte budget refused the 65th)."""
+    limit = ServerSettings().max_streams_per_principal
+    channels = [grpc.aio.insecure_channel(defaults.target) for _ in range(4)]
+    calls = []
+    try:
+        stubs = [hook_service_pb2_grpc.HookServiceStub(c) for c in channels]
+        session = stubs[0].OpenSession(hook_service_pb2.OpenSessionRequest())
+        calls.append(session)
+        session_id = (await session.read()).opened.session_id
+        hook = await stubs[0].RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="scale", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))))
+        for i in range(limit - 1):
+            call = stubs[i % len(stubs)].Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=[hook.hook_id]))
+            calls.append(call)
+            assert (await call.read()).WhichOneof("kind") == "subscribed", f"stream {i + 2} was refused"
+        extra = stubs[0].Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=[hook.hook_id]))
+        calls.append(extra)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await extra.read()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_streams_per_principal" in err.value.details()
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            await channel.close()
