@@ -265,8 +265,9 @@ class EventStream:
                     hook_service_pb2.NOTICE_KIND_DROPS_ENDED,
                     f"delivering again; {self.dropped} events dropped on this stream so far", self.dropped), 0))
             msg.event.seq = seq
-            # Every event dropped so far was numbered before this one; evictions in
-            # front of it while it waits are added as it leaves (see _take).
+            # Every event dropped so far was numbered before this one. The evictions
+            # still carried by queued items reach this one as they leave (_popleft),
+            # like those in front of it while it waits: count them only there.
             self._append(_Item(
                 msg, nbytes, counters, chunker, wire, droppable=not block,
                 dropped_before=self.dropped - self._carry_total,
