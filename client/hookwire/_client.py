@@ -227,11 +227,19 @@ class Client:
         session = await self.session()
         return await session.register(spec, model=model)
 
-    async def list_hooks(self, *, model: str = "", session_id: str = "") -> list[HookInfo]:
-        """Registered hooks on the server, oldest first, optionally filtered."""
-        reply = await self._unary(
-            self.hook_stub.ListHooks, hook_service_pb2.ListHooksRequest(model=model, session_id=session_id)
+    async def list_hooks(
+        self, *, model: str = "", session_id: str = "", include_operand_data: bool = False,
+    ) -> list[HookInfo]:
+        """Registered hooks on the server, oldest first, optionally filtered.
+
+        Rule operand tensors in ``HookInfo.raw.spec`` carry only their dtype and shape,
+        unless ``include_operand_data`` (then the reply holds every operand's bytes,
+        which can be large). Raises the SDK's errors (e.g. UnavailableError).
+        """
+        request = hook_service_pb2.ListHooksRequest(
+            model=model, session_id=session_id, include_operand_data=include_operand_data
         )
+        reply = await self._unary(self.hook_stub.ListHooks, request)
         return [HookInfo.from_proto(h) for h in reply.hooks]
 
     async def deregister_hook(self, hook_id: str) -> bool:

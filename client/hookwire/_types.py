@@ -201,6 +201,8 @@ class HookInfo:
     last_fired: datetime.datetime | None
     #: When a hook without a session expires.
     expires: datetime.datetime | None
+    #: The wire message. Its ``spec``'s rule operand tensors have dtype and shape but no
+    #: data unless listed with ``list_hooks(include_operand_data=True)``.
     raw: hook_pb2.Hook = dataclasses.field(repr=False, compare=False)
 
     @classmethod

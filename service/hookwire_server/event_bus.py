@@ -4,15 +4,21 @@ A hook fires on a model's worker thread and must never await. It hands each
 message to the EventStream of every stream that wants it; the stream's policy
 decides what a full buffer does:
 
-- BLOCK: lossless; the producing forward pass waits for space.
+- BLOCK: lossless for the calls of the stream's owner (the principal that
+  opened it), and for everyone's calls on an operator's stream; the producing
+  forward pass waits for space. Other callers' events drop oldest first, so a
+  stream that stops reading never holds another caller's pass.
 - DROP_OLDEST / DROP_NEWEST: the pass never waits; the oldest buffered event,
   or the new one, is dropped and counted.
 - UNSPECIFIED: BLOCK for the calls of the stream's own session, DROP_OLDEST for
   everyone else's, so no other caller ever waits on this stream.
 
 Events are numbered per hook when they are offered, so a dropped event leaves a
-gap in its hook's ``seq``; every event carries the stream's drop total, and
-DROPS_STARTED / DROPS_ENDED notices bracket each run of drops. The accounting
+gap in its hook's ``seq``. Every event carries ``dropped``: the number of events
+numbered on this stream before it that were dropped, i.e. exactly the seq numbers
+missing in front of it. It is stamped when the event leaves the buffer, since an
+event that waits in a DROP_OLDEST buffer can see older events evicted in front of
+it. DROPS_STARTED / DROPS_ENDED notices bracket each run of drops. The accounting
 is exact: it is all done under the stream's lock.
 """
 
@@ -28,9 +34,11 @@ from hookwire._codec import Chunker
 from hookwire.v1 import hook_service_pb2
 
 from .errors import InvalidArgument
+from .limits import DEFAULT_STREAM_BYTES
 
 DEFAULT_MAX_EVENTS = 1024
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+#: Sized with the per-principal stream limit and byte budget (see limits.py).
+DEFAULT_MAX_BYTES = DEFAULT_STREAM_BYTES
 LIMIT_MAX_EVENTS = 1 << 20
 LIMIT_MAX_BYTES = 4 * 1024 * 1024 * 1024
 #: gRPC's default receive limit, which many clients keep.
@@ -120,6 +128,12 @@ class _Item:
     chunker: Chunker | None = None
     wire: int = 0  # serialized size of the message itself (chunks excluded)
     droppable: bool = False  # queued without waiting: a drop policy may evict it
+    #: Events numbered before this one that were dropped before it was queued.
+    dropped_before: int = 0
+    #: Evictions to add to this item's ``dropped_before`` and to every item behind it
+    #: (a lazy suffix sum, moved forward as items leave: an eviction counts for the
+    #: items queued behind the evicted one, not for those ahead of it).
+    carry: int = 0
 
 
 def _notice(kind: hook_service_pb2.NoticeKind, message: str, dropped: int) -> hook_service_pb2.SessionMessage:
@@ -133,12 +147,14 @@ class EventStream:
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, limits: DeliveryLimits, *, owner_session_id: str = "",
-        on_sent: Callable[[int, int], None] | None = None, blocks_others: bool = True,
+        owner: str = "", on_sent: Callable[[int, int], None] | None = None, blocks_others: bool = True,
     ) -> None:
         self._loop = loop
-        #: Whether BLOCK may also hold other sessions' passes (operators only: an observer
+        #: Whether BLOCK may also hold other principals' passes (operators only: an observer
         #: that stops reading must not stall other callers).
         self.blocks_others = blocks_others
+        #: The name of the principal that opened the stream: BLOCK holds its calls ("" for none).
+        self.owner = owner
         self.limits = limits
         #: Called with (events, tensor bytes) as messages are handed to gRPC.
         self._on_sent = on_sent
@@ -158,45 +174,68 @@ class EventStream:
         #: Why the server closed the stream ("" when the client went away or it ended normally).
         self.close_reason = ""
         self._ready = asyncio.Event()
+        #: Producers waiting for space now (BLOCK).
+        self._waiting = 0
+        #: Sum of the items' ``carry``: evictions that every item queued now will still
+        #: be stamped with as it leaves (a new item already counts them in ``dropped``).
+        self._carry_total = 0
+
+    @property
+    def waiting_producers(self) -> int:
+        """Forward passes waiting for space in this buffer now (BLOCK)."""
+        with self._lock:
+            return self._waiting
 
     @property
     def closed(self) -> bool:
         """True once close() was called."""
         return self._closed
 
-    def blocks_for(self, session_id: str) -> bool:
-        """Whether an event of a call of ``session_id`` waits for space (else it may drop)."""
+    def blocks_for(self, session_id: str, principal: str = "") -> bool:
+        """Whether an event of a call made in ``session_id`` by the principal named
+        ``principal`` waits for space (else it may drop).
+
+        UNSPECIFIED blocks for the stream's own session only. BLOCK blocks for its
+        owner's calls (its own session's calls are its owner's) and, on an operator's
+        stream, for everyone's.
+        """
         policy = self.limits.policy
-        own = bool(session_id) and session_id == self.owner_session_id
+        own_session = bool(session_id) and session_id == self.owner_session_id
         if policy == AUTO:
-            return own
-        return policy == BLOCK and (own or self.blocks_others)
+            return own_session
+        own_calls = own_session or (bool(principal) and principal == self.owner)
+        return policy == BLOCK and (own_calls or self.blocks_others)
 
     def put_event(
         self, msg: hook_service_pb2.SessionMessage, hook_id: str, nbytes: int, *,
-        session_id: str = "", counters: HookCounters | None = None, chunker: Chunker | None = None,
-        wire: int | None = None, cancelled: Callable[[], bool] | None = None,
+        session_id: str = "", principal: str = "", counters: HookCounters | None = None,
+        chunker: Chunker | None = None, wire: int | None = None, cancelled: Callable[[], bool] | None = None,
     ) -> bool:
         """Offers an event, numbering it for its hook; True if it was queued.
 
-        Called from a model's worker thread, never the event loop: under BLOCK it
-        waits while the buffer is full (until ``cancelled()`` turns true, e.g. the
-        hook was removed). Under a drop policy it never waits. ``wire`` is the
-        message's serialized size; an event that cannot fit this stream's
-        max_message_bytes is dropped, with a notice.
+        Called from a model's worker thread, never the event loop: when the stream
+        blocks for the call (``session_id``, made by ``principal``; see blocks_for)
+        it waits while the buffer is full (until ``cancelled()`` turns true, e.g. the
+        hook was removed). Otherwise it never waits. ``wire`` is the message's
+        serialized size; an event that cannot fit this stream's max_message_bytes is
+        dropped, with a notice. The event's ``dropped`` is set when it leaves the buffer.
         """
-        block = self.blocks_for(session_id)
+        block = self.blocks_for(session_id, principal)
         if wire is None:
             wire = msg.ByteSize()
         with self._lock:
             if self._closed or self._ending:
                 return False
             if block:
-                while (
-                    not self._closed and not self._ending and self._is_full(nbytes)
-                    and not (cancelled is not None and cancelled())
-                ):
-                    self._not_full.wait()
+                self._waiting += 1
+                try:
+                    while (
+                        not self._closed and not self._ending and self._is_full(nbytes)
+                        and not (cancelled is not None and cancelled())
+                    ):
+                        self._not_full.wait()
+                finally:
+                    self._waiting -= 1
                 if self._closed or self._ending or (cancelled is not None and cancelled()):
                     return False
             # Numbered once it has a place (or is dropped), under the lock: seq
@@ -226,8 +265,13 @@ class EventStream:
                     hook_service_pb2.NOTICE_KIND_DROPS_ENDED,
                     f"delivering again; {self.dropped} events dropped on this stream so far", self.dropped), 0))
             msg.event.seq = seq
-            msg.event.dropped = self.dropped
-            self._append(_Item(msg, nbytes, counters, chunker, wire, droppable=not block))
+            # Every event dropped so far was numbered before this one. The evictions
+            # still carried by queued items reach this one as they leave (_popleft),
+            # like those in front of it while it waits: count them only there.
+            self._append(_Item(
+                msg, nbytes, counters, chunker, wire, droppable=not block,
+                dropped_before=self.dropped - self._carry_total,
+            ))
             self._events += 1
         if counters is not None:
             counters.add(sent=1)
@@ -248,6 +292,13 @@ class EventStream:
     def _evict_oldest_droppable(self) -> bool:
         for i, item in enumerate(self._items):
             if item.droppable:
+                # The items behind it were numbered after it: each now has one more
+                # missing seq in front of it. Items ahead of it do not.
+                if i + 1 < len(self._items):
+                    self._items[i + 1].carry += item.carry + 1
+                    self._carry_total += 1
+                else:
+                    self._carry_total -= item.carry
                 del self._items[i]
                 self._events -= 1
                 self._bytes -= item.nbytes
@@ -295,14 +346,14 @@ class EventStream:
                 if self._closed:
                     return []
                 if self._items:
-                    out = [self._items.popleft()]
+                    out = [self._popleft()]
                     budget = max_wire - out[0].wire
                     while (
                         self._items and len(out) < max_items and out[-1].chunker is None
                         and self._items[0].chunker is None and self._items[0].wire <= budget
                     ):
                         budget -= self._items[0].wire
-                        out.append(self._items.popleft())
+                        out.append(self._popleft())
                     for item in out:
                         self._bytes -= item.nbytes
                         if item.msg.WhichOneof("kind") == "event":
@@ -313,6 +364,24 @@ class EventStream:
                     return []
                 self._ready.clear()
             await self._ready.wait()
+
+    def _popleft(self) -> _Item:
+        """The front item, its event stamped with its final ``dropped`` (under the lock).
+
+        Setting one varint field of the message object re-encodes nothing: the message
+        is serialized once, by gRPC, after this.
+        """
+        item = self._items.popleft()
+        if item.carry:
+            if self._items:
+                self._items[0].carry += item.carry
+            else:
+                self._carry_total -= item.carry
+            item.dropped_before += item.carry
+            item.carry = 0
+        if item.msg.WhichOneof("kind") == "event":
+            item.msg.event.dropped = item.dropped_before
+        return item
 
     async def get(self) -> hook_service_pb2.SessionMessage | None:
         """The next message, waiting for one; None once closed (queued messages are
@@ -368,6 +437,7 @@ class EventStream:
             self._closed = True
             self.close_reason = reason
             self._items.clear()
+            self._carry_total = 0
             self._events = 0
             self._bytes = 0
             self._not_full.notify_all()

@@ -35,7 +35,7 @@ from .errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhaust
 from .event_bus import DeliveryLimits, EventStream, HookCounters
 from .metrics import Metrics
 from .model_registry import ModelHost, ModelRegistry
-from .rules import CompiledRule, RuleFailure, apply_rules, compile_rules
+from .rules import CompiledRule, RuleFailure, apply_rules, compile_rules, operand_tensors
 from .limits import Limits
 from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
 
@@ -229,7 +229,8 @@ class HookRecord:
         #: Who registered it: only they (or an operator) see, subscribe to and remove it.
         self.owner = owner
         self.host = host
-        self.spec = spec
+        #: The spec without its operands' bytes: ``compiled`` holds the one (decoded) copy.
+        self.spec = _without_operand_data(spec)
         self.compiled = compiled
         self.session_id = session_id
         self.request_id = request_id
@@ -396,7 +397,7 @@ class HookRecord:
         kept = chunker if chunker.tensors else None
         for stream, m in zip(streams, copies):
             stream.put_event(
-                m, self.hook_id, nbytes, session_id=p.session_id, counters=self.counters, chunker=kept,
+                m, self.hook_id, nbytes, session_id=p.session_id, principal=p.principal, counters=self.counters, chunker=kept,
                 wire=wire, cancelled=self._is_removed,
             )
 
@@ -445,8 +446,9 @@ class HookRecord:
             ) from None
         return nbytes
 
-    def to_proto(self) -> hook_pb2.Hook:
-        """The wire description of this hook."""
+    def to_proto(self, *, include_operand_data: bool = False) -> hook_pb2.Hook:
+        """The wire description of this hook; rule operand tensors carry their data only
+        with ``include_operand_data`` (encoded from the compiled rules: the bytes registered)."""
         msg = hook_pb2.Hook(
             hook_id=self.hook_id, spec=self.spec, modules=list(self.compiled.modules), session_id=self.session_id,
             disabled=bool(self.disabled_reason), disabled_reason=self.disabled_reason,
@@ -457,7 +459,33 @@ class HookRecord:
             msg.last_fired.FromNanoseconds(self.last_fired_ns)
         if self.expires_ns:
             msg.expires.FromNanoseconds(self.expires_ns)
+        if include_operand_data:
+            fields = {info.phase: info.field for info in PHASES}
+            for action in self.compiled.actions:
+                rules = {rule.position: rule for rule in action.rules}
+                for position, tensor_msg in operand_tensors(getattr(msg.spec, fields[action.phase]).rules):
+                    operand = rules[position].tensor
+                    if operand is not None:
+                        tensor_msg.Clear()  # dtype and shape are set again, with the data
+                        _codec.encode_tensor_into(operand, tensor_msg)
         return msg
+
+
+def _without_operand_data(spec: hook_pb2.HookSpec) -> hook_pb2.HookSpec:
+    """A copy of ``spec`` whose rule operand tensors keep their dtype and shape, not their data.
+
+    Clears the data in ``spec`` itself first (the request's message; nobody reads the
+    bytes after compile_spec decoded them), so that the copy never holds them: kept
+    beside the compiled rules' tensors, they would hold every operand twice (and a
+    stored sub-message keeps its whole request alive).
+    """
+    for info in PHASES:
+        if spec.HasField(info.field):  # type: ignore[arg-type]
+            for _, tensor_msg in operand_tensors(getattr(spec, info.field).rules):
+                tensor_msg.data = b""
+    out = hook_pb2.HookSpec()
+    out.CopyFrom(spec)
+    return out
 
 
 def _install(module: Any, action: Action, fn: Callable[..., None]) -> RemovableHandle:
@@ -579,8 +607,8 @@ class HookManager:
                      f"{principal.name!r} has {sessions} open sessions", "max_sessions_per_principal")
         self._admit_stream(principal, delivery)
         session_id = new_id("ses")
-        stream = EventStream(asyncio.get_running_loop(), delivery, owner_session_id=session_id, on_sent=self._count_sent,
-                             blocks_others=principal.is_operator)
+        stream = EventStream(asyncio.get_running_loop(), delivery, owner_session_id=session_id, owner=principal.name,
+                             on_sent=self._count_sent, blocks_others=principal.is_operator)
         session = Session(session_id, stream, self.limits.max_slot_bytes, principal)
         self._sessions[session.session_id] = session
         log.info("session opened", extra={"session_id": session_id, "principal": principal.name})
@@ -743,7 +771,8 @@ class HookManager:
 
     def list_hooks(self, *, model: str = "", session_id: str = "", principal: Principal = ANONYMOUS) -> list[HookRecord]:
         """Registered hooks, oldest first, filtered by model and owner session: the
-        principal's own, or everyone's for operators."""
+        principal's own, or everyone's for operators. Describe them with
+        HookRecord.to_proto (operand data only on request)."""
         return [
             r for r in self._hooks.values()
             if (not model or r.host.name == model) and (not session_id or r.session_id == session_id)
@@ -794,8 +823,10 @@ class HookManager:
             raise InvalidArgument("hook_ids: name at least one hook")
         records = [self.get(hook_id, principal) for hook_id in ids]
         self._admit_stream(principal, delivery)
-        sub = Subscription(EventStream(asyncio.get_running_loop(), delivery, on_sent=self._count_sent,
-                                       blocks_others=principal.is_operator), ids, principal)
+        # BLOCK on a subscription holds its owner's own calls (and, for an operator,
+        # everyone's): it has no session, so ownership, not a session, decides.
+        sub = Subscription(EventStream(asyncio.get_running_loop(), delivery, owner=principal.name,
+                                       on_sent=self._count_sent, blocks_others=principal.is_operator), ids, principal)
         self._subscriptions.add(sub)
         for record in records:
             record.streams = record.streams + (sub.stream,)

@@ -45,10 +45,13 @@ class Pass:
     """The state of one running pass, read by the hooks that fire in it."""
 
     def __init__(
-        self, request_id: str, session_id: str, tags: frozenset[str] = frozenset(), *, max_events: int | None = None,
+        self, request_id: str, session_id: str, tags: frozenset[str] = frozenset(), *, principal: str = "",
+        max_events: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.session_id = session_id
+        #: The name of the principal that made the call (BLOCK streams hold their owner's calls).
+        self.principal = principal
         self.tags = tags
         #: Most events the request-scoped hooks may add to the response (max_events_per_call).
         self.max_events = max_events
@@ -239,7 +242,10 @@ class Inference:
             records = await asyncio.to_thread(
                 self._hooks.request_hooks, host, request.hooks, request_id, session, principal
             )
-        p = Pass(request_id, request.session_id, frozenset(request.tags), max_events=self.limits.max_events_per_call)
+        p = Pass(
+            request_id, request.session_id, frozenset(request.tags), principal=principal.name,
+            max_events=self.limits.max_events_per_call,
+        )
         p.chunker = chunker
         p.response.hook_ids.extend(r.hook_id for r in records)
         seed = request.seed if request.HasField("seed") else None

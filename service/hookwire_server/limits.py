@@ -7,6 +7,16 @@ import dataclasses
 
 from .errors import ResourceExhausted
 
+# Delivery defaults, sized together: a principal can open max_streams_per_principal
+# streams with the default buffer before its byte budget runs out (so the stream limit,
+# not the budget, is what a default client meets), and the server's budget holds two
+# such principals. Raising max_streams_per_principal alone makes the byte budget the
+# binding limit again: raise max_buffered_bytes_per_principal with it.
+
+#: The buffer of one stream whose DeliveryOptions.max_bytes is 0.
+DEFAULT_STREAM_BYTES = 32 * 1024 * 1024
+_DEFAULT_STREAMS_PER_PRINCIPAL = 128
+
 
 @dataclasses.dataclass
 class Limits:
@@ -25,11 +35,13 @@ class Limits:
     #: Open sessions per principal.
     max_sessions_per_principal: int = 64
     #: Open event streams (sessions and subscriptions) per principal.
-    max_streams_per_principal: int = 128
-    #: Sum of the byte budgets (DeliveryOptions.max_bytes) of all open streams.
-    max_buffered_bytes: int = 8 * 1024 * 1024 * 1024
-    #: The same for the streams of one principal (so one caller cannot take them all).
-    max_buffered_bytes_per_principal: int = 4 * 1024 * 1024 * 1024
+    max_streams_per_principal: int = _DEFAULT_STREAMS_PER_PRINCIPAL
+    #: Sum of the byte budgets (DeliveryOptions.max_bytes) of all open streams: 8 GiB,
+    #: two principals' budgets.
+    max_buffered_bytes: int = 2 * _DEFAULT_STREAMS_PER_PRINCIPAL * DEFAULT_STREAM_BYTES
+    #: The same for the streams of one principal (so one caller cannot take them all): 4 GiB,
+    #: max_streams_per_principal streams of the default size.
+    max_buffered_bytes_per_principal: int = _DEFAULT_STREAMS_PER_PRINCIPAL * DEFAULT_STREAM_BYTES
     #: Tensor elements in one Infer request (all inputs together).
     max_infer_elements: int = 1 << 31
     #: Infer calls waiting for one model's thread, beyond the running one.

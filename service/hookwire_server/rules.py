@@ -128,7 +128,12 @@ def _replace(value: Any, path: tuple[str, ...], fn: Callable[[Any], Any], where:
 
 @dataclasses.dataclass
 class CompiledRule:
-    """One validated rule with its operands decoded (on the model's device)."""
+    """One validated rule with its operands decoded (on the model's device).
+
+    ``tensor`` is the operand exactly as registered, and the server's only copy of
+    it: the stored HookSpec keeps the operand's dtype and shape, not its bytes
+    (see strip_operand_data); a listing that asks for the data encodes ``tensor``.
+    """
 
     position: int
     kind: str
@@ -143,6 +148,8 @@ class CompiledRule:
     std: float = 0.0
     seed: int = 0
     slot: str = ""
+    #: project_out: ``tensor`` is the direction as registered; it is normalized as it is cast.
+    normalize: bool = False
     _cast: dict[tuple[torch.dtype, torch.device], torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
@@ -161,7 +168,11 @@ class CompiledRule:
         cast = self._cast.get(key)
         if cast is None:
             # Decoded once at registration; cast once per target dtype (worker thread only).
-            cast = self._cast[key] = self.tensor.to(dtype=x.dtype, device=x.device)
+            # For the operand's own dtype and device ``to`` returns ``tensor`` itself: no copy.
+            base = self.tensor
+            if self.normalize:  # d = dir / |dir|, in the direction's dtype (a 1-D vector)
+                base = base / torch.linalg.vector_norm(base)
+            cast = self._cast[key] = base.to(dtype=x.dtype, device=x.device)
         return cast
 
     def _op(self, x: torch.Tensor, slots: SlotStore | None) -> torch.Tensor:
@@ -270,13 +281,27 @@ def compile_rules(
             norm = torch.linalg.vector_norm(direction)
             if not bool(torch.isfinite(norm)) or float(norm) == 0.0:
                 raise InvalidArgument(f"{where}.project_out.direction: must be finite and not all zeros")
-            out.tensor = direction / norm
+            out.tensor, out.normalize = direction, True
         elif kind in ("patch", "save"):
             if not op.slot:
                 raise InvalidArgument(f"{where}.{kind}.slot: name a slot")
             out.slot = op.slot
         compiled.append(out)
     return tuple(compiled)
+
+
+def operand_tensors(rules: Any) -> list[tuple[int, Any]]:
+    """(rule position, Tensor message) of each tensor operand in a HookAction's ``rules``."""
+    out = []
+    for i, rule in enumerate(rules):
+        kind = rule.WhichOneof("op")
+        if kind in ("add", "set"):
+            op = getattr(rule, kind)
+            if op.HasField("value") and op.value.WhichOneof("kind") == "tensor":
+                out.append((i, op.value.tensor))
+        elif kind == "project_out" and rule.project_out.HasField("direction"):
+            out.append((i, rule.project_out.direction))
+    return out
 
 
 def _finite(value: float, where: str) -> float:

@@ -114,7 +114,9 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
         records = self._hooks.list_hooks(
             model=request.model, session_id=request.session_id, principal=principal_of(context, self._tokens)
         )
-        return hook_service_pb2.ListHooksResponse(hooks=[r.to_proto() for r in records])
+        return hook_service_pb2.ListHooksResponse(
+            hooks=[r.to_proto(include_operand_data=request.include_operand_data) for r in records]
+        )
 
     @unary
     async def GetSlot(self, request: hook_service_pb2.GetSlotRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.Slot:

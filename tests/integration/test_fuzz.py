@@ -291,12 +291,14 @@ def test_register_and_deregister(fuzz_server, spec, use_session, junk) -> None:
 @given(name=st.one_of(st.text(max_size=12), long_strings),
        hook_ids=st.lists(st.one_of(st.text(max_size=12), long_strings), max_size=3), model=model_names,
        slot=st.one_of(st.text(max_size=6), long_strings), policy=st.integers(-1, 6), max_events=st.integers(0, 2**32 - 1),
-       max_bytes=st.integers(0, 2**64 - 1), max_message=st.integers(0, 2**32 - 1))
-def test_other_rpcs(fuzz_server, name, hook_ids, model, slot, policy, max_events, max_bytes, max_message) -> None:
+       max_bytes=st.integers(0, 2**64 - 1), max_message=st.integers(0, 2**32 - 1), operand_data=st.booleans())
+def test_other_rpcs(fuzz_server, name, hook_ids, model, slot, policy, max_events, max_bytes, max_message,
+                    operand_data) -> None:
     models, hooks = fuzz_server["models"], fuzz_server["hooks"]
     _check(lambda: models.GetModel(model_service_pb2.GetModelRequest(name=name), timeout=10))
     _check(lambda: models.ListModels(model_service_pb2.ListModelsRequest(), timeout=10))
-    _check(lambda: hooks.ListHooks(hook_service_pb2.ListHooksRequest(model=model, session_id=name), timeout=10))
+    _check(lambda: hooks.ListHooks(hook_service_pb2.ListHooksRequest(
+        model=model, session_id=name, include_operand_data=operand_data), timeout=10))
     for hook_id in hook_ids:
         _check(lambda: hooks.DeregisterHook(hook_service_pb2.DeregisterHookRequest(hook_id=hook_id), timeout=10))
     for session_id in (name, fuzz_server["session_id"]):

@@ -178,7 +178,7 @@ async def test_tls_and_mtls_with_certificate_principals(tmp_path) -> None:
 
 @pytest.fixture
 def budgeted() -> Iterator[ServerThread]:
-    settings = ServerSettings(port=0, tokens=LINES, max_buffered_bytes_per_principal=100 * 1024 * 1024)
+    settings = ServerSettings(port=0, tokens=LINES, max_buffered_bytes_per_principal=50 * 1024 * 1024)
     srv = ServerThread(build_test_registry(), settings).start()
     yield srv
     srv.stop()
@@ -186,7 +186,7 @@ def budgeted() -> Iterator[ServerThread]:
 
 async def test_one_principal_cannot_take_every_stream_buffer(budgeted) -> None:
     async with _connect(budgeted, "alice") as a1, _connect(budgeted, "alice") as a2, _connect(budgeted, "bob") as bob:
-        await a1.session()  # 64 MiB buffer
+        await a1.session()  # 32 MiB buffer
         with pytest.raises(hookwire.ResourceExhaustedError, match="max_buffered_bytes_per_principal"):
             await a2.session()
         await bob.session()  # others are not affected

@@ -527,7 +527,8 @@ async def test_drop_oldest_keeps_the_newest_and_counts_per_hook() -> None:
     kinds = [m.WhichOneof("kind") for m in msgs]
     assert kinds == ["notice", "event", "event"]  # one DROPS_STARTED for the whole run of drops
     assert [m.event.request_id for m in msgs[1:]] == ["r4", "r5"]
-    assert [m.event.dropped for m in msgs[1:]] == [3, 4]
+    # r0..r3 were all dropped, and all were numbered before r4 and r5.
+    assert [m.event.dropped for m in msgs[1:]] == [4, 4]
     assert stream.put_event(event("a", "calm"), "a", 1, counters=a)  # room again: the run ends
     ended, calm = await get(stream), await get(stream)
     assert ended.notice.kind == hook_service_pb2.NOTICE_KIND_DROPS_ENDED and calm.event.request_id == "calm"
@@ -600,3 +601,70 @@ async def test_a_blocked_producer_gives_up_when_cancelled() -> None:
     stream.wake_producers()
     await join(t)
     assert results == [False]
+
+
+@pytest.mark.parametrize("policy", ["auto", "block_for_owner", "drop_oldest", "drop_newest"])
+async def test_dropped_is_the_number_of_missing_seqs_before_every_delivered_event(policy: str) -> None:
+    """Random mixes of puts (own and others' calls, three hooks) and reads: every event read
+    says exactly how many events numbered before it on this stream were dropped, including
+    evictions in front of it while it waited and none of the drops behind it."""
+    import random
+
+    limits = {
+        "auto": DeliveryLimits(max_events=4),
+        "block_for_owner": DeliveryLimits(policy=event_bus.BLOCK, max_events=4),
+        "drop_oldest": DeliveryLimits(policy=event_bus.DROP_OLDEST, max_events=4),
+        "drop_newest": DeliveryLimits(policy=event_bus.DROP_NEWEST, max_events=4),
+    }[policy]
+    for seed in range(20):
+        rng = random.Random(seed)
+        stream = EventStream(asyncio.get_running_loop(), limits, owner_session_id="ses_me", owner="alice",
+                             blocks_others=False)
+        numbered: list[str] = []  # every event given a seq, in numbering order
+        received: list[hook_service_pb2.InterceptEvent] = []
+        for i in range(300):
+            if rng.random() < 0.35 and stream.occupancy()[0]:
+                msg = await get(stream)
+                if msg.WhichOneof("kind") == "event":
+                    received.append(msg.event)
+                continue
+            own = rng.random() < 0.4
+            if own and stream.blocks_for("ses_me", "alice") and stream.occupancy()[0] >= limits.max_events:
+                continue  # it would wait for space (single-threaded test)
+            name, hook = f"e{i}", rng.choice("abc")
+            stream.put_event(event(hook, name), hook, 1,
+                             session_id="ses_me" if own else "ses_other", principal="alice" if own else "bob")
+            numbered.append(name)
+        stream.end()
+        while (msg := await get(stream)) is not None:
+            if msg.WhichOneof("kind") == "event":
+                received.append(msg.event)
+        delivered = {e.request_id for e in received}
+        assert len(delivered) < len(numbered), "nothing was dropped: the case proves nothing"
+        for e in received:
+            before = numbered[:numbered.index(e.request_id)]
+            assert e.dropped == sum(1 for name in before if name not in delivered), (seed, e.request_id)
+        assert received[-1].dropped <= stream.dropped
+
+
+async def test_block_holds_its_owners_calls_and_only_an_operators_stream_holds_everyones() -> None:
+    loop = asyncio.get_running_loop()
+    block = DeliveryLimits(policy=event_bus.BLOCK, max_events=1)
+    users = EventStream(loop, block, owner="alice", blocks_others=False)  # a user's subscription: no session
+    assert users.blocks_for("", "alice") and users.blocks_for("ses_any", "alice")
+    assert not users.blocks_for("", "bob") and not users.blocks_for("ses_any", "")
+    operators = EventStream(loop, block, owner="root", blocks_others=True)
+    assert operators.blocks_for("", "bob") and operators.blocks_for("", "")
+    session = EventStream(loop, block, owner_session_id="ses_me", owner="alice", blocks_others=False)
+    assert session.blocks_for("ses_me") and session.blocks_for("", "alice") and not session.blocks_for("ses_b", "bob")
+    auto = EventStream(loop, DeliveryLimits(max_events=1), owner="alice", blocks_others=True)
+    assert not auto.blocks_for("", "alice")  # UNSPECIFIED blocks for the stream's own session only
+    # alice's own call waits on her own full BLOCK subscription instead of dropping.
+    assert users.put_event(event("h"), "h", 1, principal="alice")
+    waiter = threading.Thread(target=lambda: users.put_event(event("h"), "h", 1, principal="alice"), daemon=True)
+    waiter.start()
+    await wait_until(lambda: users.waiting_producers == 1)
+    assert users.dropped == 0
+    assert (await get(users)).event.seq == 1
+    await join(waiter)
+    assert users.waiting_producers == 0 and (await get(users)).event.seq == 2 and users.dropped == 0

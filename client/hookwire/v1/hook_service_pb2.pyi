@@ -158,12 +158,14 @@ class DeregisterHookResponse(_message.Message):
     def __init__(self, removed: _Optional[bool] = ...) -> None: ...
 
 class ListHooksRequest(_message.Message):
-    __slots__ = ("model", "session_id")
+    __slots__ = ("model", "session_id", "include_operand_data")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_OPERAND_DATA_FIELD_NUMBER: _ClassVar[int]
     model: str
     session_id: str
-    def __init__(self, model: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    include_operand_data: bool
+    def __init__(self, model: _Optional[str] = ..., session_id: _Optional[str] = ..., include_operand_data: _Optional[bool] = ...) -> None: ...
 
 class ListHooksResponse(_message.Message):
     __slots__ = ("hooks",)

@@ -1,0 +1,303 @@
+"""Delivery promises held exactly: BLOCK by ownership, `dropped` per received event,
+one copy of rule operands (and ListHooks without their data), consistent default budgets."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import time
+from typing import Any, Iterator
+
+import grpc
+import pytest
+import torch
+
+import hookwire
+from hookwire import _codec
+from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
+from hookwire_server import ServerSettings
+from hookwire_server.auth import hash_token
+from support import ServerThread, build_test_registry
+
+TOKENS = {name: f"hwt_delivery_{name}" for name in ("alice", "bob", "observer")}
+ROLE = {"alice": "user", "bob": "user", "observer": "observer"}
+LINES = "\n".join(f"{name}:{ROLE[name]}:{hash_token(token)}" for name, token in TOKENS.items())
+LIVENESS = 60.0  # a generous bound on things that must happen, never a speed requirement
+
+
+@pytest.fixture(scope="module")
+def secured() -> Iterator[ServerThread]:
+    srv = ServerThread(build_test_registry(), ServerSettings(port=0, tokens=LINES)).start()
+    yield srv
+    srv.stop()
+
+
+def _auth(who: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {TOKENS[who]}"),)
+
+
+async def _until(srv: ServerThread, cond: Any) -> None:
+    """Polls ``cond`` on the server's loop until it holds (a liveness bound, not a speed one)."""
+    deadline = time.monotonic() + LIVENESS
+    while not srv.call(cond):
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def _pump(call: Any, queue: asyncio.Queue) -> None:
+    """Reads a stream into a queue (cancelling a grpc read would cancel the whole call)."""
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        queue.put_nowait(msg)
+    queue.put_nowait(None)
+
+
+def _events(msg: hook_service_pb2.SessionMessage) -> list[hook_pb2.InterceptEvent]:
+    kind = msg.WhichOneof("kind")
+    if kind == "event":
+        return [msg.event]
+    if kind == "batch":
+        return list(msg.batch.events)
+    return []
+
+
+# ------------------------------------------------------------------ BLOCK by ownership
+
+
+async def test_block_is_lossless_for_a_users_own_calls_on_its_own_subscription(secured) -> None:
+    """alice (a user) subscribes with BLOCK to her own session hook and stops reading: her own
+    calls wait for her subscription instead of losing events on it."""
+    calls = 300
+    x = torch.ones(64 * 1024)  # 256 KiB events: more than gRPC's transport buffers absorb
+    async with grpc.aio.insecure_channel(secured.target) as channel:
+        hooks = hook_service_pb2_grpc.HookServiceStub(channel)
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(), metadata=_auth("alice"))
+        session_id = (await session.read()).opened.session_id
+        hook = await hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="scale", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=_auth("alice"))
+        sub = hooks.Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=[hook.hook_id], delivery=hook_service_pb2.DeliveryOptions(
+            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=8)), metadata=_auth("alice"))
+        assert (await sub.read()).WhichOneof("kind") == "subscribed"
+        session_queue: asyncio.Queue = asyncio.Queue()
+        session_reader = asyncio.ensure_future(_pump(session, session_queue))
+        request = model_service_pb2.InferRequest(model="scale", session_id=session_id)
+        request.args.add().CopyFrom(_codec.encode_value(x))
+
+        async def call_all() -> None:
+            for _ in range(calls):
+                await models.Infer(request, metadata=_auth("alice"))
+
+        caller = asyncio.ensure_future(call_all())
+        (subscription,) = secured.call(lambda: list(secured.server.hooks._subscriptions))
+        record = secured.call(lambda: secured.server.hooks._hooks[hook.hook_id])
+        # The subscription is not read: alice's pass must wait for it (on main it dropped instead).
+        await _until(secured, lambda: getattr(subscription.stream, "waiting_producers", 0) > 0 or record.counters.events_dropped > 0)
+        assert record.counters.events_dropped == 0, "alice's own BLOCK subscription dropped her events"
+        sub_queue: asyncio.Queue = asyncio.Queue()
+        sub_reader = asyncio.ensure_future(_pump(sub, sub_queue))
+        await asyncio.wait_for(caller, LIVENESS)
+        received: list[hook_pb2.InterceptEvent] = []
+        while len(received) < calls:
+            msg = await asyncio.wait_for(sub_queue.get(), LIVENESS)
+            assert msg is not None and msg.WhichOneof("kind") != "notice", msg
+            received += _events(msg)
+        assert [e.seq for e in received] == list(range(1, calls + 1))
+        assert all(e.dropped == 0 for e in received)
+        (info,) = (await hooks.ListHooks(hook_service_pb2.ListHooksRequest(), metadata=_auth("alice"))).hooks
+        assert info.events_dropped == 0 and info.events_sent == 2 * calls
+        sub.cancel()
+        session.cancel()
+        await asyncio.gather(session_reader, sub_reader, return_exceptions=True)
+
+
+async def test_a_users_block_subscription_never_holds_another_callers_pass(secured) -> None:
+    """An observer's BLOCK subscription to its SCOPE_ALL hook, never read, holds only the
+    observer's own calls: bob's calls go on, and their events drop on that stream."""
+    async with grpc.aio.insecure_channel(secured.target) as channel:
+        hooks = hook_service_pb2_grpc.HookServiceStub(channel)
+        session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(), metadata=_auth("observer"))
+        session_id = (await session.read()).opened.session_id  # never read again either
+        hook = await hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="scale", scope=hook_pb2.SCOPE_ALL,
+            posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=_auth("observer"))
+        sub = hooks.Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=[hook.hook_id], delivery=hook_service_pb2.DeliveryOptions(
+            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=2)), metadata=_auth("observer"))
+        assert (await sub.read()).WhichOneof("kind") == "subscribed"
+        x = torch.ones(256 * 1024)  # 1 MiB events: they fill any buffer quickly
+        async with hookwire.connect(secured.target, options=hookwire.ConnectOptions(token=TOKENS["bob"])) as bob:
+            for _ in range(30):
+                await asyncio.wait_for(bob.model("scale")(x), LIVENESS)  # never held by the stalled stream
+        record = secured.call(lambda: secured.server.hooks._hooks[hook.hook_id])
+        assert record.counters.events_dropped > 0
+        sub.cancel()
+        session.cancel()
+
+
+# ------------------------------------------------------------------ `dropped` on every event
+
+
+async def test_dropped_equals_the_seq_gaps_before_every_received_event(server) -> None:
+    """Two stalled subscribers (DROP_OLDEST, DROP_NEWEST) of one hook: on every event each
+    receives, ``dropped`` is exactly the number of seq numbers missing before it."""
+    calls, rounds = 30, 3
+    x = torch.ones(256 * 1024)  # 1 MiB events: gRPC's own transport buffers cannot hide the stall
+    async with hookwire.connect(server.target) as caller, grpc.aio.insecure_channel(server.target) as channel:
+        handle = await caller.model("scale").hook("", posthook=hookwire.capture("output"), scope="all", ttl_seconds=600)
+        stub = hook_service_pb2_grpc.HookServiceStub(channel)
+        calls_by_name, queues, readers = {}, {}, []
+        for name, policy in (("oldest", hook_service_pb2.DELIVERY_POLICY_DROP_OLDEST),
+                             ("newest", hook_service_pb2.DELIVERY_POLICY_DROP_NEWEST)):
+            call = stub.Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=[handle.id], delivery=hook_service_pb2.DeliveryOptions(
+                policy=policy, max_events=4)))
+            assert (await call.read()).WhichOneof("kind") == "subscribed"
+            calls_by_name[name], queues[name] = call, asyncio.Queue()
+        streams = server.call(lambda: {
+            name: next(s.stream for s in server.server.hooks._subscriptions if s.stream.limits.policy == policy)
+            for name, policy in (("oldest", hook_service_pb2.DELIVERY_POLICY_DROP_OLDEST),
+                                 ("newest", hook_service_pb2.DELIVERY_POLICY_DROP_NEWEST))
+        })
+        offered = 0
+        received: dict[str, list[hook_pb2.InterceptEvent]] = {name: [] for name in streams}
+        for _ in range(rounds):
+            # Stalled: nobody reads while the calls run, so both buffers overflow.
+            for _ in range(calls):
+                await caller.model("scale")(x)
+            offered += calls
+            for name, call in calls_by_name.items():
+                # Nothing more is offered until the next round: read what the stream kept.
+                kept = offered - server.call(lambda stream=streams[name]: stream.dropped)
+                while len(received[name]) < kept:
+                    received[name] += _events(await asyncio.wait_for(call.read(), LIVENESS))
+        for name, events in received.items():
+            seqs = [e.seq for e in events]
+            assert seqs == sorted(set(seqs)) and len(events) < offered, name
+            for i, event in enumerate(events):
+                assert event.dropped == event.seq - 1 - i, f"{name}: event seq {event.seq} says {event.dropped} dropped"
+        for call in calls_by_name.values():
+            call.cancel()
+        await handle.remove()
+
+
+# ------------------------------------------------------------------ rule operands: one copy
+
+
+def _rss_bytes() -> int:
+    """Resident bytes of this process (the server's), after handing freed heap back to the
+    OS: what is held, not what the allocator keeps cached from transient copies."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the bound below is generous anyway
+        pass
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _add_spec(values: torch.Tensor) -> hook_pb2.HookSpec:
+    from hookwire.v1 import rule_pb2
+
+    operand = rule_pb2.Operand(tensor=_codec.encode_tensor(values))
+    return hook_pb2.HookSpec(model="scale", posthook=hook_pb2.HookAction(
+        rules=[rule_pb2.Rule(target="output", add=rule_pb2.AddOp(value=operand))]))
+
+
+async def test_rule_operands_are_held_once_and_listed_without_their_data(server) -> None:
+    """4 hooks with 64 MiB operands: the server (this process) grows by about one copy of
+    each, and ListHooks answers a client with gRPC's default 4 MiB receive limit."""
+    hooks_n, numel = 4, 16 * 1024 * 1024  # float32: 64 MiB each
+    operand_bytes = hooks_n * numel * 4
+    async with grpc.aio.insecure_channel(server.target) as channel:  # gRPC's default limits
+        stub = hook_service_pb2_grpc.HookServiceStub(channel)
+        session = stub.OpenSession(hook_service_pb2.OpenSessionRequest())
+        session_id = (await session.read()).opened.session_id
+        before = _rss_bytes()
+        for i in range(hooks_n):
+            request = hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=_add_spec(torch.full((numel,), float(i))))
+            await stub.RegisterHook(request)
+            del request
+        growth = _rss_bytes() - before
+        # One copy is 256 MiB; main kept the requests' bytes beside the decoded tensors (~580 MiB).
+        assert growth < operand_bytes * 1.4, f"registering {operand_bytes >> 20} MiB of operands took {growth >> 20} MiB"
+        listed = await stub.ListHooks(hook_service_pb2.ListHooksRequest(session_id=session_id))
+        assert len(listed.hooks) == hooks_n
+        for hook in listed.hooks:
+            (rule,) = hook.spec.posthook.rules
+            tensor = rule.add.value.tensor
+            assert tensor.dtype == 1 and list(tensor.shape) == [numel] and tensor.data == b""
+        session.cancel()
+
+
+async def test_list_hooks_returns_the_operands_as_registered_when_asked(client) -> None:
+    values = torch.randn(3, 8, generator=torch.Generator().manual_seed(1)).to(torch.float16)
+    direction = torch.tensor([3.0, 4.0, 0, 0, 1.0, 0, 0, 2.0], dtype=torch.float64)  # listed as sent, not normalized
+    from hookwire.v1 import rule_pb2
+
+    spec = _add_spec(values)
+    spec.posthook.rules.add(target="output", project_out=rule_pb2.ProjectOutOp(direction=_codec.encode_tensor(direction)))
+    session = await client.session()
+    reply = await client.hook_stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session.session_id, spec=spec))
+    assert reply.spec.posthook.rules[0].add.value.tensor.data == b""  # RegisterHook's echo is small too
+    (bare,) = await client.list_hooks(session_id=session.session_id)
+    (full,) = await client.list_hooks(session_id=session.session_id, include_operand_data=True)
+    for info, with_data in ((bare, False), (full, True)):
+        add, project = info.raw.spec.posthook.rules
+        assert add.add.value.tensor.dtype == spec.posthook.rules[0].add.value.tensor.dtype
+        assert list(add.add.value.tensor.shape) == [3, 8] and list(project.project_out.direction.shape) == [8]
+        assert (add.add.value.tensor.data == spec.posthook.rules[0].add.value.tensor.data) is with_data
+        assert (project.project_out.direction.data == spec.posthook.rules[1].project_out.direction.data) is with_data
+    # The rules still apply exactly as registered (the direction normalized as the doc says).
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    expected = x * 2 + values.to(torch.float32)
+    d = (direction / torch.linalg.vector_norm(direction)).to(torch.float32)
+    expected = expected - (expected @ d).unsqueeze(-1) * d
+    assert torch.equal(await client.model("scale")(x), expected)
+
+
+# ------------------------------------------------------------------ default budgets
+
+
+def test_default_stream_budgets_are_consistent() -> None:
+    from hookwire_server.event_bus import DEFAULT_MAX_BYTES
+    from hookwire_server.limits import Limits
+
+    limits = Limits()
+    assert limits.max_streams_per_principal * DEFAULT_MAX_BYTES <= limits.max_buffered_bytes_per_principal
+    assert limits.max_buffered_bytes_per_principal < limits.max_buffered_bytes
+
+
+@pytest.fixture
+def defaults() -> Iterator[ServerThread]:
+    srv = ServerThread(build_test_registry(), ServerSettings(port=0)).start()
+    yield srv
+    srv.stop()
+
+
+async def test_the_stream_limit_applies_with_default_buffers(defaults) -> None:
+    """One principal opens max_streams_per_principal streams with default DeliveryOptions; the
+    next one is refused naming the stream limit (on main the byte budget refused the 65th)."""
+    limit = ServerSettings().max_streams_per_principal
+    channels = [grpc.aio.insecure_channel(defaults.target) for _ in range(4)]
+    calls = []
+    try:
+        stubs = [hook_service_pb2_grpc.HookServiceStub(c) for c in channels]
+        session = stubs[0].OpenSession(hook_service_pb2.OpenSessionRequest())
+        calls.append(session)
+        session_id = (await session.read()).opened.session_id
+        hook = await stubs[0].RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="scale", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))))
+        for i in range(limit - 1):
+            call = stubs[i % len(stubs)].Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=[hook.hook_id]))
+            calls.append(call)
+            assert (await call.read()).WhichOneof("kind") == "subscribed", f"stream {i + 2} was refused"
+        extra = stubs[0].Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=[hook.hook_id]))
+        calls.append(extra)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await extra.read()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_streams_per_principal" in err.value.details()
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            await channel.close()
