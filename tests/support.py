@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import pathlib
 import threading
 import time
 from typing import Any, Callable
@@ -62,6 +64,19 @@ def slow_factory() -> nn.Module:
 def sleeper_factory() -> nn.Module:
     """The Sleeper model, for the CLI tests."""
     return Sleeper()
+
+
+def gated_factory() -> nn.Module:
+    """Scale, once the file named by HOOKWIRE_TEST_GATE exists: a model that loads until the test says."""
+    gate = pathlib.Path(os.environ["HOOKWIRE_TEST_GATE"])
+    while not gate.exists():
+        time.sleep(0.05)
+    return Scale()
+
+
+def failing_factory() -> nn.Module:
+    """A factory that fails, as a model with corrupt weights would."""
+    raise RuntimeError("weights are corrupt")
 
 
 def scale_factory() -> nn.Module:

@@ -18,7 +18,7 @@ def _serve(ns: argparse.Namespace) -> int:
         from hookwire_server.config import pick, resolve_settings
         from hookwire_server.logging_setup import configure
         from hookwire_server.model_loading import (
-            ConfigError, build_hosts, demo_configs, load_config_file, parse_model_flag,
+            ConfigError, demo_configs, load_config_file, parse_model_flag,
         )
     except ImportError as exc:
         print(f"hookwire serve needs the server extra (pip install 'hookwire[server]'): {exc}", file=sys.stderr)
@@ -48,8 +48,12 @@ def _serve(ns: argparse.Namespace) -> int:
     configure(log_format, log_level)
 
     def ready(server: Any) -> None:
+        # Called once the server serves (health SERVING): every model loaded or failed.
         names = ", ".join(h.name for h in server.registry)
         print(f"hookwire serving {names} on {server.target}", flush=True)
+        for entry in server.registry.entries():
+            if entry.host is None:
+                print(f"hookwire serve: model {entry.name!r} failed to load: {entry.reason}", file=sys.stderr, flush=True)
         if server.metrics_port is not None:
             print(f"metrics on http://{settings.host}:{server.metrics_port}/metrics", flush=True)
         extras = ["grpc.health.v1.Health"] + (["reflection"] if settings.reflection else [])
@@ -59,15 +63,17 @@ def _serve(ns: argparse.Namespace) -> int:
             security += ", client certificates required (mTLS)"
         security += ", tokens required" if server.tokens.enabled else ", NO authentication"
         print(f"security: {security}", flush=True)
-        if sources:
-            secret = {"tokens"}
-            print("settings: " + ", ".join(
-                f"{k}={'<set>' if k in secret else repr(getattr(settings, k))} ({v})" for k, v in sorted(sources.items())
-            ), flush=True)
+        secret = {"tokens"}
+        chosen = ", ".join(
+            f"{k}={'<set>' if k in secret else repr(getattr(settings, k))} ({v})" for k, v in sorted(sources.items())
+        )
+        # Every setting's source: the ones listed, else its default.
+        print(f"settings: {chosen + '; every other setting' if chosen else 'every setting'} has its default",
+              flush=True)
 
     try:
-        asyncio.run(serve(settings, lambda: build_hosts(models), on_ready=ready))
-    except (ConfigError, ValueError) as exc:  # includes bad token files and refused insecure binds
+        asyncio.run(serve(settings, models, on_ready=ready))
+    except (ConfigError, ValueError, OSError) as exc:  # bad token files, refused binds, busy ports, no model loaded
         print(f"hookwire serve: {exc}", file=sys.stderr)
         return 2
     return 0

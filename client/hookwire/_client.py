@@ -14,7 +14,7 @@ import grpc
 
 from . import _codec
 from ._credentials import bearer_token_interceptors, channel_credentials
-from ._errors import HookwireError, from_rpc_error
+from ._errors import FailedPreconditionError, HookwireError, NotFoundError, UnavailableError, from_rpc_error
 from ._session import EventRouter, pump, stream_items
 from ._specs import ActionLike, Backward, HookSpec, OnErrorName, Sampling, ScopeName
 from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, Notice, SlotInfo
@@ -130,6 +130,8 @@ class Client:
                 ("grpc.max_receive_message_length", size),
                 ("grpc.keepalive_time_ms", 10_000),
                 ("grpc.keepalive_timeout_ms", 5_000),
+                # gRPC core otherwise waits 60 s for a ping's ack, not keepalive_timeout.
+                ("grpc.http2.ping_timeout_ms", 5_000),
             ]
             token = options.token if options.token is not None else os.environ.get("HOOKWIRE_TOKEN")
             interceptors = bearer_token_interceptors(token) if token else []
@@ -191,6 +193,52 @@ class Client:
         """The hosted models (without module trees)."""
         reply = await self._unary(self.model_stub.ListModels, model_service_pb2.ListModelsRequest())
         return [ModelInfo.from_proto(m) for m in reply.models]
+
+    async def wait_ready(self, models: Sequence[str] | None = None, *, timeout: float | None = None) -> list[ModelInfo]:
+        """Waits until every named model (every configured one when ``models`` is None)
+        is ready, and returns their ModelInfo in that order.
+
+        Blocks, polling ListModels, while models load; a server that does not answer
+        yet (starting, not listening) is asked again. Raises FailedPreconditionError
+        when a model failed to load (the message has the reason), NotFoundError when a
+        named model is not configured on the server, TimeoutError when ``timeout``
+        seconds pass first (None: no limit), and other HookwireErrors as ListModels
+        raises them (e.g. UnauthenticatedError).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        delay = 0.05
+        waiting_for = "the server to answer"
+        while True:
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"models not ready after {timeout} s: waiting for {waiting_for}")
+            try:
+                reply = await self.model_stub.ListModels(model_service_pb2.ListModelsRequest(), timeout=remaining)
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc)
+                if not isinstance(error, UnavailableError) and error.code != "DEADLINE_EXCEEDED":
+                    raise error from None
+                waiting_for = f"the server to answer ({error})"
+            else:
+                listed = {m.name: ModelInfo.from_proto(m) for m in reply.models}
+                wanted = list(listed) if models is None else list(models)
+                unknown = [name for name in wanted if name not in listed]
+                if unknown:
+                    raise NotFoundError(f"no model {', '.join(map(repr, unknown))} on {self.target} "
+                                        f"(configured: {', '.join(sorted(listed)) or 'none'})")
+                failed = [listed[name] for name in wanted if listed[name].state == "failed"]
+                if failed:
+                    raise FailedPreconditionError(
+                        "; ".join(f"model {m.name!r} failed to load: {m.state_message}" for m in failed)
+                    )
+                loading = [name for name in wanted if listed[name].state != "ready"]
+                if not loading:
+                    return [listed[name] for name in wanted]
+                waiting_for = f"{', '.join(loading)} to load"
+            pause = delay if deadline is None else min(delay, max(0.0, deadline - loop.time()))
+            await asyncio.sleep(pause)
+            delay = min(delay * 2, 1.0)
 
     def model(self, name: str) -> RemoteModel:
         """A handle on a hosted model; nothing is sent until it is used."""

@@ -18,6 +18,16 @@ PHASE_NAMES = {
 }
 
 
+#: ModelState names; a server older than model states sends UNSPECIFIED, and
+#: everything it lists is ready.
+_MODEL_STATES = {
+    model_service_pb2.MODEL_STATE_UNSPECIFIED: "ready",
+    model_service_pb2.MODEL_STATE_LOADING: "loading",
+    model_service_pb2.MODEL_STATE_READY: "ready",
+    model_service_pb2.MODEL_STATE_FAILED: "failed",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ParameterInfo:
     """One parameter of a module."""
@@ -39,13 +49,22 @@ class ModuleInfo:
 
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
-    """A hosted model. ``modules`` is empty in list_models() results."""
+    """A configured model. ``modules`` is empty in list_models() results, and until
+    the model is ready.
+
+    ``state`` is "loading" (calls raise UnavailableError: retry, or wait with
+    ``client.wait_ready``), "ready", or "failed" (calls raise
+    FailedPreconditionError; ``state_message`` says why).
+    """
 
     name: str
     description: str
     training_allowed: bool
     modules: tuple[ModuleInfo, ...]
     raw: model_service_pb2.Model = dataclasses.field(repr=False, compare=False)
+    state: str = "ready"
+    #: Why the model failed to load ("" unless state is "failed").
+    state_message: str = ""
 
     @classmethod
     def from_proto(cls, msg: model_service_pb2.Model) -> ModelInfo:
@@ -54,6 +73,8 @@ class ModelInfo:
             name=msg.name,
             description=msg.description,
             training_allowed=msg.training_allowed,
+            state=_MODEL_STATES.get(msg.state, "ready"),
+            state_message=msg.state_message,
             modules=tuple(
                 ModuleInfo(
                     path=m.path,

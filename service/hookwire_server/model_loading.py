@@ -7,18 +7,22 @@ weights_only=True)``, which refuses pickled code.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib
+import logging
 import pathlib
 import pickle
 import tomllib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from .demo_models import DEMO_MODELS
-from .model_registry import ModelHost, ModelRegistry
+from .model_registry import DaemonWorker, ModelHost, ModelRegistry
+
+log = logging.getLogger("hookwire.models")
 
 
 class ConfigError(ValueError):
@@ -132,17 +136,56 @@ def load_weights(model: nn.Module, path: str) -> None:
     model.load_state_dict(state, strict=True)
 
 
-def build_hosts(configs: list[ModelConfig]) -> list[ModelHost]:
-    """Builds every configured model; ConfigError on a duplicate name or a bad entry."""
+def check_names(configs: list[ModelConfig]) -> None:
+    """ConfigError when two configured models share a name."""
     names = [c.name for c in configs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"models {duplicates} are configured twice")
-    return [
-        ModelHost(config.name, build_model(config), description=config.description,
-                  training_allowed=config.training_allowed)
-        for config in configs
-    ]
+
+
+def build_host(config: ModelConfig) -> ModelHost:
+    """Builds one configured model and its host; blocks while it loads (run it off the
+    event loop). Raises ConfigError for a bad entry, or whatever the factory raises."""
+    return ModelHost(config.name, build_model(config), description=config.description,
+                     training_allowed=config.training_allowed)
+
+
+def build_hosts(configs: list[ModelConfig]) -> list[ModelHost]:
+    """Builds every configured model; ConfigError on a duplicate name or a bad entry."""
+    check_names(configs)
+    return [build_host(config) for config in configs]
+
+
+def load_failure(exc: Exception) -> str:
+    """Why a model failed to load, in one line for ModelState FAILED."""
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def load_models(registry: ModelRegistry, configs: list[ModelConfig],
+                      build: Callable[[ModelConfig], ModelHost] = build_host) -> None:
+    """Loads the configured models one after the other, each on a daemon thread (a
+    model that loads for minutes must not hold the process on SIGTERM); each turns
+    READY as soon as it is loaded, or FAILED with the reason. The models must have
+    been announced with ``registry.expect``. Returns when every model is settled."""
+    loop = asyncio.get_running_loop()
+    worker = DaemonWorker("model-loading")
+    try:
+        for config in configs:
+            try:
+                host = await loop.run_in_executor(worker, build, config)
+            except Exception as exc:  # any failure of one model's factory or weights: the others still load
+                reason = load_failure(exc)
+                log.error("model %r failed to load: %s", config.name, reason,
+                          exc_info=None if isinstance(exc, ConfigError) else exc)
+                registry.fail(config.name, reason)
+            else:
+                registry.add(host)
+                log.info("model %r is ready", config.name)
+    finally:
+        worker.shutdown(wait=False, cancel_futures=True)
 
 
 def build_registry(configs: list[ModelConfig]) -> ModelRegistry:

@@ -4,14 +4,21 @@ A model's forward passes, and every change to its torch hooks, run on that
 model's single worker thread: train/eval mode and the hook dictionaries are
 module state, so one thread owning them makes them race-free, while other
 models and the event loop carry on.
+
+The registry also knows the models that are still loading or failed to load
+(ModelState), so callers learn why a configured model cannot run yet.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import enum
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
+import queue
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -19,7 +26,7 @@ from torch import nn
 from hookwire import _codec
 from hookwire.v1 import model_service_pb2
 
-from .errors import InvalidArgument, NotFound
+from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from .module_patterns import match_paths
 
 if TYPE_CHECKING:
@@ -33,6 +40,73 @@ def _wire_dtype_or_unspecified(dtype: Any) -> int:
         return _codec.wire_dtype_of(dtype)
     except _codec.CodecError:
         return 0  # DTYPE_UNSPECIFIED: a parameter dtype the wire cannot carry (e.g. complex)
+
+
+class DaemonWorker(concurrent.futures.Executor):
+    """A one-thread executor whose thread is a daemon.
+
+    ThreadPoolExecutor's threads are joined when the interpreter exits, so a
+    forward pass that runs for minutes would hold the process past its grace
+    period on SIGTERM; a thread in the middle of a pass cannot be killed, so the
+    process must be able to exit without waiting for it.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._work: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        #: True while a submitted function runs.
+        self.busy = False
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        """Queues ``fn(*args, **kwargs)``; RuntimeError after shutdown."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self._name}: cannot schedule new work after shutdown")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._work.put((future, functools.partial(fn, *args, **kwargs)))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            future, fn = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            self.busy = True
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the awaiting caller, as ThreadPoolExecutor does
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            finally:
+                self.busy = False
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stops the thread after the running function (queued ones are cancelled
+        when ``cancel_futures``); ``wait`` joins it."""
+        with self._lock:
+            self._closed = True
+            if cancel_futures:
+                while True:
+                    try:
+                        item = self._work.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        item[0].cancel()
+            self._work.put(None)
+            thread = self._thread
+        if wait and thread is not None:
+            thread.join()
 
 
 class ModelHost:
@@ -51,7 +125,7 @@ class ModelHost:
         first = next(module.parameters(), None)
         #: Where rule operands are decoded to (the device of the model's first parameter).
         self.device = first.device if first is not None else torch.device("cpu")
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model:{name}")
+        self._executor = DaemonWorker(f"model:{name}")
         #: The pass running on the worker thread, read by hooks as they fire.
         self.current_pass: Pass | None = None
 
@@ -93,41 +167,126 @@ class ModelHost:
                     )
         return msg
 
+    @property
+    def busy(self) -> bool:
+        """Whether a pass (or hook change) is running on the worker thread now."""
+        return self._executor.busy
+
     def shutdown(self) -> None:
-        """Stops the worker thread once queued work is done."""
+        """Stops the worker thread after the running pass; queued work is cancelled.
+        Does not wait: the thread is a daemon and does not keep the process alive."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+class ModelState(enum.Enum):
+    """Where a configured model is in its life (the wire's ModelState)."""
+
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+_WIRE_STATE = {
+    ModelState.LOADING: model_service_pb2.MODEL_STATE_LOADING,
+    ModelState.READY: model_service_pb2.MODEL_STATE_READY,
+    ModelState.FAILED: model_service_pb2.MODEL_STATE_FAILED,
+}
+
+
+@dataclasses.dataclass
+class ModelEntry:
+    """A configured model: loading, ready (with its host) or failed (with the reason)."""
+
+    name: str
+    description: str = ""
+    training_allowed: bool = True
+    state: ModelState = ModelState.LOADING
+    #: Why it failed (FAILED only).
+    reason: str = ""
+    host: ModelHost | None = None
+
+    def describe(self, *, with_modules: bool) -> model_service_pb2.Model:
+        """The model as the wire describes it; modules only once it is ready."""
+        if self.host is not None:
+            msg = self.host.describe(with_modules=with_modules)
+        else:
+            msg = model_service_pb2.Model(
+                name=self.name, description=self.description, training_allowed=self.training_allowed
+            )
+        msg.state = _WIRE_STATE[self.state]
+        msg.state_message = self.reason
+        return msg
+
+
 class ModelRegistry:
-    """Models by name."""
+    """Models by name, with the state of each configured one (loading, ready, failed)."""
 
     def __init__(self, hosts: Iterable[ModelHost] = ()) -> None:
-        self._hosts: dict[str, ModelHost] = {}
+        self._entries: dict[str, ModelEntry] = {}
         for host in hosts:
             self.add(host)
 
+    def expect(self, name: str, *, description: str = "", training_allowed: bool = True) -> None:
+        """Lists a model that is about to load (LOADING); ValueError on a duplicate name."""
+        if not name:
+            raise ValueError("a model needs a name")
+        if name in self._entries:
+            raise ValueError(f"two models are named {name!r}")
+        self._entries[name] = ModelEntry(name, description, training_allowed)
+
     def add(self, host: ModelHost) -> None:
-        """Hosts one more model; ValueError on a duplicate name."""
-        if host.name in self._hosts:
+        """Hosts one more model, or the loaded one that expect() announced (READY);
+        ValueError on a duplicate name."""
+        entry = self._entries.get(host.name)
+        if entry is not None and entry.state is not ModelState.LOADING:
             raise ValueError(f"two models are named {host.name!r}")
-        self._hosts[host.name] = host
+        self._entries[host.name] = ModelEntry(
+            host.name, host.description, host.training_allowed, ModelState.READY, host=host
+        )
+
+    def fail(self, name: str, reason: str) -> None:
+        """Marks a model that expect() announced as FAILED to load, with the reason."""
+        entry = self._entries[name]
+        entry.state, entry.reason = ModelState.FAILED, reason
 
     def get(self, name: str) -> ModelHost:
-        """The model named ``name``; NotFound otherwise."""
+        """The ready model named ``name``. InvalidArgument for an empty name, NotFound
+        for an unknown one, Unavailable while it loads (retry later),
+        FailedPrecondition when it failed to load (it will not become ready)."""
         if not name:
             raise InvalidArgument("no model named: the model field is empty")
-        host = self._hosts.get(name)
-        if host is None:
-            raise NotFound(f"no model {name!r} (hosted: {', '.join(sorted(self._hosts)) or 'none'})")
-        return host
+        entry = self._entries.get(name)
+        if entry is None:
+            raise NotFound(f"no model {name!r} (hosted: {', '.join(sorted(self._entries)) or 'none'})")
+        if entry.state is ModelState.LOADING:
+            raise Unavailable(f"model {name!r} is loading")
+        if entry.state is ModelState.FAILED:
+            raise FailedPrecondition(f"model {name!r} failed to load: {entry.reason}")
+        assert entry.host is not None
+        return entry.host
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self._hosts.values())
+    def entry(self, name: str) -> ModelEntry:
+        """The configured model named ``name``, in any state; NotFound otherwise."""
+        if not name:
+            raise InvalidArgument("no model named: the name field is empty")
+        entry = self._entries.get(name)
+        if entry is None:
+            raise NotFound(f"no model {name!r} (hosted: {', '.join(sorted(self._entries)) or 'none'})")
+        return entry
+
+    def entries(self) -> list[ModelEntry]:
+        """Every configured model, in configuration order, whatever its state."""
+        return list(self._entries.values())
+
+    def __iter__(self) -> Iterator[ModelHost]:
+        """The ready models."""
+        return iter([e.host for e in self._entries.values() if e.host is not None])
 
     def __len__(self) -> int:
-        return len(self._hosts)
+        """How many models are ready."""
+        return sum(e.host is not None for e in self._entries.values())
 
     def shutdown(self) -> None:
-        """Stops every model's worker thread."""
-        for host in self._hosts.values():
+        """Stops every model's worker thread (without waiting for a running pass)."""
+        for host in self:
             host.shutdown()

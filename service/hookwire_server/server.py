@@ -7,7 +7,7 @@ import dataclasses
 import ipaddress
 import logging
 import signal
-from typing import Callable
+from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,7 +21,8 @@ from .hook_manager import HookManager
 from .inference import Inference
 from .limits import Limits
 from .metrics import Metrics
-from .model_registry import ModelHost, ModelRegistry
+from .model_loading import ConfigError, ModelConfig, build_host, check_names, load_models
+from .model_registry import ModelHost, ModelRegistry, ModelState
 from .servicers import HookServicer, ModelServicer, add_to_server
 
 log = logging.getLogger("hookwire.server")
@@ -42,8 +43,16 @@ class ServerSettings(Limits):
     port: int = 50051
     #: Largest message sent or received (gRPC's default of 4 MiB is too small for tensors).
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    #: Seconds in-flight calls get to finish on stop.
+    #: Seconds in-flight calls get to finish on stop; the process exits within it
+    #: even when a pass is still running (its thread cannot be stopped, only left).
     grace: float = 5.0
+    #: Seconds without data from a client before the server pings it. With
+    #: keepalive_timeout, a client that stops answering (frozen, or its host gone)
+    #: is dropped within about keepalive_time + keepalive_timeout, and its sessions
+    #: and their hooks end.
+    keepalive_time: float = 10.0
+    #: Seconds a ping may go unanswered before the server closes the connection.
+    keepalive_timeout: float = 5.0
     #: Allow rules that change values on SCOPE_ALL / SCOPE_TAGGED hooks (other callers' results);
     #: with authentication on, only operators may register them.
     allow_shared_rules: bool = False
@@ -79,15 +88,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Message limits and keepalive, so a dead peer is noticed within seconds."""
+def channel_options(
+    max_message_bytes: int, keepalive_time: float = 10.0, keepalive_timeout: float = 5.0,
+) -> list[tuple[str, int]]:
+    """Message limits, keepalive (a dead or frozen peer is noticed within
+    keepalive_time + keepalive_timeout seconds) and no port sharing."""
+    timeout_ms = max(1, round(keepalive_timeout * 1000))
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_time_ms", max(1, round(keepalive_time * 1000))),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # gRPC core waits for a ping's ack for ping_timeout (default 60 s), not for
+        # keepalive_timeout alone: without this a frozen client held its sessions
+        # and hooks for a minute.
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        # Keep pinging a peer that sends nothing (a frozen client, or one whose
+        # stream is stalled on flow control); the default stops after 2 pings.
+        ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # gRPC sets SO_REUSEPORT by default, so a second server on a busy port would
+        # start and share the clients at random with the first: refuse instead.
+        ("grpc.so_reuseport", 0),
     ]
 
 
@@ -121,8 +144,13 @@ class HookwireServer:
                 f"refusing to listen on {settings.host} without authentication: configure tokens "
                 "(--tokens-file or HOOKWIRE_TOKENS), or pass --insecure"
             )
+        if settings.keepalive_time <= 0 or settings.keepalive_timeout <= 0:
+            raise ValueError("keepalive_time and keepalive_timeout must be positive (seconds)")
         interceptor = AuthInterceptor(self.tokens, client_certs=bool(settings.tls_client_ca))
-        server = grpc.aio.server(options=channel_options(settings.max_message_bytes), interceptors=[interceptor])
+        server = grpc.aio.server(
+            options=channel_options(settings.max_message_bytes, settings.keepalive_time, settings.keepalive_timeout),
+            interceptors=[interceptor],
+        )
         add_to_server(
             ModelServicer(self.registry, self.inference, self.metrics, self.tokens),
             model_service_pb2.DESCRIPTOR.services_by_name["ModelService"], server,
@@ -135,21 +163,27 @@ class HookwireServer:
             reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self.set_serving(False)  # until the caller says the models are ready
         address = f"{_bracketed(self.settings.host)}:{self.settings.port}"
-        if tls:
-            port = server.add_secure_port(
-                address, server_credentials(str(settings.tls_cert), str(settings.tls_key), settings.tls_client_ca)
-            )
-        else:
-            port = server.add_insecure_port(address)
+        try:
+            if tls:
+                port = server.add_secure_port(
+                    address, server_credentials(str(settings.tls_cert), str(settings.tls_key), settings.tls_client_ca)
+                )
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc raises "Failed to bind" where older versions returned 0
+            port = 0
         if port == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise OSError(
+                f"cannot listen on {address}: the port is in use (is another server running there?) "
+                "or the address is not available on this machine"
+            )
         await server.start()
         self._server, self.port = server, port
         if self.settings.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.settings.host, self.metrics_port)
         log.info(
-            "serving on %s:%d (%s, %s)", self.settings.host, port, "TLS" if tls else "plaintext",
+            "listening on %s:%d (%s, %s)", self.settings.host, port, "TLS" if tls else "plaintext",
             f"{'mTLS and ' if settings.tls_client_ca else ''}tokens required" if self.tokens.enabled
             else "no authentication: loopback only" if is_loopback(settings.host) else "no authentication (--insecure)",
         )
@@ -170,7 +204,9 @@ class HookwireServer:
         """Graceful stop: health turns NOT_SERVING and new calls, sessions and hooks are
         refused (UNAVAILABLE); in-flight Infer calls get ``grace`` seconds to finish with
         their sessions' hooks intact; then event streams end with UNAVAILABLE, every hook
-        is removed and the model threads stop."""
+        is removed and the model threads are told to stop. Returns within about
+        ``grace`` seconds: a pass still running is left to its (daemon) thread, which
+        does not keep the process alive."""
         grace = self.settings.grace if grace is None else grace
         deadline = asyncio.get_running_loop().time() + grace
         await self.set_serving(False)
@@ -190,15 +226,24 @@ class HookwireServer:
 
 
 async def serve(
-    settings: ServerSettings, load_models: Callable[[], list[ModelHost]],
+    settings: ServerSettings, models: Sequence[ModelConfig],
     on_ready: Callable[[HookwireServer], None] | None = None,
+    *, build: Callable[[ModelConfig], ModelHost] = build_host,
 ) -> None:
-    """Serves until SIGINT or SIGTERM, then stops gracefully.
+    """Serves until SIGINT or SIGTERM, then stops gracefully (within ``settings.grace``).
 
-    The server answers health checks (NOT_SERVING) while ``load_models`` runs in a
-    thread; it turns SERVING once every model is hosted.
+    Every configured model is listed from the start (MODEL_STATE_LOADING); the
+    server answers health checks (NOT_SERVING) while the models load one after
+    the other off the event loop, and each model takes calls as soon as it is
+    ready. A model that fails to load is listed as FAILED with the reason and the
+    others are served. Once every model is settled the server turns SERVING and
+    calls ``on_ready``; ConfigError (after a graceful stop) when no model loaded.
+    ValueError for two models with one name; OSError when the address is busy.
     """
+    check_names(list(models))
     registry = ModelRegistry()
+    for config in models:
+        registry.expect(config.name, description=config.description, training_allowed=config.training_allowed)
     server = HookwireServer(registry, settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -217,16 +262,21 @@ async def serve(
 
     loop.add_signal_handler(signal.SIGHUP, reload_tokens)
     await server.start()
+    loading = asyncio.ensure_future(load_models(registry, list(models), build))
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        loading = asyncio.ensure_future(asyncio.to_thread(load_models))
-        await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
         if not stop.is_set():
-            for host in loading.result():
-                registry.add(host)
+            loading.result()
+            failed = [e for e in registry.entries() if e.state is ModelState.FAILED]
+            if models and len(failed) == len(models):
+                raise ConfigError("no model could be loaded: " + "; ".join(f"{e.name}: {e.reason}" for e in failed))
             await server.set_serving(True)
             if on_ready is not None:
                 on_ready(server)
-            await stop.wait()
+            await stopping
     finally:
+        loading.cancel()  # a model still loading is left to its daemon thread
+        stopping.cancel()
         log.info("stopping")
         await server.stop()

@@ -43,12 +43,14 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     @unary
     async def ListModels(self, request: model_service_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.ListModelsResponse:
         principal_of(context, self._tokens).require("viewer", "listing models")
-        return model_service_pb2.ListModelsResponse(models=[h.describe(with_modules=False) for h in self._registry])
+        return model_service_pb2.ListModelsResponse(
+            models=[e.describe(with_modules=False) for e in self._registry.entries()]
+        )
 
     @unary
     async def GetModel(self, request: model_service_pb2.GetModelRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.Model:
         principal_of(context, self._tokens).require("viewer", "inspecting a model")
-        return self._registry.get(request.name).describe(with_modules=True)
+        return self._registry.entry(request.name).describe(with_modules=True)
 
     @unary
     async def Infer(self, request: model_service_pb2.InferRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.InferResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import select
 import signal
 import socket
 import subprocess
@@ -157,3 +158,118 @@ def test_bad_settings_are_reported(tmp_path) -> None:
     assert proc.returncode == 2 and "unknown keys ['portt']" in proc.stderr
     proc = subprocess.run([*HOOKWIRE, "serve"], capture_output=True, text=True, timeout=60, env=_env(HOOKWIRE_PORT="x"))
     assert proc.returncode == 2 and "HOOKWIRE_PORT: 'x' is not a valid int" in proc.stderr
+
+
+def _banner(proc: subprocess.Popen, log) -> str:
+    line = proc.stdout.readline()
+    if "serving" not in line:
+        log.seek(0)
+        raise AssertionError(f"server did not start: {line!r} {log.read()}")
+    return line
+
+
+async def test_sigterm_exits_within_the_grace_period_while_a_long_pass_runs() -> None:
+    """The model thread cannot be stopped: the process must exit without waiting for it."""
+    port = _free_port()
+    proc, log = _spawn("--port", str(port), "--model", "sleeper=support:sleeper_factory", HOOKWIRE_GRACE="1")
+    try:
+        _banner(proc, log)
+        async with hookwire.connect(f"127.0.0.1:{port}") as client:
+            in_flight = asyncio.ensure_future(client.model("sleeper")(torch.tensor(120.0)))  # a 120 s pass
+            await asyncio.sleep(1.0)
+            assert not in_flight.done()
+            proc.send_signal(signal.SIGTERM)
+            # Generous: 60 s is far above grace (1 s) and far below the pass's own 120 s.
+            assert await asyncio.to_thread(proc.wait, 60) == 0
+            with pytest.raises((hookwire.UnavailableError, hookwire.CancelledError)):
+                await asyncio.wait_for(in_flight, 30)
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+async def test_a_second_server_on_a_busy_port_refuses_to_start() -> None:
+    port = _free_port()
+    proc, log = _spawn("--port", str(port))
+    try:
+        _banner(proc, log)
+        second = subprocess.run([*HOOKWIRE, "serve", "--port", str(port)], capture_output=True, text=True,
+                                timeout=120, env=_env())
+        assert second.returncode == 2, second.stderr
+        assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in second.stderr
+        assert "hookwire serving" not in second.stdout
+        # The same with two servers in one process.
+        from hookwire_server import HookwireServer, ModelRegistry, ServerSettings
+
+        with pytest.raises(OSError, match="the port is in use"):
+            await HookwireServer(ModelRegistry(), ServerSettings(port=port)).start()
+        assert await _health(f"127.0.0.1:{port}") == "SERVING"  # the first one is untouched
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+async def _listed(client: hookwire.Client) -> dict[str, hookwire.ModelInfo]:
+    deadline = time.monotonic() + 300  # a loaded machine takes long to import torch
+    while time.monotonic() < deadline:
+        try:
+            return {m.name: m for m in await client.list_models()}
+        except hookwire.UnavailableError:  # not listening yet
+            await asyncio.sleep(0.1)
+    raise AssertionError("the server never answered")
+
+
+async def test_models_are_listed_with_their_state_while_they_load(tmp_path) -> None:
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    gate = tmp_path / "gate"
+    proc, log = _spawn("--port", str(port), "--model", "gated=support:gated_factory",
+                       "--model", "broken=support:failing_factory", "--model", "scale=support:scale_factory",
+                       HOOKWIRE_TEST_GATE=str(gate))
+    try:
+        async with hookwire.connect(target) as client:
+            listed = await _listed(client)
+            # Models load one after the other: "gated" holds the others back until the gate opens.
+            assert [(m.name, m.state) for m in listed.values()] == [
+                ("gated", "loading"), ("broken", "loading"), ("scale", "loading")]
+            assert await _health(target) == "NOT_SERVING"
+            with pytest.raises(hookwire.UnavailableError, match="model 'gated' is loading"):
+                await client.model("gated")(torch.ones(2))
+            with pytest.raises(hookwire.UnavailableError, match="model 'scale' is loading"):
+                await client.model("scale").hook("", posthook=hookwire.capture("output"))
+            info = await client.model("gated").info()
+            assert info.state == "loading" and info.modules == ()
+            with pytest.raises(TimeoutError, match="gated"):
+                await client.wait_ready(["gated"], timeout=0.5)
+            readable, _, _ = select.select([proc.stdout], [], [], 0)
+            assert not readable, "nothing is printed before the server serves"
+
+            gate.touch()
+            ready = await client.wait_ready(["gated", "scale"], timeout=120)
+            assert [(m.name, m.state) for m in ready] == [("gated", "ready"), ("scale", "ready")]
+            with pytest.raises(hookwire.FailedPreconditionError, match="model 'broken' failed to load: RuntimeError: weights are corrupt"):
+                await client.wait_ready(timeout=120)
+            with pytest.raises(hookwire.FailedPreconditionError, match="model 'broken' failed to load: RuntimeError: weights are corrupt"):
+                await client.model("broken")(torch.ones(2))
+            with pytest.raises(hookwire.NotFoundError, match="'nope'"):
+                await client.wait_ready(["nope"], timeout=120)
+            assert torch.equal(await client.model("gated")(torch.ones(2)), torch.full((2,), 2.0))
+            states = {m.name: (m.state, m.state_message) for m in await client.list_models()}
+            assert states == {"gated": ("ready", ""), "broken": ("failed", "RuntimeError: weights are corrupt"),
+                              "scale": ("ready", "")}
+            assert len((await client.model("gated").info()).modules) == 1
+
+            banner = _banner(proc, log)
+            assert banner.startswith(f"hookwire serving gated, scale on {target}")
+            lines = [proc.stdout.readline() for _ in range(3)]
+            assert lines[2].startswith(f"settings: port={port} (flag); every other setting has its default")
+            assert await _health(target) == "SERVING"
+    finally:
+        gate.touch()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        finally:
+            proc.kill()
+    log.seek(0)
+    assert "model 'broken' failed to load: RuntimeError: weights are corrupt" in log.read()

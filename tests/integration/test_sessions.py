@@ -248,3 +248,51 @@ async def test_removal_notice_is_the_hooks_last_message_under_concurrent_calls(s
         stream.cancel()
     assert seqs and seqs == list(range(1, len(seqs) + 1))
     assert after_notice == []
+
+
+@pytest.mark.parametrize("stalled", [False, True], ids=["idle", "stalled-under-block"])
+async def test_frozen_client_process_loses_its_hooks_within_the_keepalive_bound(stalled: bool) -> None:
+    """A SIGSTOPped client answers no keepalive ping: its session and hooks end within about
+    keepalive_time + keepalive_timeout, also when its BLOCK session has stalled the model."""
+    from hookwire_server import ServerSettings
+    from support import ServerThread, build_test_registry
+
+    srv = ServerThread(build_test_registry(), ServerSettings(port=0, keepalive_time=1.0, keepalive_timeout=1.0)).start()
+    script = textwrap.dedent(f"""
+        import asyncio, hookwire, torch
+        async def main():
+            options = hookwire.ConnectOptions(session_policy="block", session_max_events=1)
+            c = hookwire.connect({srv.target!r}, options=options)
+            await c.model("scale").hook("", posthook=hookwire.capture("output"))
+            x = torch.ones(1 << 20)  # 4 MiB events: many more than the buffers hold once nobody reads
+            async def calls():
+                while True:
+                    await c.model("scale")(x)
+            if {stalled!r}:
+                tasks = [asyncio.ensure_future(calls()) for _ in range(16)]
+                await asyncio.sleep(1)
+            print(c.session_id, flush=True)
+            await asyncio.sleep(3600)
+        asyncio.run(main())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        async with hookwire.connect(srv.target) as observer:
+            session_id = (await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)).strip()
+            assert len(await observer.list_hooks(session_id=session_id)) == 1
+            os.kill(proc.pid, signal.SIGSTOP)
+            if stalled:
+                # The frozen client's BLOCK session holds the model: other calls wait behind it.
+                other = asyncio.ensure_future(observer.model("scale")(torch.ones(2)))
+                await asyncio.sleep(0.5)
+                assert not other.done(), "the frozen client's BLOCK session should hold the model"
+            # Generous against keepalive 1 s + 1 s (the default, 10 s + 5 s, took 60-70 s before).
+            await _wait_for(lambda: _no_hooks(observer, session_id), timeout=30)
+            if stalled:
+                assert torch.equal(await asyncio.wait_for(other, 30), torch.full((2,), 2.0))
+            assert (await observer.model("scale")(torch.ones(2))).shape == (2,)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
+        srv.stop()

@@ -9,11 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_STATE_UNSPECIFIED: _ClassVar[ModelState]
+    MODEL_STATE_LOADING: _ClassVar[ModelState]
+    MODEL_STATE_READY: _ClassVar[ModelState]
+    MODEL_STATE_FAILED: _ClassVar[ModelState]
+
 class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MODE_UNSPECIFIED: _ClassVar[Mode]
     MODE_EVAL: _ClassVar[Mode]
     MODE_TRAIN: _ClassVar[Mode]
+MODEL_STATE_UNSPECIFIED: ModelState
+MODEL_STATE_LOADING: ModelState
+MODEL_STATE_READY: ModelState
+MODEL_STATE_FAILED: ModelState
 MODE_UNSPECIFIED: Mode
 MODE_EVAL: Mode
 MODE_TRAIN: Mode
@@ -53,16 +64,20 @@ class GetModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "description", "training_allowed", "modules")
+    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TRAINING_ALLOWED_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     training_allowed: bool
     modules: _containers.RepeatedCompositeFieldContainer[ModuleInfo]
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ...) -> None: ...
+    state: ModelState
+    state_message: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("path", "type", "parameters")

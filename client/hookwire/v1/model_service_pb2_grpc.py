@@ -66,14 +66,17 @@ class ModelServiceServicer:
     """
 
     def ListModels(self, request, context):
-        """Lists the hosted models (without their module trees).
+        """Lists the configured models (without their module trees), each with its
+        state: a model that is still loading or failed to load is listed too.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModel(self, request, context):
-        """Describes one model, with its module tree. NOT_FOUND for an unknown name.
+        """Describes one model, with its module tree once it is ready (a loading or
+        failed model is described with its state and no modules). NOT_FOUND for an
+        unknown name.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,7 +85,8 @@ class ModelServiceServicer:
     def Infer(self, request, context):
         """Runs one forward pass (and optionally one backward pass) of a model,
         firing the hooks that apply to the call. The passes of one model run one
-        at a time; other models and other RPCs are not blocked.
+        at a time; other models and other RPCs are not blocked. UNAVAILABLE while
+        the model loads (retry), FAILED_PRECONDITION when it failed to load.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
