@@ -30,6 +30,26 @@ from .errors import HookwireServerError, PermissionDenied
 
 ROLES = ("viewer", "user", "observer", "operator")
 
+#: The least role each RPC needs, by method name. The domain checks it on every call
+#: (``principal.require(MINIMUM_ROLE[...], ...)``: the real authority, which also checks
+#: what depends on the request, e.g. observer for SCOPE_ALL hooks); the interceptor
+#: (security.py) checks the same entry from the call's metadata alone, to refuse a caller
+#: before its request is read. One table, so the two cannot disagree; a test pins that
+#: every RPC has an entry and that the domain refuses exactly the roles below it.
+MINIMUM_ROLE: dict[str, str] = {
+    "ListModels": "viewer",
+    "GetModel": "viewer",
+    "Infer": "user",
+    "InferStream": "user",
+    "OpenSession": "user",
+    "RegisterHook": "user",
+    "DeregisterHook": "user",
+    "ListHooks": "user",
+    "GetSlot": "user",
+    "ListSlots": "user",
+    "Subscribe": "user",
+}
+
 
 class Unauthenticated(HookwireServerError):
     """Missing or wrong credentials."""
@@ -46,6 +66,10 @@ class Principal:
 
     name: str
     role: str  # the highest role; lower ones are implied
+    #: What authenticated it: "token:<sha256 hex>" or "cert:<subject>" ("" when
+    #: authentication is off). Streams end when a reload no longer accepts it
+    #: (TokenStore.current); not part of equality, never logged.
+    credential: str = dataclasses.field(default="", compare=False, repr=False)
 
     def owns(self, owner: Principal) -> bool:
         """Whether something owned by ``owner`` is this principal's."""
@@ -193,10 +217,29 @@ class TokenStore:
                 if entry.token_sha256 is not None and hmac.compare_digest(presented, entry.token_sha256):
                     found = entry.principal
             if found is not None:
-                return found
+                return dataclasses.replace(found, credential="token:" + presented.hex())
             raise Unauthenticated("the bearer token is not valid")
         subjects = set(cert_subjects)
         for entry in entries:
             if entry.cert_subject is not None and entry.cert_subject in subjects:
-                return entry.principal
+                return dataclasses.replace(entry.principal, credential="cert:" + entry.cert_subject)
         raise Unauthenticated("missing credentials: send 'authorization: Bearer <token>' metadata")
+
+    def current(self, principal: Principal) -> Principal | None:
+        """``principal`` as the configuration now stands (a reload may have changed its
+        role), if the credential it authenticated with still names it; None when that
+        token or certificate subject was rotated out or the principal was removed.
+        A principal without a credential (authentication off) is returned as is."""
+        if not principal.credential:
+            return principal
+        kind, _, value = principal.credential.partition(":")
+        with self._lock:
+            entries = self._entries
+        for entry in entries:
+            if entry.principal.name != principal.name:
+                continue
+            if kind == "token" and entry.token_sha256 is not None and entry.token_sha256.hex() == value:
+                return dataclasses.replace(entry.principal, credential=principal.credential)
+            if kind == "cert" and entry.cert_subject == value:
+                return dataclasses.replace(entry.principal, credential=principal.credential)
+        return None

@@ -29,7 +29,7 @@ from hookwire._codec import Chunker
 from hookwire.v1 import hook_pb2, hook_service_pb2, rule_pb2
 
 from . import limits
-from .auth import ANONYMOUS, Principal
+from .auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
 from .capture import CaptureOptions, Sampler
 from .errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable, Unimplemented
 from .event_bus import DeliveryLimits, EventStream, HookCounters
@@ -215,6 +215,18 @@ def compile_spec(
         tags=tags,
         fail_call_on_error=fail_call,
     )
+
+
+def require_hook_roles(principal: Principal, spec: hook_pb2.HookSpec, compiled: CompiledSpec, *, sessionless: bool) -> None:
+    """PermissionDenied unless ``principal``'s role allows this hook: checked when it is
+    registered, and again when a token reload changes its owner's role."""
+    principal.require(MINIMUM_ROLE["RegisterHook"], "registering a hook")
+    if compiled.scope in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED):
+        principal.require("observer", "a SCOPE_ALL or SCOPE_TAGGED hook (other callers' traffic)")
+        if any(a.modifies for a in compiled.actions) or spec.on_error == rule_pb2.ON_ERROR_FAIL_CALL:
+            principal.require("operator", "rules that change or fail other callers' calls")
+    if sessionless:
+        principal.require("operator", "a hook without a session (it outlives its client)")
 
 
 class HookRecord:
@@ -543,6 +555,15 @@ class Subscription:
         self.hook_ids = dict.fromkeys(hook_ids)
 
 
+def _lacks(principal: Principal, role: str, what: str) -> str:
+    """Why ``principal`` may no longer hold ``what`` ("" when it may)."""
+    try:
+        principal.require(role, what)
+    except PermissionDenied as exc:
+        return f"your role changed: {exc}"
+    return ""
+
+
 def new_id(prefix: str) -> str:
     """An unguessable id (128 random bits)."""
     return f"{prefix}_{secrets.token_hex(16)}"
@@ -601,7 +622,7 @@ class HookManager:
     def open_session(self, delivery: DeliveryLimits, principal: Principal = ANONYMOUS) -> Session:
         """A new session with its own event stream."""
         self._refuse_when_draining()
-        principal.require("user", "opening a session")
+        principal.require(MINIMUM_ROLE["OpenSession"], "opening a session")
         sessions = sum(1 for s in self._sessions.values() if principal.owns(s.principal))
         limits.check(sessions, self.limits.max_sessions_per_principal,
                      f"{principal.name!r} has {sessions} open sessions", "max_sessions_per_principal")
@@ -651,19 +672,15 @@ class HookManager:
         carries a TTL (capped at max_ttl_seconds) and delivers to subscribers only.
         """
         self._refuse_when_draining()
-        principal.require("user", "registering a hook")
+        principal.require(MINIMUM_ROLE["RegisterHook"], "registering a hook")
         session = self.require_session(session_id, principal, owner_only=True) if session_id else None
         host = self._registry.get(spec.model)
         compiled = compile_spec(
             spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules,
             max_rules=self.limits.max_rules_per_action,
         )
-        if compiled.scope in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED):
-            principal.require("observer", "a SCOPE_ALL or SCOPE_TAGGED hook (other callers' traffic)")
-            if any(a.modifies for a in compiled.actions) or spec.on_error == rule_pb2.ON_ERROR_FAIL_CALL:
-                principal.require("operator", "rules that change or fail other callers' calls")
+        require_hook_roles(principal, spec, compiled, sessionless=session is None)
         if session is None:
-            principal.require("operator", "a hook without a session (it outlives its client)")
             if compiled.scope not in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED):
                 raise InvalidArgument("session_id: a hook without a session must have scope SCOPE_ALL or SCOPE_TAGGED")
             if spec.ttl_seconds <= 0:
@@ -711,6 +728,7 @@ class HookManager:
     async def deregister(self, hook_id: str, principal: Principal = ANONYMOUS) -> bool:
         """Removes a hook; False when unknown, already removed, or not the principal's
         (operators may remove any). Returns once detached."""
+        principal.require(MINIMUM_ROLE["DeregisterHook"], "removing a hook")
         existing = self._hooks.get(hook_id)
         if existing is None or not (principal.is_operator or principal.owns(existing.owner)):
             return False
@@ -773,6 +791,7 @@ class HookManager:
         """Registered hooks, oldest first, filtered by model and owner session: the
         principal's own, or everyone's for operators. Describe them with
         HookRecord.to_proto (operand data only on request)."""
+        principal.require(MINIMUM_ROLE["ListHooks"], "listing hooks")
         return [
             r for r in self._hooks.values()
             if (not model or r.host.name == model) and (not session_id or r.session_id == session_id)
@@ -809,6 +828,7 @@ class HookManager:
 
     def slots(self, session_id: str, principal: Principal = ANONYMOUS) -> SlotStore:
         """The slots of an open session of ``principal``; NotFound otherwise."""
+        principal.require(MINIMUM_ROLE["GetSlot"], "reading slots")  # GetSlot and ListSlots
         return self.require_session(session_id, principal).slots
 
     # ---------------------------------------------------------------- subscriptions
@@ -817,7 +837,7 @@ class HookManager:
         """A stream for the events of existing hooks of ``principal`` (any, for operators);
         NotFound if any is unknown (or someone else's)."""
         self._refuse_when_draining()
-        principal.require("user", "subscribing")
+        principal.require(MINIMUM_ROLE["Subscribe"], "subscribing")
         ids = list(dict.fromkeys(hook_ids))
         if not ids:
             raise InvalidArgument("hook_ids: name at least one hook")
@@ -845,25 +865,86 @@ class HookManager:
                     record.subscriptions.remove(sub)
         sub.hook_ids.clear()
 
-    def revoke(self, keep: set[str]) -> int:
-        """Ends the sessions and subscriptions, and removes the hooks, of every principal
-        not in ``keep`` (their tokens were revoked). Returns how many things ended."""
+    def reauthorize(self, tokens: TokenStore) -> int:
+        """Applies a token reload to what is open; returns how many things ended.
+
+        A session or subscription whose credential (the token or certificate subject
+        it was opened with) no longer names its principal ends ("your credentials
+        were rotated or revoked"), as do those whose principal's new role may not
+        hold them. Otherwise they take the principal's new role for later decisions
+        (BLOCK on other sessions' calls is for operators; a subscription keeps only
+        the hooks the new role may see). A hook ends when its owner is gone or the
+        new role may no longer register it (the same check as register), with a
+        notice to its streams saying why.
+        """
         ended = 0
+        revoked = "your credentials were rotated or revoked"
         for session in list(self._sessions.values()):
-            if session.principal.name not in keep:
-                session.stream.close("your credentials were revoked")
+            now = tokens.current(session.principal)
+            reason = revoked if now is None else _lacks(now, MINIMUM_ROLE["OpenSession"], "a session")
+            if reason:
+                session.stream.close(reason)
                 self.close_session(session.session_id)
                 ended += 1
+            elif now is not None:
+                session.principal = now
+                session.stream.blocks_others = now.is_operator
         for sub in list(self._subscriptions):
-            if sub.principal.name not in keep:
-                sub.stream.close("your credentials were revoked")
+            now = tokens.current(sub.principal)
+            reason = revoked if now is None else _lacks(now, MINIMUM_ROLE["Subscribe"], "a subscription")
+            if reason:
+                sub.stream.close(reason)
                 self.unsubscribe(sub)
                 ended += 1
+            elif now is not None:
+                sub.principal = now
+                sub.stream.blocks_others = now.is_operator
+                ended += self._narrow(sub)
+        principals = tokens.principals
         for record in list(self._hooks.values()):
-            if record.owner.name not in keep and record.owner != ANONYMOUS:
+            if record.owner == ANONYMOUS:
+                continue
+            owner = principals.get(record.owner.name)
+            if owner is None:
                 self._remove(record.hook_id, reason="its owner's credentials were revoked")
                 ended += 1
+                continue
+            try:
+                require_hook_roles(owner, record.spec, record.compiled, sessionless=not record.session_id)
+            except PermissionDenied as exc:
+                self._remove(record.hook_id, reason=f"its owner's role changed: {exc}")
+                ended += 1
+                continue
+            record.owner = dataclasses.replace(owner, credential=record.owner.credential)
         return ended
+
+    def _narrow(self, sub: Subscription) -> int:
+        """Detaches from ``sub`` the hooks its principal may no longer see (another's,
+        once it is no longer an operator; the check of subscribe), with a notice each."""
+        lost = 0
+        for hook_id in list(sub.hook_ids):
+            record = self._hooks.get(hook_id)
+            if record is None:
+                continue  # being removed: its notice and detach are on their way
+            try:
+                self.get(hook_id, sub.principal)
+                continue
+            except NotFound:
+                pass
+            record.streams = tuple(s for s in record.streams if s is not sub.stream)
+            if sub in record.subscriptions:
+                record.subscriptions.remove(sub)
+            sub.stream.put_notice(_notice(
+                hook_service_pb2.NOTICE_KIND_HOOK_REMOVED, hook_id,
+                f"hook {hook_id} removed from this subscription: another principal's hooks need the operator role; "
+                f"{sub.principal.name!r} has {sub.principal.role}",
+            ))
+            sub.stream.forget_hook(hook_id)
+            del sub.hook_ids[hook_id]
+            lost += 1
+        if lost and not sub.hook_ids:
+            sub.stream.end()
+        return lost
 
     # ---------------------------------------------------------------- metrics
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import dataclasses
 import logging
 import traceback
 from collections.abc import Mapping
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, ParamSpec, TypeVar
 
 import torch
 
@@ -32,11 +33,16 @@ from .errors import (
     Unimplemented,
 )
 from .hook_manager import HookManager, HookRecord, new_id
-from .auth import ANONYMOUS, Principal
+from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
+from . import limits
 from .limits import Limits
 from .model_registry import ModelHost, ModelRegistry
 
 log = logging.getLogger("hookwire.infer")
+
+T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
 
 
 
@@ -126,6 +132,25 @@ def select_output(output: Any, segments: tuple[str, ...]) -> Any:
     return current
 
 
+def _releasing_on_failure(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Clears the locals of the frames a failure passed through before it propagates.
+
+    grpc keeps an aborted call's exception chain, tracebacks included, alive with the
+    call's state (a cycle the garbage collector does not free), so without this the
+    tensors a failed InferStream had received would stay in memory after it ended.
+    """
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except BaseException as exc:
+            traceback.clear_frames(exc.__traceback__)
+            raise
+
+    return wrapper
+
+
 class Inference:
     """Runs Infer calls."""
 
@@ -136,6 +161,8 @@ class Inference:
         self._queued: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        #: Open InferStream calls by principal name.
+        self._streams: dict[str, int] = {}
 
     async def drained(self, timeout: float) -> bool:
         """Waits until no Infer call is in flight (at most ``timeout`` s); True if none is."""
@@ -145,13 +172,54 @@ class Inference:
             return False
         return True
 
+    @contextlib.contextmanager
+    def open_stream(self, principal: Principal = ANONYMOUS) -> Iterator[None]:
+        """Counts one InferStream of ``principal`` while the block runs. Call it before
+        reading anything: PermissionDenied below the user role, ResourceExhausted when
+        the principal already has max_infer_streams_per_principal open."""
+        principal.require(MINIMUM_ROLE["InferStream"], "Infer")
+        count = self._streams.get(principal.name, 0)
+        limits.check(count, self.limits.max_infer_streams_per_principal,
+                     f"{principal.name!r} has {count} InferStream calls open", "max_infer_streams_per_principal")
+        self._streams[principal.name] = count + 1
+        try:
+            yield
+        finally:
+            self._streams[principal.name] -= 1
+            if not self._streams[principal.name]:
+                del self._streams[principal.name]
+
+    @property
+    def open_streams(self) -> dict[str, int]:
+        """Open InferStream calls by principal name (a copy)."""
+        return dict(self._streams)
+
+    async def idle_limited(self, messages: AsyncIterator[T]) -> AsyncIterator[T]:
+        """``messages`` as they come; DeadlineExceeded when the client sends none for
+        infer_stream_idle_timeout seconds (the call then ends, and whatever its
+        messages filled is freed with it). Waits for each message."""
+        timeout = self.limits.infer_stream_idle_timeout
+        iterator = aiter(messages)
+        while True:
+            try:
+                message = await asyncio.wait_for(anext(iterator), timeout)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(
+                    f"InferStream: no message from the client for {timeout:g} s (infer_stream_idle_timeout); "
+                    "the call is ended and what it sent is freed: send the request and its chunks without pausing"
+                ) from None
+            yield message
+
+    @_releasing_on_failure
     async def infer_chunked(
         self, request: model_service_pb2.InferRequest, chunks: AsyncIterator[tensor_pb2.TensorChunk],
         principal: Principal = ANONYMOUS,
     ) -> tuple[model_service_pb2.InferResponse, Chunker]:
         """InferStream: the request's chunked tensors come from ``chunks``; the response's
         large tensors are left in the returned Chunker, to follow the response."""
-        principal.require("user", "Infer")
+        principal.require(MINIMUM_ROLE["InferStream"], "Infer")
         # Off the loop: the walks cost microseconds per Value (bounded by max_request_values).
         await asyncio.to_thread(self._check_elements, request)
         try:
@@ -206,7 +274,7 @@ class Inference:
         Validation that walks the request's Values, and compiling its request-scoped
         hooks, run on worker threads: a large request never stalls the event loop.
         """
-        principal.require("user", "Infer")
+        principal.require(MINIMUM_ROLE["Infer"], "Infer")
         if self._hooks.draining:
             raise Unavailable("the server is shutting down")
         host = self._registry.get(request.model)

@@ -67,6 +67,12 @@ class Limits:
     #: UTF-8 bytes of a path in a request: module globs, rule targets and indices, selections,
     #: backward.output_path.
     max_path_length: int = 1024
+    # -- InferStream (issue #9, auth): a stream that stops sending must not hold memory.
+    #: Seconds an InferStream may go without a message from its client before it is
+    #: ended (DEADLINE_EXCEEDED) and the chunks it sent are freed.
+    infer_stream_idle_timeout: float = 30.0
+    #: Open InferStream calls per principal (RESOURCE_EXHAUSTED beyond).
+    max_infer_streams_per_principal: int = 16
 
 
 def check(count: int, limit: int, what: str, name: str) -> None:

@@ -257,8 +257,9 @@ async def serve(
             log.error("tokens not reloaded: %s", exc)
             return
         if server.tokens.enabled:
-            ended = server.hooks.revoke(set(server.tokens.principals))
-            log.info("tokens reloaded: %d principals; %d sessions, streams and hooks of revoked ones ended", count, ended)
+            ended = server.hooks.reauthorize(server.tokens)
+            log.info("tokens reloaded: %d principals; %d sessions, streams and hooks ended (credentials rotated or "
+                     "revoked, or no longer allowed by the new roles)", count, ended)
 
     loop.add_signal_handler(signal.SIGHUP, reload_tokens)
     await server.start()

@@ -21,7 +21,7 @@ from .errors import InvalidArgument, Unavailable
 from .event_bus import DEFAULT_MAX_MESSAGE_BYTES, DeliveryLimits, chunk_bytes_for
 from .hook_manager import HookManager
 from .inference import Inference
-from .auth import TokenStore
+from .auth import MINIMUM_ROLE, TokenStore
 from .metrics import Metrics
 from .security import principal_of
 from .model_registry import ModelRegistry
@@ -42,14 +42,14 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
     @unary
     async def ListModels(self, request: model_service_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.ListModelsResponse:
-        principal_of(context, self._tokens).require("viewer", "listing models")
+        principal_of(context, self._tokens).require(MINIMUM_ROLE["ListModels"], "listing models")
         return model_service_pb2.ListModelsResponse(
             models=[e.describe(with_modules=False) for e in self._registry.entries()]
         )
 
     @unary
     async def GetModel(self, request: model_service_pb2.GetModelRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.Model:
-        principal_of(context, self._tokens).require("viewer", "inspecting a model")
+        principal_of(context, self._tokens).require(MINIMUM_ROLE["GetModel"], "inspecting a model")
         return self._registry.entry(request.name).describe(with_modules=True)
 
     @unary
@@ -58,16 +58,18 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
     @streaming
     async def InferStream(self, requests: AsyncIterator[model_service_pb2.InferStreamRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.InferStreamResponse]:
-        first = await anext(aiter(requests), None)
-        if isinstance(first, MalformedRequest):
-            raise first.to_error()
-        if first is None or first.WhichOneof("kind") != "request":
-            raise InvalidArgument("InferStream: the first message must carry the request")
         principal = principal_of(context, self._tokens)
-        response, chunker = await self._inference.infer_chunked(first.request, _chunks(requests), principal)
-        yield model_service_pb2.InferStreamResponse(response=response)
-        for chunk in chunker.chunks(chunk_bytes_for(first.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)):
-            yield model_service_pb2.InferStreamResponse(chunk=chunk)
+        with self._inference.open_stream(principal):  # admitted before anything is read
+            messages = self._inference.idle_limited(requests)
+            first = await anext(messages, None)
+            if isinstance(first, MalformedRequest):
+                raise first.to_error()
+            if first is None or first.WhichOneof("kind") != "request":
+                raise InvalidArgument("InferStream: the first message must carry the request")
+            response, chunker = await self._inference.infer_chunked(first.request, _chunks(messages), principal)
+            yield model_service_pb2.InferStreamResponse(response=response)
+            for chunk in chunker.chunks(chunk_bytes_for(first.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)):
+                yield model_service_pb2.InferStreamResponse(chunk=chunk)
 
 
 async def _chunks(requests: AsyncIterator[model_service_pb2.InferStreamRequest]) -> AsyncIterator[tensor_pb2.TensorChunk]:

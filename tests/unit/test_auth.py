@@ -86,3 +86,32 @@ def test_a_reload_never_turns_authentication_off(tmp_path) -> None:
 def test_ownership_survives_a_role_change() -> None:
     assert Principal("a", "observer").owns(Principal("a", "user"))
     assert not Principal("b", "operator").owns(Principal("a", "user"))
+
+
+def test_current_follows_rotation_revocation_and_role_changes(tmp_path) -> None:
+    path = tmp_path / "p.toml"
+    entry = '[[principals]]\nname = "{name}"\nroles = ["{role}"]\n{credential}\n'
+    token = lambda t: f'token_sha256 = "{hash_token(t)}"'  # noqa: E731
+    path.write_text(entry.format(name="a", role="observer", credential=token("1"))
+                    + entry.format(name="svc", role="user", credential='cert_subject = "CN=svc"'))
+    store = TokenStore(str(path))
+    alice, svc = store.authenticate("1"), store.authenticate(None, ["CN=svc"])
+    assert alice.credential and svc.credential and alice.credential != svc.credential
+    assert "1" not in repr(alice) and hash_token("1") not in repr(alice)  # never logged
+    assert store.current(alice) == Principal("a", "observer") and store.current(svc) == svc
+    # a is demoted; svc's certificate is replaced by a token.
+    path.write_text(entry.format(name="a", role="user", credential=token("1"))
+                    + entry.format(name="svc", role="user", credential=token("s")))
+    store.reload()
+    demoted = store.current(alice)
+    assert demoted == Principal("a", "user") and demoted.credential == alice.credential
+    assert store.current(svc) is None
+    # a's token is rotated: what it opened with the old one is no longer its.
+    path.write_text(entry.format(name="a", role="user", credential=token("2")))
+    store.reload()
+    assert store.current(alice) is None and store.current(store.authenticate("2")) == Principal("a", "user")
+    # Another principal given a's old token does not inherit a's streams.
+    path.write_text(entry.format(name="b", role="operator", credential=token("1")))
+    store.reload()
+    assert store.current(alice) is None
+    assert store.current(ANONYMOUS) is ANONYMOUS
