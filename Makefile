@@ -1,5 +1,5 @@
 # make serve  - start the server on the demo models (installs into .venv first)
-# make test   - run the whole test suite (installs into .venv first)
+# make test   - type-check with mypy, then run the whole test suite (installs into .venv first)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -21,7 +21,10 @@ $(NODE_STAMP): client/node/package.json client/node/package-lock.json
 	npm ci --prefix client/node --no-audit --no-fund
 	touch $(NODE_STAMP)
 
+# mypy is its own step, not a pytest test: its run time depends on the machine's
+# load, and no test may fail for being slow.
 test: $(STAMP) $(NODE_STAMP)
+	$(BIN)/python -m mypy -p hookwire -p hookwire_server
 	$(BIN)/python -m pytest -q
 
 proto: $(STAMP)

@@ -196,8 +196,8 @@ def local_models() -> dict[str, nn.Module]:
     return {"mlp": mlp(), "tiny-transformer": tiny_transformer()}
 
 
-async def collect(handle: Any, n: int, timeout: float = 10.0) -> list[Any]:
-    """The next ``n`` events of a hook handle."""
+async def collect(handle: Any, n: int, timeout: float = 60.0) -> list[Any]:
+    """The next ``n`` events of a hook handle (``timeout``: a hang guard, not a speed test)."""
     out: list[Any] = []
 
     async def take() -> None:

@@ -5,11 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
+import signal
 import sys
 from typing import Any
 
-from ._client import DEFAULT_TARGET, ConnectOptions, connect
-from ._errors import HookwireError
+from ._client import DEFAULT_TARGET, ConnectOptions, connect, resolve_target
+from ._errors import HookwireError, from_rpc_error
+
+#: Exit status when stdout closes early (``hookwire inspect m | head -2``): what a
+#: shell reports for a process ended by SIGPIPE (128 + 13).
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+#: What the server's hook ids look like (``hk_`` and 128 random bits in hex).
+HOOK_ID = re.compile(r"hk_[0-9a-f]{32}")
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -21,7 +29,7 @@ def _serve(ns: argparse.Namespace) -> int:
             ConfigError, demo_configs, load_config_file, parse_model_flag,
         )
     except ImportError as exc:
-        print(f"hookwire serve needs the server extra (pip install 'hookwire[server]'): {exc}", file=sys.stderr)
+        print(f"hookwire serve needs the server extra (from a checkout of this repository: pip install '.[server]'): {exc}", file=sys.stderr)
         return 2
     env = os.environ
     try:
@@ -100,21 +108,22 @@ async def _health(ns: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     options = _client_options(ns)
-    if options.tls or options.tls_ca or options.tls_cert:
+    target, url_tls = resolve_target(ns.target)
+    if url_tls or options.tls or options.tls_ca or options.tls_cert:
         from ._credentials import channel_credentials
 
-        channel = grpc.aio.secure_channel(ns.target, channel_credentials(options.tls_ca, options.tls_cert, options.tls_key))
+        channel = grpc.aio.secure_channel(target, channel_credentials(options.tls_ca, options.tls_cert, options.tls_key))
     else:
-        channel = grpc.aio.insecure_channel(ns.target)
+        channel = grpc.aio.insecure_channel(target)
     async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=ns.service), timeout=ns.timeout)
         except grpc.RpcError as exc:
-            print(f"{ns.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"hookwire health: {from_rpc_error(exc, target=target)}", file=sys.stderr)
             return 2
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{ns.target}{' ' + ns.service if ns.service else ''}: {status}")
+    print(f"{target}{' ' + ns.service if ns.service else ''}: {status}")
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
@@ -139,6 +148,13 @@ async def _inspect(ns: argparse.Namespace) -> int:
 
 
 async def _hooks(ns: argparse.Namespace) -> int:
+    if ns.hooks_command == "rm":
+        malformed = [hook_id for hook_id in ns.ids if not HOOK_ID.fullmatch(hook_id)]
+        if malformed:  # a typo or a truncated copy: say so rather than report it "gone"
+            print(f"hookwire hooks rm: not a hook id: {', '.join(map(repr, malformed))} "
+                  "(ids look like hk_ and 32 hex digits; see hookwire hooks list); nothing was removed",
+                  file=sys.stderr)
+            return 2
     async with connect(ns.target, options=_client_options(ns)) as client:
         if ns.hooks_command == "list":
             hooks = await client.list_hooks(model=ns.model or "", session_id=ns.session or "")
@@ -151,12 +167,12 @@ async def _hooks(ns: argparse.Namespace) -> int:
                       f"{(h.session_id or '-')[:12]:<12} {h.fire_count:>8} {h.events_sent:>8} "
                       f"{h.events_dropped:>8} {h.errors:>6}  {status}")
             return 0
-        missing = 0
+        # Like HookHandle.remove(), removing is idempotent: the goal is "this hook is
+        # gone", which holds whether this call removed it or it was already gone.
         for hook_id in ns.ids:
             removed = await client.deregister_hook(hook_id)
-            print(f"{hook_id}: {'removed' if removed else 'not found'}")
-            missing += not removed
-        return 1 if missing else 0
+            print(f"{hook_id}: {'removed' if removed else 'already gone (no such hook)'}")
+        return 0
 
 
 def _tap(ns: argparse.Namespace) -> int:
@@ -177,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hookwire", description="Remote PyTorch model interception over gRPC.")
     sub = parser.add_subparsers(dest="command", required=True)
     target_default = os.environ.get("HOOKWIRE_TARGET", DEFAULT_TARGET)
+    target_help = (f"server host:port (default {target_default}; env HOOKWIRE_TARGET); "
+                   "http://host:port is the same, https://host:port means TLS")
 
     serve = sub.add_parser(
         "serve", help="host models (the demo models when none are given)",
@@ -186,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (default 50051; 0 picks a free one)")
     serve.add_argument("--model", action="append", default=[], metavar="NAME=package.module:factory",
-                       help="host the nn.Module a factory returns (repeatable)")
+                       help="host the nn.Module a factory returns (repeatable); the module is looked for in the "
+                            "working directory first, then in the installed packages")
     serve.add_argument("--config", help="a TOML config file with [server] settings and [[models]]")
     serve.add_argument("--demo", action="store_true", help="also host the demo models when --model/--config are given")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
@@ -202,11 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="allow rules that change values on SCOPE_ALL/SCOPE_TAGGED hooks (other callers' results)")
 
     models = sub.add_parser("models", help="list the hosted models")
-    models.add_argument("--target", default=target_default, help=f"server host:port (default {target_default}; env HOOKWIRE_TARGET)")
+    models.add_argument("--target", default=target_default, help=target_help)
 
     inspect = sub.add_parser("inspect", help="show a model's module tree with types and parameter shapes")
     inspect.add_argument("model")
-    inspect.add_argument("--target", default=target_default, help=f"server host:port (default {target_default})")
+    inspect.add_argument("--target", default=target_default, help=target_help)
 
     tap = sub.add_parser("tap", help="live view of the matched modules: calls/s, summary statistics, drops")
     tap.add_argument("model")
@@ -217,10 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     tap.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     tap.add_argument("--duration", type=float, help="stop after this many seconds (default: until Ctrl-C)")
     tap.add_argument("--plain", action="store_true", help="append tables instead of redrawing (default when not a terminal)")
-    tap.add_argument("--target", default=target_default, help=f"server host:port (default {target_default})")
+    tap.add_argument("--target", default=target_default, help=target_help)
 
     health = sub.add_parser("health", help="check a server's gRPC health (exit 0 when SERVING)")
-    health.add_argument("target", nargs="?", default=target_default, help=f"server host:port (default {target_default})")
+    health.add_argument("target", nargs="?", default=target_default, help=target_help)
     health.add_argument("--service", default="", help="a service name, e.g. hookwire.v1.ModelService (default: the server)")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
 
@@ -229,10 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     hooks_list = hooks_sub.add_parser("list", help="every hook, with its statistics")
     hooks_list.add_argument("--model", help="only hooks on this model")
     hooks_list.add_argument("--session", help="only hooks of this session")
-    hooks_list.add_argument("--target", default=target_default, help=f"server host:port (default {target_default})")
-    hooks_rm = hooks_sub.add_parser("rm", help="remove hooks by id")
+    hooks_list.add_argument("--target", default=target_default, help=target_help)
+    hooks_rm = hooks_sub.add_parser(
+        "rm", help="remove hooks by id",
+        description="Removes each hook (yours, or any as an operator). Idempotent, like HookHandle.remove(): an id "
+                    "that names no hook you may remove (already removed, expired, never registered; with tokens, "
+                    "also another principal's hook, which the server does not reveal) prints 'already gone' and "
+                    "exits 0. An argument that is not a hook id (hk_ and 32 hex digits, as hookwire hooks list "
+                    "shows them) exits 2 before anything is removed.")
     hooks_rm.add_argument("ids", nargs="+", metavar="ID")
-    hooks_rm.add_argument("--target", default=target_default, help=f"server host:port (default {target_default})")
+    hooks_rm.add_argument("--target", default=target_default, help=target_help)
     for command in (models, inspect, tap, health, hooks_list, hooks_rm):
         command.add_argument("--token", help="bearer token (default: the HOOKWIRE_TOKEN variable)")
         command.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server with the system roots")
@@ -249,22 +274,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``hookwire`` command; returns the exit status."""
+    """Entry point of the ``hookwire`` command; returns the exit status.
+
+    Failed calls print one line on stderr (no traceback) and return 1; unusable
+    input (a bad target, a malformed hook id) returns 2. When stdout closes early
+    (``hookwire inspect m | head -2``) the command stops quietly with status 141,
+    as a process ended by SIGPIPE does.
+    """
     ns = build_parser().parse_args(argv)
+    try:
+        status = _run(ns)
+        sys.stdout.flush()  # output that fit in the buffer meets a closed pipe here
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that the interpreter's own flush at exit
+        # does not raise again ("Exception ignored ... BrokenPipeError").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    return status
+
+
+def _run(ns: argparse.Namespace) -> int:
     if ns.command == "serve":
         return _serve(ns)
-    if ns.command == "tap":
-        try:
-            return _tap(ns)
-        except HookwireError as exc:
-            print(f"hookwire tap: {exc}", file=sys.stderr)
-            return 1
     if ns.command == "token":
         return _token(ns)
     commands = {"models": _models, "inspect": _inspect, "hooks": _hooks, "health": _health}
     try:
+        if ns.command == "tap":
+            return _tap(ns)
         return asyncio.run(commands[ns.command](ns))
     except HookwireError as exc:
+        print(f"hookwire {ns.command}: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # a target or option the SDK cannot use
+        print(f"hookwire {ns.command}: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        raise
+    except (ConnectionError, OSError) as exc:  # e.g. an unreadable --tls-ca file
         print(f"hookwire {ns.command}: {exc}", file=sys.stderr)
         return 1
 

@@ -7,6 +7,7 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import urllib.parse
 from types import TracebackType
 from typing import Any, AsyncIterator, Generator, Iterable, Literal, Mapping, Sequence
 
@@ -50,7 +51,7 @@ class ConnectOptions:
     session_policy: PolicyName = "default"
     #: Bearer token sent with every call; None reads HOOKWIRE_TOKEN (unset: no token).
     token: str | None = dataclasses.field(default=None, repr=False)
-    #: Use TLS. Implied by tls_ca / tls_cert.
+    #: Use TLS. Implied by tls_ca / tls_cert and by an https:// target.
     tls: bool = False
     #: CA certificate (path or PEM bytes) that verifies the server; None for the system roots.
     tls_ca: str | bytes | None = None
@@ -93,11 +94,51 @@ def _is_loopback_target(target: str) -> bool:
         return False
 
 
-def connect(target: str = DEFAULT_TARGET, *, options: ConnectOptions | None = None) -> Client:
-    """A client for the server at ``target`` ("host:port").
+_URL_PORTS = {"http": 80, "https": 443}
 
-    Nothing is sent until the first call. Use it as ``async with connect(...) as
-    client:``, or call ``await client.close()`` when done.
+
+def resolve_target(target: str) -> tuple[str, bool]:
+    """The gRPC target to dial for what a user typed, and whether it asks for TLS.
+
+    ``host:port`` and gRPC's own target URIs (``dns:///host:port``,
+    ``unix:/path``, ``ipv4:...``, ``ipv6:...``) pass through unchanged (False).
+    ``http://host[:port]`` becomes ``host:port`` in plaintext (port 80 when
+    omitted); ``https://host[:port]`` becomes ``host:port`` over TLS (port 443
+    when omitted), as browsers and ``buf curl`` read them. Raises ValueError for
+    a URL with a path, query, fragment or user name, and for ``grpc://`` or
+    ``grpcs://`` (not target syntax: use ``host:port`` or ``https://``).
+    """
+    scheme, sep, _ = target.partition("://")
+    scheme = scheme.lower()
+    if not sep:
+        return target, False
+    if scheme in ("grpc", "grpcs"):
+        raise ValueError(
+            f"target {target!r}: {scheme}:// is not a gRPC target; use host:port (plaintext) or https://host:port (TLS)"
+        )
+    if scheme not in _URL_PORTS:
+        return target, False  # a gRPC URI such as dns://authority/host:port
+    url = urllib.parse.urlsplit(target)
+    if url.path not in ("", "/") or url.query or url.fragment or url.username is not None or not url.hostname:
+        raise ValueError(f"target {target!r}: give {scheme}://host:port with nothing after the port")
+    try:
+        port = url.port
+    except ValueError:
+        raise ValueError(f"target {target!r}: the port is not a number from 0 to 65535") from None
+    host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
+    return f"{host}:{port if port is not None else _URL_PORTS[scheme]}", scheme == "https"
+
+
+def connect(target: str = DEFAULT_TARGET, *, options: ConnectOptions | None = None) -> Client:
+    """A client for the server at ``target``.
+
+    ``target`` is ``host:port``, a gRPC target URI (``dns:///host:port``), or
+    ``http://host:port`` / ``https://host:port`` (https means TLS; see
+    ``resolve_target``). Nothing is sent until the first call. Use it as
+    ``async with connect(...) as client:``, or call ``await client.close()``
+    when done. Raises ValueError for a target it cannot read, or for an
+    ``http://`` target with TLS options. A call to a server that does not
+    answer raises UnavailableError naming the target.
     """
     return Client(target, options=options or ConnectOptions())
 
@@ -111,7 +152,12 @@ class Client:
     """
 
     def __init__(self, target: str, *, options: ConnectOptions) -> None:
-        self.target = target
+        #: The address dialled ("host:port" for an http(s):// target).
+        self.target, url_tls = resolve_target(target)
+        tls_options = options.tls or options.tls_ca is not None or options.tls_cert is not None
+        if target.lower().startswith("http://") and tls_options:
+            raise ValueError(f"target {target!r} is plaintext (http://) but TLS options are set: use https://")
+        self._tls = url_tls or tls_options
         self.options = options
         self._channel: grpc.aio.Channel | None = None
         self._models: model_service_pb2_grpc.ModelServiceStub | None = None
@@ -135,7 +181,7 @@ class Client:
             ]
             token = options.token if options.token is not None else os.environ.get("HOOKWIRE_TOKEN")
             interceptors = bearer_token_interceptors(token) if token else []
-            if options.tls or options.tls_ca is not None or options.tls_cert is not None:
+            if self._tls:
                 if options.tls_server_name:
                     channel_options.append(("grpc.ssl_target_name_override", options.tls_server_name))
                 credentials = channel_credentials(options.tls_ca, options.tls_cert, options.tls_key)
@@ -169,7 +215,7 @@ class Client:
         try:
             return await method(request, timeout=self.options.timeout)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise from_rpc_error(exc, target=self.target) from None
 
     async def __aenter__(self) -> Client:
         self._open()
@@ -352,7 +398,7 @@ class Session:
         try:
             first = await call.read()
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise from_rpc_error(exc, target=client.target) from None
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "opened":
             call.cancel()
             raise ConnectionError("the server did not open a session")
@@ -468,7 +514,7 @@ class Subscription:
         try:
             first = await self._call.read()
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise from_rpc_error(exc, target=self._client.target) from None
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "subscribed":
             raise ConnectionError("the server did not confirm the subscription")
 
@@ -582,7 +628,7 @@ class RemoteModel:
                 assembler.feed(msg.chunk)
             return InferResult.from_proto(first.response, chunked=assembler.result())
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise from_rpc_error(exc, target=self._client.target) from None
         except _codec.CodecError as exc:
             raise HookwireError(f"InferStream: {exc}", code="DATA_LOSS") from None
         finally:

@@ -106,9 +106,40 @@ _BY_CODE: dict[grpc.StatusCode, type[HookwireError]] = {
 }
 
 
-def from_rpc_error(error: grpc.RpcError) -> HookwireError:
-    """The SDK exception for a failed RPC (raise it ``from None``)."""
+def from_rpc_error(error: grpc.RpcError, *, target: str | None = None) -> HookwireError:
+    """The SDK exception for a failed RPC (raise it ``from None``).
+
+    With ``target`` (the address the channel dials), a call that never reached a
+    server (UNAVAILABLE from the transport: refused, unresolvable, closed, TLS
+    mismatch) gets an UnavailableError whose message names the target, says
+    that no server answers there (or why the connection failed) and what to
+    check, and keeps gRPC's own words at the end.
+    UNAVAILABLE answers sent by a server (draining, a model loading) are kept as
+    they are.
+    """
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(code)
+    if target is not None and code == grpc.StatusCode.UNAVAILABLE:
+        reason = _unreachable(target, details)
+        if reason is not None:
+            details = f"{reason} (gRPC: {details})"
     cls = _BY_CODE.get(code, HookwireError)
     return cls(details, code=code.name if cls is HookwireError else None)
+
+
+def _unreachable(target: str, details: str) -> str | None:
+    """What went wrong reaching ``target``, from gRPC's transport message; None when a server answered."""
+    text = details.lower()
+    if "errors resolving" in text or "dns resolution failed" in text:
+        return f"no server answers at {target}: the host name does not resolve (check the target: host:port)"
+    if "handshake" in text or "ssl_error" in text:
+        return (f"the TLS handshake with {target} failed: a plaintext server needs no --tls and no https://; "
+                "a TLS server needs a certificate the client trusts (--tls-ca) that names this host")
+    if "connection refused" in text:
+        return f"no server answers at {target}: nothing listens on that port (is `hookwire serve` running there?)"
+    if "socket closed" in text or "connection reset" in text:
+        return (f"{target} closed the connection at once: if it serves TLS, connect with --tls, --tls-ca "
+                "or an https:// target")
+    if "failed to connect" in text:
+        return f"no server answers at {target} (is `hookwire serve` running there, and reachable from here?)"
+    return None

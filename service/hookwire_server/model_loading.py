@@ -11,8 +11,10 @@ import asyncio
 import dataclasses
 import importlib
 import logging
+import os
 import pathlib
 import pickle
+import sys
 import tomllib
 from typing import Any, Callable
 
@@ -87,17 +89,50 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], list[Mod
     return server, models
 
 
+def import_factory(name: str, factory: str) -> Callable[..., Any]:
+    """The callable ``factory`` ("package.module:attr") names, for model ``name``.
+
+    The working directory is searched first, as ``python -m`` does, so
+    ``--model mine=mymodels:build`` finds ``./mymodels.py``; then the installed
+    packages. Raises ConfigError saying which module failed, where it was looked
+    for, and the original error (a missing module, or an import inside it that
+    failed), or which attribute is missing.
+    """
+    module_name, _, attr = factory.partition(":")
+    if not all(part.isidentifier() for part in module_name.split(".")) or not attr.isidentifier():
+        raise ConfigError(f"model {name!r}: factory {factory!r} is not package.module:callable")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        if missing is not None and (module_name == missing or module_name.startswith(missing + ".")):
+            where = (f"no module {missing!r} in the working directory {cwd} or the installed packages "
+                     f"(sys.path: {os.pathsep.join(p or '.' for p in sys.path)})")
+        else:  # the module was found, but something it imports was not
+            where = f"{module_name!r} was found, but importing it failed"
+        raise ConfigError(
+            f"model {name!r}: cannot import factory {factory!r}: {where}: {type(exc).__name__}: {exc}"
+        ) from None
+    except SyntaxError as exc:
+        raise ConfigError(f"model {name!r}: cannot import factory {factory!r}: SyntaxError: {exc}") from None
+    try:
+        return getattr(module, attr)  # type: ignore[no-any-return]
+    except AttributeError:
+        raise ConfigError(
+            f"model {name!r}: module {module_name!r} ({getattr(module, '__file__', None) or 'built in'}) "
+            f"has no attribute {attr!r}"
+        ) from None
+
+
 def build_model(config: ModelConfig) -> nn.Module:
     """Builds, loads weights into, and returns the model (in eval mode)."""
     if bool(config.factory) == bool(config.transformers):
         raise ConfigError(f"model {config.name!r}: set exactly one of factory or transformers")
     if config.factory:
-        module_name, _, attr = config.factory.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"model {config.name!r}: cannot import {config.factory!r}: {exc}") from None
-        model = factory(**config.kwargs)
+        model = import_factory(config.name, config.factory)(**config.kwargs)
     else:
         model = _load_transformers(config)
     if not isinstance(model, nn.Module):
@@ -112,7 +147,7 @@ def _load_transformers(config: ModelConfig) -> nn.Module:
         import transformers
     except ImportError:
         raise ConfigError(
-            f"model {config.name!r}: transformers is not installed (pip install 'hookwire[transformers]')"
+            f"model {config.name!r}: transformers is not installed (from a checkout of this repository: pip install '.[transformers]')"
         ) from None
     folder = pathlib.Path(str(config.transformers))
     if not folder.is_dir():

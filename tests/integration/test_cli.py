@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,19 +21,26 @@ HOOKWIRE = [sys.executable, "-m", "hookwire._cli"]
 TESTS = pathlib.Path(__file__).resolve().parent.parent
 
 
+#: The console script a user runs: unlike ``python -m``, it does not put the working
+#: directory on the import path. (-P gives the same where the script is missing.)
+SCRIPT = pathlib.Path(sys.executable).with_name("hookwire")
+CONSOLE = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-P", "-m", "hookwire._cli"]
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    # No empty entries: an empty PYTHONPATH entry would put the working directory on the path.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(TESTS), *env.get("PYTHONPATH", "").split(os.pathsep)] if p)
     return env
 
 
 class Served:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, command: list[str] = HOOKWIRE, cwd: pathlib.Path | None = None) -> None:
         # The log goes to a file: an undrained pipe would fill up and stall the server.
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
-            [*HOOKWIRE, "serve", "--port", "0", *args], stdout=subprocess.PIPE, stderr=self.log,
-            text=True, env=_env(),
+            [*command, "serve", "--port", "0", *args], stdout=subprocess.PIPE, stderr=self.log,
+            text=True, env=_env(), cwd=cwd,
         )
         line = self.proc.stdout.readline()
         if "serving" not in line:
@@ -43,7 +51,7 @@ class Served:
         self.target = line.rsplit(" ", 1)[-1].strip()
 
     def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*HOOKWIRE, *args, "--target", self.target], capture_output=True, text=True, timeout=60)
+        return subprocess.run([*HOOKWIRE, *args, "--target", self.target], capture_output=True, text=True, timeout=300)
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -183,6 +191,150 @@ def test_hooks_list_and_rm(demo: Served) -> None:
     assert hook_id in listing.stdout and "fc1" in listing.stdout and "expires" in listing.stdout
     removed = demo.run("hooks", "rm", hook_id)
     assert removed.returncode == 0 and f"{hook_id}: removed" in removed.stdout
-    again = demo.run("hooks", "rm", hook_id)
-    assert again.returncode == 1 and "not found" in again.stdout
     assert hook_id not in demo.run("hooks", "list").stdout
+
+
+def test_hooks_rm_is_idempotent_like_handle_remove(demo: Served) -> None:
+    import asyncio as _asyncio
+
+    import hookwire
+
+    async def register() -> str:
+        async with hookwire.connect(demo.target) as client:
+            handle = await client.model("mlp").hook("fc1", posthook=hookwire.capture(), scope="all", ttl_seconds=60)
+            return handle.id
+
+    hook_id = _asyncio.run(register())
+    assert demo.run("hooks", "rm", hook_id).returncode == 0
+    again = demo.run("hooks", "rm", hook_id)  # already removed: the goal holds, so it succeeds
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"{hook_id}: already gone" in again.stdout
+    never = demo.run("hooks", "rm", "hk_" + "0" * 32)  # well-formed, never registered: the same
+    assert never.returncode == 0 and "already gone" in never.stdout
+
+    kept = _asyncio.run(register())
+    malformed = demo.run("hooks", "rm", kept, "hk_123")  # a typo is an error, and nothing is removed
+    assert malformed.returncode == 2 and "not a hook id: 'hk_123'" in malformed.stderr
+    assert kept in demo.run("hooks", "list").stdout
+    assert "already gone" in demo.run("hooks", "rm", "--help").stdout
+    assert demo.run("hooks", "rm", kept).returncode == 0
+
+
+# Every command that prints, against the demo server. {target} is filled in.
+PRINTING = [
+    ["models", "--target", "{target}"],
+    ["inspect", "tiny-transformer", "--target", "{target}"],
+    ["hooks", "list", "--target", "{target}"],
+    ["health", "{target}"],
+    ["token", "new", "alice"],
+    ["--help"],
+]
+
+
+@pytest.mark.parametrize("command", PRINTING, ids=lambda c: " ".join(c[:2]))
+def test_commands_stop_quietly_when_stdout_closes_early(demo: Served, command: list[str]) -> None:
+    # A reader that has already gone (as `| head -2` has, once it has its lines): every
+    # write to the pipe fails with EPIPE, deterministically.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([*HOOKWIRE, *(a.format(target=demo.target) for a in command)],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120, env=_env())
+    finally:
+        os.close(write_end)
+    assert proc.returncode in (0, 141), proc.stderr
+    assert "Traceback" not in proc.stderr and "Broken pipe" not in proc.stderr and "Exception ignored" not in proc.stderr
+
+
+def test_inspect_piped_into_head(demo: Served) -> None:
+    producer = subprocess.Popen([*HOOKWIRE, "inspect", "tiny-transformer", "--target", demo.target],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    head = subprocess.run(["head", "-2"], stdin=producer.stdout, capture_output=True, text=True, timeout=120)
+    assert producer.stdout is not None
+    producer.stdout.close()
+    _, err = producer.communicate(timeout=120)
+    assert len(head.stdout.splitlines()) == 2
+    assert producer.returncode in (0, 141) and b"Traceback" not in err, err
+
+
+def test_tap_stops_quietly_when_its_reader_goes_and_removes_its_hook(demo: Served) -> None:
+    tap = subprocess.Popen(
+        [*HOOKWIRE, "tap", "mlp", "fc1", "--interval", "0.1", "--plain", "--target", demo.target],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+    )
+    assert tap.stdout is not None
+    assert tap.stdout.readline().startswith(b"hookwire tap mlp")  # it is running
+    tap.stdout.close()  # the reader goes; the next table meets a closed pipe
+    _, err = tap.communicate(timeout=120)
+    assert tap.returncode == 141 and b"Traceback" not in err, err
+    assert "fc1" not in demo.run("hooks", "list").stdout  # its hook went with it
+
+
+def test_factory_module_in_the_working_directory(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "mymodels.py").write_text(
+        "from hookwire_server.demo_models import MLP\n\ndef build():\n    return MLP()\n")
+    served = Served("--model", "mine=mymodels:build", command=CONSOLE, cwd=tmp_path)
+    try:
+        assert served.banner.startswith("hookwire serving mine on")
+        assert served.run("models").stdout.startswith("mine\t")
+    finally:
+        assert served.stop() == 0
+
+
+def test_factory_import_errors_say_what_was_searched(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "broken.py").write_text("import no_such_dependency_xyz\n\ndef build():\n    pass\n")
+
+    def serve(model: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*CONSOLE, "serve", "--port", "0", "--model", model], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, env=_env())
+
+    missing = serve("x=no_such_module_xyz:build")
+    assert missing.returncode == 2, missing.stderr
+    assert "cannot import factory 'no_such_module_xyz:build': no module 'no_such_module_xyz'" in missing.stderr
+    assert f"in the working directory {tmp_path}" in missing.stderr and "sys.path: " in missing.stderr
+    assert "ModuleNotFoundError: No module named 'no_such_module_xyz'" in missing.stderr
+
+    inner = serve("x=broken:build")
+    assert inner.returncode == 2, inner.stderr
+    assert "'broken' was found, but importing it failed" in inner.stderr
+    assert "No module named 'no_such_dependency_xyz'" in inner.stderr
+
+    attr = serve("x=broken_attr:build")
+    assert attr.returncode == 2 and "no module 'broken_attr'" in attr.stderr
+    assert "Traceback" not in missing.stderr + inner.stderr
+
+
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A loopback port that is bound but not listening: connecting to it is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", [["models"], ["inspect", "mlp"], ["hooks", "list"], ["hooks", "rm", "hk_" + "1" * 32]],
+                         ids=" ".join)
+def test_no_server_is_explained_without_a_traceback(closed_port: int, command: list[str]) -> None:
+    target = f"127.0.0.1:{closed_port}"
+    proc = subprocess.run([*HOOKWIRE, *command, "--target", target], capture_output=True, text=True,
+                          timeout=120, env=_env())
+    assert proc.returncode == 1
+    assert f"UNAVAILABLE: no server answers at {target}: nothing listens on that port" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_health_explains_no_server_and_http_targets(closed_port: int, demo: Served) -> None:
+    target = f"127.0.0.1:{closed_port}"
+    down = subprocess.run([*HOOKWIRE, "health", f"http://{target}"], capture_output=True, text=True, timeout=120, env=_env())
+    assert down.returncode == 2 and f"no server answers at {target}" in down.stderr, down.stderr
+    up = subprocess.run([*HOOKWIRE, "health", f"http://{demo.target}"], capture_output=True, text=True, timeout=120,
+                        env=_env())
+    assert up.returncode == 0 and "SERVING" in up.stdout
+    listing = demo.run("models")  # --target given as http://
+    assert listing.returncode == 0
+    via_url = subprocess.run([*HOOKWIRE, "models", "--target", f"http://{demo.target}"], capture_output=True,
+                             text=True, timeout=120, env=_env())
+    assert via_url.returncode == 0 and via_url.stdout == listing.stdout
+    bad = subprocess.run([*HOOKWIRE, "models", "--target", "grpc://127.0.0.1:1"], capture_output=True, text=True,
+                         timeout=120, env=_env())
+    assert bad.returncode == 2 and "use host:port" in bad.stderr and "Traceback" not in bad.stderr

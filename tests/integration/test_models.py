@@ -86,13 +86,13 @@ async def test_non_contiguous_input(client: hookwire.Client) -> None:
 
 
 async def test_slow_model_blocks_neither_other_models_nor_other_rpcs(client: hookwire.Client) -> None:
-    slow = asyncio.ensure_future(client.model("sleeper")(torch.tensor(1.5)))
+    # No speed test: the other calls must all finish while the slow pass is still running
+    # (it sleeps 5 s, far longer than they take even on a loaded machine).
+    slow = asyncio.ensure_future(client.model("sleeper")(torch.tensor(5.0)))
     await asyncio.sleep(0.2)
-    started = time.monotonic()
     await client.list_models()
     await client.model("mlp")(torch.zeros(1, 8))
     await client.model("tiny-transformer").info()
-    assert time.monotonic() - started < 1.0
     assert not slow.done()
     await slow
 
