@@ -144,25 +144,40 @@ def test_tap_shows_live_stats_and_removes_its_hook_on_ctrl_c(demo: Served) -> No
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
+    import threading as _threading
+
+    lines: list[str] = []
+    reader = _threading.Thread(target=lambda: lines.extend(tap.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+
+    def events_shown() -> bool:
+        """Whether the tap has drawn a table in which both layers counted events."""
+        rows = [line.split() for line in list(lines) if line.startswith("encoder.layers.")]
+        seen = {row[0] for row in rows if len(row) > 3 and row[2].isdigit() and int(row[2]) > 0 and row[3] != "-"}
+        return {"encoder.layers.0", "encoder.layers.1"} <= seen
+
     async def traffic() -> list:
         async with hookwire.connect(demo.target) as client:
-            for _ in range(50):  # wait for the tap's hook
+            for _ in range(600):  # wait for the tap's hook (a liveness bound, not a speed claim)
                 if await client.list_hooks(model="tiny-transformer"):
                     break
                 await _asyncio.sleep(0.1)
             hooks = await client.list_hooks(model="tiny-transformer")
             ids = torch.randint(0, 64, (2, 6))
-            end = _time.monotonic() + 2.0
-            while _time.monotonic() < end:
+            # Calls until the tap has shown their events: however slow the machine, never by the clock alone.
+            end = _time.monotonic() + 120
+            while not events_shown() and _time.monotonic() < end:
                 await client.model("tiny-transformer")(ids)
             return hooks
 
     try:
         hooks = _asyncio.run(traffic())
         assert len(hooks) == 1 and hooks[0].scope == "all"
-        _time.sleep(0.8)
         tap.send_signal(signal.SIGINT)
-        out, err = tap.communicate(timeout=30)
+        tap.wait(60)
+        reader.join(60)
+        err = tap.stderr.read()  # type: ignore[union-attr]
+        out = "".join(lines)
     finally:
         tap.kill()
     assert tap.returncode == 0, err

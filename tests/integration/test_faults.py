@@ -50,7 +50,7 @@ async def test_sigterm_under_load_finishes_or_refuses_cleanly_and_leaves_nothing
         stopped = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*workers), 30)
         assert proc.wait(30) == 0
-        assert time.monotonic() - stopped < 10  # grace 5 s
+        assert time.monotonic() - stopped < 60  # grace 5 s: a liveness guard; the exact bound is test_operations'
     finally:
         proc.kill()
     errors = [o for o in outcomes if o != "ok"]

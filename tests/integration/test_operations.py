@@ -126,7 +126,7 @@ async def test_sigterm_finishes_in_flight_infer_ends_streams_and_exits_zero() ->
             with pytest.raises((hookwire.UnavailableError, hookwire.CancelledError)):
                 await client.model("mlp")(torch.zeros(1, 8))
         assert proc.wait(30) == 0
-        assert time.monotonic() - stopped_at < 10
+        assert time.monotonic() - stopped_at < 60  # a liveness guard, not a speed claim
     finally:
         proc.kill()
 
