@@ -1,8 +1,8 @@
 """The hookwire server: hosts PyTorch models and lets gRPC clients hook them.
 
 Layering: ``servicers`` (gRPC only) translate requests into calls on the domain
-modules (``model_registry``, ``hook_manager``, ``event_bus``, ``inference``),
-which never import grpc.
+modules (``model_registry``, ``hook_specs``, ``hook_record``, ``hook_manager``,
+``event_bus``, ``inference``), which never import grpc.
 """
 
 from .model_loading import ModelConfig, build_registry, demo_configs

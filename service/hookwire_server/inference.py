@@ -32,7 +32,8 @@ from .errors import (
     Unavailable,
     Unimplemented,
 )
-from .hook_manager import HookManager, HookRecord, new_id
+from .hook_manager import HookManager, new_id
+from .hook_record import HookRecord
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from . import limits
 from .limits import Limits

@@ -1,0 +1,345 @@
+"""The torch side of a registered hook: a HookRecord installs one real torch hook per
+action on each module its pattern resolves to, with the spec's options (prepend,
+with_kwargs, always_call), so ordering and visibility are torch's own. Each torch
+hook checks at call time whether the hook applies to the running pass (scope),
+counts the call, gates on the module's ``training`` flag, applies its rules and
+captures.
+
+Torch hook dictionaries are changed only on the model's worker thread, between
+passes (see model_registry). A hook nobody listens to costs a counter bump: no
+tensor is copied unless an event will be delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from google.protobuf import timestamp_pb2
+from torch.utils.hooks import RemovableHandle
+
+from hookwire import _codec
+from hookwire._codec import Chunker
+from hookwire.v1 import hook_pb2, hook_service_pb2
+
+from .auth import ANONYMOUS, Principal
+from .capture import Sampler
+from .errors import InvalidArgument, Unimplemented
+from .event_bus import EventStream, HookCounters
+from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec, _part_name
+from .metrics import Metrics
+from .model_registry import ModelHost
+from .rules import RuleFailure, apply_rules, operand_tensors
+from .slots import SlotStore
+
+if TYPE_CHECKING:
+    from .hook_manager import Subscription
+    from .inference import Pass
+
+log = logging.getLogger("hookwire.hooks")
+
+_NO_METRICS = Metrics()  # for records built without a server (unit tests)
+
+
+class HookRecord:
+    """One registered hook and the torch hooks that implement it."""
+
+    def __init__(
+        self, hook_id: str, host: ModelHost, spec: hook_pb2.HookSpec, compiled: CompiledSpec,
+        *, session_id: str = "", request_id: str = "", slots: SlotStore | None = None,
+        metrics: Metrics | None = None, owner: Principal = ANONYMOUS,
+    ) -> None:
+        self.hook_id = hook_id
+        #: Who registered it: only they (or an operator) see, subscribe to and remove it.
+        self.owner = owner
+        self.host = host
+        #: The spec without its operands' bytes: ``compiled`` holds the one (decoded) copy.
+        self.spec = _without_operand_data(spec)
+        self.compiled = compiled
+        self.session_id = session_id
+        self.request_id = request_id
+        #: Where events go; replaced, never mutated, so hook threads read it without a lock.
+        self.streams: tuple[EventStream, ...] = ()
+        self.subscriptions: list[Subscription] = []
+        #: Where save/patch rules keep tensors: the owner's (or the request's) session.
+        self.slots = slots
+        self.active = False
+        self.removed = False
+        #: Set (once) when a failing rule or capture disabled the hook.
+        self.disabled_reason = ""
+        self.fire_count = 0
+        self.errors = 0
+        metrics = metrics or _NO_METRICS
+        self._fires_metric = metrics.hook_fires.labels(host.name)
+        self.counters = HookCounters(on_drop=metrics.events_dropped.labels(host.name).inc)
+        self.last_fired_ns = 0
+        #: Wall-clock expiry (ns) of a hook without a session; 0 for none.
+        self.expires_ns = 0
+        self._sampler = Sampler.compile(spec.sampling)
+        #: Called once when the hook is removed (cancels a TTL timer).
+        self.on_removed: Callable[[], Any] | None = None
+        #: The background detach, once removed.
+        self.detaching: asyncio.Future[None] | None = None
+        self._handles: list[RemovableHandle] = []
+
+    # ---------------------------------------------------------------- worker thread
+
+    def attach(self) -> None:
+        """Installs the torch hooks. Runs on the model's worker thread."""
+        if self.removed:
+            return
+        for path in self.compiled.modules:
+            module = self.host.modules[path]
+            for action in self.compiled.actions:
+                self._handles.append(_install(module, action, self._make_hook(action, path)))
+        self.active = True
+
+    def detach(self) -> None:
+        """Removes the torch hooks. Runs on the model's worker thread; idempotent."""
+        self.active = False
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def _make_hook(self, action: Action, path: str) -> Callable[..., Any]:
+        """The torch hook: its signature and return value are torch's for the phase."""
+        fire = self._fire
+        phase = action.phase
+        if phase == hook_pb2.PHASE_FORWARD_PRE:
+            if action.with_kwargs:
+                def pre_kw(module: Any, args: Any, kwargs: Any) -> Any:
+                    new = fire(action, path, module, {"args": args, "kwargs": kwargs})
+                    return None if new is None else (new["args"], new["kwargs"])
+                return pre_kw
+
+            def pre(module: Any, args: Any) -> Any:
+                new = fire(action, path, module, {"args": args})
+                return None if new is None else new["args"]
+            return pre
+        if phase == hook_pb2.PHASE_FORWARD:
+            if action.with_kwargs:
+                def post_kw(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+                    new = fire(action, path, module, {"args": args, "kwargs": kwargs, "output": output})
+                    return None if new is None else new["output"]
+                return post_kw
+
+            def post(module: Any, args: Any, output: Any) -> Any:
+                new = fire(action, path, module, {"args": args, "output": output})
+                return None if new is None else new["output"]
+            return post
+        if phase == hook_pb2.PHASE_BACKWARD_PRE:
+            def backward_pre(module: Any, grad_output: Any) -> Any:
+                new = fire(action, path, module, {"grad_output": grad_output})
+                return None if new is None else new["grad_output"]
+            return backward_pre
+
+        def backward(module: Any, grad_input: Any, grad_output: Any) -> Any:
+            new = fire(action, path, module, {"grad_input": grad_input, "grad_output": grad_output})
+            return None if new is None else new["grad_input"]
+        return backward
+
+    def _applies_to(self, p: Pass) -> bool:
+        scope = self.compiled.scope
+        if scope == hook_pb2.SCOPE_ALL:
+            return True
+        if scope == SCOPE_REQUEST:
+            return p.request_id == self.request_id
+        if scope == hook_pb2.SCOPE_TAGGED:
+            return not self.compiled.tags.isdisjoint(p.tags)
+        return bool(self.session_id) and p.session_id == self.session_id
+
+    def _fire(self, action: Action, path: str, module: Any, parts: dict[str, Any]) -> dict[str, Any] | None:
+        """The body of every torch hook: scope, call index, gating, rules, capture, delivery.
+
+        Returns the parts as the rules left them when a rule changed something, else None.
+        """
+        p = self.host.current_pass
+        if p is None or not self.active or not self._applies_to(p):
+            return None
+        call_index = p.next_call_index(self.hook_id, path, action.phase)
+        training = module.training
+        if not (self.compiled.train_update if training else self.compiled.eval_update):
+            return None
+        self.fire_count += 1
+        self._fires_metric.inc()
+        self.last_fired_ns = time.time_ns()
+        listened = self.compiled.scope == SCOPE_REQUEST or bool(self.streams)
+        capture = bool(action.capture) and listened and (self._sampler is None or self._sampler.take(path, action.phase))
+        if not action.rules:
+            if capture:
+                self._capture(action, path, p, call_index, training, parts)
+            return None
+        if capture and action.capture_before_rules:
+            self._capture(action, path, p, call_index, training, parts)
+        try:
+            new_parts, changed = apply_rules(
+                action.rules, parts, self.slots, f"hook {self.hook_id} on module {path!r} of {self.host.name!r}"
+            )
+        except RuleFailure as failure:
+            self.errors += 1
+            if self.compiled.fail_call_on_error:
+                raise failure.error from None  # through forward/backward: the Infer call fails
+            self._disable(str(failure.error), hook_service_pb2.NOTICE_KIND_HOOK_DISABLED)
+            return None  # the failing firing changes nothing
+        if capture and not action.capture_before_rules:
+            self._capture(action, path, p, call_index, training, new_parts)
+        return new_parts if changed else None
+
+    def _disable(self, reason: str, kind: hook_service_pb2.NoticeKind) -> None:
+        """Stops the hook for good (it stays listed) and tells its streams. Worker thread."""
+        self.active = False
+        self.disabled_reason = reason
+        log.warning("hook %s disabled: %s", self.hook_id, reason)
+        notice = _notice(kind, self.hook_id, f"hook disabled: {reason}")
+        for stream in self.streams:
+            stream.put_notice(notice)
+
+    def _capture(
+        self, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any]
+    ) -> None:
+        if self.compiled.scope == SCOPE_REQUEST:
+            # The request's own hook: a capture failure fails the request (raised through forward),
+            # and so does an event past max_events_per_call (Pass.add_event).
+            event = p.add_event()
+            self._fill_event(event, action, path, p, call_index, training, parts, p.chunker)
+            event.seq = p.next_seq(self.hook_id)
+            return
+        streams = self.streams
+        if not streams:
+            return  # nobody listens: no copies
+        msg = hook_service_pb2.SessionMessage()
+        chunker = Chunker(snapshot=True)
+        try:
+            nbytes = self._fill_event(msg.event, action, path, p, call_index, training, parts, chunker)
+        except Exception as exc:  # never break a pass because a capture cannot be made
+            self.errors += 1
+            detail = f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}"
+            self._disable(detail, hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED)
+            return
+        wire = msg.ByteSize()
+        copies = [msg] + [_copy(msg) for _ in streams[1:]]
+        kept = chunker if chunker.tensors else None
+        for stream, m in zip(streams, copies):
+            stream.put_event(
+                m, self.hook_id, nbytes, session_id=p.session_id, principal=p.principal, counters=self.counters, chunker=kept,
+                wire=wire, cancelled=self._is_removed,
+            )
+
+    def _is_removed(self) -> bool:
+        return self.removed
+
+    def _fill_event(
+        self, event: hook_pb2.InterceptEvent, action: Action, path: str, p: Pass,
+        call_index: int, training: bool, parts: dict[str, Any], chunker: Chunker | None,
+    ) -> int:
+        event.hook_id = self.hook_id
+        event.model = self.host.name
+        event.module = path
+        event.phase = action.phase
+        event.call_index = call_index
+        event.request_id = p.request_id
+        event.training = training
+        event.time.CopyFrom(_now())
+        nbytes = 0
+        options = action.options
+        encode = _codec.encode_value_into
+        try:
+            for part in action.capture:
+                if part == hook_pb2.PART_ARGS:
+                    for value in parts["args"]:
+                        value = options.prepare(value) if options.transforms else value
+                        nbytes += encode(value, event.args.add(), chunker=chunker)
+                elif part == hook_pb2.PART_KWARGS:
+                    for key, value in parts["kwargs"].items():
+                        value = options.prepare(value) if options.transforms else value
+                        nbytes += encode(value, event.kwargs[key], chunker=chunker)
+                elif part == hook_pb2.PART_OUTPUT:
+                    value = options.prepare(parts["output"]) if options.transforms else parts["output"]
+                    nbytes += encode(value, event.output, chunker=chunker)
+                else:
+                    field = "grad_input" if part == hook_pb2.PART_GRAD_INPUT else "grad_output"
+                    target = getattr(event, field)
+                    for value in parts[field]:
+                        value = options.prepare(value) if options.transforms else value
+                        nbytes += encode(value, target.add(), chunker=chunker)
+        except _codec.CodecError as exc:
+            raise Unimplemented(f"hook {self.hook_id} on module {path!r} cannot capture {_part_name(part)}: {exc}") from None
+        except (IndexError, RuntimeError, ValueError, TypeError) as exc:  # a selection that does not fit, ...
+            raise InvalidArgument(
+                f"hook {self.hook_id} on module {path!r} cannot capture {_part_name(part)}: {type(exc).__name__}: {exc}"
+            ) from None
+        return nbytes
+
+    def to_proto(self, *, include_operand_data: bool = False) -> hook_pb2.Hook:
+        """The wire description of this hook; rule operand tensors carry their data only
+        with ``include_operand_data`` (encoded from the compiled rules: the bytes registered)."""
+        msg = hook_pb2.Hook(
+            hook_id=self.hook_id, spec=self.spec, modules=list(self.compiled.modules), session_id=self.session_id,
+            disabled=bool(self.disabled_reason), disabled_reason=self.disabled_reason,
+            fire_count=self.fire_count, events_sent=self.counters.events_sent,
+            events_dropped=self.counters.events_dropped, errors=self.errors,
+        )
+        if self.last_fired_ns:
+            msg.last_fired.FromNanoseconds(self.last_fired_ns)
+        if self.expires_ns:
+            msg.expires.FromNanoseconds(self.expires_ns)
+        if include_operand_data:
+            fields = {info.phase: info.field for info in PHASES}
+            for action in self.compiled.actions:
+                rules = {rule.position: rule for rule in action.rules}
+                for position, tensor_msg in operand_tensors(getattr(msg.spec, fields[action.phase]).rules):
+                    operand = rules[position].tensor
+                    if operand is not None:
+                        tensor_msg.Clear()  # dtype and shape are set again, with the data
+                        _codec.encode_tensor_into(operand, tensor_msg)
+        return msg
+
+
+def _without_operand_data(spec: hook_pb2.HookSpec) -> hook_pb2.HookSpec:
+    """A copy of ``spec`` whose rule operand tensors keep their dtype and shape, not their data.
+
+    Clears the data in ``spec`` itself first (the request's message; nobody reads the
+    bytes after compile_spec decoded them), so that the copy never holds them: kept
+    beside the compiled rules' tensors, they would hold every operand twice (and a
+    stored sub-message keeps its whole request alive).
+    """
+    for info in PHASES:
+        if spec.HasField(info.field):  # type: ignore[arg-type]
+            for _, tensor_msg in operand_tensors(getattr(spec, info.field).rules):
+                tensor_msg.data = b""
+    out = hook_pb2.HookSpec()
+    out.CopyFrom(spec)
+    return out
+
+
+def _install(module: Any, action: Action, fn: Callable[..., None]) -> RemovableHandle:
+    if action.phase == hook_pb2.PHASE_FORWARD_PRE:
+        return module.register_forward_pre_hook(fn, prepend=action.prepend, with_kwargs=action.with_kwargs)
+    if action.phase == hook_pb2.PHASE_FORWARD:
+        return module.register_forward_hook(
+            fn, prepend=action.prepend, with_kwargs=action.with_kwargs, always_call=action.always_call
+        )
+    if action.phase == hook_pb2.PHASE_BACKWARD_PRE:
+        return module.register_full_backward_pre_hook(fn, prepend=action.prepend)
+    return module.register_full_backward_hook(fn, prepend=action.prepend)
+
+
+def _copy(msg: hook_service_pb2.SessionMessage) -> hook_service_pb2.SessionMessage:
+    out = hook_service_pb2.SessionMessage()
+    out.CopyFrom(msg)
+    return out
+
+
+def _now() -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ns = time.time_ns()
+    ts.seconds, ts.nanos = divmod(ns, 1_000_000_000)
+    return ts
+
+
+def _notice(kind: hook_service_pb2.NoticeKind, hook_id: str, message: str) -> hook_service_pb2.SessionMessage:
+    return hook_service_pb2.SessionMessage(
+        notice=hook_service_pb2.Notice(kind=kind, hook_id=hook_id, message=message)
+    )

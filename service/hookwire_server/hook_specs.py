@@ -1,0 +1,197 @@
+"""Hook specs checked against a model: what a HookSpec asks for, compiled once at
+registration into the phases, parts, torch options and rules to install, and the
+roles it needs. No torch hook is installed here (see hook_record)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hookwire.v1 import hook_pb2, rule_pb2
+
+from .auth import MINIMUM_ROLE, Principal
+from .capture import CaptureOptions, Sampler
+from .errors import InvalidArgument, PermissionDenied
+from .model_registry import ModelHost
+from .rules import CompiledRule, compile_rules
+
+SCOPE_REQUEST = -1  # internal: InferRequest.hooks, which have no wire scope value
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseInfo:
+    """What one hook phase is called and what it can see."""
+
+    phase: hook_pb2.Phase
+    field: str  # the HookSpec field holding its action
+    options_field: str
+    parts: frozenset[int]
+
+
+PHASES: tuple[PhaseInfo, ...] = (
+    PhaseInfo(hook_pb2.PHASE_FORWARD_PRE, "prehook", "prehook_kwargs", frozenset({hook_pb2.PART_ARGS, hook_pb2.PART_KWARGS})),
+    PhaseInfo(
+        hook_pb2.PHASE_FORWARD, "posthook", "posthook_kwargs",
+        frozenset({hook_pb2.PART_ARGS, hook_pb2.PART_KWARGS, hook_pb2.PART_OUTPUT}),
+    ),
+    PhaseInfo(hook_pb2.PHASE_BACKWARD_PRE, "backward_prehook", "backward_prehook_kwargs", frozenset({hook_pb2.PART_GRAD_OUTPUT})),
+    PhaseInfo(
+        hook_pb2.PHASE_BACKWARD, "backward_hook", "backward_hook_kwargs",
+        frozenset({hook_pb2.PART_GRAD_INPUT, hook_pb2.PART_GRAD_OUTPUT}),
+    ),
+)
+
+
+def _part_name(part: int) -> str:
+    try:
+        return hook_pb2.Part.Name(part)
+    except ValueError:
+        return f"unknown part {part}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One validated hook action: the phase, the parts to capture and the torch options."""
+
+    phase: hook_pb2.Phase
+    capture: tuple[hook_pb2.Part, ...]
+    with_kwargs: bool = False
+    prepend: bool = False
+    always_call: bool = False
+    rules: tuple[CompiledRule, ...] = ()
+    capture_before_rules: bool = False
+    options: CaptureOptions = CaptureOptions()
+
+    @property
+    def modifies(self) -> bool:
+        """Whether a rule changes values (save only reads)."""
+        return any(rule.modifies for rule in self.rules)
+
+    @property
+    def uses_slots(self) -> bool:
+        """Whether a rule saves or patches."""
+        return any(rule.kind in ("save", "patch") for rule in self.rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledSpec:
+    """A HookSpec checked against its model: what to install where."""
+
+    modules: tuple[str, ...]
+    actions: tuple[Action, ...]
+    train_update: bool
+    eval_update: bool
+    scope: int
+    tags: frozenset[str]
+    fail_call_on_error: bool
+
+    @property
+    def uses_slots(self) -> bool:
+        """Whether a rule saves or patches (it then needs a session)."""
+        return any(action.uses_slots for action in self.actions)
+
+
+def compile_spec(
+    spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bool, allow_shared_rules: bool = False,
+    max_rules: int = 64,
+) -> CompiledSpec:
+    """Validates ``spec`` for ``host``; raises InvalidArgument, NotFound or PermissionDenied naming the field."""
+    actions: list[Action] = []
+    for info in PHASES:
+        if not spec.HasField(info.field):  # type: ignore[arg-type]
+            continue
+        action_msg: hook_pb2.HookAction = getattr(spec, info.field)
+        options = getattr(spec, info.options_field)
+        with_kwargs = bool(getattr(options, "with_kwargs", False))
+        parts: list[hook_pb2.Part] = []
+        for i, part in enumerate(action_msg.capture):
+            if part not in info.parts:
+                visible = ", ".join(_part_name(p) for p in sorted(info.parts))
+                raise InvalidArgument(
+                    f"{info.field}.capture[{i}]: {_part_name(part)} is not visible to a {info.field} (it sees {visible})"
+                )
+            if part == hook_pb2.PART_KWARGS and not with_kwargs:
+                raise InvalidArgument(
+                    f"{info.field}.capture[{i}]: capturing PART_KWARGS needs {info.options_field}.with_kwargs "
+                    "(without it, torch does not pass kwargs to the hook)"
+                )
+            if part not in parts:
+                parts.append(part)
+        if len(action_msg.rules) > max_rules:
+            raise InvalidArgument(f"{info.field}.rules: {len(action_msg.rules)} rules, over the limit of {max_rules}")
+        if action_msg.capture_stage not in rule_pb2.CaptureStage.values():
+            raise InvalidArgument(f"{info.field}.capture_stage: unknown stage {action_msg.capture_stage}")
+        actions.append(
+            Action(
+                phase=info.phase,
+                capture=tuple(parts),
+                with_kwargs=with_kwargs,
+                prepend=bool(options.prepend),
+                always_call=bool(getattr(options, "always_call", False)),
+                rules=compile_rules(
+                    action_msg.rules, phase=info.phase, phase_field=info.field, with_kwargs=with_kwargs,
+                    device=host.device,
+                ),
+                capture_before_rules=action_msg.capture_stage == rule_pb2.CAPTURE_STAGE_BEFORE_RULES,
+                options=CaptureOptions.compile(action_msg, info.field),
+            )
+        )
+    if not actions:
+        raise InvalidArgument(
+            "the hook has no action: set at least one of prehook, posthook, backward_prehook, backward_hook"
+        )
+    if spec.scope not in hook_pb2.Scope.values():
+        raise InvalidArgument(f"scope: unknown scope {spec.scope}")
+    if request_scoped:
+        if spec.scope not in (hook_pb2.SCOPE_UNSPECIFIED, hook_pb2.SCOPE_SESSION):
+            raise InvalidArgument(
+                f"scope: hooks in InferRequest.hooks fire for that call only; {hook_pb2.Scope.Name(spec.scope)} needs RegisterHook"
+            )
+        scope = SCOPE_REQUEST
+    else:
+        scope = spec.scope or hook_pb2.SCOPE_SESSION
+    tags = frozenset(spec.tags)
+    if scope == hook_pb2.SCOPE_TAGGED and not tags:
+        raise InvalidArgument("tags: a SCOPE_TAGGED hook needs at least one tag")
+    if tags and scope != hook_pb2.SCOPE_TAGGED:
+        raise InvalidArgument("tags: only SCOPE_TAGGED hooks have tags")
+    if "" in tags:
+        raise InvalidArgument("tags: a tag cannot be empty")
+    shared = scope in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED)
+    if shared and not allow_shared_rules and spec.on_error == rule_pb2.ON_ERROR_FAIL_CALL:
+        raise PermissionDenied(
+            "on_error: ON_ERROR_FAIL_CALL on a shared hook would fail other callers' calls; this server does not "
+            "allow it (start it with --allow-shared-rules)"
+        )
+    if shared and not allow_shared_rules and any(a.modifies for a in actions):
+        raise PermissionDenied(
+            f"rules on a {hook_pb2.Scope.Name(scope)} hook change other callers' results; this server does not "
+            "allow them (start it with --allow-shared-rules)"
+        )
+    if spec.on_error not in rule_pb2.OnError.values():
+        raise InvalidArgument(f"on_error: unknown policy {spec.on_error}")
+    Sampler.compile(spec.sampling)  # validates
+    fail_call = spec.on_error == rule_pb2.ON_ERROR_FAIL_CALL or (
+        spec.on_error == rule_pb2.ON_ERROR_UNSPECIFIED and not shared
+    )
+    modules = tuple(host.resolve(spec.module))
+    return CompiledSpec(
+        modules=modules,
+        actions=tuple(actions),
+        train_update=spec.train_update if spec.HasField("train_update") else True,
+        eval_update=spec.eval_update if spec.HasField("eval_update") else True,
+        scope=scope,
+        tags=tags,
+        fail_call_on_error=fail_call,
+    )
+
+
+def require_hook_roles(principal: Principal, spec: hook_pb2.HookSpec, compiled: CompiledSpec, *, sessionless: bool) -> None:
+    """PermissionDenied unless ``principal``'s role allows this hook: checked when it is
+    registered, and again when a token reload changes its owner's role."""
+    principal.require(MINIMUM_ROLE["RegisterHook"], "registering a hook")
+    if compiled.scope in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED):
+        principal.require("observer", "a SCOPE_ALL or SCOPE_TAGGED hook (other callers' traffic)")
+        if any(a.modifies for a in compiled.actions) or spec.on_error == rule_pb2.ON_ERROR_FAIL_CALL:
+            principal.require("operator", "rules that change or fail other callers' calls")
+    if sessionless:
+        principal.require("operator", "a hook without a session (it outlives its client)")
