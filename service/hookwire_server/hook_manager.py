@@ -470,11 +470,14 @@ class HookManager:
         for sub in list(self._subscriptions):
             sub.stream.close(SHUTDOWN_REASON)
 
-    async def close(self) -> None:
-        """Ends every session and stream, then waits for the detaches."""
+    async def close(self, timeout: float | None = None) -> None:
+        """Ends every session and stream, then waits for the detaches, at most
+        ``timeout`` seconds: a detach runs on the model's worker after the pass in
+        flight, and a pass that outlives the grace period must not hold the exit
+        (its thread is abandoned with the process, hooks and all)."""
         for session_id in list(self._sessions):
             self.close_session(session_id)
         for record in list(self._hooks.values()):
             self._remove(record.hook_id, reason="server stopping")
         if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+            await asyncio.wait(list(self._background), timeout=timeout)

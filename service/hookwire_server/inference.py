@@ -174,21 +174,32 @@ class Inference:
         return True
 
     @contextlib.contextmanager
-    def open_stream(self, principal: Principal = ANONYMOUS) -> Iterator[None]:
-        """Counts one InferStream of ``principal`` while the block runs. Call it before
-        reading anything: PermissionDenied below the user role, ResourceExhausted when
-        the principal already has max_infer_streams_per_principal open."""
+    def open_stream(self, principal: Principal = ANONYMOUS) -> Iterator[Callable[[], None]]:
+        """Counts one InferStream upload of ``principal`` until the block ends or the
+        yielded ``release`` is called (once the request is assembled: a call waiting
+        for or running on the model holds no upload memory). Call it before reading
+        anything: PermissionDenied below the user role, ResourceExhausted when the
+        principal already has max_infer_streams_per_principal uploads open."""
         principal.require(MINIMUM_ROLE["InferStream"], "Infer")
-        count = self._streams.get(principal.name, 0)
+        name = principal.name
+        count = self._streams.get(name, 0)
         limits.check(count, self.limits.max_infer_streams_per_principal,
-                     f"{principal.name!r} has {count} InferStream calls open", "max_infer_streams_per_principal")
-        self._streams[principal.name] = count + 1
+                     f"{name!r} has {count} InferStream uploads open", "max_infer_streams_per_principal")
+        self._streams[name] = count + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._streams[name] -= 1
+                if not self._streams[name]:
+                    del self._streams[name]
+
         try:
-            yield
+            yield release
         finally:
-            self._streams[principal.name] -= 1
-            if not self._streams[principal.name]:
-                del self._streams[principal.name]
+            release()
 
     @property
     def open_streams(self) -> dict[str, int]:
@@ -216,10 +227,11 @@ class Inference:
     @_releasing_on_failure
     async def infer_chunked(
         self, request: model_service_pb2.InferRequest, chunks: AsyncIterator[tensor_pb2.TensorChunk],
-        principal: Principal = ANONYMOUS,
+        principal: Principal = ANONYMOUS, *, uploaded: Callable[[], None] | None = None,
     ) -> tuple[model_service_pb2.InferResponse, Chunker]:
         """InferStream: the request's chunked tensors come from ``chunks``; the response's
-        large tensors are left in the returned Chunker, to follow the response."""
+        large tensors are left in the returned Chunker, to follow the response.
+        ``uploaded`` is called once every chunk has arrived (see open_stream)."""
         principal.require(MINIMUM_ROLE["InferStream"], "Infer")
         # Off the loop: the walks cost microseconds per Value (bounded by max_request_values).
         await asyncio.to_thread(self._check_elements, request)
@@ -235,6 +247,8 @@ class Inference:
             raise InvalidArgument(f"InferStream: {exc}") from None
         if not assembler.done:
             raise InvalidArgument("InferStream: the stream ended before every chunked tensor was complete")
+        if uploaded is not None:
+            uploaded()
         chunker = Chunker(snapshot=True)
         response = await self.infer(
             request, chunked=assembler.result(), chunker=chunker, principal=principal, checked=True

@@ -71,8 +71,11 @@ class Limits:
     #: Seconds an InferStream may go without a message from its client before it is
     #: ended (DEADLINE_EXCEEDED) and the chunks it sent are freed.
     infer_stream_idle_timeout: float = 30.0
-    #: Open InferStream calls per principal (RESOURCE_EXHAUSTED beyond).
-    max_infer_streams_per_principal: int = 16
+    #: InferStream calls of one principal still uploading their request (RESOURCE_EXHAUSTED
+    #: beyond); a call whose request has arrived no longer counts. As many as max_queued_infers,
+    #: so that concurrent SDK calls with large tensors (sent over InferStream) are not refused
+    #: before unary ones would be.
+    max_infer_streams_per_principal: int = 64
 
 
 def check(count: int, limit: int, what: str, name: str) -> None:

@@ -215,7 +215,7 @@ class HookwireServer:
         self.hooks.begin_shutdown()
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
-        await self.hooks.close()
+        await self.hooks.close(timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
         self.metrics.stop()
         self.registry.shutdown()
 

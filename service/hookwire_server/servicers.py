@@ -59,14 +59,16 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     @streaming
     async def InferStream(self, requests: AsyncIterator[model_service_pb2.InferStreamRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.InferStreamResponse]:
         principal = principal_of(context, self._tokens)
-        with self._inference.open_stream(principal):  # admitted before anything is read
+        with self._inference.open_stream(principal) as uploaded:  # admitted before anything is read
             messages = self._inference.idle_limited(requests)
             first = await anext(messages, None)
             if isinstance(first, MalformedRequest):
                 raise first.to_error()
             if first is None or first.WhichOneof("kind") != "request":
                 raise InvalidArgument("InferStream: the first message must carry the request")
-            response, chunker = await self._inference.infer_chunked(first.request, _chunks(messages), principal)
+            response, chunker = await self._inference.infer_chunked(
+                first.request, _chunks(messages), principal, uploaded=uploaded
+            )
             yield model_service_pb2.InferStreamResponse(response=response)
             for chunk in chunker.chunks(chunk_bytes_for(first.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)):
                 yield model_service_pb2.InferStreamResponse(chunk=chunk)

@@ -168,13 +168,17 @@ def _banner(proc: subprocess.Popen, log) -> str:
     return line
 
 
-async def test_sigterm_exits_within_the_grace_period_while_a_long_pass_runs() -> None:
-    """The model thread cannot be stopped: the process must exit without waiting for it."""
+@pytest.mark.parametrize("hooked", [False, True], ids=["no-hook", "hooked"])
+async def test_sigterm_exits_within_the_grace_period_while_a_long_pass_runs(hooked: bool) -> None:
+    """The model thread cannot be stopped: the process must exit without waiting for it,
+    also when hooks on that model still wait to be detached behind the pass."""
     port = _free_port()
     proc, log = _spawn("--port", str(port), "--model", "sleeper=support:sleeper_factory", HOOKWIRE_GRACE="1")
     try:
         _banner(proc, log)
         async with hookwire.connect(f"127.0.0.1:{port}") as client:
+            if hooked:
+                await client.model("sleeper").hook("inner", posthook=hookwire.capture("output"))
             in_flight = asyncio.ensure_future(client.model("sleeper")(torch.tensor(120.0)))  # a 120 s pass
             await asyncio.sleep(1.0)
             assert not in_flight.done()

@@ -702,7 +702,7 @@ async def test_open_infer_streams_are_limited_per_principal(tmp_path) -> None:
             await _until(lambda: srv.call(lambda: srv.server.inference.open_streams) == {"alice": 1}, "admitted")
             refused = await asyncio.to_thread(_refused_infer_stream, srv.target, "alice")
             assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "'alice' has 1 InferStream calls open" in refused.details()
+            assert "'alice' has 1 InferStream uploads open" in refused.details()
             assert "max_infer_streams_per_principal" in refused.details()
             small = hookwire.ConnectOptions(token=TOKENS["bob"], max_message_bytes=4 * MIB)  # the SDK streams
             async with hookwire.connect(srv.target, options=small) as bob:
@@ -711,5 +711,37 @@ async def test_open_infer_streams_are_limited_per_principal(tmp_path) -> None:
             await _until(lambda: srv.call(lambda: srv.server.inference.open_streams) == {}, "the stream is released")
             async with hookwire.connect(srv.target, options=dataclasses.replace(small, token=TOKENS["alice"])) as alice:
                 assert (await alice.model("mlp")(X)).shape == (1, 4)
+    finally:
+        srv.stop()
+
+
+async def test_an_infer_stream_counts_against_the_limit_only_while_it_uploads() -> None:
+    """A call whose request has arrived (waiting for or running on the model) holds no
+    upload memory: it must not keep its principal's other InferStream calls out."""
+    settings = ServerSettings(port=0, tokens=LINES, max_infer_streams_per_principal=1)
+    srv = ServerThread(build_test_registry(), settings).start()
+    try:
+        request = model_service_pb2.InferStreamRequest(request=model_service_pb2.InferRequest(
+            model="sleeper", args=[_codec.encode_value(torch.tensor(3.0))]))
+
+        def slow_call() -> list:
+            with grpc.insecure_channel(srv.target) as channel:
+                stub = model_service_pb2_grpc.ModelServiceStub(channel)
+                return list(stub.InferStream(iter([request]), metadata=_bearer("alice")))
+
+        running = asyncio.ensure_future(asyncio.to_thread(slow_call))
+        await _until(lambda: srv.call(lambda: srv.server.inference._queued.get("sleeper", 0)) == 1, "running")
+        assert srv.call(lambda: srv.server.inference.open_streams) == {}
+        quick = model_service_pb2.InferStreamRequest(request=model_service_pb2.InferRequest(
+            model="mlp", args=[_codec.encode_value(X)]))
+
+        def quick_call() -> list:
+            with grpc.insecure_channel(srv.target) as channel:
+                stub = model_service_pb2_grpc.ModelServiceStub(channel)
+                return list(stub.InferStream(iter([quick]), metadata=_bearer("alice")))
+
+        answer = await asyncio.to_thread(quick_call)  # on main: RESOURCE_EXHAUSTED (the sleeping call counted)
+        assert answer[0].WhichOneof("kind") == "response"
+        assert len(await asyncio.wait_for(running, 120)) == 1
     finally:
         srv.stop()
