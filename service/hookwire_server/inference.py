@@ -41,6 +41,17 @@ from .model_registry import ModelHost, ModelRegistry
 
 log = logging.getLogger("hookwire.infer")
 
+#: Plain (non-list, non-map) arguments of a request checked inline, on the event loop.
+INLINE_VALUES = 16
+
+
+def _plain(request: model_service_pb2.InferRequest) -> bool:
+    """Whether the request holds a few plain arguments (tensors, scalars: no lists or
+    maps), so that walking its Values is a few steps and may run on the event loop."""
+    if len(request.args) + len(request.kwargs) > INLINE_VALUES:
+        return False
+    return all(v.WhichOneof("kind") not in ("list", "map") for v in (*request.args, *request.kwargs.values()))
+
 T = TypeVar("T")
 R = TypeVar("R")
 P = ParamSpec("P")
@@ -233,10 +244,14 @@ class Inference:
         large tensors are left in the returned Chunker, to follow the response.
         ``uploaded`` is called once every chunk has arrived (see open_stream)."""
         principal.require(MINIMUM_ROLE["InferStream"], "Infer")
-        # Off the loop: the walks cost microseconds per Value (bounded by max_request_values).
-        await asyncio.to_thread(self._check_elements, request)
+        await self._checked(request)
         try:
-            assembler = await asyncio.to_thread(_codec.ChunkAssembler, request, max_bytes=self.limits.max_request_bytes)
+            if _plain(request):  # its buffers are allocated here, not in a worker thread's malloc arena
+                assembler = _codec.ChunkAssembler(request, max_bytes=self.limits.max_request_bytes)
+            else:
+                assembler = await asyncio.to_thread(
+                    _codec.ChunkAssembler, request, max_bytes=self.limits.max_request_bytes
+                )
             async for chunk in chunks:
                 if assembler.done:
                     raise InvalidArgument("InferStream: more chunks than the request's chunked tensors hold")
@@ -254,6 +269,14 @@ class Inference:
             request, chunked=assembler.result(), chunker=chunker, principal=principal, checked=True
         )
         return response, chunker
+
+    async def _checked(self, request: model_service_pb2.InferRequest) -> bool:
+        """_check_elements, inline for a request of a few plain arguments (its walk is a
+        few steps), on a worker thread for one with lists or maps (its walk costs
+        microseconds per Value, bounded by max_request_values)."""
+        if _plain(request):
+            return self._check_elements(request)
+        return await asyncio.to_thread(self._check_elements, request)
 
     def _check_elements(self, request: model_service_pb2.InferRequest) -> bool:
         """Validates every tensor's dtype, shape and byte count, and the element limit,
@@ -298,7 +321,7 @@ class Inference:
                 f"hooks: {len(request.hooks)} request-scoped hooks, over the limit of {self.limits.max_request_hooks} "
                 "(max_request_hooks)"
             )
-        if not checked and await asyncio.to_thread(self._check_elements, request) and chunked is None:
+        if not checked and await self._checked(request) and chunked is None:
             raise InvalidArgument("a tensor has a chunk_id: chunked tensors travel over InferStream, not Infer")
         if request.mode not in model_service_pb2.Mode.values():
             raise InvalidArgument(f"mode: unknown mode {request.mode}")

@@ -54,7 +54,7 @@ class Limits:
     # --- request bounds (issue #9: bad input, wide requests, request-scoped hooks) ---
     #: Protobuf fields on the wire in one request message (each tag, and each element of a
     #: packed repeated field), counted on its raw bytes before it is parsed.
-    max_request_fields: int = 1 << 20
+    max_request_fields: int = 1 << 19
     #: Values and map entries in one request message (every list item, dict entry, argument).
     max_request_values: int = 65536
     #: Request-scoped hooks (InferRequest.hooks) in one Infer call.

@@ -80,7 +80,7 @@ _PACKED_WIDTH = {
 class RequestBounds:
     """The bounds ``check`` applies; see Limits for each."""
 
-    max_fields: int = 1 << 20
+    max_fields: int = 1 << 19
     max_values: int = 65536
     max_request_hooks: int = 64
     max_rules_per_action: int = 64
@@ -95,6 +95,10 @@ class RequestBounds:
             max_request_hooks=limits.max_request_hooks, max_rules_per_action=limits.max_rules_per_action,
             max_name_length=limits.max_name_length, max_path_length=limits.max_path_length,
         )
+
+
+class TooManyFields(ResourceExhausted):
+    """The scan passed max_fields (a caller may scan again with a larger bound elsewhere)."""
 
 
 class _Malformed(Exception):
@@ -175,8 +179,8 @@ class _Scan:
                 return result, i
             shift += 7
 
-    def too_many_fields(self, where: Any) -> ResourceExhausted:
-        return ResourceExhausted(
+    def too_many_fields(self, where: Any) -> TooManyFields:
+        return TooManyFields(
             f"the request holds more than {self.bounds.max_fields} protobuf fields (at {_path(where)}), over the limit of "
             f"{self.bounds.max_fields} (max_request_fields)"
         )

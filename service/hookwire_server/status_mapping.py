@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import functools
 import logging
 import secrets
@@ -63,15 +65,21 @@ class MalformedRequest:
         return errors.InvalidArgument(f"the request is not a valid {self.message_type} message: {self.error}")
 
 
-#: Requests up to this size are checked and parsed on the event loop (at most a few
-#: thousand fields: well under a millisecond); larger ones on a worker thread.
-INLINE_PARSE_BYTES = 16 * 1024
+#: Fields of a request scanned on the event loop: a request holding no more (however
+#: many bytes its tensors take) is checked and parsed right there, in well under a
+#: millisecond; one holding more is scanned again and parsed on PARSERS.
+INLINE_FIELDS = 4096
+
+#: Threads that scan and parse requests with many fields: their own, so that a flood of
+#: such requests queues here and not in front of other calls' work (asyncio's default
+#: executor runs the tensor checks and hook compilation of every Infer).
+PARSERS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="hookwire-parse")
 
 
 class RawRequest:
     """Request bytes not parsed yet. gRPC calls the deserializer on the event loop;
     the wrapped handler checks the bytes against the request bounds and parses them,
-    off the loop when they are large (see ``parse_request``)."""
+    off the loop when they hold many fields (see ``parse_request``)."""
 
     __slots__ = ("message_class", "data")
 
@@ -103,16 +111,20 @@ def tolerant_parser(message_class: Any) -> Callable[[bytes], Any]:
 
 async def parse_request(request: Any, servicer: Any) -> Any:
     """The parsed message for a RawRequest (anything else as it is), checked against the
-    servicer's ``limits``; large requests are checked and parsed on a worker thread, so a
-    big request never stalls the event loop (health checks, other calls)."""
+    servicer's ``limits``; a request of more than INLINE_FIELDS fields is checked and
+    parsed on a PARSERS thread, so a wide request never stalls the event loop (health
+    checks, other calls)."""
     if isinstance(request, MalformedRequest):
         raise request.to_error()
     if not isinstance(request, RawRequest):
         return request
     bounds = RequestBounds.of(getattr(servicer, "limits", None) or Limits())
-    if len(request.data) <= INLINE_PARSE_BYTES:
-        return request.parse(bounds)
-    return await asyncio.to_thread(request.parse, bounds)
+    try:
+        return request.parse(dataclasses.replace(bounds, max_fields=min(bounds.max_fields, INLINE_FIELDS)))
+    except request_bounds.TooManyFields:
+        if bounds.max_fields <= INLINE_FIELDS:
+            raise
+    return await asyncio.get_running_loop().run_in_executor(PARSERS, request.parse, bounds)
 
 
 async def _parsed_stream(requests: AsyncIterator[Any], servicer: Any) -> AsyncIterator[Any]:
