@@ -403,7 +403,7 @@ class HookManager:
                 ended += self._narrow(sub)
         principals = tokens.principals
         for record in list(self._hooks.values()):
-            if record.owner == ANONYMOUS:
+            if record.owner is ANONYMOUS:  # identity: a configured principal may be called "anonymous" too
                 continue
             owner = principals.get(record.owner.name)
             if owner is None:

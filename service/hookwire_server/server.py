@@ -146,6 +146,8 @@ class HookwireServer:
             )
         if settings.keepalive_time <= 0 or settings.keepalive_timeout <= 0:
             raise ValueError("keepalive_time and keepalive_timeout must be positive (seconds)")
+        if settings.infer_stream_idle_timeout <= 0:
+            raise ValueError("infer_stream_idle_timeout must be positive (seconds)")
         interceptor = AuthInterceptor(self.tokens, client_certs=bool(settings.tls_client_ca))
         server = grpc.aio.server(
             options=channel_options(settings.max_message_bytes, settings.keepalive_time, settings.keepalive_timeout),
