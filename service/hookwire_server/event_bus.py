@@ -234,6 +234,10 @@ class EventStream:
                         and not (cancelled is not None and cancelled())
                     ):
                         self._not_full.wait()
+                        if not self.blocks_for(session_id, principal):
+                            # A token reload demoted the stream's owner: it may no longer hold this call.
+                            block = False
+                            break
                 finally:
                     self._waiting -= 1
                 if self._closed or self._ending or (cancelled is not None and cancelled()):
@@ -309,7 +313,8 @@ class EventStream:
         return False
 
     def wake_producers(self) -> None:
-        """Makes producers waiting for space re-check their ``cancelled`` condition."""
+        """Makes producers waiting for space re-check their ``cancelled`` condition and
+        whether the stream still blocks for their call (``blocks_others`` may change)."""
         with self._lock:
             self._not_full.notify_all()
 

@@ -390,6 +390,7 @@ class HookManager:
             elif now is not None:
                 session.principal = now
                 session.stream.blocks_others = now.is_operator
+                session.stream.wake_producers()  # a pass it held for another caller drops instead
         for sub in list(self._subscriptions):
             now = tokens.current(sub.principal)
             reason = revoked if now is None else _lacks(now, MINIMUM_ROLE["Subscribe"], "a subscription")
@@ -400,6 +401,7 @@ class HookManager:
             elif now is not None:
                 sub.principal = now
                 sub.stream.blocks_others = now.is_operator
+                sub.stream.wake_producers()  # a pass it held for another caller drops instead
                 ended += self._narrow(sub)
         principals = tokens.principals
         for record in list(self._hooks.values()):

@@ -637,6 +637,41 @@ async def test_a_demoted_operator_no_longer_blocks_other_callers(reloadable) -> 
         stream.cancel()
 
 
+
+async def test_a_demotion_releases_a_pass_the_stream_already_holds(reloadable) -> None:
+    """Another caller's pass waiting on an operator's full BLOCK stream when a reload
+    demotes the operator must go on at once (its event drops), not wait for room."""
+    srv, tokens = reloadable
+    async with grpc.aio.insecure_channel(srv.target) as channel:
+        stub = hook_service_pb2_grpc.HookServiceStub(channel)
+        metadata = (("authorization", "Bearer o1"),)
+        stream = stub.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
+            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=1)), metadata=metadata)
+        session_id = (await stream.read()).opened.session_id
+        await stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="scale", module="", scope=hook_pb2.SCOPE_ALL,
+            posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=metadata)
+        session_stream = srv.call(lambda: srv.server.hooks._sessions[session_id].stream)
+        async with hookwire.connect(srv.target, options=hookwire.ConnectOptions(token="a1")) as alice:
+            x = torch.ones(1 << 20)  # 4 MiB events: the buffer and gRPC's windows fill after a few calls
+            stop = asyncio.Event()
+
+            async def calls() -> int:
+                done = 0
+                while not stop.is_set():
+                    await alice.model("scale")(x)
+                    done += 1
+                return done
+
+            caller = asyncio.ensure_future(calls())
+            await _until(lambda: session_stream.waiting_producers == 1, "alice's pass is held")
+            tokens.write_text(_token_lines(alice=("user", "a1"), ops=("observer", "o1"), obs=("observer", "s1")))
+            _reload(srv)
+            stop.set()
+            assert await asyncio.wait_for(caller, 60) >= 1  # released by the reload: nobody ever read the stream
+        stream.cancel()
+
+
 # ---------------------------------------------------------------- InferStream (issue #9)
 
 
