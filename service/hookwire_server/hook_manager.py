@@ -30,6 +30,9 @@ from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
 log = logging.getLogger("hookwire.hooks")
 
 SHUTDOWN_REASON = "the server is shutting down"
+#: Specs (and listings with operand data) up to this size are compiled (encoded) on the
+#: event loop; larger ones, whose rule operands take long to decode or encode, on a thread.
+OPERAND_BYTES_INLINE = 64 * 1024
 
 
 class Session:
@@ -176,10 +179,12 @@ class HookManager:
         principal.require(MINIMUM_ROLE["RegisterHook"], "registering a hook")
         session = self.require_session(session_id, principal, owner_only=True) if session_id else None
         host = self._registry.get(spec.model)
-        compiled = compile_spec(
-            spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules,
+        compile_ = functools.partial(
+            compile_spec, spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules,
             max_rules=self.limits.max_rules_per_action,
         )
+        # Off the loop when large: decoding big rule operands takes a while (a 256 MiB one, a second).
+        compiled = await asyncio.to_thread(compile_) if spec.ByteSize() > OPERAND_BYTES_INLINE else compile_()
         require_hook_roles(principal, spec, compiled, sessionless=session is None)
         if session is None:
             if compiled.scope not in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED):
@@ -298,6 +303,13 @@ class HookManager:
             if (not model or r.host.name == model) and (not session_id or r.session_id == session_id)
             and (principal.is_operator or principal.owns(r.owner))
         ]
+
+    async def describe(self, records: list[HookRecord], *, include_operand_data: bool = False) -> list[hook_pb2.Hook]:
+        """The wire descriptions of ``records`` (see HookRecord.to_proto); with operand
+        data, encoded on a worker thread when the operands are large."""
+        if include_operand_data and any(r.operand_bytes > OPERAND_BYTES_INLINE for r in records):
+            return await asyncio.to_thread(lambda: [r.to_proto(include_operand_data=True) for r in records])
+        return [r.to_proto(include_operand_data=include_operand_data) for r in records]
 
     @property
     def hook_count(self) -> int:

@@ -58,6 +58,11 @@ class HookRecord:
         #: The spec without its operands' bytes: ``compiled`` holds the one (decoded) copy.
         self.spec = _without_operand_data(spec)
         self.compiled = compiled
+        #: Bytes of the rule operands ``compiled`` holds (what a listing with their data encodes).
+        self.operand_bytes = sum(
+            rule.tensor.numel() * rule.tensor.element_size()
+            for action in compiled.actions for rule in action.rules if rule.tensor is not None
+        )
         self.session_id = session_id
         self.request_id = request_id
         #: Where events go; replaced, never mutated, so hook threads read it without a lock.

@@ -121,7 +121,7 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
             model=request.model, session_id=request.session_id, principal=principal_of(context, self._tokens)
         )
         return hook_service_pb2.ListHooksResponse(
-            hooks=[r.to_proto(include_operand_data=request.include_operand_data) for r in records]
+            hooks=await self._hooks.describe(records, include_operand_data=request.include_operand_data)
         )
 
     @unary

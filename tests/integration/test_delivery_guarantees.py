@@ -301,3 +301,53 @@ async def test_the_stream_limit_applies_with_default_buffers(defaults) -> None:
             call.cancel()
         for channel in channels:
             await channel.close()
+
+
+async def test_large_operands_are_decoded_and_encoded_off_the_event_loop(monkeypatch) -> None:
+    """RegisterHook with a large operand, and ListHooks with operand data, must leave the
+    event loop serving: the slow part is held on a gate here, and a health check on the
+    same server must answer while it is held (if it ran on the loop, nothing would)."""
+    import threading
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from hookwire_server import hook_manager, hook_record
+
+    gate, entered = threading.Event(), threading.Event()
+
+    def gated(fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            entered.set()
+            assert gate.wait(120), "the gate was never opened"
+            return fn(*args, **kwargs)
+        return run
+
+    srv = ServerThread(build_test_registry()).start()
+    try:
+        async with grpc.aio.insecure_channel(srv.target) as channel:
+            stub = hook_service_pb2_grpc.HookServiceStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            session = stub.OpenSession(hook_service_pb2.OpenSessionRequest())
+            session_id = (await session.read()).opened.session_id
+            big = _add_spec(torch.ones(1 << 16))  # 256 KiB: over the inline size
+            for step in ("register", "list"):
+                gate.clear()
+                entered.clear()
+                if step == "register":
+                    monkeypatch.setattr(hook_manager, "compile_spec", gated(hook_manager.compile_spec))
+                    call = stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=big))
+                else:
+                    monkeypatch.setattr(hook_record.HookRecord, "to_proto", gated(hook_record.HookRecord.to_proto))
+                    call = stub.ListHooks(hook_service_pb2.ListHooksRequest(
+                        session_id=session_id, include_operand_data=True))
+                waiting = asyncio.ensure_future(call)
+                assert await asyncio.to_thread(entered.wait, 120)
+                answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=60)  # while the gate holds (120 s)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+                gate.set()
+                await asyncio.wait_for(waiting, 120)
+                monkeypatch.undo()
+            session.cancel()
+    finally:
+        gate.set()
+        srv.stop()
