@@ -26,7 +26,7 @@ from .metrics import Metrics
 from .security import principal_of
 from .model_registry import ModelRegistry
 from .slots import slot_to_proto
-from .status_mapping import MalformedRequest, streaming, tolerant_parser, unary
+from .status_mapping import streaming, tolerant_parser, unary
 
 
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
@@ -62,8 +62,6 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         with self._inference.open_stream(principal) as uploaded:  # admitted before anything is read
             messages = self._inference.idle_limited(requests)
             first = await anext(messages, None)
-            if isinstance(first, MalformedRequest):
-                raise first.to_error()
             if first is None or first.WhichOneof("kind") != "request":
                 raise InvalidArgument("InferStream: the first message must carry the request")
             response, chunker = await self._inference.infer_chunked(
@@ -76,8 +74,6 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
 async def _chunks(requests: AsyncIterator[model_service_pb2.InferStreamRequest]) -> AsyncIterator[tensor_pb2.TensorChunk]:
     async for msg in requests:
-        if isinstance(msg, MalformedRequest):
-            raise msg.to_error()
         if msg.WhichOneof("kind") != "chunk":
             raise InvalidArgument("InferStream: after the request, only chunks may follow")
         yield msg.chunk

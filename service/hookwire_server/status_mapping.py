@@ -52,19 +52,6 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}); see the server log")
 
 
-class MalformedRequest:
-    """Stands in for request bytes that do not parse, so the handler can answer
-    INVALID_ARGUMENT (gRPC itself would answer INTERNAL)."""
-
-    def __init__(self, message_type: str, error: str) -> None:
-        self.message_type = message_type
-        self.error = error
-
-    def to_error(self) -> errors.InvalidArgument:
-        """The domain error it becomes."""
-        return errors.InvalidArgument(f"the request is not a valid {self.message_type} message: {self.error}")
-
-
 #: Fields of a request scanned on the event loop: a request holding no more (however
 #: many bytes its tensors take) is checked and parsed right there, in well under a
 #: millisecond; one holding more is scanned again and parsed on PARSERS.
@@ -72,7 +59,7 @@ INLINE_FIELDS = 4096
 
 #: Threads that scan and parse requests with many fields: their own, so that a flood of
 #: such requests queues here and not in front of other calls' work (asyncio's default
-#: executor runs the tensor checks and hook compilation of every Infer).
+#: executor runs the tensor checks of Infer calls with lists or maps, and request-hook compilation).
 PARSERS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="hookwire-parse")
 
 
@@ -95,7 +82,10 @@ class RawRequest:
         try:
             return self.message_class.FromString(self.data)
         except Exception as exc:  # DecodeError, and anything else a parser may raise on garbage
-            raise MalformedRequest(descriptor.full_name, str(exc) or type(exc).__name__).to_error() from None
+            # gRPC itself would answer INTERNAL for bytes that do not parse.
+            raise errors.InvalidArgument(
+                f"the request is not a valid {descriptor.full_name} message: {str(exc) or type(exc).__name__}"
+            ) from None
 
 
 def tolerant_parser(message_class: Any) -> Callable[[bytes], Any]:
@@ -114,8 +104,6 @@ async def parse_request(request: Any, servicer: Any) -> Any:
     servicer's ``limits``; a request of more than INLINE_FIELDS fields is checked and
     parsed on a PARSERS thread, so a wide request never stalls the event loop (health
     checks, other calls)."""
-    if isinstance(request, MalformedRequest):
-        raise request.to_error()
     if not isinstance(request, RawRequest):
         return request
     bounds = RequestBounds.of(getattr(servicer, "limits", None) or Limits())
