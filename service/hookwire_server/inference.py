@@ -219,19 +219,29 @@ class Inference:
 
     async def idle_limited(self, messages: AsyncIterator[T]) -> AsyncIterator[T]:
         """``messages`` as they come; DeadlineExceeded when the client sends none for
-        infer_stream_idle_timeout seconds (the call then ends, and whatever its
-        messages filled is freed with it). Waits for each message."""
-        timeout = self.limits.infer_stream_idle_timeout
+        infer_stream_idle_timeout seconds, or has not finished sending within
+        infer_timeout seconds (a client dripping one chunk just inside the idle
+        timeout must not hold its upload forever). The call then ends, and whatever
+        its messages filled is freed with it. Waits for each message."""
+        idle = self.limits.infer_stream_idle_timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.infer_timeout
         iterator = aiter(messages)
         while True:
+            left = deadline - loop.time()
             try:
-                message = await asyncio.wait_for(anext(iterator), timeout)
+                message = await asyncio.wait_for(anext(iterator), min(idle, max(0.0, left)))
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
+                if idle < left:
+                    raise DeadlineExceeded(
+                        f"InferStream: no message from the client for {idle:g} s (infer_stream_idle_timeout); "
+                        "the call is ended and what it sent is freed: send the request and its chunks without pausing"
+                    ) from None
                 raise DeadlineExceeded(
-                    f"InferStream: no message from the client for {timeout:g} s (infer_stream_idle_timeout); "
-                    "the call is ended and what it sent is freed: send the request and its chunks without pausing"
+                    f"InferStream: the client was still sending after {self.limits.infer_timeout:g} s (infer_timeout); "
+                    "the call is ended and what it sent is freed"
                 ) from None
             yield message
 

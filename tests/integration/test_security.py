@@ -780,3 +780,44 @@ async def test_an_infer_stream_counts_against_the_limit_only_while_it_uploads() 
         assert len(await asyncio.wait_for(running, 120)) == 1
     finally:
         srv.stop()
+
+
+async def test_an_infer_stream_that_drips_its_upload_is_ended_at_infer_timeout() -> None:
+    """One chunk at a time, each well inside the idle timeout: the upload as a whole
+    is still bounded (by infer_timeout), and what it sent is freed."""
+    settings = ServerSettings(port=0, tokens=LINES, infer_stream_idle_timeout=30.0, infer_timeout=1.0)
+    srv = ServerThread(build_test_registry(), settings).start()
+    try:
+        request = model_service_pb2.InferRequest(model="scale")
+        chunker = _codec.Chunker(snapshot=False)
+        _codec.encode_value_into(torch.ones(16 * MIB), request.args.add(), chunker=chunker)
+        chunks = iter(chunker.chunks(MIB))
+
+        ended, drained = threading.Event(), threading.Event()
+
+        def messages() -> Iterator[model_service_pb2.InferStreamRequest]:
+            try:
+                yield model_service_pb2.InferStreamRequest(request=request)
+                for chunk in chunks:  # 64 chunks, one every 0.3 s: ~19 s in all, never idle for 30 s
+                    yield model_service_pb2.InferStreamRequest(chunk=chunk)
+                    if ended.wait(0.3):
+                        return
+            finally:
+                drained.set()
+
+        def drip() -> grpc.RpcError:
+            # A sync client: the asyncio one may report a refused stream as INTERNAL (grpc/grpc#36066).
+            with grpc.insecure_channel(srv.target) as channel:
+                with pytest.raises(grpc.RpcError) as info:
+                    list(model_service_pb2_grpc.ModelServiceStub(channel).InferStream(
+                        messages(), metadata=_bearer("alice")))
+                ended.set()
+                drained.wait(60)  # gRPC's sending thread is done with the generator before the channel closes
+            return info.value
+
+        error = await asyncio.wait_for(asyncio.to_thread(drip), 120)
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+        assert "still sending after 1 s (infer_timeout)" in error.details()
+        await _until(lambda: srv.call(lambda: srv.server.inference.open_streams) == {}, "the stream is released")
+    finally:
+        srv.stop()
