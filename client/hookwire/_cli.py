@@ -131,7 +131,8 @@ async def _models(ns: argparse.Namespace) -> int:
     async with connect(ns.target, options=_client_options(ns)) as client:
         for info in await client.list_models():
             train = "train+eval" if info.training_allowed else "eval only"
-            print(f"{info.name}\t{train}\t{info.description}")
+            state = f"failed: {info.state_message}" if info.state == "failed" else info.state
+            print(f"{info.name}\t{state}\t{train}\t{info.description}")
     return 0
 
 
@@ -220,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-shared-rules", action="store_true",
                        help="allow rules that change values on SCOPE_ALL/SCOPE_TAGGED hooks (other callers' results)")
 
-    models = sub.add_parser("models", help="list the hosted models")
+    models = sub.add_parser("models", help="list the hosted models: name, state (ready, loading, failed: why), modes, description")
     models.add_argument("--target", default=target_default, help=target_help)
 
     inspect = sub.add_parser("inspect", help="show a model's module tree with types and parameter shapes")

@@ -73,8 +73,9 @@ def test_serve_defaults_to_demo_models_on_loopback(demo: Served) -> None:
 def test_models_command(demo: Served) -> None:
     out = demo.run("models")
     assert out.returncode == 0, out.stderr
-    names = [line.split("\t")[0] for line in out.stdout.splitlines()]
-    assert names == ["mlp", "tiny-transformer"]
+    rows = [line.split("\t") for line in out.stdout.splitlines()]
+    assert [row[0] for row in rows] == ["mlp", "tiny-transformer"]
+    assert [row[1] for row in rows] == ["ready", "ready"]
 
 
 def test_inspect_command(demo: Served) -> None:
