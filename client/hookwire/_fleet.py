@@ -174,6 +174,13 @@ class FleetClient:
             hook._stop()
         await asyncio.gather(*(r.client.close() for r in self._replicas.values()), return_exceptions=True)
 
+    async def wait_ready(self, models: Sequence[str] | None = None, *, timeout: float | None = None) -> None:
+        """Waits until every live replica has the named models (all it configures, when
+        None) ready: Client.wait_ready on each replica at once. Blocks; raises what the
+        first failing replica's wait raises (FailedPreconditionError for a model that
+        failed to load, NotFoundError, TimeoutError after ``timeout`` seconds)."""
+        await asyncio.gather(*(r.client.wait_ready(models, timeout=timeout) for r in self._live()))
+
     # ---------------------------------------------------------------- calls
 
     def model(self, name: str) -> FleetModel:

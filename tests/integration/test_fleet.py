@@ -123,6 +123,9 @@ async def test_registration_is_all_or_nothing(replicas) -> None:
     try:
         targets = [r.target for r in replicas] + [odd.target]
         async with hookwire.connect_fleet(targets) as fleet:
+            await fleet.wait_ready(timeout=120)  # every replica's own models
+            with pytest.raises(hookwire.NotFoundError, match="no model 'mlp'"):
+                await fleet.wait_ready(["mlp"], timeout=120)  # the odd replica does not configure it
             with pytest.raises(hookwire.NotFoundError, match=f"replica {odd.target} refused the hook"):
                 await fleet.model("mlp").hook("fc1", posthook=hookwire.capture("output"))
             assert [await _count_hooks(r.target) for r in replicas] == [0, 0, 0]
