@@ -189,6 +189,7 @@ class FleetClient:
 
     async def _call(self, fn: Callable[[Client], Awaitable[Any]]) -> Any:
         live = self._live()
+        last: UnavailableError | None = None
         start = self._rr
         self._rr += 1
         for i in range(len(live)):  # each live replica once, starting at the round-robin position
@@ -198,8 +199,15 @@ class FleetClient:
             try:
                 return await fn(replica.client)
             except UnavailableError as exc:
-                self._lost(replica, str(exc))
-        raise UnavailableError("no live replica of the fleet answered")
+                # UNAVAILABLE also answers a call to a model that is still loading: a
+                # replica that answers ListModels is alive, and only this call moves on.
+                try:
+                    await replica.client.list_models()
+                except HookwireError:
+                    self._lost(replica, str(exc))
+                last = exc
+        raise UnavailableError(f"no live replica of the fleet answered the call (last: {last})" if live else
+                               "no live replica of the fleet answered")
 
 
 class FleetModel:

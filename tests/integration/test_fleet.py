@@ -155,3 +155,28 @@ async def test_round_robin_skips_a_dead_replica_without_failing_calls(replicas) 
         assert fleet.replicas["127.0.0.1:1"] is False
         async with fleet.model("mlp").hook("fc1", posthook=hookwire.capture()) as hook:
             assert sorted(hook.handles) == sorted(targets[1:])  # the dead one gets it when it is back
+
+
+async def test_a_replica_whose_model_is_loading_is_not_lost() -> None:
+    """UNAVAILABLE also means "this model is still loading": the call moves to another
+    replica, and the loading one stays in the fleet (it answers, it is not gone)."""
+    from hookwire_server import ModelHost, ModelRegistry
+    from hookwire_server.demo_models import mlp
+
+    from support import ServerThread
+
+    ready_registry = ModelRegistry()
+    ready_registry.add(ModelHost("mlp", mlp()))
+    loading_registry = ModelRegistry()
+    loading_registry.expect("mlp")
+    ready, loading = ServerThread(ready_registry).start(), ServerThread(loading_registry).start()
+    try:
+        async with hookwire.connect_fleet([loading.target, ready.target]) as fleet:
+            for _ in range(4):  # round-robin reaches the loading replica first or second
+                assert (await fleet.model("mlp")(X)).shape == (1, 4)
+            assert fleet.replicas == {loading.target: True, ready.target: True}, fleet.notices
+            with pytest.raises(TimeoutError):
+                await fleet.wait_ready(["mlp"], timeout=0.5)  # a bound on waiting, not on speed
+    finally:
+        ready.stop()
+        loading.stop()
