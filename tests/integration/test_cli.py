@@ -101,7 +101,7 @@ def test_factory_flag_and_config_with_safetensors_weights(tmp_path: pathlib.Path
     try:
         assert served.banner.startswith("hookwire serving mlp42, scale on")
         listing = served.run("models").stdout
-        assert "mlp42\teval only\ttrained" in listing
+        assert "mlp42\tready\teval only\ttrained" in listing
         import asyncio
 
         import hookwire
