@@ -74,7 +74,7 @@ def test_models_command(demo: Served) -> None:
     out = demo.run("models")
     assert out.returncode == 0, out.stderr
     names = [line.split("\t")[0] for line in out.stdout.splitlines()]
-    assert names == ["mlp", "tiny-transformer"]
+    assert names == ["mlp", "tiny-transformer", "tiny-lm"]
 
 
 def test_inspect_command(demo: Served) -> None:
