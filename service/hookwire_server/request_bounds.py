@@ -62,6 +62,7 @@ NAME_FIELDS = frozenset({
     "hookwire.v1.ListSlotsRequest.session_id",
     "hookwire.v1.TokenizeRequest.model",
     "hookwire.v1.TokenizeRequest.padding_side",
+    "hookwire.v1.Value.opaque_type",
 })
 #: String fields the server parses: globs, dotted paths, selections.
 PATH_FIELDS = frozenset({

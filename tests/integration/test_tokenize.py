@@ -160,3 +160,32 @@ async def test_causal_lm_and_tokenizer_from_a_local_folder(tmp_path: pathlib.Pat
                             padding_side="right")
     finally:
         server.stop()
+
+
+async def test_a_kv_cache_is_sent_as_null_with_a_marker(client: hookwire.Client) -> None:
+    """transformers' DynamicCache has no wire form: outputs and captured kwargs carry it
+    as null with Value.opaque_type naming its class, instead of failing the call."""
+    model = client.model("tiny-lm")
+    batch = await model.tokenize(["Hello world", "the"])
+    local = tiny_lm()
+    with torch.no_grad():
+        want = local(batch.input_ids, attention_mask=batch.attention_mask)
+    assert type(want.past_key_values).__name__ == "DynamicCache"
+    result = await model.infer(
+        batch.input_ids, attention_mask=batch.attention_mask,
+        hooks=[hookwire.HookSpec("model.layers.0", prehook=hookwire.capture("args", "kwargs"),
+                                 prehook_kwargs={"with_kwargs": True})],
+    )
+    assert list(result.output) == ["logits", "past_key_values"]
+    assert result.output["past_key_values"] is None
+    marker = result.raw.output.map.entries["past_key_values"]
+    assert marker.WhichOneof("kind") == "null_value" and marker.opaque_type == "DynamicCache"
+    assert torch.equal(result.output["logits"], want.logits)
+    [event] = result.events
+    assert event.kwargs["past_key_values"] is None
+    assert event.raw.kwargs["past_key_values"].opaque_type == "DynamicCache"
+    assert all(v.opaque_type == "" for k, v in event.raw.kwargs.items() if k != "past_key_values")
+    # A client never sends one: encoding a cache in a request is still an error.
+    from hookwire import _codec
+    with pytest.raises(_codec.CodecError, match="DynamicCache"):
+        _codec.encode_value(want.past_key_values)
