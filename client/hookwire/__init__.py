@@ -49,6 +49,7 @@ from ._types import (
     ParameterInfo,
     SlotInfo,
     TensorSummary,
+    Tokenized,
 )
 
 __version__ = "0.1.0"
@@ -89,6 +90,7 @@ __all__ = [
     "SlotInfo",
     "Subscription",
     "TensorSummary",
+    "Tokenized",
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",

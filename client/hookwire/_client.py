@@ -18,7 +18,7 @@ from ._credentials import bearer_token_interceptors, channel_credentials
 from ._errors import FailedPreconditionError, HookwireError, NotFoundError, UnavailableError, from_rpc_error
 from ._session import EventRouter, pump, stream_items
 from ._specs import ActionLike, Backward, HookSpec, OnErrorName, Sampling, ScopeName
-from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, Notice, SlotInfo
+from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, Notice, SlotInfo, Tokenized
 from .v1 import (
     hook_service_pb2,
     hook_service_pb2_grpc,
@@ -633,6 +633,32 @@ class RemoteModel:
             raise HookwireError(f"InferStream: {exc}", code="DATA_LOSS") from None
         finally:
             call.cancel()  # a no-op once it has finished
+
+    async def tokenize(
+        self, texts: str | Sequence[str], *, add_special_tokens: bool | None = None, padding_side: str = "",
+    ) -> Tokenized:
+        """Tokenizes ``texts`` (one string, or several, batched) with the model's tokenizer
+        on the server and returns the padded ids, the attention mask and each text's
+        token strings (``Tokenized``), as transformers' ``tokenizer(texts, padding=True,
+        return_tensors="pt", padding_side=...)`` does, without truncation.
+
+        ``add_special_tokens`` None uses the tokenizer's default (True for transformers
+        tokenizers). ``padding_side`` is "left" or "right"; "" pads on the left for a
+        model that generates (a causal LM), else on the tokenizer's own side. Waits for
+        the reply (the tokenizer runs on the server, on a thread of the model's own).
+        Raises FailedPreconditionError when the model has no tokenizer (send input_ids
+        instead), NotFoundError for an unknown model, UnavailableError while it loads,
+        InvalidArgumentError for no texts or a bad ``padding_side``, and
+        ResourceExhaustedError past the server's limits (max_tokenize_texts,
+        max_tokenize_chars, max_prompt_tokens; the message names it).
+        """
+        request = model_service_pb2.TokenizeRequest(
+            model=self.name, texts=[texts] if isinstance(texts, str) else list(texts), padding_side=padding_side,
+        )
+        if add_special_tokens is not None:
+            request.add_special_tokens = add_special_tokens
+        reply = await self._client._unary(self._client.model_stub.Tokenize, request)
+        return Tokenized.from_proto(reply)
 
     def hook(
         self,

@@ -194,11 +194,22 @@ def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | N
     return nbytes
 
 
-def encode_value_into(obj: Any, out: tensor_pb2.Value, _depth: int = 0, *, chunker: Chunker | None = None) -> int:
+def is_opaque_cache(obj: Any) -> bool:
+    """Whether ``obj`` is a transformers KV cache (``transformers.cache_utils.Cache``
+    and its subclasses, e.g. DynamicCache): state a causal LM passes between its
+    modules, with no wire form. Checked by class name, without importing transformers."""
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers.") for cls in type(obj).__mro__)
+
+
+def encode_value_into(
+    obj: Any, out: tensor_pb2.Value, _depth: int = 0, *, chunker: Chunker | None = None, opaque_caches: bool = False,
+) -> int:
     """Writes a Python object into ``out``; returns the tensor bytes written (inline or chunked).
 
     Tensors, tuples, lists, str-keyed mappings, float, int, bool, str, None and
-    TensorSummary messages have a wire form; anything else raises CodecError.
+    TensorSummary messages have a wire form; anything else raises CodecError, except
+    that with ``opaque_caches`` (the server's outputs and captures) a transformers
+    Cache becomes null with its class name in ``Value.opaque_type``.
     """
     if _depth > MAX_DEPTH:
         raise CodecError(f"value nests deeper than {MAX_DEPTH} levels")
@@ -231,7 +242,7 @@ def encode_value_into(obj: Any, out: tensor_pb2.Value, _depth: int = 0, *, chunk
         seq.is_list = isinstance(obj, list)
         total = 0
         for item in obj:
-            total += encode_value_into(item, seq.items.add(), _depth + 1, chunker=chunker)
+            total += encode_value_into(item, seq.items.add(), _depth + 1, chunker=chunker, opaque_caches=opaque_caches)
         return total
     if isinstance(obj, Mapping):
         mapping = out.map
@@ -241,8 +252,13 @@ def encode_value_into(obj: Any, out: tensor_pb2.Value, _depth: int = 0, *, chunk
             if not isinstance(key, str):
                 raise CodecError(f"mapping key {key!r} is not a string")
             mapping.keys.append(key)
-            total += encode_value_into(item, mapping.entries[key], _depth + 1, chunker=chunker)
+            total += encode_value_into(item, mapping.entries[key], _depth + 1, chunker=chunker,
+                                       opaque_caches=opaque_caches)
         return total
+    if opaque_caches and is_opaque_cache(obj):
+        out.null_value = struct_pb2.NULL_VALUE
+        out.opaque_type = type(obj).__name__
+        return 0
     raise CodecError(f"a value of type {type(obj).__name__} has no wire form")
 
 
@@ -360,7 +376,7 @@ def decode_value(
     if kind == "string_value":
         return msg.string_value
     if kind == "null_value" or kind is None:
-        return None
+        return None  # also a value sent as null with an opaque_type marker (see encode_value_into)
     raise CodecError(f"{where}: unknown value kind {kind}")  # pragma: no cover
 
 

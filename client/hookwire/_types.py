@@ -203,6 +203,33 @@ class InferResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tokenized:
+    """The result of ``RemoteModel.tokenize``: texts tokenized by the model's tokenizer
+    and padded into one batch, as transformers' ``tokenizer(texts, padding=True,
+    return_tensors="pt")`` returns them. Tensors are torch tensors, or numpy arrays
+    where torch is not installed."""
+
+    #: int64 [batch, seq], one row per text, padded with the tokenizer's pad id.
+    input_ids: Any
+    #: int64 [batch, seq]: 1 for a real token, 0 for padding.
+    attention_mask: Any
+    #: Each text's token strings (the tokenizer's own spelling, e.g. "Ġthe"), padding
+    #: excluded: as many as its row of attention_mask has ones.
+    pieces: list[list[str]]
+    raw: model_service_pb2.TokenizeResponse = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def from_proto(cls, msg: model_service_pb2.TokenizeResponse) -> Tokenized:
+        """Decodes the wire message."""
+        return cls(
+            input_ids=_codec.decode_tensor(msg.input_ids, where="input_ids"),
+            attention_mask=_codec.decode_tensor(msg.attention_mask, where="attention_mask"),
+            pieces=[list(t.pieces) for t in msg.tokens],
+            raw=msg,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class HookInfo:
     """A registered hook as the server lists it."""
 

@@ -2,7 +2,7 @@
 
 Layering: ``servicers`` (gRPC only) translate requests into calls on the domain
 modules (``model_registry``, ``hook_specs``, ``hook_record``, ``hook_manager``,
-``event_bus``, ``inference``), which never import grpc.
+``event_bus``, ``inference``, ``tokenization``), which never import grpc.
 """
 
 from .model_loading import ModelConfig, build_registry, demo_configs

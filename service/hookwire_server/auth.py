@@ -41,6 +41,7 @@ MINIMUM_ROLE: dict[str, str] = {
     "GetModel": "viewer",
     "Infer": "user",
     "InferStream": "user",
+    "Tokenize": "user",
     "OpenSession": "user",
     "RegisterHook": "user",
     "DeregisterHook": "user",

@@ -6,12 +6,19 @@
   attention block returns a tuple (output, weights); the LayerNorm ``norm`` is
   called twice per pass (on the embeddings and on the final hidden state); dropout
   makes train and eval differ.
+- ``tiny-lm``: a causal language model that generates, with its tokenizer (needs
+  ``transformers``): a 2-layer Llama (hidden size 64, 4 heads, 2 key/value heads)
+  built from a ``LlamaConfig`` in code, and a byte-level BPE tokenizer built offline
+  in code with the ``tokenizers`` library (``tiny_lm_tokenizer``). Its weights are
+  random (seeded), so the text it writes is gibberish: it exists to exercise
+  Tokenize, generation and hooks on a real transformers decoder without downloads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -142,12 +149,94 @@ def tiny_transformer() -> nn.Module:
     return _seeded(TinyTransformer, 1)
 
 
-#: name -> (factory, description)
-DEMO_MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
-    "mlp": (mlp, "Demo MLP: float32 (batch, 8) -> (batch, 4), with dropout."),
-    "tiny-transformer": (
+# --------------------------------------------------------------------------- tiny-lm
+
+#: Longest sequence tiny-lm handles (prompt and new tokens).
+TINY_LM_MAX_POSITIONS = 512
+
+
+#: The special tokens of tiny-lm's tokenizer, with their ids 0, 1, 2.
+TINY_LM_SPECIALS = ("<pad>", "<bos>", "<eos>")
+#: Words whose byte-level spellings become tokens (with every prefix, one merge per
+#: letter): a fixed list, so the vocabulary never changes. "Ġ" is the byte-level space.
+_TINY_LM_WORDS = (
+    "Ġthe", "Ġof", "Ġand", "Ġto", "Ġin", "Ġis", "Ġit", "Ġthat", "Ġwas", "Ġfor", "Ġon", "Ġare",
+    "Ġwith", "Ġas", "Ġat", "Ġbe", "Ġthis", "Ġhave", "Ġfrom", "Ġor", "Ġone", "Ġby", "Ġnot",
+    "Ġhook", "Ġmodel", "Ġtoken", "Ġlayer", "Ġtext", "Ġdata", "Ġcat", "Ġdog", "Ġhello", "Ġworld",
+    "the", "ing", "ed", "er", "es", "ly", "ion", "Hello", "The",
+)
+
+
+def tiny_lm_tokenizer() -> Any:
+    """tiny-lm's tokenizer: byte-level BPE (every text round-trips, any language) over the
+    256 byte symbols plus the prefixes of a fixed word list, built in code with no files
+    or downloads, as a ``transformers.PreTrainedTokenizerFast``. It adds ``<bos>`` in
+    front of each text (``add_special_tokens``), pads with ``<pad>`` on the left (a
+    causal LM generates on the right), and ends generations at ``<eos>``."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {token: i for i, token in enumerate((*TINY_LM_SPECIALS, *sorted(pre_tokenizers.ByteLevel.alphabet())))}
+    merges: list[tuple[str, str]] = []
+    for word in _TINY_LM_WORDS:
+        for end in range(2, len(word) + 1):
+            left, right = word[: end - 1], word[end - 1]
+            if word[:end] not in vocab:
+                merges.append((left, right))
+                vocab[word[:end]] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", vocab["<bos>"])],
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        padding_side="left", model_max_length=TINY_LM_MAX_POSITIONS,
+    )
+
+
+def tiny_lm() -> nn.Module:
+    """The demo causal LM (a ``transformers.LlamaForCausalLM``) with seeded random
+    weights, in eval mode, on the CPU; its vocabulary is tiny_lm_tokenizer's."""
+    import transformers
+
+    vocab_size = len(tiny_lm_tokenizer())
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_LM_MAX_POSITIONS,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    model = _seeded(lambda: transformers.LlamaForCausalLM(config), 2)
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoModel:
+    """A built-in demo model."""
+
+    factory: Callable[[], nn.Module]
+    description: str
+    #: Builds its tokenizer; None for a model without one.
+    tokenizer: Callable[[], Any] | None = None
+    #: A package it needs beyond the server's own (skipped, with a log line, without it).
+    needs: str | None = None
+
+
+#: name -> the demo model
+DEMO_MODELS: dict[str, DemoModel] = {
+    "mlp": DemoModel(mlp, "Demo MLP: float32 (batch, 8) -> (batch, 4), with dropout."),
+    "tiny-transformer": DemoModel(
         tiny_transformer,
         "Demo 2-layer encoder: input_ids int64 (batch, seq<=32, vocab 64), attention_mask kwarg; "
         "returns {last_hidden_state, logits}.",
+    ),
+    "tiny-lm": DemoModel(
+        tiny_lm,
+        "Demo causal LM (2-layer Llama, random seeded weights: its text is gibberish) with a byte-level "
+        "BPE tokenizer: Tokenize, then input_ids int64 (batch, seq<=512), attention_mask; returns "
+        "{logits, past_key_values}.",
+        tokenizer=tiny_lm_tokenizer,
+        needs="transformers",
     ),
 }

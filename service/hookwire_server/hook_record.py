@@ -13,6 +13,7 @@ tensor is copied unless an event will be delivered.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -249,7 +250,7 @@ class HookRecord:
         event.time.CopyFrom(_now())
         nbytes = 0
         options = action.options
-        encode = _codec.encode_value_into
+        encode = functools.partial(_codec.encode_value_into, opaque_caches=True)  # a KV cache in kwargs: null, marked
         try:
             for part in action.capture:
                 if part == hook_pb2.PART_ARGS:

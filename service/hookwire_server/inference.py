@@ -437,7 +437,7 @@ def _run_pass(
         if p.chunker is not None:
             p.chunker.snapshot = False  # the pass is over: the output no longer changes
         try:
-            _codec.encode_value_into(output, p.response.output, chunker=p.chunker)
+            _codec.encode_value_into(output, p.response.output, chunker=p.chunker, opaque_caches=True)
         except (_codec.CodecError, RuntimeError, NotImplementedError, TypeError) as exc:
             # e.g. a type with no wire form, a sparse or meta tensor
             raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None

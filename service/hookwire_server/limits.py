@@ -77,6 +77,19 @@ class Limits:
     #: before unary ones would be.
     max_infer_streams_per_principal: int = 64
 
+    # --- tokenizing (issue #10: generation); Generate's prompts will meet the same limits ---
+    #: Texts in one Tokenize call (TokenizeRequest.texts), counted on the request's bytes
+    #: before it is parsed.
+    max_tokenize_texts: int = 256
+    #: Characters (code points) of all the texts of one Tokenize call together, checked
+    #: before the tokenizer runs: this bounds the tokenizer's work.
+    max_tokenize_chars: int = 1 << 20
+    #: Tokens of the longest sequence of one Tokenize call (the padded length, special
+    #: tokens included); with max_tokenize_texts it bounds the response.
+    max_prompt_tokens: int = 8192
+    #: Tokenize calls waiting for one model's tokenizer thread, beyond the running one.
+    max_queued_tokenizes: int = 64
+
 
 def check(count: int, limit: int, what: str, name: str) -> None:
     """ResourceExhausted when ``count`` would go past ``limit``."""

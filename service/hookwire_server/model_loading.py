@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import importlib.util
 import logging
 import os
 import pathlib
+import json
 import pickle
 import sys
 import tomllib
@@ -23,6 +25,7 @@ from torch import nn
 
 from .demo_models import DEMO_MODELS
 from .model_registry import DaemonWorker, ModelHost, ModelRegistry
+from .tokenization import prepare_tokenizer
 
 log = logging.getLogger("hookwire.models")
 
@@ -46,6 +49,10 @@ class ModelConfig:
     training_allowed: bool = True
     #: Keyword arguments for the factory.
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: "package.module:callable" returning the model's tokenizer (a transformers
+    #: tokenizer), for a factory model; a transformers folder's own tokenizer is
+    #: loaded from the folder without this.
+    tokenizer: str | None = None
 
 
 def parse_model_flag(text: str) -> ModelConfig:
@@ -56,12 +63,24 @@ def parse_model_flag(text: str) -> ModelConfig:
     return ModelConfig(name=name.strip(), factory=factory.strip())
 
 
+def _factory_name(fn: Callable[..., Any]) -> str:
+    return f"{fn.__module__}:{fn.__name__}"
+
+
 def demo_configs() -> list[ModelConfig]:
-    """The built-in demo models."""
-    return [
-        ModelConfig(name=name, factory=f"{fn.__module__}:{fn.__name__}", description=desc)
-        for name, (fn, desc) in DEMO_MODELS.items()
-    ]
+    """The built-in demo models; one that needs a package that is not installed (tiny-lm
+    needs transformers) is left out, with a log line saying so."""
+    configs = []
+    for name, demo in DEMO_MODELS.items():
+        if demo.needs is not None and importlib.util.find_spec(demo.needs) is None:
+            log.warning("demo model %r skipped: it needs %s, which is not installed "
+                        "(from a checkout of this repository: pip install '.[%s]')", name, demo.needs, demo.needs)
+            continue
+        configs.append(ModelConfig(
+            name=name, factory=_factory_name(demo.factory), description=demo.description,
+            tokenizer=_factory_name(demo.tokenizer) if demo.tokenizer is not None else None,
+        ))
+    return configs
 
 
 def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], list[ModelConfig]]:
@@ -152,7 +171,57 @@ def _load_transformers(config: ModelConfig) -> nn.Module:
     folder = pathlib.Path(str(config.transformers))
     if not folder.is_dir():
         raise ConfigError(f"model {config.name!r}: {folder} is not a folder")
-    return transformers.AutoModel.from_pretrained(str(folder), local_files_only=True, **config.kwargs)
+    auto = transformers.AutoModelForCausalLM if _is_causal_lm_folder(folder) else transformers.AutoModel
+    return auto.from_pretrained(str(folder), local_files_only=True, **config.kwargs)  # type: ignore[no-any-return]
+
+
+#: Endings of the architecture names (config.json "architectures") of causal LMs.
+_CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
+
+
+def _is_causal_lm_folder(folder: pathlib.Path) -> bool:
+    """Whether a transformers folder holds a causal LM (its config.json names an
+    architecture such as LlamaForCausalLM or GPT2LMHeadModel): it is loaded with its
+    language-model head (AutoModelForCausalLM), so that it can generate; any other
+    model loads as AutoModel, its base model."""
+    try:
+        architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any(isinstance(a, str) and a.endswith(_CAUSAL_LM_ARCHITECTURES) for a in architectures)
+
+
+#: Files of a saved tokenizer (save_pretrained writes tokenizer_config.json and more).
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                    "spiece.model")
+
+
+def load_tokenizer(config: ModelConfig) -> tuple[Any, str]:
+    """The model's tokenizer, prepared (tokenization.prepare_tokenizer), and why there is
+    none when one was looked for and not found ("" otherwise).
+
+    A ``tokenizer`` factory is called (ConfigError when it cannot be imported: the model
+    fails to load). A transformers folder's tokenizer is loaded from the folder when it
+    holds one (AutoTokenizer, local files only); when it holds none, or loading it
+    fails, the model is served without one (logged) and the reason is kept for
+    Tokenize's FAILED_PRECONDITION."""
+    if config.tokenizer:
+        return prepare_tokenizer(import_factory(config.name, config.tokenizer)(), config.name), ""
+    if not config.transformers:
+        return None, ""
+    folder = pathlib.Path(config.transformers)
+    if not any((folder / name).exists() for name in _TOKENIZER_FILES):
+        log.info("model %r: no tokenizer in %s; Tokenize is unavailable for it (send input_ids)", config.name, folder)
+        return None, f"its folder {folder} holds no tokenizer"
+    import transformers
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # any failure of a third-party loader: the model itself still serves
+        reason = f"its tokenizer in {folder} failed to load: {type(exc).__name__}: {exc}"
+        log.warning("model %r: %s", config.name, reason)
+        return None, reason
+    return prepare_tokenizer(tokenizer, config.name), ""
 
 
 def load_weights(model: nn.Module, path: str) -> None:
@@ -182,8 +251,10 @@ def check_names(configs: list[ModelConfig]) -> None:
 def build_host(config: ModelConfig) -> ModelHost:
     """Builds one configured model and its host; blocks while it loads (run it off the
     event loop). Raises ConfigError for a bad entry, or whatever the factory raises."""
-    return ModelHost(config.name, build_model(config), description=config.description,
-                     training_allowed=config.training_allowed)
+    model = build_model(config)
+    tokenizer, problem = load_tokenizer(config)
+    return ModelHost(config.name, model, description=config.description, training_allowed=config.training_allowed,
+                     tokenizer=tokenizer, tokenizer_problem=problem)
 
 
 def build_hosts(configs: list[ModelConfig]) -> list[ModelHost]:

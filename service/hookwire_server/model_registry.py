@@ -109,16 +109,45 @@ class DaemonWorker(concurrent.futures.Executor):
             thread.join()
 
 
-class ModelHost:
-    """One hosted model and the thread that runs it."""
+def is_causal_lm(module: nn.Module) -> bool:
+    """Whether ``module`` generates text token by token: a transformers model whose
+    ``can_generate()`` is true and that is not an encoder-decoder (GPT-2, Llama and
+    every other ``*ForCausalLM``; not BertModel, not T5). Duck-typed, so that this
+    module never imports transformers."""
+    can_generate = getattr(module, "can_generate", None)
+    if not callable(can_generate) or not callable(getattr(module, "generate", None)):
+        return False
+    try:
+        generates = bool(can_generate())
+    except Exception:  # a custom can_generate that fails: it does not generate
+        return False
+    return generates and not getattr(getattr(module, "config", None), "is_encoder_decoder", False)
 
-    def __init__(self, name: str, module: nn.Module, *, description: str = "", training_allowed: bool = True) -> None:
+
+class ModelHost:
+    """One hosted model, the thread that runs it, and its tokenizer if it has one."""
+
+    def __init__(
+        self, name: str, module: nn.Module, *, description: str = "", training_allowed: bool = True,
+        tokenizer: Any = None, tokenizer_problem: str = "",
+    ) -> None:
         if not name:
             raise ValueError("a model needs a name")
         self.name = name
         self.module = module.eval()
         self.description = description
         self.training_allowed = training_allowed
+        #: The model's tokenizer (a transformers tokenizer, prepared by
+        #: tokenization.prepare_tokenizer), or None: callers then send input_ids.
+        self.tokenizer = tokenizer
+        #: Why a tokenizer that was looked for is missing ("" when there is one, or none was looked for).
+        self.tokenizer_problem = tokenizer_problem
+        #: Whether the model generates (a causal LM, see is_causal_lm): Tokenize pads on the
+        #: left for it by default, as generation needs.
+        self.can_generate = is_causal_lm(module)
+        # Tokenizing runs on a thread of its own: a fast tokenizer is not safe to call from
+        # two threads at once, and a forward pass must not hold it up (nor it a pass).
+        self._tokenizer_worker = DaemonWorker(f"tokenizer:{name}") if tokenizer is not None else None
         self.modules: dict[str, nn.Module] = dict(module.named_modules())
         self.paths: list[str] = list(self.modules)
         self._path_of: dict[int, str] = {id(m): p for p, m in self.modules.items()}
@@ -133,6 +162,14 @@ class ModelHost:
         """Runs ``fn(*args)`` on the model's worker thread, after what is queued there."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    async def run_tokenizer(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Runs ``fn(*args, **kwargs)`` on the model's tokenizer thread, after what is
+        queued there; RuntimeError when the model has no tokenizer."""
+        if self._tokenizer_worker is None:
+            raise RuntimeError(f"model {self.name!r} has no tokenizer")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_worker, functools.partial(fn, *args, **kwargs))
 
     def resolve(self, pattern: str) -> list[str]:
         """The module paths ``pattern`` names; NotFound when none."""
@@ -176,6 +213,8 @@ class ModelHost:
         """Stops the worker thread after the running pass; queued work is cancelled.
         Does not wait: the thread is a daemon and does not keep the process alive."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._tokenizer_worker is not None:
+            self._tokenizer_worker.shutdown(wait=False, cancel_futures=True)
 
 
 class ModelState(enum.Enum):

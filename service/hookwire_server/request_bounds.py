@@ -9,13 +9,16 @@ data) and stops at the first bound it passes:
 - the fields it holds (every tag on the wire, and every element of a packed
   repeated field): ``max_request_fields``; this also bounds the scan itself;
 - the Values and map entries it holds: ``max_request_values``;
-- the request-scoped hooks of an InferRequest (``max_request_hooks``) and the
-  rules of one hook action (``max_rules_per_action``);
+- the request-scoped hooks of an InferRequest (``max_request_hooks``), the
+  rules of one hook action (``max_rules_per_action``) and the texts of a
+  TokenizeRequest (``max_tokenize_texts``);
 - the length of every string the server parses or looks up: names (model,
   session, hook, slot, tag, keyword and map keys) ``max_name_length``, paths
   (module globs, rule targets and indices, selections, backward.output_path)
   ``max_path_length``, both in UTF-8 bytes. ``Value.string_value`` is data the
-  server hands to the model unread: only ``max_message_bytes`` bounds it.
+  server hands to the model unread: only ``max_message_bytes`` bounds it;
+  ``TokenizeRequest.texts`` are data for the tokenizer (their number is capped
+  here, their characters after the parse: ``max_tokenize_chars``).
 
 The scan costs O(min(request, bounds)) and allocates nothing per field.
 Nothing here imports grpc: errors are domain errors (status_mapping maps them).
@@ -57,6 +60,9 @@ NAME_FIELDS = frozenset({
     "hookwire.v1.GetSlotRequest.session_id",
     "hookwire.v1.GetSlotRequest.name",
     "hookwire.v1.ListSlotsRequest.session_id",
+    "hookwire.v1.TokenizeRequest.model",
+    "hookwire.v1.TokenizeRequest.padding_side",
+    "hookwire.v1.Value.opaque_type",
 })
 #: String fields the server parses: globs, dotted paths, selections.
 PATH_FIELDS = frozenset({
@@ -67,7 +73,7 @@ PATH_FIELDS = frozenset({
     "hookwire.v1.Backward.output_path",
 })
 #: String fields the server never parses (data for the model).
-UNBOUNDED_FIELDS = frozenset({"hookwire.v1.Value.string_value"})
+UNBOUNDED_FIELDS = frozenset({"hookwire.v1.Value.string_value", "hookwire.v1.TokenizeRequest.texts"})
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _PACKED_WIDTH = {
@@ -86,6 +92,7 @@ class RequestBounds:
     max_rules_per_action: int = 64
     max_name_length: int = 256
     max_path_length: int = 1024
+    max_tokenize_texts: int = 256
 
     @classmethod
     def of(cls, limits: Any) -> RequestBounds:
@@ -94,6 +101,7 @@ class RequestBounds:
             max_fields=limits.max_request_fields, max_values=limits.max_request_values,
             max_request_hooks=limits.max_request_hooks, max_rules_per_action=limits.max_rules_per_action,
             max_name_length=limits.max_name_length, max_path_length=limits.max_path_length,
+            max_tokenize_texts=limits.max_tokenize_texts,
         )
 
 
@@ -125,6 +133,7 @@ class _Field:
 _CAPS = {
     "hookwire.v1.InferRequest.hooks": ("max_request_hooks", ResourceExhausted),
     "hookwire.v1.HookAction.rules": ("max_rules_per_action", InvalidArgument),
+    "hookwire.v1.TokenizeRequest.texts": ("max_tokenize_texts", ResourceExhausted),
 }
 
 
@@ -142,7 +151,7 @@ def _plan(descriptor: Descriptor) -> dict[int, _Field]:
                 bound = "max_path_length"
             else:  # names, and any string field added later that nobody classified: the tighter bound
                 bound = "max_name_length"
-            plan[f.number] = _Field(f.name, "string", string_bound=bound)
+            plan[f.number] = _Field(f.name, "string", string_bound=bound, cap=_CAPS.get(f.full_name))
         elif f.type == FieldDescriptor.TYPE_BYTES:
             plan[f.number] = _Field(f.name, "bytes")
         else:
@@ -231,14 +240,14 @@ class _Scan:
             if field is None or field.kind == "bytes":
                 i = stop
                 continue
+            if field.cap is not None:  # a repeated message or string field whose occurrences are capped
+                caps = caps if caps is not None else {}
+                seen = caps[key] = caps.get(key, 0) + 1
+                setting, error = field.cap
+                cap = getattr(bounds, setting)
+                if seen > cap:
+                    raise error(f"{_path(where, field.name)}: {seen} or more {field.name}, over the limit of {cap} ({setting})")
             if field.kind == "message":
-                if field.cap is not None:
-                    caps = caps if caps is not None else {}
-                    seen = caps[key] = caps.get(key, 0) + 1
-                    setting, error = field.cap
-                    cap = getattr(bounds, setting)
-                    if seen > cap:
-                        raise error(f"{_path(where, field.name)}: {seen} or more {field.name}, over the limit of {cap} ({setting})")
                 if field.counts_as_value:
                     self.values += 1
                     if self.values > bounds.max_values:

@@ -24,6 +24,7 @@ from .metrics import Metrics
 from .model_loading import ConfigError, ModelConfig, build_host, check_names, load_models
 from .model_registry import ModelHost, ModelRegistry, ModelState
 from .servicers import HookServicer, ModelServicer, add_to_server
+from .tokenization import Tokenization
 
 log = logging.getLogger("hookwire.server")
 
@@ -125,6 +126,7 @@ class HookwireServer:
             registry, allow_shared_rules=self.settings.allow_shared_rules, limits=self.settings, metrics=self.metrics,
         )
         self.inference = Inference(registry, self.hooks, limits=self.settings)
+        self.tokenization = Tokenization(registry, limits=self.settings)
         self.tokens = TokenStore(self.settings.tokens_file, self.settings.tokens)
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -154,7 +156,7 @@ class HookwireServer:
             interceptors=[interceptor],
         )
         add_to_server(
-            ModelServicer(self.registry, self.inference, self.metrics, self.tokens),
+            ModelServicer(self.registry, self.inference, self.metrics, self.tokens, self.tokenization),
             model_service_pb2.DESCRIPTOR.services_by_name["ModelService"], server,
         )
         add_to_server(

@@ -26,15 +26,20 @@ from .metrics import Metrics
 from .security import principal_of
 from .model_registry import ModelRegistry
 from .slots import slot_to_proto
+from .tokenization import Tokenization
 from .status_mapping import streaming, tolerant_parser, unary
 
 
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     """hookwire.v1.ModelService."""
 
-    def __init__(self, registry: ModelRegistry, inference: Inference, metrics: Metrics, tokens: TokenStore) -> None:
+    def __init__(
+        self, registry: ModelRegistry, inference: Inference, metrics: Metrics, tokens: TokenStore,
+        tokenization: Tokenization | None = None,
+    ) -> None:
         self._registry = registry
         self._inference = inference
+        self._tokenization = tokenization or Tokenization(registry, limits=inference.limits)
         self._tokens = tokens
         self.metrics = metrics
         #: Request bounds, checked before a request is parsed (status_mapping.parse_request).
@@ -70,6 +75,11 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
             yield model_service_pb2.InferStreamResponse(response=response)
             for chunk in chunker.chunks(chunk_bytes_for(first.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)):
                 yield model_service_pb2.InferStreamResponse(chunk=chunk)
+
+
+    @unary
+    async def Tokenize(self, request: model_service_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.TokenizeResponse:
+        return await self._tokenization.tokenize(request, principal=principal_of(context, self._tokens))
 
 
 async def _chunks(requests: AsyncIterator[model_service_pb2.InferStreamRequest]) -> AsyncIterator[tensor_pb2.TensorChunk]:

@@ -74,8 +74,8 @@ def test_models_command(demo: Served) -> None:
     out = demo.run("models")
     assert out.returncode == 0, out.stderr
     rows = [line.split("\t") for line in out.stdout.splitlines()]
-    assert [row[0] for row in rows] == ["mlp", "tiny-transformer"]
-    assert [row[1] for row in rows] == ["ready", "ready"]
+    assert [row[0] for row in rows] == ["mlp", "tiny-transformer", "tiny-lm"]
+    assert [row[1] for row in rows] == ["ready", "ready", "ready"]
 
 
 def test_inspect_command(demo: Served) -> None:

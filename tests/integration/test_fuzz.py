@@ -318,6 +318,26 @@ def test_other_rpcs(fuzz_server, name, hook_ids, model, slot, policy, max_events
                                                  timeout=10)))
 
 
+@FUZZ
+@given(model=st.one_of(st.sampled_from(["tiny-lm", "tiny-lm", "mlp"]), model_names),
+       texts=st.lists(st.one_of(st.text(max_size=40), st.text(alphabet="\x00\ud7ff\U0010ffff \u00e9a", max_size=200)),
+                      max_size=6),
+       add_special_tokens=st.one_of(st.none(), st.booleans()),
+       padding_side=st.one_of(st.sampled_from(["", "left", "right", "LEFT", " left"]), st.text(max_size=6), long_strings))
+def test_tokenize(fuzz_server, model, texts, add_special_tokens, padding_side) -> None:
+    request = model_service_pb2.TokenizeRequest(model=model, texts=texts, padding_side=padding_side)
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
+    try:
+        reply = fuzz_server["models"].Tokenize(request, timeout=30)
+    except grpc.RpcError as exc:
+        assert exc.code() not in BAD, f"{exc.code()}: {exc.details()}"
+        return
+    ids, mask = _codec.decode_tensor(reply.input_ids), _codec.decode_tensor(reply.attention_mask)
+    assert ids.dtype == mask.dtype == torch.int64 and ids.shape == mask.shape and ids.shape[0] == len(texts)
+    assert [len(t.pieces) for t in reply.tokens] == mask.sum(dim=1).tolist()
+
+
 # ------------------------------------------------------------------ wide requests and many request hooks
 
 WIDE = settings(max_examples=max(4, EXAMPLES // 10), deadline=None, suppress_health_check=list(HealthCheck),
@@ -379,7 +399,7 @@ METHODS = [
     ("/hookwire.v1.HookService/OpenSession", "stream"), ("/hookwire.v1.HookService/RegisterHook", "unary"),
     ("/hookwire.v1.HookService/DeregisterHook", "unary"), ("/hookwire.v1.HookService/ListHooks", "unary"),
     ("/hookwire.v1.HookService/Subscribe", "stream"), ("/hookwire.v1.HookService/GetSlot", "unary"),
-    ("/hookwire.v1.HookService/ListSlots", "unary"),
+    ("/hookwire.v1.HookService/ListSlots", "unary"), ("/hookwire.v1.ModelService/Tokenize", "unary"),
 ]
 
 

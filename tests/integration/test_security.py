@@ -376,6 +376,7 @@ def _calls(model: model_service_pb2_grpc.ModelServiceStub, hooks: hook_service_p
         "Infer": lambda md: model.Infer(infer, metadata=md),
         "InferStream": lambda md: first(model.InferStream(
             iter([model_service_pb2.InferStreamRequest(request=infer)]), metadata=md)),
+        "Tokenize": lambda md: model.Tokenize(model_service_pb2.TokenizeRequest(model="mlp", texts=["hi"]), metadata=md),
         "OpenSession": lambda md: first(hooks.OpenSession(hook_service_pb2.OpenSessionRequest(), metadata=md)),
         "RegisterHook": lambda md: hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(
             session_id="ses_none", spec=hook_pb2.HookSpec(model="mlp", module="fc1", posthook=hook_pb2.HookAction())),
@@ -438,7 +439,7 @@ async def test_the_early_role_check_agrees_with_the_handlers(secured) -> None:
 def test_fuzz_refused_callers_get_a_clear_status_whatever_they_send(fuzz_secured, body, rpc, who) -> None:
     """Random bodies from callers without credentials, with wrong ones, or without the
     role: UNAUTHENTICATED or PERMISSION_DENIED, never a parse error (the body is not read)."""
-    service = "ModelService" if rpc in ("ListModels", "GetModel", "Infer", "InferStream") else "HookService"
+    service = "ModelService" if rpc in ("ListModels", "GetModel", "Infer", "InferStream", "Tokenize") else "HookService"
     path = f"/hookwire.v1.{service}/{rpc}"
     metadata = () if who is None else (("authorization", f"Bearer {TOKENS.get(who, 'hwt_wrong')}"),)
     channel = fuzz_secured

@@ -50,6 +50,7 @@ EXPECTED_ALL = [
     "SlotInfo",
     "Subscription",
     "TensorSummary",
+    "Tokenized",
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",

@@ -119,3 +119,14 @@ def _len(b: bytes) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def test_tokenize_texts_are_counted_before_the_parse() -> None:
+    bounds = RequestBounds(max_tokenize_texts=3, max_name_length=8)
+    descriptor = model_service_pb2.TokenizeRequest.DESCRIPTOR
+    long_text = "x" * 10_000  # texts are data: only their number is bounded here
+    check(model_service_pb2.TokenizeRequest(model="m", texts=[long_text] * 3).SerializeToString(), descriptor, bounds)
+    with pytest.raises(ResourceExhausted, match=r"texts: 4 or more texts, over the limit of 3 \(max_tokenize_texts\)"):
+        check(model_service_pb2.TokenizeRequest(model="m", texts=["a"] * 4).SerializeToString(), descriptor, bounds)
+    with pytest.raises(InvalidArgument, match=r"padding_side: 9 bytes.*\(max_name_length\)"):
+        check(model_service_pb2.TokenizeRequest(model="m", padding_side="x" * 9).SerializeToString(), descriptor, bounds)

@@ -162,3 +162,31 @@ class InferResponse(_message.Message):
     input_kwargs_grads: _containers.MessageMap[str, _tensor_pb2.Value]
     hook_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_hook_pb2.InterceptEvent, _Mapping]]] = ..., input_grads: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., input_kwargs_grads: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., hook_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("model", "texts", "add_special_tokens", "padding_side")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PADDING_SIDE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    add_special_tokens: bool
+    padding_side: str
+    def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., add_special_tokens: _Optional[bool] = ..., padding_side: _Optional[str] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("input_ids", "attention_mask", "tokens")
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    input_ids: _tensor_pb2.Tensor
+    attention_mask: _tensor_pb2.Tensor
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenPieces]
+    def __init__(self, input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[_Union[TokenPieces, _Mapping]]] = ...) -> None: ...
+
+class TokenPieces(_message.Message):
+    __slots__ = ("pieces",)
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    pieces: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pieces: _Optional[_Iterable[str]] = ...) -> None: ...

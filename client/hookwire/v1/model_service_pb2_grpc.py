@@ -57,6 +57,11 @@ class ModelServiceStub:
                 request_serializer=hookwire_dot_v1_dot_model__service__pb2.InferStreamRequest.SerializeToString,
                 response_deserializer=hookwire_dot_v1_dot_model__service__pb2.InferStreamResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/hookwire.v1.ModelService/Tokenize',
+                request_serializer=hookwire_dot_v1_dot_model__service__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=hookwire_dot_v1_dot_model__service__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class ModelServiceServicer:
@@ -103,6 +108,20 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Tokenizes texts with the model's tokenizer, as transformers'
+        `tokenizer(texts, padding=True, return_tensors="pt")` does (no
+        truncation), and returns the padded ids, the attention mask and each
+        text's token strings. Needs the user role. NOT_FOUND for an unknown
+        model, UNAVAILABLE while it loads, FAILED_PRECONDITION when the model has
+        no tokenizer (send input_ids to Infer instead), INVALID_ARGUMENT for no
+        texts or a bad padding_side, RESOURCE_EXHAUSTED past max_tokenize_texts,
+        max_tokenize_chars or max_prompt_tokens (the message names the limit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +144,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.InferStream,
                     request_deserializer=hookwire_dot_v1_dot_model__service__pb2.InferStreamRequest.FromString,
                     response_serializer=hookwire_dot_v1_dot_model__service__pb2.InferStreamResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=hookwire_dot_v1_dot_model__service__pb2.TokenizeRequest.FromString,
+                    response_serializer=hookwire_dot_v1_dot_model__service__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -238,6 +262,33 @@ class ModelService:
             '/hookwire.v1.ModelService/InferStream',
             hookwire_dot_v1_dot_model__service__pb2.InferStreamRequest.SerializeToString,
             hookwire_dot_v1_dot_model__service__pb2.InferStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hookwire.v1.ModelService/Tokenize',
+            hookwire_dot_v1_dot_model__service__pb2.TokenizeRequest.SerializeToString,
+            hookwire_dot_v1_dot_model__service__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -86,7 +86,7 @@ class TensorSummary(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., numel: _Optional[int] = ..., min: _Optional[float] = ..., max: _Optional[float] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., l2_norm: _Optional[float] = ..., nan_count: _Optional[int] = ..., inf_count: _Optional[int] = ..., histogram: _Optional[_Iterable[int]] = ..., histogram_min: _Optional[float] = ..., histogram_max: _Optional[float] = ...) -> None: ...
 
 class Value(_message.Message):
-    __slots__ = ("tensor", "list", "map", "float_value", "int_value", "bool_value", "string_value", "null_value", "summary")
+    __slots__ = ("tensor", "list", "map", "float_value", "int_value", "bool_value", "string_value", "null_value", "summary", "opaque_type")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     LIST_FIELD_NUMBER: _ClassVar[int]
     MAP_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class Value(_message.Message):
     STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
     NULL_VALUE_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    OPAQUE_TYPE_FIELD_NUMBER: _ClassVar[int]
     tensor: Tensor
     list: ValueList
     map: ValueMap
@@ -105,7 +106,8 @@ class Value(_message.Message):
     string_value: str
     null_value: _struct_pb2.NullValue
     summary: TensorSummary
-    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., list: _Optional[_Union[ValueList, _Mapping]] = ..., map: _Optional[_Union[ValueMap, _Mapping]] = ..., float_value: _Optional[float] = ..., int_value: _Optional[int] = ..., bool_value: _Optional[bool] = ..., string_value: _Optional[str] = ..., null_value: _Optional[_Union[_struct_pb2.NullValue, str]] = ..., summary: _Optional[_Union[TensorSummary, _Mapping]] = ...) -> None: ...
+    opaque_type: str
+    def __init__(self, tensor: _Optional[_Union[Tensor, _Mapping]] = ..., list: _Optional[_Union[ValueList, _Mapping]] = ..., map: _Optional[_Union[ValueMap, _Mapping]] = ..., float_value: _Optional[float] = ..., int_value: _Optional[int] = ..., bool_value: _Optional[bool] = ..., string_value: _Optional[str] = ..., null_value: _Optional[_Union[_struct_pb2.NullValue, str]] = ..., summary: _Optional[_Union[TensorSummary, _Mapping]] = ..., opaque_type: _Optional[str] = ...) -> None: ...
 
 class ValueList(_message.Message):
     __slots__ = ("items", "is_list")
