@@ -142,7 +142,7 @@ def test_settings_precedence_flags_over_env_over_config(tmp_path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-    assert lines[0].startswith("hookwire serving mlp, tiny-transformer on 127.0.0.1:" + str(port))
+    assert lines[0].startswith("hookwire serving mlp, tiny-transformer, tiny-lm on 127.0.0.1:" + str(port))
     assert "logs: json" in lines[1]
     assert lines[2].startswith("security: plaintext") and "NO authentication" in lines[2]
     settings = lines[3]
