@@ -42,6 +42,7 @@ MINIMUM_ROLE: dict[str, str] = {
     "Infer": "user",
     "InferStream": "user",
     "Tokenize": "user",
+    "Generate": "user",
     "OpenSession": "user",
     "RegisterHook": "user",
     "DeregisterHook": "user",

@@ -37,7 +37,7 @@ from .slots import SlotStore
 
 if TYPE_CHECKING:
     from .hook_manager import Subscription
-    from .inference import Pass
+    from .passes import Pass
 
 log = logging.getLogger("hookwire.hooks")
 
@@ -164,6 +164,9 @@ class HookRecord:
         p = self.host.current_pass
         if p is None or not self.active or not self._applies_to(p):
             return None
+        steps = self.compiled.steps
+        if steps is not None and not (steps[0] <= p.step and (steps[1] is None or p.step <= steps[1])):
+            return None
         call_index = p.next_call_index(self.hook_id, path, action.phase)
         training = module.training
         if not (self.compiled.train_update if training else self.compiled.eval_update):
@@ -187,30 +190,34 @@ class HookRecord:
             self.errors += 1
             if self.compiled.fail_call_on_error:
                 raise failure.error from None  # through forward/backward: the Infer call fails
-            self._disable(str(failure.error), hook_service_pb2.NOTICE_KIND_HOOK_DISABLED)
+            self._disable(str(failure.error), hook_service_pb2.NOTICE_KIND_HOOK_DISABLED, p)
             return None  # the failing firing changes nothing
         if capture and not action.capture_before_rules:
             self._capture(action, path, p, call_index, training, new_parts)
         return new_parts if changed else None
 
-    def _disable(self, reason: str, kind: hook_service_pb2.NoticeKind) -> None:
-        """Stops the hook for good (it stays listed) and tells its streams. Worker thread."""
+    def _disable(self, reason: str, kind: hook_service_pb2.NoticeKind, p: Pass | None = None) -> None:
+        """Stops the hook for good (it stays listed) and tells its streams (a request-scoped
+        hook of a streaming call, its call's stream). Worker thread."""
         self.active = False
         self.disabled_reason = reason
         log.warning("hook %s disabled: %s", self.hook_id, reason)
         notice = _notice(kind, self.hook_id, f"hook disabled: {reason}")
         for stream in self.streams:
             stream.put_notice(notice)
+        if p is not None and self.compiled.scope == SCOPE_REQUEST and p.notices is not None:
+            p.notices(notice.notice)
 
     def _capture(
         self, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any]
     ) -> None:
         if self.compiled.scope == SCOPE_REQUEST:
             # The request's own hook: a capture failure fails the request (raised through forward),
-            # and so does an event past max_events_per_call (Pass.add_event).
-            event = p.add_event()
-            self._fill_event(event, action, path, p, call_index, training, parts, p.chunker)
+            # and so does an event past max_events_per_call (Pass.request_event).
+            event, chunker = p.request_event()
+            self._fill_event(event, action, path, p, call_index, training, parts, chunker)
             event.seq = p.next_seq(self.hook_id)
+            p.deliver(event, chunker)
             return
         streams = self.streams
         if not streams:
@@ -222,12 +229,13 @@ class HookRecord:
         except Exception as exc:  # never break a pass because a capture cannot be made
             self.errors += 1
             detail = f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}"
-            self._disable(detail, hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED)
+            self._disable(detail, hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, p)
             return
         wire = msg.ByteSize()
         copies = [msg] + [_copy(msg) for _ in streams[1:]]
         kept = chunker if chunker.tensors else None
         for stream, m in zip(streams, copies):
+            p.offered(stream)
             stream.put_event(
                 m, self.hook_id, nbytes, session_id=p.session_id, principal=p.principal, counters=self.counters, chunker=kept,
                 wire=wire, cancelled=self._is_removed,
@@ -246,6 +254,7 @@ class HookRecord:
         event.phase = action.phase
         event.call_index = call_index
         event.request_id = p.request_id
+        event.step = p.step
         event.training = training
         event.time.CopyFrom(_now())
         nbytes = 0

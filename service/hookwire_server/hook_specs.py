@@ -83,6 +83,8 @@ class CompiledSpec:
     scope: int
     tags: frozenset[str]
     fail_call_on_error: bool
+    #: The steps it fires in (first, last or None for no end), inclusive; None for every step.
+    steps: tuple[int, int | None] | None = None
 
     @property
     def uses_slots(self) -> bool:
@@ -173,6 +175,15 @@ def compile_spec(
     fail_call = spec.on_error == rule_pb2.ON_ERROR_FAIL_CALL or (
         spec.on_error == rule_pb2.ON_ERROR_UNSPECIFIED and not shared
     )
+    steps = None
+    if spec.HasField("steps"):
+        last = spec.steps.last if spec.steps.HasField("last") else None
+        if last is not None and last < spec.steps.first:
+            raise InvalidArgument(
+                f"steps: last ({last}) is before first ({spec.steps.first}); the range is inclusive, "
+                "e.g. first 0, last 0 for the prompt pass alone"
+            )
+        steps = (spec.steps.first, last)
     modules = tuple(host.resolve(spec.module))
     return CompiledSpec(
         modules=modules,
@@ -182,6 +193,7 @@ def compile_spec(
         scope=scope,
         tags=tags,
         fail_call_on_error=fail_call,
+        steps=steps,
     )
 
 

@@ -34,6 +34,7 @@ from .errors import (
 )
 from .hook_manager import HookManager, new_id
 from .hook_record import HookRecord
+from .passes import Pass
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from . import limits
 from .limits import Limits
@@ -57,50 +58,6 @@ R = TypeVar("R")
 P = ParamSpec("P")
 
 
-
-
-class Pass:
-    """The state of one running pass, read by the hooks that fire in it."""
-
-    def __init__(
-        self, request_id: str, session_id: str, tags: frozenset[str] = frozenset(), *, principal: str = "",
-        max_events: int | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.session_id = session_id
-        #: The name of the principal that made the call (BLOCK streams hold their owner's calls).
-        self.principal = principal
-        self.tags = tags
-        #: Most events the request-scoped hooks may add to the response (max_events_per_call).
-        self.max_events = max_events
-        self.response = model_service_pb2.InferResponse(request_id=request_id)
-        #: Collects large tensors of the response when it is streamed (InferStream).
-        self.chunker: Chunker | None = None
-        self._calls: dict[tuple[str, str, int], int] = {}
-        self._seqs: dict[str, int] = {}
-
-    def next_call_index(self, hook_id: str, path: str, phase: int) -> int:
-        """0 for a hook's first fire on a module in a phase in this pass, then 1, 2, ..."""
-        key = (hook_id, path, phase)
-        index = self._calls.get(key, 0)
-        self._calls[key] = index + 1
-        return index
-
-    def add_event(self) -> Any:
-        """A new event in the response (for a request-scoped hook); ResourceExhausted,
-        failing the call, when the call already holds ``max_events`` events."""
-        if self.max_events is not None and len(self.response.events) >= self.max_events:
-            raise ResourceExhausted(
-                f"the call's request-scoped hooks produced more than {self.max_events} events, over the limit of "
-                f"{self.max_events} (max_events_per_call); hook fewer modules or use sampling"
-            )
-        return self.response.events.add()
-
-    def next_seq(self, hook_id: str) -> int:
-        """The seq of a request-scoped hook's next event (contiguous from 1)."""
-        seq = self._seqs.get(hook_id, 0) + 1
-        self._seqs[hook_id] = seq
-        return seq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,7 +317,7 @@ class Inference:
             )
         p = Pass(
             request_id, request.session_id, frozenset(request.tags), principal=principal.name,
-            max_events=self.limits.max_events_per_call,
+            max_events=self.limits.max_events_per_call, model=host.name,
         )
         p.chunker = chunker
         p.response.hook_ids.extend(r.hook_id for r in records)
@@ -446,6 +403,7 @@ def _run_pass(
         model.eval()
         for record in records:
             record.detach()
+        p.end()  # CallEnded on the session streams that had its events
     return p.response
 
 

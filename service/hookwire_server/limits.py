@@ -90,6 +90,17 @@ class Limits:
     #: Tokenize calls waiting for one model's tokenizer thread, beyond the running one.
     max_queued_tokenizes: int = 64
 
+    # --- generation (issue #10). Prompts meet the tokenizing limits above: Generate's
+    # prompts (or input_ids rows) count against max_tokenize_texts, their characters against
+    # max_tokenize_chars, their tokens against max_prompt_tokens.
+    #: GenerateRequest.max_new_tokens at most (INVALID_ARGUMENT beyond).
+    max_new_tokens: int = 4096
+    #: Stop strings (GenerateRequest.stop) in one call, each at most max_name_length bytes.
+    max_stop_strings: int = 16
+    #: Generate calls running at once on one model (RESOURCE_EXHAUSTED beyond): each holds
+    #: its KV cache between its steps.
+    max_active_generations: int = 64
+
 
 def check(count: int, limit: int, what: str, name: str) -> None:
     """ResourceExhausted when ``count`` would go past ``limit``."""

@@ -190,7 +190,8 @@ class ModelHost:
     def describe(self, *, with_modules: bool) -> model_service_pb2.Model:
         """The model as the wire describes it."""
         msg = model_service_pb2.Model(
-            name=self.name, description=self.description, training_allowed=self.training_allowed
+            name=self.name, description=self.description, training_allowed=self.training_allowed,
+            can_generate=self.can_generate, has_tokenizer=self.tokenizer is not None,
         )
         if with_modules:
             for path, mod in self.modules.items():

@@ -62,6 +62,10 @@ NAME_FIELDS = frozenset({
     "hookwire.v1.ListSlotsRequest.session_id",
     "hookwire.v1.TokenizeRequest.model",
     "hookwire.v1.TokenizeRequest.padding_side",
+    "hookwire.v1.GenerateRequest.model",
+    "hookwire.v1.GenerateRequest.session_id",
+    "hookwire.v1.GenerateRequest.tags",
+    "hookwire.v1.GenerateRequest.stop",
     "hookwire.v1.Value.opaque_type",
 })
 #: String fields the server parses: globs, dotted paths, selections.
@@ -73,7 +77,9 @@ PATH_FIELDS = frozenset({
     "hookwire.v1.Backward.output_path",
 })
 #: String fields the server never parses (data for the model).
-UNBOUNDED_FIELDS = frozenset({"hookwire.v1.Value.string_value", "hookwire.v1.TokenizeRequest.texts"})
+UNBOUNDED_FIELDS = frozenset({
+    "hookwire.v1.Value.string_value", "hookwire.v1.TokenizeRequest.texts", "hookwire.v1.GenerateRequest.prompts",
+})
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _PACKED_WIDTH = {
@@ -93,6 +99,7 @@ class RequestBounds:
     max_name_length: int = 256
     max_path_length: int = 1024
     max_tokenize_texts: int = 256
+    max_stop_strings: int = 16
 
     @classmethod
     def of(cls, limits: Any) -> RequestBounds:
@@ -101,7 +108,7 @@ class RequestBounds:
             max_fields=limits.max_request_fields, max_values=limits.max_request_values,
             max_request_hooks=limits.max_request_hooks, max_rules_per_action=limits.max_rules_per_action,
             max_name_length=limits.max_name_length, max_path_length=limits.max_path_length,
-            max_tokenize_texts=limits.max_tokenize_texts,
+            max_tokenize_texts=limits.max_tokenize_texts, max_stop_strings=limits.max_stop_strings,
         )
 
 
@@ -134,6 +141,9 @@ _CAPS = {
     "hookwire.v1.InferRequest.hooks": ("max_request_hooks", ResourceExhausted),
     "hookwire.v1.HookAction.rules": ("max_rules_per_action", InvalidArgument),
     "hookwire.v1.TokenizeRequest.texts": ("max_tokenize_texts", ResourceExhausted),
+    "hookwire.v1.GenerateRequest.hooks": ("max_request_hooks", ResourceExhausted),
+    "hookwire.v1.GenerateRequest.prompts": ("max_tokenize_texts", ResourceExhausted),
+    "hookwire.v1.GenerateRequest.stop": ("max_stop_strings", InvalidArgument),
 }
 
 

@@ -18,6 +18,7 @@ from hookwire.v1 import hook_service_pb2, model_service_pb2
 from .auth import TokenStore
 from .security import AuthInterceptor, server_credentials
 from .hook_manager import HookManager
+from .generation import Generation
 from .inference import Inference
 from .limits import Limits
 from .metrics import Metrics
@@ -127,6 +128,7 @@ class HookwireServer:
         )
         self.inference = Inference(registry, self.hooks, limits=self.settings)
         self.tokenization = Tokenization(registry, limits=self.settings)
+        self.generation = Generation(registry, self.hooks, limits=self.settings)
         self.tokens = TokenStore(self.settings.tokens_file, self.settings.tokens)
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -156,7 +158,9 @@ class HookwireServer:
             interceptors=[interceptor],
         )
         add_to_server(
-            ModelServicer(self.registry, self.inference, self.metrics, self.tokens, self.tokenization),
+            ModelServicer(
+                self.registry, self.inference, self.metrics, self.tokens, self.tokenization, self.generation
+            ),
             model_service_pb2.DESCRIPTOR.services_by_name["ModelService"], server,
         )
         add_to_server(
@@ -215,7 +219,8 @@ class HookwireServer:
         deadline = asyncio.get_running_loop().time() + grace
         await self.set_serving(False)
         self.hooks.draining = True
-        await self.inference.drained(grace)
+        # Generate calls end at their next step boundary, with finish_reason "shutdown".
+        await asyncio.gather(self.inference.drained(grace), self.generation.drained(grace))
         self.hooks.begin_shutdown()
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - asyncio.get_running_loop().time()))

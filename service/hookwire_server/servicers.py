@@ -26,6 +26,7 @@ from .metrics import Metrics
 from .security import principal_of
 from .model_registry import ModelRegistry
 from .slots import slot_to_proto
+from .generation import Generation
 from .tokenization import Tokenization
 from .status_mapping import streaming, tolerant_parser, unary
 
@@ -35,11 +36,12 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
     def __init__(
         self, registry: ModelRegistry, inference: Inference, metrics: Metrics, tokens: TokenStore,
-        tokenization: Tokenization | None = None,
+        tokenization: Tokenization | None = None, generation: Generation | None = None,
     ) -> None:
         self._registry = registry
         self._inference = inference
         self._tokenization = tokenization or Tokenization(registry, limits=inference.limits)
+        self._generation = generation
         self._tokens = tokens
         self.metrics = metrics
         #: Request bounds, checked before a request is parsed (status_mapping.parse_request).
@@ -80,6 +82,13 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     @unary
     async def Tokenize(self, request: model_service_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.TokenizeResponse:
         return await self._tokenization.tokenize(request, principal=principal_of(context, self._tokens))
+
+    @streaming
+    async def Generate(self, request: model_service_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.GenerateResponse]:
+        if self._generation is None:
+            raise Unavailable("this server does not run Generate")
+        async for message in self._generation.generate(request, principal=principal_of(context, self._tokens)):
+            yield message
 
 
 async def _chunks(requests: AsyncIterator[model_service_pb2.InferStreamRequest]) -> AsyncIterator[tensor_pb2.TensorChunk]:

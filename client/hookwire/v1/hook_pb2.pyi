@@ -110,7 +110,7 @@ class BackwardHookOptions(_message.Message):
     def __init__(self, prepend: _Optional[bool] = ...) -> None: ...
 
 class HookSpec(_message.Message):
-    __slots__ = ("model", "module", "prehook", "posthook", "backward_prehook", "backward_hook", "prehook_kwargs", "posthook_kwargs", "backward_prehook_kwargs", "backward_hook_kwargs", "train_update", "eval_update", "scope", "tags", "on_error", "sampling", "ttl_seconds")
+    __slots__ = ("model", "module", "prehook", "posthook", "backward_prehook", "backward_hook", "prehook_kwargs", "posthook_kwargs", "backward_prehook_kwargs", "backward_hook_kwargs", "train_update", "eval_update", "scope", "tags", "on_error", "sampling", "ttl_seconds", "steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODULE_FIELD_NUMBER: _ClassVar[int]
     PREHOOK_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class HookSpec(_message.Message):
     ON_ERROR_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     module: str
     prehook: HookAction
@@ -145,7 +146,16 @@ class HookSpec(_message.Message):
     on_error: _rule_pb2.OnError
     sampling: Sampling
     ttl_seconds: int
-    def __init__(self, model: _Optional[str] = ..., module: _Optional[str] = ..., prehook: _Optional[_Union[HookAction, _Mapping]] = ..., posthook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_prehook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_hook: _Optional[_Union[HookAction, _Mapping]] = ..., prehook_kwargs: _Optional[_Union[PreHookOptions, _Mapping]] = ..., posthook_kwargs: _Optional[_Union[PostHookOptions, _Mapping]] = ..., backward_prehook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., backward_hook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., train_update: _Optional[bool] = ..., eval_update: _Optional[bool] = ..., scope: _Optional[_Union[Scope, str]] = ..., tags: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[_rule_pb2.OnError, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+    steps: StepRange
+    def __init__(self, model: _Optional[str] = ..., module: _Optional[str] = ..., prehook: _Optional[_Union[HookAction, _Mapping]] = ..., posthook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_prehook: _Optional[_Union[HookAction, _Mapping]] = ..., backward_hook: _Optional[_Union[HookAction, _Mapping]] = ..., prehook_kwargs: _Optional[_Union[PreHookOptions, _Mapping]] = ..., posthook_kwargs: _Optional[_Union[PostHookOptions, _Mapping]] = ..., backward_prehook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., backward_hook_kwargs: _Optional[_Union[BackwardHookOptions, _Mapping]] = ..., train_update: _Optional[bool] = ..., eval_update: _Optional[bool] = ..., scope: _Optional[_Union[Scope, str]] = ..., tags: _Optional[_Iterable[str]] = ..., on_error: _Optional[_Union[_rule_pb2.OnError, str]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., ttl_seconds: _Optional[int] = ..., steps: _Optional[_Union[StepRange, _Mapping]] = ...) -> None: ...
+
+class StepRange(_message.Message):
+    __slots__ = ("first", "last")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    last: int
+    def __init__(self, first: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
 
 class Hook(_message.Message):
     __slots__ = ("hook_id", "spec", "modules", "session_id", "disabled", "disabled_reason", "fire_count", "events_sent", "events_dropped", "errors", "last_fired", "expires")
@@ -176,7 +186,7 @@ class Hook(_message.Message):
     def __init__(self, hook_id: _Optional[str] = ..., spec: _Optional[_Union[HookSpec, _Mapping]] = ..., modules: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., disabled: _Optional[bool] = ..., disabled_reason: _Optional[str] = ..., fire_count: _Optional[int] = ..., events_sent: _Optional[int] = ..., events_dropped: _Optional[int] = ..., errors: _Optional[int] = ..., last_fired: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class InterceptEvent(_message.Message):
-    __slots__ = ("hook_id", "model", "module", "phase", "seq", "call_index", "request_id", "training", "time", "args", "kwargs", "output", "grad_input", "grad_output", "dropped")
+    __slots__ = ("hook_id", "model", "module", "phase", "seq", "call_index", "request_id", "training", "time", "args", "kwargs", "output", "grad_input", "grad_output", "dropped", "step")
     class KwargsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +209,7 @@ class InterceptEvent(_message.Message):
     GRAD_INPUT_FIELD_NUMBER: _ClassVar[int]
     GRAD_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     hook_id: str
     model: str
     module: str
@@ -214,4 +225,5 @@ class InterceptEvent(_message.Message):
     grad_input: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
     grad_output: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
     dropped: int
-    def __init__(self, hook_id: _Optional[str] = ..., model: _Optional[str] = ..., module: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., seq: _Optional[int] = ..., call_index: _Optional[int] = ..., request_id: _Optional[str] = ..., training: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., grad_input: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., grad_output: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., dropped: _Optional[int] = ...) -> None: ...
+    step: int
+    def __init__(self, hook_id: _Optional[str] = ..., model: _Optional[str] = ..., module: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., seq: _Optional[int] = ..., call_index: _Optional[int] = ..., request_id: _Optional[str] = ..., training: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., grad_input: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., grad_output: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., dropped: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...

@@ -26,17 +26,17 @@ from hookwire.v1 import hook_pb2 as hookwire_dot_v1_dot_hook__pb2
 from hookwire.v1 import tensor_pb2 as hookwire_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehookwire/v1/hook_service.proto\x12\x0bhookwire.v1\x1a\x16hookwire/v1/hook.proto\x1a\x18hookwire/v1/tensor.proto\"2\n\x0eGetSlotRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"{\n\x04Slot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.hookwire.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12#\n\x06tensor\x18\x05 \x01(\x0b\x32\x13.hookwire.v1.Tensor\"&\n\x10ListSlotsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"]\n\x11ListSlotsResponse\x12 \n\x05slots\x18\x01 \x03(\x0b\x32\x11.hookwire.v1.Slot\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\"\x80\x01\n\x0f\x44\x65liveryOptions\x12+\n\x06policy\x18\x01 \x01(\x0e\x32\x1b.hookwire.v1.DeliveryPolicy\x12\x12\n\nmax_events\x18\x02 \x01(\r\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\r\"D\n\x12OpenSessionRequest\x12.\n\x08\x64\x65livery\x18\x01 \x01(\x0b\x32\x1c.hookwire.v1.DeliveryOptions\"\x9f\x02\n\x0eSessionMessage\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.hookwire.v1.SessionOpenedH\x00\x12,\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1b.hookwire.v1.InterceptEventH\x00\x12%\n\x06notice\x18\x03 \x01(\x0b\x32\x13.hookwire.v1.NoticeH\x00\x12-\n\nsubscribed\x18\x04 \x01(\x0b\x32\x17.hookwire.v1.SubscribedH\x00\x12(\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x17.hookwire.v1.EventBatchH\x00\x12)\n\x05\x63hunk\x18\x06 \x01(\x0b\x32\x18.hookwire.v1.TensorChunkH\x00\x42\x06\n\x04kind\"9\n\nEventBatch\x12+\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1b.hookwire.v1.InterceptEvent\"#\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1e\n\nSubscribed\x12\x10\n\x08hook_ids\x18\x01 \x03(\t\"b\n\x06Notice\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.hookwire.v1.NoticeKind\x12\x0f\n\x07hook_id\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07\x64ropped\x18\x04 \x01(\x04\"N\n\x13RegisterHookRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.hookwire.v1.HookSpec\"(\n\x15\x44\x65registerHookRequest\x12\x0f\n\x07hook_id\x18\x01 \x01(\t\")\n\x16\x44\x65registerHookResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"S\n\x10ListHooksRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x1c\n\x14include_operand_data\x18\x03 \x01(\x08\"5\n\x11ListHooksResponse\x12 \n\x05hooks\x18\x01 \x03(\x0b\x32\x11.hookwire.v1.Hook\"T\n\x10SubscribeRequest\x12\x10\n\x08hook_ids\x18\x01 \x03(\t\x12.\n\x08\x64\x65livery\x18\x02 \x01(\x0b\x32\x1c.hookwire.v1.DeliveryOptions*\x8e\x01\n\x0e\x44\x65liveryPolicy\x12\x1f\n\x1b\x44\x45LIVERY_POLICY_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44\x45LIVERY_POLICY_BLOCK\x10\x01\x12\x1f\n\x1b\x44\x45LIVERY_POLICY_DROP_OLDEST\x10\x02\x12\x1f\n\x1b\x44\x45LIVERY_POLICY_DROP_NEWEST\x10\x03*\xc2\x01\n\nNoticeKind\x12\x1b\n\x17NOTICE_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18NOTICE_KIND_HOOK_REMOVED\x10\x01\x12\x1e\n\x1aNOTICE_KIND_CAPTURE_FAILED\x10\x02\x12\x1d\n\x19NOTICE_KIND_HOOK_DISABLED\x10\x03\x12\x1d\n\x19NOTICE_KIND_DROPS_STARTED\x10\x04\x12\x1b\n\x17NOTICE_KIND_DROPS_ENDED\x10\x05\x32\x9a\x04\n\x0bHookService\x12M\n\x0bOpenSession\x12\x1f.hookwire.v1.OpenSessionRequest\x1a\x1b.hookwire.v1.SessionMessage0\x01\x12\x43\n\x0cRegisterHook\x12 .hookwire.v1.RegisterHookRequest\x1a\x11.hookwire.v1.Hook\x12Y\n\x0e\x44\x65registerHook\x12\".hookwire.v1.DeregisterHookRequest\x1a#.hookwire.v1.DeregisterHookResponse\x12J\n\tListHooks\x12\x1d.hookwire.v1.ListHooksRequest\x1a\x1e.hookwire.v1.ListHooksResponse\x12I\n\tSubscribe\x12\x1d.hookwire.v1.SubscribeRequest\x1a\x1b.hookwire.v1.SessionMessage0\x01\x12\x39\n\x07GetSlot\x12\x1b.hookwire.v1.GetSlotRequest\x1a\x11.hookwire.v1.Slot\x12J\n\tListSlots\x12\x1d.hookwire.v1.ListSlotsRequest\x1a\x1e.hookwire.v1.ListSlotsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ehookwire/v1/hook_service.proto\x12\x0bhookwire.v1\x1a\x16hookwire/v1/hook.proto\x1a\x18hookwire/v1/tensor.proto\"2\n\x0eGetSlotRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"{\n\x04Slot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.hookwire.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12#\n\x06tensor\x18\x05 \x01(\x0b\x32\x13.hookwire.v1.Tensor\"&\n\x10ListSlotsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"]\n\x11ListSlotsResponse\x12 \n\x05slots\x18\x01 \x03(\x0b\x32\x11.hookwire.v1.Slot\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\"\x80\x01\n\x0f\x44\x65liveryOptions\x12+\n\x06policy\x18\x01 \x01(\x0e\x32\x1b.hookwire.v1.DeliveryPolicy\x12\x12\n\nmax_events\x18\x02 \x01(\r\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\r\"D\n\x12OpenSessionRequest\x12.\n\x08\x64\x65livery\x18\x01 \x01(\x0b\x32\x1c.hookwire.v1.DeliveryOptions\"\xcd\x02\n\x0eSessionMessage\x12,\n\x06opened\x18\x01 \x01(\x0b\x32\x1a.hookwire.v1.SessionOpenedH\x00\x12,\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1b.hookwire.v1.InterceptEventH\x00\x12%\n\x06notice\x18\x03 \x01(\x0b\x32\x13.hookwire.v1.NoticeH\x00\x12-\n\nsubscribed\x18\x04 \x01(\x0b\x32\x17.hookwire.v1.SubscribedH\x00\x12(\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x17.hookwire.v1.EventBatchH\x00\x12)\n\x05\x63hunk\x18\x06 \x01(\x0b\x32\x18.hookwire.v1.TensorChunkH\x00\x12,\n\ncall_ended\x18\x07 \x01(\x0b\x32\x16.hookwire.v1.CallEndedH\x00\x42\x06\n\x04kind\".\n\tCallEnded\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"9\n\nEventBatch\x12+\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1b.hookwire.v1.InterceptEvent\"#\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1e\n\nSubscribed\x12\x10\n\x08hook_ids\x18\x01 \x03(\t\"b\n\x06Notice\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.hookwire.v1.NoticeKind\x12\x0f\n\x07hook_id\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0f\n\x07\x64ropped\x18\x04 \x01(\x04\"N\n\x13RegisterHookRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.hookwire.v1.HookSpec\"(\n\x15\x44\x65registerHookRequest\x12\x0f\n\x07hook_id\x18\x01 \x01(\t\")\n\x16\x44\x65registerHookResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"S\n\x10ListHooksRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x1c\n\x14include_operand_data\x18\x03 \x01(\x08\"5\n\x11ListHooksResponse\x12 \n\x05hooks\x18\x01 \x03(\x0b\x32\x11.hookwire.v1.Hook\"T\n\x10SubscribeRequest\x12\x10\n\x08hook_ids\x18\x01 \x03(\t\x12.\n\x08\x64\x65livery\x18\x02 \x01(\x0b\x32\x1c.hookwire.v1.DeliveryOptions*\x8e\x01\n\x0e\x44\x65liveryPolicy\x12\x1f\n\x1b\x44\x45LIVERY_POLICY_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44\x45LIVERY_POLICY_BLOCK\x10\x01\x12\x1f\n\x1b\x44\x45LIVERY_POLICY_DROP_OLDEST\x10\x02\x12\x1f\n\x1b\x44\x45LIVERY_POLICY_DROP_NEWEST\x10\x03*\xc2\x01\n\nNoticeKind\x12\x1b\n\x17NOTICE_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18NOTICE_KIND_HOOK_REMOVED\x10\x01\x12\x1e\n\x1aNOTICE_KIND_CAPTURE_FAILED\x10\x02\x12\x1d\n\x19NOTICE_KIND_HOOK_DISABLED\x10\x03\x12\x1d\n\x19NOTICE_KIND_DROPS_STARTED\x10\x04\x12\x1b\n\x17NOTICE_KIND_DROPS_ENDED\x10\x05\x32\x9a\x04\n\x0bHookService\x12M\n\x0bOpenSession\x12\x1f.hookwire.v1.OpenSessionRequest\x1a\x1b.hookwire.v1.SessionMessage0\x01\x12\x43\n\x0cRegisterHook\x12 .hookwire.v1.RegisterHookRequest\x1a\x11.hookwire.v1.Hook\x12Y\n\x0e\x44\x65registerHook\x12\".hookwire.v1.DeregisterHookRequest\x1a#.hookwire.v1.DeregisterHookResponse\x12J\n\tListHooks\x12\x1d.hookwire.v1.ListHooksRequest\x1a\x1e.hookwire.v1.ListHooksResponse\x12I\n\tSubscribe\x12\x1d.hookwire.v1.SubscribeRequest\x1a\x1b.hookwire.v1.SessionMessage0\x01\x12\x39\n\x07GetSlot\x12\x1b.hookwire.v1.GetSlotRequest\x1a\x11.hookwire.v1.Slot\x12J\n\tListSlots\x12\x1d.hookwire.v1.ListSlotsRequest\x1a\x1e.hookwire.v1.ListSlotsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hookwire.v1.hook_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DELIVERYPOLICY']._serialized_start=1520
-  _globals['_DELIVERYPOLICY']._serialized_end=1662
-  _globals['_NOTICEKIND']._serialized_start=1665
-  _globals['_NOTICEKIND']._serialized_end=1859
+  _globals['_DELIVERYPOLICY']._serialized_start=1614
+  _globals['_DELIVERYPOLICY']._serialized_end=1756
+  _globals['_NOTICEKIND']._serialized_start=1759
+  _globals['_NOTICEKIND']._serialized_end=1953
   _globals['_GETSLOTREQUEST']._serialized_start=97
   _globals['_GETSLOTREQUEST']._serialized_end=147
   _globals['_SLOT']._serialized_start=149
@@ -50,27 +50,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENSESSIONREQUEST']._serialized_start=540
   _globals['_OPENSESSIONREQUEST']._serialized_end=608
   _globals['_SESSIONMESSAGE']._serialized_start=611
-  _globals['_SESSIONMESSAGE']._serialized_end=898
-  _globals['_EVENTBATCH']._serialized_start=900
-  _globals['_EVENTBATCH']._serialized_end=957
-  _globals['_SESSIONOPENED']._serialized_start=959
-  _globals['_SESSIONOPENED']._serialized_end=994
-  _globals['_SUBSCRIBED']._serialized_start=996
-  _globals['_SUBSCRIBED']._serialized_end=1026
-  _globals['_NOTICE']._serialized_start=1028
-  _globals['_NOTICE']._serialized_end=1126
-  _globals['_REGISTERHOOKREQUEST']._serialized_start=1128
-  _globals['_REGISTERHOOKREQUEST']._serialized_end=1206
-  _globals['_DEREGISTERHOOKREQUEST']._serialized_start=1208
-  _globals['_DEREGISTERHOOKREQUEST']._serialized_end=1248
-  _globals['_DEREGISTERHOOKRESPONSE']._serialized_start=1250
-  _globals['_DEREGISTERHOOKRESPONSE']._serialized_end=1291
-  _globals['_LISTHOOKSREQUEST']._serialized_start=1293
-  _globals['_LISTHOOKSREQUEST']._serialized_end=1376
-  _globals['_LISTHOOKSRESPONSE']._serialized_start=1378
-  _globals['_LISTHOOKSRESPONSE']._serialized_end=1431
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1433
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1517
-  _globals['_HOOKSERVICE']._serialized_start=1862
-  _globals['_HOOKSERVICE']._serialized_end=2400
+  _globals['_SESSIONMESSAGE']._serialized_end=944
+  _globals['_CALLENDED']._serialized_start=946
+  _globals['_CALLENDED']._serialized_end=992
+  _globals['_EVENTBATCH']._serialized_start=994
+  _globals['_EVENTBATCH']._serialized_end=1051
+  _globals['_SESSIONOPENED']._serialized_start=1053
+  _globals['_SESSIONOPENED']._serialized_end=1088
+  _globals['_SUBSCRIBED']._serialized_start=1090
+  _globals['_SUBSCRIBED']._serialized_end=1120
+  _globals['_NOTICE']._serialized_start=1122
+  _globals['_NOTICE']._serialized_end=1220
+  _globals['_REGISTERHOOKREQUEST']._serialized_start=1222
+  _globals['_REGISTERHOOKREQUEST']._serialized_end=1300
+  _globals['_DEREGISTERHOOKREQUEST']._serialized_start=1302
+  _globals['_DEREGISTERHOOKREQUEST']._serialized_end=1342
+  _globals['_DEREGISTERHOOKRESPONSE']._serialized_start=1344
+  _globals['_DEREGISTERHOOKRESPONSE']._serialized_end=1385
+  _globals['_LISTHOOKSREQUEST']._serialized_start=1387
+  _globals['_LISTHOOKSREQUEST']._serialized_end=1470
+  _globals['_LISTHOOKSRESPONSE']._serialized_start=1472
+  _globals['_LISTHOOKSRESPONSE']._serialized_end=1525
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1527
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1611
+  _globals['_HOOKSERVICE']._serialized_start=1956
+  _globals['_HOOKSERVICE']._serialized_end=2494
 # @@protoc_insertion_point(module_scope)

@@ -92,20 +92,30 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, delivery: _Optional[_Union[DeliveryOptions, _Mapping]] = ...) -> None: ...
 
 class SessionMessage(_message.Message):
-    __slots__ = ("opened", "event", "notice", "subscribed", "batch", "chunk")
+    __slots__ = ("opened", "event", "notice", "subscribed", "batch", "chunk", "call_ended")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBED_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CALL_ENDED_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     event: _hook_pb2.InterceptEvent
     notice: Notice
     subscribed: Subscribed
     batch: EventBatch
     chunk: _tensor_pb2.TensorChunk
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., subscribed: _Optional[_Union[Subscribed, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    call_ended: CallEnded
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., notice: _Optional[_Union[Notice, _Mapping]] = ..., subscribed: _Optional[_Union[Subscribed, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., call_ended: _Optional[_Union[CallEnded, _Mapping]] = ...) -> None: ...
+
+class CallEnded(_message.Message):
+    __slots__ = ("request_id", "model")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("events",)

@@ -23,10 +23,11 @@ _sym_db = _symbol_database.Default()
 
 
 from hookwire.v1 import hook_pb2 as hookwire_dot_v1_dot_hook__pb2
+from hookwire.v1 import hook_service_pb2 as hookwire_dot_v1_dot_hook__service__pb2
 from hookwire.v1 import tensor_pb2 as hookwire_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fhookwire/v1/model_service.proto\x12\x0bhookwire.v1\x1a\x16hookwire/v1/hook.proto\x1a\x18hookwire/v1/tensor.proto\"\x99\x01\n\x12InferStreamRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x19.hookwire.v1.InferRequestH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.hookwire.v1.TensorChunkH\x00\x12\"\n\x1amax_response_message_bytes\x18\x03 \x01(\rB\x06\n\x04kind\"x\n\x13InferStreamResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1a.hookwire.v1.InferResponseH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.hookwire.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.hookwire.v1.Model\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xad\x01\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x18\n\x10training_allowed\x18\x03 \x01(\x08\x12(\n\x07modules\x18\x04 \x03(\x0b\x32\x17.hookwire.v1.ModuleInfo\x12&\n\x05state\x18\x05 \x01(\x0e\x32\x17.hookwire.v1.ModelState\x12\x15\n\rstate_message\x18\x06 \x01(\t\"X\n\nModuleInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12.\n\nparameters\x18\x03 \x03(\x0b\x32\x1a.hookwire.v1.ParameterInfo\"f\n\rParameterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.hookwire.v1.DType\x12\x15\n\rrequires_grad\x18\x04 \x01(\x08\"\xe7\x02\n\x0cInferRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x04\x61rgs\x18\x02 \x03(\x0b\x32\x12.hookwire.v1.Value\x12\x35\n\x06kwargs\x18\x03 \x03(\x0b\x32%.hookwire.v1.InferRequest.KwargsEntry\x12\x1f\n\x04mode\x18\x04 \x01(\x0e\x32\x11.hookwire.v1.Mode\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12$\n\x05hooks\x18\x06 \x03(\x0b\x32\x15.hookwire.v1.HookSpec\x12\'\n\x08\x62\x61\x63kward\x18\x07 \x01(\x0b\x32\x15.hookwire.v1.Backward\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04tags\x18\t \x03(\t\x1a\x41\n\x0bKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.hookwire.v1.Value:\x02\x38\x01\x42\x07\n\x05_seed\"^\n\x08\x42\x61\x63kward\x12\x13\n\x0boutput_path\x18\x01 \x01(\t\x12!\n\x04grad\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12\x1a\n\x12return_input_grads\x18\x03 \x01(\x08\"\xca\x02\n\rInferResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.hookwire.v1.Value\x12+\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1b.hookwire.v1.InterceptEvent\x12\'\n\x0binput_grads\x18\x04 \x03(\x0b\x32\x12.hookwire.v1.Value\x12L\n\x12input_kwargs_grads\x18\x05 \x03(\x0b\x32\x30.hookwire.v1.InferResponse.InputKwargsGradsEntry\x12\x10\n\x08hook_ids\x18\x06 \x03(\t\x1aK\n\x15InputKwargsGradsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.hookwire.v1.Value:\x02\x38\x01\"}\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x14\n\x0cpadding_side\x18\x04 \x01(\tB\x15\n\x13_add_special_tokens\"\x91\x01\n\x10TokenizeResponse\x12&\n\tinput_ids\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12+\n\x0e\x61ttention_mask\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12(\n\x06tokens\x18\x03 \x03(\x0b\x32\x18.hookwire.v1.TokenPieces\"\x1d\n\x0bTokenPieces\x12\x0e\n\x06pieces\x18\x01 \x03(\t*q\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_STATE_LOADING\x10\x01\x12\x15\n\x11MODEL_STATE_READY\x10\x02\x12\x16\n\x12MODEL_STATE_FAILED\x10\x03*;\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_EVAL\x10\x01\x12\x0e\n\nMODE_TRAIN\x10\x02\x32\xfa\x02\n\x0cModelService\x12M\n\nListModels\x12\x1e.hookwire.v1.ListModelsRequest\x1a\x1f.hookwire.v1.ListModelsResponse\x12<\n\x08GetModel\x12\x1c.hookwire.v1.GetModelRequest\x1a\x12.hookwire.v1.Model\x12>\n\x05Infer\x12\x19.hookwire.v1.InferRequest\x1a\x1a.hookwire.v1.InferResponse\x12T\n\x0bInferStream\x12\x1f.hookwire.v1.InferStreamRequest\x1a .hookwire.v1.InferStreamResponse(\x01\x30\x01\x12G\n\x08Tokenize\x12\x1c.hookwire.v1.TokenizeRequest\x1a\x1d.hookwire.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fhookwire/v1/model_service.proto\x12\x0bhookwire.v1\x1a\x16hookwire/v1/hook.proto\x1a\x1ehookwire/v1/hook_service.proto\x1a\x18hookwire/v1/tensor.proto\"\x99\x01\n\x12InferStreamRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x19.hookwire.v1.InferRequestH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.hookwire.v1.TensorChunkH\x00\x12\"\n\x1amax_response_message_bytes\x18\x03 \x01(\rB\x06\n\x04kind\"x\n\x13InferStreamResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1a.hookwire.v1.InferResponseH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.hookwire.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.hookwire.v1.Model\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xda\x01\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x18\n\x10training_allowed\x18\x03 \x01(\x08\x12(\n\x07modules\x18\x04 \x03(\x0b\x32\x17.hookwire.v1.ModuleInfo\x12&\n\x05state\x18\x05 \x01(\x0e\x32\x17.hookwire.v1.ModelState\x12\x15\n\rstate_message\x18\x06 \x01(\t\x12\x14\n\x0c\x63\x61n_generate\x18\x07 \x01(\x08\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\"X\n\nModuleInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12.\n\nparameters\x18\x03 \x03(\x0b\x32\x1a.hookwire.v1.ParameterInfo\"f\n\rParameterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.hookwire.v1.DType\x12\x15\n\rrequires_grad\x18\x04 \x01(\x08\"\xe7\x02\n\x0cInferRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x04\x61rgs\x18\x02 \x03(\x0b\x32\x12.hookwire.v1.Value\x12\x35\n\x06kwargs\x18\x03 \x03(\x0b\x32%.hookwire.v1.InferRequest.KwargsEntry\x12\x1f\n\x04mode\x18\x04 \x01(\x0e\x32\x11.hookwire.v1.Mode\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12$\n\x05hooks\x18\x06 \x03(\x0b\x32\x15.hookwire.v1.HookSpec\x12\'\n\x08\x62\x61\x63kward\x18\x07 \x01(\x0b\x32\x15.hookwire.v1.Backward\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04tags\x18\t \x03(\t\x1a\x41\n\x0bKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.hookwire.v1.Value:\x02\x38\x01\x42\x07\n\x05_seed\"^\n\x08\x42\x61\x63kward\x12\x13\n\x0boutput_path\x18\x01 \x01(\t\x12!\n\x04grad\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12\x1a\n\x12return_input_grads\x18\x03 \x01(\x08\"\xca\x02\n\rInferResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.hookwire.v1.Value\x12+\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1b.hookwire.v1.InterceptEvent\x12\'\n\x0binput_grads\x18\x04 \x03(\x0b\x32\x12.hookwire.v1.Value\x12L\n\x12input_kwargs_grads\x18\x05 \x03(\x0b\x32\x30.hookwire.v1.InferResponse.InputKwargsGradsEntry\x12\x10\n\x08hook_ids\x18\x06 \x03(\t\x1aK\n\x15InputKwargsGradsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.hookwire.v1.Value:\x02\x38\x01\"}\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x14\n\x0cpadding_side\x18\x04 \x01(\tB\x15\n\x13_add_special_tokens\"\x91\x01\n\x10TokenizeResponse\x12&\n\tinput_ids\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12+\n\x0e\x61ttention_mask\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12(\n\x06tokens\x18\x03 \x03(\x0b\x32\x18.hookwire.v1.TokenPieces\"\x1d\n\x0bTokenPieces\x12\x0e\n\x06pieces\x18\x01 \x03(\t\"\xc0\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07prompts\x18\x02 \x03(\t\x12&\n\tinput_ids\x18\x03 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12+\n\x0e\x61ttention_mask\x18\x04 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\tdo_sample\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nsession_id\x18\x0c \x01(\t\x12$\n\x05hooks\x18\r \x03(\x0b\x32\x15.hookwire.v1.HookSpec\x12\x0c\n\x04tags\x18\x0e \x03(\t\x12\"\n\x1amax_response_message_bytes\x18\x0f \x01(\rB\x0c\n\n_do_sampleB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xa6\x02\n\x10GenerateResponse\x12/\n\x07started\x18\x01 \x01(\x0b\x32\x1c.hookwire.v1.GenerateStartedH\x00\x12.\n\x06tokens\x18\x02 \x01(\x0b\x32\x1c.hookwire.v1.GeneratedTokensH\x00\x12,\n\x05\x65vent\x18\x03 \x01(\x0b\x32\x1b.hookwire.v1.InterceptEventH\x00\x12)\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x18.hookwire.v1.TensorChunkH\x00\x12%\n\x06notice\x18\x05 \x01(\x0b\x32\x13.hookwire.v1.NoticeH\x00\x12)\n\x04\x64one\x18\x06 \x01(\x0b\x32\x19.hookwire.v1.GenerateDoneH\x00\x42\x06\n\x04kind\"\xad\x01\n\x0fGenerateStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\tinput_ids\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12+\n\x0e\x61ttention_mask\x18\x03 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12\x10\n\x08hook_ids\x18\x04 \x03(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x11\n\tdo_sample\x18\x06 \x01(\x08\"A\n\x0fGeneratedTokens\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\r\n\x05texts\x18\x03 \x03(\t\"P\n\x0cGenerateDone\x12\x31\n\tsequences\x18\x01 \x03(\x0b\x32\x1e.hookwire.v1.GeneratedSequence\x12\r\n\x05steps\x18\x02 \x01(\r\"K\n\x11GeneratedSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t*q\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_STATE_LOADING\x10\x01\x12\x15\n\x11MODEL_STATE_READY\x10\x02\x12\x16\n\x12MODEL_STATE_FAILED\x10\x03*;\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_EVAL\x10\x01\x12\x0e\n\nMODE_TRAIN\x10\x02\x32\xc5\x03\n\x0cModelService\x12M\n\nListModels\x12\x1e.hookwire.v1.ListModelsRequest\x1a\x1f.hookwire.v1.ListModelsResponse\x12<\n\x08GetModel\x12\x1c.hookwire.v1.GetModelRequest\x1a\x12.hookwire.v1.Model\x12>\n\x05Infer\x12\x19.hookwire.v1.InferRequest\x1a\x1a.hookwire.v1.InferResponse\x12T\n\x0bInferStream\x12\x1f.hookwire.v1.InferStreamRequest\x1a .hookwire.v1.InferStreamResponse(\x01\x30\x01\x12G\n\x08Tokenize\x12\x1c.hookwire.v1.TokenizeRequest\x1a\x1d.hookwire.v1.TokenizeResponse\x12I\n\x08Generate\x12\x1c.hookwire.v1.GenerateRequest\x1a\x1d.hookwire.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,42 +38,54 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFERREQUEST_KWARGSENTRY']._serialized_options = b'8\001'
   _globals['_INFERRESPONSE_INPUTKWARGSGRADSENTRY']._loaded_options = None
   _globals['_INFERRESPONSE_INPUTKWARGSGRADSENTRY']._serialized_options = b'8\001'
-  _globals['_MODELSTATE']._serialized_start=1955
-  _globals['_MODELSTATE']._serialized_end=2068
-  _globals['_MODE']._serialized_start=2070
-  _globals['_MODE']._serialized_end=2129
-  _globals['_INFERSTREAMREQUEST']._serialized_start=99
-  _globals['_INFERSTREAMREQUEST']._serialized_end=252
-  _globals['_INFERSTREAMRESPONSE']._serialized_start=254
-  _globals['_INFERSTREAMRESPONSE']._serialized_end=374
-  _globals['_LISTMODELSREQUEST']._serialized_start=376
-  _globals['_LISTMODELSREQUEST']._serialized_end=395
-  _globals['_LISTMODELSRESPONSE']._serialized_start=397
-  _globals['_LISTMODELSRESPONSE']._serialized_end=453
-  _globals['_GETMODELREQUEST']._serialized_start=455
-  _globals['_GETMODELREQUEST']._serialized_end=486
-  _globals['_MODEL']._serialized_start=489
-  _globals['_MODEL']._serialized_end=662
-  _globals['_MODULEINFO']._serialized_start=664
-  _globals['_MODULEINFO']._serialized_end=752
-  _globals['_PARAMETERINFO']._serialized_start=754
-  _globals['_PARAMETERINFO']._serialized_end=856
-  _globals['_INFERREQUEST']._serialized_start=859
-  _globals['_INFERREQUEST']._serialized_end=1218
-  _globals['_INFERREQUEST_KWARGSENTRY']._serialized_start=1144
-  _globals['_INFERREQUEST_KWARGSENTRY']._serialized_end=1209
-  _globals['_BACKWARD']._serialized_start=1220
-  _globals['_BACKWARD']._serialized_end=1314
-  _globals['_INFERRESPONSE']._serialized_start=1317
-  _globals['_INFERRESPONSE']._serialized_end=1647
-  _globals['_INFERRESPONSE_INPUTKWARGSGRADSENTRY']._serialized_start=1572
-  _globals['_INFERRESPONSE_INPUTKWARGSGRADSENTRY']._serialized_end=1647
-  _globals['_TOKENIZEREQUEST']._serialized_start=1649
-  _globals['_TOKENIZEREQUEST']._serialized_end=1774
-  _globals['_TOKENIZERESPONSE']._serialized_start=1777
-  _globals['_TOKENIZERESPONSE']._serialized_end=1922
-  _globals['_TOKENPIECES']._serialized_start=1924
-  _globals['_TOKENPIECES']._serialized_end=1953
-  _globals['_MODELSERVICE']._serialized_start=2132
-  _globals['_MODELSERVICE']._serialized_end=2510
+  _globals['_MODELSTATE']._serialized_start=3182
+  _globals['_MODELSTATE']._serialized_end=3295
+  _globals['_MODE']._serialized_start=3297
+  _globals['_MODE']._serialized_end=3356
+  _globals['_INFERSTREAMREQUEST']._serialized_start=131
+  _globals['_INFERSTREAMREQUEST']._serialized_end=284
+  _globals['_INFERSTREAMRESPONSE']._serialized_start=286
+  _globals['_INFERSTREAMRESPONSE']._serialized_end=406
+  _globals['_LISTMODELSREQUEST']._serialized_start=408
+  _globals['_LISTMODELSREQUEST']._serialized_end=427
+  _globals['_LISTMODELSRESPONSE']._serialized_start=429
+  _globals['_LISTMODELSRESPONSE']._serialized_end=485
+  _globals['_GETMODELREQUEST']._serialized_start=487
+  _globals['_GETMODELREQUEST']._serialized_end=518
+  _globals['_MODEL']._serialized_start=521
+  _globals['_MODEL']._serialized_end=739
+  _globals['_MODULEINFO']._serialized_start=741
+  _globals['_MODULEINFO']._serialized_end=829
+  _globals['_PARAMETERINFO']._serialized_start=831
+  _globals['_PARAMETERINFO']._serialized_end=933
+  _globals['_INFERREQUEST']._serialized_start=936
+  _globals['_INFERREQUEST']._serialized_end=1295
+  _globals['_INFERREQUEST_KWARGSENTRY']._serialized_start=1221
+  _globals['_INFERREQUEST_KWARGSENTRY']._serialized_end=1286
+  _globals['_BACKWARD']._serialized_start=1297
+  _globals['_BACKWARD']._serialized_end=1391
+  _globals['_INFERRESPONSE']._serialized_start=1394
+  _globals['_INFERRESPONSE']._serialized_end=1724
+  _globals['_INFERRESPONSE_INPUTKWARGSGRADSENTRY']._serialized_start=1649
+  _globals['_INFERRESPONSE_INPUTKWARGSGRADSENTRY']._serialized_end=1724
+  _globals['_TOKENIZEREQUEST']._serialized_start=1726
+  _globals['_TOKENIZEREQUEST']._serialized_end=1851
+  _globals['_TOKENIZERESPONSE']._serialized_start=1854
+  _globals['_TOKENIZERESPONSE']._serialized_end=1999
+  _globals['_TOKENPIECES']._serialized_start=2001
+  _globals['_TOKENPIECES']._serialized_end=2030
+  _globals['_GENERATEREQUEST']._serialized_start=2033
+  _globals['_GENERATEREQUEST']._serialized_end=2481
+  _globals['_GENERATERESPONSE']._serialized_start=2484
+  _globals['_GENERATERESPONSE']._serialized_end=2778
+  _globals['_GENERATESTARTED']._serialized_start=2781
+  _globals['_GENERATESTARTED']._serialized_end=2954
+  _globals['_GENERATEDTOKENS']._serialized_start=2956
+  _globals['_GENERATEDTOKENS']._serialized_end=3021
+  _globals['_GENERATEDONE']._serialized_start=3023
+  _globals['_GENERATEDONE']._serialized_end=3103
+  _globals['_GENERATEDSEQUENCE']._serialized_start=3105
+  _globals['_GENERATEDSEQUENCE']._serialized_end=3180
+  _globals['_MODELSERVICE']._serialized_start=3359
+  _globals['_MODELSERVICE']._serialized_end=3812
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from hookwire.v1 import hook_pb2 as _hook_pb2
+from hookwire.v1 import hook_service_pb2 as _hook_service_pb2
 from hookwire.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -64,20 +65,24 @@ class GetModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message")
+    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TRAINING_ALLOWED_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STATE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CAN_GENERATE_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     training_allowed: bool
     modules: _containers.RepeatedCompositeFieldContainer[ModuleInfo]
     state: ModelState
     state_message: str
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ...) -> None: ...
+    can_generate: bool
+    has_tokenizer: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("path", "type", "parameters")
@@ -190,3 +195,97 @@ class TokenPieces(_message.Message):
     PIECES_FIELD_NUMBER: _ClassVar[int]
     pieces: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, pieces: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("model", "prompts", "input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "hooks", "tags", "max_response_message_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HOOKS_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompts: _containers.RepeatedScalarFieldContainer[str]
+    input_ids: _tensor_pb2.Tensor
+    attention_mask: _tensor_pb2.Tensor
+    max_new_tokens: int
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    session_id: str
+    hooks: _containers.RepeatedCompositeFieldContainer[_hook_pb2.HookSpec]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    max_response_message_bytes: int
+    def __init__(self, model: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ..., input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., hooks: _Optional[_Iterable[_Union[_hook_pb2.HookSpec, _Mapping]]] = ..., tags: _Optional[_Iterable[str]] = ..., max_response_message_bytes: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("started", "tokens", "event", "chunk", "notice", "done")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    started: GenerateStarted
+    tokens: GeneratedTokens
+    event: _hook_pb2.InterceptEvent
+    chunk: _tensor_pb2.TensorChunk
+    notice: _hook_service_pb2.Notice
+    done: GenerateDone
+    def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., tokens: _Optional[_Union[GeneratedTokens, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., notice: _Optional[_Union[_hook_service_pb2.Notice, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ...) -> None: ...
+
+class GenerateStarted(_message.Message):
+    __slots__ = ("request_id", "input_ids", "attention_mask", "hook_ids", "seed", "do_sample")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    HOOK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    input_ids: _tensor_pb2.Tensor
+    attention_mask: _tensor_pb2.Tensor
+    hook_ids: _containers.RepeatedScalarFieldContainer[str]
+    seed: int
+    do_sample: bool
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hook_ids: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., do_sample: _Optional[bool] = ...) -> None: ...
+
+class GeneratedTokens(_message.Message):
+    __slots__ = ("step", "token_ids", "texts")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerateDone(_message.Message):
+    __slots__ = ("sequences", "steps")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[GeneratedSequence]
+    steps: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[GeneratedSequence, _Mapping]]] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class GeneratedSequence(_message.Message):
+    __slots__ = ("token_ids", "text", "finish_reason")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...

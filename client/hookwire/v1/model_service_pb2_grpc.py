@@ -62,6 +62,11 @@ class ModelServiceStub:
                 request_serializer=hookwire_dot_v1_dot_model__service__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=hookwire_dot_v1_dot_model__service__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/hookwire.v1.ModelService/Generate',
+                request_serializer=hookwire_dot_v1_dot_model__service__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=hookwire_dot_v1_dot_model__service__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class ModelServiceServicer:
@@ -122,6 +127,26 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Generates text with a causal language model (Model.can_generate), one
+        pass per step with a KV cache, exactly as transformers' `generate()`
+        (greedy or sampling; no beam search) and streams what happens as it
+        happens: `started` first, then per step the events of the call's own
+        hooks (GenerateRequest.hooks) in firing order, then the step's `tokens`,
+        and `done` last. Session, tagged and SCOPE_ALL hooks fire on every step
+        as on Infer calls, their events carrying `step`. Needs the user role.
+        Other calls on the model run between steps; a client that reads slowly
+        pauses its own call at the next step boundary. Cancelling the call stops
+        it at the next step boundary; a server shutting down ends it there with
+        finish_reason "shutdown" and `done`. No backward pass (use Infer).
+        UNIMPLEMENTED for a model that cannot generate, FAILED_PRECONDITION for
+        `prompts` on a model without a tokenizer, INVALID_ARGUMENT or
+        RESOURCE_EXHAUSTED (naming the limit) for bad input, before anything runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +174,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=hookwire_dot_v1_dot_model__service__pb2.TokenizeRequest.FromString,
                     response_serializer=hookwire_dot_v1_dot_model__service__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=hookwire_dot_v1_dot_model__service__pb2.GenerateRequest.FromString,
+                    response_serializer=hookwire_dot_v1_dot_model__service__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -289,6 +319,33 @@ class ModelService:
             '/hookwire.v1.ModelService/Tokenize',
             hookwire_dot_v1_dot_model__service__pb2.TokenizeRequest.SerializeToString,
             hookwire_dot_v1_dot_model__service__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hookwire.v1.ModelService/Generate',
+            hookwire_dot_v1_dot_model__service__pb2.GenerateRequest.SerializeToString,
+            hookwire_dot_v1_dot_model__service__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,576 @@
+"""Generate calls: a causal language model decoding token by token, one pass per step,
+with the call's hooks firing in every step and what they capture streamed as it fires.
+
+How a call runs
+---------------
+``transformers``' own ``generate()`` prepares the call — the generation config with the
+call's overrides, the attention mask, position ids, the KV cache, the logits processors
+(temperature, top-k, top-p, repetition penalty, ... from the model's
+``generation_config``) and the stopping criteria (max length, EOS, stop strings) —
+through its documented ``custom_generate`` hook, which hands the prepared state to a
+callable instead of its own decoding loop. ``Decoder`` then runs the loop of
+transformers' ``_sample`` one step at a time: step 0 is the prefill over the prompt, each
+later step one cached pass over the tokens chosen last, each step a separate job on the
+model's worker thread. So a call running alone computes exactly what in-process
+``generate()`` computes (the same passes, the same processors, the same tokens), while
+other calls on the model (Infer, other generations) run between its steps, a client
+that reads slowly holds only its own call (the next step is not queued until the
+stream has taken the last one's messages), and cancellation and shutdown take effect
+at step boundaries.
+
+Sampling draws from a generator of the call's own, seeded from ``seed`` (or a fresh
+random seed, reported): the same draws as ``torch.manual_seed(seed)`` before an
+in-process ``generate()``, and no other call's randomness in between can change them.
+
+The step is the unit a batching scheduler (issue #9) will join across calls: each call
+keeps its own ``Pass`` (hooks, call indices, seq and step numbers) and its own decoding
+state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Callable
+
+import torch
+
+from hookwire import _codec
+from hookwire._codec import Chunker
+from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2
+
+from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
+from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable, Unimplemented
+from .event_bus import DEFAULT_MAX_MESSAGE_BYTES, MIN_MAX_MESSAGE_BYTES, chunk_bytes_for
+from .hook_manager import HookManager, new_id
+from .hook_record import HookRecord
+from .inference import _call
+from .limits import Limits
+from .model_registry import ModelHost, ModelRegistry
+from .passes import Pass
+from .tokenization import check_texts, no_tokenizer_message, padding_side_for, tokenize_texts
+
+log = logging.getLogger("hookwire.generate")
+
+#: GeneratedTokens.token_ids entry of a sequence that has already finished.
+FINISHED = -1
+
+#: finish_reason of a sequence that a stopping criterion ended, by criterion class name
+#: (transformers' classes; anything else, e.g. MaxTimeCriteria, counts as "length").
+_REASONS = {"EosTokenCriteria": "eos", "StopStringCriteria": "stop", "MaxLengthCriteria": "length"}
+#: When several criteria end a sequence in the same step, the first of these wins.
+_PRECEDENCE = ("eos", "stop", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """A validated GenerateRequest's decoding settings."""
+
+    max_new_tokens: int
+    #: Overrides of the model's generation_config (only the fields the request set).
+    overrides: dict[str, Any]
+    seed: int
+    stop: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """What transformers' generate() prepared, handed over by its custom_generate hook."""
+
+    input_ids: torch.Tensor
+    logits_processor: Any
+    stopping_criteria: Any
+    generation_config: Any
+    model_kwargs: dict[str, Any]
+
+
+def _hand_over(
+    model: Any, input_ids: torch.Tensor, logits_processor: Any = None, stopping_criteria: Any = None,
+    generation_config: Any = None, synced_gpus: bool = False, streamer: Any = None, **model_kwargs: Any,
+) -> _Prepared:
+    """generate()'s custom_generate: instead of decoding, return what it prepared."""
+    return _Prepared(input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+
+class Decoder:
+    """The decoding state of one Generate call: transformers' ``_sample`` loop, one
+    ``step()`` per pass. Used on the model's worker thread only."""
+
+    def __init__(self, model: Any, prepared: _Prepared, generator: torch.Generator) -> None:
+        self.model = model
+        self.input_ids = prepared.input_ids
+        self.prompt_length = int(prepared.input_ids.shape[1])
+        self.logits_processor = prepared.logits_processor
+        self.stopping_criteria = prepared.stopping_criteria
+        self.config = prepared.generation_config
+        self.model_kwargs: dict[str, Any] | None = prepared.model_kwargs
+        self.generator = generator
+        self.do_sample = bool(self.config.do_sample)
+        batch = int(self.input_ids.shape[0])
+        self.unfinished = torch.ones(batch, dtype=torch.long, device=self.input_ids.device)
+        pad = self.config._pad_token_tensor
+        self.pad_token = pad.to(self.input_ids.device) if pad is not None else None
+        # As _sample: with an EOS criterion, finished sequences continue with the pad token.
+        self.has_eos_criterion = any(hasattr(c, "eos_token_id") for c in self.stopping_criteria)
+        self.step_index = 0
+        #: Why each sequence ended ("" while it runs).
+        self.reasons = [""] * batch
+        #: Each sequence's new tokens (up to the one that ended it).
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+
+    @property
+    def finished(self) -> bool:
+        """Whether every sequence has ended."""
+        return all(self.reasons)
+
+    def step(self) -> list[int]:
+        """Runs one pass and chooses the next tokens; returns them per sequence
+        (FINISHED for a sequence that had already ended)."""
+        model = self.model
+        kwargs = self.model_kwargs
+        assert kwargs is not None, "the decoder was released"
+        with torch.no_grad():
+            if self.step_index == 0:
+                outputs = model._prefill(self.input_ids, self.config, kwargs, is_first_iteration=True)
+            else:
+                inputs = model.prepare_inputs_for_generation(
+                    self.input_ids, next_sequence_length=1 if kwargs.get("use_cache") else None, **kwargs
+                )
+                outputs = model(**inputs, return_dict=True)
+            self.model_kwargs = kwargs = model._update_model_kwargs_for_generation(
+                outputs, kwargs, is_encoder_decoder=False
+            )
+            logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=self.input_ids.device)
+            del outputs
+            scores = self.logits_processor(self.input_ids, logits)
+            if self.do_sample:
+                probs = torch.nn.functional.softmax(scores, dim=-1)
+                next_tokens = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
+            else:
+                next_tokens = torch.argmax(scores, dim=-1)
+            if self.has_eos_criterion and self.pad_token is not None:
+                next_tokens = next_tokens * self.unfinished + self.pad_token * (1 - self.unfinished)
+            self.input_ids = torch.cat([self.input_ids, next_tokens[:, None]], dim=-1)
+            ended: dict[str, torch.Tensor] = {}
+            for criterion in self.stopping_criteria:  # what StoppingCriteriaList does, criterion by criterion
+                reason = _REASONS.get(type(criterion).__name__, "length")
+                done = criterion(self.input_ids, None).to(torch.bool)
+                ended[reason] = done | ended[reason] if reason in ended else done
+        was_running = self.unfinished.bool().tolist()
+        chosen = next_tokens.tolist()
+        out = []
+        for i, running in enumerate(was_running):
+            if not running:
+                out.append(FINISHED)
+                continue
+            out.append(int(chosen[i]))
+            self.tokens[i].append(int(chosen[i]))
+            for reason in _PRECEDENCE:
+                if reason in ended and bool(ended[reason][i]):
+                    self.reasons[i] = reason
+                    break
+        any_ended = torch.zeros_like(self.unfinished, dtype=torch.bool)
+        for done in ended.values():
+            any_ended |= done
+        self.unfinished = self.unfinished & ~any_ended.to(self.unfinished.dtype)
+        self.step_index += 1
+        return out
+
+    def end(self, reason: str) -> None:
+        """Ends the sequences still running with ``reason`` (e.g. "cancelled")."""
+        self.reasons = [r or reason for r in self.reasons]
+
+    def release(self) -> None:
+        """Frees the KV cache and the other tensors the call holds."""
+        self.model_kwargs = None
+        self.logits_processor = None
+
+
+class TextDeltas:
+    """Incremental detokenization of one sequence: each step's text is what decoding
+    the tokens so far adds to what was already sent, held back while it ends in an
+    incomplete character (U+FFFD). The deltas concatenate to the final text."""
+
+    def __init__(self) -> None:
+        self.sent = ""
+        self._prefix = 0  # tokens before this offset are no longer re-decoded
+        self._read = 0  # tokens before this offset produced the text sent so far
+
+    def add(self, tokenizer: Any, tokens: list[int], *, final: bool = False) -> str:
+        """The text the new tokens add (decode with special tokens skipped)."""
+        before = tokenizer.decode(tokens[self._prefix:self._read], skip_special_tokens=True)
+        now = tokenizer.decode(tokens[self._prefix:], skip_special_tokens=True)
+        if len(now) <= len(before) or (now.endswith("\ufffd") and not final):
+            return ""
+        delta = now[len(before):]
+        self._prefix, self._read = self._read, len(tokens)
+        self.sent += delta
+        return delta
+
+
+def _deltas(
+    tokenizer: Any, texts: list[TextDeltas], tokens: list[list[int]], fresh: list[int], flush: list[bool],
+) -> list[str]:
+    """Each sequence's text delta for this step (tokenizer thread); ``flush``: the
+    sequence ended, so text held back for an incomplete character goes out too."""
+    return [
+        texts[i].add(tokenizer, tokens[i], final=flush[i]) if (fresh[i] != FINISHED or flush[i]) else ""
+        for i in range(len(texts))
+    ]
+
+
+@dataclasses.dataclass
+class _Call:
+    """One running Generate call, as the server's bookkeeping sees it."""
+
+    request_id: str
+    host: ModelHost
+    principal: str
+
+
+class Generation:
+    """Runs Generate calls."""
+
+    def __init__(self, registry: ModelRegistry, hooks: HookManager, *, limits: Limits | None = None) -> None:
+        self._registry = registry
+        self._hooks = hooks
+        self.limits = limits or Limits()
+        #: Running calls by model name.
+        self._active: dict[str, int] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        #: Cleanups (hook detaches, CallEnded markers) queued on model threads.
+        self._background: set[asyncio.Future[Any]] = set()
+
+    async def drained(self, timeout: float) -> bool:
+        """Waits until no Generate call runs (at most ``timeout`` s); True if none does.
+        Calls end at their next step boundary once the server drains."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ checks
+
+    def _options(self, request: model_service_pb2.GenerateRequest, host: ModelHost) -> GenerateOptions:
+        """The decoding settings; InvalidArgument naming the field for a bad one. Cheap."""
+        limit = self.limits.max_new_tokens
+        if request.max_new_tokens == 0:
+            raise InvalidArgument("max_new_tokens: required, and must be > 0")
+        if request.max_new_tokens > limit:
+            raise InvalidArgument(
+                f"max_new_tokens: {request.max_new_tokens} is over the server's limit of {limit} (max_new_tokens)"
+            )
+        overrides: dict[str, Any] = {}
+        if request.HasField("do_sample"):
+            overrides["do_sample"] = request.do_sample
+        if request.HasField("temperature"):
+            if not (math.isfinite(request.temperature) and request.temperature > 0):
+                raise InvalidArgument(f"temperature: {request.temperature} must be a finite number > 0")
+            overrides["temperature"] = request.temperature
+        if request.HasField("top_k"):
+            overrides["top_k"] = request.top_k
+        if request.HasField("top_p"):
+            if not (0 < request.top_p <= 1):
+                raise InvalidArgument(f"top_p: {request.top_p} must be in (0, 1]")
+            overrides["top_p"] = request.top_p
+        stop = tuple(request.stop)
+        if len(stop) > self.limits.max_stop_strings:
+            raise InvalidArgument(
+                f"stop: {len(stop)} stop strings, over the limit of {self.limits.max_stop_strings} (max_stop_strings)"
+            )
+        if any(not s for s in stop):
+            raise InvalidArgument(f"stop[{stop.index('')}]: a stop string cannot be empty")
+        if stop and host.tokenizer is None:
+            raise FailedPrecondition(f"stop: stop strings need a tokenizer: {no_tokenizer_message(host)}")
+        seed = request.seed if request.HasField("seed") else secrets.randbits(64)
+        if request.max_response_message_bytes and request.max_response_message_bytes < MIN_MAX_MESSAGE_BYTES:
+            raise InvalidArgument(
+                f"max_response_message_bytes: {request.max_response_message_bytes} is below the minimum "
+                f"{MIN_MAX_MESSAGE_BYTES} (0 for 4 MiB)"
+            )
+        return GenerateOptions(request.max_new_tokens, overrides, seed, stop)
+
+    def _check_prompt_source(self, request: model_service_pb2.GenerateRequest, host: ModelHost) -> None:
+        has_ids = request.HasField("input_ids")
+        if request.prompts and has_ids:
+            raise InvalidArgument("prompts and input_ids: give the prompts one way, as texts or as token ids")
+        if not request.prompts and not has_ids:
+            raise InvalidArgument("prompts: no prompt: set prompts (texts) or input_ids")
+        if request.HasField("attention_mask") and not has_ids:
+            raise InvalidArgument("attention_mask: goes with input_ids (prompts are padded on the server)")
+        if request.prompts:
+            if host.tokenizer is None:
+                raise FailedPrecondition(no_tokenizer_message(host).replace("(Infer)", "to Generate"))
+            for i, prompt in enumerate(request.prompts):
+                if not prompt:
+                    raise InvalidArgument(f"prompts[{i}]: the prompt is empty")
+            check_texts(list(request.prompts), self.limits)
+
+    def _decode_ids(self, request: model_service_pb2.GenerateRequest, host: ModelHost) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and attention_mask of a request that sent ids; InvalidArgument or
+        ResourceExhausted naming what is wrong, before the model sees them."""
+        ids = self._decode_int_matrix(request.input_ids, "input_ids")
+        batch, length = ids.shape
+        if batch > self.limits.max_tokenize_texts:
+            raise ResourceExhausted(
+                f"input_ids: {batch} sequences, over the limit of {self.limits.max_tokenize_texts} (max_tokenize_texts)"
+            )
+        if length > self.limits.max_prompt_tokens:
+            raise ResourceExhausted(
+                f"input_ids: {length} tokens per sequence, over the limit of {self.limits.max_prompt_tokens} "
+                "(max_prompt_tokens)"
+            )
+        vocab = _vocab_size(host)
+        if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise InvalidArgument(f"input_ids: token id {bad} is outside the model's vocabulary [0, {vocab})")
+        if request.HasField("attention_mask"):
+            mask = self._decode_int_matrix(request.attention_mask, "attention_mask")
+            if tuple(mask.shape) != tuple(ids.shape):
+                raise InvalidArgument(
+                    f"attention_mask: shape {list(mask.shape)} does not match input_ids' shape {list(ids.shape)}"
+                )
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise InvalidArgument("attention_mask: values must be 0 (padding) or 1 (a token)")
+            empty = (mask.sum(dim=1) == 0).nonzero()
+            if len(empty):
+                raise InvalidArgument(f"attention_mask: sequence {int(empty[0])} has no token (all zeros)")
+        else:
+            mask = torch.ones_like(ids)
+        return ids, mask
+
+    def _decode_int_matrix(self, tensor: Any, field: str) -> torch.Tensor:
+        try:
+            _codec.check_tensor(tensor, field)
+            if tensor.chunk_id:
+                raise InvalidArgument(f"{field}: chunked tensors are not accepted by Generate")
+            value = _codec.decode_tensor(tensor, where=field)
+        except _codec.CodecError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise InvalidArgument(f"{field}: integer token ids expected, got {value.dtype}")
+        if value.dim() != 2 or value.shape[0] == 0 or value.shape[1] == 0:
+            raise InvalidArgument(f"{field}: expected a non-empty [batch, seq] matrix, got shape {list(value.shape)}")
+        return value.to(torch.int64)
+
+    # ------------------------------------------------------------------ the call
+
+    async def generate(
+        self, request: model_service_pb2.GenerateRequest, principal: Principal = ANONYMOUS,
+    ) -> AsyncIterator[model_service_pb2.GenerateResponse]:
+        """Runs one Generate call, yielding its stream's messages. Everything the client
+        can get wrong raises (a HookwireServerError) before the first message. Steps run
+        on the model's worker thread; the next step is queued once the previous one's
+        messages were taken (a slow reader pauses its own call). Cancelling the
+        iteration (the client went away) ends the call at the next step boundary; once
+        the server drains, the call ends there with finish_reason "shutdown"."""
+        principal.require(MINIMUM_ROLE["Generate"], "Generate")
+        if self._hooks.draining:
+            raise Unavailable("the server is shutting down")
+        host = self._registry.get(request.model)
+        if not host.can_generate:
+            raise Unimplemented(
+                f"model {host.name!r} cannot generate: Generate needs a causal language model "
+                "(a transformers *ForCausalLM); use Infer"
+            )
+        if not callable(getattr(host.module, "_prefill", None)):
+            raise Unimplemented(
+                f"model {host.name!r}: Generate needs transformers 5 (the installed version lacks its decoding steps)"
+            )
+        self._check_prompt_source(request, host)
+        options = self._options(request, host)
+        if len(request.hooks) > self.limits.max_request_hooks:
+            raise ResourceExhausted(
+                f"hooks: {len(request.hooks)} request-scoped hooks, over the limit of {self.limits.max_request_hooks} "
+                "(max_request_hooks)"
+            )
+        session = self._hooks.require_session(request.session_id, principal, owner_only=True) if request.session_id else None
+        active = self._active.get(host.name, 0)
+        if active >= self.limits.max_active_generations:
+            raise ResourceExhausted(
+                f"model {host.name!r} has {active} Generate calls running, the limit is "
+                f"{self.limits.max_active_generations} (max_active_generations); retry later"
+            )
+        if request.prompts:
+            batch = await host.run_tokenizer(
+                tokenize_texts, host, list(request.prompts), add_special_tokens=None,
+                padding_side=padding_side_for(host, ""), max_prompt_tokens=self.limits.max_prompt_tokens,
+            )
+            ids, mask = batch.input_ids, batch.attention_mask
+        else:
+            ids, mask = self._decode_ids(request, host)
+        request_id = new_id("req")
+        records: list[HookRecord] = []
+        if request.hooks:
+            records = await asyncio.to_thread(
+                self._hooks.request_hooks, host, request.hooks, request_id, session, principal
+            )
+        self._active[host.name] = self._active.get(host.name, 0) + 1
+        self._idle.clear()
+        try:
+            async for message in self._run(request, host, principal, options, ids, mask, request_id, records):
+                yield message
+        finally:
+            self._active[host.name] -= 1
+            if not any(self._active.values()):
+                self._idle.set()
+
+    async def _run(
+        self, request: model_service_pb2.GenerateRequest, host: ModelHost, principal: Principal,
+        options: GenerateOptions, ids: torch.Tensor, mask: torch.Tensor, request_id: str, records: list[HookRecord],
+    ) -> AsyncIterator[model_service_pb2.GenerateResponse]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+
+        def put(item: tuple[Any, ...]) -> None:  # from the worker thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop has closed: nobody reads any more
+                pass
+
+        p = Pass(
+            request_id, request.session_id, frozenset(request.tags), principal=principal.name,
+            max_events=self.limits.max_events_per_call, model=host.name,
+            sink=lambda event, chunker: put(("event", event, chunker)),
+        )
+        p.notices = lambda notice: put(("notice", notice))
+        chunk_bytes = chunk_bytes_for(request.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
+        tokenizer = host.tokenizer
+        started = time.perf_counter()
+        decoder: Decoder | None = None
+        outcome = "error"
+        try:
+            decoder = await host.run(_start, host, records, ids, mask, options)
+            msg = model_service_pb2.GenerateResponse()
+            msg.started.request_id = request_id
+            _codec.encode_tensor_into(ids, msg.started.input_ids)
+            _codec.encode_tensor_into(mask, msg.started.attention_mask)
+            msg.started.hook_ids.extend(r.hook_id for r in records)
+            msg.started.seed = options.seed
+            msg.started.do_sample = decoder.do_sample
+            yield msg
+            texts = [TextDeltas() for _ in range(ids.shape[0])]
+            for step in range(options.max_new_tokens):
+                if self._hooks.draining:
+                    decoder.end("shutdown")
+                    break
+                future = asyncio.ensure_future(host.run(_run_step, host, p, decoder, step, put))
+                while True:
+                    item = await queue.get()
+                    if item[0] == "done":
+                        break
+                    if item[0] == "notice":
+                        yield model_service_pb2.GenerateResponse(notice=item[1])
+                        continue
+                    _, event, chunker = item
+                    yield model_service_pb2.GenerateResponse(event=event)
+                    if chunker is not None:
+                        for chunk in chunker.chunks(chunk_bytes):
+                            yield model_service_pb2.GenerateResponse(chunk=chunk)
+                fresh = await future
+                final = decoder.finished or step == options.max_new_tokens - 1
+                if final:
+                    decoder.end("length")
+                deltas = [""] * len(fresh)
+                if tokenizer is not None:  # a sequence that ended now flushes its held-back text
+                    flush = [final or (token != FINISHED and bool(reason)) for token, reason in zip(fresh, decoder.reasons)]
+                    deltas = await host.run_tokenizer(_deltas, tokenizer, texts, decoder.tokens, fresh, flush)
+                yield model_service_pb2.GenerateResponse(
+                    tokens=model_service_pb2.GeneratedTokens(step=step, token_ids=fresh, texts=deltas)
+                )
+                if final:
+                    break
+            done = model_service_pb2.GenerateDone(steps=decoder.step_index)
+            for i, reason in enumerate(decoder.reasons):
+                done.sequences.add(token_ids=decoder.tokens[i], text=texts[i].sent, finish_reason=reason or "length")
+            outcome = "ok" if "shutdown" not in decoder.reasons else "shutdown"
+            yield model_service_pb2.GenerateResponse(done=done)
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            if decoder is not None:
+                decoder.end("cancelled")
+            raise
+        finally:
+            # After the step in flight (if any): detach the call's hooks, mark the end of
+            # its events on session streams, free its KV cache. Not awaited when the call
+            # was cancelled: the client is gone, and the model is free for others at once.
+            cleanup = asyncio.ensure_future(host.run(_finish, host, p, records, decoder))
+            self._background.add(cleanup)
+            cleanup.add_done_callback(self._background.discard)
+            cleanup.add_done_callback(_log_failure)
+            elapsed = time.perf_counter() - started
+            metrics = self._hooks.metrics
+            metrics.generate_seconds.labels(host.name).observe(elapsed)
+            if decoder is not None:
+                metrics.generated_tokens.labels(host.name).inc(sum(len(t) for t in decoder.tokens))
+            log.info(
+                "generate %s", outcome,
+                extra={"request_id": request_id, "model": host.name, "session_id": request.session_id,
+                       "duration_ms": round(elapsed * 1e3, 3), "hooks": len(records),
+                       "steps": decoder.step_index if decoder is not None else 0},
+            )
+
+
+def _log_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("cleaning up a Generate call failed: %r", future.exception())
+
+
+def _vocab_size(host: ModelHost) -> int | None:
+    embeddings = getattr(host.module, "get_input_embeddings", None)
+    try:
+        layer = embeddings() if callable(embeddings) else None
+    except Exception:
+        return None
+    size = getattr(layer, "num_embeddings", None)
+    return int(size) if isinstance(size, int) else None
+
+
+def _start(host: ModelHost, records: list[HookRecord], ids: torch.Tensor, mask: torch.Tensor, options: GenerateOptions) -> Decoder:
+    """Attaches the call's hooks and lets generate() prepare the call (worker thread)."""
+    model: Any = host.module
+    for record in records:
+        record.attach()
+    extra: dict[str, Any] = dict(options.overrides)
+    if options.stop:
+        extra.update(stop_strings=list(options.stop), tokenizer=host.tokenizer)
+    device = host.device
+    try:
+        prepared = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=options.max_new_tokens,
+            custom_generate=_hand_over, **extra,
+        )
+    except (ValueError, TypeError) as exc:  # generate()'s own validation of the settings
+        raise InvalidArgument(f"generate() refused the settings: {exc}") from None
+    if not isinstance(prepared, _Prepared):  # pragma: no cover - a transformers that ignores custom_generate
+        raise Unimplemented(f"model {host.name!r}: this transformers version does not support Generate")
+    generator = torch.Generator(device=prepared.input_ids.device)
+    generator.manual_seed(options.seed)
+    return Decoder(model, prepared, generator)
+
+
+def _run_step(host: ModelHost, p: Pass, decoder: Decoder, step: int, put: Callable[[tuple[Any, ...]], None]) -> list[int]:
+    """One pass of a Generate call (worker thread); signals the stream when it is over."""
+    host.current_pass = p
+    p.begin_step(step)
+    try:
+        return _call(host, "forward", decoder.step)  # type: ignore[no-any-return]
+    finally:
+        host.current_pass = None
+        put(("done",))
+
+
+def _finish(host: ModelHost, p: Pass, records: list[HookRecord], decoder: Decoder | None) -> None:
+    """The end of a Generate call (worker thread, after its last step)."""
+    for record in records:
+        record.detach()
+    p.end()
+    if decoder is not None:
+        decoder.release()

@@ -1,0 +1,116 @@
+"""The state of one call (an Infer call, or a Generate call over its steps) as the hooks
+that fire in its passes read it: who made it, which pass (step) is running, the call
+indices of the running pass, the seq numbers of its request-scoped hooks, where those
+hooks' events go, and which session streams received its events (they get a
+``CallEnded`` marker when it ends).
+
+An Infer call is one pass, step 0. A Generate call runs passes 0, 1, 2, ... (step 0 over
+the prompt, step s over the s-th new token); ``begin_step`` starts each, restarting the
+call indices. Hooks read the call from ``ModelHost.current_pass`` on the model's worker
+thread; everything here is touched by that thread while a pass runs and by the event
+loop only between passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from hookwire._codec import Chunker
+from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2
+
+from .errors import ResourceExhausted
+
+#: Where the request-scoped hooks' events of a streaming call (Generate) go, as they
+#: fire: the event and, when it has chunked tensors, the chunker holding them. Called on
+#: the model's worker thread.
+EventSink = Callable[[hook_pb2.InterceptEvent, "Chunker | None"], None]
+
+
+class Pass:
+    """One call, read by the hooks that fire in its passes."""
+
+    def __init__(
+        self, request_id: str, session_id: str, tags: frozenset[str] = frozenset(), *, principal: str = "",
+        max_events: int | None = None, model: str = "", sink: EventSink | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.session_id = session_id
+        self.model = model
+        #: The name of the principal that made the call (BLOCK streams hold their owner's calls).
+        self.principal = principal
+        self.tags = tags
+        #: Most events the request-scoped hooks may produce in one pass (max_events_per_call).
+        self.max_events = max_events
+        #: The running pass: 0 for Infer and a Generate call's prompt pass, s for the pass
+        #: consuming the s-th new token.
+        self.step = 0
+        #: Infer's response, which collects the request-scoped hooks' events (unused with a sink).
+        self.response = model_service_pb2.InferResponse(request_id=request_id)
+        #: Collects large tensors of the response when it is streamed (InferStream).
+        self.chunker: Chunker | None = None
+        #: Where request-scoped events go as they fire (Generate); None: into ``response``.
+        self.sink = sink
+        #: Where notices about the call's request-scoped hooks go (Generate); None: nowhere.
+        self.notices: Callable[[hook_service_pb2.Notice], None] | None = None
+        self._events_in_step = 0
+        self._calls: dict[tuple[str, str, int], int] = {}
+        self._seqs: dict[str, int] = {}
+        #: Session and subscription streams this call offered events to (ordered set).
+        self._streams: dict[Any, None] = {}
+
+    def begin_step(self, step: int) -> None:
+        """Starts pass ``step``: call indices start again from 0. Worker thread, between passes."""
+        self.step = step
+        self._calls.clear()
+        self._events_in_step = 0
+
+    def next_call_index(self, hook_id: str, path: str, phase: int) -> int:
+        """0 for a hook's first fire on a module in a phase in this pass, then 1, 2, ..."""
+        key = (hook_id, path, phase)
+        index = self._calls.get(key, 0)
+        self._calls[key] = index + 1
+        return index
+
+    def _count_event(self) -> None:
+        if self.max_events is not None and self._events_in_step >= self.max_events:
+            per = "pass (Generate step)" if self.sink is not None else "call"
+            raise ResourceExhausted(
+                f"the call's request-scoped hooks produced more than {self.max_events} events in one {per}, over the "
+                f"limit of {self.max_events} (max_events_per_call); hook fewer modules or use sampling"
+            )
+        self._events_in_step += 1
+
+    def request_event(self) -> tuple[hook_pb2.InterceptEvent, Chunker | None]:
+        """A new event of a request-scoped hook, and the chunker its large tensors go to
+        (None: inline); hand it to ``deliver`` once filled. ResourceExhausted, failing the
+        call, past ``max_events`` events in this pass."""
+        self._count_event()
+        if self.sink is None:
+            return self.response.events.add(), self.chunker
+        # Snapshot: the tensors are copied now, as the pass may change them in place later.
+        return hook_pb2.InterceptEvent(), Chunker(snapshot=True)
+
+    def deliver(self, event: hook_pb2.InterceptEvent, chunker: Chunker | None) -> None:
+        """Sends a filled request-scoped event (into the response, it already is)."""
+        if self.sink is not None:
+            self.sink(event, chunker if chunker is not None and chunker.tensors else None)
+
+    def next_seq(self, hook_id: str) -> int:
+        """The seq of a request-scoped hook's next event (contiguous from 1)."""
+        seq = self._seqs.get(hook_id, 0) + 1
+        self._seqs[hook_id] = seq
+        return seq
+
+    def offered(self, stream: Any) -> None:
+        """Notes that an event of this call was offered to ``stream`` (see ``end``)."""
+        self._streams[stream] = None
+
+    def end(self) -> None:
+        """Puts a CallEnded marker on every stream this call offered events to, after its
+        last event. Call it once, on the worker thread after the call's last pass (so no
+        event of the call can follow it)."""
+        streams, self._streams = self._streams, {}
+        for stream in streams:
+            stream.put_notice(hook_service_pb2.SessionMessage(
+                call_ended=hook_service_pb2.CallEnded(request_id=self.request_id, model=self.model)
+            ))
