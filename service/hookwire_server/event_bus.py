@@ -142,6 +142,10 @@ def _notice(kind: hook_service_pb2.NoticeKind, message: str, dropped: int) -> ho
     )
 
 
+#: Unread CallEnded markers a stream keeps for calls that do not block on it (at least).
+MIN_MARKER_CAP = 1024
+
+
 class EventStream:
     """The buffer of one outgoing stream: many producer threads, one consumer on the loop."""
 
@@ -179,6 +183,8 @@ class EventStream:
         #: Sum of the items' ``carry``: evictions that every item queued now will still
         #: be stamped with as it leaves (a new item already counts them in ``dropped``).
         self._carry_total = 0
+        #: CallEnded markers queued now (bounded by max_events, see put_call_ended).
+        self._markers = 0
 
     @property
     def waiting_producers(self) -> int:
@@ -329,6 +335,28 @@ class EventStream:
             if not (self._closed or self._ending):
                 self._append(_Item(msg, 0))
 
+    def put_call_ended(self, request_id: str, model: str, *, session_id: str = "", principal: str = "") -> bool:
+        """Queues the end-of-call marker of a call (made in ``session_id`` by
+        ``principal``) that offered events to this stream, without waiting; any
+        thread, after the call's last event. True if queued.
+
+        A call whose events block on this stream (see blocks_for) always gets its
+        marker: such calls wait for the reader on their events, so their markers
+        cannot pile up. For the others, a stream already holding
+        max(max_events, MIN_MARKER_CAP) unread markers (a reader stalled while calls
+        go on and its events drop) gets no more, so its memory stays bounded.
+        """
+        block = self.blocks_for(session_id, principal)
+        with self._lock:
+            if self._closed or self._ending:
+                return False
+            if not block and self._markers >= max(self.limits.max_events, MIN_MARKER_CAP):
+                return False
+            self._markers += 1
+            self._append(_Item(hook_service_pb2.SessionMessage(
+                call_ended=hook_service_pb2.CallEnded(request_id=request_id, model=model)), 0))
+        return True
+
     def _is_full(self, nbytes: int) -> bool:
         if self._events >= self.limits.max_events:
             return True
@@ -361,8 +389,11 @@ class EventStream:
                         out.append(self._popleft())
                     for item in out:
                         self._bytes -= item.nbytes
-                        if item.msg.WhichOneof("kind") == "event":
+                        kind = item.msg.WhichOneof("kind")
+                        if kind == "event":
                             self._events -= 1
+                        elif kind == "call_ended":
+                            self._markers -= 1
                     self._not_full.notify_all()
                     return out
                 if self._ending:
@@ -444,6 +475,7 @@ class EventStream:
             self._items.clear()
             self._carry_total = 0
             self._events = 0
+            self._markers = 0
             self._bytes = 0
             self._not_full.notify_all()
         self._wake()

@@ -30,7 +30,7 @@ from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from .module_patterns import match_paths
 
 if TYPE_CHECKING:
-    from .inference import Pass
+    from .passes import Pass
 
 T = TypeVar("T")
 

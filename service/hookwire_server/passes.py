@@ -111,6 +111,4 @@ class Pass:
         event of the call can follow it)."""
         streams, self._streams = self._streams, {}
         for stream in streams:
-            stream.put_notice(hook_service_pb2.SessionMessage(
-                call_ended=hook_service_pb2.CallEnded(request_id=self.request_id, model=self.model)
-            ))
+            stream.put_call_ended(self.request_id, self.model, session_id=self.session_id, principal=self.principal)

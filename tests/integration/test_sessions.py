@@ -193,10 +193,17 @@ async def test_block_delivery_waits_for_a_slow_reader_and_loses_nothing(server) 
             model="scale", session_id=session_id, args=[x]))) for _ in range(24)]
         await asyncio.sleep(1.5)
         assert sum(c.done() for c in calls) < len(calls), "96 MiB of events cannot all fit: passes must wait"
-        seqs = []
-        while len(seqs) < len(calls):
+        seqs: list[int] = []
+        ended: list[str] = []
+        while len(ended) < len(calls):
             msg = await asyncio.wait_for(stream.read(), 30)
+            if msg.WhichOneof("kind") == "call_ended":
+                # Each call's marker follows its (one) event and that event's chunks.
+                assert len(ended) + 1 == len(seqs) and msg.call_ended.model == "scale"
+                ended.append(msg.call_ended.request_id)
+                continue
             assert msg.WhichOneof("kind") == "event" and msg.event.hook_id == hook.hook_id
+            assert len(seqs) == len(ended), "a call's next event came before the previous call's CallEnded"
             # 4 MiB does not travel inline: the event is followed by its tensor's chunks.
             assembler = hookwire._codec.ChunkAssembler(msg.event)
             while not assembler.done:
@@ -206,8 +213,9 @@ async def test_block_delivery_waits_for_a_slow_reader_and_loses_nothing(server) 
             output = hookwire._codec.decode_value(msg.event.output, chunked=assembler.result())
             assert torch.equal(output, torch.full((1 << 20,), 2.0))
             seqs.append(msg.event.seq)
-        await asyncio.wait_for(asyncio.gather(*calls), 30)
+        responses = await asyncio.wait_for(asyncio.gather(*calls), 30)
         assert seqs == list(range(1, len(calls) + 1))
+        assert sorted(ended) == sorted(r.request_id for r in responses)
         stream.cancel()
 
 
@@ -236,6 +244,8 @@ async def test_removal_notice_is_the_hooks_last_message_under_concurrent_calls(s
             if msg.WhichOneof("kind") == "notice":
                 assert msg.notice.kind == hook_service_pb2.NOTICE_KIND_HOOK_REMOVED
                 break
+            if msg.WhichOneof("kind") == "call_ended":
+                continue
             seqs.append(msg.event.seq)
         try:
             while True:
