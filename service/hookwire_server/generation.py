@@ -307,7 +307,10 @@ class Generation:
             raise InvalidArgument("attention_mask: goes with input_ids (prompts are padded on the server)")
         if request.prompts:
             if host.tokenizer is None:
-                raise FailedPrecondition(no_tokenizer_message(host).replace("(Infer)", "to Generate"))
+                why = f" ({host.tokenizer_problem})" if host.tokenizer_problem else ""
+                raise FailedPrecondition(
+                    f"prompts: model {host.name!r} has no tokenizer{why}; tokenize on the client and send input_ids instead"
+                )
             for i, prompt in enumerate(request.prompts):
                 if not prompt:
                     raise InvalidArgument(f"prompts[{i}]: the prompt is empty")
@@ -406,6 +409,9 @@ class Generation:
             ids, mask = batch.input_ids, batch.attention_mask
         else:
             ids, mask = self._decode_ids(request, host)
+        stop_criteria = None
+        if options.stop:  # built on the tokenizer's thread: it reads the tokenizer's vocabulary
+            stop_criteria = await host.run_tokenizer(_stop_criteria, host.tokenizer, options.stop)
         request_id = new_id("req")
         records: list[HookRecord] = []
         if request.hooks:
@@ -415,7 +421,7 @@ class Generation:
         self._active[host.name] = self._active.get(host.name, 0) + 1
         self._idle.clear()
         try:
-            async for message in self._run(request, host, principal, options, ids, mask, request_id, records):
+            async for message in self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria):
                 yield message
         finally:
             self._active[host.name] -= 1
@@ -425,6 +431,7 @@ class Generation:
     async def _run(
         self, request: model_service_pb2.GenerateRequest, host: ModelHost, principal: Principal,
         options: GenerateOptions, ids: torch.Tensor, mask: torch.Tensor, request_id: str, records: list[HookRecord],
+        stop_criteria: Any,
     ) -> AsyncIterator[model_service_pb2.GenerateResponse]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
@@ -447,7 +454,7 @@ class Generation:
         decoder: Decoder | None = None
         outcome = "error"
         try:
-            decoder = await host.run(_start, host, records, ids, mask, options)
+            decoder = await host.run(_start, host, records, ids, mask, options, stop_criteria)
             msg = model_service_pb2.GenerateResponse()
             msg.started.request_id = request_id
             _codec.encode_tensor_into(ids, msg.started.input_ids)
@@ -533,14 +540,27 @@ def _vocab_size(host: ModelHost) -> int | None:
     return int(size) if isinstance(size, int) else None
 
 
-def _start(host: ModelHost, records: list[HookRecord], ids: torch.Tensor, mask: torch.Tensor, options: GenerateOptions) -> Decoder:
+def _stop_criteria(tokenizer: Any, stop: tuple[str, ...]) -> Any:
+    """transformers' StopStringCriteria for ``stop`` (what generate(stop_strings=...,
+    tokenizer=...) builds). Tokenizer thread."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    return StoppingCriteriaList([StopStringCriteria(tokenizer, list(stop))])
+
+
+def _start(
+    host: ModelHost, records: list[HookRecord], ids: torch.Tensor, mask: torch.Tensor, options: GenerateOptions,
+    stop_criteria: Any,
+) -> Decoder:
     """Attaches the call's hooks and lets generate() prepare the call (worker thread)."""
     model: Any = host.module
     for record in records:
         record.attach()
-    extra: dict[str, Any] = dict(options.overrides)
-    if options.stop:
-        extra.update(stop_strings=list(options.stop), tokenizer=host.tokenizer)
+    # One sequence per prompt, decoded greedily or by sampling: beam search and several
+    # returned sequences per prompt in a model's generation_config do not apply.
+    extra: dict[str, Any] = {"num_beams": 1, "num_return_sequences": 1, **options.overrides}
+    if stop_criteria is not None:
+        extra["stopping_criteria"] = stop_criteria
     device = host.device
     try:
         prepared = model.generate(
