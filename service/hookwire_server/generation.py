@@ -398,23 +398,25 @@ class Generation:
                 f"model {host.name!r} has {active} Generate calls running, the limit is "
                 f"{self.limits.max_active_generations} (max_active_generations); retry later"
             )
-        if request.prompts:
-            batch = await host.run_tokenizer(
-                tokenize_texts, host, list(request.prompts), add_special_tokens=None,
-                padding_side=padding_side_for(host, ""), max_prompt_tokens=self.limits.max_prompt_tokens,
-            )
-            ids, mask = batch.input_ids, batch.attention_mask
-        else:
-            ids, mask = self._decode_ids(request, host)
-        request_id = new_id("req")
-        records: list[HookRecord] = []
-        if request.hooks:
-            records = await asyncio.to_thread(
-                self._hooks.request_hooks, host, request.hooks, request_id, session, principal
-            )
-        self._active[host.name] = self._active.get(host.name, 0) + 1
+        # The call counts from its check on: the awaits below (tokenizing, compiling hooks)
+        # let other calls in, which must see it, or calls arriving together all pass the limit.
+        self._active[host.name] = active + 1
         self._idle.clear()
         try:
+            if request.prompts:
+                batch = await host.run_tokenizer(
+                    tokenize_texts, host, list(request.prompts), add_special_tokens=None,
+                    padding_side=padding_side_for(host, ""), max_prompt_tokens=self.limits.max_prompt_tokens,
+                )
+                ids, mask = batch.input_ids, batch.attention_mask
+            else:
+                ids, mask = self._decode_ids(request, host)
+            request_id = new_id("req")
+            records: list[HookRecord] = []
+            if request.hooks:
+                records = await asyncio.to_thread(
+                    self._hooks.request_hooks, host, request.hooks, request_id, session, principal
+                )
             async for message in self._run(request, host, principal, options, ids, mask, request_id, records):
                 yield message
         finally:
@@ -539,10 +541,18 @@ def _start(host: ModelHost, records: list[HookRecord], ids: torch.Tensor, mask: 
     for record in records:
         record.attach()
     extra: dict[str, Any] = dict(options.overrides)
-    if options.stop:
-        extra.update(stop_strings=list(options.stop), tokenizer=host.tokenizer)
     device = host.device
     try:
+        if options.stop:
+            # Not generate(stop_strings=..., tokenizer=...): with a callable custom_generate,
+            # transformers drops the tokenizer argument (generation_mode_kwargs keeps only the
+            # callable's own parameters) and then refuses the stop strings for want of a
+            # tokenizer. The criterion generate() would build, passed ready-made, is the same.
+            from transformers import StoppingCriteriaList, StopStringCriteria
+
+            extra["stopping_criteria"] = StoppingCriteriaList(
+                [StopStringCriteria(tokenizer=host.tokenizer, stop_strings=list(options.stop))]
+            )
         prepared = model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=options.max_new_tokens,
             custom_generate=_hand_over, **extra,
