@@ -121,8 +121,9 @@ class ServerThread:
     def target(self) -> str:
         return self.server.target
 
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self._loop).result(30)
+    def stop(self, grace: float = 0.5) -> None:
+        """Stops the server (``grace``: seconds in-flight calls get to finish), then its loop."""
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result(30 + grace)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 

@@ -150,7 +150,13 @@ class Decoder:
             scores = self.logits_processor(self.input_ids, logits)
             if self.do_sample:
                 probs = torch.nn.functional.softmax(scores, dim=-1)
-                next_tokens = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
+                try:
+                    next_tokens = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
+                except RuntimeError as exc:  # e.g. an extreme temperature: no distribution left to sample
+                    raise InvalidArgument(
+                        f"sampling failed at step {self.step_index}: {exc}; the sampling settings (temperature, "
+                        "top_k, top_p) leave no valid distribution"
+                    ) from None
             else:
                 next_tokens = torch.argmax(scores, dim=-1)
             if self.has_eos_criterion and self.pad_token is not None:
@@ -314,7 +320,7 @@ class Generation:
             for i, prompt in enumerate(request.prompts):
                 if not prompt:
                     raise InvalidArgument(f"prompts[{i}]: the prompt is empty")
-            check_texts(list(request.prompts), self.limits)
+            check_texts(list(request.prompts), self.limits, field="prompts")
 
     def _decode_ids(self, request: model_service_pb2.GenerateRequest, host: ModelHost) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and attention_mask of a request that sent ids; InvalidArgument or
@@ -389,6 +395,7 @@ class Generation:
             )
         self._check_prompt_source(request, host)
         options = self._options(request, host)
+        positions = _positions(host)
         if len(request.hooks) > self.limits.max_request_hooks:
             raise ResourceExhausted(
                 f"hooks: {len(request.hooks)} request-scoped hooks, over the limit of {self.limits.max_request_hooks} "
@@ -401,26 +408,34 @@ class Generation:
                 f"model {host.name!r} has {active} Generate calls running, the limit is "
                 f"{self.limits.max_active_generations} (max_active_generations); retry later"
             )
-        if request.prompts:
-            batch = await host.run_tokenizer(
-                tokenize_texts, host, list(request.prompts), add_special_tokens=None,
-                padding_side=padding_side_for(host, ""), max_prompt_tokens=self.limits.max_prompt_tokens,
-            )
-            ids, mask = batch.input_ids, batch.attention_mask
-        else:
-            ids, mask = self._decode_ids(request, host)
-        stop_criteria = None
-        if options.stop:  # built on the tokenizer's thread: it reads the tokenizer's vocabulary
-            stop_criteria = await host.run_tokenizer(_stop_criteria, host.tokenizer, options.stop)
-        request_id = new_id("req")
-        records: list[HookRecord] = []
-        if request.hooks:
-            records = await asyncio.to_thread(
-                self._hooks.request_hooks, host, request.hooks, request_id, session, principal
-            )
-        self._active[host.name] = self._active.get(host.name, 0) + 1
+        # The call counts from its check on: the awaits below (tokenizing, compiling hooks)
+        # let other calls in, which must see it, or calls arriving together all pass the limit.
+        self._active[host.name] = active + 1
         self._idle.clear()
         try:
+            if request.prompts:
+                batch = await host.run_tokenizer(
+                    tokenize_texts, host, list(request.prompts), add_special_tokens=None,
+                    padding_side=padding_side_for(host, ""), max_prompt_tokens=self.limits.max_prompt_tokens,
+                    field="prompts",
+                )
+                ids, mask = batch.input_ids, batch.attention_mask
+            else:
+                ids, mask = self._decode_ids(request, host)
+            if positions is not None and ids.shape[1] + options.max_new_tokens > positions:
+                raise InvalidArgument(
+                    f"max_new_tokens: the prompt's {ids.shape[1]} tokens and {options.max_new_tokens} new tokens pass "
+                    f"the {positions} positions of model {host.name!r} (its config's max_position_embeddings)"
+                )
+            stop_criteria = None
+            if options.stop:  # built on the tokenizer's thread: it reads the tokenizer's vocabulary
+                stop_criteria = await host.run_tokenizer(_stop_criteria, host.tokenizer, options.stop)
+            request_id = new_id("req")
+            records: list[HookRecord] = []
+            if request.hooks:
+                records = await asyncio.to_thread(
+                    self._hooks.request_hooks, host, request.hooks, request_id, session, principal
+                )
             async for message in self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria):
                 yield message
         finally:
@@ -528,6 +543,18 @@ class Generation:
 def _log_failure(future: asyncio.Future[Any]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.warning("cleaning up a Generate call failed: %r", future.exception())
+
+
+def _positions(host: ModelHost) -> int | None:
+    """The longest sequence the model's config allows (GPT-2's n_positions, or
+    max_position_embeddings), or None: prompt and new tokens must fit, as serving
+    engines require (learned position tables fail past it, rotary ones degrade)."""
+    config = getattr(host.module, "config", None)
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _vocab_size(host: ModelHost) -> int | None:

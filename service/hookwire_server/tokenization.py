@@ -80,24 +80,26 @@ class TokenizedBatch:
         return response
 
 
-def check_texts(texts: Sequence[str], limits: Limits) -> None:
+def check_texts(texts: Sequence[str], limits: Limits, *, field: str = "texts") -> None:
     """InvalidArgument for no texts; ResourceExhausted (naming the limit) for too many
-    texts or characters. Cheap: run it on the event loop, before the tokenizer."""
+    texts or characters. ``field`` names them in messages (Generate's are "prompts").
+    Cheap: run it on the event loop, before the tokenizer."""
     if not texts:
-        raise InvalidArgument("texts: no texts to tokenize")
+        raise InvalidArgument(f"{field}: no texts to tokenize")
     if len(texts) > limits.max_tokenize_texts:
         raise ResourceExhausted(
-            f"texts: {len(texts)} texts, over the limit of {limits.max_tokenize_texts} (max_tokenize_texts)"
+            f"{field}: {len(texts)} texts, over the limit of {limits.max_tokenize_texts} (max_tokenize_texts)"
         )
     chars = sum(len(text) for text in texts)
     if chars > limits.max_tokenize_chars:
         raise ResourceExhausted(
-            f"texts: {chars} characters in all, over the limit of {limits.max_tokenize_chars} (max_tokenize_chars)"
+            f"{field}: {chars} characters in all, over the limit of {limits.max_tokenize_chars} (max_tokenize_chars)"
         )
 
 
 def tokenize_texts(
     host: ModelHost, texts: Sequence[str], *, add_special_tokens: bool | None, padding_side: str, max_prompt_tokens: int,
+    field: str = "texts",
 ) -> TokenizedBatch:
     """Tokenizes ``texts`` with the model's tokenizer into one padded batch. Blocks: run it
     on the model's tokenizer thread (``host.run_tokenizer``).
@@ -107,6 +109,7 @@ def tokenize_texts(
     no tokenizer, or texts of different lengths need padding and the tokenizer has no
     pad token; ResourceExhausted when the longest sequence has more than
     ``max_prompt_tokens`` tokens; InvalidArgument when the tokenizer refuses a text.
+    ``field`` names the texts in messages.
     """
     tokenizer = host.tokenizer
     if tokenizer is None:
@@ -122,7 +125,7 @@ def tokenize_texts(
     if longest > max_prompt_tokens:
         which = next(i for i, row in enumerate(rows) if len(row) == longest)
         raise ResourceExhausted(
-            f"texts[{which}]: {longest} tokens, over the limit of {max_prompt_tokens} (max_prompt_tokens)"
+            f"{field}[{which}]: {longest} tokens, over the limit of {max_prompt_tokens} (max_prompt_tokens)"
         )
     pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None and any(len(row) != longest for row in rows):

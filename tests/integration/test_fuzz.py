@@ -8,6 +8,7 @@ CI runs a bounded number of examples; `tests/bench/fuzz_long.py` runs many more
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Any, Iterator
@@ -220,6 +221,10 @@ def specs(draw: Any, model: str | None = None) -> hook_pb2.HookSpec:
         spec.sampling.every_n = draw(st.integers(0, 5))
         if draw(st.booleans()):
             spec.sampling.probability = draw(st.floats())
+    if draw(st.booleans()):  # the steps a hook fires in (Generate); last < first is refused
+        spec.steps.first = draw(st.one_of(st.integers(0, 3), st.just(2**32 - 1)))
+        if draw(st.booleans()):
+            spec.steps.last = draw(st.one_of(st.integers(0, 3), st.just(2**32 - 1)))
     return spec
 
 
@@ -244,6 +249,102 @@ def infer_requests(draw: Any) -> model_service_pb2.InferRequest:
     return request
 
 
+def rarely(odd: Any, usual: Any) -> Any:
+    """``odd`` one time in eight, else ``usual``: most fields of a request valid, so that
+    the other fields' checks and the decoding steps are reached too."""
+    return st.integers(0, 7).flatmap(lambda i: odd if i == 0 else usual)
+
+
+@st.composite
+def token_matrices(draw: Any, values: Any) -> tensor_pb2.Tensor:
+    """A [batch, seq] int64 tensor (batch or seq sometimes 0) of ``values``."""
+    batch, seq = draw(rarely(st.just(0), st.integers(1, 3))), draw(rarely(st.just(0), st.integers(1, 6)))
+    items = draw(st.lists(values, min_size=batch * seq, max_size=batch * seq))
+    return _codec.encode_tensor(torch.tensor(items, dtype=torch.int64).reshape(batch, seq))
+
+
+#: Token ids of tiny-lm's vocabulary (357 tokens), and rarely past it.
+token_ids = rarely(st.sampled_from([-1, 357, 2**63 - 1, -(2**63)]), st.integers(0, 356))
+#: Doubles around the valid ranges of temperature (> 0) and top_p ((0, 1]).
+probabilities = st.one_of(st.floats(), st.sampled_from([0.0, -0.0, 1.0, 1e-300, 1.0000001, 0.5]))
+
+
+@st.composite
+def lm_hooks(draw: Any) -> hook_pb2.HookSpec:
+    """Hooks on tiny-lm's modules with captures and rules that mostly run (and sometimes
+    fail at some step: a selection past a [b, 1, d] tensor, an empty slot, kwargs)."""
+    phase = draw(st.sampled_from(["prehook", "posthook"]))
+    usual_part = hook_pb2.PART_ARGS if phase == "prehook" else hook_pb2.PART_OUTPUT
+    action = hook_pb2.HookAction(capture=draw(st.lists(rarely(st.sampled_from([1, 2, 3]), st.just(usual_part)), max_size=2)),
+                                 select=draw(st.sampled_from(["", "", "[:, -1]", "[0]", "[:, 1]", "[..., :8]"])))
+    for _ in range(draw(st.integers(0, 2))):
+        target = "args.0" if phase == "prehook" else "output"
+        rule = rule_pb2.Rule(target=draw(rarely(st.sampled_from(["output.0", "output.logits", "kwargs.x"]), st.just(target))),
+                             index=draw(st.sampled_from(["", "", "[:, 1]", "[:, -1]", "[0, 0, 3]"])))
+        op = draw(st.sampled_from(["scale", "add", "zero", "save", "patch"]))
+        if op == "scale":
+            rule.scale.factor = draw(st.floats(-2, 2))
+        elif op == "add":
+            rule.add.value.scalar = draw(st.floats(-2, 2))
+        elif op == "zero":
+            rule.zero.SetInParent()
+        else:
+            getattr(rule, op).slot = "s"
+        action.rules.append(rule)
+    spec = hook_pb2.HookSpec(module=draw(st.sampled_from(["model.layers.*", "lm_head", "", "model.layers.0.mlp",
+                                                          "model.norm", "**"])),
+                             on_error=draw(st.integers(0, 2)))
+    getattr(spec, phase).CopyFrom(action)
+    if draw(st.booleans()):
+        spec.prehook_kwargs.with_kwargs = spec.posthook_kwargs.with_kwargs = draw(st.booleans())
+    if draw(st.booleans()):
+        spec.steps.first = draw(st.integers(0, 3))
+        if draw(st.booleans()):
+            spec.steps.last = draw(rarely(st.integers(0, 3), st.integers(spec.steps.first, 4)))
+    return spec
+
+
+@st.composite
+def generate_requests(draw: Any) -> model_service_pb2.GenerateRequest:
+    # max_new_tokens is small, or past the server's limit (4096): never a long valid run.
+    request = model_service_pb2.GenerateRequest(
+        model=draw(rarely(model_names, st.just("tiny-lm"))),
+        max_new_tokens=draw(rarely(st.sampled_from([0, 4097, 2**32 - 1]), st.integers(1, 3))),
+        stop=draw(rarely(st.lists(st.one_of(st.text(max_size=3), long_strings), max_size=20),
+                         st.lists(st.text(min_size=1, max_size=3), max_size=2))),
+        tags=draw(rarely(st.lists(st.one_of(st.text(max_size=3), long_strings), max_size=2), st.just([]))),
+        hooks=draw(rarely(st.lists(specs(model=draw(st.sampled_from(["", "tiny-lm", "mlp"]))), max_size=2),
+                          st.lists(lm_hooks(), max_size=2))),
+        max_response_message_bytes=draw(rarely(st.sampled_from([1, MB - 1, 2**32 - 1]), st.sampled_from([0, MB]))),
+        session_id=draw(rarely(st.one_of(st.text(max_size=4), long_strings), st.just(""))),
+    )
+    source = draw(rarely(st.sampled_from(["both", "neither"]), st.sampled_from(["prompts", "input_ids"])))
+    if source in ("prompts", "both"):
+        request.prompts.extend(draw(rarely(st.lists(st.one_of(st.text(max_size=12), long_strings), max_size=300),
+                                           st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=4))))
+    if source in ("input_ids", "both"):
+        request.input_ids.CopyFrom(draw(rarely(tensors(), token_matrices(token_ids))))
+    if draw(rarely(st.booleans(), st.just(source == "input_ids"))) and draw(st.booleans()):
+        if draw(st.booleans()):  # a mask of the ids' shape, rarely with bad values
+            shape = tuple(request.input_ids.shape) if len(request.input_ids.shape) == 2 else (1, 1)
+            mask = draw(st.lists(rarely(st.sampled_from([0, 2, -1]), st.just(1)), min_size=math.prod(shape),
+                                 max_size=math.prod(shape)))
+            request.attention_mask.CopyFrom(_codec.encode_tensor(torch.tensor(mask, dtype=torch.int64).reshape(shape)))
+        else:
+            request.attention_mask.CopyFrom(draw(rarely(tensors(), token_matrices(st.sampled_from([0, 1, 1, 1, 2])))))
+    if draw(st.booleans()):
+        request.do_sample = draw(st.booleans())
+    if draw(st.booleans()):
+        request.temperature = draw(rarely(probabilities, st.floats(0.1, 3)))
+    if draw(st.booleans()):
+        request.top_k = draw(rarely(st.just(2**32 - 1), st.integers(0, 400)))
+    if draw(st.booleans()):
+        request.top_p = draw(rarely(probabilities, st.floats(0.05, 1)))
+    if draw(st.booleans()):
+        request.seed = draw(st.integers(0, 2**64 - 1))
+    return request
+
+
 # ------------------------------------------------------------------ properties
 
 
@@ -253,6 +354,24 @@ def test_infer(fuzz_server, request, use_session) -> None:
     if use_session:
         request.session_id = fuzz_server["session_id"]
     _check(lambda: fuzz_server["models"].Infer(request, timeout=30))
+
+
+@FUZZ
+@given(request=generate_requests(), use_session=st.booleans())
+def test_generate(fuzz_server, request, use_session) -> None:
+    if use_session:
+        request.session_id = fuzz_server["session_id"]
+
+    def call() -> None:
+        messages = list(fuzz_server["models"].Generate(request, timeout=60))
+        # A call that succeeds is whole: started first, done last, one GeneratedTokens per step.
+        kinds = [m.WhichOneof("kind") for m in messages]
+        assert kinds[0] == "started" and kinds[-1] == "done" and kinds.count("done") == 1, kinds
+        done = messages[-1].done
+        assert kinds.count("tokens") == done.steps and 1 <= done.steps <= request.max_new_tokens
+        assert len(done.sequences) == messages[0].started.input_ids.shape[0]
+
+    _check(call)
 
 
 @FUZZ
@@ -400,6 +519,7 @@ METHODS = [
     ("/hookwire.v1.HookService/DeregisterHook", "unary"), ("/hookwire.v1.HookService/ListHooks", "unary"),
     ("/hookwire.v1.HookService/Subscribe", "stream"), ("/hookwire.v1.HookService/GetSlot", "unary"),
     ("/hookwire.v1.HookService/ListSlots", "unary"), ("/hookwire.v1.ModelService/Tokenize", "unary"),
+    ("/hookwire.v1.ModelService/Generate", "stream"),
 ]
 
 

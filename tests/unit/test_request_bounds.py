@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
-from hookwire.v1 import hook_service_pb2, model_service_pb2, tensor_pb2
+from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
 from hookwire_server.errors import InvalidArgument, ResourceExhausted
 from hookwire_server.request_bounds import (
     NAME_FIELDS,
@@ -130,3 +130,33 @@ def test_tokenize_texts_are_counted_before_the_parse() -> None:
         check(model_service_pb2.TokenizeRequest(model="m", texts=["a"] * 4).SerializeToString(), descriptor, bounds)
     with pytest.raises(InvalidArgument, match=r"padding_side: 9 bytes.*\(max_name_length\)"):
         check(model_service_pb2.TokenizeRequest(model="m", padding_side="x" * 9).SerializeToString(), descriptor, bounds)
+
+
+def test_generate_requests_are_bounded_before_the_parse() -> None:
+    bounds = RequestBounds(max_tokenize_texts=3, max_stop_strings=2, max_request_hooks=1, max_name_length=8,
+                           max_path_length=16)
+    descriptor = model_service_pb2.GenerateRequest.DESCRIPTOR
+
+    def request(**fields: object) -> bytes:
+        base: dict[str, object] = dict(model="m", prompts=["x" * 10_000] * 3, stop=["12345678"] * 2,
+                                       hooks=[hook_pb2.HookSpec(module="model.layers.*", steps=hook_pb2.StepRange(first=1))],
+                                       session_id="s", tags=["12345678"])
+        base.update(fields)
+        return model_service_pb2.GenerateRequest(**base).SerializeToString()  # type: ignore[arg-type]
+
+    check(request(), descriptor, bounds)  # at every bound; prompts are data: only their number is bounded here
+    with pytest.raises(ResourceExhausted, match=r"^prompts: 4 or more prompts, over the limit of 3 \(max_tokenize_texts\)$"):
+        check(request(prompts=["a"] * 4), descriptor, bounds)
+    with pytest.raises(InvalidArgument, match=r"^stop: 3 or more stop, over the limit of 2 \(max_stop_strings\)$"):
+        check(request(stop=["a"] * 3), descriptor, bounds)
+    with pytest.raises(InvalidArgument, match=r"^stop: 9 bytes, over the limit of 8 \(max_name_length\)$"):
+        check(request(stop=["123456789"]), descriptor, bounds)
+    with pytest.raises(ResourceExhausted, match=r"^hooks: 2 or more hooks, over the limit of 1 \(max_request_hooks\)$"):
+        check(request(hooks=[hook_pb2.HookSpec(), hook_pb2.HookSpec()]), descriptor, bounds)
+    with pytest.raises(InvalidArgument, match=r"^hooks.module: 17 bytes, over the limit of 16 \(max_path_length\)$"):
+        check(request(hooks=[hook_pb2.HookSpec(module="m" * 17)]), descriptor, bounds)
+    for field in ("model", "session_id"):
+        with pytest.raises(InvalidArgument, match=rf"^{field}: 9 bytes, over the limit of 8 \(max_name_length\)$"):
+            check(request(**{field: "x" * 9}), descriptor, bounds)
+    with pytest.raises(InvalidArgument, match=r"^tags: 9 bytes.*\(max_name_length\)$"):
+        check(request(tags=["x" * 9]), descriptor, bounds)
