@@ -436,8 +436,14 @@ class Generation:
                 records = await asyncio.to_thread(
                     self._hooks.request_hooks, host, request.hooks, request_id, session, principal
                 )
-            async for message in self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria):
-                yield message
+            run = self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria)
+            try:
+                async for message in run:
+                    yield message
+            finally:
+                # Closed now, not when collected: its cleanup (detaching the call's hooks,
+                # CallEnded markers, freeing the KV cache) must run when the call ends.
+                await run.aclose()
         finally:
             self._active[host.name] -= 1
             if not any(self._active.values()):
