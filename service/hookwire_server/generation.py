@@ -30,12 +30,14 @@ state.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
 import secrets
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Callable
 
 import torch
@@ -46,7 +48,14 @@ from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2
 
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable, Unimplemented
-from .event_bus import DEFAULT_MAX_MESSAGE_BYTES, MIN_MAX_MESSAGE_BYTES, chunk_bytes_for
+from .event_bus import (
+    BATCH_EVENT_MAX_BYTES,
+    BATCH_MAX_BYTES,
+    BATCH_MAX_EVENTS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MIN_MAX_MESSAGE_BYTES,
+    chunk_bytes_for,
+)
 from .hook_manager import HookManager, new_id
 from .hook_record import HookRecord
 from .inference import _call
@@ -219,15 +228,101 @@ class TextDeltas:
         return delta
 
 
-def _deltas(
-    tokenizer: Any, texts: list[TextDeltas], tokens: list[list[int]], fresh: list[int], flush: list[bool],
-) -> list[str]:
-    """Each sequence's text delta for this step (tokenizer thread); ``flush``: the
-    sequence ended, so text held back for an incomplete character goes out too."""
-    return [
-        texts[i].add(tokenizer, tokens[i], final=flush[i]) if (fresh[i] != FINISHED or flush[i]) else ""
-        for i in range(len(texts))
-    ]
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one step chose, as it stood at the end of that step."""
+
+    #: The new token per sequence (FINISHED for one that had already ended).
+    tokens: list[int]
+    #: Why each sequence has ended so far ("" while it runs).
+    reasons: tuple[str, ...]
+    #: Whether every sequence has ended.
+    finished: bool
+
+
+class _Mailbox:
+    """Messages of one call from the model's worker thread to its stream, in order.
+
+    The loop is woken once per run of messages, not once per message: a wake-up costs
+    the worker a write to the loop's self-pipe and a GIL hand-over, about as much as
+    encoding a small event, and a step that fires many hooks would pay it for each.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: tuple[Any, ...]) -> None:
+        """Adds a message; any thread, never waits."""
+        with self._lock:
+            was_empty = not self._items
+            self._items.append(item)
+        if was_empty:
+            try:
+                self._loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the loop has closed: nobody reads any more
+                pass
+
+    async def take(self) -> list[tuple[Any, ...]]:
+        """Every message queued now, waiting for at least one (event loop)."""
+        while True:
+            with self._lock:
+                if self._items:
+                    items = list(self._items)
+                    self._items.clear()
+                    self._ready.clear()
+                    return items
+            await self._ready.wait()
+
+
+async def _messages(mailbox: _Mailbox, chunk_bytes: int) -> AsyncIterator[model_service_pb2.GenerateResponse]:
+    """The stream messages of one step's events and notices, until the step is over.
+
+    Small events waiting together go out as one EventBatch (gRPC's cost per message,
+    on both ends, is far above that of a small event), as on session streams; an
+    event with chunked tensors goes out alone, followed by its chunks.
+    """
+    while True:
+        run: list[hook_pb2.InterceptEvent] = []
+        size = 0
+        for item in await mailbox.take():
+            kind = item[0]
+            if kind == "event" and item[2] is None:
+                wire = item[1].ByteSize()
+                if wire <= BATCH_EVENT_MAX_BYTES:
+                    if run and (len(run) >= BATCH_MAX_EVENTS or size + wire > BATCH_MAX_BYTES):
+                        yield _event_run(run)
+                        run, size = [], 0
+                    run.append(item[1])
+                    size += wire
+                    continue
+            if run:
+                yield _event_run(run)
+                run, size = [], 0
+            if kind == "done":
+                return
+            if kind == "notice":
+                yield model_service_pb2.GenerateResponse(notice=item[1])
+                continue
+            _, event, chunker = item
+            yield model_service_pb2.GenerateResponse(event=event)
+            if chunker is not None:
+                for chunk in chunker.chunks(chunk_bytes):
+                    yield model_service_pb2.GenerateResponse(chunk=chunk)
+        if run:
+            yield _event_run(run)
+
+
+def _event_run(events: list[hook_pb2.InterceptEvent]) -> model_service_pb2.GenerateResponse:
+    """One message for a run of small events: the event itself, or an EventBatch."""
+    if len(events) == 1:
+        return model_service_pb2.GenerateResponse(event=events[0])
+    out = model_service_pb2.GenerateResponse()
+    for event in events:
+        out.batch.events.append(event)
+    return out
 
 
 @dataclasses.dataclass
@@ -453,16 +548,9 @@ class Generation:
         self, request: model_service_pb2.GenerateRequest, host: ModelHost, principal: Principal,
         options: GenerateOptions, ids: torch.Tensor, mask: torch.Tensor, request_id: str, records: list[HookRecord],
         stop_criteria: Any,
-    ) -> AsyncIterator[model_service_pb2.GenerateResponse]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
-
-        def put(item: tuple[Any, ...]) -> None:  # from the worker thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop has closed: nobody reads any more
-                pass
-
+    ) -> AsyncGenerator[model_service_pb2.GenerateResponse, None]:
+        mailbox = _Mailbox(asyncio.get_running_loop())
+        put = mailbox.put
         p = Pass(
             request_id, request.session_id, frozenset(request.tags), principal=principal.name,
             max_events=self.limits.max_events_per_call, model=host.name,
@@ -470,7 +558,7 @@ class Generation:
         )
         p.notices = lambda notice: put(("notice", notice))
         chunk_bytes = chunk_bytes_for(request.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
-        tokenizer = host.tokenizer
+        detokenizer = host.detokenizer
         started = time.perf_counter()
         decoder: Decoder | None = None
         outcome = "error"
@@ -484,37 +572,38 @@ class Generation:
             msg.started.seed = options.seed
             msg.started.do_sample = decoder.do_sample
             yield msg
-            texts = [TextDeltas() for _ in range(ids.shape[0])]
-            for step in range(options.max_new_tokens):
-                if self._hooks.draining:
-                    decoder.end("shutdown")
-                    break
-                future = asyncio.ensure_future(host.run(_run_step, host, p, decoder, step, put))
-                while True:
-                    item = await queue.get()
-                    if item[0] == "done":
-                        break
-                    if item[0] == "notice":
-                        yield model_service_pb2.GenerateResponse(notice=item[1])
-                        continue
-                    _, event, chunker = item
-                    yield model_service_pb2.GenerateResponse(event=event)
-                    if chunker is not None:
-                        for chunk in chunker.chunks(chunk_bytes):
-                            yield model_service_pb2.GenerateResponse(chunk=chunk)
-                fresh = await future
-                final = decoder.finished or step == options.max_new_tokens - 1
-                if final:
-                    decoder.end("length")
-                deltas = [""] * len(fresh)
-                if tokenizer is not None:  # a sequence that ended now flushes its held-back text
-                    flush = [final or (token != FINISHED and bool(reason)) for token, reason in zip(fresh, decoder.reasons)]
-                    deltas = await host.run_tokenizer(_deltas, tokenizer, texts, decoder.tokens, fresh, flush)
+            batch = int(ids.shape[0])
+            texts = [TextDeltas() for _ in range(batch)]
+            tokens: list[list[int]] = [[] for _ in range(batch)]  # the loop's own copy (the decoder runs ahead)
+            step = 0
+            future = asyncio.ensure_future(host.run(_run_step, host, p, decoder, step, put))
+            while True:
+                async for out in _messages(mailbox, chunk_bytes):
+                    yield out
+                result = await future
+                final = result.finished or step == options.max_new_tokens - 1
+                stopping = not final and self._hooks.draining
+                if not final and not stopping:
+                    # The next step runs while this one's tokens are decoded and sent: at most
+                    # one step ahead of the reader, who still pauses the call (and only it).
+                    future = asyncio.ensure_future(host.run(_run_step, host, p, decoder, step + 1, put))
+                for i, token in enumerate(result.tokens):
+                    if token != FINISHED:
+                        tokens[i].append(token)
+                deltas = [""] * batch
+                if detokenizer is not None:  # a sequence that ended now flushes its held-back text
+                    deltas = [
+                        texts[i].add(detokenizer, tokens[i], final=final or bool(result.reasons[i]))
+                        if (token != FINISHED or final) else ""
+                        for i, token in enumerate(result.tokens)
+                    ]
                 yield model_service_pb2.GenerateResponse(
-                    tokens=model_service_pb2.GeneratedTokens(step=step, token_ids=fresh, texts=deltas)
+                    tokens=model_service_pb2.GeneratedTokens(step=step, token_ids=result.tokens, texts=deltas)
                 )
-                if final:
+                if final or stopping:
+                    decoder.end("length" if final else "shutdown")
                     break
+                step += 1
             done = model_service_pb2.GenerateDone(steps=decoder.step_index)
             for i, reason in enumerate(decoder.reasons):
                 done.sequences.add(token_ids=decoder.tokens[i], text=texts[i].sent, finish_reason=reason or "length")
@@ -609,12 +698,15 @@ def _start(
     return Decoder(model, prepared, generator)
 
 
-def _run_step(host: ModelHost, p: Pass, decoder: Decoder, step: int, put: Callable[[tuple[Any, ...]], None]) -> list[int]:
+def _run_step(
+    host: ModelHost, p: Pass, decoder: Decoder, step: int, put: Callable[[tuple[Any, ...]], None],
+) -> StepResult:
     """One pass of a Generate call (worker thread); signals the stream when it is over."""
     host.current_pass = p
     p.begin_step(step)
     try:
-        return _call(host, "forward", decoder.step)  # type: ignore[no-any-return]
+        tokens = _call(host, "forward", decoder.step)
+        return StepResult(tokens, tuple(decoder.reasons), decoder.finished)
     finally:
         host.current_pass = None
         put(("done",))

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import dataclasses
 import enum
 import functools
+import logging
 import queue
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
@@ -32,6 +34,7 @@ from .module_patterns import match_paths
 if TYPE_CHECKING:
     from .passes import Pass
 
+log = logging.getLogger("hookwire.models")
 T = TypeVar("T")
 
 
@@ -124,6 +127,16 @@ def is_causal_lm(module: nn.Module) -> bool:
     return generates and not getattr(getattr(module, "config", None), "is_encoder_decoder", False)
 
 
+def _copy_or_none(tokenizer: Any) -> Any:
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception as exc:  # a tokenizer that cannot be copied: texts are left empty
+        log.warning("the tokenizer cannot be copied for decoding (%r); Generate's texts stay empty", exc)
+        return None
+
+
 class ModelHost:
     """One hosted model, the thread that runs it, and its tokenizer if it has one."""
 
@@ -142,6 +155,10 @@ class ModelHost:
         self.tokenizer = tokenizer
         #: Why a tokenizer that was looked for is missing ("" when there is one, or none was looked for).
         self.tokenizer_problem = tokenizer_problem
+        #: A copy of the tokenizer that only the event loop uses, to turn generated tokens into
+        #: text (a few tokens per step, microseconds): a fast tokenizer must not be used by two
+        #: threads at once, and a trip to the tokenizer thread per step would cost more.
+        self.detokenizer = _copy_or_none(tokenizer)
         #: Whether the model generates (a causal LM, see is_causal_lm): Tokenize pads on the
         #: left for it by default, as generation needs.
         self.can_generate = is_causal_lm(module)

@@ -128,6 +128,12 @@ def read_stream(messages: Iterable[model_service_pb2.GenerateResponse]) -> Gener
             assembler = _codec.ChunkAssembler(message.event)
             events.append(Event(message.event, assembler.tensors))
             arrived_in.append(len(tokens))
+        elif kind == "batch":  # small events sent together: exactly as if sent one by one
+            assert len(message.batch.events) > 1
+            for event in message.batch.events:
+                assert _codec.ChunkAssembler(event).done, "a batched event has chunked tensors"
+                events.append(Event(event, {}))
+                arrived_in.append(len(tokens))
         elif kind == "chunk":
             assert assembler is not None and not assembler.done, "a chunk without an event waiting for it"
             assembler.feed(message.chunk)

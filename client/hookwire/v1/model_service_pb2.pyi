@@ -231,20 +231,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ..., input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., hooks: _Optional[_Iterable[_Union[_hook_pb2.HookSpec, _Mapping]]] = ..., tags: _Optional[_Iterable[str]] = ..., max_response_message_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("started", "tokens", "event", "chunk", "notice", "done")
+    __slots__ = ("started", "tokens", "event", "chunk", "notice", "done", "batch")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     started: GenerateStarted
     tokens: GeneratedTokens
     event: _hook_pb2.InterceptEvent
     chunk: _tensor_pb2.TensorChunk
     notice: _hook_service_pb2.Notice
     done: GenerateDone
-    def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., tokens: _Optional[_Union[GeneratedTokens, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., notice: _Optional[_Union[_hook_service_pb2.Notice, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ...) -> None: ...
+    batch: _hook_service_pb2.EventBatch
+    def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., tokens: _Optional[_Union[GeneratedTokens, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., notice: _Optional[_Union[_hook_service_pb2.Notice, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ..., batch: _Optional[_Union[_hook_service_pb2.EventBatch, _Mapping]] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
     __slots__ = ("request_id", "input_ids", "attention_mask", "hook_ids", "seed", "do_sample")
