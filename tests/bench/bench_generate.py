@@ -160,6 +160,10 @@ async def remote_generate(stub: model_service_pb2_grpc.ModelServiceStub, name: s
         if kind == "event":
             event = hookwire.InterceptEvent.from_proto(msg.event)
             captures.append((event.module, event.output))
+        elif kind == "batch":  # small events of one step, sent together
+            for raw in msg.batch.events:
+                event = hookwire.InterceptEvent.from_proto(raw)
+                captures.append((event.module, event.output))
         elif kind == "tokens":
             if not steps:
                 first = time.perf_counter()
