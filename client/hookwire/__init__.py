@@ -38,8 +38,11 @@ from ._errors import (
     UnimplementedError,
 )
 from . import rules
-from ._specs import Backward, HookAction, HookSpec, Sampling, capture, edit
+from ._generation import GenerateStream
+from ._specs import Backward, HookAction, HookSpec, Sampling, StepRange, capture, edit
 from ._types import (
+    GeneratedTokens,
+    GenerateResult,
     HookInfo,
     InferResult,
     InterceptEvent,
@@ -67,6 +70,9 @@ __all__ = [
     "FleetHookHandle",
     "FleetModel",
     "FleetNotice",
+    "GenerateResult",
+    "GenerateStream",
+    "GeneratedTokens",
     "HookAction",
     "HookHandle",
     "HookInfo",
@@ -88,6 +94,7 @@ __all__ = [
     "Sampling",
     "Session",
     "SlotInfo",
+    "StepRange",
     "Subscription",
     "TensorSummary",
     "Tokenized",
