@@ -6,6 +6,7 @@
             out = await model(input_ids, attention_mask=mask)
             async for event in hook.events():
                 ...
+        generation = await client.model("tiny-lm").generate("Once upon a time", 16)
 
 This package only re-exports; the code lives in private modules.
 """

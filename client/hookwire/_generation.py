@@ -105,7 +105,8 @@ class GenerateStream:
     Lazy: nothing is sent until the first iteration, ``await``, or ``start()``. Each
     step waits for the server; the server does not run far ahead of a reader that
     falls behind (it pauses this call at the next step boundary). One reader at a
-    time: iterate, then await, not both at once from different tasks.
+    time: iterate, then await, not both at once from different tasks; iterating
+    again continues where the last iteration stopped.
 
     Raises the SDK's errors, mapped from the call's status, where it is read:
     NotFoundError (model), UnimplementedError (the model cannot generate),

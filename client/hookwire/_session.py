@@ -178,16 +178,16 @@ class EventRouter:
         self._position += 1
         if isinstance(item, CallEnded):
             self.calls.add(item.request_id, self._position)
-            for inbox in self._inboxes.values():  # readers waiting for this call's end
-                inbox.wake()
+            for waiting in self._inboxes.values():  # readers waiting for this call's end
+                waiting.wake()
             return
         if isinstance(item, Notice):
             self.notices.append(item)
             if item.kind == "hook_removed" and item.hook_id:
                 self._ended.add(item.hook_id)
-                inbox = self._inboxes.get(item.hook_id)
-                if inbox is not None:
-                    inbox.wake()
+                removed = self._inboxes.get(item.hook_id)
+                if removed is not None:
+                    removed.wake()
             return
         event, _ = item
         if event.hook_id not in self._ended:

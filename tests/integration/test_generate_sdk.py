@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import pathlib
+import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -248,6 +253,13 @@ async def test_events_until_a_call_end_without_timeouts(client: hookwire.Client)
         assert [e.request_id for e in events] == [first.request_id] * 2 + [second.request_id] * 2
         assert await read(hook, first) == []
 
+        # A session hook with a step range: its events, then the end of the call.
+        async with model.hook("model.norm", posthook=hookwire.capture("output"), steps=(1, 2)) as late:
+            generated = await model.generate(PROMPTS, 4, do_sample=False)
+            assert [(e.step, e.request_id) for e in await read(late, generated)] == [
+                (1, generated.request_id), (2, generated.request_id)]
+            assert [e.step for e in await read(hook, generated)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
         # A subscription stream carries the markers too.
         async with client.subscribe([hook.id]) as sub:
             third = await model.infer(ids, use_cache=False)
@@ -308,3 +320,17 @@ async def test_bad_arguments_and_errors(client: hookwire.Client) -> None:
         await failing
     with pytest.raises(hookwire.InvalidArgumentError):  # the same error again, without a new call
         await failing
+
+
+def test_the_readme_generation_example_runs(server: ServerThread) -> None:
+    readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+    section = readme.read_text().split("## Generation (Python SDK)", 1)[1]
+    (block,) = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], flags=re.S)
+    proc = subprocess.run([sys.executable, "-c", block], env={**os.environ, "HOOKWIRE_TARGET": server.target},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    ids, mask = oracle.batch(["Once upon a time"])
+    (greedy,) = oracle.generate(ids, mask, 16, do_sample=False)
+    assert lines[0] == f"{oracle.text(greedy)!r} {'eos' if greedy[-1] == oracle.EOS else 'length'}"
+    assert lines[-1].endswith("[2, 2, 2, 2, 2, 2, 2, 2]")  # both layers' events at each of the 8 steps
