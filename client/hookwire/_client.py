@@ -490,9 +490,10 @@ class HookHandle:
         until the hook is removed or the session ends. The session's own calls
         (made with this client) always get their marker; another caller's call
         seen by a scope "all" or "tagged" hook may lose it, as it may lose events,
-        when this client has fallen more than 1024 markers behind. Raises ValueError for a hook
-        without a session (subscribe with ``client.subscribe`` before the call, and
-        use ``Subscription.events(until=...)``: a subscription started later could
+        when this client has fallen far behind (more than max(1024, the stream's
+        max_events) unread markers). Raises ValueError for a hook without a
+        session (subscribe with ``client.subscribe`` before the call, and use
+        ``Subscription.events(until=...)``: a subscription started later could
         miss the marker).
         """
         request_id = None if until is None else request_id_of(until)

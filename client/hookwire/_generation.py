@@ -103,8 +103,9 @@ class GenerateStream:
     call's hooks are collected in ``notices`` (and logged as warnings), not yielded.
 
     Lazy: nothing is sent until the first iteration, ``await``, or ``start()``. Each
-    step waits for the server; the server does not run far ahead of a reader that
-    falls behind (it pauses this call at the next step boundary). One reader at a
+    item waits for the server. A reader that falls behind slows only this call: the
+    server queues the next step once the transport has taken the last one's messages,
+    so it runs ahead of the reader by at most what gRPC buffers. One reader at a
     time: iterate, then await, not both at once from different tasks; iterating
     again continues where the last iteration stopped.
 
@@ -231,7 +232,8 @@ class GenerateStream:
                 while True:
                     msg = await self._read()
                     if msg is grpc.aio.EOF:
-                        raise self._fail(HookwireError("the Generate stream ended without its result", code="DATA_LOSS"))
+                        ended = HookwireError("the Generate stream ended without its result", code="DATA_LOSS")
+                        raise self._fail(ended)
                     kind = msg.WhichOneof("kind")
                     if kind == "tokens":
                         return GeneratedTokens.from_proto(msg.tokens)

@@ -292,6 +292,20 @@ async def test_rules_on_steps_steer_exactly_as_an_in_process_hook(client: hookwi
     assert again.token_ids == result.token_ids
 
 
+async def test_notices_about_the_calls_hooks_are_collected(client: hookwire.Client) -> None:
+    ids, mask = oracle.batch(PROMPTS)
+    broken = hookwire.HookSpec("model.layers.0", posthook=[rules.add("output", torch.ones(3))], on_error="disable_hook")
+    stream = client.model("tiny-lm").generate(PROMPTS, 3, do_sample=False, hooks=[broken])
+    items = [item async for item in stream]
+    result = await stream
+    assert all(isinstance(item, hookwire.GeneratedTokens) for item in items)  # notices are not yielded
+    (notice,) = result.notices
+    assert notice.kind == "hook_disabled" and notice.hook_id == result.hook_ids[0]
+    assert stream.notices == [notice]
+    # The failing firing changed nothing, and the hook did not fire again.
+    assert [list(t) for t in result.token_ids] == oracle.generate(ids, mask, 3, do_sample=False)
+
+
 async def test_bad_arguments_and_errors(client: hookwire.Client) -> None:
     model = client.model("tiny-lm")
     with pytest.raises(ValueError, match="last"):
