@@ -540,15 +540,7 @@ def _start(host: ModelHost, records: list[HookRecord], ids: torch.Tensor, mask: 
         record.attach()
     extra: dict[str, Any] = dict(options.overrides)
     if options.stop:
-        # generate(stop_strings=..., tokenizer=...) loses the tokenizer when custom_generate is
-        # a callable (transformers replaces its generation-mode kwargs, the tokenizer among
-        # them, with the callable's own) and then refuses the stop strings; the criterion
-        # generate() would build from them is passed as a custom one instead.
-        from transformers import StoppingCriteriaList, StopStringCriteria
-
-        extra["stopping_criteria"] = StoppingCriteriaList(
-            [StopStringCriteria(tokenizer=host.tokenizer, stop_strings=list(options.stop))]
-        )
+        extra.update(stop_strings=list(options.stop), tokenizer=host.tokenizer)
     device = host.device
     try:
         prepared = model.generate(
