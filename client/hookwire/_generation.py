@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Sequence, Union
 
@@ -96,8 +97,10 @@ class GenerateStream:
 
     ``async for item in stream`` yields, in stream order, each event of the call's own
     hooks (``InterceptEvent``, with its ``step``; chunked tensors are reassembled
-    before it is yielded) as it fires, and after the events of step s the step's
-    ``GeneratedTokens``. Iteration ends after the last step. ``await stream`` (or
+    before it is yielded) as it arrives, in firing order, and after the events of
+    step s the step's ``GeneratedTokens``. (The server sends large captures as they
+    fire, and may hold small ones back to send them together by the end of their
+    step.) Iteration ends after the last step. ``await stream`` (or
     ``await stream.result()``) reads whatever has not been read yet and returns the
     ``GenerateResult``; after a full iteration it returns at once. Notices about the
     call's hooks are collected in ``notices`` (and logged as warnings), not yielded.
@@ -136,6 +139,8 @@ class GenerateStream:
         self._assembler = EventAssembler()
         self._started: model_service_pb2.GenerateStarted | None = None
         self._events: list[InterceptEvent] = []
+        #: Events of a batch message not yet handed out.
+        self._batched: collections.deque[InterceptEvent] = collections.deque()
         self._result: GenerateResult | None = None
         self._error: HookwireError | None = None
         self._cancelled = False
@@ -224,6 +229,8 @@ class GenerateStream:
         """The next event or tokens; None once the call has ended with its result."""
         async with self._lock:
             started = await self._start()
+            if self._batched:
+                return self._batched.popleft()
             if self._result is not None:
                 return None
             if self._error is not None:
@@ -241,6 +248,13 @@ class GenerateStream:
                         complete = self._assembler.event(msg.event)
                     elif kind == "chunk":
                         complete = self._assembler.chunk(msg.chunk)
+                    elif kind == "batch":
+                        # Small events sent together, exactly as if one by one (never chunked).
+                        for event in msg.batch.events:
+                            self._batched.append(self._keep(InterceptEvent.from_proto(event)))
+                        if self._batched:
+                            return self._batched.popleft()
+                        continue
                     elif kind == "notice":
                         self.notices.append(notice_of(msg.notice))
                         continue
@@ -252,16 +266,18 @@ class GenerateStream:
                     else:
                         continue  # a kind this SDK does not know yet
                     if complete is not None:
-                        event = InterceptEvent.from_proto(complete[0], chunked=complete[1])
-                        if self._keep_events:
-                            self._events.append(event)
-                        return event
+                        return self._keep(InterceptEvent.from_proto(complete[0], chunked=complete[1]))
             except _codec.CodecError as exc:
                 raise self._fail(HookwireError(f"Generate: {exc}", code="DATA_LOSS")) from None
             except HookwireError as exc:
                 if exc is not self._error:  # the assembler's DATA_LOSS
                     raise self._fail(exc) from None
                 raise
+
+    def _keep(self, event: InterceptEvent) -> InterceptEvent:
+        if self._keep_events:
+            self._events.append(event)
+        return event
 
     async def result(self) -> GenerateResult:
         """Reads the rest of the stream and returns the GenerateResult (see the class)."""
