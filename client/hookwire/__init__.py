@@ -6,6 +6,7 @@
             out = await model(input_ids, attention_mask=mask)
             async for event in hook.events():
                 ...
+        generation = await client.model("tiny-lm").generate("Once upon a time", 16)
 
 This package only re-exports; the code lives in private modules.
 """
@@ -38,8 +39,11 @@ from ._errors import (
     UnimplementedError,
 )
 from . import rules
-from ._specs import Backward, HookAction, HookSpec, Sampling, capture, edit
+from ._generation import GenerateStream
+from ._specs import Backward, HookAction, HookSpec, Sampling, StepRange, capture, edit
 from ._types import (
+    GeneratedTokens,
+    GenerateResult,
     HookInfo,
     InferResult,
     InterceptEvent,
@@ -67,6 +71,9 @@ __all__ = [
     "FleetHookHandle",
     "FleetModel",
     "FleetNotice",
+    "GenerateResult",
+    "GenerateStream",
+    "GeneratedTokens",
     "HookAction",
     "HookHandle",
     "HookInfo",
@@ -88,6 +95,7 @@ __all__ = [
     "Sampling",
     "Session",
     "SlotInfo",
+    "StepRange",
     "Subscription",
     "TensorSummary",
     "Tokenized",

@@ -1,4 +1,4 @@
-"""The ``hookwire`` command: serve, health, models, inspect, tap, hooks."""
+"""The ``hookwire`` command: serve, health, models, inspect, generate, tap, hooks."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from ._client import DEFAULT_TARGET, ConnectOptions, connect, resolve_target
 from ._errors import HookwireError, from_rpc_error
+from ._types import GeneratedTokens, InterceptEvent
 
 #: Exit status when stdout closes early (``hookwire inspect m | head -2``): what a
 #: shell reports for a process ended by SIGPIPE (128 + 13).
@@ -148,6 +149,49 @@ async def _inspect(ns: argparse.Namespace) -> int:
     return 0
 
 
+def read_hook_file(path: str) -> Any:
+    """A HookSpec (wire form) from a file holding it in protobuf's JSON form, as
+    ``google.protobuf.json_format.MessageToJson(spec.to_proto())`` writes it. Parsed as
+    data, never run. ValueError naming the file for one it cannot read."""
+    from google.protobuf import json_format
+
+    from .v1 import hook_pb2
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        return json_format.Parse(text, hook_pb2.HookSpec())
+    except (OSError, UnicodeDecodeError, json_format.ParseError) as exc:
+        raise ValueError(f"--hook {path}: not a HookSpec in protobuf JSON form: {exc}") from None
+
+
+async def _generate(ns: argparse.Namespace) -> int:
+    hooks = [read_hook_file(path) for path in ns.hook]
+    events = 0
+    async with connect(ns.target, options=_client_options(ns)) as client:
+        stream = client.model(ns.model).generate(
+            ns.prompt, ns.max_new_tokens, hooks=hooks, do_sample=ns.do_sample, temperature=ns.temperature,
+            top_k=ns.top_k, top_p=ns.top_p, seed=ns.seed, stop=ns.stop, keep_events=False,
+        )
+        async with stream:  # cancels the call if the output goes away (closed pipe, Ctrl-C)
+            async for item in stream:
+                if isinstance(item, GeneratedTokens):
+                    if item.texts and item.texts[0]:
+                        sys.stdout.write(item.texts[0])
+                        sys.stdout.flush()  # each step's text as it comes
+                elif isinstance(item, InterceptEvent):
+                    events += 1
+            result = await stream
+    sys.stdout.write("\n")
+    summary = f"finish: {result.finish_reasons[0]}, {len(result.token_ids[0])} new tokens"
+    if result.do_sample:
+        summary += f", seed {result.seed}"
+    if hooks:
+        summary += f", {events} hook events"
+    print(summary, file=sys.stderr)
+    return 0
+
+
 async def _hooks(ns: argparse.Namespace) -> int:
     if ns.hooks_command == "rm":
         malformed = [hook_id for hook_id in ns.ids if not HOOK_ID.fullmatch(hook_id)]
@@ -228,6 +272,30 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("model")
     inspect.add_argument("--target", default=target_default, help=target_help)
 
+    generate = sub.add_parser(
+        "generate", help="generate text with a causal LM, printed as it is produced",
+        description="Generates up to -n tokens after PROMPT and prints the new text as it is produced (stdout), "
+                    "then why it finished (stderr: length, eos, stop). Unset sampling options keep the model's "
+                    "generation_config. --hook FILE adds a hook for this call, e.g. a steering rule: a HookSpec "
+                    "in protobuf JSON form, as json_format.MessageToJson(hookwire.HookSpec(...).to_proto()) "
+                    "writes it (parsed as data, never run).")
+    generate.add_argument("model")
+    generate.add_argument("prompt")
+    generate.add_argument("-n", "--max-new-tokens", type=int, default=32, metavar="N",
+                          help="new tokens at most (default 32)")
+    mode = generate.add_mutually_exclusive_group()
+    mode.add_argument("--do-sample", dest="do_sample", action="store_true", default=None, help="sample")
+    mode.add_argument("--greedy", dest="do_sample", action="store_false", help="take the most likely token")
+    generate.add_argument("--temperature", type=float, help="sampling temperature (> 0)")
+    generate.add_argument("--top-k", type=int, help="sample from the k most likely tokens (0: all)")
+    generate.add_argument("--top-p", type=float, help="sample from the most likely tokens whose probabilities sum to P")
+    generate.add_argument("--seed", type=int, help="seed of the sampling, to reproduce a generation (printed when sampling)")
+    generate.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                          help="stop once the text ends with TEXT (repeatable)")
+    generate.add_argument("--hook", action="append", default=[], metavar="FILE",
+                          help="a hook for this call: a HookSpec in protobuf JSON form (repeatable)")
+    generate.add_argument("--target", default=target_default, help=target_help)
+
     tap = sub.add_parser("tap", help="live view of the matched modules: calls/s, summary statistics, drops")
     tap.add_argument("model")
     tap.add_argument("pattern", help="module path or glob, e.g. 'encoder.layers.*'")
@@ -259,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "shows them) exits 2 before anything is removed.")
     hooks_rm.add_argument("ids", nargs="+", metavar="ID")
     hooks_rm.add_argument("--target", default=target_default, help=target_help)
-    for command in (models, inspect, tap, health, hooks_list, hooks_rm):
+    for command in (models, inspect, generate, tap, health, hooks_list, hooks_rm):
         command.add_argument("--token", help="bearer token (default: the HOOKWIRE_TOKEN variable)")
         command.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server with the system roots")
         command.add_argument("--tls-ca", help="PEM CA that verifies the server (implies --tls)")
@@ -303,7 +371,7 @@ def _run(ns: argparse.Namespace) -> int:
         return _serve(ns)
     if ns.command == "token":
         return _token(ns)
-    commands = {"models": _models, "inspect": _inspect, "hooks": _hooks, "health": _health}
+    commands = {"models": _models, "inspect": _inspect, "generate": _generate, "hooks": _hooks, "health": _health}
     try:
         if ns.command == "tap":
             return _tap(ns)

@@ -9,15 +9,18 @@ import logging
 import os
 import urllib.parse
 from types import TracebackType
-from typing import Any, AsyncIterator, Generator, Iterable, Literal, Mapping, Sequence
+from typing import Any, AsyncIterator, Generator, Iterable, Literal, Mapping, Protocol, Sequence, Union
 
 import grpc
 
 from . import _codec
 from ._credentials import bearer_token_interceptors, channel_credentials
 from ._errors import FailedPreconditionError, HookwireError, NotFoundError, UnavailableError, from_rpc_error
-from ._session import EventRouter, pump, stream_items
-from ._specs import ActionLike, Backward, HookSpec, OnErrorName, Sampling, ScopeName
+from ._generation import GenerateStream, generate_request
+from ._session import CallEnded, EndedCalls, EventRouter, pump, stream_items
+from ._specs import (
+    ActionLike, Backward, HookSpec, HookSpecLike, OnErrorName, Sampling, ScopeName, StepsLike, spec_proto,
+)
 from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, Notice, SlotInfo, Tokenized
 from .v1 import (
     hook_service_pb2,
@@ -65,6 +68,31 @@ class ConnectOptions:
     def stream_max_message_bytes(self) -> int:
         """The largest message streams send to this client (larger events come in chunks)."""
         return min(self.max_message_bytes, 2**31 - 1)
+
+
+class CallLike(Protocol):
+    """A finished or running call, named by its request id: an InferResult, a
+    GenerateResult, or a GenerateStream once it has started."""
+
+    @property
+    def request_id(self) -> str:
+        """The server's id of the call."""
+        ...
+
+
+#: A call for ``events(until=...)``: a CallLike, or a request id.
+CallRef = Union[str, CallLike]
+
+
+def request_id_of(call: CallRef) -> str:
+    """The request id ``call`` names; TypeError / ValueError when it names none."""
+    request_id = call if isinstance(call, str) else getattr(call, "request_id", None)
+    if not isinstance(request_id, str):
+        raise TypeError(f"until: expected a call result or a request id, not {type(call).__name__}")
+    if not request_id:
+        raise ValueError("until: the call has no request id yet (a GenerateStream that has not started: "
+                         "await stream.start() first)")
+    return request_id
 
 
 PolicyName = Literal["default", "block", "drop_oldest", "drop_newest"]
@@ -440,17 +468,43 @@ class HookHandle:
         """The module paths the pattern resolved to."""
         return self.info.modules
 
-    def events(self) -> AsyncIterator[InterceptEvent]:
+    def events(self, *, until: CallRef | None = None) -> AsyncIterator[InterceptEvent]:
         """The hook's events, in firing order, as they arrive.
 
         Waits for each event; ends after the hook is removed (every event fired
         before the removal is delivered first) or raises the session's error if
         its stream failed. For a hook without a session this subscribes (with the
         default drop policy) when iteration starts.
+
+        ``until`` (a call: its InferResult or GenerateResult, a started
+        GenerateStream, or a request id) also ends the iteration once that call is
+        over on the session stream, without a timeout: the server sends a CallEnded
+        marker after the call's last event on the stream, and the iteration ends
+        when the marker has arrived and every event of this hook that came before
+        it has been yielded (unread events of earlier calls come first; the call
+        may still be running when iteration starts). It ends at once for a call
+        whose marker an earlier iteration already passed. The server marks only
+        calls that had events on the stream (of any of the session's hooks): for a
+        call none of them captured anything from (e.g. a ``steps`` range or
+        sampling left them out) no marker comes, and the iteration waits for one
+        until the hook is removed or the session ends. The session's own calls
+        (made with this client) always get their marker; another caller's call
+        seen by a scope "all" or "tagged" hook may lose it, as it may lose events,
+        when this client has fallen far behind (more than max(1024, the stream's
+        max_events) unread markers). Raises ValueError for a hook without a
+        session (subscribe with ``client.subscribe`` before the call, and use
+        ``Subscription.events(until=...)``: a subscription started later could
+        miss the marker).
         """
+        request_id = None if until is None else request_id_of(until)
         if self._router is None:
+            if request_id is not None:
+                raise ValueError(
+                    "events(until=...) needs a session hook; for a hook without a session, start "
+                    "client.subscribe([hook.id]) before the call and iterate sub.events(until=call)"
+                )
             return self._subscribed_events()
-        return self._router.events(self.id)
+        return self._router.events(self.id, until=request_id)
 
     async def _subscribed_events(self) -> AsyncIterator[InterceptEvent]:
         async with self._client.subscribe([self.id]) as sub:  # ends when iteration does
@@ -503,6 +557,9 @@ class Subscription:
         self._client = client
         self._request = request
         self._call: grpc.aio.UnaryStreamCall | None = None
+        self._items: AsyncIterator[Any] | None = None
+        self._calls = EndedCalls()
+        self._read = 0
         #: Notices received so far (drops, removed or disabled hooks).
         self.notices: list[Notice] = []
 
@@ -517,6 +574,7 @@ class Subscription:
             raise from_rpc_error(exc, target=self._client.target) from None
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "subscribed":
             raise ConnectionError("the server did not confirm the subscription")
+        self._items = stream_items(self._call)
 
     async def __aenter__(self) -> Subscription:
         await self.start()
@@ -530,13 +588,34 @@ class Subscription:
         if self._call is not None:
             self._call.cancel()
 
-    async def __aiter__(self) -> AsyncIterator[InterceptEvent]:
+    def __aiter__(self) -> AsyncIterator[InterceptEvent]:
         """Events of the subscribed hooks; ends when all of them are removed."""
+        return self.events()
+
+    async def events(self, *, until: CallRef | None = None) -> AsyncIterator[InterceptEvent]:
+        """Events of the subscribed hooks, in arrival order; ends when all of them are
+        removed. Starts the subscription if needed (see ``start``).
+
+        ``until`` (a call's result, a started GenerateStream, or a request id) also ends
+        it at that call's CallEnded marker: every event the call put on this stream
+        came before it. It ends at once when an earlier iteration already passed the
+        marker. Only calls that had events on this stream are marked (see
+        HookHandle.events), and only calls that ran after ``start()``: start the
+        subscription before the call.
+        """
+        request_id = None if until is None else request_id_of(until)
         await self.start()
-        assert self._call is not None
+        assert self._items is not None
+        if request_id is not None and self._calls.position(request_id) is not None:
+            return
         try:
-            async for item in stream_items(self._call):
-                if isinstance(item, Notice):
+            async for item in self._items:
+                self._read += 1
+                if isinstance(item, CallEnded):
+                    self._calls.add(item.request_id, self._read)
+                    if item.request_id == request_id:
+                        return
+                elif isinstance(item, Notice):
                     self.notices.append(item)
                 else:
                     yield InterceptEvent.from_proto(item[0], chunked=item[1])
@@ -564,7 +643,7 @@ class RemoteModel:
     async def infer(
         self,
         *args: Any,
-        hooks: Sequence[HookSpec] = (),
+        hooks: Sequence[HookSpecLike] = (),
         backward: Backward | None = None,
         mode: str = "eval",
         seed: int | None = None,
@@ -594,7 +673,7 @@ class RemoteModel:
         if use_session:
             request.session_id = self._client.session_id
         for spec in hooks:
-            request.hooks.append(spec.to_proto(self.name))
+            request.hooks.append(spec_proto(spec, self.name))
         if backward is not None:
             request.backward.CopyFrom(backward.to_proto(chunker))
         if seed is not None:
@@ -660,6 +739,65 @@ class RemoteModel:
         reply = await self._client._unary(self._client.model_stub.Tokenize, request)
         return Tokenized.from_proto(reply)
 
+    def generate(
+        self,
+        prompt_or_ids: str | Sequence[str] | Any,
+        max_new_tokens: int,
+        *,
+        hooks: Sequence[HookSpecLike] = (),
+        attention_mask: Any = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] = (),
+        tags: Sequence[str] = (),
+        use_session: bool = True,
+        keep_events: bool = True,
+        max_response_message_bytes: int | None = None,
+    ) -> GenerateStream:
+        """Generates up to ``max_new_tokens`` tokens per sequence with a causal language
+        model, as transformers' ``generate()`` does (greedy or sampling), streaming the
+        tokens and what the hooks see at every step. Returns a GenerateStream: iterate
+        it for the items as they happen, await it for the GenerateResult::
+
+            result = await model.generate("Once upon a time", 32)
+            async for item in model.generate(["a", "b"], 16, hooks=[...]):
+                ...
+
+        ``prompt_or_ids`` is a text, a list of texts (tokenized on the server as
+        ``tokenize`` does: special tokens added, padded on the left), or integer
+        ``input_ids`` [batch, seq] (a tensor, an array or nested lists) with an optional
+        ``attention_mask`` (0 for padding, which goes on the left). ``hooks`` fire for
+        this call only (as in ``infer``), at every step unless their ``steps`` say
+        otherwise; their events arrive in the stream as they fire, each with its
+        ``step``. The session's hooks fire too when ``use_session`` (their events go to
+        the session stream; see HookHandle.events(until=...)), and SCOPE_TAGGED ones
+        for ``tags``. ``do_sample``, ``temperature``, ``top_k``, ``top_p``: None keeps
+        the model's generation_config. ``seed`` makes sampling reproducible (the same
+        tokens as ``torch.manual_seed(seed)`` then in-process ``generate()``); without
+        it the server draws one and reports it (``GenerateResult.seed``). ``stop``: stop
+        strings (a sequence ends once its text ends with one; it stays in the text).
+        ``keep_events=False`` leaves events out of the result (iterate to see them), for
+        captures too large to keep. Captured tensors larger than
+        ``max_response_message_bytes`` (default: this client's stream limit) arrive in
+        chunks and are reassembled before they are yielded.
+
+        Lazy: nothing is sent until the stream is iterated, awaited or started. Raises
+        ValueError / TypeError at once for arguments it cannot send; everything else
+        (the server's errors) where the stream is read: see GenerateStream, which also
+        says what cancels the call. There is no backward pass (use ``infer``).
+        """
+        limit = self._client.options.stream_max_message_bytes
+        request = generate_request(
+            self.name, prompt_or_ids, max_new_tokens, attention_mask=attention_mask, hooks=hooks,
+            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tags=tags,
+            session_id=self._client.session_id if use_session else "",
+            max_response_message_bytes=limit if max_response_message_bytes is None else max_response_message_bytes,
+        )
+        return GenerateStream(self._client, request, keep_events=keep_events)
+
     def hook(
         self,
         module: str,
@@ -679,6 +817,7 @@ class RemoteModel:
         on_error: OnErrorName = "default",
         sampling: Sampling | None = None,
         ttl_seconds: int = 0,
+        steps: StepsLike = None,
     ) -> PendingHook:
         """A hook on the modules ``module`` names, in the client's session.
 
@@ -687,7 +826,9 @@ class RemoteModel:
         "session" fires for this client's calls only; "all" for every caller's;
         "tagged" for calls carrying one of ``tags``. ``sampling`` thins its events;
         ``ttl_seconds`` registers it without a session (see Client.register_hook).
-        An action is a HookAction
+        ``steps`` (a StepRange or a ``(first, last)`` tuple) limits it to those steps
+        of Generate calls, e.g. ``(1, None)`` for the new tokens only; ValueError for
+        a range that ends before it starts. An action is a HookAction
         (``hookwire.capture(...)``, ``hookwire.edit(...)``), a rule, or a list of rules.
         """
         spec = HookSpec(
@@ -695,6 +836,6 @@ class RemoteModel:
             backward_hook=backward_hook, prehook_kwargs=prehook_kwargs, posthook_kwargs=posthook_kwargs,
             backward_prehook_kwargs=backward_prehook_kwargs, backward_hook_kwargs=backward_hook_kwargs,
             train_update=train_update, eval_update=eval_update, scope=scope, model=self.name,
-            tags=tuple(tags), on_error=on_error, sampling=sampling, ttl_seconds=ttl_seconds,
+            tags=tuple(tags), on_error=on_error, sampling=sampling, ttl_seconds=ttl_seconds, steps=steps,
         )
         return PendingHook(self._client, spec, self.name)

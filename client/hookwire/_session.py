@@ -3,117 +3,225 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import logging
-from typing import Any, AsyncIterator, Union, cast
+from typing import Any, AsyncIterator, Union
 
 import grpc
 
 from . import _codec
 from ._errors import HookwireError, from_rpc_error
 from ._types import InterceptEvent, Notice
-from .v1 import hook_pb2
+from .v1 import hook_pb2, tensor_pb2
 
 log = logging.getLogger("hookwire")
 
-_END = object()
+#: How many ended calls a stream reader remembers, so that ``events(until=call)`` also
+#: ends for a call whose end marker was read before the iteration started.
+CALL_ENDS_KEPT = 10_000
 
-Item = Union["tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]", Notice]
+
+@dataclasses.dataclass(frozen=True)
+class CallEnded:
+    """A stream's marker: every event that call ``request_id`` put on the stream came before it."""
+
+    request_id: str
+    model: str
+
+
+Item = Union["tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]", Notice, CallEnded]
+
+
+class EventAssembler:
+    """Joins the event messages of one stream with the TensorChunks that follow them.
+
+    Memory: a chunked event's tensors are allocated once and filled chunk by chunk.
+    Raises HookwireError (DATA_LOSS) for chunks out of place, CodecError for chunks
+    that do not fit their tensor.
+    """
+
+    def __init__(self) -> None:
+        self._pending: tuple[hook_pb2.InterceptEvent, _codec.ChunkAssembler] | None = None
+
+    def event(self, event: hook_pb2.InterceptEvent) -> tuple[hook_pb2.InterceptEvent, dict[int, Any] | None] | None:
+        """The event, complete; None when its chunks are still to come."""
+        if self._pending is not None:
+            raise HookwireError("an event arrived before the chunks of the previous one", code="DATA_LOSS")
+        assembler = _codec.ChunkAssembler(event)
+        if assembler.done:
+            return event, None
+        self._pending = (event, assembler)
+        return None
+
+    def chunk(self, chunk: tensor_pb2.TensorChunk) -> tuple[hook_pb2.InterceptEvent, dict[int, Any] | None] | None:
+        """The pending event once this chunk completed it, else None."""
+        if self._pending is None:
+            raise HookwireError("a tensor chunk arrived without its event", code="DATA_LOSS")
+        event, assembler = self._pending
+        assembler.feed(chunk)
+        if not assembler.done:
+            return None
+        self._pending = None
+        return event, assembler.result()
+
+    def check_complete(self) -> None:
+        """At the end of the stream: raises if an event still waits for chunks."""
+        if self._pending is not None:
+            raise HookwireError("the stream ended before an event's chunks were complete", code="DATA_LOSS")
 
 
 async def stream_items(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[Item]:
-    """The events (with their chunked tensors reassembled) and notices of a stream.
+    """The events (with their chunked tensors reassembled), notices and call-end markers
+    of a session or subscription stream.
 
-    Memory: a chunked event's tensors are allocated once and filled chunk by chunk.
     Uses read(), not async-for: callers read the opening message with read(), and
     grpc forbids mixing the two styles on one call.
     """
-    pending: tuple[hook_pb2.InterceptEvent, _codec.ChunkAssembler] | None = None
+    assembler = EventAssembler()
     while (msg := await call.read()) is not grpc.aio.EOF:
         kind = msg.WhichOneof("kind")
         if kind == "chunk":
-            if pending is None:
-                raise HookwireError("a tensor chunk arrived without its event", code="DATA_LOSS")
-            pending[1].feed(msg.chunk)
-            if pending[1].done:
-                yield pending[0], pending[1].result()
-                pending = None
+            complete = assembler.chunk(msg.chunk)
+            if complete is not None:
+                yield complete
         elif kind == "event":
-            if pending is not None:
-                raise HookwireError("an event arrived before the chunks of the previous one", code="DATA_LOSS")
-            assembler = _codec.ChunkAssembler(msg.event)
-            if assembler.done:
-                yield msg.event, None
-            else:
-                pending = (msg.event, assembler)
+            complete = assembler.event(msg.event)
+            if complete is not None:
+                yield complete
         elif kind == "batch":
             for event in msg.batch.events:
                 yield event, None
         elif kind == "notice":
-            notice = Notice.from_proto(msg.notice)
-            if notice.kind in ("capture_failed", "hook_disabled", "drops_started"):
-                log.warning("hook %s: %s", notice.hook_id or "-", notice.message)
-            yield notice
-    if pending is not None:
-        raise HookwireError("the stream ended before an event's chunks were complete", code="DATA_LOSS")
+            yield notice_of(msg.notice)
+        elif kind == "call_ended":
+            yield CallEnded(msg.call_ended.request_id, msg.call_ended.model)
+    assembler.check_complete()
+
+
+def notice_of(msg: Any) -> Notice:
+    """A Notice from the wire, logged as a warning when it says a hook lost events."""
+    notice = Notice.from_proto(msg)
+    if notice.kind in ("capture_failed", "hook_disabled", "drops_started"):
+        log.warning("hook %s: %s", notice.hook_id or "-", notice.message)
+    return notice
+
+
+class EndedCalls:
+    """The calls whose end marker a stream has carried, with the stream position of each
+    marker; the most recent CALL_ENDS_KEPT."""
+
+    def __init__(self) -> None:
+        self._at: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def add(self, request_id: str, position: int) -> None:
+        """Records a marker."""
+        self._at[request_id] = position
+        if len(self._at) > CALL_ENDS_KEPT:
+            self._at.popitem(last=False)
+
+    def position(self, request_id: str) -> int | None:
+        """Where the call's marker was, or None if it has not arrived (or was forgotten)."""
+        return self._at.get(request_id)
+
+
+class _Inbox:
+    """One hook's events not yet read, in stream order, each with its stream position."""
+
+    def __init__(self) -> None:
+        self.items: collections.deque[tuple[int, tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]]] = (
+            collections.deque()
+        )
+        self._wake = asyncio.Event()
+
+    def put(self, position: int, event: tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]) -> None:
+        self.items.append((position, event))
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Lets waiting readers look again (the hook or a call ended, or the stream did)."""
+        self._wake.set()
+
+    async def wait(self) -> None:
+        """Waits for the next put or wake. Check every condition first: a wake before this call is not kept."""
+        self._wake.clear()
+        await self._wake.wait()
 
 
 class EventRouter:
-    """Routes the items of one stream to per-hook queues.
+    """Routes the items of one stream to per-hook inboxes.
 
-    Queues are unbounded on the client: the server's buffer is the bounded one,
+    Inboxes are unbounded on the client: the server's buffer is the bounded one,
     and a reader that falls behind holds events in its own memory instead of
     stalling the model. Events may arrive before the RegisterHook reply does;
-    they wait in the hook's queue until its handle reads them.
+    they wait in the hook's inbox until its handle reads them. Every item has a
+    position in the stream, so a reader can stop exactly at a call's end marker.
     """
 
     def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[object]] = {}
+        self._inboxes: dict[str, _Inbox] = {}
         self._ended: set[str] = set()
+        self._position = 0
+        self.calls = EndedCalls()
         self.error: HookwireError | None = None
         self.notices: list[Notice] = []
         self.closed = False
 
-    def _queue(self, hook_id: str) -> asyncio.Queue[object]:
-        queue = self._queues.get(hook_id)
-        if queue is None:
-            queue = self._queues[hook_id] = asyncio.Queue()
-            if self.closed or hook_id in self._ended:
-                queue.put_nowait(_END)
-        return queue
+    def _inbox(self, hook_id: str) -> _Inbox:
+        inbox = self._inboxes.get(hook_id)
+        if inbox is None:
+            inbox = self._inboxes[hook_id] = _Inbox()
+        return inbox
 
     def route(self, item: Item) -> None:
         """Dispatches one stream item."""
+        self._position += 1
+        if isinstance(item, CallEnded):
+            self.calls.add(item.request_id, self._position)
+            for waiting in self._inboxes.values():  # readers waiting for this call's end
+                waiting.wake()
+            return
         if isinstance(item, Notice):
             self.notices.append(item)
             if item.kind == "hook_removed" and item.hook_id:
-                self._queue(item.hook_id).put_nowait(_END)
                 self._ended.add(item.hook_id)
+                removed = self._inboxes.get(item.hook_id)
+                if removed is not None:
+                    removed.wake()
             return
         event, _ = item
         if event.hook_id not in self._ended:
-            self._queue(event.hook_id).put_nowait(item)
+            self._inbox(event.hook_id).put(self._position, item)
 
     def end(self, error: HookwireError | None = None) -> None:
-        """The stream is over: every reader stops (with ``error`` if it failed)."""
+        """The stream is over: every reader stops (with ``error`` if it failed) once it
+        has read what had arrived."""
         self.closed = True
         self.error = error
-        for queue in self._queues.values():
-            queue.put_nowait(_END)
+        for inbox in self._inboxes.values():
+            inbox.wake()
 
-    async def events(self, hook_id: str) -> AsyncIterator[InterceptEvent]:
-        """The hook's events in arrival order, until it is removed or the stream ends."""
-        queue = self._queue(hook_id)
+    async def events(self, hook_id: str, until: str | None = None) -> AsyncIterator[InterceptEvent]:
+        """The hook's events in arrival order, until it is removed or the stream ends;
+        with ``until`` (a request id), until that call's end marker has arrived and every
+        event of the hook that came before it has been read."""
+        inbox = self._inbox(hook_id)
         while True:
-            item = await queue.get()
-            if item is _END:
-                queue.put_nowait(_END)  # later readers stop too
+            end = None if until is None else self.calls.position(until)
+            if end is not None and (not inbox.items or inbox.items[0][0] > end):
+                return
+            if inbox.items:
+                _, (event, chunked) = inbox.items.popleft()
+                yield InterceptEvent.from_proto(event, chunked=chunked)
+                continue
+            if self.closed:
                 if self.error is not None:
                     raise self.error
-                if hook_id in self._ended:
-                    self._queues.pop(hook_id, None)  # removed for good: free its queue
                 return
-            event, chunked = cast("tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]", item)
-            yield InterceptEvent.from_proto(event, chunked=chunked)
+            if hook_id in self._ended:
+                self._inboxes.pop(hook_id, None)  # removed for good: free its inbox
+                return
+            await inbox.wait()
 
 
 async def pump(call: grpc.aio.UnaryStreamCall, router: EventRouter) -> None:

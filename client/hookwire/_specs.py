@@ -129,6 +129,54 @@ class Sampling:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepRange:
+    """The steps of a Generate call in which a hook fires and its rules apply: ``first``
+    to ``last`` inclusive (``last`` None: to the end).
+
+    Generate runs one pass per step: step 0 is the pass over the prompt (tensors
+    ``[batch, prompt_len, ...]``), step s >= 1 the pass that consumes the s-th new token
+    (``[batch, 1, ...]`` with the KV cache). So ``StepRange(first=1)`` is "the new tokens
+    only" and ``StepRange(0, 0)`` "the prompt only". A rule's ``index`` selects within
+    the tensor of the step it fires in, so prompt-position work (``index="[:, 3]"``,
+    patching a prompt activation) belongs on ``StepRange(0, 0)``. An Infer call is a
+    single pass, step 0. Hook builders also take a tuple: ``steps=(1, None)``.
+    """
+
+    first: int = 0
+    last: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.first, int) or isinstance(self.first, bool) or self.first < 0:
+            raise ValueError(f"steps: first must be an integer >= 0, not {self.first!r}")
+        if self.last is not None and (
+            not isinstance(self.last, int) or isinstance(self.last, bool) or self.last < self.first
+        ):
+            raise ValueError(
+                f"steps: last ({self.last!r}) must be an integer >= first ({self.first}); the range is inclusive, "
+                "e.g. StepRange(0, 0) for the prompt pass alone"
+            )
+
+    def to_proto(self) -> hook_pb2.StepRange:
+        """The wire form."""
+        msg = hook_pb2.StepRange(first=self.first)
+        if self.last is not None:
+            msg.last = self.last
+        return msg
+
+
+StepsLike = Union[StepRange, "tuple[int, int | None]", None]
+
+
+def as_steps(value: StepsLike) -> StepRange | None:
+    """A StepRange from a StepRange, a ``(first, last)`` tuple or None; ValueError / TypeError otherwise."""
+    if value is None or isinstance(value, StepRange):
+        return value
+    if isinstance(value, tuple) and len(value) == 2:
+        return StepRange(*value)
+    raise TypeError(f"steps must be a hookwire.StepRange or a (first, last) tuple, not {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class HookSpec:
     """A hook on the modules ``module`` names (a path or a glob: ``*``, ``**``, ``?``).
 
@@ -158,6 +206,12 @@ class HookSpec:
     sampling: Sampling | None = None
     #: For a hook registered without a session: its lifetime in seconds.
     ttl_seconds: int = 0
+    #: The Generate steps it fires in (see StepRange; a ``(first, last)`` tuple is taken
+    #: too); None for every step.
+    steps: StepsLike = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", as_steps(self.steps))  # fail early, and compare equal
 
     def to_proto(self, model: str = "") -> hook_pb2.HookSpec:
         """The wire form; ValueError / TypeError for unknown names or options."""
@@ -175,6 +229,9 @@ class HookSpec:
         if self.sampling is not None:
             msg.sampling.CopyFrom(self.sampling.to_proto())
         msg.ttl_seconds = self.ttl_seconds
+        steps = as_steps(self.steps)
+        if steps is not None:
+            msg.steps.CopyFrom(steps.to_proto())
         for name in ("prehook", "posthook", "backward_prehook", "backward_hook"):
             action = as_action(getattr(self, name))
             if action is not None:
@@ -209,3 +266,20 @@ class Backward:
         if self.grad is not None:
             _codec.encode_tensor_into(self.grad, msg.grad, chunker)
         return msg
+
+
+#: A hook for a call: a HookSpec, or its wire form (``hook_pb2.HookSpec``, e.g. read from
+#: JSON with ``google.protobuf.json_format``) as an escape hatch.
+HookSpecLike = Union[HookSpec, hook_pb2.HookSpec]
+
+
+def spec_proto(spec: HookSpecLike, model: str) -> hook_pb2.HookSpec:
+    """The wire form of a call's hook, on ``model`` unless the spec names one."""
+    if isinstance(spec, hook_pb2.HookSpec):
+        msg = hook_pb2.HookSpec()
+        msg.CopyFrom(spec)
+        msg.model = msg.model or model
+        return msg
+    if not isinstance(spec, HookSpec):
+        raise TypeError(f"a hook is a hookwire.HookSpec, not {type(spec).__name__}")
+    return spec.to_proto(model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping, Sequence
 
 from . import _codec
 from .v1 import hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
@@ -65,6 +65,11 @@ class ModelInfo:
     state: str = "ready"
     #: Why the model failed to load ("" unless state is "failed").
     state_message: str = ""
+    #: Whether ``generate`` runs on it (a causal language model); False until it is ready.
+    can_generate: bool = False
+    #: Whether it has a tokenizer (``tokenize``, text prompts for ``generate``); False
+    #: until it is ready.
+    has_tokenizer: bool = False
 
     @classmethod
     def from_proto(cls, msg: model_service_pb2.Model) -> ModelInfo:
@@ -75,6 +80,8 @@ class ModelInfo:
             training_allowed=msg.training_allowed,
             state=_MODEL_STATES.get(msg.state, "ready"),
             state_message=msg.state_message,
+            can_generate=msg.can_generate,
+            has_tokenizer=msg.has_tokenizer,
             modules=tuple(
                 ModuleInfo(
                     path=m.path,
@@ -117,6 +124,10 @@ class InterceptEvent:
     raw: hook_pb2.InterceptEvent = dataclasses.field(repr=False, compare=False)
     #: The server ("host:port") it came from, when read through a fleet client; else "".
     replica: str = ""
+    #: The pass of the call it fired in: the step of a Generate call (0 for the prompt
+    #: pass, s for the pass that consumed the s-th new token); 0 for Infer calls.
+    #: ``call_index`` counts within this one pass.
+    step: int = 0
 
     @classmethod
     def from_proto(cls, msg: hook_pb2.InterceptEvent, chunked: Mapping[int, Any] | None = None) -> InterceptEvent:
@@ -139,6 +150,7 @@ class InterceptEvent:
             grad_output=tuple(decode(v, where=f"grad_output[{i}]") for i, v in enumerate(msg.grad_output)),
             dropped=msg.dropped,
             raw=msg,
+            step=msg.step,
         )
 
 
@@ -298,3 +310,93 @@ class Notice:
         """Builds it from the wire message."""
         name = hook_service_pb2.NoticeKind.Name(msg.kind) if msg.kind in hook_service_pb2.NoticeKind.values() else "NOTICE_KIND_UNSPECIFIED"
         return cls(name.removeprefix("NOTICE_KIND_").lower(), msg.hook_id, msg.message, msg.dropped)
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedTokens:
+    """The tokens one step of a Generate call chose, one entry per sequence (an item of
+    ``model.generate``). Step 0 is the pass over the prompt, so the first new tokens
+    come with step 0; step s consumed the tokens of step s - 1."""
+
+    #: A ``token_ids`` entry for a sequence that had already finished: it stays in the
+    #: batch until the call ends (so event rows keep their meaning) and gets no new
+    #: token. In-process ``generate()`` pads it with the pad token instead.
+    FINISHED: ClassVar[int] = -1
+
+    step: int
+    #: Per sequence: the new token, or FINISHED (-1) for a sequence that had ended.
+    token_ids: tuple[int, ...]
+    #: Per sequence: the text this step added (special tokens skipped). The texts of all
+    #: steps concatenate to the final text; a step may add "" while a multi-byte
+    #: character is incomplete.
+    texts: tuple[str, ...]
+    raw: model_service_pb2.GeneratedTokens = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def from_proto(cls, msg: model_service_pb2.GeneratedTokens) -> GeneratedTokens:
+        """Builds it from the wire message."""
+        return cls(step=msg.step, token_ids=tuple(msg.token_ids), texts=tuple(msg.texts), raw=msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """The result of a Generate call (``await model.generate(...)``). Tensors are torch
+    tensors, or numpy arrays where torch is not installed."""
+
+    request_id: str
+    #: The seed of the call's random generator (the one given, or the one the server
+    #: drew): pass it back as ``seed=`` to reproduce a sampled generation.
+    seed: int
+    #: Whether the call sampled (``do_sample``, or the model's generation_config).
+    do_sample: bool
+    #: The ids given to the call's hooks, in the order they were passed.
+    hook_ids: tuple[str, ...]
+    #: The prompt ids as the model saw them: int64 [batch, prompt_len], padded on the left.
+    input_ids: Any
+    #: int64 [batch, prompt_len]: 1 for a real token, 0 for padding.
+    attention_mask: Any
+    #: Per sequence: the new text (special tokens skipped; "" for a model without a tokenizer).
+    texts: tuple[str, ...]
+    #: Per sequence: the new token ids, up to and including the one that ended it.
+    token_ids: tuple[tuple[int, ...], ...]
+    #: Per sequence: "length", "eos", "stop", "cancelled" or "shutdown".
+    finish_reasons: tuple[str, ...]
+    #: Passes run: steps 0 .. steps - 1.
+    steps: int
+    #: Events of the call's own hooks, in firing order (empty with ``keep_events=False``).
+    events: tuple[InterceptEvent, ...]
+    #: The same events grouped by step: ``events_by_step[s]`` holds step s's, in firing
+    #: order; one entry per step, empty where no hook fired.
+    events_by_step: tuple[tuple[InterceptEvent, ...], ...]
+    #: Notices about the call's own hooks (e.g. one disabled by a failing rule).
+    notices: tuple[Notice, ...]
+    #: The stream's last message (GenerateDone).
+    raw: model_service_pb2.GenerateDone = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def from_stream(
+        cls, started: model_service_pb2.GenerateStarted, events: Sequence[InterceptEvent],
+        done: model_service_pb2.GenerateDone, notices: Sequence[Notice] = (),
+    ) -> GenerateResult:
+        """Builds it from the stream's first and last messages and the events between."""
+        by_step: list[list[InterceptEvent]] = [[] for _ in range(done.steps)]
+        for event in events:
+            while event.step >= len(by_step):  # never for a well-formed stream; keep every event anyway
+                by_step.append([])
+            by_step[event.step].append(event)
+        return cls(
+            request_id=started.request_id,
+            seed=started.seed,
+            do_sample=started.do_sample,
+            hook_ids=tuple(started.hook_ids),
+            input_ids=_codec.decode_tensor(started.input_ids, where="input_ids"),
+            attention_mask=_codec.decode_tensor(started.attention_mask, where="attention_mask"),
+            texts=tuple(s.text for s in done.sequences),
+            token_ids=tuple(tuple(s.token_ids) for s in done.sequences),
+            finish_reasons=tuple(s.finish_reason for s in done.sequences),
+            steps=done.steps,
+            events=tuple(events),
+            events_by_step=tuple(tuple(step) for step in by_step),
+            notices=tuple(notices),
+            raw=done,
+        )

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import lm_oracle
 from hookwire_server.demo_models import MLP
 
 HOOKWIRE = [sys.executable, "-m", "hookwire._cli"]
@@ -236,10 +237,72 @@ def test_hooks_rm_is_idempotent_like_handle_remove(demo: Served) -> None:
     assert demo.run("hooks", "rm", kept).returncode == 0
 
 
+def test_generate_prints_the_text_of_in_process_generate(demo: Served) -> None:
+    ids, mask = lm_oracle.batch(["Hello world"])
+    (greedy,) = lm_oracle.generate(ids, mask, 8)  # the model's generation_config: greedy
+    out = demo.run("generate", "tiny-lm", "Hello world", "-n", "8")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == lm_oracle.text(greedy) + "\n"
+    assert out.stderr.strip() == f"finish: {'eos' if greedy[-1] == lm_oracle.EOS else 'length'}, {len(greedy)} new tokens"
+
+    (sampled,) = lm_oracle.generate(ids, mask, 8, seed=7, do_sample=True, temperature=0.8, top_k=40, top_p=0.9)
+    out = demo.run("generate", "tiny-lm", "Hello world", "-n", "8", "--do-sample", "--seed", "7",
+                   "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == lm_oracle.text(sampled) + "\n" and "seed 7" in out.stderr
+    assert demo.run("generate", "tiny-lm", "Hello world", "-n", "8", "--greedy").stdout == lm_oracle.text(greedy) + "\n"
+
+    # A stop string ends the text (and stays in it).
+    (stopped,) = lm_oracle.generate(ids, mask, 8, stop_strings=[" hello"], tokenizer=lm_oracle.tokenizer())
+    assert len(stopped) < len(greedy) and lm_oracle.text(stopped).endswith(" hello")
+    out = demo.run("generate", "tiny-lm", "Hello world", "-n", "8", "--stop", " hello", "--stop", "never")
+    assert out.stdout == lm_oracle.text(stopped) + "\n" and out.stderr.startswith("finish: stop,"), out.stderr
+
+
+def test_generate_steers_with_a_hook_from_a_json_file(demo: Served, tmp_path: pathlib.Path) -> None:
+    import hookwire
+    from google.protobuf import json_format
+
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 4
+    spec = hookwire.HookSpec("model.layers.0", posthook=[hookwire.rules.add("output", vector)], steps=(1, None))
+    path = tmp_path / "steer.json"
+    path.write_text(json_format.MessageToJson(spec.to_proto()))
+    ids, mask = lm_oracle.batch(["Hello world"])
+    with lm_oracle.forward_hook("model.layers.0", lambda step, out: out + vector if step >= 1 else None):
+        (steered,) = lm_oracle.generate(ids, mask, 8)
+    assert steered != lm_oracle.generate(ids, mask, 8)[0]
+    out = demo.run("generate", "tiny-lm", "Hello world", "-n", "8", "--hook", str(path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == lm_oracle.text(steered) + "\n" and out.stderr.rstrip().endswith("0 hook events")
+
+    path.write_text('{"module": "model.layers.0", "posthook": {"rules": [{"target": "output", "nope": {}}]}}')
+    bad = demo.run("generate", "tiny-lm", "Hello world", "--hook", str(path))
+    assert bad.returncode == 2 and f"--hook {path}: not a HookSpec" in bad.stderr and "Traceback" not in bad.stderr
+    missing = demo.run("generate", "tiny-lm", "Hello world", "--hook", str(tmp_path / "absent.json"))
+    assert missing.returncode == 2 and "absent.json" in missing.stderr
+    wrong = demo.run("generate", "mlp", "Hello world")
+    assert wrong.returncode == 1 and "UNIMPLEMENTED: model 'mlp' cannot generate" in wrong.stderr
+
+
+def test_generate_streams_while_it_runs_and_stops_when_its_reader_goes(demo: Served) -> None:
+    proc = subprocess.Popen([*HOOKWIRE, "generate", "tiny-lm", "Hello world", "-n", "400", "--target", demo.target],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    assert proc.stdout is not None
+    first = proc.stdout.read(1)  # the first step's text, long before the 400th token
+    proc.stdout.close()  # the reader goes: the next write meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    ids, mask = lm_oracle.batch(["Hello world"])
+    assert first.decode() == lm_oracle.text(lm_oracle.generate(ids, mask, 1)[0])[:1]
+    # 141, not 0: the command was still generating (its text came step by step), and it
+    # stopped quietly when its output went.
+    assert proc.returncode == 141 and b"Traceback" not in err, err
+
+
 # Every command that prints, against the demo server. {target} is filled in.
 PRINTING = [
     ["models", "--target", "{target}"],
     ["inspect", "tiny-transformer", "--target", "{target}"],
+    ["generate", "tiny-lm", "Hello world", "-n", "4", "--target", "{target}"],
     ["hooks", "list", "--target", "{target}"],
     ["health", "{target}"],
     ["token", "new", "alice"],
@@ -328,7 +391,8 @@ def closed_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("command", [["models"], ["inspect", "mlp"], ["hooks", "list"], ["hooks", "rm", "hk_" + "1" * 32]],
+@pytest.mark.parametrize("command", [["models"], ["inspect", "mlp"], ["hooks", "list"], ["hooks", "rm", "hk_" + "1" * 32],
+                                     ["generate", "tiny-lm", "hi"]],
                          ids=" ".join)
 def test_no_server_is_explained_without_a_traceback(closed_port: int, command: list[str]) -> None:
     target = f"127.0.0.1:{closed_port}"

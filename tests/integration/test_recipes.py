@@ -1,21 +1,32 @@
-"""Every Python block of docs/recipes.md runs against a real server (with shared rules allowed)."""
+"""Every Python block of docs/recipes.md runs against a real server (with shared rules allowed);
+the generation recipes' results are checked against in-process transformers generate() with
+the equivalent torch hooks on the same seeded tiny-lm."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+import lm_oracle as oracle
 from hookwire_server import ServerSettings
 from support import ServerThread, build_test_registry
 
 RECIPES = pathlib.Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", RECIPES.read_text(), flags=re.S)
+#: Each recipe's title and its Python block, in document order.
+SECTIONS = re.findall(r"^## ([^\n]+)\n(?:(?!^## ).)*?```python\n(.*?)```", RECIPES.read_text(), flags=re.S | re.M)
+BLOCKS = [block for _, block in SECTIONS]
+TITLES = [title for title, _ in SECTIONS]
+
+Run = Callable[[str], "tuple[subprocess.CompletedProcess[str], pathlib.Path]"]
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +36,97 @@ def recipe_server() -> Iterator[ServerThread]:
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def run_recipe(recipe_server: ServerThread, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """Runs a recipe by title (once per module), in a directory of its own; returns the
+    finished process and that directory."""
+    done: dict[str, tuple[subprocess.CompletedProcess[str], pathlib.Path]] = {}
+
+    def run(title: str) -> tuple[subprocess.CompletedProcess[str], pathlib.Path]:
+        if title not in done:
+            cwd = tmp_path_factory.mktemp("recipe")
+            env = {**os.environ, "HOOKWIRE_TARGET": recipe_server.target}
+            proc = subprocess.run([sys.executable, "-c", BLOCKS[TITLES.index(title)]], env=env, cwd=cwd,
+                                  capture_output=True, text=True, timeout=120)
+            done[title] = (proc, cwd)
+        return done[title]
+
+    return run
+
+
 def test_recipes_found() -> None:
-    assert len(BLOCKS) == 5
+    assert len(BLOCKS) == 8
+    assert {"Steering a generation", "Capturing the residual stream of every new token",
+            "Patching a prompt activation into a generation"} <= set(TITLES)
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_recipe_runs(recipe_server: ServerThread, index: int) -> None:
-    env = {**os.environ, "HOOKWIRE_TARGET": recipe_server.target}
-    proc = subprocess.run([sys.executable, "-c", BLOCKS[index]], env=env, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("title", TITLES)
+def test_recipe_runs(run_recipe: Run, title: str) -> None:
+    proc, _ = run_recipe(title)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip()
+
+
+def _printed(stdout: str, label: str) -> list[int]:
+    """The token ids a recipe printed as ``label: [..]``."""
+    (line,) = [line for line in stdout.splitlines() if line.startswith(label + ":")]
+    return json.loads(line.split(":", 1)[1])
+
+
+def _ids(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    return oracle.batch(prompts)
+
+
+def test_steering_recipe_equals_an_in_process_steering_hook(run_recipe: Run) -> None:
+    proc, _ = run_recipe("Steering a generation")
+    assert proc.returncode == 0, proc.stderr
+    ids, mask = _ids(["Once upon a time"])
+    steering = 4.0 * torch.randn(64, generator=torch.Generator().manual_seed(1))
+    # Firing k of the layer is step k of the cached generate(): steer from step 1 on.
+    with oracle.forward_hook("model.layers.0", lambda step, out: out + steering if step >= 1 else None):
+        (steered,) = oracle.generate(ids, mask, 12, do_sample=False)
+    (plain,) = oracle.generate(ids, mask, 12, do_sample=False)
+    assert _printed(proc.stdout, "plain tokens") == plain
+    assert _printed(proc.stdout, "steered tokens") == steered
+    assert steered != plain and steered[0] == plain[0]  # the first token comes from the prompt pass, unsteered
+    assert f"steered: {oracle.text(steered)}\n" in proc.stdout  # streamed step by step, the same text
+
+
+def test_residual_stream_recipe_equals_in_process_captures(run_recipe: Run) -> None:
+    proc, cwd = run_recipe("Capturing the residual stream of every new token")
+    assert proc.returncode == 0, proc.stderr
+    ids, mask = _ids(["Once upon a time", "The cat"])
+    layers = ("model.layers.0", "model.layers.1")
+    with oracle.recording(*layers) as local:
+        tokens = oracle.generate(ids, mask, 8, do_sample=False)
+    assert _printed(proc.stdout, "new tokens") == tokens
+    saved = load_file(str(cwd / "residual.safetensors"))  # tensors only: no code runs
+    want = torch.stack([torch.stack([local[layer][step][:, 0] for layer in layers]) for step in range(1, 8)])
+    assert saved["residual"].shape == (7, 2, 2, 64)
+    assert torch.equal(saved["residual"], want)
+    assert torch.equal(saved["input_ids"], ids)
+
+
+def test_patching_recipe_equals_in_process_patching(run_recipe: Run) -> None:
+    proc, _ = run_recipe("Patching a prompt activation into a generation")
+    assert proc.returncode == 0, proc.stderr
+    source_ids, source_mask = _ids(["The cat sat on the mat"])
+    saved: list[torch.Tensor] = []
+    with oracle.forward_hook("model.layers.0", lambda step, out: saved.append(out[:, -1].clone()) if step == 0 else None):
+        oracle.generate(source_ids, source_mask, 8, do_sample=False)
+
+    def patch(step: int, out: torch.Tensor) -> torch.Tensor | None:
+        if step != 0:
+            return None
+        new = out.clone()
+        new[:, -1] = saved[0]
+        return new
+
+    ids, mask = _ids(["Once upon a time"])
+    with oracle.forward_hook("model.layers.0", patch):
+        (patched,) = oracle.generate(ids, mask, 8, do_sample=False)
+    (plain,) = oracle.generate(ids, mask, 8, do_sample=False)
+    assert _printed(proc.stdout, "plain tokens") == plain
+    assert _printed(proc.stdout, "patched tokens") == patched
+    assert patched != plain
+    assert "name='source'" in proc.stdout and "shape=(1, 64)" in proc.stdout
