@@ -483,15 +483,14 @@ class HookHandle:
         when the marker has arrived and every event of this hook that came before
         it has been yielded (unread events of earlier calls come first; the call
         may still be running when iteration starts). It ends at once for a call
-        whose marker an earlier iteration already passed. The server marks only
-        calls that had events on the stream (of any of the session's hooks): for a
-        call none of them captured anything from (e.g. a ``steps`` range or
-        sampling left them out) no marker comes, and the iteration waits for one
-        until the hook is removed or the session ends. The session's own calls
-        (made with this client) always get their marker; another caller's call
-        seen by a scope "all" or "tagged" hook may lose it, as it may lose events,
-        when this client has fallen far behind (more than max(1024, the stream's
-        max_events) unread markers). Raises ValueError for a hook without a
+        whose marker an earlier iteration already passed. The server marks the
+        calls made in the session (with this client's session: every call, also
+        one none of its hooks captured anything from) and the calls that had
+        events on the stream. Another caller's call seen by a scope "all" or
+        "tagged" hook gets a marker only if one of the session's hooks captured
+        from it (else the iteration waits until the hook is removed or the session
+        ends), and may lose it, as it may lose events, when this client has fallen
+        far behind (more than max(1024, the stream's max_events) unread markers). Raises ValueError for a hook without a
         session (subscribe with ``client.subscribe`` before the call, and use
         ``Subscription.events(until=...)``: a subscription started later could
         miss the marker).

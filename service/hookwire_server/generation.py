@@ -544,7 +544,8 @@ class Generation:
                 records = await asyncio.to_thread(
                     self._hooks.request_hooks, host, request.hooks, request_id, session, principal
                 )
-            run = self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria)
+            run = self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria,
+                            session.stream if session is not None else None)
             try:
                 async for message in run:
                     yield message
@@ -560,14 +561,14 @@ class Generation:
     async def _run(
         self, request: model_service_pb2.GenerateRequest, host: ModelHost, principal: Principal,
         options: GenerateOptions, ids: torch.Tensor, mask: torch.Tensor, request_id: str, records: list[HookRecord],
-        stop_criteria: Any,
+        stop_criteria: Any, session_stream: Any,
     ) -> AsyncGenerator[model_service_pb2.GenerateResponse, None]:
         mailbox = _Mailbox(asyncio.get_running_loop())
         put = mailbox.put
         p = Pass(
             request_id, request.session_id, frozenset(request.tags), principal=principal.name,
             max_events=self.limits.max_events_per_call, model=host.name,
-            sink=lambda event, chunker: put(("event", event, chunker)),
+            sink=lambda event, chunker: put(("event", event, chunker)), session_stream=session_stream,
         )
         p.notices = lambda notice: put(("notice", notice))
         chunk_bytes = chunk_bytes_for(request.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)

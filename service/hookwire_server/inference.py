@@ -318,6 +318,7 @@ class Inference:
         p = Pass(
             request_id, request.session_id, frozenset(request.tags), principal=principal.name,
             max_events=self.limits.max_events_per_call, model=host.name,
+            session_stream=session.stream if session is not None else None,
         )
         p.chunker = chunker
         p.response.hook_ids.extend(r.hook_id for r in records)

@@ -31,7 +31,7 @@ class Pass:
 
     def __init__(
         self, request_id: str, session_id: str, tags: frozenset[str] = frozenset(), *, principal: str = "",
-        max_events: int | None = None, model: str = "", sink: EventSink | None = None,
+        max_events: int | None = None, model: str = "", sink: EventSink | None = None, session_stream: Any = None,
     ) -> None:
         self.request_id = request_id
         self.session_id = session_id
@@ -55,8 +55,10 @@ class Pass:
         self._events_in_step = 0
         self._calls: dict[tuple[str, str, int], int] = {}
         self._seqs: dict[str, int] = {}
-        #: Session and subscription streams this call offered events to (ordered set).
-        self._streams: dict[Any, None] = {}
+        #: Session and subscription streams this call offered events to (ordered set), and
+        #: the stream of the session it was made in: that one gets a CallEnded marker even
+        #: when none of its hooks captured anything (a reader waiting for the call ends).
+        self._streams: dict[Any, None] = {} if session_stream is None else {session_stream: None}
 
     def begin_step(self, step: int) -> None:
         """Starts pass ``step``: call indices start again from 0. Worker thread, between passes."""

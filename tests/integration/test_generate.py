@@ -771,6 +771,21 @@ def test_session_hooks_fire_on_generate_and_infer_and_each_call_ends_with_a_mark
     assert_same(event.value(), seen[0], "the Infer call's session event")
 
 
+def test_a_call_made_in_a_session_ends_with_a_marker_even_without_events(env: Env, session) -> None:
+    """A reader waiting for a call of its session must not wait forever when none of
+    the session's hooks captured anything from it (here: a steps range it never reaches)."""
+    session_id, stream = session
+    env.hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+        model="tiny-lm", module="model.layers.1", posthook=_capture(), steps=_steps(100))), timeout=CALL_TIMEOUT)
+    result = generate(env.models, GenerateRequest(model="tiny-lm", prompts=PROMPTS, max_new_tokens=2,
+                                                  session_id=session_id))
+    assert _read_session_call(stream, result.started.request_id) == []
+    infer = env.models.Infer(model_service_pb2.InferRequest(
+        model="tiny-lm", args=[_codec.encode_value(torch.tensor([[1, 5, 6]]))], session_id=session_id),
+        timeout=CALL_TIMEOUT)
+    assert _read_session_call(stream, infer.request_id) == []
+
+
 def test_tagged_hooks_fire_for_tagged_generate_calls_only(env: Env, session) -> None:
     session_id, stream = session
     env.hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
