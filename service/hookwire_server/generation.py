@@ -14,9 +14,9 @@ later step one cached pass over the tokens chosen last, each step a separate job
 model's worker thread. So a call running alone computes exactly what in-process
 ``generate()`` computes (the same passes, the same processors, the same tokens), while
 other calls on the model (Infer, other generations) run between its steps, a client
-that reads slowly holds only its own call (the next step is not queued until the
-stream has taken the last one's messages), and cancellation and shutdown take effect
-at step boundaries.
+that reads slowly holds only its own call (the server runs at most one step ahead of
+what the stream has taken), and cancellation and shutdown take effect at step
+boundaries.
 
 Sampling draws from a generator of the call's own, seeded from ``seed`` (or a fresh
 random seed, reported): the same draws as ``torch.manual_seed(seed)`` before an
@@ -37,6 +37,7 @@ import math
 import secrets
 import threading
 import time
+import traceback
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Callable
 
@@ -44,7 +45,7 @@ import torch
 
 from hookwire import _codec
 from hookwire._codec import Chunker
-from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2
+from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
 
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable, Unimplemented
@@ -65,6 +66,11 @@ from .passes import Pass
 from .tokenization import check_texts, no_tokenizer_message, padding_side_for, tokenize_texts
 
 log = logging.getLogger("hookwire.generate")
+
+#: Wire dtypes Generate accepts for input_ids and attention_mask.
+_INTEGER_DTYPES = frozenset({
+    tensor_pb2.DTYPE_INT8, tensor_pb2.DTYPE_INT16, tensor_pb2.DTYPE_INT32, tensor_pb2.DTYPE_INT64, tensor_pb2.DTYPE_UINT8,
+})
 
 #: GeneratedTokens.token_ids entry of a sequence that has already finished.
 FINISHED = -1
@@ -220,7 +226,11 @@ class TextDeltas:
         """The text the new tokens add (decode with special tokens skipped)."""
         before = tokenizer.decode(tokens[self._prefix:self._read], skip_special_tokens=True)
         now = tokenizer.decode(tokens[self._prefix:], skip_special_tokens=True)
-        if len(now) <= len(before) or (now.endswith("\ufffd") and not final):
+        # A character takes at most 4 bytes, so at most 4 tokens: text still ending in
+        # U+FFFD after that is invalid bytes for good, and holding it longer would only
+        # make every step decode a longer window.
+        held = len(tokens) - self._read
+        if len(now) <= len(before) or (now.endswith("\ufffd") and not final and held < 4):
             return ""
         delta = now[len(before):]
         self._prefix, self._read = self._read, len(tokens)
@@ -354,8 +364,9 @@ class Generation:
         self._registry = registry
         self._hooks = hooks
         self.limits = limits or Limits()
-        #: Running calls by model name.
+        #: Running calls by model name, and by principal name.
         self._active: dict[str, int] = {}
+        self._by_principal: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         #: Cleanups (hook detaches, CallEnded markers) queued on model threads.
@@ -401,8 +412,18 @@ class Generation:
             )
         if any(not s for s in stop):
             raise InvalidArgument(f"stop[{stop.index('')}]: a stop string cannot be empty")
+        chars = sum(len(s) for s in stop)
+        if chars > self.limits.max_stop_chars:
+            raise InvalidArgument(
+                f"stop: {chars} characters in all, over the limit of {self.limits.max_stop_chars} (max_stop_chars)"
+            )
         if stop and host.tokenizer is None:
             raise FailedPrecondition(f"stop: stop strings need a tokenizer: {no_tokenizer_message(host)}")
+        configured = getattr(getattr(host.module, "generation_config", None), "stop_strings", None)
+        if not stop and configured and host.tokenizer is not None:
+            # The model's own stop strings (its operator's choice, so not the request's limits):
+            # generate() cannot build them here (see _start), the call's criteria carry them.
+            stop = (configured,) if isinstance(configured, str) else tuple(configured)
         seed = request.seed if request.HasField("seed") else secrets.randbits(64)
         if request.max_response_message_bytes and request.max_response_message_bytes < MIN_MAX_MESSAGE_BYTES:
             raise InvalidArgument(
@@ -433,8 +454,14 @@ class Generation:
     def _decode_ids(self, request: model_service_pb2.GenerateRequest, host: ModelHost) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and attention_mask of a request that sent ids; InvalidArgument or
         ResourceExhausted naming what is wrong, before the model sees them."""
-        ids = self._decode_int_matrix(request.input_ids, "input_ids")
-        batch, length = ids.shape
+        batch, length = self._matrix_shape(request.input_ids, "input_ids")
+        if request.HasField("attention_mask"):
+            mask_shape = self._matrix_shape(request.attention_mask, "attention_mask")
+            if mask_shape != (batch, length):
+                raise InvalidArgument(
+                    f"attention_mask: shape {list(mask_shape)} does not match input_ids' shape {[batch, length]}"
+                )
+        # The limits hold before anything is decoded: the ids may take up to a message's size.
         if batch > self.limits.max_tokenize_texts:
             raise ResourceExhausted(
                 f"input_ids: {batch} sequences, over the limit of {self.limits.max_tokenize_texts} (max_tokenize_texts)"
@@ -444,16 +471,13 @@ class Generation:
                 f"input_ids: {length} tokens per sequence, over the limit of {self.limits.max_prompt_tokens} "
                 "(max_prompt_tokens)"
             )
+        ids = self._decode_int_matrix(request.input_ids, "input_ids")
         vocab = _vocab_size(host)
         if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
             raise InvalidArgument(f"input_ids: token id {bad} is outside the model's vocabulary [0, {vocab})")
         if request.HasField("attention_mask"):
             mask = self._decode_int_matrix(request.attention_mask, "attention_mask")
-            if tuple(mask.shape) != tuple(ids.shape):
-                raise InvalidArgument(
-                    f"attention_mask: shape {list(mask.shape)} does not match input_ids' shape {list(ids.shape)}"
-                )
             if not bool(((mask == 0) | (mask == 1)).all()):
                 raise InvalidArgument("attention_mask: values must be 0 (padding) or 1 (a token)")
             empty = (mask.sum(dim=1) == 0).nonzero()
@@ -462,6 +486,19 @@ class Generation:
         else:
             mask = torch.ones_like(ids)
         return ids, mask
+
+    def _matrix_shape(self, tensor: Any, field: str) -> tuple[int, int]:
+        """The [batch, seq] shape of an integer tensor message, from its header alone
+        (nothing decoded); InvalidArgument for another dtype or shape."""
+        if tensor.dtype not in _INTEGER_DTYPES:
+            raise InvalidArgument(
+                f"{field}: integer token ids expected, got {tensor_pb2.DType.Name(tensor.dtype)}"
+                if tensor.dtype in tensor_pb2.DType.values() else f"{field}: unknown dtype {tensor.dtype}"
+            )
+        shape = tuple(tensor.shape)
+        if len(shape) != 2 or shape[0] <= 0 or shape[1] <= 0:
+            raise InvalidArgument(f"{field}: expected a non-empty [batch, seq] matrix, got shape {list(shape)}")
+        return int(shape[0]), int(shape[1])
 
     def _decode_int_matrix(self, tensor: Any, field: str) -> torch.Tensor:
         try:
@@ -484,10 +521,11 @@ class Generation:
     ) -> AsyncIterator[model_service_pb2.GenerateResponse]:
         """Runs one Generate call, yielding its stream's messages. Everything the client
         can get wrong raises (a HookwireServerError) before the first message. Steps run
-        on the model's worker thread; the next step is queued once the previous one's
-        messages were taken (a slow reader pauses its own call). Cancelling the
-        iteration (the client went away) ends the call at the next step boundary; once
-        the server drains, the call ends there with finish_reason "shutdown"."""
+        on the model's worker thread, at most one ahead of the messages the stream has
+        taken (a slow reader pauses its own call). Cancelling the iteration (the client
+        went away) ends the call at once (a running step completes, a queued one never
+        runs); once the server drains, the call ends at the next step boundary with
+        finish_reason "shutdown"."""
         principal.require(MINIMUM_ROLE["Generate"], "Generate")
         if self._hooks.draining:
             raise Unavailable("the server is shutting down")
@@ -516,9 +554,16 @@ class Generation:
                 f"model {host.name!r} has {active} Generate calls running, the limit is "
                 f"{self.limits.max_active_generations} (max_active_generations); retry later"
             )
+        mine = self._by_principal.get(principal.name, 0)
+        if mine >= self.limits.max_generations_per_principal:
+            raise ResourceExhausted(
+                f"{principal.name!r} has {mine} Generate calls running, the limit is "
+                f"{self.limits.max_generations_per_principal} (max_generations_per_principal); retry later"
+            )
         # The call counts from its check on: the awaits below (tokenizing, compiling hooks)
         # let other calls in, which must see it, or calls arriving together all pass the limit.
         self._active[host.name] = active + 1
+        self._by_principal[principal.name] = mine + 1
         self._idle.clear()
         try:
             if request.prompts:
@@ -555,6 +600,9 @@ class Generation:
                 await run.aclose()
         finally:
             self._active[host.name] -= 1
+            self._by_principal[principal.name] -= 1
+            if not self._by_principal[principal.name]:
+                del self._by_principal[principal.name]
             if not any(self._active.values()):
                 self._idle.set()
 
@@ -575,6 +623,7 @@ class Generation:
         detokenizer = host.detokenizer
         started = time.perf_counter()
         decoder: Decoder | None = None
+        future: asyncio.Future[StepResult] | None = None
         outcome = "error"
         try:
             decoder = await host.run(_start, host, records, ids, mask, options, stop_criteria)
@@ -607,8 +656,8 @@ class Generation:
                 deltas = [""] * batch
                 if detokenizer is not None:  # a sequence that ended now flushes its held-back text
                     deltas = [
-                        texts[i].add(detokenizer, tokens[i], final=final or bool(result.reasons[i]))
-                        if (token != FINISHED or final) else ""
+                        texts[i].add(detokenizer, tokens[i], final=final or stopping or bool(result.reasons[i]))
+                        if (token != FINISHED or final or stopping) else ""
                         for i, token in enumerate(result.tokens)
                     ]
                 yield model_service_pb2.GenerateResponse(
@@ -625,9 +674,16 @@ class Generation:
             yield model_service_pb2.GenerateResponse(done=done)
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
+            if future is not None:
+                future.cancel()  # a step still waiting for the model never runs
             if decoder is not None:
                 decoder.end("cancelled")
             raise
+        except BaseException as exc:
+            # gRPC keeps an aborted call's exception, its chain and their tracebacks for a
+            # while; the frames of the failing step hold the KV cache and its activations.
+            _clear_frames(exc)
+            raise exc.with_traceback(None)
         finally:
             # After the step in flight (if any): detach the call's hooks, mark the end of
             # its events on session streams, free its KV cache. Not awaited when the call
@@ -647,6 +703,24 @@ class Generation:
                        "duration_ms": round(elapsed * 1e3, 3), "hooks": len(records),
                        "steps": decoder.step_index if decoder is not None else 0},
             )
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Clears the locals of every frame on the tracebacks of ``exc`` and of the
+    exceptions it was raised from (``from None`` keeps the context, only hidden), and
+    drops those tracebacks: a cleared frame still holds the function it ran, and a
+    closure (torch's hook runner) can hold the pass's keyword arguments, KV cache
+    included."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current.__traceback__ = None
+        pending.extend((current.__context__, current.__cause__))
 
 
 def _log_failure(future: asyncio.Future[Any]) -> None:
@@ -678,10 +752,32 @@ def _vocab_size(host: ModelHost) -> int | None:
 
 def _stop_criteria(tokenizer: Any, stop: tuple[str, ...]) -> Any:
     """transformers' StopStringCriteria for ``stop`` (what generate(stop_strings=...,
-    tokenizer=...) builds). Tokenizer thread."""
-    from transformers import StoppingCriteriaList, StopStringCriteria
+    tokenizer=...) builds); InvalidArgument naming a stop string the tokenizer cannot
+    spell. Tokenizer thread: its cost grows with the vocabulary times the stop strings'
+    length, which max_stop_chars bounds.
 
-    return StoppingCriteriaList([StopStringCriteria(tokenizer, list(stop))])
+    transformers keeps the table it builds in a process-wide cache of 8 entries, each
+    vocabulary x characters large; it is dropped again here (the criterion keeps its
+    own reference while the call runs), so clients cannot fill that cache.
+    """
+    from transformers import StoppingCriteriaList, StopStringCriteria
+    from transformers.generation import stopping_criteria
+
+    cache = stopping_criteria.STOP_STRING_EMBEDDING_CACHE
+    before = set(cache)
+    try:
+        try:
+            return StoppingCriteriaList([StopStringCriteria(tokenizer, list(stop))])
+        except Exception as exc:
+            for i, text in enumerate(stop):  # which one
+                try:
+                    StopStringCriteria(tokenizer, [text])
+                except Exception as one:
+                    raise InvalidArgument(f"stop[{i}]: the tokenizer cannot spell {text!r}: {one}") from None
+            raise InvalidArgument(f"stop: the tokenizer cannot match these stop strings: {exc}") from None
+    finally:
+        for key in set(cache) - before:
+            cache.pop(key, None)
 
 
 def _start(
@@ -694,7 +790,10 @@ def _start(
         record.attach()
     # One sequence per prompt, decoded greedily or by sampling: beam search and several
     # returned sequences per prompt in a model's generation_config do not apply.
-    extra: dict[str, Any] = {"num_beams": 1, "num_return_sequences": 1, **options.overrides}
+    # stop_strings None: generate() would build them from the model's generation_config but
+    # drops the tokenizer they need when custom_generate is a callable; the call's own
+    # criteria (built on the tokenizer thread) carry them instead.
+    extra: dict[str, Any] = {"num_beams": 1, "num_return_sequences": 1, "stop_strings": None, **options.overrides}
     if stop_criteria is not None:
         extra["stopping_criteria"] = stop_criteria
     device = host.device
@@ -705,6 +804,8 @@ def _start(
         )
     except (ValueError, TypeError) as exc:  # generate()'s own validation of the settings
         raise InvalidArgument(f"generate() refused the settings: {exc}") from None
+    except (torch.OutOfMemoryError, MemoryError) as exc:  # e.g. allocating a static cache
+        raise ResourceExhausted(f"preparing the generation on model {host.name!r} ran out of memory: {exc}") from None
     if not isinstance(prepared, _Prepared):  # pragma: no cover - a transformers that ignores custom_generate
         raise Unimplemented(f"model {host.name!r}: this transformers version does not support Generate")
     generator = torch.Generator(device=prepared.input_ids.device)

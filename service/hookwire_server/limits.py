@@ -97,9 +97,15 @@ class Limits:
     max_new_tokens: int = 4096
     #: Stop strings (GenerateRequest.stop) in one call, each at most max_name_length bytes.
     max_stop_strings: int = 16
+    #: Characters of all the stop strings of one Generate call together: building the
+    #: matcher for them costs the vocabulary size times this, on the model's tokenizer thread.
+    max_stop_chars: int = 128
     #: Generate calls running at once on one model (RESOURCE_EXHAUSTED beyond): each holds
     #: its KV cache between its steps.
     max_active_generations: int = 64
+    #: Generate calls of one principal running at once, on all models (RESOURCE_EXHAUSTED
+    #: beyond): a caller who stops reading keeps its calls, not everyone's.
+    max_generations_per_principal: int = 16
 
 
 def check(count: int, limit: int, what: str, name: str) -> None:

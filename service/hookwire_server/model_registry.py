@@ -92,6 +92,8 @@ class DaemonWorker(concurrent.futures.Executor):
                 future.set_result(result)
             finally:
                 self.busy = False
+                # Not kept until the next job arrives: the job holds its call (request, response).
+                item = future = fn = result = None  # type: ignore[assignment]
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stops the thread after the running function (queued ones are cancelled

@@ -154,10 +154,11 @@ def generate(stub: model_service_pb2_grpc.ModelServiceStub, request: GenerateReq
     return read_stream(stub.Generate(request, timeout=CALL_TIMEOUT))
 
 
-def expect_error(stub: model_service_pb2_grpc.ModelServiceStub, request: GenerateRequest) -> grpc.RpcError:
+def expect_error(stub: model_service_pb2_grpc.ModelServiceStub, request: GenerateRequest,
+                 metadata: Any = None) -> grpc.RpcError:
     """The status a call fails with, after whatever messages came before it."""
     with pytest.raises(grpc.RpcError) as info:
-        for _ in stub.Generate(request, timeout=CALL_TIMEOUT):
+        for _ in stub.Generate(request, timeout=CALL_TIMEOUT, metadata=metadata):
             pass
     return info.value
 
@@ -1159,3 +1160,33 @@ def test_a_session_hook_with_last_before_first_is_refused(env: Env, session) -> 
             model="tiny-lm", module="model.layers.0", posthook=_capture(), steps=_steps(1, 0))), timeout=CALL_TIMEOUT)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("steps: last (0) is before first (1)"), info.value.details()
+
+
+def test_max_generations_per_principal_leaves_the_model_to_others() -> None:
+    """One caller's stalled generations hold its own slots (max_generations_per_principal),
+    not the model's: another caller still generates."""
+    from hookwire_server.auth import hash_token
+
+    tokens = f"alice:user:{hash_token('alice-token')}\nbob:user:{hash_token('bob-token')}"
+    settings = ServerSettings(port=0, tokens=tokens, max_generations_per_principal=1)
+    srv = ServerThread(build_registry([c for c in demo_configs() if c.name == "tiny-lm"]), settings).start()
+    slow = _slow_reader_channel(srv.target)
+    fast = grpc.insecure_channel(srv.target)
+    alice, bob = [("authorization", "Bearer alice-token")], [("authorization", "Bearer bob-token")]
+    try:
+        waiting = model_service_pb2_grpc.ModelServiceStub(slow).Generate(
+            GenerateRequest(model="tiny-lm", prompts=["a" * 9] * 3, max_new_tokens=16, hooks=[EVERYTHING]),
+            metadata=alice, timeout=CALL_TIMEOUT)
+        assert next(waiting).WhichOneof("kind") == "started"
+        stub = model_service_pb2_grpc.ModelServiceStub(fast)
+        error = expect_error(stub, GenerateRequest(model="tiny-lm", prompts=["a"], max_new_tokens=2), metadata=alice)
+        assert error.code() == EXHAUSTED and "'alice' has 1 Generate calls running" in error.details(), error.details()
+        assert "(max_generations_per_principal)" in error.details()
+        other = read_stream(stub.Generate(GenerateRequest(model="tiny-lm", prompts=["a"], max_new_tokens=2),
+                                          metadata=bob, timeout=CALL_TIMEOUT))
+        assert other.done.steps == 2
+        waiting.cancel()
+    finally:
+        slow.close()
+        fast.close()
+        srv.stop()
