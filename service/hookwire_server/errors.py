@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 
 class HookwireServerError(Exception):
     """Base of the errors a client caused or can act on; the message is sent as is."""
@@ -37,3 +39,31 @@ class DeadlineExceeded(HookwireServerError):
 
 class Unavailable(HookwireServerError):
     """The server is shutting down."""
+
+
+def release_failure(exc: BaseException) -> BaseException:
+    """Lets go of what a failed call's frames hold, before the failure propagates; returns
+    the exception to raise.
+
+    gRPC keeps an aborted call's exception chain alive with the call's state for a while,
+    and with the chain its tracebacks: the frames of the pass that failed, whose locals
+    (and the closures of the torch hook runner those frames ran) hold its tensors, a
+    generation's KV cache included. Every frame on the tracebacks of ``exc`` and of the
+    exceptions it was raised from (``from None`` keeps the context, only hidden) is
+    cleared. For a HookwireServerError (the client's mistake: its message says it all)
+    the tracebacks are dropped too, since a cleared frame still holds the function it
+    ran; an unexpected error keeps its (cleared) traceback for the incident log.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    drop = isinstance(exc, HookwireServerError)
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        if drop:
+            current.__traceback__ = None
+        pending.extend((current.__context__, current.__cause__))
+    return exc

@@ -37,7 +37,6 @@ import math
 import secrets
 import threading
 import time
-import traceback
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Callable
 
@@ -48,7 +47,14 @@ from hookwire._codec import Chunker
 from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
 
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
-from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable, Unimplemented
+from .errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+    Unimplemented,
+    release_failure,
+)
 from .event_bus import (
     BATCH_EVENT_MAX_BYTES,
     BATCH_MAX_BYTES,
@@ -680,10 +686,8 @@ class Generation:
                 decoder.end("cancelled")
             raise
         except BaseException as exc:
-            # gRPC keeps an aborted call's exception, its chain and their tracebacks for a
-            # while; the frames of the failing step hold the KV cache and its activations.
-            _clear_frames(exc)
-            raise exc.with_traceback(None)
+            # The frames of the failing step hold the KV cache and its activations.
+            raise release_failure(exc)
         finally:
             # After the step in flight (if any): detach the call's hooks, mark the end of
             # its events on session streams, free its KV cache. Not awaited when the call
@@ -703,24 +707,6 @@ class Generation:
                        "duration_ms": round(elapsed * 1e3, 3), "hooks": len(records),
                        "steps": decoder.step_index if decoder is not None else 0},
             )
-
-
-def _clear_frames(exc: BaseException) -> None:
-    """Clears the locals of every frame on the tracebacks of ``exc`` and of the
-    exceptions it was raised from (``from None`` keeps the context, only hidden), and
-    drops those tracebacks: a cleared frame still holds the function it ran, and a
-    closure (torch's hook runner) can hold the pass's keyword arguments, KV cache
-    included."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [exc]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
-        current.__traceback__ = None
-        pending.extend((current.__context__, current.__cause__))
 
 
 def _log_failure(future: asyncio.Future[Any]) -> None:

@@ -29,6 +29,7 @@ from .errors import (
     HookwireServerError,
     InvalidArgument,
     ResourceExhausted,
+    release_failure,
     Unavailable,
     Unimplemented,
 )
@@ -102,20 +103,17 @@ def select_output(output: Any, segments: tuple[str, ...]) -> Any:
 
 
 def _releasing_on_failure(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-    """Clears the locals of the frames a failure passed through before it propagates.
-
-    grpc keeps an aborted call's exception chain, tracebacks included, alive with the
-    call's state (a cycle the garbage collector does not free), so without this the
-    tensors a failed InferStream had received would stay in memory after it ended.
-    """
+    """Releases what the frames a failure passed through hold before it propagates
+    (errors.release_failure): grpc keeps an aborted call's exception chain alive with
+    the call's state, so without this the tensors a failed call had received, and those
+    its pass made, would stay in memory after it ended."""
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return await fn(*args, **kwargs)
         except BaseException as exc:
-            traceback.clear_frames(exc.__traceback__)
-            raise
+            raise release_failure(exc)
 
     return wrapper
 
@@ -267,6 +265,7 @@ class Inference:
             )
         return chunked
 
+    @_releasing_on_failure
     async def infer(
         self, request: model_service_pb2.InferRequest, *, chunked: Mapping[int, Any] | None = None,
         chunker: Chunker | None = None, principal: Principal = ANONYMOUS, checked: bool = False,

@@ -221,3 +221,24 @@ def test_text_held_back_for_an_incomplete_character_does_not_grow_without_bound(
         tokens.append(continuation)
         deltas.add(Counting(), tokens)
     assert max(windows) <= 8, f"decoded windows grew to {max(windows)} tokens (one decode per step)"
+
+
+def test_a_failed_infer_frees_its_activations(srv: ServerThread, stub) -> None:
+    """The same for Infer: a call whose request-scoped rule fails must not keep the
+    tensors its pass made alive through the exception gRPC keeps."""
+    host = srv.server.registry.get("tiny-lm")
+    outputs: list[weakref.ref] = []
+    handle = host.module.model.layers[0].register_forward_hook(
+        lambda m, a, o: outputs.append(weakref.ref(o if isinstance(o, torch.Tensor) else o[0])))
+    failing = hook_pb2.HookSpec(module="model.layers.1", posthook=hook_pb2.HookAction(
+        rules=[rule_pb2.Rule(target="output", index="[:, 99]", zero=rule_pb2.ZeroOp())]))  # out of range
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Infer(model_service_pb2.InferRequest(
+                model="tiny-lm", args=[_codec.encode_value(torch.tensor([[1, 5, 6]]))], hooks=[failing]),
+                timeout=CALL_TIMEOUT)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        handle.remove()
+    srv.call(gc.collect)
+    assert outputs and not [r for r in outputs if r() is not None], "the failed Infer's activations are still alive"
