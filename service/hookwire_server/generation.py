@@ -43,8 +43,7 @@ from typing import Any, Callable
 import torch
 
 from hookwire import _codec
-from hookwire._codec import Chunker
-from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
+from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from .errors import (
@@ -66,6 +65,7 @@ from .event_bus import (
 from .hook_manager import HookManager, new_id
 from .hook_record import HookRecord
 from .inference import _call
+from . import limits
 from .limits import Limits
 from .model_registry import ModelHost, ModelRegistry
 from .passes import Pass
@@ -279,10 +279,12 @@ class _Mailbox:
     def put(self, item: tuple[Any, ...]) -> None:
         """Adds a message; any thread, never waits."""
         small = item[0] == "event" and item[2] is None
+        if small:  # its serialized size, computed once: _messages batches by it
+            item = (*item, item[1].ByteSize())
         with self._lock:
             self._items.append(item)
             if small:
-                self._small_bytes += item[1].ByteSize()
+                self._small_bytes += item[3]
             wake = not self._woken and (not small or self._small_bytes >= BATCH_MAX_BYTES)
             if wake:
                 self._woken = True
@@ -319,7 +321,7 @@ async def _messages(mailbox: _Mailbox, chunk_bytes: int) -> AsyncIterator[model_
         for item in await mailbox.take():
             kind = item[0]
             if kind == "event" and item[2] is None:
-                wire = item[1].ByteSize()
+                wire = item[3]
                 if wire <= BATCH_EVENT_MAX_BYTES:
                     if run and (len(run) >= BATCH_MAX_EVENTS or size + wire > BATCH_MAX_BYTES):
                         yield _event_run(run)
@@ -335,7 +337,7 @@ async def _messages(mailbox: _Mailbox, chunk_bytes: int) -> AsyncIterator[model_
             if kind == "notice":
                 yield model_service_pb2.GenerateResponse(notice=item[1])
                 continue
-            _, event, chunker = item
+            event, chunker = item[1], item[2]
             yield model_service_pb2.GenerateResponse(event=event)
             if chunker is not None:
                 for chunk in chunker.chunks(chunk_bytes):
@@ -352,15 +354,6 @@ def _event_run(events: list[hook_pb2.InterceptEvent]) -> model_service_pb2.Gener
     for event in events:
         out.batch.events.append(event)
     return out
-
-
-@dataclasses.dataclass
-class _Call:
-    """One running Generate call, as the server's bookkeeping sees it."""
-
-    request_id: str
-    host: ModelHost
-    principal: str
 
 
 class Generation:
@@ -555,17 +548,11 @@ class Generation:
             )
         session = self._hooks.require_session(request.session_id, principal, owner_only=True) if request.session_id else None
         active = self._active.get(host.name, 0)
-        if active >= self.limits.max_active_generations:
-            raise ResourceExhausted(
-                f"model {host.name!r} has {active} Generate calls running, the limit is "
-                f"{self.limits.max_active_generations} (max_active_generations); retry later"
-            )
+        limits.check(active, self.limits.max_active_generations,
+                     f"model {host.name!r} has {active} Generate calls running", "max_active_generations")
         mine = self._by_principal.get(principal.name, 0)
-        if mine >= self.limits.max_generations_per_principal:
-            raise ResourceExhausted(
-                f"{principal.name!r} has {mine} Generate calls running, the limit is "
-                f"{self.limits.max_generations_per_principal} (max_generations_per_principal); retry later"
-            )
+        limits.check(mine, self.limits.max_generations_per_principal,
+                     f"{principal.name!r} has {mine} Generate calls running", "max_generations_per_principal")
         # The call counts from its check on: the awaits below (tokenizing, compiling hooks)
         # let other calls in, which must see it, or calls arriving together all pass the limit.
         self._active[host.name] = active + 1
