@@ -216,7 +216,8 @@ class EventStream:
         self, msg: hook_service_pb2.SessionMessage, hook_id: str, nbytes: int, *,
         session_id: str = "", principal: str = "", counters: HookCounters | None = None,
         chunker: Chunker | None = None, wire: int | None = None, cancelled: Callable[[], bool] | None = None,
-    ) -> bool:
+        wait: bool = True,
+    ) -> bool | None:
         """Offers an event, numbering it for its hook; True if it was queued.
 
         Called from a model's worker thread, never the event loop: when the stream
@@ -225,6 +226,8 @@ class EventStream:
         hook was removed). Otherwise it never waits. ``wire`` is the message's
         serialized size; an event that cannot fit this stream's max_message_bytes is
         dropped, with a notice. The event's ``dropped`` is set when it leaves the buffer.
+        Without ``wait``, an event that would wait is left alone (not numbered, not
+        queued) and None is returned: the caller offers it again later, waiting.
         """
         block = self.blocks_for(session_id, principal)
         if wire is None:
@@ -232,6 +235,8 @@ class EventStream:
         with self._lock:
             if self._closed or self._ending:
                 return False
+            if block and not wait and self._is_full(nbytes) and not (cancelled is not None and cancelled()):
+                return None
             if block:
                 self._waiting += 1
                 try:

@@ -46,6 +46,7 @@ from hookwire import _codec
 from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
+from .batching import Batch
 from .errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -790,13 +791,13 @@ def _run_step(
     host: ModelHost, p: Pass, decoder: Decoder, step: int, put: Callable[[tuple[Any, ...]], None],
 ) -> StepResult:
     """One pass of a Generate call (worker thread); signals the stream when it is over."""
-    host.current_pass = p
+    host.current_batch = Batch.alone(p)
     p.begin_step(step)
     try:
         tokens = _call(host, "forward", decoder.step)
         return StepResult(tokens, tuple(decoder.reasons), decoder.finished)
     finally:
-        host.current_pass = None
+        host.current_batch = None
         put(("done",))
 
 

@@ -157,12 +157,43 @@ class HookRecord:
         return bool(self.session_id) and p.session_id == self.session_id
 
     def _fire(self, action: Action, path: str, module: Any, parts: dict[str, Any]) -> dict[str, Any] | None:
-        """The body of every torch hook: scope, call index, gating, rules, capture, delivery.
+        """The body of every torch hook. In a pass of one call, the call's firing; in a
+        pass several calls share (batching), one firing per call the hook applies to,
+        each on that call's rows only, as if the call ran alone.
 
         Returns the parts as the rules left them when a rule changed something, else None.
         """
-        p = self.host.current_pass
-        if p is None or not self.active or not self._applies_to(p):
+        batch = self.host.current_batch
+        if batch is None or not self.active:
+            return None
+        if not batch.shared:
+            return self._fire_call(action, path, module, parts, batch.segments[0].p)
+        where = f"hook {self.hook_id} on module {path!r} of {self.host.name!r}"
+        cloned: set[int] = set()
+        changed = False
+        for seg in batch.segments:
+            if not self.active:
+                break
+            if not self._applies_to(seg.p):
+                continue
+            # Views of the call's rows (and own token length); Unsplittable fails the shared
+            # pass, whose calls then run again alone.
+            mine = {**parts, **{root: batch.take(parts[root], seg, where) for root in action.roots if root in parts}}
+            new = self._fire_call(action, path, module, mine, seg.p)
+            if new is None:
+                continue
+            parts = {**parts, **{
+                root: batch.put(parts[root], mine[root], new[root], seg, where, cloned)
+                for root in action.roots if root in parts
+            }}
+            changed = True
+        return parts if changed else None
+
+    def _fire_call(
+        self, action: Action, path: str, module: Any, parts: dict[str, Any], p: Pass,
+    ) -> dict[str, Any] | None:
+        """One call's firing: scope, call index, gating, rules, capture, delivery."""
+        if not self._applies_to(p):
             return None
         steps = self.compiled.steps
         if steps is not None and not (steps[0] <= p.step and (steps[1] is None or p.step <= steps[1])):
@@ -235,10 +266,8 @@ class HookRecord:
         copies = [msg] + [_copy(msg) for _ in streams[1:]]
         kept = chunker if chunker.tensors else None
         for stream, m in zip(streams, copies):
-            p.offered(stream)
-            stream.put_event(
-                m, self.hook_id, nbytes, session_id=p.session_id, principal=p.principal, counters=self.counters, chunker=kept,
-                wire=wire, cancelled=self._is_removed,
+            p.put_event(
+                stream, m, self.hook_id, nbytes, counters=self.counters, chunker=kept, wire=wire, cancelled=self._is_removed,
             )
 
     def _is_removed(self) -> bool:

@@ -5,6 +5,7 @@ roles it needs. No torch hook is installed here (see hook_record)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from hookwire.v1 import hook_pb2, rule_pb2
 
@@ -70,6 +71,19 @@ class Action:
     def uses_slots(self) -> bool:
         """Whether a rule saves or patches."""
         return any(rule.kind in ("save", "patch") for rule in self.rules)
+
+    @functools.cached_property
+    def roots(self) -> tuple[str, ...]:
+        """The parts of the hook's arguments (args, kwargs, output, grad_input,
+        grad_output) its captures and rules read: what a shared pass cuts per call."""
+        roots = {_PART_ROOTS[part] for part in self.capture} | {rule.target.root for rule in self.rules}
+        return tuple(sorted(roots))
+
+
+_PART_ROOTS = {
+    hook_pb2.PART_ARGS: "args", hook_pb2.PART_KWARGS: "kwargs", hook_pb2.PART_OUTPUT: "output",
+    hook_pb2.PART_GRAD_INPUT: "grad_input", hook_pb2.PART_GRAD_OUTPUT: "grad_output",
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,8 @@ from .errors import (
 from .hook_manager import HookManager, new_id
 from .hook_record import HookRecord
 from .passes import Pass
+from . import batching
+from .scheduler import Work
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from . import limits
 from .limits import Limits
@@ -322,6 +324,10 @@ class Inference:
         p.chunker = chunker
         p.response.hook_ids.extend(r.hook_id for r in records)
         seed = request.seed if request.HasField("seed") else None
+        shape = None
+        if not (train or backward is not None or seed is not None or chunked is not None or chunker is not None):
+            shape = batching.request_key(request, host.batching) if _plain(request) else None
+        call = InferCall(p, request, records, train, backward, seed, chunked, shape)
         queued = self._queued.get(host.name, 0)
         if queued > self.limits.max_queued_infers:
             raise ResourceExhausted(
@@ -333,10 +339,13 @@ class Inference:
         started = time.perf_counter()
         outcome = "error"
         try:
-            response = await asyncio.wait_for(
-                host.run(_run_pass, host, p, request, records, train, backward, seed, chunked),
-                self.limits.infer_timeout,
+            work = Work(
+                run_infer_batch, call, key=shape.key if shape is not None else None,
+                rows=shape.rows if shape is not None else 1, kind="infer",
             )
+            response = await asyncio.wait_for(host.scheduler.submit(work), self.limits.infer_timeout)
+            if p.backlog:  # it shared a pass, and a BLOCK stream of its own was full: wait here, alone
+                await asyncio.to_thread(_flush_and_end, p)
             outcome = "ok"
             return response
         except asyncio.TimeoutError:
@@ -369,18 +378,133 @@ def _decode_inputs(
     return args, kwargs
 
 
-def _run_pass(
-    host: ModelHost, p: Pass, request: model_service_pb2.InferRequest, records: list[HookRecord],
-    train: bool, backward: BackwardPlan | None, seed: int | None, chunked: Mapping[int, Any] | None,
-) -> model_service_pb2.InferResponse:
-    """The whole call on the model's worker thread."""
+@dataclasses.dataclass
+class InferCall:
+    """One Infer call waiting for (or in) a pass: the payload of its scheduler Work."""
+
+    p: Pass
+    request: model_service_pb2.InferRequest
+    records: list[HookRecord]
+    train: bool
+    backward: BackwardPlan | None
+    seed: int | None
+    chunked: Mapping[int, Any] | None
+    #: How it joins other calls (None: it runs alone).
+    shape: batching.Shape | None
+
+
+def _flush_and_end(p: Pass) -> None:
+    p.flush_backlog()
+    p.end()
+
+
+def run_infer_batch(host: ModelHost, calls: list[InferCall]) -> list[Any]:
+    """Runs Infer calls that the scheduler joined (worker thread): one pass over all
+    their rows, each call's output cut back to its rows; a call alone runs exactly as
+    before batching. Returns each call's InferResponse, or the exception it fails with.
+
+    When the shared pass fails (one call's failing hook or rule, a tensor that cannot be
+    split), every call runs again alone, so one caller's bad input fails only its call.
+    """
+    results: list[Any] = [None] * len(calls)
+    inputs: list[tuple[int, tuple[list[Any], dict[str, Any]]]] = []
+    if len(calls) > 1:
+        for i, call in enumerate(calls):
+            try:
+                inputs.append((i, _decode_inputs(call.request, call.chunked)))
+            except Exception as exc:  # its own bad tensor fails only it
+                results[i] = exc
+    if len(inputs) > 1:
+        joined = [calls[i] for i, _ in inputs]
+        try:
+            outputs = _run_shared(host, joined, [decoded for _, decoded in inputs])
+        except Exception as exc:
+            log.info("a batch of %d calls on %s failed (%s); they run again alone", len(joined), host.name, exc)
+            for call in joined:
+                call.p.rollback()
+        else:
+            for (i, _), output in zip(inputs, outputs):
+                results[i] = output
+            return results
+    for i, call in enumerate(calls):
+        if results[i] is None:
+            try:
+                results[i] = _run_pass(host, call)
+            except Exception as exc:
+                results[i] = exc
+    return results
+
+
+def _run_shared(
+    host: ModelHost, calls: list[InferCall], inputs: list[tuple[list[Any], dict[str, Any]]],
+) -> list[Any]:
+    """One pass over several calls' rows; each call's response (or failure). Raises
+    when the pass itself fails (the caller then runs the calls alone)."""
+    settings = host.batching
+    lengths = [c.shape.length if c.shape is not None else None for c in calls]
+    padded = None
+    if len(set(lengths)) > 1:
+        padded = batching.padded_length([n for n in lengths if n is not None], host.dimensions, host.positions)
+        if padded is None:
+            raise InvalidArgument("the calls' token inputs cannot be padded to a common length within the model's positions")
+    args, kwargs = batching.join_inputs(
+        inputs, lengths, dim=settings.batch_dim, padded=padded, pad_token_id=settings.pad_token_id,
+    )
+    segments, start = [], 0
+    for call, length in zip(calls, lengths):
+        assert call.shape is not None
+        segments.append(batching.Segment(call.p, start, start + call.shape.rows, length if padded is not None else None))
+        start += call.shape.rows
+    batch = batching.Batch(segments, dim=settings.batch_dim, padded=padded)
+    model = host.module
+    records = [record for call in calls for record in call.records]
+    for call in calls:
+        call.p.hold()
+    try:
+        for record in records:
+            record.attach()
+        host.current_batch = batch
+        with torch.no_grad():
+            output = _call(host, "forward", lambda: model(*args, **kwargs))
+        outputs = batch.split(output, f"the output of model {host.name!r}")
+    finally:
+        host.current_batch = None
+        for record in records:
+            record.detach()
+    del output, args, kwargs
+    results: list[Any] = []
+    for call, mine in zip(calls, outputs):
+        p = call.p
+        try:
+            try:
+                _codec.encode_value_into(mine, p.response.output, chunker=None, opaque_caches=True)
+            except (_codec.CodecError, RuntimeError, NotImplementedError, TypeError) as exc:
+                raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
+        except Exception as exc:
+            p.rollback()
+            results.append(exc)
+            p.end()
+            continue
+        p.release()
+        if not p.backlog:
+            p.end()  # else after its backlog (inference.infer)
+        results.append(p.response)
+    return results
+
+
+def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferResponse:
+    """One call alone on the model's worker thread."""
+    p, request, records, train, backward, seed, chunked = (
+        call.p, call.request, call.records, call.train, call.backward, call.seed, call.chunked
+    )
     args, kwargs = _decode_inputs(request, chunked)
     model = host.module
     try:
         for record in records:
             record.attach()
-        host.current_pass = p
-        model.train(train)
+        host.current_batch = batching.Batch.alone(p)
+        if train:
+            model.train(True)
         with _seeded(seed), torch.set_grad_enabled(backward is not None):
             if backward is not None and backward.return_input_grads:
                 for leaf in _tensors(args, kwargs):
@@ -399,8 +523,9 @@ def _run_pass(
             # e.g. a type with no wire form, a sparse or meta tensor
             raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
     finally:
-        host.current_pass = None
-        model.eval()
+        host.current_batch = None
+        if train:
+            model.eval()
         for record in records:
             record.detach()
         p.end()  # CallEnded on the session streams that had its events

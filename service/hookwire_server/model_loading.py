@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from .demo_models import DEMO_MODELS
-from .model_registry import DaemonWorker, ModelHost, ModelRegistry
+from .batching import BatchSettings
+from .model_registry import BatchConfig, DaemonWorker, ModelHost, ModelRegistry
 from .tokenization import prepare_tokenizer
 
 log = logging.getLogger("hookwire.models")
@@ -53,6 +54,32 @@ class ModelConfig:
     #: tokenizer), for a factory model; a transformers folder's own tokenizer is
     #: loaded from the folder without this.
     tokenizer: str | None = None
+    #: Dynamic batching (docs/batching.md); unset keys take the server's defaults.
+    batching: bool | None = None
+    max_batch_size: int | None = None
+    max_batch_delay_ms: float | None = None
+    batch_dim: int | None = None
+    #: Keyword inputs that make a call run alone (default ["labels"]).
+    batch_reducing_inputs: list[str] | None = None
+    #: The pad token that lets token inputs of different lengths join (default: the
+    #: tokenizer's, else the model config's).
+    pad_token_id: int | None = None
+
+    def batch_config(self) -> BatchConfig:
+        """The batching keys, checked; ConfigError naming the model for a bad one."""
+        config = BatchConfig(
+            batching=self.batching, max_batch_size=self.max_batch_size, max_batch_delay_ms=self.max_batch_delay_ms,
+            batch_dim=self.batch_dim,
+            batch_reducing_inputs=tuple(self.batch_reducing_inputs) if self.batch_reducing_inputs is not None else None,
+            pad_token_id=self.pad_token_id,
+        )
+        try:
+            config.resolve(BatchSettings())
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"model {self.name!r}: {exc}") from None
+        if self.batch_reducing_inputs is not None and not all(isinstance(n, str) for n in self.batch_reducing_inputs):
+            raise ConfigError(f"model {self.name!r}: batch_reducing_inputs must be a list of names")
+        return config
 
 
 def parse_model_flag(text: str) -> ModelConfig:
@@ -104,7 +131,9 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], list[Mod
         for key in ("weights", "transformers"):
             if entry.get(key):
                 entry[key] = str(base / entry[key])
-        models.append(ModelConfig(**entry))
+        model = ModelConfig(**entry)
+        model.batch_config()  # ConfigError now, not when the model loads
+        models.append(model)
     return server, models
 
 
@@ -254,7 +283,7 @@ def build_host(config: ModelConfig) -> ModelHost:
     model = build_model(config)
     tokenizer, problem = load_tokenizer(config)
     return ModelHost(config.name, model, description=config.description, training_allowed=config.training_allowed,
-                     tokenizer=tokenizer, tokenizer_problem=problem)
+                     tokenizer=tokenizer, tokenizer_problem=problem, batching=config.batch_config())
 
 
 def build_hosts(configs: list[ModelConfig]) -> list[ModelHost]:

@@ -28,11 +28,13 @@ from torch import nn
 from hookwire import _codec
 from hookwire.v1 import model_service_pb2
 
+from .batching import BatchSettings, model_dimensions
 from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from .module_patterns import match_paths
 
 if TYPE_CHECKING:
-    from .passes import Pass
+    from .batching import Batch
+    from .scheduler import Scheduler
 
 log = logging.getLogger("hookwire.models")
 T = TypeVar("T")
@@ -139,12 +141,51 @@ def _copy_or_none(tokenizer: Any) -> Any:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    """A model config's batching keys; None takes the server's default."""
+
+    batching: bool | None = None
+    max_batch_size: int | None = None
+    max_batch_delay_ms: float | None = None
+    batch_dim: int | None = None
+    batch_reducing_inputs: tuple[str, ...] | None = None
+    pad_token_id: int | None = None
+
+    def resolve(self, defaults: BatchSettings, host: ModelHost | None = None) -> BatchSettings:
+        """The settings in force: these keys over ``defaults``; the pad token from the
+        config, else the model's tokenizer, else its transformers config."""
+        pad = self.pad_token_id
+        if pad is None and host is not None:
+            pad = _pad_token_id(host)
+        return BatchSettings(
+            enabled=defaults.enabled if self.batching is None else self.batching,
+            max_batch_size=defaults.max_batch_size if self.max_batch_size is None else self.max_batch_size,
+            max_batch_delay_ms=(
+                defaults.max_batch_delay_ms if self.max_batch_delay_ms is None else self.max_batch_delay_ms
+            ),
+            batch_dim=defaults.batch_dim if self.batch_dim is None else self.batch_dim,
+            reducing_inputs=(
+                defaults.reducing_inputs if self.batch_reducing_inputs is None else tuple(self.batch_reducing_inputs)
+            ),
+            pad_token_id=pad,
+        )
+
+
+def _pad_token_id(host: ModelHost) -> int | None:
+    for owner in (host.tokenizer, getattr(host.module, "config", None)):
+        value = getattr(owner, "pad_token_id", None)
+        if isinstance(value, int) and value >= 0:
+            return value
+    return None
+
+
 class ModelHost:
     """One hosted model, the thread that runs it, and its tokenizer if it has one."""
 
     def __init__(
         self, name: str, module: nn.Module, *, description: str = "", training_allowed: bool = True,
-        tokenizer: Any = None, tokenizer_problem: str = "",
+        tokenizer: Any = None, tokenizer_problem: str = "", batching: BatchConfig | None = None,
     ) -> None:
         if not name:
             raise ValueError("a model needs a name")
@@ -174,8 +215,43 @@ class ModelHost:
         #: Where rule operands are decoded to (the device of the model's first parameter).
         self.device = first.device if first is not None else torch.device("cpu")
         self._executor = DaemonWorker(f"model:{name}")
-        #: The pass running on the worker thread, read by hooks as they fire.
-        self.current_pass: Pass | None = None
+        #: The calls of the pass running on the worker thread, read by hooks as they fire.
+        self.current_batch: Batch | None = None
+        #: The model config's batching keys (unset ones take the server's defaults).
+        self.batch_config = batching or BatchConfig()
+        #: The batching settings in force (see ModelRegistry.configure_batching).
+        self.batching = self.batch_config.resolve(BatchSettings(), self)
+        self._scheduler: Scheduler | None = None
+        #: Where the scheduler reports each pass (model, kind, calls, rows, queue delays).
+        self.observe_batch: Callable[[str, str, int, int, list[float]], None] | None = None
+        self._dimensions: frozenset[int] | None = None
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The model's call scheduler (joins calls into batches; see scheduler.py)."""
+        if self._scheduler is None:
+            from .scheduler import Scheduler
+
+            self._scheduler = Scheduler(self)
+        return self._scheduler
+
+    @property
+    def dimensions(self) -> frozenset[int]:
+        """Sizes a padded token length avoids (batching.model_dimensions), computed once."""
+        if self._dimensions is None:
+            self._dimensions = model_dimensions(self.module)
+        return self._dimensions
+
+    @property
+    def positions(self) -> int | None:
+        """The longest sequence the model's config allows (GPT-2's n_positions, or
+        max_position_embeddings), or None when it says nothing."""
+        config = getattr(self.module, "config", None)
+        for name in ("n_positions", "max_position_embeddings"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn(*args)`` on the model's worker thread, after what is queued there."""
@@ -211,6 +287,7 @@ class ModelHost:
         msg = model_service_pb2.Model(
             name=self.name, description=self.description, training_allowed=self.training_allowed,
             can_generate=self.can_generate, has_tokenizer=self.tokenizer is not None,
+            batching=self.batching.to_proto(),
         )
         if with_modules:
             for path, mod in self.modules.items():
@@ -232,6 +309,8 @@ class ModelHost:
     def shutdown(self) -> None:
         """Stops the worker thread after the running pass; queued work is cancelled.
         Does not wait: the thread is a daemon and does not keep the process alive."""
+        if self._scheduler is not None:
+            self._scheduler.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._tokenizer_worker is not None:
             self._tokenizer_worker.shutdown(wait=False, cancel_futures=True)
@@ -282,8 +361,25 @@ class ModelRegistry:
 
     def __init__(self, hosts: Iterable[ModelHost] = ()) -> None:
         self._entries: dict[str, ModelEntry] = {}
+        self._batch_defaults = BatchSettings()
+        self._observe: Callable[[str, str, int, int, list[float]], None] | None = None
         for host in hosts:
             self.add(host)
+
+    def configure_batching(
+        self, defaults: BatchSettings, observe: Callable[[str, str, int, int, list[float]], None] | None = None,
+    ) -> None:
+        """The server's batching defaults, for every model (those loaded later too) whose
+        config leaves a key unset, and where each model's scheduler reports its passes
+        (model, kind, calls, rows, queue delays)."""
+        self._batch_defaults = defaults
+        self._observe = observe
+        for host in self:
+            self._configure(host)
+
+    def _configure(self, host: ModelHost) -> None:
+        host.batching = host.batch_config.resolve(self._batch_defaults, host)
+        host.observe_batch = self._observe
 
     def expect(self, name: str, *, description: str = "", training_allowed: bool = True) -> None:
         """Lists a model that is about to load (LOADING); ValueError on a duplicate name."""
@@ -299,6 +395,7 @@ class ModelRegistry:
         entry = self._entries.get(host.name)
         if entry is not None and entry.state is not ModelState.LOADING:
             raise ValueError(f"two models are named {host.name!r}")
+        self._configure(host)
         self._entries[host.name] = ModelEntry(
             host.name, host.description, host.training_allowed, ModelState.READY, host=host
         )

@@ -59,6 +59,13 @@ class Pass:
         #: the stream of the session it was made in: that one gets a CallEnded marker even
         #: when none of its hooks captured anything (a reader waiting for the call ends).
         self._streams: dict[Any, None] = {} if session_stream is None else {session_stream: None}
+        #: While the call shares a pass with others (see hold): what its hooks emitted,
+        #: in order, delivered when the pass succeeded (``release``); None: delivered as it fires.
+        self._held: list[tuple[Any, ...]] | None = None
+        self._checkpoint: tuple[Any, ...] | None = None
+        #: Events ``release`` could not hand over without waiting (a full BLOCK stream):
+        #: ``flush_backlog`` delivers them, waiting, before the call goes on.
+        self.backlog: list[tuple[Any, ...]] = []
 
     def begin_step(self, step: int) -> None:
         """Starts pass ``step``: call indices start again from 0. Worker thread, between passes."""
@@ -95,7 +102,68 @@ class Pass:
     def deliver(self, event: hook_pb2.InterceptEvent, chunker: Chunker | None) -> None:
         """Sends a filled request-scoped event (into the response, it already is)."""
         if self.sink is not None:
-            self.sink(event, chunker if chunker is not None and chunker.tensors else None)
+            kept = chunker if chunker is not None and chunker.tensors else None
+            if self._held is not None:
+                self._held.append(("sink", event, kept))
+            else:
+                self.sink(event, kept)
+
+    def put_event(self, stream: Any, msg: Any, hook_id: str, nbytes: int, **kwargs: Any) -> None:
+        """Offers a session-scoped event of this call to ``stream`` (EventStream.put_event),
+        or keeps it while the call shares a pass (see hold)."""
+        self.offered(stream)
+        if self._held is not None:
+            self._held.append(("stream", stream, msg, hook_id, nbytes, kwargs))
+        else:
+            stream.put_event(msg, hook_id, nbytes, session_id=self.session_id, principal=self.principal, **kwargs)
+
+    # ------------------------------------------------------------ shared passes
+
+    def hold(self) -> None:
+        """Before a pass the call shares with other calls: keep what its hooks emit until
+        the pass succeeded (``release``), and remember where its numbering stood, so that
+        a failed shared pass can run again with the call alone (``rollback``) as if the
+        failed one never happened. Worker thread."""
+        self._held = []
+        self._checkpoint = (
+            dict(self._seqs), dict(self._calls), self._events_in_step, len(self.response.events), dict(self._streams),
+        )
+
+    def rollback(self) -> None:
+        """Forgets what a failed shared pass did to this call (its held events, numbers)."""
+        assert self._checkpoint is not None
+        seqs, calls, events, kept, streams = self._checkpoint
+        self._seqs, self._calls, self._events_in_step, self._streams = seqs, calls, events, streams
+        del self.response.events[kept:]
+        self._held, self._checkpoint = None, None
+
+    def release(self) -> None:
+        """After a shared pass succeeded: delivers the held events in order without waiting;
+        those behind one a full BLOCK stream would wait for stay in ``backlog``. Worker thread."""
+        held, self._held, self._checkpoint = self._held or [], None, None
+        for i, item in enumerate(held):
+            if item[0] == "sink":
+                assert self.sink is not None
+                self.sink(item[1], item[2])
+                continue
+            _, stream, msg, hook_id, nbytes, kwargs = item
+            if stream.put_event(
+                msg, hook_id, nbytes, session_id=self.session_id, principal=self.principal, wait=False, **kwargs
+            ) is None:
+                self.backlog = held[i:]
+                return
+
+    def flush_backlog(self) -> None:
+        """Delivers the backlog, waiting for room as a call alone would have waited.
+        Blocks: run it off the event loop and off the model's worker thread."""
+        backlog, self.backlog = self.backlog, []
+        for item in backlog:
+            if item[0] == "sink":
+                assert self.sink is not None
+                self.sink(item[1], item[2])
+                continue
+            _, stream, msg, hook_id, nbytes, kwargs = item
+            stream.put_event(msg, hook_id, nbytes, session_id=self.session_id, principal=self.principal, **kwargs)
 
     def next_seq(self, hook_id: str) -> int:
         """The seq of a request-scoped hook's next event (contiguous from 1)."""

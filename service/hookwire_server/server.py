@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from hookwire.v1 import hook_service_pb2, model_service_pb2
 
 from .auth import TokenStore
+from .batching import DEFAULT_MAX_BATCH_SIZE, BatchSettings
 from .security import AuthInterceptor, server_credentials
 from .hook_manager import HookManager
 from .generation import Generation
@@ -73,6 +74,26 @@ class ServerSettings(Limits):
     metrics_port: int | None = None
     #: Serve gRPC server reflection (grpcurl, buf curl, Postman discover the API from it).
     reflection: bool = True
+    #: Join concurrent compatible calls on a model into one forward pass (dynamic
+    #: batching; docs/batching.md). A model's config can turn it off for that model.
+    batching: bool = True
+    #: Most rows in one batched pass, for models whose config does not say.
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    #: How long (ms) the first call of a batch waits for others to join, for models whose
+    #: config does not say; 0 joins only calls that are already waiting.
+    max_batch_delay_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        try:
+            self.batch_defaults()
+        except ValueError as exc:
+            raise ConfigError(f"batching settings: {exc}") from None
+
+    def batch_defaults(self) -> BatchSettings:
+        """The batching settings of models whose config leaves them unset."""
+        return BatchSettings(
+            enabled=self.batching, max_batch_size=self.max_batch_size, max_batch_delay_ms=self.max_batch_delay_ms,
+        )
 
 
 def _bracketed(host: str) -> str:
@@ -123,6 +144,7 @@ class HookwireServer:
         self.registry = registry
         self.settings = settings or ServerSettings()
         self.metrics = Metrics()
+        registry.configure_batching(self.settings.batch_defaults(), self.metrics.observe_batch)
         self.hooks = HookManager(
             registry, allow_shared_rules=self.settings.allow_shared_rules, limits=self.settings, metrics=self.metrics,
         )

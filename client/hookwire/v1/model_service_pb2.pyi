@@ -65,7 +65,7 @@ class GetModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer")
+    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer", "batching")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TRAINING_ALLOWED_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class Model(_message.Message):
     STATE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CAN_GENERATE_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    BATCHING_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     training_allowed: bool
@@ -82,7 +83,24 @@ class Model(_message.Message):
     state_message: str
     can_generate: bool
     has_tokenizer: bool
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
+    batching: Batching
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ...) -> None: ...
+
+class Batching(_message.Message):
+    __slots__ = ("enabled", "max_batch_size", "max_batch_delay_ms", "batch_dim", "reducing_inputs", "pads_tokens")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_DIM_FIELD_NUMBER: _ClassVar[int]
+    REDUCING_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    PADS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    max_batch_size: int
+    max_batch_delay_ms: float
+    batch_dim: int
+    reducing_inputs: _containers.RepeatedScalarFieldContainer[str]
+    pads_tokens: bool
+    def __init__(self, enabled: _Optional[bool] = ..., max_batch_size: _Optional[int] = ..., max_batch_delay_ms: _Optional[float] = ..., batch_dim: _Optional[int] = ..., reducing_inputs: _Optional[_Iterable[str]] = ..., pads_tokens: _Optional[bool] = ...) -> None: ...
 
 class ModuleInfo(_message.Message):
     __slots__ = ("path", "type", "parameters")

@@ -1,0 +1,350 @@
+"""Batches: one forward pass over the rows of several calls, each call's hooks seeing
+only its own rows.
+
+A ``Batch`` is the list of calls (``Segment``: a call's ``Pass`` and its rows along the
+model's batch dimension) that one pass runs over; ``ModelHost.current_batch`` holds it
+while the pass runs, and every hook that fires walks its segments (hook_record): for
+each call the hook applies to, it takes that call's rows (``Batch.take``), runs its
+gating, rules and captures on them exactly as for a call running alone, and puts what
+its rules changed back into the batch's tensors (``Batch.put``). A call running alone
+is a batch of one segment: nothing is sliced, so it computes exactly what it computed
+before batching existed.
+
+Token inputs of different lengths are joined by padding them on the right (positions
+stay those of the call alone); the padded length is chosen to differ from every
+dimension of the model's parameters and its head counts, so that a tensor's token
+dimensions are recognised by their size and cut back to each call's own length.
+
+Everything here runs on the model's worker thread, except ``request_key`` (the event
+loop: it reads only shapes and dtypes from the request, nothing is decoded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+from hookwire.v1 import model_service_pb2, tensor_pb2
+
+from .errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from .passes import Pass
+
+#: Inputs that make a call run alone unless the model's config names others: a loss
+#: over ``labels`` is a mean over the batch's rows, so it would mix callers.
+DEFAULT_REDUCING_INPUTS = ("labels",)
+#: The most rows one batched pass holds unless configured.
+DEFAULT_MAX_BATCH_SIZE = 32
+#: Bounds of the settings (config and flags are checked against them).
+LIMIT_MAX_BATCH_SIZE = 4096
+LIMIT_MAX_BATCH_DELAY_MS = 10_000.0
+
+
+class Unsplittable(InvalidArgument):
+    """A tensor a hook or the output holds whose size along the batch dimension is not
+    the batch's row count: it cannot be cut per call. The batched pass fails with it
+    and its calls run again, each alone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSettings:
+    """How a model joins concurrent calls into one pass (the model config's batching keys)."""
+
+    #: Whether calls are joined at all (false for a model whose forward mixes rows).
+    enabled: bool = True
+    #: Most rows (summed over the joined calls) in one pass.
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    #: How long the first call of a batch waits for company; 0: only what is already queued.
+    max_batch_delay_ms: float = 0.0
+    #: The dimension along which calls' rows are stacked and sliced.
+    batch_dim: int = 0
+    #: Keyword inputs whose presence makes a call run alone (they reduce across rows).
+    reducing_inputs: tuple[str, ...] = DEFAULT_REDUCING_INPUTS
+    #: The pad token id that lets token inputs of different lengths join (None: only
+    #: calls of equal shapes join). From the config, else the tokenizer or model config.
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_batch_size <= LIMIT_MAX_BATCH_SIZE:
+            raise ValueError(f"max_batch_size {self.max_batch_size} is outside 1..{LIMIT_MAX_BATCH_SIZE}")
+        if not 0.0 <= self.max_batch_delay_ms <= LIMIT_MAX_BATCH_DELAY_MS:
+            raise ValueError(f"max_batch_delay_ms {self.max_batch_delay_ms} is outside 0..{LIMIT_MAX_BATCH_DELAY_MS:g}")
+        if not 0 <= self.batch_dim <= 7:
+            raise ValueError(f"batch_dim {self.batch_dim} is outside 0..7")
+
+    def to_proto(self) -> model_service_pb2.Batching:
+        """The settings as the wire describes them (Model.batching)."""
+        return model_service_pb2.Batching(
+            enabled=self.enabled, max_batch_size=self.max_batch_size, max_batch_delay_ms=self.max_batch_delay_ms,
+            batch_dim=self.batch_dim, reducing_inputs=list(self.reducing_inputs),
+            pads_tokens=self.pad_token_id is not None and self.batch_dim == 0,
+        )
+
+
+@dataclasses.dataclass
+class Segment:
+    """One call's rows in a batch: ``start:stop`` along the batch dimension, and its own
+    token length when the batch is padded past it (None: nothing to cut)."""
+
+    p: Pass
+    start: int
+    stop: int
+    length: int | None = None
+
+
+class Batch:
+    """The calls one pass runs over (see the module docstring)."""
+
+    def __init__(self, segments: list[Segment], *, dim: int = 0, padded: int | None = None) -> None:
+        self.segments = segments
+        self.dim = dim
+        #: The padded token length when some call is shorter (its tensors get cut), else None.
+        self.padded = padded
+        self.rows = segments[-1].stop if segments else 0
+        #: Whether several calls share the pass (a single call is never sliced).
+        self.shared = len(segments) > 1
+
+    @classmethod
+    def alone(cls, p: Pass) -> Batch:
+        """A pass of one call: its hooks see everything, as they always did."""
+        return cls([Segment(p, 0, 0)])
+
+    @property
+    def passes(self) -> list[Pass]:
+        return [s.p for s in self.segments]
+
+    # ------------------------------------------------------------------ slicing
+
+    def _index(self, x: torch.Tensor, seg: Segment, where: str) -> tuple[slice, ...]:
+        dim = self.dim
+        if x.dim() <= dim or x.shape[dim] != self.rows:
+            size = "no batch dimension" if x.dim() <= dim else f"{x.shape[dim]} rows along dimension {dim}"
+            raise Unsplittable(
+                f"{where}: a tensor of shape {list(x.shape)} has {size}, but the batch has {self.rows} rows: it cannot "
+                "be split per call (set batching = false for this model if its forward makes such tensors)"
+            )
+        index = [slice(None)] * x.dim()
+        index[dim] = slice(seg.start, seg.stop)
+        if self.padded is not None and seg.length is not None and seg.length < self.padded:
+            for d in range(1, x.dim()):
+                if d != dim and x.shape[d] == self.padded:
+                    index[d] = slice(0, seg.length)
+        return tuple(index)
+
+    def take(self, value: Any, seg: Segment, where: str) -> Any:
+        """``value`` with each tensor cut to the call's rows (and own length): views, no copies.
+        Unsplittable for a tensor without the batch's rows."""
+        return _map(value, lambda x: x[self._index(x, seg, where)])
+
+    def put(self, full: Any, before: Any, after: Any, seg: Segment, where: str, cloned: set[int]) -> Any:
+        """``full`` with the call's rows replaced where the rules changed them: ``before``
+        is what ``take`` gave the rules, ``after`` what they returned (a tensor they did
+        not change is the same object). A changed tensor is cloned once per firing
+        (``cloned`` holds the clones' ids), then written in place."""
+        if isinstance(after, torch.Tensor) or isinstance(full, torch.Tensor):
+            if after is before:
+                return full
+            if not isinstance(full, torch.Tensor) or not isinstance(after, torch.Tensor):
+                raise InvalidArgument(f"{where}: a rule replaced a tensor by a {type(after).__name__}")
+            index = self._index(full, seg, where)
+            target = full if id(full) in cloned else full.clone()
+            cloned.add(id(target))
+            if tuple(target[index].shape) != tuple(after.shape):
+                raise InvalidArgument(
+                    f"{where}: a rule changed the call's rows from shape {list(target[index].shape)} to {list(after.shape)}"
+                )
+            target[index] = after
+            return target
+        if after is before:
+            return full
+        if isinstance(full, Mapping):
+            out: Any = dict(full) if type(full) is dict else _copy_mapping(full)
+            for key in full:
+                out[key] = self.put(full[key], before[key], after[key], seg, where, cloned)
+            return out
+        if isinstance(full, (tuple, list)):
+            items = [self.put(f, b, a, seg, where, cloned) for f, b, a in zip(full, before, after)]
+            return _rebuild(full, items)
+        return full
+
+    def split(self, value: Any, where: str) -> list[Any]:
+        """``value`` cut per call (the output of a pass); Unsplittable as ``take``."""
+        return [self.take(value, seg, where) for seg in self.segments]
+
+
+def _copy_mapping(value: Mapping[str, Any]) -> Any:
+    import copy
+
+    return copy.copy(value)
+
+
+def _rebuild(value: Any, items: list[Any]) -> Any:
+    if isinstance(value, list):
+        return items
+    if type(value) is tuple:
+        return tuple(items)
+    return type(value)(*items)  # a namedtuple
+
+
+def _map(value: Any, fn: Any) -> Any:
+    """``value`` with fn applied to every tensor in it, containers rebuilt alike; other
+    leaves (None, numbers, a KV cache object) are kept as they are."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        new = {k: _map(v, fn) for k, v in value.items()}
+        if type(value) is dict:
+            return new
+        out = _copy_mapping(value)
+        for k, v in new.items():
+            out[k] = v
+        return out
+    if isinstance(value, (tuple, list)):
+        return _rebuild(value, [_map(v, fn) for v in value])
+    return value
+
+
+# ---------------------------------------------------------------------- joining inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What decides whether an Infer request joins others: its key (equal keys join),
+    its rows, and its token length when it may be padded (None: equal shapes only)."""
+
+    key: Hashable
+    rows: int
+    length: int | None
+
+
+def request_key(request: model_service_pb2.InferRequest, settings: BatchSettings) -> Shape | None:
+    """The batching shape of a request of plain arguments (tensors and scalars), read
+    from dtypes and shapes only; None when it must run alone (lists or maps among its
+    arguments, a reducing input, tensors without a common row count)."""
+    dim = settings.batch_dim
+    if any(name in request.kwargs for name in settings.reducing_inputs):
+        return None
+    named: list[tuple[str, Any]] = [(str(i), v) for i, v in enumerate(request.args)]
+    named += sorted(request.kwargs.items())
+    length = _token_length(request, settings)
+    rows: int | None = None
+    key: list[Hashable] = [len(request.args)]
+    for name, value in named:
+        kind = value.WhichOneof("kind")
+        if kind == "tensor":
+            t = value.tensor
+            shape = list(t.shape)
+            if len(shape) <= dim or t.chunk_id:
+                return None
+            if rows is None:
+                rows = shape[dim]
+            elif shape[dim] != rows:
+                return None
+            shape[dim] = -1
+            if length is not None and len(shape) >= 2 and shape[1] == length:
+                shape[1] = -2  # a token dimension: padded when joined
+            key.append((name, t.dtype, tuple(shape)))
+        elif kind in ("list", "map", "summary"):
+            return None
+        else:
+            key.append((name, kind, getattr(value, kind) if kind is not None else None))
+    if rows is None or rows == 0:
+        return None
+    return Shape(tuple(key), rows, length)
+
+
+_INTEGER_DTYPES = frozenset({
+    tensor_pb2.DTYPE_INT64, tensor_pb2.DTYPE_INT32, tensor_pb2.DTYPE_INT16, tensor_pb2.DTYPE_INT8, tensor_pb2.DTYPE_UINT8,
+})
+
+
+def _token_length(request: model_service_pb2.InferRequest, settings: BatchSettings) -> int | None:
+    """The token length of a request that may be padded: integer ``input_ids`` (the
+    keyword, or the first argument) and a 2-D ``attention_mask`` of the same shape, a
+    known pad token, batch dimension 0. None otherwise."""
+    if settings.pad_token_id is None or settings.batch_dim != 0:
+        return None
+    mask = request.kwargs.get("attention_mask")
+    if "input_ids" in request.kwargs:
+        ids = request.kwargs["input_ids"]
+    elif request.args:
+        ids = request.args[0]
+    else:
+        return None
+    if mask is None or mask.WhichOneof("kind") != "tensor" or ids.WhichOneof("kind") != "tensor":
+        return None
+    if ids.tensor.dtype not in _INTEGER_DTYPES or len(ids.tensor.shape) != 2:
+        return None
+    if list(mask.tensor.shape) != list(ids.tensor.shape) or ids.tensor.shape[1] < 1:
+        return None
+    return int(ids.tensor.shape[1])
+
+
+def padded_length(lengths: Iterable[int], avoid: frozenset[int], limit: int | None) -> int | None:
+    """The length calls of ``lengths`` are padded to: the longest, raised past any size
+    in ``avoid`` (the model's own dimensions, so token dimensions stay recognisable);
+    None when that passes ``limit`` (the model's positions)."""
+    length = max(lengths)
+    while length in avoid:
+        length += 1
+    if limit is not None and length > limit:
+        return None
+    return length
+
+
+def join_inputs(
+    calls: list[tuple[list[Any], dict[str, Any]]], lengths: list[int | None], *, dim: int, padded: int | None,
+    pad_token_id: int | None,
+) -> tuple[list[Any], dict[str, Any]]:
+    """The calls' decoded inputs stacked along ``dim`` (their keys are equal); with
+    ``padded``, each call's token tensors (size ``length`` in dimension 1) padded on the
+    right to it: ``input_ids`` (the keyword, or the first argument) with the pad token,
+    the others (attention mask, token type ids, ...) with 0."""
+
+    def pad(x: torch.Tensor, length: int | None, is_ids: bool) -> torch.Tensor:
+        if padded is None or length is None or length == padded or x.dim() < 2 or x.shape[1] != length:
+            return x
+        value = pad_token_id if is_ids and pad_token_id is not None else 0
+        extra = torch.full((x.shape[0], padded - length, *x.shape[2:]), value, dtype=x.dtype, device=x.device)
+        return torch.cat([x, extra], dim=1)
+
+    first_args, first_kwargs = calls[0]
+    ids_kw = "input_ids" in first_kwargs
+    args = []
+    for i, value in enumerate(first_args):
+        if isinstance(value, torch.Tensor):
+            parts = [pad(c[0][i], n, i == 0 and not ids_kw) for c, n in zip(calls, lengths)]
+            args.append(torch.cat(parts, dim=dim))
+        else:
+            args.append(value)
+    kwargs = {}
+    for key, value in first_kwargs.items():
+        if isinstance(value, torch.Tensor):
+            parts = [pad(c[1][key], n, key == "input_ids") for c, n in zip(calls, lengths)]
+            kwargs[key] = torch.cat(parts, dim=dim)
+        else:
+            kwargs[key] = value
+    return args, kwargs
+
+
+def model_dimensions(module: torch.nn.Module) -> frozenset[int]:
+    """Sizes a padded token length must avoid: every dimension of the model's
+    parameters and buffers, and its config's head counts (attention tensors carry them)."""
+    sizes: set[int] = set()
+    for tensor in (*module.parameters(), *module.buffers()):
+        sizes.update(int(s) for s in tensor.shape)
+    config = getattr(module, "config", None)
+    for name in ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads", "n_heads"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            sizes.add(value)
+    for child in module.modules():  # heads kept on modules (nn.MultiheadAttention, custom attention)
+        for name in ("num_heads", "n_heads", "num_attention_heads"):
+            value = getattr(child, name, None)
+            if isinstance(value, int):
+                sizes.add(value)
+    return frozenset(sizes)

@@ -1,0 +1,190 @@
+"""The scheduler of one model: calls wait in its queue, and each pass the model's worker
+thread runs takes the first waiting call with the calls behind it that can share the
+pass (equal join key, rows up to max_batch_size).
+
+A pass starts when the worker is free: calls that arrive while a pass runs wait
+together and join the next one, so under load passes grow by themselves, and a lone
+call never waits for company unless max_batch_delay_ms asks it to. Infer calls and
+Generate decoding steps are both ``Work``; what a batch of them runs is the work's
+``run`` function (inference.run_infer_batch, generation.run_step_batch), called once
+on the worker thread with the batch's payloads, returning one result (or exception)
+per work. Works join only when their ``run`` and ``key`` are equal; a work with key
+None always runs alone.
+
+Tests form batches deterministically with ``hold``: calls queue up without running
+until ``release``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, Callable
+
+from .errors import Unavailable
+
+if TYPE_CHECKING:
+    from .model_registry import ModelHost
+
+log = logging.getLogger("hookwire.batching")
+
+#: Runs a batch of payloads on the worker thread: one result or exception per payload.
+BatchRun = Callable[["ModelHost", list[Any]], list[Any]]
+
+
+@dataclasses.dataclass(eq=False)
+class Work:
+    """One call (or one Generate step) waiting for a pass."""
+
+    run: BatchRun
+    payload: Any
+    #: Works with equal (run, key) may share a pass; None: alone.
+    key: Hashable | None
+    rows: int
+    #: "infer" or "generate" (the metrics' label).
+    kind: str
+    future: asyncio.Future[Any] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    queued_at: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+class Scheduler:
+    """Joins the model's waiting calls into passes (see the module docstring)."""
+
+    def __init__(self, host: ModelHost) -> None:
+        self._host = host
+        self._queue: collections.deque[Work] = collections.deque()
+        self._changed: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._held = False
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        """Works waiting for a pass now."""
+        return len(self._queue)
+
+    def hold(self) -> None:
+        """Lets calls queue up without running until ``release`` (tests form batches with
+        it). Event loop."""
+        self._held = True
+
+    def release(self) -> None:
+        """Undoes ``hold``: the waiting calls run, joined as they can be. Event loop."""
+        self._held = False
+        self._poke()
+
+    def close(self) -> None:
+        """Fails the waiting works with Unavailable and stops taking new ones. Any thread
+        that owns no pass (the model is shutting down)."""
+        self._closed = True
+        try:
+            loop = self._task.get_loop() if self._task is not None else None
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._fail_waiting)
+        except RuntimeError:
+            pass
+
+    def _fail_waiting(self) -> None:
+        while self._queue:
+            work = self._queue.popleft()
+            if not work.future.done():
+                work.future.set_exception(Unavailable(f"model {self._host.name!r} is shutting down"))
+        if self._task is not None:
+            self._task.cancel()
+
+    def _poke(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def submit(self, work: Work) -> Any:
+        """Queues ``work`` and waits for its result (raises what its run raised). A
+        cancelled wait takes the work out of the queue if it has not started."""
+        if self._closed:
+            raise Unavailable(f"model {self._host.name!r} is shutting down")
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"scheduler:{self._host.name}")
+        self._queue.append(work)
+        self._poke()
+        try:
+            return await asyncio.shield(work.future)
+        except asyncio.CancelledError:
+            if not work.future.done():
+                work.future.cancel()  # still waiting: it never runs (the loop skips it)
+            raise
+
+    def _compatible(self, first: Work) -> list[Work]:
+        """The first waiting work and those behind it that may share its pass."""
+        batch = [first]
+        if first.key is None or not self._host.batching.enabled:
+            return batch
+        rows, limit = first.rows, self._host.batching.max_batch_size
+        for work in list(self._queue)[1:]:
+            if work.run is first.run and work.key == first.key and rows + work.rows <= limit:
+                batch.append(work)
+                rows += work.rows
+        return batch
+
+    async def _wait_change(self, timeout: float | None) -> None:
+        assert self._changed is not None
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            while self._queue and self._queue[0].future.done():  # cancelled while waiting
+                self._queue.popleft()
+            if not self._queue or self._held:
+                await self._wait_change(None)
+                continue
+            first = self._queue[0]
+            settings = self._host.batching
+            delay = settings.max_batch_delay_ms / 1e3
+            if delay > 0 and first.key is not None and settings.enabled:
+                # Wait for company, up to the first call's delay, while the batch is not full.
+                deadline = first.queued_at + delay
+                while (
+                    not self._held and not first.future.done()
+                    and sum(w.rows for w in self._compatible(first)) < settings.max_batch_size
+                    and (left := deadline - time.perf_counter()) > 0
+                ):
+                    await self._wait_change(left)
+                if self._held or first.future.done():
+                    continue
+            batch = [w for w in self._compatible(first) if not w.future.done()]
+            for work in batch:
+                self._queue.remove(work)
+            started = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(
+                    self._host._executor, first.run, self._host, [w.payload for w in batch]
+                )
+            except BaseException as exc:  # the executor refused (shutdown) or the run itself broke
+                if isinstance(exc, asyncio.CancelledError):
+                    for work in batch:
+                        if not work.future.done():
+                            work.future.set_exception(Unavailable(f"model {self._host.name!r} is shutting down"))
+                    raise
+                log.exception("a batch on %s failed as a whole", self._host.name)
+                results = [exc] * len(batch)
+            for work, result in zip(batch, results):
+                if work.future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    work.future.set_exception(result)
+                else:
+                    work.future.set_result(result)
+            observe = self._host.observe_batch
+            if observe is not None:
+                observe(self._host.name, first.kind, len(batch), sum(w.rows for w in batch),
+                        [started - w.queued_at for w in batch])
+            del batch, results, first
