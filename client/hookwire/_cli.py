@@ -43,7 +43,9 @@ def _serve(ns: argparse.Namespace) -> int:
                  "allow_shared_rules": True if ns.allow_shared_rules else None,
                  "reflection": False if ns.no_reflection else None,
                  "tokens_file": ns.tokens_file, "tls_cert": ns.tls_cert, "tls_key": ns.tls_key,
-                 "tls_client_ca": ns.tls_client_ca, "insecure": True if ns.insecure else None}
+                 "tls_client_ca": ns.tls_client_ca, "insecure": True if ns.insecure else None,
+                 "batching": False if ns.no_batching else None, "max_batch_size": ns.max_batch_size,
+                 "max_batch_delay_ms": ns.max_batch_delay_ms}
         settings, sources = resolve_settings(flags, env, {k: v for k, v in server_table.items() if k not in cli_keys})
         model_flags = ns.model or [m for m in env.get("HOOKWIRE_MODELS", "").split(",") if m.strip()]
         models += [parse_model_flag(text) for text in model_flags]
@@ -257,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", choices=["text", "json"], help="log lines as text (default) or JSON")
     serve.add_argument("--log-level", help="debug, info (default), warning, error")
     serve.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
+    serve.add_argument("--no-batching", action="store_true",
+                       help="run every call alone (models' configs can also turn batching off one by one)")
+    serve.add_argument("--max-batch-size", type=int,
+                       help="most rows in one batched pass, for models whose config does not say (default 32)")
+    serve.add_argument("--max-batch-delay-ms", type=float,
+                       help="how long the first call of a batch waits for others (default 0: only calls already waiting)")
     serve.add_argument("--tokens-file", help="principals and token hashes (see docs/security.md); also HOOKWIRE_TOKENS")
     serve.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")

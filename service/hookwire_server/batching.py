@@ -99,11 +99,16 @@ class Segment:
 class Batch:
     """The calls one pass runs over (see the module docstring)."""
 
-    def __init__(self, segments: list[Segment], *, dim: int = 0, padded: int | None = None) -> None:
+    def __init__(
+        self, segments: list[Segment], *, dim: int = 0, padded: int | None = None, side: str = "right",
+    ) -> None:
         self.segments = segments
         self.dim = dim
         #: The padded token length when some call is shorter (its tensors get cut), else None.
         self.padded = padded
+        #: Where the padding is: "right" (Infer's token inputs: a call's own tokens come
+        #: first) or "left" (a decoding step's keys: a call's own history ends the row).
+        self.side = side
         self.rows = segments[-1].stop if segments else 0
         #: Whether several calls share the pass (a single call is never sliced).
         self.shared = len(segments) > 1
@@ -130,9 +135,10 @@ class Batch:
         index = [slice(None)] * x.dim()
         index[dim] = slice(seg.start, seg.stop)
         if self.padded is not None and seg.length is not None and seg.length < self.padded:
+            own = slice(0, seg.length) if self.side == "right" else slice(self.padded - seg.length, self.padded)
             for d in range(1, x.dim()):
                 if d != dim and x.shape[d] == self.padded:
-                    index[d] = slice(0, seg.length)
+                    index[d] = own
         return tuple(index)
 
     def take(self, value: Any, seg: Segment, where: str) -> Any:

@@ -46,7 +46,8 @@ from hookwire import _codec
 from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
-from .batching import Batch
+from .batching import Batch, Segment, padded_length
+from .scheduler import Work
 from .errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -160,10 +161,59 @@ class Decoder:
             if self.step_index == 0:
                 outputs = model._prefill(self.input_ids, self.config, kwargs, is_first_iteration=True)
             else:
-                inputs = model.prepare_inputs_for_generation(
-                    self.input_ids, next_sequence_length=1 if kwargs.get("use_cache") else None, **kwargs
-                )
-                outputs = model(**inputs, return_dict=True)
+                outputs = model(**self.step_inputs(), return_dict=True)
+        return self.advance(outputs)
+
+    def step_inputs(self) -> dict[str, Any]:
+        """The model inputs of the next cached step (after the prefill)."""
+        kwargs = self.model_kwargs
+        assert kwargs is not None, "the decoder was released"
+        return self.model.prepare_inputs_for_generation(  # type: ignore[no-any-return]
+            self.input_ids, next_sequence_length=1 if kwargs.get("use_cache") else None, **kwargs
+        )
+
+    def join_key(self) -> Any:
+        """What decides whether this call's next step may share a pass with other calls'
+        (equal keys join), or None when it must run alone: after the prefill, with a
+        plain ``DynamicCache`` (full attention layers) whose rows can be stacked and an
+        attention mask and position ids that keep each row's own positions."""
+        kwargs = self.model_kwargs
+        if self.step_index == 0 or kwargs is None or not kwargs.get("use_cache"):
+            return None
+        cache = kwargs.get("past_key_values")
+        if type(cache).__name__ != "DynamicCache" or not cache.layers:
+            return None
+        layers = []
+        for layer in cache.layers:
+            if type(layer).__name__ != "DynamicLayer" or not layer.is_initialized or layer.keys is None:
+                return None
+            layers.append((tuple(layer.keys.shape[1:2]), tuple(layer.keys.shape[3:]), tuple(layer.values.shape[1:2]),
+                           tuple(layer.values.shape[3:]), layer.keys.dtype, str(layer.keys.device)))
+        if not isinstance(kwargs.get("position_ids"), torch.Tensor):
+            return None  # the model would take positions from the (padded) cache length
+        if not isinstance(kwargs.get("attention_mask"), (torch.Tensor, type(None))):
+            return None
+        plain = []
+        for key, value in sorted(kwargs.items()):
+            if key in ("attention_mask", "position_ids", "past_key_values"):
+                continue
+            if not isinstance(value, (bool, int, float, str, type(None))):
+                return None  # e.g. token_type_ids: not stacked here
+            plain.append((key, value))
+        return ("decode", tuple(plain), tuple(layers))
+
+    def cache_length(self) -> int:
+        """Tokens in the KV cache now."""
+        assert self.model_kwargs is not None
+        return int(self.model_kwargs["past_key_values"].layers[0].keys.shape[2])
+
+    def advance(self, outputs: Any) -> list[int]:
+        """Takes a pass's outputs (logits, KV cache) and chooses the next tokens; returns
+        them per sequence (FINISHED for a sequence that had already ended)."""
+        model = self.model
+        kwargs = self.model_kwargs
+        assert kwargs is not None, "the decoder was released"
+        with torch.no_grad():
             self.model_kwargs = kwargs = model._update_model_kwargs_for_generation(
                 outputs, kwargs, is_encoder_decoder=False
             )
@@ -633,17 +683,19 @@ class Generation:
             texts = [TextDeltas() for _ in range(batch)]
             tokens: list[list[int]] = [[] for _ in range(batch)]  # the loop's own copy (the decoder runs ahead)
             step = 0
-            future = asyncio.ensure_future(host.run(_run_step, host, p, decoder, step, put))
+            future = asyncio.ensure_future(host.scheduler.submit(_step_work(StepCall(p, decoder, step, put))))
             while True:
                 async for out in _messages(mailbox, chunk_bytes):
                     yield out
                 result = await future
+                if p.backlog:  # it shared a pass, and a BLOCK stream of its own was full: wait here, alone
+                    await asyncio.to_thread(p.flush_backlog)
                 final = result.finished or step == options.max_new_tokens - 1
                 stopping = not final and self._hooks.draining
                 if not final and not stopping:
                     # The next step runs while this one's tokens are decoded and sent: at most
                     # one step ahead of the reader, who still pauses the call (and only it).
-                    future = asyncio.ensure_future(host.run(_run_step, host, p, decoder, step + 1, put))
+                    future = asyncio.ensure_future(host.scheduler.submit(_step_work(StepCall(p, decoder, step + 1, put))))
                 for i, token in enumerate(result.tokens):
                     if token != FINISHED:
                         tokens[i].append(token)
@@ -787,18 +839,122 @@ def _start(
     return Decoder(model, prepared, generator)
 
 
-def _run_step(
-    host: ModelHost, p: Pass, decoder: Decoder, step: int, put: Callable[[tuple[Any, ...]], None],
-) -> StepResult:
-    """One pass of a Generate call (worker thread); signals the stream when it is over."""
+@dataclasses.dataclass
+class StepCall:
+    """One Generate call's next step, waiting for (or in) a pass: the payload of its
+    scheduler Work."""
+
+    p: Pass
+    decoder: Decoder
+    step: int
+    put: Callable[[tuple[Any, ...]], None]
+
+
+def _step_work(call: StepCall) -> Work:
+    key = call.decoder.join_key()
+    return Work(run_step_batch, call, key=key, rows=int(call.decoder.input_ids.shape[0]), kind="generate")
+
+
+def _run_step(host: ModelHost, call: StepCall) -> StepResult:
+    """One step of a Generate call alone (worker thread); signals the stream when it is over."""
+    p, decoder = call.p, call.decoder
     host.current_batch = Batch.alone(p)
-    p.begin_step(step)
+    p.begin_step(call.step)
     try:
         tokens = _call(host, "forward", decoder.step)
         return StepResult(tokens, tuple(decoder.reasons), decoder.finished)
     finally:
         host.current_batch = None
-        put(("done",))
+        call.put(("done",))
+
+
+def run_step_batch(host: ModelHost, calls: list[StepCall]) -> list[Any]:
+    """Runs the next step of Generate calls that the scheduler joined (worker thread):
+    one decoding pass over all their rows, each call's KV cache stacked into one cache
+    padded on the left (masked), its logits and cache rows cut back after. Each call
+    keeps its own step number, hooks, processors, sampling generator and stopping
+    criteria; a step alone runs exactly as before batching. When the shared pass
+    fails, each call's step runs again alone. Returns a StepResult or exception per call."""
+    if len(calls) > 1:
+        try:
+            return _run_shared_step(host, calls)
+        except Exception as exc:
+            log.info("a batched step of %d calls on %s failed (%s); they run again alone", len(calls), host.name, exc)
+            for call in calls:
+                call.p.rollback()
+    results: list[Any] = []
+    for call in calls:
+        try:
+            results.append(_run_step(host, call))
+        except Exception as exc:
+            results.append(exc)
+    return results
+
+
+def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
+    from transformers import DynamicCache
+
+    model: Any = host.module
+    inputs = [call.decoder.step_inputs() for call in calls]
+    own = [call.decoder.cache_length() + 1 for call in calls]  # keys each call's step attends to
+    keys = padded_length(own, host.dimensions, None)
+    assert keys is not None
+    rows = [int(i["input_ids"].shape[0]) for i in inputs]
+    total = sum(rows)
+    segments, start = [], 0
+    for call, n, length in zip(calls, rows, own):
+        segments.append(Segment(call.p, start, start + n, length))
+        start += n
+    first = inputs[0]
+    merged: dict[str, Any] = {k: v for k, v in first.items() if k not in ("input_ids", "position_ids", "attention_mask", "past_key_values")}
+    merged["input_ids"] = torch.cat([i["input_ids"] for i in inputs])
+    merged["position_ids"] = torch.cat([i["position_ids"] for i in inputs])
+    # generate() drops an all-ones mask; joined rows need one (the padding is masked out).
+    merged["attention_mask"] = torch.zeros((total, keys), dtype=torch.long, device=merged["input_ids"].device)
+    for seg, i in zip(segments, inputs):
+        mask = i.get("attention_mask")
+        merged["attention_mask"][seg.start:seg.stop, keys - seg.length:] = 1 if mask is None else mask
+    layers = []
+    caches = [i["past_key_values"] for i in inputs]
+    for index, layer in enumerate(caches[0].layers):
+        stacked = []
+        for which in ("keys", "values"):
+            t = getattr(layer, which)
+            out = t.new_zeros((total, t.shape[1], keys - 1, *t.shape[3:]))
+            for seg, cache in zip(segments, caches):
+                mine = getattr(cache.layers[index], which)
+                out[seg.start:seg.stop, :, keys - 1 - mine.shape[2]:] = mine
+            stacked.append(out)
+        layers.append((stacked[0], stacked[1]))
+    merged["past_key_values"] = DynamicCache(ddp_cache_data=layers)
+    del layers, caches, inputs
+    batch = Batch(segments, padded=keys, side="left")
+    for call in calls:
+        call.p.begin_step(call.step)
+        call.p.hold()
+    host.current_batch = batch
+    try:
+        with torch.no_grad():
+            outputs = _call(host, "forward", lambda: model(**merged, return_dict=True))
+    finally:
+        host.current_batch = None
+    cache = outputs.past_key_values
+    results: list[Any] = []
+    for call, seg in zip(calls, segments):
+        mine = DynamicCache(ddp_cache_data=[
+            (layer.keys[seg.start:seg.stop, :, keys - seg.length:], layer.values[seg.start:seg.stop, :, keys - seg.length:])
+            for layer in cache.layers
+        ])
+        try:
+            tokens = call.decoder.advance(type(outputs)(logits=outputs.logits[seg.start:seg.stop], past_key_values=mine))
+        except Exception as exc:  # e.g. its sampling settings leave no distribution: only it fails
+            call.p.rollback()
+            results.append(exc)
+        else:
+            call.p.release()
+            results.append(StepResult(tokens, tuple(call.decoder.reasons), call.decoder.finished))
+        call.put(("done",))
+    return results
 
 
 def _finish(host: ModelHost, p: Pass, records: list[HookRecord], decoder: Decoder | None) -> None:

@@ -130,8 +130,10 @@ class Pass:
         )
 
     def rollback(self) -> None:
-        """Forgets what a failed shared pass did to this call (its held events, numbers)."""
-        assert self._checkpoint is not None
+        """Forgets what a failed shared pass did to this call (its held events, numbers);
+        nothing when it was not holding."""
+        if self._checkpoint is None:
+            return
         seqs, calls, events, kept, streams = self._checkpoint
         self._seqs, self._calls, self._events_in_step, self._streams = seqs, calls, events, streams
         del self.response.events[kept:]

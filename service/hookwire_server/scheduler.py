@@ -78,15 +78,24 @@ class Scheduler:
         self._poke()
 
     def close(self) -> None:
-        """Fails the waiting works with Unavailable and stops taking new ones. Any thread
-        that owns no pass (the model is shutting down)."""
+        """Fails the waiting works with Unavailable and stops taking new ones (the model
+        is shutting down). Any thread; on the event loop it takes effect at once."""
         self._closed = True
+        task = self._task
+        if task is None:
+            return
+        loop = task.get_loop()
         try:
-            loop = self._task.get_loop() if self._task is not None else None
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._fail_waiting)
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
-            pass
+            running = None
+        if running is loop:
+            self._fail_waiting()
+        elif not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._fail_waiting)
+            except RuntimeError:  # closed meanwhile: nothing waits any more
+                pass
 
     def _fail_waiting(self) -> None:
         while self._queue:
@@ -145,6 +154,15 @@ class Scheduler:
                 self._queue.popleft()
             if not self._queue or self._held:
                 await self._wait_change(None)
+                continue
+            # Let the calls whose results were just set queue their next work (a Generate call
+            # queues its next step as soon as it has its tokens): it joins this pass instead of
+            # trailing one pass behind the others for good.
+            for _ in range(4):
+                await asyncio.sleep(0)
+            while self._queue and self._queue[0].future.done():
+                self._queue.popleft()
+            if not self._queue:
                 continue
             first = self._queue[0]
             settings = self._host.batching
