@@ -120,12 +120,9 @@ class Scheduler:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"scheduler:{self._host.name}")
         self._queue.append(work)
         self._poke()
-        try:
-            return await asyncio.shield(work.future)
-        except asyncio.CancelledError:
-            if not work.future.done():
-                work.future.cancel()  # still waiting: it never runs (the loop skips it)
-            raise
+        # A cancelled wait cancels the future: a work still queued never runs (the loop
+        # skips it), a running one's result is dropped.
+        return await work.future
 
     def _compatible(self, first: Work) -> list[Work]:
         """The first waiting work and those behind it that may share its pass."""
@@ -194,15 +191,23 @@ class Scheduler:
                     raise
                 log.exception("a batch on %s failed as a whole", self._host.name)
                 results = [exc] * len(batch)
-            for work, result in zip(batch, results):
-                if work.future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    work.future.set_exception(result)
-                else:
-                    work.future.set_result(result)
+            _settle(batch, results)
             observe = self._host.observe_batch
             if observe is not None:
                 observe(self._host.name, first.kind, len(batch), sum(w.rows for w in batch),
                         [started - w.queued_at for w in batch])
+            # Not kept while the loop waits for the next work: a failed call's exception
+            # holds the frames (and tensors) of its pass (errors.release_failure).
             del batch, results, first
+
+
+def _settle(batch: list[Work], results: list[Any]) -> None:
+    """Hands each work its result or exception (a function of its own, so that no loop
+    variable keeps the last one alive)."""
+    for work, result in zip(batch, results):
+        if work.future.done():
+            continue
+        if isinstance(result, BaseException):
+            work.future.set_exception(result)
+        else:
+            work.future.set_result(result)
