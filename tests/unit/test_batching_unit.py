@@ -1,0 +1,109 @@
+"""Unit tests of batching.py: join keys read from requests, padding, cutting a batch's
+tensors per call and putting rule edits back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hookwire import _codec
+from hookwire.v1 import model_service_pb2
+from hookwire_server import batching
+from hookwire_server.batching import Batch, BatchSettings, Segment, Unsplittable
+from hookwire_server.passes import Pass
+
+
+def _request(*args: object, **kwargs: object) -> model_service_pb2.InferRequest:
+    request = model_service_pb2.InferRequest(model="m")
+    for value in args:
+        request.args.append(_codec.encode_value(value))
+    for key, value in kwargs.items():
+        request.kwargs[key].CopyFrom(_codec.encode_value(value))
+    return request
+
+
+def test_equal_shapes_share_a_key_and_rows_are_counted() -> None:
+    settings = BatchSettings()
+    a = batching.request_key(_request(torch.zeros(2, 8)), settings)
+    b = batching.request_key(_request(torch.ones(5, 8)), settings)
+    c = batching.request_key(_request(torch.ones(5, 9)), settings)
+    assert a is not None and b is not None and c is not None
+    assert a.key == b.key and (a.rows, b.rows) == (2, 5)
+    assert c.key != a.key
+    assert batching.request_key(_request(torch.zeros(2, 8, dtype=torch.float64)), settings).key != a.key  # type: ignore[union-attr]
+
+
+def test_what_runs_alone() -> None:
+    settings = BatchSettings()
+    assert batching.request_key(_request([torch.zeros(1, 2)]), settings) is None  # a list
+    assert batching.request_key(_request(torch.zeros(1, 2), labels=torch.zeros(1)), settings) is None  # reduces rows
+    assert batching.request_key(_request(torch.zeros(1, 2), torch.zeros(3, 2)), settings) is None  # rows differ
+    assert batching.request_key(_request(torch.tensor(1.0)), settings) is None  # no batch dimension
+    assert batching.request_key(_request(torch.zeros(1, 2), flag=True), settings) != batching.request_key(
+        _request(torch.zeros(1, 2), flag=False), settings)  # scalars must be equal
+
+
+def test_token_inputs_of_different_lengths_join_only_with_a_pad_token() -> None:
+    ids = lambda n: torch.ones(1, n, dtype=torch.int64)  # noqa: E731
+    plain = BatchSettings()
+    padded = BatchSettings(pad_token_id=0)
+    short = _request(input_ids=ids(3), attention_mask=ids(3))
+    long = _request(input_ids=ids(7), attention_mask=ids(7))
+    assert batching.request_key(short, plain).key != batching.request_key(long, plain).key  # type: ignore[union-attr]
+    a, b = batching.request_key(short, padded), batching.request_key(long, padded)
+    assert a is not None and b is not None and a.key == b.key and (a.length, b.length) == (3, 7)
+
+
+def test_padded_length_avoids_model_dimensions() -> None:
+    assert batching.padded_length([3, 5], frozenset({5, 6, 8}), None) == 7
+    assert batching.padded_length([3, 5], frozenset({5, 6}), 6) is None
+    assert batching.padded_length([4, 4], frozenset(), None) == 4
+
+
+def test_join_pads_on_the_right() -> None:
+    calls = [([torch.tensor([[5, 6]])], {"attention_mask": torch.tensor([[1, 1]])}),
+             ([torch.tensor([[7, 8, 9]])], {"attention_mask": torch.tensor([[1, 1, 1]])})]
+    args, kwargs = batching.join_inputs(calls, [2, 3], dim=0, padded=4, pad_token_id=0)
+    assert args[0].tolist() == [[5, 6, 0, 0], [7, 8, 9, 0]]
+    assert kwargs["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 0]]
+
+
+def _batch(padded: int | None = None, side: str = "right") -> Batch:
+    p1, p2 = Pass("r1", ""), Pass("r2", "")
+    return Batch([Segment(p1, 0, 2, 3 if padded else None), Segment(p2, 2, 3, padded)], padded=padded, side=side)
+
+
+def test_take_cuts_rows_and_own_length() -> None:
+    x = torch.arange(3 * 5 * 2).reshape(3, 5, 2)
+    batch = _batch(padded=5)
+    first = batch.take({"out": (x, None)}, batch.segments[0], "here")
+    assert torch.equal(first["out"][0], x[0:2, 0:3])
+    assert first["out"][1] is None
+    assert torch.equal(batch.take(x, batch.segments[1], "here"), x[2:3])
+    left = _batch(padded=5, side="left")
+    assert torch.equal(left.take(x, left.segments[0], "here"), x[0:2, 2:5])
+
+
+def test_take_refuses_a_tensor_without_the_batch_rows() -> None:
+    batch = _batch()
+    with pytest.raises(Unsplittable, match="cannot be split per call"):
+        batch.take(torch.zeros(4, 2), batch.segments[0], "module 'x'")
+
+
+def test_put_writes_only_the_changed_rows_and_clones_once() -> None:
+    x = torch.zeros(3, 4)
+    batch = _batch()
+    cloned: set[int] = set()
+    parts = (x, "label")
+    seg = batch.segments[1]
+    before = batch.take(parts, seg, "w")
+    after = (before[0] + 1, "label")
+    merged = batch.put(parts, before, after, seg, "w", cloned)
+    assert merged[0] is not x and torch.equal(x, torch.zeros(3, 4))  # out of place, as rules are
+    assert merged[0][2].tolist() == [1.0] * 4 and merged[0][:2].abs().sum() == 0
+    seg0 = batch.segments[0]
+    before0 = batch.take(merged, seg0, "w")
+    again = batch.put(merged, before0, (before0[0] - 1, "label"), seg0, "w", cloned)
+    assert again[0] is merged[0]  # already a clone of this firing: written in place
+    unchanged = batch.put(parts, before, before, seg, "w", set())
+    assert unchanged[0] is x
