@@ -47,6 +47,7 @@ from ._types import (
     HookInfo,
     InferResult,
     InterceptEvent,
+    BatchingInfo,
     ModelInfo,
     ModuleInfo,
     Notice,
@@ -61,6 +62,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_TARGET",
     "Backward",
+    "BatchingInfo",
     "CancelledError",
     "Client",
     "CodecError",

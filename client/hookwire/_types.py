@@ -48,6 +48,25 @@ class ModuleInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchingInfo:
+    """How the server joins concurrent calls on a model into shared forward passes
+    (docs/batching.md). A hook still sees only its own call's rows either way."""
+
+    #: Whether calls are joined at all.
+    enabled: bool
+    #: Most rows (summed over the joined calls) in one pass.
+    max_batch_size: int
+    #: How long the first call of a pass waits for others to join (0: only those already waiting).
+    max_batch_delay_ms: float
+    #: The dimension calls' rows are stacked and sliced along.
+    batch_dim: int
+    #: Keyword inputs that make a call run alone.
+    reducing_inputs: tuple[str, ...]
+    #: Whether token inputs of different lengths join (padded on the right).
+    pads_tokens: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelInfo:
     """A configured model. ``modules`` is empty in list_models() results, and until
     the model is ready.
@@ -70,6 +89,8 @@ class ModelInfo:
     #: Whether it has a tokenizer (``tokenize``, text prompts for ``generate``); False
     #: until it is ready.
     has_tokenizer: bool = False
+    #: Its batching settings; None until it is ready (or from a server without batching).
+    batching: BatchingInfo | None = None
 
     @classmethod
     def from_proto(cls, msg: model_service_pb2.Model) -> ModelInfo:
@@ -82,6 +103,10 @@ class ModelInfo:
             state_message=msg.state_message,
             can_generate=msg.can_generate,
             has_tokenizer=msg.has_tokenizer,
+            batching=BatchingInfo(
+                enabled=b.enabled, max_batch_size=b.max_batch_size, max_batch_delay_ms=b.max_batch_delay_ms,
+                batch_dim=b.batch_dim, reducing_inputs=tuple(b.reducing_inputs), pads_tokens=b.pads_tokens,
+            ) if msg.HasField("batching") and (b := msg.batching) is not None else None,
             modules=tuple(
                 ModuleInfo(
                     path=m.path,

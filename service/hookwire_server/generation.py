@@ -180,7 +180,7 @@ class Decoder:
         kwargs = self.model_kwargs
         if self.step_index == 0 or kwargs is None or not kwargs.get("use_cache"):
             return None
-        cache = kwargs.get("past_key_values")
+        cache: Any = kwargs.get("past_key_values")
         if type(cache).__name__ != "DynamicCache" or not cache.layers:
             return None
         layers = []
@@ -911,9 +911,9 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
     merged["position_ids"] = torch.cat([i["position_ids"] for i in inputs])
     # generate() drops an all-ones mask; joined rows need one (the padding is masked out).
     merged["attention_mask"] = torch.zeros((total, keys), dtype=torch.long, device=merged["input_ids"].device)
-    for seg, i in zip(segments, inputs):
+    for seg, i, length in zip(segments, inputs, own):
         mask = i.get("attention_mask")
-        merged["attention_mask"][seg.start:seg.stop, keys - seg.length:] = 1 if mask is None else mask
+        merged["attention_mask"][seg.start:seg.stop, keys - length:] = 1 if mask is None else mask
     layers = []
     caches = [i["past_key_values"] for i in inputs]
     for index, layer in enumerate(caches[0].layers):
@@ -940,9 +940,9 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
         host.current_batch = None
     cache = outputs.past_key_values
     results: list[Any] = []
-    for call, seg in zip(calls, segments):
+    for call, seg, length in zip(calls, segments, own):
         mine = DynamicCache(ddp_cache_data=[
-            (layer.keys[seg.start:seg.stop, :, keys - seg.length:], layer.values[seg.start:seg.stop, :, keys - seg.length:])
+            (layer.keys[seg.start:seg.stop, :, keys - length:], layer.values[seg.start:seg.stop, :, keys - length:])
             for layer in cache.layers
         ])
         try:

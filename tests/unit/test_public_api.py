@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPECTED_ALL = [
     "DEFAULT_TARGET",
     "Backward",
+    "BatchingInfo",
     "CancelledError",
     "Client",
     "CodecError",
