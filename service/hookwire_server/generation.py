@@ -47,7 +47,7 @@ from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from .batching import Batch, Segment, padded_length
-from .scheduler import Work
+from .scheduler import Work, in_own_thread
 from .errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -689,7 +689,7 @@ class Generation:
                     yield out
                 result = await future
                 if p.backlog:  # it shared a pass, and a BLOCK stream of its own was full: wait here, alone
-                    await asyncio.to_thread(p.flush_backlog)
+                    await in_own_thread(p.flush_backlog, f"backlog:{request_id}")
                 final = result.finished or step == options.max_new_tokens - 1
                 stopping = not final and self._hooks.draining
                 if not final and not stopping:

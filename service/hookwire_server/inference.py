@@ -37,7 +37,7 @@ from .hook_manager import HookManager, new_id
 from .hook_record import HookRecord
 from .passes import Pass
 from . import batching
-from .scheduler import Work
+from .scheduler import Work, in_own_thread
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from . import limits
 from .limits import Limits
@@ -343,9 +343,16 @@ class Inference:
                 run_infer_batch, call, key=shape.key if shape is not None else None,
                 rows=shape.rows if shape is not None else 1, kind="infer",
             )
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.limits.infer_timeout
             response = await asyncio.wait_for(host.scheduler.submit(work), self.limits.infer_timeout)
-            if p.backlog:  # it shared a pass, and a BLOCK stream of its own was full: wait here, alone
-                await asyncio.to_thread(_flush_and_end, p)
+            if p.backlog:
+                # It shared a pass, and a BLOCK stream of its own was full: it waits for its
+                # reader here, alone (as a call alone would have waited inside its pass).
+                await asyncio.wait_for(
+                    in_own_thread(functools.partial(_flush_and_end, p), f"backlog:{request_id}"),
+                    max(0.0, deadline - loop.time()),
+                )
             outcome = "ok"
             return response
         except asyncio.TimeoutError:

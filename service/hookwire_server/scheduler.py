@@ -21,6 +21,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, Callable
@@ -131,6 +132,8 @@ class Scheduler:
             return batch
         rows, limit = first.rows, self._host.batching.max_batch_size
         for work in list(self._queue)[1:]:
+            if work.future.done():
+                continue
             if work.run is first.run and work.key == first.key and rows + work.rows <= limit:
                 batch.append(work)
                 rows += work.rows
@@ -211,3 +214,33 @@ def _settle(batch: list[Work], results: list[Any]) -> None:
             work.future.set_exception(result)
         else:
             work.future.set_result(result)
+
+
+async def in_own_thread(fn: Callable[[], None], name: str) -> None:
+    """Runs ``fn`` on a daemon thread of its own and waits for it. For waits that may last
+    as long as a reader stalls (a call's backlog on a full BLOCK stream): on asyncio's
+    shared thread pool a few of them would hold every thread other work needs."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(exc: BaseException | None) -> None:
+        if done.done():  # the waiter gave up (cancelled, timed out)
+            return
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    def target() -> None:
+        error: BaseException | None = None
+        try:
+            fn()
+        except BaseException as exc:  # handed to the waiting call
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, error)
+        except RuntimeError:  # the loop is closed: nobody waits
+            pass
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    await done
