@@ -50,6 +50,9 @@ class Work:
     kind: str
     future: asyncio.Future[Any] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
     queued_at: float = dataclasses.field(default_factory=time.perf_counter)
+    #: Set (on the loop) when its caller stopped waiting; read on the worker thread, where a
+    #: batch already handed to the model skips it if its pass has not started.
+    withdrawn: bool = False
 
 
 class Scheduler:
@@ -122,8 +125,13 @@ class Scheduler:
         self._queue.append(work)
         self._poke()
         # A cancelled wait cancels the future: a work still queued never runs (the loop
-        # skips it), a running one's result is dropped.
-        return await work.future
+        # skips it), nor does one whose batch waits behind other work on the model's
+        # thread (_run skips it); a running one's result is dropped.
+        try:
+            return await work.future
+        except asyncio.CancelledError:
+            work.withdrawn = True
+            raise
 
     def _compatible(self, first: Work) -> list[Work]:
         """The first waiting work and those behind it that may share its pass."""
@@ -183,9 +191,7 @@ class Scheduler:
                 self._queue.remove(work)
             started = time.perf_counter()
             try:
-                results = await loop.run_in_executor(
-                    self._host._executor, first.run, self._host, [w.payload for w in batch]
-                )
+                results = await loop.run_in_executor(self._host._executor, _run, self._host, batch)
             except BaseException as exc:  # the executor refused (shutdown) or the run itself broke
                 if isinstance(exc, asyncio.CancelledError):
                     for work in batch:
@@ -202,6 +208,17 @@ class Scheduler:
             # Not kept while the loop waits for the next work: a failed call's exception
             # holds the frames (and tensors) of its pass (errors.release_failure).
             del batch, results, first
+
+
+def _run(host: ModelHost, batch: list[Work]) -> list[Any]:
+    """The batch on the model's worker thread, without the works withdrawn while it
+    waited there behind other work."""
+    live = [i for i, work in enumerate(batch) if not work.withdrawn]
+    results: list[Any] = [asyncio.CancelledError()] * len(batch)
+    if live:
+        for i, result in zip(live, batch[live[0]].run(host, [batch[i].payload for i in live])):
+            results[i] = result
+    return results
 
 
 def _settle(batch: list[Work], results: list[Any]) -> None:
