@@ -339,17 +339,22 @@ def join_inputs(
 
 def model_dimensions(module: torch.nn.Module) -> frozenset[int]:
     """Sizes a padded token length must avoid: every dimension of the model's
-    parameters and buffers, and its config's head counts (attention tensors carry them)."""
+    parameters and buffers, its config's head counts (attention tensors carry them) and
+    head sizes (a rotary embedding's output is [rows, tokens, head size], and no
+    parameter need have that size: tiny-lm's is 16)."""
     sizes: set[int] = set()
     for tensor in (*module.parameters(), *module.buffers()):
         sizes.update(int(s) for s in tensor.shape)
     config = getattr(module, "config", None)
-    for name in ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads", "n_heads"):
+    for name in ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads", "n_heads", "head_dim"):
         value = getattr(config, name, None)
         if isinstance(value, int):
             sizes.add(value)
-    for child in module.modules():  # heads kept on modules (nn.MultiheadAttention, custom attention)
-        for name in ("num_heads", "n_heads", "num_attention_heads"):
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        sizes.add(hidden // heads)  # the head size of configs that do not name it
+    for child in module.modules():  # kept on modules (nn.MultiheadAttention, transformers' attention, custom ones)
+        for name in ("num_heads", "n_heads", "num_attention_heads", "head_dim", "attention_head_size"):
             value = getattr(child, name, None)
             if isinstance(value, int):
                 sizes.add(value)

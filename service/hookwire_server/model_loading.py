@@ -66,19 +66,37 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def batch_config(self) -> BatchConfig:
-        """The batching keys, checked; ConfigError naming the model for a bad one."""
+        """The batching keys, checked; ConfigError naming the model and the key for a bad one."""
+        # TOML gives any type: check them here, since a wrong one is otherwise taken as
+        # it is (batching = "no" is truthy, a string of reducing inputs is a tuple of
+        # letters, a float max_batch_size breaks ListModels).
+        kinds: tuple[tuple[str, Any, tuple[type, ...], str], ...] = (
+            ("batching", self.batching, (bool,), "true or false"),
+            ("max_batch_size", self.max_batch_size, (int,), "an integer"),
+            ("max_batch_delay_ms", self.max_batch_delay_ms, (int, float), "a number"),
+            ("batch_dim", self.batch_dim, (int,), "an integer"),
+            ("pad_token_id", self.pad_token_id, (int,), "an integer >= 0"),
+        )
+        for key, value, types, what in kinds:
+            if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+                raise ConfigError(f"model {self.name!r}: {key} must be {what}, not {value!r}")
+        if self.pad_token_id is not None and self.pad_token_id < 0:
+            raise ConfigError(f"model {self.name!r}: pad_token_id must be an integer >= 0, not {self.pad_token_id!r}")
+        reducing = self.batch_reducing_inputs
+        if reducing is not None and (
+            not isinstance(reducing, (list, tuple)) or not all(isinstance(n, str) for n in reducing)
+        ):
+            raise ConfigError(f"model {self.name!r}: batch_reducing_inputs must be a list of names, not {reducing!r}")
         config = BatchConfig(
-            batching=self.batching, max_batch_size=self.max_batch_size, max_batch_delay_ms=self.max_batch_delay_ms,
-            batch_dim=self.batch_dim,
-            batch_reducing_inputs=tuple(self.batch_reducing_inputs) if self.batch_reducing_inputs is not None else None,
+            batching=self.batching, max_batch_size=self.max_batch_size,
+            max_batch_delay_ms=float(self.max_batch_delay_ms) if self.max_batch_delay_ms is not None else None,
+            batch_dim=self.batch_dim, batch_reducing_inputs=tuple(reducing) if reducing is not None else None,
             pad_token_id=self.pad_token_id,
         )
         try:
             config.resolve(BatchSettings())
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"model {self.name!r}: {exc}") from None
-        if self.batch_reducing_inputs is not None and not all(isinstance(n, str) for n in self.batch_reducing_inputs):
-            raise ConfigError(f"model {self.name!r}: batch_reducing_inputs must be a list of names")
         return config
 
 
