@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
-import importlib.util
 import pathlib
 import time
 from typing import Any, Awaitable, Callable, Iterator, Mapping
