@@ -1,0 +1,679 @@
+"""Generate calls sharing decoding passes (issue #11, docs/batching.md): concurrent calls
+on the demo tiny-lm over a real server and the SDK, against in-process oracles on the
+same seeded weights.
+
+Two oracles:
+
+- *alone*: transformers' own ``generate()`` for each call by itself (lm_oracle). A joined
+  step reorders float reductions, so tokens equal it only where the greedy choice is not
+  a near tie: see MARGIN_BOUND.
+- *replay*: the passes the server ran, redone in-process bit for bit: each call's prefill
+  alone, each joined step over the calls' KV caches stacked into one DynamicCache padded
+  on the left to ``batching.padded_length`` (the pad masked out, each row its own
+  position ids), with real torch hooks that cut each call's rows and, in every dimension
+  of the padded key length, its own keys. Tokens and captures must ``torch.equal`` it.
+
+Batches are formed with the scheduler's ``hold()``/``release()``, never by timing. The
+test server's model records which calls' steps each ``run_step_batch`` ran, in row order
+(``Passes``): which calls a pass holds follows the order their steps reached the queue,
+which the event loop decides, and the replay needs it to the row to be bit-exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hookwire
+import lm_oracle as oracle
+from hookwire import rules
+from hookwire_server import build_registry, demo_configs, generation
+from hookwire_server.batching import model_dimensions, padded_length
+from support import ServerThread, assert_same
+
+MARGIN_BOUND = 1e-5
+"""The smallest top-2 logit margin (of the alone run, at a step) at which a batched greedy
+call must choose the alone run's token. A joined step sums in another order than a step
+alone: measured on tiny-lm (logits of magnitude ~0.5), batched and alone logits differ by
+at most 2.4e-7 (a few float32 ulps). A different choice needs the top two logits to move
+past each other, i.e. the margin to be under twice that; 1e-5 leaves a factor 20. Where
+the alone run's margin at a step is below it, only the steps before are compared."""
+
+#: A liveness bound for waits that end on a condition, never a speed test.
+LIVENESS = 60.0
+EOS, PAD = oracle.EOS, oracle.PAD
+MODEL = "tiny-lm"
+
+
+# --------------------------------------------------------------------------- the test server
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One ``run_step_batch`` of the test server: one pass (or a shared pass that failed,
+    and its calls' steps run again alone)."""
+
+    #: Its calls' (request_id, step), in row order.
+    calls: tuple[tuple[str, int], ...]
+    #: Whether several calls shared one pass (none of them ran again alone).
+    shared: bool
+    #: The exceptions it returned for its calls (their names).
+    errors: tuple[str, ...]
+
+    @property
+    def ids(self) -> set[str]:
+        return {rid for rid, _ in self.calls}
+
+
+class Passes:
+    """What the test server's model ran: ``runs``, in order. ``observed`` counts the
+    scheduler's passes (of any kind) that ended; while ``stepping``, the scheduler is held
+    after each of them, so that the test releases every pass itself."""
+
+    def __init__(self) -> None:
+        self.runs: list[Run] = []
+        self.observed = 0
+        self.stepping = False
+        self._alone = 0
+
+    def reset(self) -> None:
+        self.runs.clear()
+
+    def wrap_batch(self, original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+        def run_step_batch(host: Any, calls: list[Any]) -> list[Any]:
+            alone_before = self._alone
+            results = original(host, calls)
+            self.runs.append(Run(
+                tuple((c.p.request_id, c.step) for c in calls), len(calls) > 1 and self._alone == alone_before,
+                tuple(type(r).__name__ for r in results if isinstance(r, BaseException)),
+            ))
+            return results
+
+        return run_step_batch
+
+    def wrap_alone(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def run_step(host: Any, call: Any) -> Any:
+            self._alone += 1
+            return original(host, call)
+
+        return run_step
+
+    def wrap_observe(self, original: Callable[..., None], host: Any) -> Callable[..., None]:
+        def observe(*args: Any) -> None:  # on the server's loop, right after a pass
+            original(*args)
+            self.observed += 1
+            if self.stepping:
+                host.scheduler.hold()
+
+        return observe
+
+    def of(self, request_id: str) -> list[Run]:
+        """The runs of ``request_id``'s steps, in order."""
+        return [run for run in self.runs if request_id in run.ids]
+
+    def ran(self, request_id: str, step: int) -> bool:
+        return any((request_id, step) in run.calls for run in self.runs)
+
+
+@dataclasses.dataclass
+class Lab:
+    srv: ServerThread
+    passes: Passes
+
+    def queued(self) -> int:
+        return int(self.srv.call(lambda: self.srv.server.registry.get(MODEL).scheduler.queued))
+
+    def hold(self) -> None:
+        self.srv.call(lambda: self.srv.server.registry.get(MODEL).scheduler.hold())
+
+    def release(self) -> None:
+        self.srv.call(lambda: self.srv.server.registry.get(MODEL).scheduler.release())
+
+    def sample(self, name: str, labels: dict[str, str]) -> float:
+        registry = self.srv.server.metrics.registry
+        return float(self.srv.call(lambda: registry.get_sample_value(name, labels) or 0.0))
+
+    def joined_passes(self) -> float:
+        """Generate passes that held more than one call, from hookwire_batch_calls."""
+        labels = {"model": MODEL, "kind": "generate"}
+        return self.sample("hookwire_batch_calls_count", labels) - self.sample(
+            "hookwire_batch_calls_bucket", {**labels, "le": "1.0"})
+
+    def ended_calls(self) -> float:
+        return self.sample("hookwire_generate_seconds_count", {"model": MODEL})
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[Lab]:
+    """A server of tiny-lm alone (its scheduler is held and released by these tests), its
+    Generate passes recorded."""
+    passes = Passes()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(generation, "run_step_batch", passes.wrap_batch(generation.run_step_batch))
+        mp.setattr(generation, "_run_step", passes.wrap_alone(generation._run_step))
+        srv = ServerThread(build_registry([c for c in demo_configs() if c.name == MODEL])).start()
+        try:
+            host = srv.server.registry.get(MODEL)
+            host.observe_batch = passes.wrap_observe(host.observe_batch, host)
+            yield Lab(srv, passes)
+        finally:
+            srv.stop()
+
+
+@pytest.fixture
+async def client(lab: Lab) -> Any:
+    async with hookwire.connect(lab.srv.target) as c:
+        yield c
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LIVENESS
+    while not condition():
+        assert loop.time() < deadline, f"still waiting for {what} after {LIVENESS} s"
+        await asyncio.sleep(0.01)
+
+
+async def started(lab: Lab, streams: list[hookwire.GenerateStream]) -> list[asyncio.Future[hookwire.GenerateResult]]:
+    """Starts the calls one after the other while the scheduler is held (each call's
+    prefill queued before the next call starts) and returns the tasks awaiting their results."""
+    tasks: list[asyncio.Future[hookwire.GenerateResult]] = []
+    for stream in streams:
+        before = lab.queued()
+        await stream.start()
+        tasks.append(asyncio.ensure_future(stream.result()))
+        await until(lambda: lab.queued() == before + 1, "the call's prefill to be queued")
+    return tasks
+
+
+async def lockstep(lab: Lab, tasks: list[asyncio.Future[Any]], stop: Callable[[], bool] = lambda: False) -> None:
+    """Releases the held scheduler one pass at a time, each time once every running call
+    (a task not done) has its next step queued, until the calls are done or ``stop()``.
+    So every pass holds a call's prefill alone, or the decoding steps of all the calls
+    running past their prefill. (Read in this order, ``queued`` equals the running calls
+    only when each of them has a step waiting: a call that is done queues nothing.)"""
+    while True:
+        await until(lambda: lab.queued() == sum(not t.done() for t in tasks), "every running call's next step")
+        if all(t.done() for t in tasks) or stop():
+            return
+        seen = lab.passes.observed
+        lab.release()
+        await until(lambda: lab.passes.observed > seen, "the released pass")
+
+
+@pytest.fixture
+def stepping(lab: Lab) -> Iterator[None]:
+    """The scheduler held, and held again after every pass, for the test; free after it."""
+    lab.passes.reset()
+    lab.passes.stepping = True
+    lab.hold()
+    try:
+        yield
+    finally:
+        lab.passes.stepping = False
+        lab.release()
+
+
+@pytest.fixture
+def held(lab: Lab) -> Iterator[None]:
+    """The scheduler held until the test releases it (then passes form by themselves)."""
+    lab.passes.reset()
+    lab.hold()
+    try:
+        yield
+    finally:
+        lab.release()
+
+
+# --------------------------------------------------------------------------- the alone oracle
+
+
+@dataclasses.dataclass
+class Alone:
+    """One call run alone in-process: each sequence's tokens (up to its EOS) and the top-2
+    margin of the scores its greedy choice took at each step."""
+
+    tokens: list[list[int]]
+    margins: list[list[float]]
+
+    def checked(self, row: int) -> int:
+        """How many of the row's tokens a batched run must reproduce: those before the
+        first step whose margin is under MARGIN_BOUND."""
+        low = [s for s, m in enumerate(self.margins[row]) if m < MARGIN_BOUND]
+        return min([len(self.tokens[row]), *low])
+
+    def assert_matches(self, got: tuple[tuple[int, ...], ...], what: str) -> int:
+        """Checks ``got`` against the tokens where the margins allow; returns how many
+        tokens were compared."""
+        assert len(got) == len(self.tokens), what
+        compared = 0
+        for row, want in enumerate(self.tokens):
+            n = self.checked(row)
+            assert list(got[row][:n]) == want[:n], f"{what}, sequence {row}: first {n} tokens differ"
+            if n == len(want):
+                assert list(got[row]) == want, f"{what}, sequence {row}"
+            compared += n
+        return compared
+
+
+def alone(prompts: list[str], max_new_tokens: int, *, steer: torch.Tensor | None = None, **settings: Any) -> Alone:
+    """transformers' generate() on the prompts alone (greedy unless ``settings`` say
+    otherwise); ``steer`` is added to model.layers.0's output at every step, as the add rule
+    does remotely."""
+    ids, mask = oracle.batch(prompts)
+    settings = {"do_sample": False, **settings}
+    seed = settings.pop("seed", None)
+    hook = None
+    if steer is not None:
+        hook = oracle.model().get_submodule("model.layers.0").register_forward_hook(lambda m, a, out: out + steer)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = oracle.model().generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                          output_scores=True, return_dict_in_generate=True, **settings)
+    finally:
+        if hook is not None:
+            hook.remove()
+    tokens, margins = [], []
+    scores = torch.stack(out.scores, 1)  # [rows, steps, vocab]
+    top = scores.topk(2, dim=-1).values
+    for row, seq in enumerate(out.sequences[:, ids.shape[1]:].tolist()):
+        seq = seq[: seq.index(EOS) + 1] if EOS in seq else seq
+        tokens.append(seq)
+        margins.append((top[row, : len(seq), 0] - top[row, : len(seq), 1]).tolist())
+    return Alone(tokens, margins)
+
+
+# --------------------------------------------------------------------------- the replay oracle
+
+
+class Replayed:
+    """One greedy Generate call redone in-process, pass by pass, as the server keeps it:
+    generate()'s inputs (position ids from the mask, an all-ones mask dropped), a
+    DynamicCache, one token per sequence a step, finished sequences fed the pad token."""
+
+    def __init__(self, prompts: list[str], max_new_tokens: int) -> None:
+        ids, mask = oracle.batch(prompts)
+        self.ids = ids
+        self.positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        self.mask: torch.Tensor | None = None if bool(mask.all()) else mask
+        self.cache = DynamicCache()
+        self.max_new_tokens = max_new_tokens
+        self.step = 0
+        self.running = torch.ones(ids.shape[0], dtype=torch.long)
+        self.tokens: list[list[int]] = [[] for _ in range(ids.shape[0])]
+        self.done = False
+        #: (step, module, phase, what the hook saw: the call's own rows and keys)
+        self.captures: list[tuple[int, str, str, Any]] = []
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.shape[0])
+
+    def inputs(self) -> dict[str, Any]:
+        if self.step == 0:
+            out = {"input_ids": self.ids.clone(), "position_ids": self.positions}
+        else:
+            out = {"input_ids": self.ids[:, -1:].clone(), "position_ids": self.positions[..., -1:].clone()}
+        if self.mask is not None:
+            out["attention_mask"] = self.mask
+        return {**out, "past_key_values": self.cache, "logits_to_keep": 1, "use_cache": True}
+
+    def advance(self, logits: torch.Tensor, cache: DynamicCache) -> None:
+        assert not self.done
+        self.cache = cache
+        self.positions = torch.cat([self.positions, self.positions[..., -1:] + 1], dim=-1)
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones((self.rows, 1))], dim=-1)
+        chosen = torch.argmax(logits[:, -1].to(copy=True, dtype=torch.float32), dim=-1)
+        chosen = chosen * self.running + PAD * (1 - self.running)
+        for row, (token, running) in enumerate(zip(chosen.tolist(), self.running.tolist())):
+            if running:
+                self.tokens[row].append(token)
+        self.ids = torch.cat([self.ids, chosen[:, None]], dim=-1)
+        self.running = self.running & (chosen != EOS).long()
+        self.done = not bool(self.running.any()) or self.step == self.max_new_tokens - 1
+        self.step += 1
+
+
+@dataclasses.dataclass
+class _Segment:
+    call: Replayed
+    start: int
+    stop: int
+    own: int
+
+
+class Replay:
+    """Redoes the recorded passes in-process (see the module docstring), with torch hooks
+    on ``hooks`` (path, phase) recording into each call's ``captures``."""
+
+    def __init__(self, calls: dict[str, Replayed], hooks: tuple[tuple[str, str], ...] = ()) -> None:
+        self.calls = calls
+        self.hooks = hooks
+        self.model = oracle.model()
+        self._segments: list[_Segment] = []
+        self._keys: int | None = None
+        #: Per call in a joined pass: (the padded key length, the call's own keys).
+        self.cuts: list[tuple[int, int]] = []
+
+    def run(self, runs: list[Run]) -> None:
+        handles = [self._hook(path, phase) for path, phase in self.hooks]
+        try:
+            with torch.no_grad():
+                for run in runs:
+                    calls = [self.calls[rid] for rid, _ in run.calls]
+                    assert [c.step for c in calls] == [step for _, step in run.calls], run
+                    assert not run.errors and run.shared == (len(calls) > 1), f"a pass failed: {run}"
+                    if len(calls) == 1:
+                        self._alone(calls[0])
+                    else:
+                        self._joined(calls)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _alone(self, call: Replayed) -> None:
+        self._segments, self._keys = [_Segment(call, 0, call.rows, 0)], None
+        out = self.model(**call.inputs(), return_dict=True)
+        call.advance(out.logits, out.past_key_values)
+
+    def _joined(self, calls: list[Replayed]) -> None:
+        own = [c.cache.get_seq_length() + 1 for c in calls]  # the keys each call's step attends to
+        keys = padded_length(own, model_dimensions(self.model), None)
+        assert keys is not None
+        inputs = [c.inputs() for c in calls]
+        segments, start = [], 0
+        for call, n in zip(calls, own):
+            segments.append(_Segment(call, start, start + call.rows, n))
+            start += call.rows
+        mask = torch.zeros((start, keys), dtype=torch.long)
+        for seg, i in zip(segments, inputs):
+            mask[seg.start:seg.stop, keys - seg.own:] = i.get("attention_mask", 1)
+        layers = []
+        for index in range(len(calls[0].cache.layers)):
+            stacked = []
+            for which in ("keys", "values"):
+                first = getattr(calls[0].cache.layers[index], which)
+                padded = first.new_zeros((start, first.shape[1], keys - 1, *first.shape[3:]))
+                for seg in segments:
+                    mine = getattr(seg.call.cache.layers[index], which)
+                    padded[seg.start:seg.stop, :, keys - 1 - mine.shape[2]:] = mine
+                stacked.append(padded)
+            layers.append((stacked[0], stacked[1]))
+        self._segments, self._keys = segments, keys
+        self.cuts += [(keys, n) for n in own]
+        out = self.model(
+            input_ids=torch.cat([i["input_ids"] for i in inputs]),
+            position_ids=torch.cat([i["position_ids"] for i in inputs]),
+            attention_mask=mask, past_key_values=DynamicCache(ddp_cache_data=layers),
+            logits_to_keep=1, use_cache=True, return_dict=True,
+        )
+        for seg in segments:
+            mine = DynamicCache(ddp_cache_data=[
+                (layer.keys[seg.start:seg.stop, :, keys - seg.own:],
+                 layer.values[seg.start:seg.stop, :, keys - seg.own:])
+                for layer in out.past_key_values.layers
+            ])
+            seg.call.advance(out.logits[seg.start:seg.stop], mine)
+
+    def _cut(self, value: Any, seg: _Segment) -> Any:
+        """The call's rows of ``value`` and, in a joined pass, its own keys (the last ``own``
+        of every dimension of the padded key length), cloned; caches as None (as sent)."""
+        if isinstance(value, torch.Tensor):
+            if self._keys is None:
+                return value.detach().clone()
+            index: list[slice] = [slice(seg.start, seg.stop)] + [
+                slice(self._keys - seg.own, None) if size == self._keys else slice(None) for size in value.shape[1:]
+            ]
+            return value[tuple(index)].detach().clone()
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._cut(v, seg) for v in value)
+        if isinstance(value, dict):
+            return {k: self._cut(v, seg) for k, v in value.items()}
+        if isinstance(value, DynamicCache):
+            return None
+        return value
+
+    def _hook(self, path: str, phase: str) -> Any:
+        module = self.model.get_submodule(path)
+
+        def record(value: Any) -> None:
+            for seg in self._segments:
+                seg.call.captures.append((seg.call.step, path, phase, self._cut(value, seg)))
+
+        if phase == "forward_pre":
+            return module.register_forward_pre_hook(lambda m, args, kwargs: record((args, kwargs)), with_kwargs=True)
+        return module.register_forward_hook(lambda m, args, output: record(output))
+
+
+def assert_events_equal(events: tuple[hookwire.InterceptEvent, ...], call: Replayed, what: str) -> None:
+    """The call's events are the replay's captures, in order, bit for bit."""
+    assert [(e.step, e.module, e.phase) for e in events] == [c[:3] for c in call.captures], what
+    for event, (step, module, phase, local) in zip(events, call.captures):
+        where = f"{what}: {module} {phase} at step {step}"
+        if phase == "forward_pre":
+            args, kwargs = local
+            assert_same(event.args, args, f"{where}: args")
+            assert sorted(event.kwargs) == sorted(kwargs), where  # a protobuf map: not the call's order
+            assert_same({k: event.kwargs[k] for k in kwargs}, kwargs, f"{where}: kwargs")
+        else:
+            assert_same(event.output, local, f"{where}: output")
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+#: What (a) captures on the server, and the same hooks in the replay.
+CAPTURES = [
+    hookwire.HookSpec("model.layers.0", prehook=hookwire.capture("args", "kwargs"),
+                      prehook_kwargs={"with_kwargs": True}),
+    hookwire.HookSpec("model.layers.*.self_attn", posthook=hookwire.capture("output")),
+    hookwire.HookSpec("lm_head", posthook=hookwire.capture("output")),
+]
+REPLAY_HOOKS = (("model.layers.0", "forward_pre"), ("model.layers.0.self_attn", "forward"),
+                ("model.layers.1.self_attn", "forward"), ("lm_head", "forward"))
+
+
+async def test_joined_steps_equal_an_in_process_replay_bit_for_bit(
+    client: hookwire.Client, lab: Lab, stepping: None,
+) -> None:
+    # Prompts of different lengths; two calls of two sequences (one padded on the left
+    # within the call, one of equal lengths, whose all-ones mask generate() drops); calls
+    # that end at different steps; and one that starts after the others have decoded.
+    plan = {
+        "a": (["Hello world, the model"], 7),
+        "b": (["the", "once upon a time there"], 9),
+        "c": (["the cat", "the dog"], 5),
+        "late": (["data"], 4),
+    }
+    model = client.model(MODEL)
+    joined_before = lab.joined_passes()
+    streams = {name: model.generate(prompts, n, do_sample=False, hooks=CAPTURES) for name, (prompts, n) in plan.items()}
+    tasks = await started(lab, [streams["a"], streams["b"], streams["c"]])
+    a_id = streams["a"].request_id
+    await lockstep(lab, tasks, stop=lambda: lab.passes.ran(a_id, 2))
+    tasks += await started(lab, [streams["late"]])
+    await lockstep(lab, tasks)
+    results = dict(zip(plan, await asyncio.gather(*tasks)))
+
+    # How the passes formed: each prefill alone; every decoding step joined with those of
+    # all the other calls running past their prefill (so calls left as they ended, and the
+    # late call joined once it had its prefill).
+    ids = {name: r.request_id for name, r in results.items()}
+    last = {r.request_id: r.steps - 1 for r in results.values()}
+    done: dict[str, int] = {}  # the last step each call has run
+    for run in lab.passes.runs:
+        if len(run.calls) == 1 and run.calls[0][1] == 0:
+            done[run.calls[0][0]] = 0
+            continue
+        running = {rid for rid, step in done.items() if step < last[rid]}
+        assert run.ids == running and all(step == done[rid] + 1 for rid, step in run.calls), lab.passes.runs
+        done.update(run.calls)
+    assert done == last
+    assert all(run.shared for run in lab.passes.of(ids["late"])[1:])
+    assert not any(ids["late"] in run.ids for run in lab.passes.of(ids["a"])[:3])  # it came after step 2
+    assert lab.joined_passes() - joined_before == sum(run.shared for run in lab.passes.runs) >= 6
+
+    calls = {r.request_id: Replayed(plan[name][0], plan[name][1]) for name, r in results.items()}
+    replay = Replay(calls, REPLAY_HOOKS)
+    replay.run(lab.passes.runs)
+    for name, result in results.items():
+        call = calls[result.request_id]
+        assert call.done and result.steps == call.step, name
+        assert [list(t) for t in result.token_ids] == call.tokens, name
+        assert all(e.request_id == result.request_id for e in result.events), name
+        assert_events_equal(result.events, call, name)
+    # The passes padded and cut: in some joined step, a call's own keys were fewer than
+    # the padded length (the replay cut them, and the captures equal its cuts).
+    assert any(own < keys for keys, own in replay.cuts), replay.cuts
+
+
+async def test_greedy_calls_batched_choose_the_tokens_they_choose_alone(
+    client: hookwire.Client, lab: Lab, held: None,
+) -> None:
+    # Six calls of different prompt lengths, two of them of two sequences, ending at
+    # different steps; after the prefills, passes form by themselves.
+    plan = [(["Hello"], 10), (["the cat", "the dog"], 8), (["once upon a time"], 10),
+            (["data", "hello there"], 6), (["the cat sat"], 9), (["is the"], 10)]
+    model = client.model(MODEL)
+    joined_before = lab.joined_passes()
+    tasks = await started(lab, [model.generate(prompts, n, do_sample=False) for prompts, n in plan])
+    lab.release()
+    results = await asyncio.gather(*tasks)
+    assert lab.joined_passes() > joined_before, "no Generate step was batched"
+    assert any(run.shared for run in lab.passes.runs)
+    wants = [alone(prompts, n) for prompts, n in plan]
+    compared = 0
+    for (prompts, n), want, result in zip(plan, wants, results):
+        n = want.assert_matches(result.token_ids, f"{prompts}")
+        if n == sum(len(t) for t in want.tokens):  # all compared: the call ran as many steps
+            assert result.steps == max(len(t) for t in want.tokens), prompts
+        compared += n
+    # Not vacuous: the margins let (nearly) every token be compared.
+    total = sum(len(t) for want in wants for t in want.tokens)
+    assert compared >= 0.9 * total, (compared, total)
+
+
+async def test_rules_sessions_and_step_ranges_stay_with_their_own_call(lab: Lab, stepping: None) -> None:
+    # Three callers, each with its own session: one steers its own tokens with a request
+    # hook's add rule; one has a session hook gated to steps 1..; one, started after the
+    # others have decoded two steps (so its steps are not theirs), captures with request
+    # hooks gated to some steps. They end at different steps.
+    steer = torch.randn(64, generator=torch.Generator().manual_seed(5))
+    plain = {"steered": (["the cat sat"], 8), "session": (["is the"], 10), "gated": (["Hello", "once upon a time"], 6)}
+    async with hookwire.connect(lab.srv.target) as a, hookwire.connect(lab.srv.target) as b, \
+            hookwire.connect(lab.srv.target) as c:
+        async with c.model(MODEL).hook("model.layers.0", posthook=hookwire.capture("output"), steps=(1, None)) as hook:
+            streams = {
+                "steered": a.model(MODEL).generate(
+                    *plain["steered"], do_sample=False,
+                    hooks=[hookwire.HookSpec("model.layers.0", posthook=rules.add("output", steer))]),
+                "session": c.model(MODEL).generate(*plain["session"], do_sample=False),
+                "gated": b.model(MODEL).generate(*plain["gated"], do_sample=False, hooks=[
+                    hookwire.HookSpec("model.norm", posthook=hookwire.capture("output"), steps=(2, 3)),
+                    hookwire.HookSpec("model.layers.1", posthook=hookwire.capture("output"), steps=(0, 0))]),
+            }
+            tasks = await started(lab, [streams["steered"], streams["session"]])
+            first = streams["steered"].request_id
+            await lockstep(lab, tasks, stop=lambda: lab.passes.ran(first, 2))
+            tasks += await started(lab, [streams["gated"]])
+            await lockstep(lab, tasks)
+            results = dict(zip(streams, await asyncio.gather(*tasks)))
+            session_events = [e async for e in hook.events(until=results["session"])]
+    ids = {name: r.request_id for name, r in results.items()}
+    assert len(set(ids.values())) == 3
+    # The gated call's steps 2 and 3 shared passes with the others' later steps.
+    for step in (2, 3):
+        [run] = [run for run in lab.passes.runs if (ids["gated"], step) in run.calls]
+        assert run.shared and run.ids == set(ids.values()), run
+        assert all(s > step for rid, s in run.calls if rid != ids["gated"]), run
+
+    # Tokens: the steered call as it runs alone with the same edit, the others as they run
+    # alone unsteered; the edit did change the steered call's tokens.
+    steered = alone(*plain["steered"], steer=steer)
+    assert steered.tokens != alone(*plain["steered"]).tokens
+    steered.assert_matches(results["steered"].token_ids, "steered")
+    alone(*plain["gated"]).assert_matches(results["gated"].token_ids, "gated")
+    alone(*plain["session"]).assert_matches(results["session"].token_ids, "session")
+    assert results["steered"].events == ()
+
+    # Events: each call's own, with its own request id and step numbers, in its own gated steps.
+    gated = results["gated"]
+    assert [(e.step, e.module) for e in gated.events] == [(0, "model.layers.1"), (2, "model.norm"), (3, "model.norm")]
+    assert {e.request_id for e in gated.events} == {ids["gated"]}
+    assert len(gated.events_by_step) == gated.steps == 6
+    ids_b, mask_b = oracle.batch(plain["gated"][0])
+    with oracle.recording("model.norm", "model.layers.1") as local:
+        oracle.generate(ids_b, mask_b, 6, do_sample=False)
+    assert torch.equal(gated.events[0].output, local["model.layers.1"][0])  # the prefill runs alone: exact
+    for event in gated.events[1:]:  # a joined step: its own rows, as alone up to rounding
+        torch.testing.assert_close(event.output, local["model.norm"][event.step], rtol=1e-5, atol=1e-6)
+    assert [(e.request_id, e.step) for e in session_events] == [(ids["session"], s) for s in range(1, 10)]
+    assert all(e.output.shape == (1, 1, 64) for e in session_events)
+
+
+async def test_seeded_sampling_batched_draws_what_it_draws_alone(client: hookwire.Client, lab: Lab, held: None) -> None:
+    # Each call samples from its own generator: joined with others (one of them with the
+    # same seed and prompt, one greedy), it draws the tokens it draws alone.
+    calls: list[tuple[list[str], dict[str, Any]]] = [
+        (["the cat sat"], dict(seed=11, temperature=0.7, top_k=50)),
+        (["the cat sat"], dict(seed=11, temperature=0.7, top_k=50)),
+        (["Hello", "data"], dict(seed=99, top_p=0.9)),
+        (["once upon a time"], dict(seed=3)),
+    ]
+    model = client.model(MODEL)
+    tasks = await started(lab, [model.generate(p, 10, do_sample=True, **s) for p, s in calls]
+                          + [model.generate("is the", 10, do_sample=False)])
+    lab.release()
+    results = await asyncio.gather(*tasks)
+    assert any(len(run.calls) >= 4 and run.shared for run in lab.passes.runs), lab.passes.runs
+    for (prompts, settings), result in zip(calls, results):
+        want = alone(prompts, 10, do_sample=True, **settings)
+        assert [list(t) for t in result.token_ids] == want.tokens, (prompts, settings)
+        assert result.seed == settings["seed"] and result.do_sample
+    assert results[0].token_ids == results[1].token_ids
+    alone(["is the"], 10).assert_matches(results[4].token_ids, "greedy")
+
+
+async def test_cancelling_one_call_leaves_the_calls_it_was_batched_with_undisturbed(
+    client: hookwire.Client, lab: Lab, stepping: None,
+) -> None:
+    plan = {"cancelled": (["once upon a time"], 40), "b": (["the cat", "the dog"], 12), "c": (["Hello"], 12)}
+    model = client.model(MODEL)
+    streams = {name: model.generate(p, n, do_sample=False) for name, (p, n) in plan.items()}
+    tasks = await started(lab, list(streams.values()))
+    gone = streams["cancelled"].request_id
+    everyone = {stream.request_id for stream in streams.values()}
+    ended = lab.ended_calls()
+    await lockstep(lab, tasks, stop=lambda: lab.passes.ran(gone, 3))
+    tasks[0].cancel()  # the task awaiting its result: the RPC is cancelled
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[0]
+    with pytest.raises(hookwire.CancelledError):
+        await streams["cancelled"]
+    await until(lambda: lab.ended_calls() == ended + 1, "the cancelled call to end on the server")
+    cancelled_at = len(lab.passes.runs)
+    lab.passes.stepping = False
+    lab.release()
+    results = {name: await task for name, task in zip(["b", "c"], tasks[1:])}
+
+    # It ran up to its step 3 with the others, and never again; they went on together.
+    assert all(run.shared and run.ids == everyone for run in lab.passes.runs[3:cancelled_at]), lab.passes.runs
+    assert max(step for run in lab.passes.runs for rid, step in run.calls if rid == gone) == 3
+    assert not any(gone in run.ids for run in lab.passes.runs[cancelled_at:])
+    assert any(run.shared for run in lab.passes.runs[cancelled_at:])
+    # Their tokens: bit for bit those of the replayed passes, and those of each alone.
+    replayed = {gone: Replayed(*plan["cancelled"])}
+    replayed.update({r.request_id: Replayed(*plan[name]) for name, r in results.items()})
+    Replay(replayed).run(lab.passes.runs)
+    for name, result in results.items():
+        assert [list(t) for t in result.token_ids] == replayed[result.request_id].tokens, name
+        assert result.finish_reasons == ("length",) * len(plan[name][0]) and result.steps == 12
+        alone(*plan[name]).assert_matches(result.token_ids, name)
