@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import secrets
+import threading
 import time
 from typing import Iterable
 
@@ -21,7 +22,7 @@ from .auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
 from .errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from .event_bus import DeliveryLimits, EventStream
 from .hook_record import HookRecord, _notice
-from .hook_specs import compile_spec, require_hook_roles
+from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
 from .limits import Limits
 from .metrics import Metrics
 from .model_registry import ModelHost, ModelRegistry
@@ -33,6 +34,10 @@ SHUTDOWN_REASON = "the server is shutting down"
 #: Specs (and listings with operand data) up to this size are compiled (encoded) on the
 #: event loop; larger ones, whose rule operands take long to decode or encode, on a thread.
 OPERAND_BYTES_INLINE = 64 * 1024
+#: Request-scoped specs kept compiled (see HookManager._compile_request_spec), and the
+#: largest one kept (its operand tensors are decoded in it).
+COMPILED_SPECS = 256
+COMPILED_SPEC_MAX_BYTES = 64 * 1024
 
 
 class Session:
@@ -92,6 +97,10 @@ class HookManager:
         )
         self.allow_shared_rules = allow_shared_rules
         self._hooks: dict[str, HookRecord] = {}
+        #: Request-scoped specs already compiled, by model and serialized spec (most calls
+        #: repeat the hooks of the calls before them); oldest forgotten first.
+        self._compiled: dict[tuple[str, bytes], CompiledSpec] = {}
+        self._compiled_lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._background: set[asyncio.Future[None]] = set()
 
@@ -326,7 +335,7 @@ class HookManager:
             if spec.model and spec.model != host.name:
                 raise InvalidArgument(f"hooks[{i}].model: {spec.model!r} is not the request's model {host.name!r}")
             try:
-                compiled = compile_spec(spec, host, request_scoped=True, max_rules=self.limits.max_rules_per_action)
+                compiled = self._compile_request_spec(spec, host)
             except (InvalidArgument, NotFound) as exc:
                 raise type(exc)(f"hooks[{i}]: {exc}") from None
             if compiled.uses_slots and session is None:
@@ -336,6 +345,25 @@ class HookManager:
                 slots=session.slots if session is not None else None, metrics=self.metrics, owner=principal,
             ))
         return records
+
+    def _compile_request_spec(self, spec: hook_pb2.HookSpec, host: ModelHost) -> CompiledSpec:
+        """compile_spec for a request-scoped hook, from the cache when the same spec (to
+        the byte) was compiled for the model before. A compiled spec is immutable but for
+        its rules' cast operands, which only the model's worker thread touches. Specs over
+        COMPILED_SPEC_MAX_BYTES (large operands) are compiled each time, to bound the cache."""
+        key = None
+        if spec.ByteSize() <= COMPILED_SPEC_MAX_BYTES:
+            key = (host.name, spec.SerializeToString(deterministic=True))
+            found = self._compiled.get(key)
+            if found is not None:
+                return found
+        compiled = compile_spec(spec, host, request_scoped=True, max_rules=self.limits.max_rules_per_action)
+        if key is not None:
+            with self._compiled_lock:  # compiled on threads (see Inference.infer)
+                if len(self._compiled) >= COMPILED_SPECS:
+                    self._compiled.pop(next(iter(self._compiled)))
+                self._compiled[key] = compiled
+        return compiled
 
     # ---------------------------------------------------------------- slots
 

@@ -30,7 +30,7 @@ from hookwire.v1 import model_service_pb2
 
 from .batching import BatchSettings, model_dimensions
 from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from .module_patterns import match_paths
+from .module_patterns import PathIndex
 
 if TYPE_CHECKING:
     from .batching import Batch
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hookwire.models")
 T = TypeVar("T")
+#: Patterns a model remembers the resolution of (oldest forgotten first).
+RESOLVED_PATTERNS = 256
 
 
 def _wire_dtype_or_unspecified(dtype: Any) -> int:
@@ -210,6 +212,10 @@ class ModelHost:
         self._tokenizer_worker = DaemonWorker(f"tokenizer:{name}") if tokenizer is not None else None
         self.modules: dict[str, nn.Module] = dict(module.named_modules())
         self.paths: list[str] = list(self.modules)
+        self._index = PathIndex(self.paths)
+        #: Patterns already resolved (module paths never change): most calls repeat theirs.
+        self._resolved: dict[str, list[str]] = {}
+        self._resolved_lock = threading.Lock()
         self._path_of: dict[int, str] = {id(m): p for p, m in self.modules.items()}
         first = next(module.parameters(), None)
         #: Where rule operands are decoded to (the device of the model's first parameter).
@@ -268,15 +274,21 @@ class ModelHost:
 
     def resolve(self, pattern: str) -> list[str]:
         """The module paths ``pattern`` names; NotFound when none."""
-        try:
-            found = match_paths(pattern, self.paths)
-        except ValueError as exc:
-            raise InvalidArgument(f"module: {exc}") from None
+        found = self._resolved.get(pattern)
+        if found is None:
+            try:
+                found = self._index.match(pattern)
+            except ValueError as exc:
+                raise InvalidArgument(f"module: {exc}") from None
+            with self._resolved_lock:  # called from the loop and from compile threads
+                if len(self._resolved) >= RESOLVED_PATTERNS:
+                    self._resolved.pop(next(iter(self._resolved)))
+                self._resolved[pattern] = found
         if not found:
             if "*" in pattern or "?" in pattern:
                 raise NotFound(f"pattern {pattern!r} matches no module of model {self.name!r}")
             raise NotFound(f"model {self.name!r} has no module {pattern!r}")
-        return found
+        return list(found)
 
     def path_of(self, module: nn.Module) -> str | None:
         """The path of one of this model's modules, or None."""

@@ -78,8 +78,82 @@ def is_glob(pattern: str) -> bool:
 
 def match_paths(pattern: str, paths: list[str]) -> list[str]:
     """The paths that ``pattern`` matches, in the given order."""
-    if len(pattern) > MAX_PATTERN_LENGTH:
-        raise ValueError(f"a module pattern is at most {MAX_PATTERN_LENGTH} characters")
-    if not is_glob(pattern):
-        return [pattern] if pattern in paths else []
-    return [p for p in paths if matches(pattern, p)]
+    return PathIndex(paths).match(pattern)
+
+
+class PathIndex:
+    """A model's module paths in a trie, matched against a pattern all at once.
+
+    Paths share long prefixes ("encoder.layer.3.attention.self.query"), so the pattern's
+    automaton steps once per trie edge instead of once per character of every path, and
+    its state sets are turned into a DFA as they are met (one dict lookup per edge after
+    the first pattern's walk). Safe to use from several threads: the DFA table is only
+    ever added to, with whole entries.
+    """
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = list(paths)
+        self._exact = {path: i for i, path in enumerate(self.paths)}
+        #: children[node][char] -> node; terminal[node] -> index of the path ending there.
+        self._children: list[dict[str, int]] = [{}]
+        self._terminal: list[int] = [-1]
+        for index, path in enumerate(self.paths):
+            node = 0
+            for ch in path:
+                nxt = self._children[node].get(ch)
+                if nxt is None:
+                    nxt = len(self._children)
+                    self._children[node][ch] = nxt
+                    self._children.append({})
+                    self._terminal.append(-1)
+                node = nxt
+            self._terminal[node] = index
+
+    def match(self, pattern: str) -> list[str]:
+        """The paths ``pattern`` matches, in the order given; ValueError for a pattern
+        over MAX_PATTERN_LENGTH characters."""
+        if len(pattern) > MAX_PATTERN_LENGTH:
+            raise ValueError(f"a module pattern is at most {MAX_PATTERN_LENGTH} characters")
+        if not is_glob(pattern):
+            return [pattern] if pattern in self._exact else []
+        tokens = _tokens(pattern)
+        n = len(tokens)
+
+        def closure(states: set[int]) -> frozenset[int]:
+            stack = list(states)
+            while stack:
+                s = stack.pop()
+                if s < n and tokens[s] in (_STAR, _GLOBSTAR) and s + 1 not in states:
+                    states.add(s + 1)
+                    stack.append(s + 1)
+            return frozenset(states)
+
+        dfa: dict[tuple[frozenset[int], str], frozenset[int]] = {}
+
+        def step(states: frozenset[int], ch: str) -> frozenset[int]:
+            key = (states, ch)
+            found = dfa.get(key)
+            if found is None:
+                following: set[int] = set()
+                for s in states:
+                    if s == n:
+                        continue
+                    token = tokens[s]
+                    if token is _GLOBSTAR or (token is _STAR and ch != "."):
+                        following.add(s)
+                    elif (token is _ONE and ch != ".") or token == ch:
+                        following.add(s + 1)
+                found = dfa[key] = closure(following) if following else frozenset()
+            return found
+
+        hits: list[int] = []
+        stack = [(0, closure({0}))]
+        while stack:
+            node, states = stack.pop()
+            if n in states and self._terminal[node] >= 0:
+                hits.append(self._terminal[node])
+            for ch, child in self._children[node].items():
+                following = step(states, ch)
+                if following:
+                    stack.append((child, following))
+        return [self.paths[i] for i in sorted(hits)]
