@@ -78,7 +78,6 @@ class HookRecord:
         self.fire_count = 0
         self.errors = 0
         metrics = metrics or _NO_METRICS
-        self._fires_metric = metrics.hook_fires.labels(host.name)
         self.counters = HookCounters(on_drop=metrics.events_dropped.labels(host.name).inc)
         self.last_fired_ns = 0
         #: Wall-clock expiry (ns) of a hook without a session; 0 for none.
@@ -198,14 +197,22 @@ class HookRecord:
         steps = self.compiled.steps
         if steps is not None and not (steps[0] <= p.step and (steps[1] is None or p.step <= steps[1])):
             return None
+        listened = self.compiled.scope == SCOPE_REQUEST or bool(self.streams)
+        if not listened and not action.rules:
+            # Nobody to tell and nothing to change: count the firing (Hook.fire_count) and go.
+            # Its call index is never seen, and a listener that arrives later counts from
+            # its first full pass.
+            if self.compiled.train_update if module.training else self.compiled.eval_update:
+                self.fire_count += 1
+                self.host.fires += 1
+            return None
         call_index = p.next_call_index(self.hook_id, path, action.phase)
         training = module.training
         if not (self.compiled.train_update if training else self.compiled.eval_update):
             return None
         self.fire_count += 1
-        self._fires_metric.inc()
+        self.host.fires += 1
         self.last_fired_ns = time.time_ns()
-        listened = self.compiled.scope == SCOPE_REQUEST or bool(self.streams)
         capture = bool(action.capture) and listened and (self._sampler is None or self._sampler.take(path, action.phase))
         if not action.rules:
             if capture:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -41,7 +43,8 @@ class Metrics:
             "hookwire_queue_delay_seconds", "Time a call (or Generate step) waited in its model's queue for a pass.",
             ["model", "kind"], buckets=LATENCY_BUCKETS, registry=r,
         )
-        self.hook_fires = Counter("hookwire_hook_fires", "Hook firings that passed scope and gating, by model.", ["model"], registry=r)
+        self._fires: Callable[[], dict[str, int]] = dict
+        r.register(_Fires(self))
         self.events_sent = Counter("hookwire_events_sent", "Events handed to gRPC on event streams.", registry=r)
         self.events_dropped = Counter("hookwire_events_dropped", "Events dropped by drop policies, by model.", ["model"], registry=r)
         self.stream_bytes = Counter("hookwire_stream_bytes", "Tensor bytes handed to gRPC on event streams.", registry=r)
@@ -52,6 +55,10 @@ class Metrics:
         self.streams = Gauge("hookwire_streams", "Open event streams (sessions and subscriptions).", registry=r)
         self._server: object | None = None
         self._thread: threading.Thread | None = None
+
+    def watch_fires(self, fires: Callable[[], dict[str, int]]) -> None:
+        """hookwire_hook_fires_total, read at scrape time: firings by model (ModelHost.fires)."""
+        self._fires = fires
 
     def watch(
         self, *, sessions: Callable[[], float], hooks: Callable[[], float], streams: Callable[[], float],
@@ -84,3 +91,18 @@ class Metrics:
             self._server.shutdown()  # type: ignore[attr-defined]
             self._server.server_close()  # type: ignore[attr-defined]
             self._server = None
+
+
+class _Fires(Collector):
+    """hookwire_hook_fires_total from the models' own counters, read at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "hookwire_hook_fires", "Hook firings that passed scope and gating, by model.", labels=["model"]
+        )
+        for model, count in sorted(self._metrics._fires().items()):
+            family.add_metric([model], count)
+        yield family

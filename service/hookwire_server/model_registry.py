@@ -221,6 +221,10 @@ class ModelHost:
         #: Where rule operands are decoded to (the device of the model's first parameter).
         self.device = first.device if first is not None else torch.device("cpu")
         self._executor = DaemonWorker(f"model:{name}")
+        #: Hook firings on this model that passed scope and gating (the hook_fires metric):
+        #: a plain counter only the worker thread adds to, as a metric increment per firing
+        #: would cost as much as the firing itself.
+        self.fires = 0
         #: The calls of the pass running on the worker thread, read by hooks as they fire.
         self.current_batch: Batch | None = None
         #: The model config's batching keys (unset ones take the server's defaults).

@@ -145,6 +145,7 @@ class HookwireServer:
         self.settings = settings or ServerSettings()
         self.metrics = Metrics()
         registry.configure_batching(self.settings.batch_defaults(), self.metrics.observe_batch)
+        self.metrics.watch_fires(lambda: {host.name: host.fires for host in registry})
         self.hooks = HookManager(
             registry, allow_shared_rules=self.settings.allow_shared_rules, limits=self.settings, metrics=self.metrics,
         )
