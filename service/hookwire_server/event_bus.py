@@ -292,6 +292,21 @@ class EventStream:
             counters.add(sent=1)
         return True
 
+    def drop_if_full(
+        self, hook_id: str, *, session_id: str = "", principal: str = "", counters: HookCounters | None = None,
+    ) -> bool:
+        """For DROP_NEWEST: when the buffer already holds max_events events, the next event
+        is dropped whatever its size, so it is numbered and counted as dropped now, and the
+        caller need not encode it. True when it was dropped; any thread."""
+        if self.limits.policy != DROP_NEWEST or self.blocks_for(session_id, principal):
+            return False
+        with self._lock:
+            if self._closed or self._ending or self._events < self.limits.max_events:
+                return False
+            self._seq[hook_id] = self._seq.get(hook_id, 0) + 1
+            self._count_drop(counters)
+        return True
+
     def _count_drop(self, counters: HookCounters | None, *, run: bool = True) -> None:
         """Counts a drop; ``run``: because the buffer is full (a run of drops, with notices)."""
         self.dropped += 1

@@ -258,6 +258,16 @@ class HookRecord:
             p.deliver(event, chunker)
             return
         streams = self.streams
+        if streams and not p.holding:
+            # A full DROP_NEWEST stream drops the event whatever it holds: numbered and counted
+            # now, never encoded. (Not in a shared pass: its events are numbered as they leave.)
+            kept = []
+            for stream in streams:
+                if stream.drop_if_full(self.hook_id, session_id=p.session_id, principal=p.principal, counters=self.counters):
+                    p.offered(stream)  # its CallEnded marker still follows
+                else:
+                    kept.append(stream)
+            streams = tuple(kept)
         if not streams:
             return  # nobody listens: no copies
         msg = hook_service_pb2.SessionMessage()

@@ -119,6 +119,11 @@ class Pass:
 
     # ------------------------------------------------------------ shared passes
 
+    @property
+    def holding(self) -> bool:
+        """Whether the call shares a pass now (its events are held, see hold)."""
+        return self._held is not None
+
     def hold(self) -> None:
         """Before a pass the call shares with other calls: keep what its hooks emit until
         the pass succeeded (``release``), and remember where its numbering stood, so that
