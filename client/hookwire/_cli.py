@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int,
                        help="most rows in one batched pass, for models whose config does not say (default 32)")
     serve.add_argument("--max-batch-delay-ms", type=float,
-                       help="how long the first call of a batch waits for others (default 0: only calls already waiting)")
+                       help="how long the first call of a pass may wait for others when the last pass held more "
+                            "(default 5; 0: only calls already waiting)")
     serve.add_argument("--tokens-file", help="principals and token hashes (see docs/security.md); also HOOKWIRE_TOKENS")
     serve.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")

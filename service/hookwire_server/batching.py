@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 DEFAULT_REDUCING_INPUTS = ("labels",)
 #: The most rows one batched pass holds unless configured.
 DEFAULT_MAX_BATCH_SIZE = 32
+#: How long the first call of a pass may wait for expected company (scheduler.py) unless configured.
+DEFAULT_MAX_BATCH_DELAY_MS = 5.0
 #: Bounds of the settings (config and flags are checked against them).
 LIMIT_MAX_BATCH_SIZE = 4096
 LIMIT_MAX_BATCH_DELAY_MS = 10_000.0
@@ -58,8 +60,9 @@ class BatchSettings:
     enabled: bool = True
     #: Most rows (summed over the joined calls) in one pass.
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
-    #: How long the first call of a batch waits for company; 0: only what is already queued.
-    max_batch_delay_ms: float = 0.0
+    #: How long the first call of a pass may wait for company when the model's last pass
+    #: held more rows than wait now (see scheduler.py); 0: only what is already queued.
+    max_batch_delay_ms: float = DEFAULT_MAX_BATCH_DELAY_MS
     #: The dimension along which calls' rows are stacked and sliced.
     batch_dim: int = 0
     #: Keyword inputs whose presence makes a call run alone (they reduce across rows).

@@ -3,8 +3,13 @@ thread runs takes the first waiting call with the calls behind it that can share
 pass (equal join key, rows up to max_batch_size).
 
 A pass starts when the worker is free: calls that arrive while a pass runs wait
-together and join the next one, so under load passes grow by themselves, and a lone
-call never waits for company unless max_batch_delay_ms asks it to. Infer calls and
+together and join the next one, so under load passes grow by themselves. When fewer
+rows wait than the last pass held, company is expected (the callers that pass answered
+send again soon): the first call then waits up to max_batch_delay_ms after the model
+became free, until that many rows wait. Without that wait, closed-loop callers settle
+into alternating passes of one call and of all the others (measured with 8 MiniLM
+callers: 249 of 513 passes held one call). A model whose callers come one at a time
+never waits: its last pass held one row. Infer calls and
 Generate decoding steps are both ``Work``; what a batch of them runs is the work's
 ``run`` function (inference.run_infer_batch, generation.run_step_batch), called once
 on the worker thread with the batch's payloads, returning one result (or exception)
@@ -65,6 +70,9 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._held = False
         self._closed = False
+        #: Rows of the last pass, and when it ended (see the wait for company in _loop).
+        self._last_rows = 0
+        self._free_since = 0.0
 
     @property
     def queued(self) -> int:
@@ -133,6 +141,9 @@ class Scheduler:
             work.withdrawn = True
             raise
 
+    def _rows_for(self, first: Work) -> int:
+        return sum(w.rows for w in self._compatible(first))
+
     def _compatible(self, first: Work) -> list[Work]:
         """The first waiting work and those behind it that may share its pass."""
         batch = [first]
@@ -175,12 +186,14 @@ class Scheduler:
             first = self._queue[0]
             settings = self._host.batching
             delay = settings.max_batch_delay_ms / 1e3
-            if delay > 0 and first.key is not None and settings.enabled:
-                # Wait for company, up to the first call's delay, while the batch is not full.
-                deadline = first.queued_at + delay
+            expected = min(settings.max_batch_size, self._last_rows)
+            if delay > 0 and first.key is not None and settings.enabled and self._rows_for(first) < expected:
+                # Company is expected: the last pass held more rows than wait now, and the callers
+                # it answered send again soon. Wait for them, up to the delay counted from when
+                # the model became free (or the call arrived), until as many rows wait.
+                deadline = max(first.queued_at, self._free_since) + delay
                 while (
-                    not self._held and not first.future.done()
-                    and sum(w.rows for w in self._compatible(first)) < settings.max_batch_size
+                    not self._held and not first.future.done() and self._rows_for(first) < expected
                     and (left := deadline - time.perf_counter()) > 0
                 ):
                     await self._wait_change(left)
@@ -200,6 +213,8 @@ class Scheduler:
                     raise
                 log.exception("a batch on %s failed as a whole", self._host.name)
                 results = [exc] * len(batch)
+            self._last_rows = sum(w.rows for w in batch)
+            self._free_since = time.perf_counter()
             _settle(batch, results)
             observe = self._host.observe_batch
             if observe is not None:

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from hookwire.v1 import hook_service_pb2, model_service_pb2
 
 from .auth import TokenStore
-from .batching import DEFAULT_MAX_BATCH_SIZE, BatchSettings
+from .batching import DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_MAX_BATCH_SIZE, BatchSettings
 from .security import AuthInterceptor, server_credentials
 from .hook_manager import HookManager
 from .generation import Generation
@@ -79,9 +79,10 @@ class ServerSettings(Limits):
     batching: bool = True
     #: Most rows in one batched pass, for models whose config does not say.
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
-    #: How long (ms) the first call of a batch waits for others to join, for models whose
-    #: config does not say; 0 joins only calls that are already waiting.
-    max_batch_delay_ms: float = 0.0
+    #: How long (ms) the first call of a pass may wait for others to join when the model's
+    #: last pass held more rows than wait now, for models whose config does not say; 0 joins
+    #: only calls that are already waiting.
+    max_batch_delay_ms: float = DEFAULT_MAX_BATCH_DELAY_MS
 
     def __post_init__(self) -> None:
         try:
