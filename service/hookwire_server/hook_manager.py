@@ -392,6 +392,7 @@ class HookManager:
         for record in records:
             record.streams = record.streams + (sub.stream,)
             record.subscriptions.append(sub)
+            record.listeners_changed()
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -404,6 +405,7 @@ class HookManager:
                 record.streams = tuple(s for s in record.streams if s is not sub.stream)
                 if sub in record.subscriptions:
                     record.subscriptions.remove(sub)
+                record.listeners_changed()
         sub.hook_ids.clear()
 
     def reauthorize(self, tokens: TokenStore) -> int:
@@ -477,6 +479,7 @@ class HookManager:
             record.streams = tuple(s for s in record.streams if s is not sub.stream)
             if sub in record.subscriptions:
                 record.subscriptions.remove(sub)
+            record.listeners_changed()
             sub.stream.put_notice(_notice(
                 hook_service_pb2.NOTICE_KIND_HOOK_REMOVED, hook_id,
                 f"hook {hook_id} removed from this subscription: another principal's hooks need the operator role; "

@@ -92,14 +92,43 @@ class HookRecord:
     # ---------------------------------------------------------------- worker thread
 
     def attach(self) -> None:
-        """Installs the torch hooks. Runs on the model's worker thread."""
+        """Makes the hook live and installs its torch hooks, unless it only captures and
+        nobody listens (see sync). Runs on the model's worker thread."""
         if self.removed:
             return
-        for path in self.compiled.modules:
-            module = self.host.modules[path]
-            for action in self.compiled.actions:
-                self._handles.append(_install(module, action, self._make_hook(action, path)))
         self.active = True
+        self.sync()
+
+    @property
+    def _needed(self) -> bool:
+        """Whether its torch hooks must be installed: it changes values, or someone listens
+        (its call, for a request-scoped hook; a session stream or a subscription)."""
+        return (
+            self.compiled.scope == SCOPE_REQUEST or bool(self.streams)
+            or any(action.rules for action in self.compiled.actions)
+        )
+
+    def sync(self) -> None:
+        """Installs the torch hooks of a live hook that needs them and removes those of one
+        that no longer does: a capture-only hook nobody listens to (a sessionless hook
+        without subscribers) costs the model nothing, not even torch's hook dispatch, and
+        does not count firings. Worker thread (listeners_changed queues it there)."""
+        if self.active and self._needed:
+            if not self._handles:
+                for path in self.compiled.modules:
+                    module = self.host.modules[path]
+                    for action in self.compiled.actions:
+                        self._handles.append(_install(module, action, self._make_hook(action, path)))
+        else:
+            handles, self._handles = self._handles, []
+            for handle in handles:
+                handle.remove()
+
+    def listeners_changed(self) -> None:
+        """After ``streams`` changed (a subscription came or went): installs or removes the
+        torch hooks on the worker thread, ahead of any pass queued after this call. Event loop."""
+        if self.compiled.scope != SCOPE_REQUEST and not any(action.rules for action in self.compiled.actions):
+            self.host.submit(self.sync)
 
     def detach(self) -> None:
         """Removes the torch hooks. Runs on the model's worker thread; idempotent."""
@@ -261,13 +290,13 @@ class HookRecord:
         if streams and not p.holding:
             # A full DROP_NEWEST stream drops the event whatever it holds: numbered and counted
             # now, never encoded. (Not in a shared pass: its events are numbered as they leave.)
-            kept = []
+            open_streams = []
             for stream in streams:
                 if stream.drop_if_full(self.hook_id, session_id=p.session_id, principal=p.principal, counters=self.counters):
                     p.offered(stream)  # its CallEnded marker still follows
                 else:
-                    kept.append(stream)
-            streams = tuple(kept)
+                    open_streams.append(stream)
+            streams = tuple(open_streams)
         if not streams:
             return  # nobody listens: no copies
         msg = hook_service_pb2.SessionMessage()

@@ -182,6 +182,11 @@ def _pad_token_id(host: ModelHost) -> int | None:
     return None
 
 
+def _log_job_failure(future: concurrent.futures.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("a job on a model's worker thread failed: %r", future.exception())
+
+
 class ModelHost:
     """One hosted model, the thread that runs it, and its tokenizer if it has one."""
 
@@ -267,6 +272,15 @@ class ModelHost:
         """Runs ``fn(*args)`` on the model's worker thread, after what is queued there."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Queues ``fn()`` on the model's worker thread without waiting for it (after what
+        is queued there, before what comes later); a failure is logged. Any thread."""
+        try:
+            future = self._executor.submit(fn)
+        except RuntimeError:  # shut down: nothing runs any more
+            return
+        future.add_done_callback(_log_job_failure)
 
     async def run_tokenizer(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Runs ``fn(*args, **kwargs)`` on the model's tokenizer thread, after what is
