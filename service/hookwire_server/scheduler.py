@@ -72,6 +72,7 @@ class Scheduler:
         self._closed = False
         #: Rows of the last pass, and when it ended (see the wait for company in _loop).
         self._last_rows = 0
+        self._last_works = 0
         self._free_since = 0.0
 
     @property
@@ -174,15 +175,16 @@ class Scheduler:
             if not self._queue or self._held:
                 await self._wait_change(None)
                 continue
-            # Let the calls whose results were just set queue their next work (a Generate call
-            # queues its next step as soon as it has its tokens): it joins this pass instead of
-            # trailing one pass behind the others for good.
-            for _ in range(4):
-                await asyncio.sleep(0)
-            while self._queue and self._queue[0].future.done():
-                self._queue.popleft()
-            if not self._queue:
-                continue
+            if self._last_works > 1:
+                # Let the calls whose results were just set queue their next work (a Generate call
+                # queues its next step as soon as it has its tokens): it joins this pass instead
+                # of trailing one pass behind the others for good. (A lone call skips this.)
+                for _ in range(4):
+                    await asyncio.sleep(0)
+                while self._queue and self._queue[0].future.done():
+                    self._queue.popleft()
+                if not self._queue:
+                    continue
             first = self._queue[0]
             settings = self._host.batching
             delay = settings.max_batch_delay_ms / 1e3
@@ -214,6 +216,7 @@ class Scheduler:
                 log.exception("a batch on %s failed as a whole", self._host.name)
                 results = [exc] * len(batch)
             self._last_rows = sum(w.rows for w in batch)
+            self._last_works = len(batch)
             self._free_since = time.perf_counter()
             _settle(batch, results)
             observe = self._host.observe_batch
