@@ -1,5 +1,7 @@
 # make serve  - start the server on the demo models (installs into .venv first)
 # make test   - type-check with mypy, then run the whole test suite (installs into .venv first)
+# make bench  - the hot-path benchmarks P1-P6 of issue #12, one table of ratios (installs into .venv first);
+#               make bench BENCH_ARGS=--quick for a shorter run
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -33,8 +35,10 @@ proto: $(STAMP)
 lint-proto:
 	cd proto && npx --yes @bufbuild/buf@1.50.0 lint
 
+BENCH_ARGS ?=
+
 bench: $(STAMP)
-	$(BIN)/python tests/bench/bench_capture.py
+	$(BIN)/python tests/bench/bench_hotpath.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

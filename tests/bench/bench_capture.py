@@ -1,146 +1,138 @@
 """Benchmark: remote Infer that captures every layer's output vs the same forward with in-process hooks.
 
-    .venv/bin/python tests/bench/bench_capture.py [--iters 300] [--batch 8] [--seq 32]
+    .venv/bin/python tests/bench/bench_capture.py [--quick] [--repeats 5] [--seed 0]
 
 Starts `hookwire serve` (demo models) as a separate process on a free loopback
-port, and measures in the same run:
-  local      forward of the demo transformer with torch forward hooks cloning
-             the output of every encoder layer (the in-process baseline);
+port, with torch at one intra-op thread there (OMP_NUM_THREADS=1,
+MKL_NUM_THREADS=1) and here (torch.set_num_threads(1)), and measures, on the demo
+tiny-transformer (batch 8, seq 32):
+  local      forward with torch forward hooks cloning the output of every encoder
+             layer (the in-process baseline);
   local+all  the same with hooks cloning the output of every module;
   remote     Infer of the same input with a session hook capturing the output of
-             every encoder layer, until the response and all its events arrived;
-  remote+all the same with a hook on every module ("**", root included);
-  request    the same capture as request-scoped hooks (events in the response);
-  bare       Infer without hooks.
-Prints p50/p99 per variant and the ratio of each remote p50 to its local baseline.
-Absolute times on shared machines are noisy; the ratios are what to compare.
+             every encoder layer, until the response and all its events arrived
+             (decoded to torch);
+  remote+all the same with a session hook on every module ("**", root included),
+             in a second client's session;
+  request    the layer captures as request-scoped hooks (events in the response);
+  bare       Infer without hooks and without a session.
+The six variants are interleaved (tests/bench/bench_hotpath.py's `interleaved`):
+per repeat, several blocks each running a short round of every variant in a random
+order, after a warm-up round of each. Prints per variant the median latency (min-max
+over repeats) and CPU per call (this process plus the server), and each ratio as the
+median (min-max) of its per-repeat ratios. Absolute times on shared machines are
+noisy; the ratios are what to compare. The figures of issue #12 (P1-P6) are
+bench_hotpath.py's; this script keeps the per-event view on the small demo model.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
+import os
+import random
 import subprocess
 import sys
-import time
-from typing import Awaitable, Callable
+from typing import Any
 
 import torch
 
 import hookwire
+from bench_hotpath import (SINGLE_THREAD_ENV, Round, RoundResult, Variant, clone, details, interleaved, latency,
+                           latency_round, spread, tiny_inputs)
 from hookwire_server.demo_models import tiny_transformer
 
 
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-
-def _selected(model: torch.nn.Module, every_module: bool) -> list[torch.nn.Module]:
-    return [m for p, m in model.named_modules()
-            if every_module or (p.startswith("encoder.layers.") and p.count(".") == 2)]
-
-
-def local_baseline(ids: torch.Tensor, mask: torch.Tensor, iters: int, every_module: bool) -> tuple[list[float], int]:
-    """Times the in-process forward with cloning hooks; also returns the captures per pass."""
+def local_round(every_module: bool, calls: int) -> tuple[Round, int]:
+    """A round of in-process forwards with cloning hooks, and the captures per pass."""
     model = tiny_transformer()
-    captured: list[object] = []
-    handles = [m.register_forward_hook(lambda mod, a, out: captured.append(_clone(out)))
-               for m in _selected(model, every_module)]
-    times = []
-    with torch.no_grad():
-        for i in range(iters + 20):
-            captured.clear()
-            t0 = time.perf_counter()
+    ids, mask = tiny_inputs()
+    captured: list[Any] = []
+    for path, module in model.named_modules():
+        if every_module or (path.startswith("encoder.layers.") and path.count(".") == 2):
+            module.register_forward_hook(lambda mod, a, out: captured.append(clone(out)))
+
+    async def forward() -> None:
+        captured.clear()
+        with torch.no_grad():
             model(ids, attention_mask=mask)
-            dt = time.perf_counter() - t0
-            if i >= 20:
-                times.append(dt)
-    for h in handles:
-        h.remove()
-    return times, len(captured)
+
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    return latency_round(calls, forward, ()), len(captured)
 
 
-def _clone(value):  # type: ignore[no-untyped-def]
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_clone(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
-
-
-async def timed(fn: Callable[[], Awaitable[object]], iters: int) -> list[float]:
-    for _ in range(20):
-        await fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        await fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-async def remote(target: str, ids: torch.Tensor, mask: torch.Tensor, iters: int,
-                 per_pass: dict[str, int]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {}
-    async with hookwire.connect(target) as client:
-        model = client.model("tiny-transformer")
-        out["bare"] = await timed(lambda: model.infer(ids, attention_mask=mask, use_session=False), iters)
-        for name, pattern in (("remote", "encoder.layers.*"), ("remote+all", "**")):
-            async with model.hook(pattern, posthook=hookwire.capture("output")) as hook:
-                events = hook.events()
-                count = per_pass[name]
-
-                async def one() -> None:
-                    await model.infer(ids, attention_mask=mask)
-                    for _ in range(count):  # every event of this pass, decoded to torch
-                        await events.__anext__()
-
-                out[name] = await timed(one, iters)
+async def run(target: str, server_pid: int, ns: argparse.Namespace) -> tuple[dict[str, list[RoundResult]], dict[str, int]]:
+    ids, mask = tiny_inputs()
+    pids = (server_pid,)
+    local, per_layer = local_round(False, ns.calls)
+    local_all, per_all = local_round(True, ns.calls)
+    async with hookwire.connect(target) as plain, hookwire.connect(target) as layers, \
+            hookwire.connect(target) as every:
+        await plain.wait_ready(models=["tiny-transformer"], timeout=300)
+        model = plain.model("tiny-transformer")
         spec = hookwire.HookSpec("encoder.layers.*", posthook=hookwire.capture("output"))
-        out["request"] = await timed(lambda: model.infer(ids, attention_mask=mask, hooks=[spec]), iters)
-    return out
+        variants = [Variant("local", local), Variant("local+all", local_all)]
+
+        async def bare() -> None:
+            await model.infer(ids, attention_mask=mask, use_session=False)
+
+        async def request() -> None:
+            result = await model.infer(ids, attention_mask=mask, hooks=[spec], use_session=False)
+            assert len([e.output for e in result.events]) == per_layer
+
+        variants += [Variant("bare", latency_round(ns.calls, bare, pids)),
+                     Variant("request", latency_round(ns.calls, request, pids))]
+        for name, client, pattern, count in (("remote", layers, "encoder.layers.*", per_layer),
+                                             ("remote+all", every, "**", per_all)):
+            hook = await client.model("tiny-transformer").hook(pattern, posthook=hookwire.capture("output"))
+            events = hook.events().__aiter__()
+
+            async def session_call(client: hookwire.Client = client, events: Any = events, count: int = count) -> None:
+                await client.model("tiny-transformer").infer(ids, attention_mask=mask)
+                for _ in range(count):  # every event of this pass, decoded to torch
+                    (await events.__anext__()).output
+
+            variants.append(Variant(name, latency_round(ns.calls, session_call, pids)))
+        res = await interleaved(variants, ns.repeats, ns.blocks, random.Random(ns.seed))
+    return res, {"layers": per_layer, "every module": per_all}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="3 repeats of shorter rounds")
+    parser.add_argument("--repeats", type=int, help="repeats (default 5; 3 with --quick)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the variant orders")
     ns = parser.parse_args()
+    ns.repeats = ns.repeats or (3 if ns.quick else 5)
+    ns.blocks, ns.calls = (6, 5) if ns.quick else (12, 5)
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 64, (ns.batch, ns.seq), generator=g)
-    mask = torch.ones(ns.batch, ns.seq, dtype=torch.bool)
-
-    proc = subprocess.Popen([sys.executable, "-m", "hookwire._cli", "serve", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    env = {**os.environ, **SINGLE_THREAD_ENV}
+    proc = subprocess.Popen([sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
-        banner = proc.stdout.readline()  # type: ignore[union-attr]
-        target = banner.rsplit(" ", 1)[-1].strip()
-        local, per_layer = local_baseline(ids, mask, ns.iters, every_module=False)
-        local_all, per_all = local_baseline(ids, mask, ns.iters, every_module=True)
-        results = {"local": local, "local+all": local_all}
-        results.update(asyncio.run(remote(target, ids, mask, ns.iters, {"remote": per_layer, "remote+all": per_all})))
+        assert proc.stdout is not None
+        target = proc.stdout.readline().rsplit(" ", 1)[-1].strip()
+        res, per_pass = asyncio.run(run(target, proc.pid, ns))
     finally:
         proc.terminate()
         proc.wait(30)
 
-    print(f"tiny-transformer, batch {ns.batch}, seq {ns.seq}, {ns.iters} iterations, torch threads 1; "
-          f"captures per pass: {per_layer} (layers), {per_all} (every module)")
-    print(f"{'variant':<12}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
-    for name, samples in results.items():
-        print(f"{name:<12}{percentile(samples, .5) * 1e3:>10.3f}{percentile(samples, .99) * 1e3:>10.3f}"
-              f"{statistics.fmean(samples) * 1e3:>10.3f}")
-    p50 = {k: percentile(v, .5) for k, v in results.items()}
-    print(f"ratio remote/local (layers, session stream): {p50['remote'] / p50['local']:.2f}")
-    print(f"ratio request/local (layers, in response):   {p50['request'] / p50['local']:.2f}")
-    print(f"ratio remote+all/local+all (every module):   {p50['remote+all'] / p50['local+all']:.2f}")
-    print(f"ratio bare/local (no hooks vs hooks):       {p50['bare'] / p50['local']:.2f}")
-    print(f"capture overhead over bare Infer (layers):  {p50['remote'] / p50['bare']:.2f}")
+    print(f"tiny-transformer, batch 8, seq 32, {ns.repeats} repeats x {ns.blocks} blocks x {ns.calls} calls per "
+          f"variant, interleaved (seed {ns.seed}); torch threads 1 here and in the server; captures per pass: "
+          f"{per_pass['layers']} (layers), {per_pass['every module']} (every module); load average "
+          f"{os.getloadavg()[0]:.2f}")
+    print("\n".join(details("median ms/call (min-max over repeats), CPU per call, CPU vs local:", res, "time", "local")))
+
+    def ratio(a: str, b: str) -> str:
+        return spread([latency(x) / latency(y) for x, y in zip(res[a], res[b])])
+
+    print(f"ratio remote/local (layers, session stream): {ratio('remote', 'local')}")
+    print(f"ratio request/local (layers, in response):   {ratio('request', 'local')}")
+    print(f"ratio remote+all/local+all (every module):   {ratio('remote+all', 'local+all')}")
+    print(f"ratio bare/local (no hooks vs hooks):        {ratio('bare', 'local')}")
+    print(f"capture overhead over bare Infer (layers):   {ratio('remote', 'bare')}")
 
 
 if __name__ == "__main__":

@@ -73,7 +73,10 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--infer-mib", type=int, default=512)
     ns = parser.parse_args()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    torch.set_num_threads(1)
+    # torch at one intra-op thread on both sides, as in every benchmark here
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     server = subprocess.Popen(
         [sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", "--log-level", "warning",
          "--model", "producer=bench_models:producer", "--model", "scale=bench_models:scale"],
