@@ -25,7 +25,9 @@ from hookwire import HookSpec, Sampling, _codec, capture, rules
 from hookwire._session import CallEnded, stream_items
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ModelHost, ModelRegistry, ServerSettings
+from hookwire_server.batching import LIMIT_MAX_BATCH_DELAY_MS
 from hookwire_server.demo_models import tiny_lm, tiny_transformer
+from hookwire_server.model_registry import BatchConfig
 from support import ServerThread
 
 LIVENESS = 60.0  # a generous bound on things that must happen, never a speed requirement
@@ -70,6 +72,8 @@ def server() -> Iterator[ServerThread]:
         ModelHost("tiny-lm", tiny_lm()),
         ModelHost("wide", Wide()),
         ModelHost("unsendable", Unsendable()),
+        # The longest wait for company the settings allow: a call that waits for it is seen waiting.
+        ModelHost("tt-patient", tiny_transformer(), batching=BatchConfig(max_batch_delay_ms=LIMIT_MAX_BATCH_DELAY_MS)),
     ])
     srv = ServerThread(registry, ServerSettings(port=0)).start()
     yield srv
@@ -397,3 +401,40 @@ async def test_a_call_whose_output_cannot_be_sent_still_delivers_its_events_in_a
         f"{len(events)} events for the {len(ended)} ended calls: their events were discarded")
     for event, x in zip(events, xs):
         assert torch.equal(event.output, server.call(lambda: server.server.registry.get("unsendable").module.inner)(x))
+
+
+# ---------------------------------------------------------------------------- the scheduler
+
+
+async def test_a_call_waiting_for_company_does_not_hold_up_a_call_that_cannot_join_it(server: ServerThread) -> None:
+    """After a pass of 2 rows, call X (1 row) is first in the queue: fewer rows wait than
+    the last pass held, so the scheduler waits for X's expected company, up to
+    max_batch_delay_ms (10 s on this model, the most the settings allow). Call Y, queued
+    behind X, cannot join X (another token length): the model is idle, yet Y waits behind
+    X's wait (Scheduler._loop waits on the head of the queue whatever else waits). With
+    Generate steps and Infer calls on one model, every decoding step stalls behind each
+    Infer call that waits for company (up to 5 ms by default), and the other way round.
+
+    Y must not wait for X's company: it completes before X's wait could have ended. (The
+    bound is X's 10 s wait, not a speed requirement: with the bug Y cannot finish before
+    it, and without it Y's pass of one tiny call takes milliseconds.)"""
+    ids = _tt_inputs(91, 4)
+    y_ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(92))
+    async with hookwire.connect(server.target) as client:
+        remote = client.model("tt-patient")
+        with _one_pass(server, "tt-patient", 2):  # the model's last pass held 2 rows: company is expected
+            await _held(server, "tt-patient", [lambda: remote.infer(ids[0]), lambda: remote.infer(ids[1])])
+        scheduler = server.call(lambda: server.server.registry.get("tt-patient").scheduler)
+        x = asyncio.ensure_future(remote.infer(ids[2]))
+        x_queued = time.monotonic()
+        try:
+            await _until(lambda: server.call(lambda: scheduler.queued) == 1, "X queued")
+            y = asyncio.ensure_future(remote.infer(y_ids))
+            x_wait_ends = x_queued + LIMIT_MAX_BATCH_DELAY_MS / 1e3
+            done, _ = await asyncio.wait({y}, timeout=max(0.0, x_wait_ends - time.monotonic()))
+            assert y in done, "Y waited behind X's wait for company"
+            await y
+        finally:
+            x.cancel()
+            with contextlib.suppress(BaseException):
+                await x
