@@ -225,6 +225,53 @@ async def test_a_hooks_sampling_budget_goes_to_calls_in_their_order_as_alone(ser
     ], [(e.request_id == ra.request_id and "A" or "B", e.module) for e in events]
 
 
+async def test_calls_of_one_session_see_each_others_slot_saves_in_their_order(server: ServerThread) -> None:
+    """Activation patching across calls of one session: a session hook saves
+    ``encoder.layers.1``'s output into slot "h", another patches ``encoder.layers.0``'s
+    output from it. Calls A then B, run one after the other (as before batching, and as
+    the docs promise for every hook: as if each call ran alone), B patches with what A
+    saved. In a shared pass, firings interleave by module: B's layer 0 is patched before
+    A's layer 1 saved, so B gets the slot as it was before A (a stale value, or none), and
+    its output silently differs. Calls whose hooks save and patch slots of one session
+    should not share a pass with each other (or the docs must say that slots are read and
+    written in module order across the pass)."""
+    p_ids, a_ids, b_ids = _tt_inputs(111, 3)
+    model = tiny_transformer()
+    async with hookwire.connect(server.target) as client:
+        remote = client.model("tiny-transformer")
+        save = await remote.hook("encoder.layers.1", posthook=[rules.save("output", slot="h")])
+        patch = None
+        try:
+            await remote.infer(p_ids)  # fills the slot (no patch yet)
+            patch = await remote.hook("encoder.layers.0", posthook=[rules.patch("output", slot="h")])
+            with _one_pass(server, "tiny-transformer", 2):
+                ra, rb = await _held(server, "tiny-transformer", [lambda: remote.infer(a_ids), lambda: remote.infer(b_ids)])
+        finally:
+            if patch is not None:
+                await patch.remove()
+            await save.remove()
+    slot: dict[str, torch.Tensor] = {}
+
+    def run(x: torch.Tensor, patching: bool) -> Any:
+        handles = [model.encoder.layers[1].register_forward_hook(lambda m, a, o: slot.__setitem__("h", o.detach().clone()))]
+        if patching:
+            handles.append(model.encoder.layers[0].register_forward_hook(lambda m, a, o: slot["h"].clone()))
+        try:
+            with torch.no_grad():
+                return model(x)
+        finally:
+            for h in handles:
+                h.remove()
+
+    run(p_ids, False)
+    want_a, want_b = run(a_ids, True), run(b_ids, True)
+    for name, got, want in (("A", ra, want_a), ("B", rb, want_b)):
+        assert not isinstance(got, BaseException), got
+        diff = float((got.output["logits"] - want["logits"]).abs().max())
+        assert torch.allclose(got.output["logits"], want["logits"], atol=1e-5, rtol=1e-5), (
+            f"call {name}'s output differs by up to {diff:.3g} from A then B run one after the other")
+
+
 async def _take(handle: hookwire.HookHandle, result: hookwire.InferResult) -> list[hookwire.InterceptEvent]:
     return [event async for event in handle.events(until=result)]
 
@@ -438,3 +485,37 @@ async def test_a_call_waiting_for_company_does_not_hold_up_a_call_that_cannot_jo
             x.cancel()
             with contextlib.suppress(BaseException):
                 await x
+
+
+# ---------------------------------------------------------------------------- right padding
+
+
+async def test_a_padded_call_keeps_its_own_last_token_logits_with_logits_to_keep(server: ServerThread) -> None:
+    """tiny-lm calls of 4 and 6 tokens with ``logits_to_keep=1`` (the next-token logits
+    only, a common way to call a causal LM) join, padded on the right to a common length.
+    The model keeps the logits of the *last position of the padded row*: for the 4-token
+    call that is a pad position, and its [1, 1, vocab] output (no token dimension of the
+    padded length, so nothing is cut back) is silently the logits after two pad tokens,
+    not after its own last token. Anything a model takes from the end of the sequence
+    (logits_to_keep, last-token pooling) breaks alike. Such calls must run alone (or join
+    only calls of their own length)."""
+    g = torch.Generator().manual_seed(101)
+    model = tiny_lm()
+    vocab = model.config.vocab_size
+    ids = [torch.randint(3, vocab, (1, n), generator=g) for n in (4, 6)]
+    masks = [torch.ones_like(i) for i in ids]
+    async with hookwire.connect(server.target) as client:
+        remote = client.model("tiny-lm")
+        with _one_pass(server, "tiny-lm", 2):
+            results = await _held(server, "tiny-lm", [
+                lambda i=i, m=m: remote.infer(i, attention_mask=m, logits_to_keep=1) for i, m in zip(ids, masks)
+            ])
+    for i, (result, x, m) in enumerate(zip(results, ids, masks)):
+        if isinstance(result, BaseException):
+            raise result
+        with torch.no_grad():
+            want = model(x, attention_mask=m, logits_to_keep=1).logits
+        got = result.output["logits"]
+        assert got.shape == want.shape, (got.shape, want.shape)
+        assert torch.allclose(got, want, atol=5e-6, rtol=1e-5), (
+            f"call {i} ({x.shape[1]} tokens): its next-token logits differ by up to {float((got - want).abs().max()):.3g}")
