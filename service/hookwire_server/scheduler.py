@@ -6,7 +6,8 @@ A pass starts when the worker is free: calls that arrive while a pass runs wait
 together and join the next one, so under load passes grow by themselves. When fewer
 rows wait than the last pass held, company is expected (the callers that pass answered
 send again soon): the first call then waits up to max_batch_delay_ms after the model
-became free, until that many rows wait. Without that wait, closed-loop callers settle
+became free, until that many rows wait (not while a work that cannot join it waits too:
+the model would idle in front of that work). Without that wait, closed-loop callers settle
 into alternating passes of one call and of all the others (measured with 8 MiniLM
 callers: 249 of 513 passes held one call). A model whose callers come one at a time
 never waits: its last pass held one row. Infer calls and
