@@ -8,11 +8,13 @@ the event loop only validates what is cheap to validate and waits.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import time
 import dataclasses
 import logging
+import threading
 import traceback
 from collections.abc import Mapping
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, ParamSpec, TypeVar
@@ -37,7 +39,7 @@ from .hook_manager import HookManager, new_id
 from .hook_record import HookRecord
 from .passes import Pass
 from . import batching
-from .scheduler import Work, in_own_thread
+from .scheduler import Work
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from . import limits
 from .limits import Limits
@@ -345,14 +347,16 @@ class Inference:
             )
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.limits.infer_timeout
-            response = await asyncio.wait_for(host.scheduler.submit(work), self.limits.infer_timeout)
-            if p.backlog:
-                # It shared a pass, and a BLOCK stream of its own was full: it waits for its
-                # reader here, alone (as a call alone would have waited inside its pass).
-                await asyncio.wait_for(
-                    in_own_thread(functools.partial(_flush_and_end, p), f"backlog:{request_id}"),
-                    max(0.0, deadline - loop.time()),
-                )
+            try:
+                response = await asyncio.wait_for(host.scheduler.submit(work), self.limits.infer_timeout)
+            except HookwireServerError:
+                # Failed after a shared pass (e.g. an output with no wire form): its events still
+                # go out before the error, as a call alone delivers them before it fails.
+                await _backlog_delivered(call, max(0.0, deadline - loop.time()))
+                raise
+            # It shared a pass, and a BLOCK stream of its own was full: it waits for its reader
+            # here, alone (as a call alone would have waited inside its pass).
+            await _backlog_delivered(call, max(0.0, deadline - loop.time()))
             outcome = "ok"
             return response
         except asyncio.TimeoutError:
@@ -398,11 +402,42 @@ class InferCall:
     chunked: Mapping[int, Any] | None
     #: How it joins other calls (None: it runs alone).
     shape: batching.Shape | None
+    #: Done once the events a shared pass left in its backlog are delivered and the call
+    #: ended (see _deliver); None when nothing was left.
+    flushing: concurrent.futures.Future[None] | None = None
 
 
-def _flush_and_end(p: Pass) -> None:
-    p.flush_backlog()
-    p.end()
+async def _backlog_delivered(call: InferCall, timeout: float) -> None:
+    """Waits (up to ``timeout``, then TimeoutError) until the call's backlog is delivered
+    and its CallEnded marker queued; at once when it had none."""
+    if call.flushing is not None:
+        await asyncio.wait_for(asyncio.wrap_future(call.flushing), timeout)
+
+
+def _deliver(call: InferCall) -> None:
+    """After a shared pass (worker thread): delivers the call's held events and ends it.
+    Events a full BLOCK stream cannot take now are delivered by a thread of their own,
+    which then ends the call: the model goes on with other calls meanwhile, and the
+    delivery does not depend on the caller (a call cancelled or timed out while its pass
+    ran still delivers every event of that pass, then its CallEnded marker, as a call
+    alone does). ``call.flushing`` is done once it is."""
+    p = call.p
+    p.release()
+    if not p.backlog:
+        p.end()
+        return
+    flushing: concurrent.futures.Future[None] = concurrent.futures.Future()
+    flushing.set_running_or_notify_cancel()  # a waiter that gives up cannot cancel it
+
+    def flush_and_end() -> None:
+        try:
+            p.flush_backlog()
+            p.end()
+        finally:
+            flushing.set_result(None)
+
+    call.flushing = flushing
+    threading.Thread(target=flush_and_end, name=f"backlog:{p.request_id}", daemon=True).start()
 
 
 def run_infer_batch(host: ModelHost, calls: list[InferCall]) -> list[Any]:
@@ -488,13 +523,11 @@ def _run_shared(
             except (_codec.CodecError, RuntimeError, NotImplementedError, TypeError) as exc:
                 raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
         except Exception as exc:
-            p.rollback()
+            # As alone: its hooks' events are delivered (they fired), then it fails.
+            _deliver(call)
             results.append(exc)
-            p.end()
             continue
-        p.release()
-        if not p.backlog:
-            p.end()  # else after its backlog (inference.infer)
+        _deliver(call)
         results.append(p.response)
     return results
 

@@ -6,7 +6,8 @@ A pass starts when the worker is free: calls that arrive while a pass runs wait
 together and join the next one, so under load passes grow by themselves. When fewer
 rows wait than the last pass held, company is expected (the callers that pass answered
 send again soon): the first call then waits up to max_batch_delay_ms after the model
-became free, until that many rows wait. Without that wait, closed-loop callers settle
+became free, until that many rows wait (not while a work that cannot join it waits too:
+the model would idle in front of that work). Without that wait, closed-loop callers settle
 into alternating passes of one call and of all the others (measured with 8 MiniLM
 callers: 249 of 513 passes held one call). A model whose callers come one at a time
 never waits: its last pass held one row. Infer calls and
@@ -145,6 +146,12 @@ class Scheduler:
     def _rows_for(self, first: Work) -> int:
         return sum(w.rows for w in self._compatible(first))
 
+    def _others_wait(self, first: Work) -> bool:
+        """Whether a waiting work cannot share ``first``'s pass: waiting for ``first``'s
+        company would leave the model idle while that work waits too."""
+        joined = self._compatible(first)
+        return any(not w.future.done() and w not in joined for w in self._queue)
+
     def _compatible(self, first: Work) -> list[Work]:
         """The first waiting work and those behind it that may share its pass."""
         batch = [first]
@@ -189,14 +196,18 @@ class Scheduler:
             settings = self._host.batching
             delay = settings.max_batch_delay_ms / 1e3
             expected = min(settings.max_batch_size, self._last_rows)
-            if delay > 0 and first.key is not None and settings.enabled and self._rows_for(first) < expected:
+            if (
+                delay > 0 and first.key is not None and settings.enabled and self._rows_for(first) < expected
+                and not self._others_wait(first)
+            ):
                 # Company is expected: the last pass held more rows than wait now, and the callers
                 # it answered send again soon. Wait for them, up to the delay counted from when
-                # the model became free (or the call arrived), until as many rows wait.
+                # the model became free (or the call arrived), until as many rows wait; not while
+                # a work that cannot join waits too (the model would idle in front of it).
                 deadline = max(first.queued_at, self._free_since) + delay
                 while (
                     not self._held and not first.future.done() and self._rows_for(first) < expected
-                    and (left := deadline - time.perf_counter()) > 0
+                    and not self._others_wait(first) and (left := deadline - time.perf_counter()) > 0
                 ):
                     await self._wait_change(left)
                 if self._held or first.future.done():
