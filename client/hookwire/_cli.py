@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", help="debug, info (default), warning, error")
     serve.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
     serve.add_argument("--no-batching", action="store_true",
-                       help="run every call alone (models' configs can also turn batching off one by one)")
+                       help="run calls alone by default (a model whose config says batching = true still joins them)")
     serve.add_argument("--max-batch-size", type=int,
                        help="most rows in one batched pass, for models whose config does not say (default 32)")
     serve.add_argument("--max-batch-delay-ms", type=float,

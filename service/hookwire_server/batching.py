@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 #: Inputs that make a call run alone unless the model's config names others: a loss
 #: over ``labels`` is a mean over the batch's rows, so it would mix callers.
 DEFAULT_REDUCING_INPUTS = ("labels",)
+#: Keyword inputs that make a model keep only the last positions' outputs (transformers'
+#: causal LMs): after right padding those would be pads', so such calls join only calls
+#: of their own length.
+KEEPS_LAST_TOKENS = ("logits_to_keep", "num_logits_to_keep")
 #: The most rows one batched pass holds unless configured.
 DEFAULT_MAX_BATCH_SIZE = 32
 #: How long the first call of a pass may wait for expected company (scheduler.py) unless configured.
@@ -70,6 +74,10 @@ class BatchSettings:
     #: The pad token id that lets token inputs of different lengths join (None: only
     #: calls of equal shapes join). From the config, else the tokenizer or model config.
     pad_token_id: int | None = None
+    #: Whether token inputs of different lengths join padded (false for a model whose
+    #: outputs at a token depend on the tokens after it, e.g. last-position pooling that
+    #: ignores the attention mask).
+    padding: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_batch_size <= LIMIT_MAX_BATCH_SIZE:
@@ -84,7 +92,7 @@ class BatchSettings:
         return model_service_pb2.Batching(
             enabled=self.enabled, max_batch_size=self.max_batch_size, max_batch_delay_ms=self.max_batch_delay_ms,
             batch_dim=self.batch_dim, reducing_inputs=list(self.reducing_inputs),
-            pads_tokens=self.pad_token_id is not None and self.batch_dim == 0,
+            pads_tokens=self.enabled and self.padding and self.pad_token_id is not None and self.batch_dim == 0,
         )
 
 
@@ -115,6 +123,21 @@ class Batch:
         self.rows = segments[-1].stop if segments else 0
         #: Whether several calls share the pass (a single call is never sliced).
         self.shared = len(segments) > 1
+        #: The hooks that fired in this shared pass, with their state before it (see undo).
+        self._ledger: dict[int, tuple[Any, Any]] = {}
+
+    def note(self, record: Any) -> None:
+        """Remembers a hook's state before its first firing in this pass. Worker thread."""
+        if id(record) not in self._ledger:
+            self._ledger[id(record)] = (record, record.state())
+
+    def undo(self) -> None:
+        """Puts every hook that fired in this failed shared pass back as it was before it
+        (counts, sampling budgets and draws), so that its calls, run again alone, fire as if
+        it never ran. (A hook a failing rule disabled stays disabled: its notice is out.)"""
+        for record, state in self._ledger.values():
+            record.restore(state)
+        self._ledger.clear()
 
     @classmethod
     def alone(cls, p: Pass) -> Batch:
@@ -228,6 +251,8 @@ class Shape:
     key: Hashable
     rows: int
     length: int | None
+    #: Every size of its tensors' other dimensions (a pass's row total avoids them).
+    sizes: frozenset[int] = frozenset()
 
 
 def request_key(request: model_service_pb2.InferRequest, settings: BatchSettings) -> Shape | None:
@@ -241,6 +266,7 @@ def request_key(request: model_service_pb2.InferRequest, settings: BatchSettings
     named += sorted(request.kwargs.items())
     length = _token_length(request, settings)
     rows: int | None = None
+    sizes: set[int] = set()
     key: list[Hashable] = [len(request.args)]
     for name, value in named:
         kind = value.WhichOneof("kind")
@@ -254,6 +280,7 @@ def request_key(request: model_service_pb2.InferRequest, settings: BatchSettings
             elif shape[dim] != rows:
                 return None
             shape[dim] = -1
+            sizes.update(n for n in shape if n >= 0)
             if length is not None and len(shape) >= 2 and shape[1] == length:
                 shape[1] = -2  # a token dimension: padded when joined
             key.append((name, t.dtype, tuple(shape)))
@@ -263,7 +290,7 @@ def request_key(request: model_service_pb2.InferRequest, settings: BatchSettings
             key.append((name, kind, getattr(value, kind) if kind is not None else None))
     if rows is None or rows == 0:
         return None
-    return Shape(tuple(key), rows, length)
+    return Shape(tuple(key), rows, length, frozenset(sizes))
 
 
 _INTEGER_DTYPES = frozenset({
@@ -275,8 +302,10 @@ def _token_length(request: model_service_pb2.InferRequest, settings: BatchSettin
     """The token length of a request that may be padded: integer ``input_ids`` (the
     keyword, or the first argument) and a 2-D ``attention_mask`` of the same shape, a
     known pad token, batch dimension 0. None otherwise."""
-    if settings.pad_token_id is None or settings.batch_dim != 0:
+    if settings.pad_token_id is None or settings.batch_dim != 0 or not settings.padding:
         return None
+    if any(name in request.kwargs for name in KEEPS_LAST_TOKENS):
+        return None  # it keeps the last positions: padding would put pads there
     mask = request.kwargs.get("attention_mask")
     if "input_ids" in request.kwargs:
         ids = request.kwargs["input_ids"]

@@ -134,6 +134,15 @@ class Sampler:
             return None
         return cls(sampling)
 
+    def state(self) -> tuple[Any, ...]:
+        """What ``take`` changes, for ``restore`` (a failed shared pass is undone)."""
+        return dict(self._firings), self._sent, self._rng.getstate()
+
+    def restore(self, state: tuple[Any, ...]) -> None:
+        firings, self._sent, rng = state
+        self._firings = dict(firings)
+        self._rng.setstate(rng)
+
     def take(self, module: str, phase: int) -> bool:
         """Whether this firing of ``module`` in ``phase`` sends (and counts it)."""
         key = (module, phase)

@@ -633,8 +633,12 @@ class Generation:
                 records = await asyncio.to_thread(
                     self._hooks.request_hooks, host, request.hooks, request_id, session, principal
                 )
+            slots = any(r.compiled.uses_slots for r in records) or (
+                session is not None and self._hooks.session_uses_slots(session)
+            )
             run = self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria,
-                            session.stream if session is not None else None)
+                            session.stream if session is not None else None,
+                            group=request.session_id if slots else None)
             try:
                 async for message in run:
                     yield message
@@ -653,7 +657,7 @@ class Generation:
     async def _run(
         self, request: model_service_pb2.GenerateRequest, host: ModelHost, principal: Principal,
         options: GenerateOptions, ids: torch.Tensor, mask: torch.Tensor, request_id: str, records: list[HookRecord],
-        stop_criteria: Any, session_stream: Any,
+        stop_criteria: Any, session_stream: Any, *, group: str | None = None,
     ) -> AsyncGenerator[model_service_pb2.GenerateResponse, None]:
         mailbox = _Mailbox(asyncio.get_running_loop())
         put = mailbox.put
@@ -683,7 +687,7 @@ class Generation:
             texts = [TextDeltas() for _ in range(batch)]
             tokens: list[list[int]] = [[] for _ in range(batch)]  # the loop's own copy (the decoder runs ahead)
             step = 0
-            future = asyncio.ensure_future(host.scheduler.submit(_step_work(StepCall(p, decoder, step, put))))
+            future = asyncio.ensure_future(host.scheduler.submit(_step_work(StepCall(p, decoder, step, put, group))))
             while True:
                 async for out in _messages(mailbox, chunk_bytes):
                     yield out
@@ -695,7 +699,7 @@ class Generation:
                 if not final and not stopping:
                     # The next step runs while this one's tokens are decoded and sent: at most
                     # one step ahead of the reader, who still pauses the call (and only it).
-                    future = asyncio.ensure_future(host.scheduler.submit(_step_work(StepCall(p, decoder, step + 1, put))))
+                    future = asyncio.ensure_future(host.scheduler.submit(_step_work(StepCall(p, decoder, step + 1, put, group))))
                 for i, token in enumerate(result.tokens):
                     if token != FINISHED:
                         tokens[i].append(token)
@@ -848,11 +852,14 @@ class StepCall:
     decoder: Decoder
     step: int
     put: Callable[[tuple[Any, ...]], None]
+    #: Its session when the session's hooks use slots: steps of one group never share a pass.
+    group: str | None = None
 
 
 def _step_work(call: StepCall) -> Work:
     key = call.decoder.join_key()
-    return Work(run_step_batch, call, key=key, rows=int(call.decoder.input_ids.shape[0]), kind="generate")
+    return Work(run_step_batch, call, key=key, rows=int(call.decoder.input_ids.shape[0]), kind="generate",
+                group=call.group)
 
 
 def _run_step(host: ModelHost, call: StepCall) -> StepResult:
@@ -897,16 +904,23 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
     model: Any = host.module
     inputs = [call.decoder.step_inputs() for call in calls]
     own = [call.decoder.cache_length() + 1 for call in calls]  # keys each call's step attends to
-    keys = padded_length(own, host.dimensions, None)
-    assert keys is not None
     rows = [int(i["input_ids"].shape[0]) for i in inputs]
+    keys = padded_length(own, host.dimensions | {sum(rows)}, None)
+    assert keys is not None
     total = sum(rows)
     segments, start = [], 0
     for call, n, length in zip(calls, rows, own):
         segments.append(Segment(call.p, start, start + n, length))
         start += n
     first = inputs[0]
-    merged: dict[str, Any] = {k: v for k, v in first.items() if k not in ("input_ids", "position_ids", "attention_mask", "past_key_values")}
+    joined = ("input_ids", "position_ids", "attention_mask", "past_key_values")
+    merged: dict[str, Any] = {k: v for k, v in first.items() if k not in joined}
+    for i in inputs[1:]:  # the others must be equal plain values (a tensor would need stacking)
+        rest = {k: v for k, v in i.items() if k not in joined}
+        if rest.keys() != merged.keys() or any(
+            isinstance(v, torch.Tensor) or isinstance(rest[k], torch.Tensor) or rest[k] != v for k, v in merged.items()
+        ):
+            raise InvalidArgument("the calls' step inputs differ beyond ids, positions, mask and cache: run alone")
     merged["input_ids"] = torch.cat([i["input_ids"] for i in inputs])
     merged["position_ids"] = torch.cat([i["position_ids"] for i in inputs])
     # generate() drops an all-ones mask; joined rows need one (the padding is masked out).
@@ -933,9 +947,14 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
         call.p.begin_step(call.step)
         call.p.hold()
     host.current_batch = batch
+    fires = host.fires
     try:
         with torch.no_grad():
             outputs = _call(host, "forward", lambda: model(**merged, return_dict=True))
+    except BaseException:
+        batch.undo()  # its calls' steps run again alone, as if this pass never ran
+        host.fires = fires
+        raise
     finally:
         host.current_batch = None
     cache = outputs.past_key_values
@@ -948,7 +967,7 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
         try:
             tokens = call.decoder.advance(type(outputs)(logits=outputs.logits[seg.start:seg.stop], past_key_values=mine))
         except Exception as exc:  # e.g. its sampling settings leave no distribution: only it fails
-            call.p.rollback()
+            call.p.release()  # its events of the pass still go out, as a step alone delivers them
             results.append(exc)
         else:
             call.p.release()

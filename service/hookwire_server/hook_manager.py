@@ -346,6 +346,14 @@ class HookManager:
             ))
         return records
 
+    def session_uses_slots(self, session: Session) -> bool:
+        """Whether a hook of ``session`` saves or patches slots (its calls then never share
+        a pass with each other: their saves must be seen in call order)."""
+        return any(
+            (record := self._hooks.get(hook_id)) is not None and record.compiled.uses_slots
+            for hook_id in session.hook_ids
+        )
+
     def _compile_request_spec(self, spec: hook_pb2.HookSpec, host: ModelHost) -> CompiledSpec:
         """compile_spec for a request-scoped hook, from the cache when the same spec (to
         the byte) was compiled for the model before. A compiled spec is immutable but for

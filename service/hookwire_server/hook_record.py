@@ -174,6 +174,17 @@ class HookRecord:
             return None if new is None else new["grad_input"]
         return backward
 
+    def state(self) -> tuple[Any, ...]:
+        """What a firing changes on the hook itself (counts, sampling), for ``restore``."""
+        return (self.fire_count, self.errors, self.last_fired_ns,
+                self._sampler.state() if self._sampler is not None else None)
+
+    def restore(self, state: tuple[Any, ...]) -> None:
+        """Undoes the firings of a failed shared pass (its calls then run again alone)."""
+        self.fire_count, self.errors, self.last_fired_ns, sampler = state
+        if self._sampler is not None and sampler is not None:
+            self._sampler.restore(sampler)
+
     def _applies_to(self, p: Pass) -> bool:
         scope = self.compiled.scope
         if scope == hook_pb2.SCOPE_ALL:
@@ -196,6 +207,7 @@ class HookRecord:
             return None
         if not batch.shared:
             return self._fire_call(action, path, module, parts, batch.segments[0].p)
+        batch.note(self)
         where = f"hook {self.hook_id} on module {path!r} of {self.host.name!r}"
         cloned: set[int] = set()
         changed = False

@@ -341,9 +341,14 @@ class Inference:
         started = time.perf_counter()
         outcome = "error"
         try:
+            slots = any(r.compiled.uses_slots for r in records) or (
+                session is not None and self._hooks.session_uses_slots(session)
+            )
             work = Work(
                 run_infer_batch, call, key=shape.key if shape is not None else None,
                 rows=shape.rows if shape is not None else 1, kind="infer",
+                avoid=shape.sizes if shape is not None else frozenset(),
+                group=request.session_id if slots else None,
             )
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.limits.infer_timeout
@@ -486,7 +491,11 @@ def _run_shared(
     lengths = [c.shape.length if c.shape is not None else None for c in calls]
     padded = None
     if len(set(lengths)) > 1:
-        padded = batching.padded_length([n for n in lengths if n is not None], host.dimensions, host.positions)
+        rows = sum(c.shape.rows for c in calls if c.shape is not None)
+        # Not the row count either: a [tokens, ...] tensor every row shares would be taken for rows.
+        padded = batching.padded_length(
+            [n for n in lengths if n is not None], host.dimensions | {rows}, host.positions
+        )
         if padded is None:
             raise InvalidArgument("the calls' token inputs cannot be padded to a common length within the model's positions")
     args, kwargs = batching.join_inputs(
@@ -502,6 +511,7 @@ def _run_shared(
     records = [record for call in calls for record in call.records]
     for call in calls:
         call.p.hold()
+    fires = host.fires
     try:
         for record in records:
             record.attach()
@@ -509,6 +519,10 @@ def _run_shared(
         with torch.no_grad():
             output = _call(host, "forward", lambda: model(*args, **kwargs))
         outputs = batch.split(output, f"the output of model {host.name!r}")
+    except BaseException:
+        batch.undo()  # its calls run again alone, as if this pass never ran
+        host.fires = fires
+        raise
     finally:
         host.current_batch = None
         for record in records:

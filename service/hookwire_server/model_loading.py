@@ -64,6 +64,8 @@ class ModelConfig:
     #: The pad token that lets token inputs of different lengths join (default: the
     #: tokenizer's, else the model config's).
     pad_token_id: int | None = None
+    #: Whether token inputs of different lengths join, padded on the right (default true).
+    batch_padding: bool | None = None
 
     def batch_config(self) -> BatchConfig:
         """The batching keys, checked; ConfigError naming the model and the key for a bad one."""
@@ -76,6 +78,7 @@ class ModelConfig:
             ("max_batch_delay_ms", self.max_batch_delay_ms, (int, float), "a number"),
             ("batch_dim", self.batch_dim, (int,), "an integer"),
             ("pad_token_id", self.pad_token_id, (int,), "an integer >= 0"),
+            ("batch_padding", self.batch_padding, (bool,), "true or false"),
         )
         for key, value, types, what in kinds:
             if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
@@ -91,7 +94,7 @@ class ModelConfig:
             batching=self.batching, max_batch_size=self.max_batch_size,
             max_batch_delay_ms=float(self.max_batch_delay_ms) if self.max_batch_delay_ms is not None else None,
             batch_dim=self.batch_dim, batch_reducing_inputs=tuple(reducing) if reducing is not None else None,
-            pad_token_id=self.pad_token_id,
+            pad_token_id=self.pad_token_id, batch_padding=self.batch_padding,
         )
         try:
             config.resolve(BatchSettings())

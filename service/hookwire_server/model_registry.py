@@ -153,6 +153,7 @@ class BatchConfig:
     batch_dim: int | None = None
     batch_reducing_inputs: tuple[str, ...] | None = None
     pad_token_id: int | None = None
+    batch_padding: bool | None = None
 
     def resolve(self, defaults: BatchSettings, host: ModelHost | None = None) -> BatchSettings:
         """The settings in force: these keys over ``defaults``; the pad token from the
@@ -171,6 +172,7 @@ class BatchConfig:
                 defaults.reducing_inputs if self.batch_reducing_inputs is None else tuple(self.batch_reducing_inputs)
             ),
             pad_token_id=pad,
+            padding=defaults.padding if self.batch_padding is None else self.batch_padding,
         )
 
 

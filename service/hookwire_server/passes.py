@@ -13,6 +13,7 @@ loop only between passes.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 from hookwire._codec import Chunker
@@ -66,6 +67,9 @@ class Pass:
         #: Events ``release`` could not hand over without waiting (a full BLOCK stream):
         #: ``flush_backlog`` delivers them, waiting, before the call goes on.
         self.backlog: list[tuple[Any, ...]] = []
+        self._end_lock = threading.Lock()
+        self._flushing = False
+        self._end_pending = False
 
     def begin_step(self, step: int) -> None:
         """Starts pass ``step``: call indices start again from 0. Worker thread, between passes."""
@@ -161,16 +165,26 @@ class Pass:
                 return
 
     def flush_backlog(self) -> None:
-        """Delivers the backlog, waiting for room as a call alone would have waited.
-        Blocks: run it off the event loop and off the model's worker thread."""
-        backlog, self.backlog = self.backlog, []
-        for item in backlog:
-            if item[0] == "sink":
-                assert self.sink is not None
-                self.sink(item[1], item[2])
-                continue
-            _, stream, msg, hook_id, nbytes, kwargs = item
-            stream.put_event(msg, hook_id, nbytes, session_id=self.session_id, principal=self.principal, **kwargs)
+        """Delivers the backlog, waiting for room as a call alone would have waited; an
+        ``end`` asked for meanwhile (the call was cancelled) comes after it. Blocks: run it
+        off the event loop and off the model's worker thread."""
+        with self._end_lock:
+            self._flushing = True
+        try:
+            backlog, self.backlog = self.backlog, []
+            for item in backlog:
+                if item[0] == "sink":
+                    assert self.sink is not None
+                    self.sink(item[1], item[2])
+                    continue
+                _, stream, msg, hook_id, nbytes, kwargs = item
+                stream.put_event(msg, hook_id, nbytes, session_id=self.session_id, principal=self.principal, **kwargs)
+        finally:
+            with self._end_lock:
+                self._flushing = False
+                ending, self._end_pending = self._end_pending, False
+            if ending:
+                self._end()
 
     def next_seq(self, hook_id: str) -> int:
         """The seq of a request-scoped hook's next event (contiguous from 1)."""
@@ -185,7 +199,15 @@ class Pass:
     def end(self) -> None:
         """Puts a CallEnded marker on every stream this call offered events to, after its
         last event. Call it once, on the worker thread after the call's last pass (so no
-        event of the call can follow it)."""
+        event of the call can follow it); while its backlog is being flushed, the marker
+        follows the flush (the worker thread does not wait for a slow reader)."""
+        with self._end_lock:
+            if self._flushing:
+                self._end_pending = True
+                return
+        self._end()
+
+    def _end(self) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams:
             stream.put_call_ended(self.request_id, self.model, session_id=self.session_id, principal=self.principal)

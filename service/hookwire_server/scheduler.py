@@ -56,6 +56,13 @@ class Work:
     kind: str
     future: asyncio.Future[Any] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
     queued_at: float = dataclasses.field(default_factory=time.perf_counter)
+    #: Sizes the row total of a pass holding it must avoid (its inputs' other dimensions):
+    #: a tensor every row shares whose first dimension had the pass's row count would be
+    #: taken for rows and cut per call (a [tokens, width] position table).
+    avoid: frozenset[int] = frozenset()
+    #: Works of one group never share a pass (the calls of a session whose hooks save and
+    #: patch slots: their saves must be seen in call order, not module order); None: any.
+    group: str | None = None
     #: Set (on the loop) when its caller stopped waiting; read on the worker thread, where a
     #: batch already handed to the model skips it if its pass has not started.
     withdrawn: bool = False
@@ -153,17 +160,27 @@ class Scheduler:
         return any(not w.future.done() and w not in joined for w in self._queue)
 
     def _compatible(self, first: Work) -> list[Work]:
-        """The first waiting work and those behind it that may share its pass."""
+        """The first waiting work and those behind it that may share its pass: equal run and
+        key, rows up to max_batch_size, at most one work of a group, and a row total that is
+        none of the sizes of the works' inputs' other dimensions (see Work.avoid)."""
         batch = [first]
         if first.key is None or not self._host.batching.enabled:
             return batch
         rows, limit = first.rows, self._host.batching.max_batch_size
+        groups = {first.group} - {None}
         for work in list(self._queue)[1:]:
-            if work.future.done():
+            if work.future.done() or (work.group is not None and work.group in groups):
                 continue
             if work.run is first.run and work.key == first.key and rows + work.rows <= limit:
                 batch.append(work)
                 rows += work.rows
+                if work.group is not None:
+                    groups.add(work.group)
+        while len(batch) > 1:
+            avoid = frozenset().union(*(w.avoid for w in batch))
+            if rows not in avoid:
+                break
+            rows -= batch.pop().rows
         return batch
 
     async def _wait_change(self, timeout: float | None) -> None:
@@ -190,7 +207,7 @@ class Scheduler:
                     await asyncio.sleep(0)
                 while self._queue and self._queue[0].future.done():
                     self._queue.popleft()
-                if not self._queue:
+                if not self._queue or self._held:
                     continue
             first = self._queue[0]
             settings = self._host.batching

@@ -352,8 +352,9 @@ def _join(model: nn.Module, calls: list[Call], pad_id: int | None) -> tuple[Call
     padded = None
     if pad_id is not None and len(set(lengths)) > 1:
         config = getattr(model, "config", None)
+        rows = sum(_rows(c) for c in calls)  # the server avoids the pass's row count too
         padded = batching.padded_length(
-            [n for n in lengths if n is not None], batching.model_dimensions(model),
+            [n for n in lengths if n is not None], batching.model_dimensions(model) | {rows},
             getattr(config, "max_position_embeddings", None))
         assert padded is not None
 
@@ -559,14 +560,16 @@ async def test_tiny_transformer_batch_equals_the_batched_computation(server: Ser
 async def test_tiny_lm_calls_of_different_lengths_equal_the_padded_batched_computation(
     server: ServerThread, local: Local,
 ) -> None:
-    """Token inputs of lengths 3, 8 (two rows, one padded within the call), 6 and 5 join
+    """Token inputs of lengths 3, 8 (two rows, one padded within the call), 6 and 7 join
     padded on the right to 9 (8 is a dimension of the model, so the length is raised past
     it); every output and event, cut back to the call's own length, is bit-identical to
-    the same padded pass in-process, and close to each call alone."""
-    assert batching.padded_length([3, 8, 6, 5], batching.model_dimensions(local.lm), 512) == 9
+    the same padded pass in-process, and close to each call alone. (The pass's 5 rows are
+    none of the calls' lengths: a pass never has a row count that is also a size of its
+    calls' other dimensions.)"""
+    assert batching.padded_length([3, 8, 6, 7], batching.model_dimensions(local.lm) | {5}, 512) == 9
     g = torch.Generator().manual_seed(12)
     calls: list[Call] = []
-    for rows, length in ((1, 3), (2, 8), (1, 6), (1, 5)):
+    for rows, length in ((1, 3), (2, 8), (1, 6), (1, 7)):
         ids = torch.randint(3, local.lm.config.vocab_size, (rows, length), generator=g)
         mask = torch.ones(rows, length, dtype=torch.long)
         if rows == 2:
@@ -606,7 +609,7 @@ async def test_a_padded_length_never_equals_a_head_size(server: ServerThread, lo
 async def test_minilm_calls_of_different_lengths_equal_the_padded_batched_computation(
     server: ServerThread, local: Local,
 ) -> None:
-    """MiniLM with its real weights: texts tokenized per call (lengths 4, 12 and 7; 12 is
+    """MiniLM with its real weights: texts tokenized per call (lengths 5, 12 and 7; 12 is
     the head count, so the batch pads to 13) join padded with the tokenizer's pad id 0
     (input_ids as a keyword, token_type_ids padded with 0 too); outputs and events are
     bit-identical to the padded pass in-process and close to each call alone."""
@@ -615,11 +618,11 @@ async def test_minilm_calls_of_different_lengths_equal_the_padded_batched_comput
     assert tokenizer.pad_token_id == 0
     info = await asyncio.wait_for(_model_info(server, "minilm"), LIVENESS)
     assert info.batching.pads_tokens
-    texts = (["Hello world"], ["The quick brown fox jumps over the lazy dog.", "Batching joins calls."],
+    texts = (["Hello world again"], ["The quick brown fox jumps over the lazy dog.", "Batching joins calls."],
              ["hookwire hooks every layer"])
     calls: list[Call] = [((), dict(tokenizer(t, padding=True, return_tensors="pt"))) for t in texts]
-    assert [_token_ids(c).shape[1] for c in calls] == [4, 12, 7]
-    assert batching.padded_length([4, 12, 7], batching.model_dimensions(local.bert), 512) == 13
+    assert [_token_ids(c).shape[1] for c in calls] == [5, 12, 7]
+    assert batching.padded_length([5, 12, 7], batching.model_dimensions(local.bert) | {4}, 512) == 13
     outputs = tuple(f"encoder.layer.{i}.output" for i in range(6))
     await _check_batch(
         server, "minilm", local.bert, calls,

@@ -386,7 +386,8 @@ class Replay:
 
     def _joined(self, calls: list[Replayed]) -> None:
         own = [c.cache.get_seq_length() + 1 for c in calls]  # the keys each call's step attends to
-        keys = padded_length(own, model_dimensions(self.model), None)
+        rows = sum(c.rows for c in calls)  # the server avoids the pass's row count too
+        keys = padded_length(own, model_dimensions(self.model) | {rows}, None)
         assert keys is not None
         inputs = [c.inputs() for c in calls]
         segments, start = [], 0
