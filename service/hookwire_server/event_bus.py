@@ -44,7 +44,7 @@ LIMIT_MAX_BYTES = 4 * 1024 * 1024 * 1024
 #: gRPC's default receive limit, which many clients keep.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MIN_MAX_MESSAGE_BYTES = 1024 * 1024
-#: Payload of one TensorChunk, at most. Measured with tests/bench/bench_delivery.py:
+#: Payload of one TensorChunk, at most. Measured with tests/bench/bench_delivery.py (since folded into bench_hotpath.py, P2):
 #: 1 MiB chunks stream captured tensors into the SDK at about 1 GiB/s, 2 MiB and 4 MiB
 #: chunks at a third to a half of that (the raw gRPC stream does not slow down alike).
 CHUNK_BYTES = 1024 * 1024
