@@ -39,36 +39,42 @@ def _tokens(pattern: str) -> tuple[object, ...]:
     return tuple(out)
 
 
+def _closure(tokens: tuple[object, ...], states: set[int]) -> frozenset[int]:
+    """``states`` and the states past wildcards there (a wildcard may match nothing)."""
+    n = len(tokens)
+    stack = list(states)
+    while stack:
+        s = stack.pop()
+        if s < n and tokens[s] in (_STAR, _GLOBSTAR) and s + 1 not in states:
+            states.add(s + 1)
+            stack.append(s + 1)
+    return frozenset(states)
+
+
+def _step(tokens: tuple[object, ...], states: frozenset[int], ch: str) -> frozenset[int]:
+    """The states after reading ``ch`` (empty: no match possible)."""
+    n = len(tokens)
+    following: set[int] = set()
+    for s in states:
+        if s == n:
+            continue
+        token = tokens[s]
+        if token is _GLOBSTAR or (token is _STAR and ch != "."):
+            following.add(s)
+        elif (token is _ONE and ch != ".") or token == ch:
+            following.add(s + 1)
+    return _closure(tokens, following) if following else frozenset()
+
+
 def matches(pattern: str, path: str) -> bool:
     """Whether the glob ``pattern`` matches the whole module ``path``."""
     tokens = _tokens(pattern)
-    n = len(tokens)
-
-    def closure(states: set[int]) -> set[int]:
-        # A wildcard may match nothing: also be past it.
-        stack = list(states)
-        while stack:
-            s = stack.pop()
-            if s < n and tokens[s] in (_STAR, _GLOBSTAR) and s + 1 not in states:
-                states.add(s + 1)
-                stack.append(s + 1)
-        return states
-
-    states = closure({0})
+    states = _closure(tokens, {0})
     for ch in path:
-        following: set[int] = set()
-        for s in states:
-            if s == n:
-                continue
-            token = tokens[s]
-            if token is _GLOBSTAR or (token is _STAR and ch != "."):
-                following.add(s)
-            elif (token is _ONE and ch != ".") or token == ch:
-                following.add(s + 1)
-        if not following:
+        states = _step(tokens, states, ch)
+        if not states:
             return False
-        states = closure(following)
-    return n in states
+    return len(tokens) in states
 
 
 def is_glob(pattern: str) -> bool:
@@ -118,36 +124,16 @@ class PathIndex:
             return [pattern] if pattern in self._exact else []
         tokens = _tokens(pattern)
         n = len(tokens)
-
-        def closure(states: set[int]) -> frozenset[int]:
-            stack = list(states)
-            while stack:
-                s = stack.pop()
-                if s < n and tokens[s] in (_STAR, _GLOBSTAR) and s + 1 not in states:
-                    states.add(s + 1)
-                    stack.append(s + 1)
-            return frozenset(states)
-
         dfa: dict[tuple[frozenset[int], str], frozenset[int]] = {}
 
         def step(states: frozenset[int], ch: str) -> frozenset[int]:
-            key = (states, ch)
-            found = dfa.get(key)
+            found = dfa.get((states, ch))
             if found is None:
-                following: set[int] = set()
-                for s in states:
-                    if s == n:
-                        continue
-                    token = tokens[s]
-                    if token is _GLOBSTAR or (token is _STAR and ch != "."):
-                        following.add(s)
-                    elif (token is _ONE and ch != ".") or token == ch:
-                        following.add(s + 1)
-                found = dfa[key] = closure(following) if following else frozenset()
+                found = dfa[(states, ch)] = _step(tokens, states, ch)
             return found
 
         hits: list[int] = []
-        stack = [(0, closure({0}))]
+        stack = [(0, _closure(tokens, {0}))]
         while stack:
             node, states = stack.pop()
             if n in states and self._terminal[node] >= 0:
