@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hookwire import _codec
 from hookwire._codec import Chunker
+from hookwire._framing import SESSION_MESSAGE_CHUNK, Framing
 from hookwire.v1 import hook_pb2, hook_service_pb2
 
 from .auth import ANONYMOUS, Principal
@@ -271,7 +272,11 @@ class HookRecord:
         if not streams:
             return  # nobody listens: no copies
         msg = hook_service_pb2.SessionMessage()
-        chunker = Chunker(snapshot=True)
+        # Large tensors are copied once, here, into their chunk messages (their snapshot):
+        # the event loop that sends them then only hands the bytes to gRPC. The smallest
+        # chunk size of the streams fits every one of them.
+        chunker = Chunker(snapshot=True, framing=Framing(
+            SESSION_MESSAGE_CHUNK, min(stream.limits.chunk_bytes for stream in streams)))
         try:
             nbytes = self._fill_event(msg.event, action, path, p, call_index, training, parts, chunker)
         except Exception as exc:  # never break a pass because a capture cannot be made

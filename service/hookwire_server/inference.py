@@ -21,6 +21,7 @@ import torch
 
 from hookwire import _codec
 from hookwire._codec import Chunker
+from hookwire._framing import INFER_STREAM_CHUNK, Framing
 from hookwire.v1 import model_service_pb2, tensor_pb2
 
 from .errors import (
@@ -205,10 +206,11 @@ class Inference:
     @_releasing_on_failure
     async def infer_chunked(
         self, request: model_service_pb2.InferRequest, chunks: AsyncIterator[tensor_pb2.TensorChunk],
-        principal: Principal = ANONYMOUS, *, uploaded: Callable[[], None] | None = None,
+        principal: Principal = ANONYMOUS, *, uploaded: Callable[[], None] | None = None, chunk_bytes: int,
     ) -> tuple[model_service_pb2.InferResponse, Chunker]:
         """InferStream: the request's chunked tensors come from ``chunks``; the response's
-        large tensors are left in the returned Chunker, to follow the response.
+        large tensors are left in the returned Chunker, to follow the response in chunks
+        of ``chunk_bytes`` (those captured during the pass already framed, see Chunker).
         ``uploaded`` is called once every chunk has arrived (see open_stream)."""
         principal.require(MINIMUM_ROLE["InferStream"], "Infer")
         await self._checked(request)
@@ -231,7 +233,7 @@ class Inference:
             raise InvalidArgument("InferStream: the stream ended before every chunked tensor was complete")
         if uploaded is not None:
             uploaded()
-        chunker = Chunker(snapshot=True)
+        chunker = Chunker(snapshot=True, framing=Framing(INFER_STREAM_CHUNK, chunk_bytes))
         response = await self.infer(
             request, chunked=assembler.result(), chunker=chunker, principal=principal, checked=True
         )

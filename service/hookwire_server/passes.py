@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from hookwire._codec import Chunker
+from hookwire._framing import Framing
 from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2
 
 from .errors import ResourceExhausted
@@ -50,6 +51,9 @@ class Pass:
         self.chunker: Chunker | None = None
         #: Where request-scoped events go as they fire (Generate); None: into ``response``.
         self.sink = sink
+        #: How the chunk messages of the sink's events are framed (their large tensors are
+        #: copied into them as they are captured); None: kept as tensor snapshots.
+        self.framing: Framing | None = None
         #: Where notices about the call's request-scoped hooks go (Generate); None: nowhere.
         self.notices: Callable[[hook_service_pb2.Notice], None] | None = None
         self._events_in_step = 0
@@ -97,7 +101,7 @@ class Pass:
         if self.sink is None:
             return self.response.events.add(), self.chunker
         # Snapshot: the tensors are copied now, as the pass may change them in place later.
-        return hook_pb2.InterceptEvent(), Chunker(snapshot=True)
+        return hook_pb2.InterceptEvent(), Chunker(snapshot=True, framing=self.framing)
 
     def deliver(self, event: hook_pb2.InterceptEvent, chunker: Chunker | None) -> None:
         """Sends a filled request-scoped event (into the response, it already is)."""

@@ -8,6 +8,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 
+from hookwire._framing import INFER_STREAM_CHUNK, serializer
 from hookwire.v1 import (
     hook_pb2,
     hook_service_pb2,
@@ -64,19 +65,20 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         return await self._inference.infer(request, principal=principal_of(context, self._tokens))
 
     @streaming
-    async def InferStream(self, requests: AsyncIterator[model_service_pb2.InferStreamRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.InferStreamResponse]:
+    async def InferStream(self, requests: AsyncIterator[model_service_pb2.InferStreamRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.InferStreamResponse | bytes]:
         principal = principal_of(context, self._tokens)
         with self._inference.open_stream(principal) as uploaded:  # admitted before anything is read
             messages = self._inference.idle_limited(requests)
             first = await anext(messages, None)
             if first is None or first.WhichOneof("kind") != "request":
                 raise InvalidArgument("InferStream: the first message must carry the request")
+            chunk_bytes = chunk_bytes_for(first.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
             response, chunker = await self._inference.infer_chunked(
-                first.request, _chunks(messages), principal, uploaded=uploaded
+                first.request, _chunks(messages), principal, uploaded=uploaded, chunk_bytes=chunk_bytes
             )
             yield model_service_pb2.InferStreamResponse(response=response)
-            for chunk in chunker.chunks(chunk_bytes_for(first.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)):
-                yield model_service_pb2.InferStreamResponse(chunk=chunk)
+            for chunk in chunker.frames(INFER_STREAM_CHUNK, chunk_bytes):  # wire bytes (see _framing)
+                yield chunk
 
 
     @unary
@@ -84,7 +86,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         return await self._tokenization.tokenize(request, principal=principal_of(context, self._tokens))
 
     @streaming
-    async def Generate(self, request: model_service_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.GenerateResponse]:
+    async def Generate(self, request: model_service_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.GenerateResponse | bytes]:
         if self._generation is None:
             raise Unavailable("this server does not run Generate")
         async for message in self._generation.generate(request, principal=principal_of(context, self._tokens)):
@@ -109,7 +111,7 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
         self.limits = hooks.limits
 
     @streaming
-    async def OpenSession(self, request: hook_service_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage]:
+    async def OpenSession(self, request: hook_service_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage | bytes]:
         session = self._hooks.open_session(DeliveryLimits.from_proto(request.delivery), principal_of(context, self._tokens))
         try:
             yield hook_service_pb2.SessionMessage(opened=hook_service_pb2.SessionOpened(session_id=session.session_id))
@@ -153,7 +155,7 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
         )
 
     @streaming
-    async def Subscribe(self, request: hook_service_pb2.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage]:
+    async def Subscribe(self, request: hook_service_pb2.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage | bytes]:
         sub = self._hooks.subscribe(
             request.hook_ids, DeliveryLimits.from_proto(request.delivery), principal_of(context, self._tokens)
         )
@@ -169,7 +171,9 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
 
 def add_to_server(servicer: Any, service: ServiceDescriptor, server: grpc.aio.Server) -> None:
     """Registers a servicer like the generated add_*_to_server, but with request
-    parsers that let malformed bytes become INVALID_ARGUMENT instead of INTERNAL."""
+    parsers that let malformed bytes become INVALID_ARGUMENT instead of INTERNAL, and
+    response serializers that send ``bytes`` as they are: the chunk messages that
+    streams send are built by hand (hookwire._framing)."""
     handlers = {}
     for method in service.methods:
         request_class = message_factory.GetMessageClass(method.input_type)
@@ -183,7 +187,7 @@ def add_to_server(servicer: Any, service: ServiceDescriptor, server: grpc.aio.Se
         handlers[method.name] = factory(
             getattr(servicer, method.name),
             request_deserializer=tolerant_parser(request_class),
-            response_serializer=response_class.SerializeToString,
+            response_serializer=serializer(response_class),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
