@@ -12,7 +12,8 @@ import numpy as np
 
 from . import _codec
 from ._errors import CancelledError, HookwireError, from_rpc_error
-from ._session import EventAssembler, notice_of
+from ._framing import RawChunk
+from ._session import EventAssembler, kind_of, notice_of
 from ._specs import HookSpecLike, spec_proto
 from ._types import GeneratedTokens, GenerateResult, InterceptEvent, Notice
 from .v1 import model_service_pb2
@@ -184,9 +185,9 @@ class GenerateStream:
             return self._started
         if self._cancelled:
             raise self._fail(CancelledError("the Generate call was cancelled before it started"))
-        self._call = self._client.model_stub.Generate(self.request)
+        self._call = self._client.stream_calls.generate(self.request)
         msg = await self._read()
-        if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "started":
+        if msg is grpc.aio.EOF or kind_of(msg) != "started":
             raise self._fail(HookwireError("the Generate stream did not start with `started`", code="DATA_LOSS"))
         self._started = msg.started
         return msg.started
@@ -241,13 +242,13 @@ class GenerateStream:
                     if msg is grpc.aio.EOF:
                         ended = HookwireError("the Generate stream ended without its result", code="DATA_LOSS")
                         raise self._fail(ended)
-                    kind = msg.WhichOneof("kind")
+                    kind = kind_of(msg)
                     if kind == "tokens":
                         return GeneratedTokens.from_proto(msg.tokens)
                     if kind == "event":
                         complete = self._assembler.event(msg.event)
-                    elif kind == "chunk":
-                        complete = self._assembler.chunk(msg.chunk)
+                    elif kind == "chunk":  # a RawChunk (see Client.stream_calls), or a parsed one
+                        complete = self._assembler.chunk(msg if type(msg) is RawChunk else msg.chunk)
                     elif kind == "batch":
                         # Small events sent together, exactly as if one by one (never chunked).
                         for event in msg.batch.events:

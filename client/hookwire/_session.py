@@ -12,6 +12,7 @@ import grpc
 
 from . import _codec
 from ._errors import HookwireError, from_rpc_error
+from ._framing import RawChunk
 from ._types import InterceptEvent, Notice
 from .v1 import hook_pb2, tensor_pb2
 
@@ -28,6 +29,11 @@ class CallEnded:
 
     request_id: str
     model: str
+
+
+def kind_of(msg: Any) -> str | None:
+    """Which kind a stream message is (its oneof ``kind``): "chunk" for a RawChunk."""
+    return "chunk" if type(msg) is RawChunk else msg.WhichOneof("kind")
 
 
 Item = Union["tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]", Notice, CallEnded]
@@ -54,7 +60,7 @@ class EventAssembler:
         self._pending = (event, assembler)
         return None
 
-    def chunk(self, chunk: tensor_pb2.TensorChunk) -> tuple[hook_pb2.InterceptEvent, dict[int, Any] | None] | None:
+    def chunk(self, chunk: tensor_pb2.TensorChunk | RawChunk) -> tuple[hook_pb2.InterceptEvent, dict[int, Any] | None] | None:
         """The pending event once this chunk completed it, else None."""
         if self._pending is None:
             raise HookwireError("a tensor chunk arrived without its event", code="DATA_LOSS")
@@ -80,6 +86,11 @@ async def stream_items(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[Item]:
     """
     assembler = EventAssembler()
     while (msg := await call.read()) is not grpc.aio.EOF:
+        if type(msg) is RawChunk:  # read by hand (Client.stream_calls): its data is a view of the message
+            complete = assembler.chunk(msg)
+            if complete is not None:
+                yield complete
+            continue
         kind = msg.WhichOneof("kind")
         if kind == "chunk":
             complete = assembler.chunk(msg.chunk)

@@ -171,6 +171,43 @@ async def test_chunked_tensors_round_trip_for_a_client_with_grpc_default_limits(
         assert_same((await model.infer(f32)).output, f32 * 2)
 
 
+async def test_a_kind_of_call_whose_reply_was_large_streams_the_next_time(server) -> None:
+    """The SDK sends a call over InferStream when the last reply of its kind (model, mode,
+    request-scoped hooks) was over 4 MiB, and over Infer again once a reply is small; the
+    results are the same either way."""
+    async with hookwire.connect(server.target) as c:
+        sent: list[str] = []
+
+        def counting(name, method):  # type: ignore[no-untyped-def]
+            def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+                sent.append(name)
+                return method(*args, **kwargs)
+            return call
+
+        c.model_stub.Infer = counting("Infer", c.model_stub.Infer)
+        c.stream_calls.infer_stream = counting("InferStream", c.stream_calls.infer_stream)
+        model = c.model("scale")
+        x = torch.randn(50_000, generator=torch.Generator().manual_seed(3))  # 200 KB: sent inline
+        hooks = [hookwire.HookSpec(module="", posthook=hookwire.capture("args", "output")) for _ in range(12)]
+        first = await model.infer(x, hooks=hooks)  # a 4.8 MB reply
+        second = await model.infer(x, hooks=hooks)
+        other_kind = await model.infer(x)
+        small = await model.infer(x[:10], hooks=hooks)  # streams (the last reply of its kind was large) ...
+        again = await model.infer(x[:10], hooks=hooks)  # ... and was small
+        assert sent == ["Infer", "InferStream", "Infer", "InferStream", "Infer"]
+        for result in (first, second, other_kind):
+            assert_same(result.output, x * 2)
+        for result in (first, second):
+            assert len(result.events) == 12
+            for event in result.events:
+                assert_same(event.args, (x,))
+                assert_same(event.output, x * 2)
+        assert [e.seq for e in second.events] == [e.seq for e in first.events]
+        for result in (small, again):
+            assert_same(result.output, x[:10] * 2)
+            assert_same(result.events[-1].output, x[:10] * 2)
+
+
 async def _take(hook, n):
     got = 0
     async for event in hook.events():
