@@ -21,7 +21,7 @@ import torch
 
 from hookwire import _codec
 from hookwire._codec import Chunker
-from hookwire._framing import INFER_STREAM_CHUNK, Framing
+from hookwire._framing import INFER_STREAM_CHUNK, Framing, RawChunk
 from hookwire.v1 import model_service_pb2, tensor_pb2
 
 from .errors import (
@@ -205,7 +205,7 @@ class Inference:
 
     @_releasing_on_failure
     async def infer_chunked(
-        self, request: model_service_pb2.InferRequest, chunks: AsyncIterator[tensor_pb2.TensorChunk],
+        self, request: model_service_pb2.InferRequest, chunks: AsyncIterator[tensor_pb2.TensorChunk | RawChunk],
         principal: Principal = ANONYMOUS, *, uploaded: Callable[[], None] | None = None, chunk_bytes: int,
     ) -> tuple[model_service_pb2.InferResponse, Chunker]:
         """InferStream: the request's chunked tensors come from ``chunks``; the response's

@@ -8,7 +8,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 
-from hookwire._framing import INFER_STREAM_CHUNK, serializer
+from hookwire._framing import INFER_STREAM_CHUNK, RawChunk, serializer
 from hookwire.v1 import (
     hook_pb2,
     hook_service_pb2,
@@ -30,6 +30,8 @@ from .slots import slot_to_proto
 from .generation import Generation
 from .tokenization import Tokenization
 from .status_mapping import streaming, tolerant_parser, unary
+
+CHUNK_TYPE = tensor_pb2.TensorChunk.DESCRIPTOR.full_name
 
 
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
@@ -70,7 +72,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         with self._inference.open_stream(principal) as uploaded:  # admitted before anything is read
             messages = self._inference.idle_limited(requests)
             first = await anext(messages, None)
-            if first is None or first.WhichOneof("kind") != "request":
+            if first is None or type(first) is RawChunk or first.WhichOneof("kind") != "request":
                 raise InvalidArgument("InferStream: the first message must carry the request")
             chunk_bytes = chunk_bytes_for(first.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
             response, chunker = await self._inference.infer_chunked(
@@ -93,8 +95,13 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
             yield message
 
 
-async def _chunks(requests: AsyncIterator[model_service_pb2.InferStreamRequest]) -> AsyncIterator[tensor_pb2.TensorChunk]:
+async def _chunks(
+    requests: AsyncIterator[model_service_pb2.InferStreamRequest | RawChunk],
+) -> AsyncIterator[tensor_pb2.TensorChunk | RawChunk]:
     async for msg in requests:
+        if type(msg) is RawChunk:  # read by hand (see add_to_server): its data is a view of the message
+            yield msg
+            continue
         if msg.WhichOneof("kind") != "chunk":
             raise InvalidArgument("InferStream: after the request, only chunks may follow")
         yield msg.chunk
@@ -172,11 +179,15 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
 def add_to_server(servicer: Any, service: ServiceDescriptor, server: grpc.aio.Server) -> None:
     """Registers a servicer like the generated add_*_to_server, but with request
     parsers that let malformed bytes become INVALID_ARGUMENT instead of INTERNAL, and
-    response serializers that send ``bytes`` as they are: the chunk messages that
-    streams send are built by hand (hookwire._framing)."""
+    that read a request message holding only a TensorChunk (InferStream's uploads) as
+    a RawChunk, a view of gRPC's bytes copied once into its tensor (hookwire._framing);
+    and with response serializers that send ``bytes`` as they are: the chunk messages
+    that streams send are built by hand."""
     handlers = {}
     for method in service.methods:
         request_class = message_factory.GetMessageClass(method.input_type)
+        chunk_field = next((f.number for f in method.input_type.fields
+                            if f.message_type is not None and f.message_type.full_name == CHUNK_TYPE), None)
         response_class = message_factory.GetMessageClass(method.output_type)
         factory = {
             (False, False): grpc.unary_unary_rpc_method_handler,
@@ -186,7 +197,7 @@ def add_to_server(servicer: Any, service: ServiceDescriptor, server: grpc.aio.Se
         }[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(
             getattr(servicer, method.name),
-            request_deserializer=tolerant_parser(request_class),
+            request_deserializer=tolerant_parser(request_class, chunk_field=chunk_field),
             response_serializer=serializer(response_class),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

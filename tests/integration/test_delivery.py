@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import hookwire
-from hookwire import _codec
-from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc
+from hookwire import _codec, _framing
+from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, tensor_pb2
 from support import assert_same, local_models
 
 X = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
@@ -206,6 +206,47 @@ async def test_a_kind_of_call_whose_reply_was_large_streams_the_next_time(server
         for result in (small, again):
             assert_same(result.output, x[:10] * 2)
             assert_same(result.events[-1].output, x[:10] * 2)
+
+
+async def test_infer_stream_reads_chunks_in_any_valid_encoding(server) -> None:
+    """The server reads canonical chunk messages by hand and leaves any other valid encoding
+    (here: TensorChunk's fields in reverse order, and the chunk field sent in two pieces,
+    which protobuf merges) to protobuf; the results are the same."""
+    x = torch.randn(300_000, generator=torch.Generator().manual_seed(5))  # 1.2 MB: two chunks
+    request = model_service_pb2.InferRequest(model="scale")
+    chunker = _codec.Chunker(snapshot=False)
+    _codec.encode_value_into(x, request.args.add(), chunker=chunker)
+    canonical = list(chunker.frames(_framing.INFER_STREAM_CHUNK, 1 << 20))
+    assert len(canonical) == 2
+
+    def reversed_fields(chunk: tensor_pb2.TensorChunk) -> bytes:
+        body = (b"\x1a" + _framing.varint(len(chunk.data)) + chunk.data
+                + (b"\x10" + _framing.varint(chunk.offset) if chunk.offset else b"")
+                + b"\x08" + _framing.varint(chunk.chunk_id))
+        return b"\x12" + _framing.varint(len(body)) + body
+
+    def in_two_pieces(chunk: tensor_pb2.TensorChunk) -> bytes:
+        header = tensor_pb2.TensorChunk(chunk_id=chunk.chunk_id, offset=chunk.offset)
+        return (model_service_pb2.InferStreamRequest(chunk=header).SerializeToString()
+                + model_service_pb2.InferStreamRequest(chunk=tensor_pb2.TensorChunk(data=chunk.data)).SerializeToString())
+
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        call = channel.stream_stream("/hookwire.v1.ModelService/InferStream")  # bytes in, bytes out
+        for encode in (None, reversed_fields, in_two_pieces):
+            chunks = canonical if encode is None else [encode(c) for c in chunker.chunks(1 << 20)]
+            if encode is not None:
+                assert all(_framing.read_frame(c, _framing.INFER_STREAM_CHUNK) is None for c in chunks)
+
+            async def messages():  # type: ignore[no-untyped-def]
+                yield model_service_pb2.InferStreamRequest(request=request).SerializeToString()
+                for c in chunks:
+                    yield c
+
+            replies = [model_service_pb2.InferStreamResponse.FromString(m) async for m in call(messages())]
+            assembler = _codec.ChunkAssembler(replies[0].response)
+            for reply in replies[1:]:
+                assembler.feed(reply.chunk)
+            assert_same(_codec.decode_value(replies[0].response.output, chunked=assembler.result()), x * 2)
 
 
 async def _take(hook, n):
