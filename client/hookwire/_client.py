@@ -16,12 +16,13 @@ import grpc
 
 from . import _codec
 from ._framing import (
-    GENERATE_RESPONSE_CHUNK, INFER_STREAM_CHUNK, SESSION_MESSAGE_CHUNK, RawChunk, deserializer, serializer,
+    GENERATE_RESPONSE_CHUNK, INFER_STREAM_CHUNK, SESSION_MESSAGE_CHUNK, CutReply, RawChunk, deserializer,
+    serializer,
 )
 from ._credentials import bearer_token_interceptors, channel_credentials
 from ._errors import FailedPreconditionError, HookwireError, NotFoundError, UnavailableError, from_rpc_error
 from ._generation import GenerateStream, generate_request
-from ._session import CallEnded, EndedCalls, EventRouter, kind_of, pump, stream_items
+from ._session import CallEnded, EndedCalls, EventRouter, kind_of, pump, stream_items, uncut
 from ._specs import (
     ActionLike, Backward, HookSpec, HookSpecLike, OnErrorName, Sampling, ScopeName, StepsLike, spec_proto,
 )
@@ -45,6 +46,8 @@ UNARY_MIN_MESSAGE_BYTES = 64 * 1024 * 1024
 STREAM_REPLY_BYTES = 4 * 1024 * 1024
 #: How many kinds of call (see CallSizes) a client remembers.
 CALL_SIZES_KEPT = 1024
+#: Tensors of an Infer reply this large are read without protobuf (see TensorCalls).
+CUT_TENSOR_BYTES = 64 * 1024
 _MODES = {"eval": model_service_pb2.MODE_EVAL, "train": model_service_pb2.MODE_TRAIN}
 
 
@@ -81,37 +84,45 @@ class ConnectOptions:
         return min(self.max_message_bytes, 2**31 - 1)
 
 
-class StreamCalls:
-    """The SDK's own callables for the streaming RPCs. They differ from the generated
-    stubs' only in how chunk messages are handled (see _framing): one received as
-    a message that holds only a TensorChunk is read as a RawChunk, whose data is a view
-    of the received bytes (it is copied once, into its tensor), and InferStream sends
-    its chunks as wire bytes built by hand. Everything else is parsed and serialized
-    by protobuf, as the stubs do."""
+class TensorCalls:
+    """The SDK's own callables for the RPCs that carry large tensors. They differ from
+    the generated stubs' only in how tensor bytes are read and written (see _framing):
+    a stream message that holds only a TensorChunk is read as a RawChunk, whose data
+    is a view of the received bytes (copied once, into its tensor); any other message
+    holding tensors of at least CUT_TENSOR_BYTES is parsed with their data cut out (a
+    CutReply: views of the received bytes, copied once each into their tensors);
+    InferStream sends its chunks as wire bytes built by hand. Everything else is
+    parsed and serialized by protobuf, as the stubs do."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.infer = channel.unary_unary(
+            "/hookwire.v1.ModelService/Infer",
+            request_serializer=model_service_pb2.InferRequest.SerializeToString,
+            response_deserializer=deserializer(model_service_pb2.InferResponse, None, CUT_TENSOR_BYTES),
+            _registered_method=True,
+        )
         self.open_session = channel.unary_stream(
             "/hookwire.v1.HookService/OpenSession",
             request_serializer=hook_service_pb2.OpenSessionRequest.SerializeToString,
-            response_deserializer=deserializer(hook_service_pb2.SessionMessage, SESSION_MESSAGE_CHUNK),
+            response_deserializer=deserializer(hook_service_pb2.SessionMessage, SESSION_MESSAGE_CHUNK, CUT_TENSOR_BYTES),
             _registered_method=True,
         )
         self.subscribe = channel.unary_stream(
             "/hookwire.v1.HookService/Subscribe",
             request_serializer=hook_service_pb2.SubscribeRequest.SerializeToString,
-            response_deserializer=deserializer(hook_service_pb2.SessionMessage, SESSION_MESSAGE_CHUNK),
+            response_deserializer=deserializer(hook_service_pb2.SessionMessage, SESSION_MESSAGE_CHUNK, CUT_TENSOR_BYTES),
             _registered_method=True,
         )
         self.infer_stream = channel.stream_stream(
             "/hookwire.v1.ModelService/InferStream",
             request_serializer=serializer(model_service_pb2.InferStreamRequest),
-            response_deserializer=deserializer(model_service_pb2.InferStreamResponse, INFER_STREAM_CHUNK),
+            response_deserializer=deserializer(model_service_pb2.InferStreamResponse, INFER_STREAM_CHUNK, CUT_TENSOR_BYTES),
             _registered_method=True,
         )
         self.generate = channel.unary_stream(
             "/hookwire.v1.ModelService/Generate",
             request_serializer=model_service_pb2.GenerateRequest.SerializeToString,
-            response_deserializer=deserializer(model_service_pb2.GenerateResponse, GENERATE_RESPONSE_CHUNK),
+            response_deserializer=deserializer(model_service_pb2.GenerateResponse, GENERATE_RESPONSE_CHUNK, CUT_TENSOR_BYTES),
             _registered_method=True,
         )
 
@@ -266,7 +277,7 @@ class Client:
         self._channel: grpc.aio.Channel | None = None
         self._models: model_service_pb2_grpc.ModelServiceStub | None = None
         self._hooks: hook_service_pb2_grpc.HookServiceStub | None = None
-        self._streams: StreamCalls | None = None
+        self._streams: TensorCalls | None = None
         #: Which Infer calls stream their replies (see CallSizes).
         self.call_sizes = CallSizes()
         self._session: Session | None = None
@@ -303,7 +314,7 @@ class Client:
                 )
             self._models = model_service_pb2_grpc.ModelServiceStub(self._channel)
             self._hooks = hook_service_pb2_grpc.HookServiceStub(self._channel)
-            self._streams = StreamCalls(self._channel)
+            self._streams = TensorCalls(self._channel)
 
     @property
     def model_stub(self) -> model_service_pb2_grpc.ModelServiceStub:
@@ -320,8 +331,8 @@ class Client:
         return self._hooks
 
     @property
-    def stream_calls(self) -> StreamCalls:
-        """The streaming RPCs as the SDK calls them (see StreamCalls)."""
+    def tensor_calls(self) -> TensorCalls:
+        """The RPCs that carry large tensors, as the SDK calls them (see TensorCalls)."""
         self._open()
         assert self._streams is not None
         return self._streams
@@ -509,7 +520,7 @@ class Session:
             delivery=_delivery(options.session_policy, options.session_max_events, options.session_max_bytes,
                                options.stream_max_message_bytes)
         )
-        call = client.stream_calls.open_session(request)
+        call = client.tensor_calls.open_session(request)
         try:
             first = await call.read()
         except grpc.RpcError as exc:
@@ -653,7 +664,7 @@ class Subscription:
         """Starts the RPC and waits until the server has attached it. Idempotent."""
         if self._call is not None:
             return
-        self._call = self._client.stream_calls.subscribe(self._request)
+        self._call = self._client.tensor_calls.subscribe(self._request)
         try:
             first = await self._call.read()
         except grpc.RpcError as exc:
@@ -708,6 +719,17 @@ class Subscription:
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 raise from_rpc_error(exc) from None
+
+
+def _cut_result(reply: CutReply) -> InferResult:
+    """The InferResult of an Infer reply whose large tensors were cut out: each is copied
+    once from the received bytes into its tensor. ``raw`` then holds chunk ids for them,
+    as an InferStream reply does. CodecError when the data does not fit its tensor."""
+    assembler = _codec.ChunkAssembler(reply.msg)
+    assembler.take(reply.views)
+    if not assembler.done:  # a chunk id the server set itself: its data never comes on a unary call
+        raise _codec.CodecError("a tensor of the reply has a chunk_id: its data did not arrive")
+    return InferResult.from_proto(reply.msg, chunked=assembler.result())
 
 
 class RemoteModel:
@@ -771,7 +793,10 @@ class RemoteModel:
             not chunker.tensors and self._client.options.max_message_bytes >= UNARY_MIN_MESSAGE_BYTES
             and not sizes.expects_large(kind)
         ):
-            reply = await self._client._unary(self._client.model_stub.Infer, request)
+            reply = await self._client._unary(self._client.tensor_calls.infer, request)
+            if type(reply) is CutReply:
+                sizes.note(kind, reply.msg.ByteSize() + sum(len(view) for view in reply.views.values()))
+                return _cut_result(reply)
             sizes.note(kind, reply.ByteSize())
             return InferResult.from_proto(reply)
         result, reply_bytes = await self._infer_stream(request, chunker)
@@ -791,12 +816,14 @@ class RemoteModel:
             for chunk in chunker.frames(INFER_STREAM_CHUNK, chunk_bytes):  # wire bytes, one copy each
                 yield chunk
 
-        call = self._client.stream_calls.infer_stream(messages(), timeout=self._client.options.timeout)
+        call = self._client.tensor_calls.infer_stream(messages(), timeout=self._client.options.timeout)
         try:
             first = await call.read()
             if first is grpc.aio.EOF or kind_of(first) != "response":
                 raise HookwireError("InferStream ended without a response", code="DATA_LOSS")
+            first, views = uncut(first)
             assembler = _codec.ChunkAssembler(first.response)
+            assembler.take(views)
             while not assembler.done:
                 msg = await call.read()
                 if type(msg) is RawChunk:

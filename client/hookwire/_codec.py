@@ -16,7 +16,7 @@ from google.protobuf import struct_pb2
 
 from hookwire.v1 import tensor_pb2
 
-from ._framing import Framing, RawChunk, frame, read_frame
+from ._framing import Framing, RawChunk, Splicer, frame, read_frame
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
     raise ImportError("hookwire's tensor codec assumes a little-endian host")
@@ -147,6 +147,10 @@ class Chunker:
             self.tensors.append(_Kept(chunk_id, nbytes, flat_bytes, None, None))
         return chunk_id
 
+    def place(self, out: tensor_pb2.Tensor, flat_bytes: Any) -> None:
+        """Keeps ``flat_bytes`` (see ``add``) for Tensor message ``out``: sets its chunk_id."""
+        out.chunk_id = self.add(flat_bytes)
+
     @property
     def nbytes(self) -> int:
         """Bytes kept for chunks."""
@@ -201,11 +205,12 @@ def _frames(framing: Framing, chunk_id: int, flat_bytes: Any) -> Iterator[bytes]
         yield frame(framing.field, chunk_id, offset, view[offset : offset + step])
 
 
-def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | None = None) -> int:
+def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | Splicer | None = None) -> int:
     """Writes a torch tensor or numpy array into ``out``; returns the data size.
 
     The only copy is the one into the ``bytes`` that protobuf needs (or, for a
-    tensor the ``chunker`` keeps, the snapshot it asks for). CUDA tensors are
+    tensor the ``chunker`` keeps, the snapshot it asks for: a Chunker sends it in
+    chunks, a Splicer writes it into the message's wire bytes). CUDA tensors are
     copied to the host first; the caller decides where that happens.
     """
     torch = _torch_mod
@@ -228,7 +233,7 @@ def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | N
         if chunker is not None and flat is not None and chunker.keeps(nbytes):
             if chunker.snapshot and not copied and chunker.framing is None:
                 flat = flat.clone()  # (a framing chunker copies it into its chunk messages)
-            out.chunk_id = chunker.add(flat.numpy())
+            chunker.place(out, flat.numpy())
             data = b""
         else:
             data = flat.numpy().tobytes() if flat is not None else b""
@@ -241,7 +246,7 @@ def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | N
             flat_np = arr.reshape(-1).view(np.uint8)
             if chunker.snapshot and chunker.framing is None and np.shares_memory(flat_np, tensor):
                 flat_np = flat_np.copy()
-            out.chunk_id = chunker.add(flat_np)
+            chunker.place(out, flat_np)
             data = b""
         else:
             data = arr.tobytes()
@@ -262,7 +267,8 @@ def is_opaque_cache(obj: Any) -> bool:
 
 
 def encode_value_into(
-    obj: Any, out: tensor_pb2.Value, _depth: int = 0, *, chunker: Chunker | None = None, opaque_caches: bool = False,
+    obj: Any, out: tensor_pb2.Value, _depth: int = 0, *, chunker: Chunker | Splicer | None = None,
+    opaque_caches: bool = False,
 ) -> int:
     """Writes a Python object into ``out``; returns the tensor bytes written (inline or chunked).
 
@@ -513,6 +519,19 @@ class ChunkAssembler:
     def nbytes(self) -> int:
         """Bytes of the chunked tensors."""
         return sum(len(view) for view in self._views.values())
+
+    def take(self, views: Mapping[int, Any]) -> None:
+        """Copies whole tensors' data into place: ``views`` maps chunk ids to their bytes
+        (the data _framing.cut_tensors cut out of a message). An id the message does not
+        hold is skipped (its part was replaced by a later one of its oneof). CodecError
+        when the bytes do not match the tensor's shape and dtype."""
+        for chunk_id, data in views.items():
+            view = self._views.get(chunk_id)
+            if view is None:
+                continue
+            if len(data) != len(view):
+                raise CodecError(f"a tensor has {len(data)} bytes of data, but its shape and dtype need {len(view)}")
+            self.feed(RawChunk(chunk_id, 0, data))
 
     @property
     def done(self) -> bool:

@@ -8,7 +8,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 
-from hookwire._framing import INFER_STREAM_CHUNK, RawChunk, serializer
+from hookwire._framing import INFER_STREAM_CHUNK, RawChunk, Splicer, serializer
 from hookwire.v1 import (
     hook_pb2,
     hook_service_pb2,
@@ -63,8 +63,11 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         return self._registry.entry(request.name).describe(with_modules=True)
 
     @unary
-    async def Infer(self, request: model_service_pb2.InferRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.InferResponse:
-        return await self._inference.infer(request, principal=principal_of(context, self._tokens))
+    async def Infer(self, request: model_service_pb2.InferRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.InferResponse | bytes:
+        # Large tensors are written straight into the reply's wire bytes (see Splicer).
+        splicer = Splicer(snapshot=True)
+        response = await self._inference.infer(request, principal=principal_of(context, self._tokens), splicer=splicer)
+        return splicer.serialize(response) if splicer.kept else response
 
     @streaming
     async def InferStream(self, requests: AsyncIterator[model_service_pb2.InferStreamRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.InferStreamResponse | bytes]:

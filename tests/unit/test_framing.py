@@ -203,3 +203,168 @@ def test_empty_tensors_are_never_chunked() -> None:
     header = _captured(torch.zeros(0, 1 << 20), chunker)
     assert not chunker.tensors and header.tensor.chunk_id == 0
     assert list(chunker.frames(_framing.SESSION_MESSAGE_CHUNK, 1 << 20)) == []
+
+
+# ------------------------------------------------------------------ Splicer
+
+
+def _reply(splicer: _framing.Splicer | None) -> model_service_pb2.InferResponse:
+    """An InferResponse with tensors of many sizes at many depths (outputs, events, grads)."""
+    g = torch.Generator().manual_seed(11)
+    msg = model_service_pb2.InferResponse(request_id="req_1", hook_ids=["hk_1", "hk_2"])
+    output = ({"logits": torch.randn(3, 700, generator=g), "small": torch.arange(5)},
+              [torch.randn(0, 4), torch.randint(0, 9, (333,), generator=g, dtype=torch.uint8), 2.5, "text"])
+    _codec.encode_value_into(output, msg.output, chunker=splicer)
+    for i in range(3):
+        event = msg.events.add(hook_id=f"hk_{i}", module="layers.0", seq=i + 1)
+        _codec.encode_value_into(torch.randn(40 + 300 * i, generator=g), event.args.add(), chunker=splicer)
+        _codec.encode_value_into(torch.randn(2, 2, generator=g), event.kwargs["mask"], chunker=splicer)
+        _codec.encode_value_into(torch.randn(500, generator=g).to(torch.bfloat16), event.output, chunker=splicer)
+    _codec.encode_value_into(torch.randn(1000, generator=g), msg.input_grads.add(), chunker=splicer)
+    _codec.encode_value_into({"b": torch.randn(64, generator=g)}, msg.input_kwargs_grads["x"], chunker=splicer)
+    return msg
+
+
+def _filled(splicer: _framing.Splicer, msg: model_service_pb2.InferResponse) -> bytes:
+    """What protobuf writes for ``msg`` with the tensors' data set (the same message: same map order)."""
+    for out, _, data in splicer.kept:
+        out.data = memoryview(data).tobytes()
+    return msg.SerializeToString()
+
+
+@pytest.mark.parametrize("min_bytes", [1, 100, 1000, 4000, 1 << 20])
+def test_spliced_bytes_are_protobufs(min_bytes: int) -> None:
+    splicer = _framing.Splicer(snapshot=False, min_bytes=min_bytes)
+    msg = _reply(splicer)
+    assert bool(splicer.kept) == (min_bytes < 1 << 20)
+    spliced = splicer.serialize(msg)
+    assert spliced == _filled(splicer, msg)
+    assert spliced == _reply(None).SerializeToString()  # and what an unspliced encode of the same values writes
+
+
+def test_spliced_reply_decodes_bit_identically() -> None:
+    splicer = _framing.Splicer(snapshot=False, min_bytes=100)
+    got = model_service_pb2.InferResponse.FromString(splicer.serialize(_reply(splicer)))
+    want = _reply(None)
+    assert got == want
+
+
+def test_splicer_snapshots_and_skips_removed_parts() -> None:
+    splicer = _framing.Splicer(snapshot=True, min_bytes=100)
+    msg = model_service_pb2.InferResponse()
+    t = torch.randn(1000)
+    kept = t.clone()
+    _codec.encode_value_into(t, msg.events.add().output, chunker=splicer)
+    _codec.encode_value_into(t, msg.events.add().output, chunker=splicer)
+    t.zero_()  # the pass changes it after the captures
+    del msg.events[1:]  # a part removed after its tensor was placed (a rolled-back shared pass)
+    spliced = model_service_pb2.InferResponse.FromString(splicer.serialize(msg))
+    assert len(spliced.events) == 1
+    assert torch.equal(_codec.decode_value(spliced.events[0].output), kept)
+
+
+def test_a_marker_found_twice_falls_back_to_protobuf(monkeypatch: pytest.MonkeyPatch) -> None:
+    splicer = _framing.Splicer(snapshot=False, min_bytes=100)
+    whole = []
+    monkeypatch.setattr(splicer, "_serialize_whole", lambda msg: whole.append(msg) or _framing.Splicer._serialize_whole(splicer, msg))
+    msg = model_service_pb2.InferResponse()
+    _codec.encode_value_into(torch.randn(1000), msg.output, chunker=splicer)
+    marker = splicer.kept[0][1]
+    msg.events.add().module = "x" + marker.decode("latin-1")  # the marker's bytes elsewhere too (UTF-8 differs) ...
+    msg.events.add().output.tensor.data = marker  # ... and verbatim
+    spliced = splicer.serialize(msg)
+    assert whole == [msg]
+    assert spliced == _filled(splicer, msg)
+
+
+# ------------------------------------------------------------------ cut_tensors
+
+
+@pytest.mark.parametrize("min_bytes", [1, 100, 1000, 4000])
+def test_cut_tensors_parse_like_protobuf_with_the_data_moved_out(min_bytes: int) -> None:
+    wire = _reply(None).SerializeToString()
+    cut = _framing.cut_tensors(wire, model_service_pb2.InferResponse, min_bytes)
+    assert cut is not None
+    msg, views = cut
+    assert all(view.obj is wire for view in views.values())  # views, not copies
+    # Putting each cut tensor's data back gives protobuf's own parse.
+    expected = model_service_pb2.InferResponse.FromString(wire)
+    tensors = [t for _, t in _codec.iter_tensors(msg) if t.chunk_id]
+    assert sorted(t.chunk_id for t in tensors) == sorted(views) == list(range(2**32 - len(views), 2**32))
+    for t in tensors:
+        assert len(views[t.chunk_id]) >= min_bytes
+        t.data = bytes(views[t.chunk_id])
+        t.chunk_id = 0
+    assert msg == expected
+    # And it decodes bit-identically through the chunk path.
+    msg2, views2 = _framing.cut_tensors(wire, model_service_pb2.InferResponse, min_bytes)  # type: ignore[misc]
+    assembler = _codec.ChunkAssembler(msg2)
+    for chunk_id, view in views2.items():
+        assembler.feed(_framing.RawChunk(chunk_id, 0, view))
+    got = _codec.decode_value(msg2.output, chunked=assembler.result())
+    want = _codec.decode_value(expected.output)
+    assert torch.equal(got[0]["logits"], want[0]["logits"]) and torch.equal(got[1][1], want[1][1])
+
+
+def test_cut_tensors_leaves_small_and_odd_messages_to_protobuf() -> None:
+    cls = model_service_pb2.InferResponse
+    assert _framing.cut_tensors(_reply(None).SerializeToString(), cls, 1 << 20) is None  # nothing that large
+    big = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[5000], data=bytes(5000))
+    one = cls(output=tensor_pb2.Value(tensor=big)).SerializeToString()
+    assert _framing.cut_tensors(one, cls, 100) is not None
+    odd = {
+        "the output twice (merged)": one + one,
+        "a chunk_id": cls(output=tensor_pb2.Value(tensor=tensor_pb2.Tensor(
+            dtype=tensor_pb2.DTYPE_UINT8, shape=[5000], data=bytes(5000), chunk_id=1))).SerializeToString(),
+    }
+    twice_data = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[5000], data=bytes(5000)).SerializeToString()
+    twice_data += b"\x1a" + _framing.varint(5000) + b"\x01" * 5000
+    value = b"\x0a" + _framing.varint(len(twice_data)) + twice_data
+    odd["Tensor.data twice (last wins)"] = b"\x12" + _framing.varint(len(value)) + value
+    for name, wire in odd.items():
+        cls.FromString(wire)  # valid protobuf ...
+        assert _framing.cut_tensors(wire, cls, 100) is None, name  # ... left to protobuf
+    with pytest.raises(Exception):
+        cls.FromString(one[:-1])
+    assert _framing.cut_tensors(one[:-1], cls, 100) is None  # malformed: protobuf raises
+
+
+N_CUT = 5000
+
+
+def test_cut_tensors_agrees_with_protobuf_on_random_bytes() -> None:
+    """Whenever cut_tensors parses a message, putting the cut data back gives exactly
+    protobuf's parse of the same bytes; when it raises, so does protobuf."""
+    cls = model_service_pb2.InferResponse
+    msg = cls()
+    g = torch.Generator().manual_seed(2)
+    _codec.encode_value_into((torch.randn(40, generator=g), [torch.randn(30, generator=g)]), msg.output)
+    _codec.encode_value_into(torch.randn(50, generator=g), msg.events.add(seq=1).kwargs["x"])
+    original = msg.SerializeToString()
+    rng = random.Random(3)
+    cut_count = 0
+    for _ in range(N_CUT):
+        wire = bytearray(original)
+        for _ in range(rng.randrange(1, 3)):
+            pos = rng.randrange(len(wire))
+            if rng.randrange(2):
+                wire[pos] = rng.randrange(256)
+            else:
+                del wire[pos]
+        data = bytes(wire)
+        try:
+            cut = _framing.cut_tensors(data, cls, 100)
+        except Exception:
+            with pytest.raises(Exception):
+                cls.FromString(data)
+            continue
+        if cut is None:
+            continue
+        cut_count += 1
+        got, views = cut
+        for _, t in _codec.iter_tensors(got):
+            if t.chunk_id in views:
+                t.data = bytes(views[t.chunk_id])
+                t.chunk_id = 0
+        assert got == cls.FromString(data)
+    assert cut_count > 500
