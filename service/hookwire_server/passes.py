@@ -109,8 +109,8 @@ class Pass:
     def deliver(self, event: hook_pb2.InterceptEvent, chunker: Chunker | Splicer | None) -> None:
         """Sends a filled request-scoped event (into the response, it already is)."""
         if self.sink is not None:
+            assert not isinstance(chunker, Splicer)  # a sink's events are streamed (Chunker)
             kept = chunker if chunker is not None and chunker.tensors else None
-            assert not isinstance(kept, Splicer)  # a sink's events are streamed (Chunker)
             if self._held is not None:
                 self._held.append(("sink", event, kept))
             else:

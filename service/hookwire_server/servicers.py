@@ -102,7 +102,7 @@ async def _chunks(
     requests: AsyncIterator[model_service_pb2.InferStreamRequest | RawChunk],
 ) -> AsyncIterator[tensor_pb2.TensorChunk | RawChunk]:
     async for msg in requests:
-        if type(msg) is RawChunk:  # read by hand (see add_to_server): its data is a view of the message
+        if isinstance(msg, RawChunk):  # read by hand (see add_to_server): its data is a view of the message
             yield msg
             continue
         if msg.WhichOneof("kind") != "chunk":
