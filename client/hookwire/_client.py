@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import ipaddress
 import logging
@@ -14,10 +15,14 @@ from typing import Any, AsyncIterator, Generator, Iterable, Literal, Mapping, Pr
 import grpc
 
 from . import _codec
+from ._framing import (
+    GENERATE_RESPONSE_CHUNK, INFER_STREAM_CHUNK, SESSION_MESSAGE_CHUNK, CutReply, RawChunk, deserializer,
+    serializer,
+)
 from ._credentials import bearer_token_interceptors, channel_credentials
 from ._errors import FailedPreconditionError, HookwireError, NotFoundError, UnavailableError, from_rpc_error
 from ._generation import GenerateStream, generate_request
-from ._session import CallEnded, EndedCalls, EventRouter, pump, stream_items
+from ._session import CallEnded, EndedCalls, EventRouter, kind_of, pump, stream_items, uncut
 from ._specs import (
     ActionLike, Backward, HookSpec, HookSpecLike, OnErrorName, Sampling, ScopeName, StepsLike, spec_proto,
 )
@@ -34,6 +39,15 @@ log = logging.getLogger("hookwire")
 DEFAULT_TARGET = "127.0.0.1:50051"
 #: Below this message limit, Infer always streams (InferStream), so responses fit too.
 UNARY_MIN_MESSAGE_BYTES = 64 * 1024 * 1024
+#: A call whose last reply (same model, mode and request-scoped hooks) was larger than
+#: this streams (InferStream): its large tensors then come in chunks, each copied once
+#: into its tensor, where a unary reply is copied whole at every step (see
+#: docs/benchmarks.md: from 4 MiB on, streaming is faster, and stays linear in size).
+STREAM_REPLY_BYTES = 4 * 1024 * 1024
+#: How many kinds of call (see CallSizes) a client remembers.
+CALL_SIZES_KEPT = 1024
+#: Tensors of an Infer reply this large are read without protobuf (see TensorCalls).
+CUT_TENSOR_BYTES = 64 * 1024
 _MODES = {"eval": model_service_pb2.MODE_EVAL, "train": model_service_pb2.MODE_TRAIN}
 
 
@@ -68,6 +82,79 @@ class ConnectOptions:
     def stream_max_message_bytes(self) -> int:
         """The largest message streams send to this client (larger events come in chunks)."""
         return min(self.max_message_bytes, 2**31 - 1)
+
+
+class TensorCalls:
+    """The SDK's own callables for the RPCs that carry large tensors. They differ from
+    the generated stubs' only in how tensor bytes are read and written (see _framing):
+    a stream message that holds only a TensorChunk is read as a RawChunk, whose data
+    is a view of the received bytes (copied once, into its tensor); any other message
+    holding tensors of at least CUT_TENSOR_BYTES is parsed with their data cut out (a
+    CutReply: views of the received bytes, copied once each into their tensors);
+    InferStream sends its chunks as wire bytes built by hand. Everything else is
+    parsed and serialized by protobuf, as the stubs do."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.infer = channel.unary_unary(
+            "/hookwire.v1.ModelService/Infer",
+            request_serializer=model_service_pb2.InferRequest.SerializeToString,
+            response_deserializer=deserializer(model_service_pb2.InferResponse, None, CUT_TENSOR_BYTES),
+            _registered_method=True,
+        )
+        self.open_session = channel.unary_stream(
+            "/hookwire.v1.HookService/OpenSession",
+            request_serializer=hook_service_pb2.OpenSessionRequest.SerializeToString,
+            response_deserializer=deserializer(hook_service_pb2.SessionMessage, SESSION_MESSAGE_CHUNK, CUT_TENSOR_BYTES),
+            _registered_method=True,
+        )
+        self.subscribe = channel.unary_stream(
+            "/hookwire.v1.HookService/Subscribe",
+            request_serializer=hook_service_pb2.SubscribeRequest.SerializeToString,
+            response_deserializer=deserializer(hook_service_pb2.SessionMessage, SESSION_MESSAGE_CHUNK, CUT_TENSOR_BYTES),
+            _registered_method=True,
+        )
+        self.infer_stream = channel.stream_stream(
+            "/hookwire.v1.ModelService/InferStream",
+            request_serializer=serializer(model_service_pb2.InferStreamRequest),
+            response_deserializer=deserializer(model_service_pb2.InferStreamResponse, INFER_STREAM_CHUNK, CUT_TENSOR_BYTES),
+            _registered_method=True,
+        )
+        self.generate = channel.unary_stream(
+            "/hookwire.v1.ModelService/Generate",
+            request_serializer=model_service_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=deserializer(model_service_pb2.GenerateResponse, GENERATE_RESPONSE_CHUNK, CUT_TENSOR_BYTES),
+            _registered_method=True,
+        )
+
+
+class CallSizes:
+    """Which kinds of Infer call had a large reply last time, so that the next one of
+    the kind streams. A kind is the model, the mode and the request-scoped hooks; the
+    most recent CALL_SIZES_KEPT kinds are kept. Streaming or not never changes a
+    result, only how it travels."""
+
+    def __init__(self) -> None:
+        self._large: collections.OrderedDict[tuple[Any, ...], None] = collections.OrderedDict()
+
+    @staticmethod
+    def kind(request: model_service_pb2.InferRequest) -> tuple[Any, ...]:
+        """The kind of a call (cheap: the hooks' bytes, without tensors)."""
+        return (request.model, request.mode, request.HasField("backward"),
+                tuple(spec.SerializeToString(deterministic=True) for spec in request.hooks))
+
+    def expects_large(self, kind: tuple[Any, ...]) -> bool:
+        """Whether the last reply of this kind was large."""
+        return kind in self._large
+
+    def note(self, kind: tuple[Any, ...], reply_bytes: int) -> None:
+        """Records the size of a reply of this kind."""
+        if reply_bytes > STREAM_REPLY_BYTES:
+            self._large[kind] = None
+            self._large.move_to_end(kind)
+            if len(self._large) > CALL_SIZES_KEPT:
+                self._large.popitem(last=False)
+        else:
+            self._large.pop(kind, None)
 
 
 class CallLike(Protocol):
@@ -190,6 +277,9 @@ class Client:
         self._channel: grpc.aio.Channel | None = None
         self._models: model_service_pb2_grpc.ModelServiceStub | None = None
         self._hooks: hook_service_pb2_grpc.HookServiceStub | None = None
+        self._streams: TensorCalls | None = None
+        #: Which Infer calls stream their replies (see CallSizes).
+        self.call_sizes = CallSizes()
         self._session: Session | None = None
         self._session_lock: asyncio.Lock | None = None
 
@@ -224,6 +314,7 @@ class Client:
                 )
             self._models = model_service_pb2_grpc.ModelServiceStub(self._channel)
             self._hooks = hook_service_pb2_grpc.HookServiceStub(self._channel)
+            self._streams = TensorCalls(self._channel)
 
     @property
     def model_stub(self) -> model_service_pb2_grpc.ModelServiceStub:
@@ -238,6 +329,13 @@ class Client:
         self._open()
         assert self._hooks is not None
         return self._hooks
+
+    @property
+    def tensor_calls(self) -> TensorCalls:
+        """The RPCs that carry large tensors, as the SDK calls them (see TensorCalls)."""
+        self._open()
+        assert self._streams is not None
+        return self._streams
 
     async def _unary(self, method: Any, request: Any) -> Any:
         try:
@@ -422,12 +520,12 @@ class Session:
             delivery=_delivery(options.session_policy, options.session_max_events, options.session_max_bytes,
                                options.stream_max_message_bytes)
         )
-        call = client.hook_stub.OpenSession(request)
+        call = client.tensor_calls.open_session(request)
         try:
             first = await call.read()
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, target=client.target) from None
-        if first is grpc.aio.EOF or first.WhichOneof("kind") != "opened":
+        if first is grpc.aio.EOF or kind_of(first) != "opened":
             call.cancel()
             raise ConnectionError("the server did not open a session")
         return cls(client, call, first.opened.session_id)
@@ -566,12 +664,12 @@ class Subscription:
         """Starts the RPC and waits until the server has attached it. Idempotent."""
         if self._call is not None:
             return
-        self._call = self._client.hook_stub.Subscribe(self._request)
+        self._call = self._client.tensor_calls.subscribe(self._request)
         try:
             first = await self._call.read()
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, target=self._client.target) from None
-        if first is grpc.aio.EOF or first.WhichOneof("kind") != "subscribed":
+        if first is grpc.aio.EOF or kind_of(first) != "subscribed":
             raise ConnectionError("the server did not confirm the subscription")
         self._items = stream_items(self._call)
 
@@ -621,6 +719,17 @@ class Subscription:
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 raise from_rpc_error(exc) from None
+
+
+def _cut_result(reply: CutReply) -> InferResult:
+    """The InferResult of an Infer reply whose large tensors were cut out: each is copied
+    once from the received bytes into its tensor. ``raw`` then holds chunk ids for them,
+    as an InferStream reply does. CodecError when the data does not fit its tensor."""
+    assembler = _codec.ChunkAssembler(reply.msg)
+    assembler.take(reply.views)
+    if not assembler.done:  # a chunk id the server set itself: its data never comes on a unary call
+        raise _codec.CodecError("a tensor of the reply has a chunk_id: its data did not arrive")
+    return InferResult.from_proto(reply.msg, chunked=assembler.result())
 
 
 class RemoteModel:
@@ -678,33 +787,53 @@ class RemoteModel:
         if seed is not None:
             request.seed = seed
         request.tags.extend(tags)
-        if not chunker.tensors and self._client.options.max_message_bytes >= UNARY_MIN_MESSAGE_BYTES:
-            reply = await self._client._unary(self._client.model_stub.Infer, request)
+        sizes = self._client.call_sizes
+        kind = sizes.kind(request)
+        if (
+            not chunker.tensors and self._client.options.max_message_bytes >= UNARY_MIN_MESSAGE_BYTES
+            and not sizes.expects_large(kind)
+        ):
+            reply = await self._client._unary(self._client.tensor_calls.infer, request)
+            if type(reply) is CutReply:
+                sizes.note(kind, reply.msg.ByteSize() + sum(len(view) for view in reply.views.values()))
+                return _cut_result(reply)
+            sizes.note(kind, reply.ByteSize())
             return InferResult.from_proto(reply)
-        return await self._infer_stream(request, chunker)
+        result, reply_bytes = await self._infer_stream(request, chunker)
+        sizes.note(kind, reply_bytes)
+        return result
 
-    async def _infer_stream(self, request: model_service_pb2.InferRequest, chunker: _codec.Chunker) -> InferResult:
-        """InferStream: large tensors travel as chunks both ways, each message within the limit."""
+    async def _infer_stream(
+        self, request: model_service_pb2.InferRequest, chunker: _codec.Chunker,
+    ) -> tuple[InferResult, int]:
+        """InferStream: large tensors travel as chunks both ways, each message within the
+        limit. Returns the result and the bytes of the reply (its tensors included)."""
         limit = self._client.options.max_message_bytes
         chunk_bytes = max(64 * 1024, min(1024 * 1024, limit - 64 * 1024))
 
-        async def messages() -> AsyncIterator[model_service_pb2.InferStreamRequest]:
+        async def messages() -> AsyncIterator[model_service_pb2.InferStreamRequest | bytes]:
             yield model_service_pb2.InferStreamRequest(request=request, max_response_message_bytes=min(limit, 2**32 - 1))
-            for chunk in chunker.chunks(chunk_bytes):
-                yield model_service_pb2.InferStreamRequest(chunk=chunk)
+            for chunk in chunker.frames(INFER_STREAM_CHUNK, chunk_bytes):  # wire bytes, one copy each
+                yield chunk
 
-        call = self._client.model_stub.InferStream(messages(), timeout=self._client.options.timeout)
+        call = self._client.tensor_calls.infer_stream(messages(), timeout=self._client.options.timeout)
         try:
             first = await call.read()
-            if first is grpc.aio.EOF or first.WhichOneof("kind") != "response":
+            if first is grpc.aio.EOF or kind_of(first) != "response":
                 raise HookwireError("InferStream ended without a response", code="DATA_LOSS")
+            first, views = uncut(first)
             assembler = _codec.ChunkAssembler(first.response)
+            assembler.take(views)
             while not assembler.done:
                 msg = await call.read()
-                if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "chunk":
+                if type(msg) is RawChunk:
+                    assembler.feed(msg)
+                    continue
+                if msg is grpc.aio.EOF or kind_of(msg) != "chunk":
                     raise HookwireError("InferStream ended before the response's tensors were complete", code="DATA_LOSS")
                 assembler.feed(msg.chunk)
-            return InferResult.from_proto(first.response, chunked=assembler.result())
+            reply_bytes = first.response.ByteSize() + assembler.nbytes
+            return InferResult.from_proto(first.response, chunked=assembler.result()), reply_bytes
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, target=self._client.target) from None
         except _codec.CodecError as exc:

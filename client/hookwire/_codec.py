@@ -7,6 +7,7 @@ unpickles or evaluates anything: a Tensor is dtype + shape + raw bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Iterator, Mapping, cast
 
@@ -14,6 +15,8 @@ import numpy as np
 from google.protobuf import struct_pb2
 
 from hookwire.v1 import tensor_pb2
+
+from ._framing import Framing, RawChunk, Splicer, frame, read_frame
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
     raise ImportError("hookwire's tensor codec assumes a little-endian host")
@@ -99,18 +102,29 @@ def wire_dtype_of(dtype: Any) -> tensor_pb2.DType:
 class Chunker:
     """Collects the tensors of one message that are too large to travel inline.
 
-    They are sent after the message as TensorChunk messages (``chunks()``). Small
-    tensors stay inline until the message's inline bytes reach ``inline_total_max``,
-    so the message itself stays well under any peer's limit (>= 1 MiB).
+    They are sent after the message as TensorChunk messages (``frames()``, or
+    ``chunks()`` as protobuf messages). Small tensors stay inline until the message's
+    inline bytes reach ``inline_total_max``, so the message itself stays well under
+    any peer's limit (>= 1 MiB).
+
+    A ``snapshot`` chunker copies each tensor as it is added, since the tensor may
+    change before it is sent (a capture inside a pass). With a ``framing`` it copies
+    it straight into its chunk messages' wire bytes (see _framing), on the thread that
+    adds it: that copy is the snapshot, and the event loop that later sends the
+    messages only hands them to gRPC. Without a snapshot, chunk messages are built one
+    at a time as they are sent (memory: the tensors plus one chunk).
     """
 
     INLINE_TENSOR_MAX = 256 * 1024
     INLINE_TOTAL_MAX = 512 * 1024
 
-    def __init__(self, *, snapshot: bool) -> None:
+    def __init__(self, *, snapshot: bool, framing: Framing | None = None) -> None:
         #: Copy tensors that may change before they are sent (captures inside a pass).
         self.snapshot = snapshot
-        self.tensors: list[tuple[int, Any]] = []  # (chunk_id, flat uint8 array)
+        #: How the chunk messages of snapshots are framed (None: snapshots are tensors).
+        self.framing = framing
+        #: The kept tensors, in chunk id order.
+        self.tensors: list[_Kept] = []
         self._inline = 0
 
     def keeps(self, nbytes: int) -> bool:
@@ -121,31 +135,82 @@ class Chunker:
         return False
 
     def add(self, flat_bytes: Any) -> int:
-        """Keeps a flat uint8 array (numpy); returns its chunk id."""
+        """Keeps a flat uint8 array (numpy); returns its chunk id. With ``snapshot`` and a
+        ``framing``, its chunk messages are built now (the one copy of its bytes);
+        otherwise the array itself is kept (the caller snapshots it when it must)."""
         chunk_id = len(self.tensors) + 1
-        self.tensors.append((chunk_id, flat_bytes))
+        nbytes = int(flat_bytes.nbytes)
+        if self.snapshot and self.framing is not None:
+            frames = list(_frames(self.framing, chunk_id, flat_bytes))
+            self.tensors.append(_Kept(chunk_id, nbytes, None, frames, self.framing))
+        else:
+            self.tensors.append(_Kept(chunk_id, nbytes, flat_bytes, None, None))
         return chunk_id
+
+    def place(self, out: tensor_pb2.Tensor, flat_bytes: Any) -> None:
+        """Keeps ``flat_bytes`` (see ``add``) for Tensor message ``out``: sets its chunk_id."""
+        out.chunk_id = self.add(flat_bytes)
 
     @property
     def nbytes(self) -> int:
         """Bytes kept for chunks."""
-        return sum(int(buf.nbytes) for _, buf in self.tensors)
+        return sum(kept.nbytes for kept in self.tensors)
+
+    def frames(self, field: int, chunk_bytes: int) -> Iterator[bytes]:
+        """The wire bytes of the chunk messages, each a message whose field ``field`` is
+        a TensorChunk of at most ``chunk_bytes`` data bytes (lazy). Snapshots framed
+        when they were added are yielded as they are: their framing must have the same
+        field and no larger chunks (ValueError otherwise)."""
+        for kept in self.tensors:
+            if kept.frames is not None:
+                assert kept.framing is not None
+                if kept.framing.field != field or kept.framing.chunk_bytes > chunk_bytes:
+                    raise ValueError(f"chunks framed as {kept.framing}, asked for field {field}, {chunk_bytes} bytes")
+                yield from kept.frames
+            else:
+                yield from _frames(Framing(field, chunk_bytes), kept.chunk_id, kept.data)
 
     def chunks(self, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:
         """The TensorChunk messages, one ``chunk_bytes`` slice at a time (lazy)."""
-        for chunk_id, buf in self.tensors:
-            view = memoryview(buf)
+        for kept in self.tensors:
+            if kept.frames is not None:
+                assert kept.framing is not None
+                for data in kept.frames:
+                    raw = read_frame(data, kept.framing.field)
+                    assert raw is not None
+                    yield tensor_pb2.TensorChunk(chunk_id=raw.chunk_id, offset=raw.offset, data=bytes(raw.data))
+                continue
+            view = memoryview(kept.data)
             for offset in range(0, len(view), chunk_bytes):
                 yield tensor_pb2.TensorChunk(
-                    chunk_id=chunk_id, offset=offset, data=view[offset : offset + chunk_bytes].tobytes()
+                    chunk_id=kept.chunk_id, offset=offset, data=view[offset : offset + chunk_bytes].tobytes()
                 )
 
 
-def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | None = None) -> int:
+@dataclasses.dataclass
+class _Kept:
+    """A tensor a Chunker keeps: its flat bytes, or the chunk messages built from them."""
+
+    chunk_id: int
+    nbytes: int
+    data: Any  # flat uint8 numpy array, or None when framed
+    frames: list[bytes] | None
+    framing: Framing | None
+
+
+def _frames(framing: Framing, chunk_id: int, flat_bytes: Any) -> Iterator[bytes]:
+    view = memoryview(flat_bytes)
+    step = framing.chunk_bytes
+    for offset in range(0, len(view), step):
+        yield frame(framing.field, chunk_id, offset, view[offset : offset + step])
+
+
+def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | Splicer | None = None) -> int:
     """Writes a torch tensor or numpy array into ``out``; returns the data size.
 
     The only copy is the one into the ``bytes`` that protobuf needs (or, for a
-    tensor the ``chunker`` keeps, the snapshot it asks for). CUDA tensors are
+    tensor the ``chunker`` keeps, the snapshot it asks for: a Chunker sends it in
+    chunks, a Splicer writes it into the message's wire bytes). CUDA tensors are
     copied to the host first; the caller decides where that happens.
     """
     torch = _torch_mod
@@ -166,9 +231,9 @@ def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | N
         flat = t.reshape(-1).view(torch.uint8) if t.numel() else None
         nbytes = t.numel() * t.element_size()
         if chunker is not None and flat is not None and chunker.keeps(nbytes):
-            if chunker.snapshot and not copied:
-                flat = flat.clone()
-            out.chunk_id = chunker.add(flat.numpy())
+            if chunker.snapshot and not copied and chunker.framing is None:
+                flat = flat.clone()  # (a framing chunker copies it into its chunk messages)
+            chunker.place(out, flat.numpy())
             data = b""
         else:
             data = flat.numpy().tobytes() if flat is not None else b""
@@ -179,9 +244,9 @@ def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | N
         nbytes = arr.nbytes
         if chunker is not None and nbytes and chunker.keeps(nbytes):
             flat_np = arr.reshape(-1).view(np.uint8)
-            if chunker.snapshot and np.shares_memory(flat_np, tensor):
+            if chunker.snapshot and chunker.framing is None and np.shares_memory(flat_np, tensor):
                 flat_np = flat_np.copy()
-            out.chunk_id = chunker.add(flat_np)
+            chunker.place(out, flat_np)
             data = b""
         else:
             data = arr.tobytes()
@@ -202,7 +267,8 @@ def is_opaque_cache(obj: Any) -> bool:
 
 
 def encode_value_into(
-    obj: Any, out: tensor_pb2.Value, _depth: int = 0, *, chunker: Chunker | None = None, opaque_caches: bool = False,
+    obj: Any, out: tensor_pb2.Value, _depth: int = 0, *, chunker: Chunker | Splicer | None = None,
+    opaque_caches: bool = False,
 ) -> int:
     """Writes a Python object into ``out``; returns the tensor bytes written (inline or chunked).
 
@@ -279,8 +345,9 @@ def encode_tensor(tensor: Any) -> tensor_pb2.Tensor:
 # --------------------------------------------------------------------------- decode
 
 
-def check_tensor(msg: tensor_pb2.Tensor, where: str = "tensor") -> int:
-    """Validates dtype, shape and byte length (none for a chunked tensor); returns the element count."""
+def check_tensor(msg: tensor_pb2.Tensor, where: str = "tensor", *, data: bytes | None = None) -> int:
+    """Validates dtype, shape and byte length (none for a chunked tensor); returns the element count.
+    ``data``: ``msg.data`` when the caller has read it already (each read copies it)."""
     itemsize = ITEMSIZE.get(msg.dtype)
     if itemsize is None:
         raise CodecError(f"{where}: {dtype_name(msg.dtype)} is not a valid dtype")
@@ -293,14 +360,16 @@ def check_tensor(msg: tensor_pb2.Tensor, where: str = "tensor") -> int:
         nonzero *= max(dim, 1)
         if nonzero * itemsize >= 2**62:  # no real tensor is this large, even with a zero dimension
             raise CodecError(f"{where}: shape {list(msg.shape)} is too large")
+    if data is None:
+        data = msg.data
     if msg.chunk_id:
-        if msg.data:
+        if data:
             raise CodecError(f"{where}: a chunked tensor (chunk_id {msg.chunk_id}) carries inline data")
         return count
     expected = count * itemsize
-    if len(msg.data) != expected:
+    if len(data) != expected:
         raise CodecError(
-            f"{where}: {len(msg.data)} bytes of data, but shape {list(msg.shape)} of "
+            f"{where}: {len(data)} bytes of data, but shape {list(msg.shape)} of "
             f"{dtype_name(msg.dtype)} needs {expected}"
         )
     return count
@@ -311,12 +380,14 @@ def decode_tensor(
 ) -> Any:
     """A torch tensor (numpy array when torch is missing or ``as_numpy``).
 
-    The result owns writable memory (one copy of the bytes). Without torch, a
-    bfloat16 tensor is widened to float32, which represents it exactly. A
-    chunked tensor is taken from ``chunked`` (see ChunkAssembler).
-    Raises CodecError when the bytes do not match dtype and shape.
+    The result owns writable memory: one copy of the bytes, besides the one that
+    reading a protobuf ``bytes`` field makes. Without torch, a bfloat16 tensor is
+    widened to float32, which represents it exactly. A chunked tensor is taken from
+    ``chunked`` (see ChunkAssembler). Raises CodecError when the bytes do not match
+    dtype and shape.
     """
-    check_tensor(msg, where)
+    data = msg.data  # a copy of the message's bytes: read once
+    check_tensor(msg, where, data=data)
     if msg.chunk_id:
         if chunked is None or msg.chunk_id not in chunked:
             raise CodecError(f"{where}: the data of chunk {msg.chunk_id} did not arrive")
@@ -324,11 +395,11 @@ def decode_tensor(
     shape = tuple(msg.shape)
     torch = None if as_numpy else _torch_mod
     if torch is not None:
-        if not msg.data:
+        if not data:
             return torch.empty(shape, dtype=TORCH_DTYPES[msg.dtype])
-        flat = torch.frombuffer(bytearray(msg.data), dtype=TORCH_DTYPES[msg.dtype])
+        flat = torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[msg.dtype])
         return flat.reshape(shape)
-    arr = np.frombuffer(msg.data, dtype=_NUMPY_DTYPES[msg.dtype]).reshape(shape)
+    arr = np.frombuffer(data, dtype=_NUMPY_DTYPES[msg.dtype]).reshape(shape)
     if msg.dtype == tensor_pb2.DTYPE_BFLOAT16:
         widened = arr.astype(np.uint32)
         widened <<= 16  # in place: a 0-d array stays an array
@@ -445,22 +516,42 @@ class ChunkAssembler:
         self._bf16 = {t.chunk_id for t in chunked_tensors(msg) if t.dtype == tensor_pb2.DTYPE_BFLOAT16}
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the chunked tensors."""
+        return sum(len(view) for view in self._views.values())
+
+    def take(self, views: Mapping[int, Any]) -> None:
+        """Copies whole tensors' data into place: ``views`` maps chunk ids to their bytes
+        (the data _framing.cut_tensors cut out of a message). An id the message does not
+        hold is skipped (its part was replaced by a later one of its oneof). CodecError
+        when the bytes do not match the tensor's shape and dtype."""
+        for chunk_id, data in views.items():
+            view = self._views.get(chunk_id)
+            if view is None:
+                continue
+            if len(data) != len(view):
+                raise CodecError(f"a tensor has {len(data)} bytes of data, but its shape and dtype need {len(view)}")
+            self.feed(RawChunk(chunk_id, 0, data))
+
+    @property
     def done(self) -> bool:
         """Whether every chunked tensor is complete."""
         return not self._pending
 
-    def feed(self, chunk: tensor_pb2.TensorChunk) -> None:
-        """Copies one chunk into place."""
+    def feed(self, chunk: tensor_pb2.TensorChunk | RawChunk) -> None:
+        """Copies one chunk into place: a TensorChunk, or a RawChunk (see _framing),
+        whose data is a view of the received bytes: then this is the only copy."""
         view = self._views.get(chunk.chunk_id)
         if view is None or chunk.chunk_id not in self._pending:
             raise CodecError(f"chunk for unknown or complete tensor {chunk.chunk_id}")
         filled = self._filled[chunk.chunk_id]
         if chunk.offset != filled:
             raise CodecError(f"chunk of tensor {chunk.chunk_id} at offset {chunk.offset}, expected {filled}")
-        end = filled + len(chunk.data)
-        if end > len(view) or not chunk.data:
+        data = chunk.data  # each read of a TensorChunk's field copies it: read once
+        end = filled + len(data)
+        if end > len(view) or not len(data):
             raise CodecError(f"chunk of tensor {chunk.chunk_id} overruns its {len(view)} bytes")
-        view[filled:end] = chunk.data
+        view[filled:end] = data
         self._filled[chunk.chunk_id] = end
         if end == len(view):
             self._pending.discard(chunk.chunk_id)

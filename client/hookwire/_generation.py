@@ -12,7 +12,8 @@ import numpy as np
 
 from . import _codec
 from ._errors import CancelledError, HookwireError, from_rpc_error
-from ._session import EventAssembler, notice_of
+from ._framing import RawChunk
+from ._session import EventAssembler, assembled, kind_of, notice_of, restored, uncut
 from ._specs import HookSpecLike, spec_proto
 from ._types import GeneratedTokens, GenerateResult, InterceptEvent, Notice
 from .v1 import model_service_pb2
@@ -184,10 +185,11 @@ class GenerateStream:
             return self._started
         if self._cancelled:
             raise self._fail(CancelledError("the Generate call was cancelled before it started"))
-        self._call = self._client.model_stub.Generate(self.request)
+        self._call = self._client.tensor_calls.generate(self.request)
         msg = await self._read()
-        if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "started":
+        if msg is grpc.aio.EOF or kind_of(msg) != "started":
             raise self._fail(HookwireError("the Generate stream did not start with `started`", code="DATA_LOSS"))
+        msg = restored(*uncut(msg))  # a long prompt's ids: read as usual
         self._started = msg.started
         return msg.started
 
@@ -241,17 +243,24 @@ class GenerateStream:
                     if msg is grpc.aio.EOF:
                         ended = HookwireError("the Generate stream ended without its result", code="DATA_LOSS")
                         raise self._fail(ended)
+                    if type(msg) is RawChunk:  # read by hand (see Client.tensor_calls)
+                        complete = self._assembler.chunk(msg)
+                        if complete is not None:
+                            return self._keep(InterceptEvent.from_proto(complete[0], chunked=complete[1]))
+                        continue
+                    msg, views = uncut(msg)
                     kind = msg.WhichOneof("kind")
                     if kind == "tokens":
                         return GeneratedTokens.from_proto(msg.tokens)
                     if kind == "event":
-                        complete = self._assembler.event(msg.event)
+                        complete = self._assembler.event(msg.event, views)
                     elif kind == "chunk":
                         complete = self._assembler.chunk(msg.chunk)
                     elif kind == "batch":
                         # Small events sent together, exactly as if one by one (never chunked).
+                        chunked = assembled(msg.batch, views)
                         for event in msg.batch.events:
-                            self._batched.append(self._keep(InterceptEvent.from_proto(event)))
+                            self._batched.append(self._keep(InterceptEvent.from_proto(event, chunked=chunked)))
                         if self._batched:
                             return self._batched.popleft()
                         continue

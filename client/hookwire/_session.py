@@ -12,6 +12,7 @@ import grpc
 
 from . import _codec
 from ._errors import HookwireError, from_rpc_error
+from ._framing import CutReply, RawChunk
 from ._types import InterceptEvent, Notice
 from .v1 import hook_pb2, tensor_pb2
 
@@ -30,6 +31,45 @@ class CallEnded:
     model: str
 
 
+def kind_of(msg: Any) -> str | None:
+    """Which kind a stream message is (its oneof ``kind``): "chunk" for a RawChunk."""
+    if type(msg) is RawChunk:
+        return "chunk"
+    return (msg.msg if type(msg) is CutReply else msg).WhichOneof("kind")
+
+
+def uncut(msg: Any) -> tuple[Any, dict[int, Any]]:
+    """A message read by Client.tensor_calls as (the message, the data of the tensors
+    cut out of it by chunk id; see _framing.CutReply)."""
+    if type(msg) is CutReply:
+        return msg.msg, msg.views
+    return msg, {}
+
+
+def restored(msg: Any, views: dict[int, Any]) -> Any:
+    """``msg`` with the data cut out of it put back in its tensors (one more copy each):
+    for messages whose tensors are decoded without a chunk mapping."""
+    if views:
+        for _, tensor in _codec.iter_tensors(msg):
+            data = views.get(tensor.chunk_id)
+            if data is not None:
+                tensor.chunk_id = 0
+                tensor.data = bytes(data)
+    return msg
+
+
+def assembled(msg: Any, views: dict[int, Any]) -> dict[int, Any] | None:
+    """The tensors cut out of ``msg`` (which has no other chunked tensors), by chunk id;
+    None when none was. CodecError when one does not fit."""
+    if not views:
+        return None
+    assembler = _codec.ChunkAssembler(msg)
+    assembler.take(views)
+    if not assembler.done:
+        raise _codec.CodecError("a tensor has a chunk_id, but no chunks may follow this message")
+    return assembler.result()
+
+
 Item = Union["tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]", Notice, CallEnded]
 
 
@@ -44,17 +84,22 @@ class EventAssembler:
     def __init__(self) -> None:
         self._pending: tuple[hook_pb2.InterceptEvent, _codec.ChunkAssembler] | None = None
 
-    def event(self, event: hook_pb2.InterceptEvent) -> tuple[hook_pb2.InterceptEvent, dict[int, Any] | None] | None:
-        """The event, complete; None when its chunks are still to come."""
+    def event(
+        self, event: hook_pb2.InterceptEvent, views: dict[int, Any] | None = None,
+    ) -> tuple[hook_pb2.InterceptEvent, dict[int, Any] | None] | None:
+        """The event, complete; None when its chunks are still to come. ``views``: the
+        data of tensors cut out of its message (see uncut)."""
         if self._pending is not None:
             raise HookwireError("an event arrived before the chunks of the previous one", code="DATA_LOSS")
         assembler = _codec.ChunkAssembler(event)
+        if views:
+            assembler.take(views)
         if assembler.done:
-            return event, None
+            return event, assembler.result() if views else None
         self._pending = (event, assembler)
         return None
 
-    def chunk(self, chunk: tensor_pb2.TensorChunk) -> tuple[hook_pb2.InterceptEvent, dict[int, Any] | None] | None:
+    def chunk(self, chunk: tensor_pb2.TensorChunk | RawChunk) -> tuple[hook_pb2.InterceptEvent, dict[int, Any] | None] | None:
         """The pending event once this chunk completed it, else None."""
         if self._pending is None:
             raise HookwireError("a tensor chunk arrived without its event", code="DATA_LOSS")
@@ -80,18 +125,25 @@ async def stream_items(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[Item]:
     """
     assembler = EventAssembler()
     while (msg := await call.read()) is not grpc.aio.EOF:
+        if type(msg) is RawChunk:  # read by hand (Client.tensor_calls): its data is a view of the message
+            complete = assembler.chunk(msg)
+            if complete is not None:
+                yield complete
+            continue
+        msg, views = uncut(msg)
         kind = msg.WhichOneof("kind")
         if kind == "chunk":
             complete = assembler.chunk(msg.chunk)
             if complete is not None:
                 yield complete
         elif kind == "event":
-            complete = assembler.event(msg.event)
+            complete = assembler.event(msg.event, views)
             if complete is not None:
                 yield complete
         elif kind == "batch":
+            chunked = assembled(msg.batch, views)
             for event in msg.batch.events:
-                yield event, None
+                yield event, chunked
         elif kind == "notice":
             yield notice_of(msg.notice)
         elif kind == "call_ended":

@@ -222,6 +222,8 @@ class InferResult:
     input_grads: tuple[Any, ...]
     #: With return_input_grads: per keyword argument, its gradient.
     input_kwargs_grads: dict[str, Any]
+    #: The reply. Its large tensors (64 KiB and more) carry a chunk_id instead of their
+    #: data, which went straight into the decoded tensors (as in an InferStream reply).
     raw: model_service_pb2.InferResponse = dataclasses.field(repr=False, compare=False)
 
     @classmethod

@@ -31,6 +31,7 @@ import threading
 from typing import AsyncIterator, Callable, Iterator
 
 from hookwire._codec import Chunker
+from hookwire._framing import SESSION_MESSAGE_CHUNK
 from hookwire.v1 import hook_service_pb2
 
 from .errors import InvalidArgument
@@ -445,8 +446,9 @@ class EventStream:
         items = await self._take(0, 1)
         return items[0].msg if items else None
 
-    async def messages(self) -> AsyncIterator[hook_service_pb2.SessionMessage]:
-        """What to send, in order, until the stream closes or ends.
+    async def messages(self) -> AsyncIterator[hook_service_pb2.SessionMessage | bytes]:
+        """What to send, in order, until the stream closes or ends: messages, and the
+        chunk messages of chunked events as their wire bytes (SessionMessage.chunk).
 
         Small events that are waiting together go out as one EventBatch: gRPC's
         cost per message, on both ends, is far above the cost of a small event.
@@ -468,10 +470,12 @@ class EventStream:
                 run = []
                 yield msg
                 if item.chunker is not None:
-                    for chunk in item.chunker.chunks(self.limits.chunk_bytes):
+                    # Built by hand (the wire bytes protobuf would write), mostly on the
+                    # producing thread: see hook_record._capture.
+                    for chunk in item.chunker.frames(SESSION_MESSAGE_CHUNK, self.limits.chunk_bytes):
                         if self._closed:
                             return
-                        yield hook_service_pb2.SessionMessage(chunk=chunk)
+                        yield chunk
             for out in _coalesce(run):
                 yield out
 

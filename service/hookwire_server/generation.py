@@ -43,6 +43,7 @@ from typing import Any, Callable
 import torch
 
 from hookwire import _codec
+from hookwire._framing import GENERATE_RESPONSE_CHUNK, Framing
 from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
@@ -359,7 +360,7 @@ class _Mailbox:
                 return items
 
 
-async def _messages(mailbox: _Mailbox, chunk_bytes: int) -> AsyncIterator[model_service_pb2.GenerateResponse]:
+async def _messages(mailbox: _Mailbox, chunk_bytes: int) -> AsyncIterator[model_service_pb2.GenerateResponse | bytes]:
     """The stream messages of one step's events and notices, until the step is over.
 
     Small events waiting together go out as one EventBatch (gRPC's cost per message,
@@ -390,9 +391,9 @@ async def _messages(mailbox: _Mailbox, chunk_bytes: int) -> AsyncIterator[model_
                 continue
             event, chunker = item[1], item[2]
             yield model_service_pb2.GenerateResponse(event=event)
-            if chunker is not None:
-                for chunk in chunker.chunks(chunk_bytes):
-                    yield model_service_pb2.GenerateResponse(chunk=chunk)
+            if chunker is not None:  # wire bytes, built as the event was captured (Pass.framing)
+                for chunk in chunker.frames(GENERATE_RESPONSE_CHUNK, chunk_bytes):
+                    yield chunk
         if run:
             yield _event_run(run)
 
@@ -568,8 +569,9 @@ class Generation:
 
     async def generate(
         self, request: model_service_pb2.GenerateRequest, principal: Principal = ANONYMOUS,
-    ) -> AsyncIterator[model_service_pb2.GenerateResponse]:
-        """Runs one Generate call, yielding its stream's messages. Everything the client
+    ) -> AsyncIterator[model_service_pb2.GenerateResponse | bytes]:
+        """Runs one Generate call, yielding its stream's messages (chunk messages as their
+        wire bytes, see _framing). Everything the client
         can get wrong raises (a HookwireServerError) before the first message. Steps run
         on the model's worker thread, at most one ahead of the messages the stream has
         taken (a slow reader pauses its own call). Cancelling the iteration (the client
@@ -658,7 +660,7 @@ class Generation:
         self, request: model_service_pb2.GenerateRequest, host: ModelHost, principal: Principal,
         options: GenerateOptions, ids: torch.Tensor, mask: torch.Tensor, request_id: str, records: list[HookRecord],
         stop_criteria: Any, session_stream: Any, *, group: str | None = None,
-    ) -> AsyncGenerator[model_service_pb2.GenerateResponse, None]:
+    ) -> AsyncGenerator[model_service_pb2.GenerateResponse | bytes, None]:
         mailbox = _Mailbox(asyncio.get_running_loop())
         put = mailbox.put
         p = Pass(
@@ -668,6 +670,7 @@ class Generation:
         )
         p.notices = lambda notice: put(("notice", notice))
         chunk_bytes = chunk_bytes_for(request.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
+        p.framing = Framing(GENERATE_RESPONSE_CHUNK, chunk_bytes)
         detokenizer = host.detokenizer
         started = time.perf_counter()
         decoder: Decoder | None = None

@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hookwire import _codec
 from hookwire._codec import Chunker
+from hookwire._framing import SESSION_MESSAGE_CHUNK, Framing, Splicer
 from hookwire.v1 import hook_pb2, hook_service_pb2
 
 from .auth import ANONYMOUS, Principal
@@ -312,7 +313,11 @@ class HookRecord:
         if not streams:
             return  # nobody listens: no copies
         msg = hook_service_pb2.SessionMessage()
-        chunker = Chunker(snapshot=True)
+        # Large tensors are copied once, here, into their chunk messages (their snapshot):
+        # the event loop that sends them then only hands the bytes to gRPC. The smallest
+        # chunk size of the streams fits every one of them.
+        chunker = Chunker(snapshot=True, framing=Framing(
+            SESSION_MESSAGE_CHUNK, min(stream.limits.chunk_bytes for stream in streams)))
         try:
             nbytes = self._fill_event(msg.event, action, path, p, call_index, training, parts, chunker)
         except Exception as exc:  # never break a pass because a capture cannot be made
@@ -322,10 +327,10 @@ class HookRecord:
             return
         wire = msg.ByteSize()
         copies = [msg] + [_copy(msg) for _ in streams[1:]]
-        kept = chunker if chunker.tensors else None
+        chunked = chunker if chunker.tensors else None
         for stream, m in zip(streams, copies):
             p.put_event(
-                stream, m, self.hook_id, nbytes, counters=self.counters, chunker=kept, wire=wire, cancelled=self._is_removed,
+                stream, m, self.hook_id, nbytes, counters=self.counters, chunker=chunked, wire=wire, cancelled=self._is_removed,
             )
 
     def _is_removed(self) -> bool:
@@ -333,7 +338,7 @@ class HookRecord:
 
     def _fill_event(
         self, event: hook_pb2.InterceptEvent, action: Action, path: str, p: Pass,
-        call_index: int, training: bool, parts: dict[str, Any], chunker: Chunker | None,
+        call_index: int, training: bool, parts: dict[str, Any], chunker: Chunker | Splicer | None,
     ) -> int:
         event.hook_id = self.hook_id
         event.model = self.host.name

@@ -23,6 +23,7 @@ import torch
 
 from hookwire import _codec
 from hookwire._codec import Chunker
+from hookwire._framing import INFER_STREAM_CHUNK, Framing, RawChunk, Splicer
 from hookwire.v1 import model_service_pb2, tensor_pb2
 
 from .errors import (
@@ -206,11 +207,12 @@ class Inference:
 
     @_releasing_on_failure
     async def infer_chunked(
-        self, request: model_service_pb2.InferRequest, chunks: AsyncIterator[tensor_pb2.TensorChunk],
-        principal: Principal = ANONYMOUS, *, uploaded: Callable[[], None] | None = None,
+        self, request: model_service_pb2.InferRequest, chunks: AsyncIterator[tensor_pb2.TensorChunk | RawChunk],
+        principal: Principal = ANONYMOUS, *, uploaded: Callable[[], None] | None = None, chunk_bytes: int,
     ) -> tuple[model_service_pb2.InferResponse, Chunker]:
         """InferStream: the request's chunked tensors come from ``chunks``; the response's
-        large tensors are left in the returned Chunker, to follow the response.
+        large tensors are left in the returned Chunker, to follow the response in chunks
+        of ``chunk_bytes`` (those captured during the pass already framed, see Chunker).
         ``uploaded`` is called once every chunk has arrived (see open_stream)."""
         principal.require(MINIMUM_ROLE["InferStream"], "Infer")
         await self._checked(request)
@@ -233,7 +235,7 @@ class Inference:
             raise InvalidArgument("InferStream: the stream ended before every chunked tensor was complete")
         if uploaded is not None:
             uploaded()
-        chunker = Chunker(snapshot=True)
+        chunker = Chunker(snapshot=True, framing=Framing(INFER_STREAM_CHUNK, chunk_bytes))
         response = await self.infer(
             request, chunked=assembler.result(), chunker=chunker, principal=principal, checked=True
         )
@@ -273,11 +275,13 @@ class Inference:
     async def infer(
         self, request: model_service_pb2.InferRequest, *, chunked: Mapping[int, Any] | None = None,
         chunker: Chunker | None = None, principal: Principal = ANONYMOUS, checked: bool = False,
+        splicer: Splicer | None = None,
     ) -> model_service_pb2.InferResponse:
         """Runs one call; raises a HookwireServerError for anything the client can act on.
 
         ``chunked`` holds the request's chunked tensors (InferStream); with a
-        ``chunker``, large response tensors are left in it instead of inline.
+        ``chunker``, large response tensors are left in it instead of inline; with a
+        ``splicer``, they are placed as markers, for ``splicer.serialize`` (Infer).
         ``checked``: the caller already ran the tensor checks (InferStream).
         Validation that walks the request's Values, and compiling its request-scoped
         hooks, run on worker threads: a large request never stalls the event loop.
@@ -324,6 +328,7 @@ class Inference:
             session_stream=session.stream if session is not None else None,
         )
         p.chunker = chunker
+        p.splicer = splicer if chunker is None else None
         p.response.hook_ids.extend(r.hook_id for r in records)
         seed = request.seed if request.HasField("seed") else None
         shape = None
@@ -533,7 +538,9 @@ def _run_shared(
         p = call.p
         try:
             try:
-                _codec.encode_value_into(mine, p.response.output, chunker=None, opaque_caches=True)
+                if p.splicer is not None:
+                    p.splicer.snapshot = False  # the pass is over: the output no longer changes
+                _codec.encode_value_into(mine, p.response.output, chunker=p.splicer, opaque_caches=True)
             except (_codec.CodecError, RuntimeError, NotImplementedError, TypeError) as exc:
                 raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
         except Exception as exc:
@@ -553,6 +560,8 @@ def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferRespon
     )
     args, kwargs = _decode_inputs(request, chunked)
     model = host.module
+    if p.splicer is not None:
+        p.splicer.snapshot = True  # captures during the pass (see below for the output)
     try:
         for record in records:
             record.attach()
@@ -568,11 +577,12 @@ def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferRespon
             if backward is not None:
                 _backward(host, output, backward, chunked)
                 if backward.return_input_grads:
-                    _encode_grads(p.response, args, kwargs, p.chunker)
-        if p.chunker is not None:
-            p.chunker.snapshot = False  # the pass is over: the output no longer changes
+                    _encode_grads(p.response, args, kwargs, p.chunker or p.splicer)
+        large = p.chunker or p.splicer
+        if large is not None:
+            large.snapshot = False  # the pass is over: the output no longer changes
         try:
-            _codec.encode_value_into(output, p.response.output, chunker=p.chunker, opaque_caches=True)
+            _codec.encode_value_into(output, p.response.output, chunker=large, opaque_caches=True)
         except (_codec.CodecError, RuntimeError, NotImplementedError, TypeError) as exc:
             # e.g. a type with no wire form, a sparse or meta tensor
             raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
@@ -664,7 +674,8 @@ def _grads_of(value: Any) -> Any:
 
 
 def _encode_grads(
-    response: model_service_pb2.InferResponse, args: list[Any], kwargs: dict[str, Any], chunker: Chunker | None
+    response: model_service_pb2.InferResponse, args: list[Any], kwargs: dict[str, Any],
+    chunker: Chunker | Splicer | None,
 ) -> None:
     for arg in args:
         _codec.encode_value_into(_grads_of(arg), response.input_grads.add(), chunker=chunker)

@@ -17,6 +17,7 @@ import threading
 from typing import Any, Callable
 
 from hookwire._codec import Chunker
+from hookwire._framing import Framing, Splicer
 from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2
 
 from .errors import ResourceExhausted
@@ -49,8 +50,14 @@ class Pass:
         self.response = model_service_pb2.InferResponse(request_id=request_id)
         #: Collects large tensors of the response when it is streamed (InferStream).
         self.chunker: Chunker | None = None
+        #: Collects large tensors of a unary response (Infer), written into its wire bytes
+        #: as it is sent; None: set inline (or in ``chunker``).
+        self.splicer: Splicer | None = None
         #: Where request-scoped events go as they fire (Generate); None: into ``response``.
         self.sink = sink
+        #: How the chunk messages of the sink's events are framed (their large tensors are
+        #: copied into them as they are captured); None: kept as tensor snapshots.
+        self.framing: Framing | None = None
         #: Where notices about the call's request-scoped hooks go (Generate); None: nowhere.
         self.notices: Callable[[hook_service_pb2.Notice], None] | None = None
         self._events_in_step = 0
@@ -93,19 +100,20 @@ class Pass:
             )
         self._events_in_step += 1
 
-    def request_event(self) -> tuple[hook_pb2.InterceptEvent, Chunker | None]:
-        """A new event of a request-scoped hook, and the chunker its large tensors go to
-        (None: inline); hand it to ``deliver`` once filled. ResourceExhausted, failing the
-        call, past ``max_events`` events in this pass."""
+    def request_event(self) -> tuple[hook_pb2.InterceptEvent, Chunker | Splicer | None]:
+        """A new event of a request-scoped hook, and where its large tensors go (None:
+        inline); hand it to ``deliver`` once filled. ResourceExhausted, failing the call,
+        past ``max_events`` events in this pass."""
         self._count_event()
         if self.sink is None:
-            return self.response.events.add(), self.chunker
+            return self.response.events.add(), self.chunker or self.splicer
         # Snapshot: the tensors are copied now, as the pass may change them in place later.
-        return hook_pb2.InterceptEvent(), Chunker(snapshot=True)
+        return hook_pb2.InterceptEvent(), Chunker(snapshot=True, framing=self.framing)
 
-    def deliver(self, event: hook_pb2.InterceptEvent, chunker: Chunker | None) -> None:
+    def deliver(self, event: hook_pb2.InterceptEvent, chunker: Chunker | Splicer | None) -> None:
         """Sends a filled request-scoped event (into the response, it already is)."""
         if self.sink is not None:
+            assert not isinstance(chunker, Splicer)  # a sink's events are streamed (Chunker)
             kept = chunker if chunker is not None and chunker.tensors else None
             if self._held is not None:
                 self._held.append(("sink", event, kept))
@@ -136,6 +144,7 @@ class Pass:
         self._held = []
         self._checkpoint = (
             dict(self._seqs), dict(self._calls), self._events_in_step, len(self.response.events), dict(self._streams),
+            len(self.splicer.kept) if self.splicer is not None else 0,
         )
 
     def rollback(self) -> None:
@@ -143,9 +152,11 @@ class Pass:
         nothing when it was not holding."""
         if self._checkpoint is None:
             return
-        seqs, calls, events, kept, streams = self._checkpoint
+        seqs, calls, events, kept, streams, spliced = self._checkpoint
         self._seqs, self._calls, self._events_in_step, self._streams = seqs, calls, events, streams
         del self.response.events[kept:]
+        if self.splicer is not None:
+            self.splicer.forget_after(spliced)
         self._held, self._checkpoint = None, None
 
     def release(self) -> None:

@@ -8,6 +8,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 
+from hookwire._framing import INFER_STREAM_CHUNK, RawChunk, Splicer, serializer
 from hookwire.v1 import (
     hook_pb2,
     hook_service_pb2,
@@ -29,6 +30,8 @@ from .slots import slot_to_proto
 from .generation import Generation
 from .tokenization import Tokenization
 from .status_mapping import streaming, tolerant_parser, unary
+
+CHUNK_TYPE = tensor_pb2.TensorChunk.DESCRIPTOR.full_name
 
 
 class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
@@ -60,23 +63,27 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         return self._registry.entry(request.name).describe(with_modules=True)
 
     @unary
-    async def Infer(self, request: model_service_pb2.InferRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.InferResponse:
-        return await self._inference.infer(request, principal=principal_of(context, self._tokens))
+    async def Infer(self, request: model_service_pb2.InferRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.InferResponse | bytes:
+        # Large tensors are written straight into the reply's wire bytes (see Splicer).
+        splicer = Splicer(snapshot=True)
+        response = await self._inference.infer(request, principal=principal_of(context, self._tokens), splicer=splicer)
+        return splicer.serialize(response) if splicer.kept else response
 
     @streaming
-    async def InferStream(self, requests: AsyncIterator[model_service_pb2.InferStreamRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.InferStreamResponse]:
+    async def InferStream(self, requests: AsyncIterator[model_service_pb2.InferStreamRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.InferStreamResponse | bytes]:
         principal = principal_of(context, self._tokens)
         with self._inference.open_stream(principal) as uploaded:  # admitted before anything is read
             messages = self._inference.idle_limited(requests)
             first = await anext(messages, None)
-            if first is None or first.WhichOneof("kind") != "request":
+            if first is None or type(first) is RawChunk or first.WhichOneof("kind") != "request":
                 raise InvalidArgument("InferStream: the first message must carry the request")
+            chunk_bytes = chunk_bytes_for(first.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
             response, chunker = await self._inference.infer_chunked(
-                first.request, _chunks(messages), principal, uploaded=uploaded
+                first.request, _chunks(messages), principal, uploaded=uploaded, chunk_bytes=chunk_bytes
             )
             yield model_service_pb2.InferStreamResponse(response=response)
-            for chunk in chunker.chunks(chunk_bytes_for(first.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)):
-                yield model_service_pb2.InferStreamResponse(chunk=chunk)
+            for chunk in chunker.frames(INFER_STREAM_CHUNK, chunk_bytes):  # wire bytes (see _framing)
+                yield chunk
 
 
     @unary
@@ -84,15 +91,20 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         return await self._tokenization.tokenize(request, principal=principal_of(context, self._tokens))
 
     @streaming
-    async def Generate(self, request: model_service_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.GenerateResponse]:
+    async def Generate(self, request: model_service_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.GenerateResponse | bytes]:
         if self._generation is None:
             raise Unavailable("this server does not run Generate")
         async for message in self._generation.generate(request, principal=principal_of(context, self._tokens)):
             yield message
 
 
-async def _chunks(requests: AsyncIterator[model_service_pb2.InferStreamRequest]) -> AsyncIterator[tensor_pb2.TensorChunk]:
+async def _chunks(
+    requests: AsyncIterator[model_service_pb2.InferStreamRequest | RawChunk],
+) -> AsyncIterator[tensor_pb2.TensorChunk | RawChunk]:
     async for msg in requests:
+        if isinstance(msg, RawChunk):  # read by hand (see add_to_server): its data is a view of the message
+            yield msg
+            continue
         if msg.WhichOneof("kind") != "chunk":
             raise InvalidArgument("InferStream: after the request, only chunks may follow")
         yield msg.chunk
@@ -109,7 +121,7 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
         self.limits = hooks.limits
 
     @streaming
-    async def OpenSession(self, request: hook_service_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage]:
+    async def OpenSession(self, request: hook_service_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage | bytes]:
         session = self._hooks.open_session(DeliveryLimits.from_proto(request.delivery), principal_of(context, self._tokens))
         try:
             yield hook_service_pb2.SessionMessage(opened=hook_service_pb2.SessionOpened(session_id=session.session_id))
@@ -153,7 +165,7 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
         )
 
     @streaming
-    async def Subscribe(self, request: hook_service_pb2.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage]:
+    async def Subscribe(self, request: hook_service_pb2.SubscribeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[hook_service_pb2.SessionMessage | bytes]:
         sub = self._hooks.subscribe(
             request.hook_ids, DeliveryLimits.from_proto(request.delivery), principal_of(context, self._tokens)
         )
@@ -169,10 +181,16 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
 
 def add_to_server(servicer: Any, service: ServiceDescriptor, server: grpc.aio.Server) -> None:
     """Registers a servicer like the generated add_*_to_server, but with request
-    parsers that let malformed bytes become INVALID_ARGUMENT instead of INTERNAL."""
+    parsers that let malformed bytes become INVALID_ARGUMENT instead of INTERNAL, and
+    that read a request message holding only a TensorChunk (InferStream's uploads) as
+    a RawChunk, a view of gRPC's bytes copied once into its tensor (hookwire._framing);
+    and with response serializers that send ``bytes`` as they are: the chunk messages
+    that streams send are built by hand."""
     handlers = {}
     for method in service.methods:
         request_class = message_factory.GetMessageClass(method.input_type)
+        chunk_field = next((f.number for f in method.input_type.fields
+                            if f.message_type is not None and f.message_type.full_name == CHUNK_TYPE), None)
         response_class = message_factory.GetMessageClass(method.output_type)
         factory = {
             (False, False): grpc.unary_unary_rpc_method_handler,
@@ -182,8 +200,8 @@ def add_to_server(servicer: Any, service: ServiceDescriptor, server: grpc.aio.Se
         }[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(
             getattr(servicer, method.name),
-            request_deserializer=tolerant_parser(request_class),
-            response_serializer=response_class.SerializeToString,
+            request_deserializer=tolerant_parser(request_class, chunk_field=chunk_field),
+            response_serializer=serializer(response_class),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)

@@ -12,6 +12,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 
+from hookwire._framing import read_frame
+
 from . import errors, request_bounds
 from .auth import Unauthenticated
 from .limits import Limits
@@ -88,15 +90,29 @@ class RawRequest:
             ) from None
 
 
-def tolerant_parser(message_class: Any) -> Callable[[bytes], Any]:
+def tolerant_parser(message_class: Any, *, chunk_field: int | None = None) -> Callable[[bytes], Any]:
     """A request deserializer that never raises: it wraps the bytes in a RawRequest,
     which the ``unary``/``streaming`` wrappers parse (so malformed bytes become
-    INVALID_ARGUMENT, not gRPC's INTERNAL, and nothing large is parsed on the loop)."""
+    INVALID_ARGUMENT, not gRPC's INTERNAL, and nothing large is parsed on the loop).
+    With ``chunk_field`` (the message's TensorChunk field), a message holding only a
+    chunk is read at once as a RawChunk (see hookwire._framing; it has no field the
+    request bounds limit), without copying its data."""
 
     def parse(data: bytes) -> Any:
         return RawRequest(message_class, data)
 
-    return parse
+    if chunk_field is None:
+        return parse
+    tag = (chunk_field << 3) | 2
+
+    def parse_or_read_chunk(data: bytes) -> Any:
+        if data and data[0] == tag:
+            chunk = read_frame(data, chunk_field)
+            if chunk is not None:
+                return chunk
+        return RawRequest(message_class, data)
+
+    return parse_or_read_chunk
 
 
 async def parse_request(request: Any, servicer: Any) -> Any:

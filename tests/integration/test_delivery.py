@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import hookwire
-from hookwire import _codec
-from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc
+from hookwire import _codec, _framing
+from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, tensor_pb2
 from support import assert_same, local_models
 
 X = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
@@ -169,6 +169,86 @@ async def test_chunked_tensors_round_trip_for_a_client_with_grpc_default_limits(
         assert_same(events[1].output, big * 2)
         f32 = torch.randn(2, 1536, 1024)  # 12 MiB float32, 12 chunks
         assert_same((await model.infer(f32)).output, f32 * 2)
+
+
+async def test_a_kind_of_call_whose_reply_was_large_streams_the_next_time(server) -> None:
+    """The SDK sends a call over InferStream when the last reply of its kind (model, mode,
+    request-scoped hooks) was over 4 MiB, and over Infer again once a reply is small; the
+    results are the same either way."""
+    async with hookwire.connect(server.target) as c:
+        sent: list[str] = []
+
+        def counting(name, method):  # type: ignore[no-untyped-def]
+            def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+                sent.append(name)
+                return method(*args, **kwargs)
+            return call
+
+        c.tensor_calls.infer = counting("Infer", c.tensor_calls.infer)
+        c.tensor_calls.infer_stream = counting("InferStream", c.tensor_calls.infer_stream)
+        model = c.model("scale")
+        x = torch.randn(50_000, generator=torch.Generator().manual_seed(3))  # 200 KB: sent inline
+        hooks = [hookwire.HookSpec(module="", posthook=hookwire.capture("args", "output")) for _ in range(12)]
+        first = await model.infer(x, hooks=hooks)  # a 4.8 MB reply
+        second = await model.infer(x, hooks=hooks)
+        other_kind = await model.infer(x)
+        small = await model.infer(x[:10], hooks=hooks)  # streams (the last reply of its kind was large) ...
+        again = await model.infer(x[:10], hooks=hooks)  # ... and was small
+        assert sent == ["Infer", "InferStream", "Infer", "InferStream", "Infer"]
+        # Both ways, the large tensors were read out of the received bytes, not by protobuf.
+        assert first.raw.events[0].output.tensor.chunk_id and second.raw.events[0].output.tensor.chunk_id
+        for result in (first, second, other_kind):
+            assert_same(result.output, x * 2)
+        for result in (first, second):
+            assert len(result.events) == 12
+            for event in result.events:
+                assert_same(event.args, (x,))
+                assert_same(event.output, x * 2)
+        assert [e.seq for e in second.events] == [e.seq for e in first.events]
+        for result in (small, again):
+            assert_same(result.output, x[:10] * 2)
+            assert_same(result.events[-1].output, x[:10] * 2)
+
+
+async def test_infer_stream_reads_chunks_in_any_valid_encoding(server) -> None:
+    """The server reads canonical chunk messages by hand and leaves any other valid encoding
+    (here: TensorChunk's fields in reverse order, and the chunk field sent in two pieces,
+    which protobuf merges) to protobuf; the results are the same."""
+    x = torch.randn(300_000, generator=torch.Generator().manual_seed(5))  # 1.2 MB: two chunks
+    request = model_service_pb2.InferRequest(model="scale")
+    chunker = _codec.Chunker(snapshot=False)
+    _codec.encode_value_into(x, request.args.add(), chunker=chunker)
+    canonical = list(chunker.frames(_framing.INFER_STREAM_CHUNK, 1 << 20))
+    assert len(canonical) == 2
+
+    def reversed_fields(chunk: tensor_pb2.TensorChunk) -> bytes:
+        body = (b"\x1a" + _framing.varint(len(chunk.data)) + chunk.data
+                + (b"\x10" + _framing.varint(chunk.offset) if chunk.offset else b"")
+                + b"\x08" + _framing.varint(chunk.chunk_id))
+        return b"\x12" + _framing.varint(len(body)) + body
+
+    def in_two_pieces(chunk: tensor_pb2.TensorChunk) -> bytes:
+        header = tensor_pb2.TensorChunk(chunk_id=chunk.chunk_id, offset=chunk.offset)
+        return (model_service_pb2.InferStreamRequest(chunk=header).SerializeToString()
+                + model_service_pb2.InferStreamRequest(chunk=tensor_pb2.TensorChunk(data=chunk.data)).SerializeToString())
+
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        call = channel.stream_stream("/hookwire.v1.ModelService/InferStream")  # bytes in, bytes out
+        for encode in (None, reversed_fields, in_two_pieces):
+            chunks = canonical if encode is None else [encode(c) for c in chunker.chunks(1 << 20)]
+            if encode is not None:
+                assert all(_framing.read_frame(c, _framing.INFER_STREAM_CHUNK) is None for c in chunks)
+
+            async def messages():  # type: ignore[no-untyped-def]
+                yield model_service_pb2.InferStreamRequest(request=request).SerializeToString()
+                for c in chunks:
+                    yield c
+
+            replies = [model_service_pb2.InferStreamResponse.FromString(m) async for m in call(messages())]
+            assembler = _codec.ChunkAssembler(replies[0].response)
+            for reply in replies[1:]:
+                assembler.feed(reply.chunk)
+            assert_same(_codec.decode_value(replies[0].response.output, chunked=assembler.result()), x * 2)
 
 
 async def _take(hook, n):
