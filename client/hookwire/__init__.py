@@ -39,6 +39,7 @@ from ._errors import (
     UnimplementedError,
 )
 from . import rules
+from .dataset import ActivationDataset
 from ._generation import GenerateStream
 from ._specs import Backward, HookAction, HookSpec, Sampling, StepRange, capture, edit
 from ._types import (
@@ -60,6 +61,7 @@ from ._types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationDataset",
     "DEFAULT_TARGET",
     "Backward",
     "BatchingInfo",

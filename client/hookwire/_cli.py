@@ -45,7 +45,8 @@ def _serve(ns: argparse.Namespace) -> int:
                  "tokens_file": ns.tokens_file, "tls_cert": ns.tls_cert, "tls_key": ns.tls_key,
                  "tls_client_ca": ns.tls_client_ca, "insecure": True if ns.insecure else None,
                  "batching": False if ns.no_batching else None, "max_batch_size": ns.max_batch_size,
-                 "max_batch_delay_ms": ns.max_batch_delay_ms}
+                 "max_batch_delay_ms": ns.max_batch_delay_ms,
+                 "harvest_data_root": ns.harvest_data_root, "harvest_output_root": ns.harvest_output_root}
         settings, sources = resolve_settings(flags, env, {k: v for k, v in server_table.items() if k not in cli_keys})
         model_flags = ns.model or [m for m in env.get("HOOKWIRE_MODELS", "").split(",") if m.strip()]
         models += [parse_model_flag(text) for text in model_flags]
@@ -266,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-delay-ms", type=float,
                        help="how long the first call of a pass may wait for others when the last pass held more "
                             "(default 5; 0: only calls already waiting)")
+    serve.add_argument("--harvest-data-root",
+                       help="harvest jobs read text datasets from under this folder (docs/harvest.md)")
+    serve.add_argument("--harvest-output-root",
+                       help="harvest jobs write datasets under this folder; without it (or URL prefixes) they are refused")
     serve.add_argument("--tokens-file", help="principals and token hashes (see docs/security.md); also HOOKWIRE_TOKENS")
     serve.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")

@@ -50,6 +50,11 @@ MINIMUM_ROLE: dict[str, str] = {
     "GetSlot": "user",
     "ListSlots": "user",
     "Subscribe": "user",
+    "StartHarvest": "user",
+    "CancelHarvest": "user",
+    "GetHarvest": "viewer",
+    "WatchHarvest": "viewer",
+    "ListHarvests": "viewer",
 }
 
 

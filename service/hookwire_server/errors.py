@@ -21,6 +21,10 @@ class FailedPrecondition(HookwireServerError):
     """The request is well-formed but not allowed in the current state."""
 
 
+class AlreadyExists(HookwireServerError):
+    """What the request would create exists (a finished harvest dataset, a job writing the same output)."""
+
+
 class PermissionDenied(HookwireServerError):
     """The caller may not do this (e.g. rules on other callers' traffic, not allowed here)."""
 

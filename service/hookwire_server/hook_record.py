@@ -292,6 +292,9 @@ class HookRecord:
         self, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any]
     ) -> None:
         if self.compiled.scope == SCOPE_REQUEST:
+            if p.tap is not None:  # a harvest batch: the tensors themselves, no event
+                p.tap(self.hook_id, action, path, call_index, parts)
+                return
             # The request's own hook: a capture failure fails the request (raised through forward),
             # and so does an event past max_events_per_call (Pass.request_event).
             event, chunker = p.request_event()

@@ -60,6 +60,10 @@ class Pass:
         self.framing: Framing | None = None
         #: Where notices about the call's request-scoped hooks go (Generate); None: nowhere.
         self.notices: Callable[[hook_service_pb2.Notice], None] | None = None
+        #: Takes the request-scoped hooks' captures as tensors instead of events (a harvest
+        #: batch stores them itself): called with (hook id, action, module path, call index,
+        #: parts) on the worker thread; None: events.
+        self.tap: Callable[[str, Any, str, int, dict[str, Any]], None] | None = None
         self._events_in_step = 0
         self._calls: dict[tuple[str, str, int], int] = {}
         self._seqs: dict[str, int] = {}

@@ -67,6 +67,13 @@ NAME_FIELDS = frozenset({
     "hookwire.v1.GenerateRequest.tags",
     "hookwire.v1.GenerateRequest.stop",
     "hookwire.v1.Value.opaque_type",
+    "hookwire.v1.StartHarvestRequest.model",
+    "hookwire.v1.TextSource.text_field",
+    "hookwire.v1.TextSource.split",
+    "hookwire.v1.GetHarvestRequest.job_id",
+    "hookwire.v1.WatchHarvestRequest.job_id",
+    "hookwire.v1.CancelHarvestRequest.job_id",
+    "hookwire.v1.ListHarvestsRequest.model",
 })
 #: String fields the server parses: globs, dotted paths, selections.
 PATH_FIELDS = frozenset({
@@ -75,6 +82,10 @@ PATH_FIELDS = frozenset({
     "hookwire.v1.Rule.target",
     "hookwire.v1.Rule.index",
     "hookwire.v1.Backward.output_path",
+    "hookwire.v1.StartHarvestRequest.modules",
+    "hookwire.v1.StartHarvestRequest.select",
+    "hookwire.v1.TextSource.path",
+    "hookwire.v1.HarvestOutput.path",
 })
 #: String fields the server never parses (data for the model).
 UNBOUNDED_FIELDS = frozenset({
@@ -144,6 +155,8 @@ _CAPS = {
     "hookwire.v1.GenerateRequest.hooks": ("max_request_hooks", ResourceExhausted),
     "hookwire.v1.GenerateRequest.prompts": ("max_tokenize_texts", ResourceExhausted),
     "hookwire.v1.GenerateRequest.stop": ("max_stop_strings", InvalidArgument),
+    "hookwire.v1.StartHarvestRequest.rules": ("max_request_hooks", ResourceExhausted),
+    "hookwire.v1.StartHarvestRequest.modules": ("max_request_hooks", ResourceExhausted),
 }
 
 

@@ -66,6 +66,10 @@ class Work:
     #: Set (on the loop) when its caller stopped waiting; read on the worker thread, where a
     #: batch already handed to the model skips it if its pass has not started.
     withdrawn: bool = False
+    #: Background work (a harvest batch) runs only when no live work waits, always alone
+    #: (key None), and sets no expectation of company for live calls: a live call waits at
+    #: most for the one background pass that is running when it arrives.
+    background: bool = False
 
 
 class Scheduler:
@@ -157,7 +161,14 @@ class Scheduler:
         """Whether a waiting work cannot share ``first``'s pass: waiting for ``first``'s
         company would leave the model idle while that work waits too."""
         joined = self._compatible(first)
-        return any(not w.future.done() and w not in joined for w in self._queue)
+        return any(not w.future.done() and not w.background and w not in joined for w in self._queue)
+
+    def _first(self) -> Work:
+        """The work whose pass runs next: the oldest live work, else the oldest background one."""
+        for work in self._queue:
+            if not work.background and not work.future.done():
+                return work
+        return self._queue[0]
 
     def _compatible(self, first: Work) -> list[Work]:
         """The first waiting work and those behind it that may share its pass: equal run and
@@ -168,8 +179,8 @@ class Scheduler:
             return batch
         rows, limit = first.rows, self._host.batching.max_batch_size
         groups = {first.group} - {None}
-        for work in list(self._queue)[1:]:
-            if work.future.done() or (work.group is not None and work.group in groups):
+        for work in list(self._queue):
+            if work is first or work.future.done() or (work.group is not None and work.group in groups):
                 continue
             if work.run is first.run and work.key == first.key and rows + work.rows <= limit:
                 batch.append(work)
@@ -209,12 +220,12 @@ class Scheduler:
                     self._queue.popleft()
                 if not self._queue or self._held:
                     continue
-            first = self._queue[0]
+            first = self._first()
             settings = self._host.batching
             delay = settings.max_batch_delay_ms / 1e3
             expected = min(settings.max_batch_size, self._last_rows)
             if (
-                delay > 0 and first.key is not None and settings.enabled and self._rows_for(first) < expected
+                delay > 0 and first.key is not None and not first.background and settings.enabled and self._rows_for(first) < expected
                 and not self._others_wait(first)
             ):
                 # Company is expected: the last pass held more rows than wait now, and the callers
@@ -243,8 +254,9 @@ class Scheduler:
                     raise
                 log.exception("a batch on %s failed as a whole", self._host.name)
                 results = [exc] * len(batch)
-            self._last_rows = sum(w.rows for w in batch)
-            self._last_works = len(batch)
+            if not first.background:  # a harvest pass says nothing about the live callers' company
+                self._last_rows = sum(w.rows for w in batch)
+                self._last_works = len(batch)
             self._free_since = time.perf_counter()
             _settle(batch, results)
             observe = self._host.observe_batch

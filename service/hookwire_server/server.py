@@ -13,19 +13,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hookwire.v1 import hook_service_pb2, model_service_pb2
+from hookwire.v1 import harvest_service_pb2, hook_service_pb2, model_service_pb2
 
 from .auth import TokenStore
 from .batching import DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_MAX_BATCH_SIZE, BatchSettings
 from .security import AuthInterceptor, server_credentials
 from .hook_manager import HookManager
 from .generation import Generation
+from .harvest import HarvestManager, settings_from
 from .inference import Inference
 from .limits import Limits
 from .metrics import Metrics
 from .model_loading import ConfigError, ModelConfig, build_host, check_names, load_models
 from .model_registry import ModelHost, ModelRegistry, ModelState
-from .servicers import HookServicer, ModelServicer, add_to_server
+from .servicers import HarvestServicer, HookServicer, ModelServicer, add_to_server
 from .tokenization import Tokenization
 
 log = logging.getLogger("hookwire.server")
@@ -34,6 +35,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
 SERVICES = (
     model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
     hook_service_pb2.DESCRIPTOR.services_by_name["HookService"].full_name,
+    harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"].full_name,
 )
 
 
@@ -83,6 +85,21 @@ class ServerSettings(Limits):
     #: last pass held more rows than wait now, for models whose config does not say; 0 joins
     #: only calls that are already waiting.
     max_batch_delay_ms: float = DEFAULT_MAX_BATCH_DELAY_MS
+    #: Harvest jobs (HarvestService; docs/harvest.md) read text sources from under this
+    #: folder; None: text sources are refused.
+    harvest_data_root: str | None = None
+    #: Harvest jobs write datasets under this folder; None (and no URL prefixes): harvest
+    #: jobs are refused (clients can still write datasets themselves: --sink client).
+    harvest_output_root: str | None = None
+    #: Comma-separated fsspec URL prefixes harvest outputs may name ("s3://bucket/acts/").
+    harvest_url_prefixes: str | None = None
+    #: Where job state is kept for lookups from other replicas; None:
+    #: <harvest_output_root>/.hookwire-jobs (shared storage makes jobs visible everywhere).
+    harvest_state_dir: str | None = None
+    #: Harvest jobs one principal may have running at once.
+    harvest_max_jobs_per_principal: int = 2
+    #: Bytes of shards one principal's harvest jobs may write (per server process); 0: no limit.
+    harvest_max_bytes_per_principal: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -153,6 +170,12 @@ class HookwireServer:
         self.inference = Inference(registry, self.hooks, limits=self.settings)
         self.tokenization = Tokenization(registry, limits=self.settings)
         self.generation = Generation(registry, self.hooks, limits=self.settings)
+        s = self.settings
+        self.harvests = HarvestManager(registry, self.hooks, settings_from(
+            data_root=s.harvest_data_root, output_root=s.harvest_output_root, url_prefixes=s.harvest_url_prefixes,
+            state_dir=s.harvest_state_dir, max_jobs=s.harvest_max_jobs_per_principal,
+            max_bytes=s.harvest_max_bytes_per_principal,
+        ), limits=self.settings)
         self.tokens = TokenStore(self.settings.tokens_file, self.settings.tokens)
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -189,6 +212,10 @@ class HookwireServer:
         )
         add_to_server(
             HookServicer(self.hooks, self.tokens), hook_service_pb2.DESCRIPTOR.services_by_name["HookService"], server
+        )
+        add_to_server(
+            HarvestServicer(self.harvests, self.tokens, self.metrics),
+            harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"], server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.settings.reflection:
@@ -244,7 +271,10 @@ class HookwireServer:
         await self.set_serving(False)
         self.hooks.draining = True
         # Generate calls end at their next step boundary, with finish_reason "shutdown".
-        await asyncio.gather(self.inference.drained(grace), self.generation.drained(grace))
+        # Harvest jobs stop after their running batch, keeping what they committed (resumable).
+        await asyncio.gather(
+            self.inference.drained(grace), self.generation.drained(grace), self.harvests.close(grace),
+        )
         self.hooks.begin_shutdown()
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - asyncio.get_running_loop().time()))

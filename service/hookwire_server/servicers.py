@@ -10,6 +10,8 @@ from google.protobuf.descriptor import ServiceDescriptor
 
 from hookwire._framing import INFER_STREAM_CHUNK, RawChunk, Splicer, serializer
 from hookwire.v1 import (
+    harvest_service_pb2,
+    harvest_service_pb2_grpc,
     hook_pb2,
     hook_service_pb2,
     hook_service_pb2_grpc,
@@ -20,6 +22,7 @@ from hookwire.v1 import (
 
 from .errors import InvalidArgument, Unavailable
 from .event_bus import DEFAULT_MAX_MESSAGE_BYTES, DeliveryLimits, chunk_bytes_for
+from .harvest import HarvestManager
 from .hook_manager import HookManager
 from .inference import Inference
 from .auth import MINIMUM_ROLE, TokenStore
@@ -177,6 +180,39 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
                 raise Unavailable(sub.stream.close_reason)
         finally:
             self._hooks.unsubscribe(sub)
+
+
+class HarvestServicer(harvest_service_pb2_grpc.HarvestServiceServicer):
+    """hookwire.v1.HarvestService."""
+
+    def __init__(self, harvests: HarvestManager, tokens: TokenStore, metrics: Metrics) -> None:
+        self._harvests = harvests
+        self._tokens = tokens
+        self.metrics = metrics
+        #: Request bounds, checked before a request is parsed (status_mapping.parse_request).
+        self.limits = harvests.limits
+
+    @unary
+    async def StartHarvest(self, request: harvest_service_pb2.StartHarvestRequest, context: grpc.aio.ServicerContext) -> harvest_service_pb2.HarvestJob:
+        job = await self._harvests.start(request, principal_of(context, self._tokens))
+        return job.to_proto()
+
+    @unary
+    async def GetHarvest(self, request: harvest_service_pb2.GetHarvestRequest, context: grpc.aio.ServicerContext) -> harvest_service_pb2.HarvestJob:
+        return self._harvests.get(request.job_id, principal_of(context, self._tokens))
+
+    @streaming
+    async def WatchHarvest(self, request: harvest_service_pb2.WatchHarvestRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[harvest_service_pb2.HarvestJob]:
+        async for msg in self._harvests.watch(request.job_id, principal_of(context, self._tokens), request.interval_ms):
+            yield msg
+
+    @unary
+    async def CancelHarvest(self, request: harvest_service_pb2.CancelHarvestRequest, context: grpc.aio.ServicerContext) -> harvest_service_pb2.HarvestJob:
+        return await self._harvests.cancel(request.job_id, principal_of(context, self._tokens))
+
+    @unary
+    async def ListHarvests(self, request: harvest_service_pb2.ListHarvestsRequest, context: grpc.aio.ServicerContext) -> harvest_service_pb2.ListHarvestsResponse:
+        return harvest_service_pb2.ListHarvestsResponse(jobs=self._harvests.list_jobs(request, principal_of(context, self._tokens)))
 
 
 def add_to_server(servicer: Any, service: ServiceDescriptor, server: grpc.aio.Server) -> None:

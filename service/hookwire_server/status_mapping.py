@@ -27,6 +27,7 @@ STATUS_OF: dict[type[errors.HookwireServerError], grpc.StatusCode] = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,

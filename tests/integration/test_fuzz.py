@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 from hookwire import _codec
 from hookwire.v1 import (
+    harvest_service_pb2,
+    harvest_service_pb2_grpc,
     hook_pb2,
     hook_service_pb2,
     hook_service_pb2_grpc,
@@ -45,12 +47,17 @@ def _rss() -> int:
 
 
 @pytest.fixture(scope="module")
-def fuzz_server() -> Iterator[dict[str, Any]]:
+def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     registry = build_registry(demo_configs())
     registry.add(ModelHost("scale", Scale()))
     registry.add(ModelHost("odd", Odd()))
+    data, out = tmp_path_factory.mktemp("fuzz-data"), tmp_path_factory.mktemp("fuzz-out")
+    (data / "docs.jsonl").write_text('{"text": "the cat sat on the mat"}\n{"text": "hello world"}\n')
+    (data / "docs.txt").write_text("the cat\nhello world\n")
     srv = ServerThread(registry, ServerSettings(port=0, allow_shared_rules=True, max_slot_bytes=1 * MB,
-                                                infer_timeout=10.0)).start()
+                                                infer_timeout=10.0, harvest_data_root=str(data),
+                                                harvest_output_root=str(out),
+                                                harvest_max_jobs_per_principal=1000)).start()
     channel = grpc.insecure_channel(srv.target, options=[("grpc.max_receive_message_length", 64 * MB)])
     hooks = hook_service_pb2_grpc.HookServiceStub(channel)
     session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest())
@@ -66,7 +73,8 @@ def fuzz_server() -> Iterator[dict[str, Any]]:
     drain.start()
     rss_before = _rss()
     yield {"srv": srv, "channel": channel, "models": model_service_pb2_grpc.ModelServiceStub(channel),
-           "hooks": hooks, "session_id": session_id}
+           "hooks": hooks, "session_id": session_id,
+           "harvests": harvest_service_pb2_grpc.HarvestServiceStub(channel)}
     # The server stayed healthy, bounded, and useful.
     status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
     assert status == health_pb2.HealthCheckResponse.SERVING
@@ -520,7 +528,70 @@ METHODS = [
     ("/hookwire.v1.HookService/Subscribe", "stream"), ("/hookwire.v1.HookService/GetSlot", "unary"),
     ("/hookwire.v1.HookService/ListSlots", "unary"), ("/hookwire.v1.ModelService/Tokenize", "unary"),
     ("/hookwire.v1.ModelService/Generate", "stream"),
+    ("/hookwire.v1.HarvestService/StartHarvest", "unary"), ("/hookwire.v1.HarvestService/GetHarvest", "unary"),
+    ("/hookwire.v1.HarvestService/WatchHarvest", "stream"), ("/hookwire.v1.HarvestService/CancelHarvest", "unary"),
+    ("/hookwire.v1.HarvestService/ListHarvests", "unary"),
 ]
+
+
+HV = harvest_service_pb2
+paths = st.one_of(st.sampled_from(["docs.jsonl", "docs.txt", "nope.jsonl", "", "..", "../docs.jsonl", "/etc/passwd",
+                                   "a/../../b", "docs.jsonl\x00", "s3://bucket/x", "memory://x"]), st.text(max_size=12))
+
+
+@st.composite
+def harvest_requests(draw: Any) -> harvest_service_pb2.StartHarvestRequest:
+    request = HV.StartHarvestRequest(
+        model=draw(st.sampled_from(["tiny-lm", "tiny-transformer", "mlp", "nope", ""])),
+        modules=draw(st.lists(st.sampled_from(["model.norm", "model.layers.*", "**", "", "nope", "[", "encoder.*"]),
+                              max_size=3)),
+        part=draw(st.sampled_from([0, hook_pb2.PART_OUTPUT, hook_pb2.PART_ARGS, hook_pb2.PART_KWARGS, 99])),
+        select=draw(st.sampled_from(["", "[..., :4]", "[0]", "[:, :, ::0]", "[", "[..., 1000]"])),
+        dtype=draw(st.sampled_from([0, tensor_pb2.DTYPE_BFLOAT16, tensor_pb2.DTYPE_INT8, 77])),
+        max_tokens=draw(st.sampled_from([0, 1, 5, 2**64 - 1])),
+        worker_index=draw(st.sampled_from([0, 1, 2**32 - 1])),
+        num_workers=draw(st.sampled_from([0, 1, 2, 2**32 - 1])),
+    )
+    if draw(st.booleans()):
+        request.source.text.path = draw(paths)
+        request.source.text.format = draw(st.sampled_from([0, 1, 2, 3, 4, 50]))
+        request.source.text.text_field = draw(st.sampled_from(["", "text", "nope"]))
+    elif draw(st.booleans()):
+        request.source.tokens.input_ids.CopyFrom(draw(tensors()))
+        if draw(st.booleans()):
+            request.source.tokens.pad_token_id = draw(st.integers(-(2**63), 2**63 - 1))
+    request.contexts.length = draw(st.sampled_from([0, 1, 4, 600, 2**32 - 1]))
+    request.contexts.batch_size = draw(st.sampled_from([0, 1, 3, 2**32 - 1]))
+    request.contexts.packing = draw(st.sampled_from([0, 1, 2, 9]))
+    if draw(st.booleans()):
+        request.contexts.bos = draw(st.booleans())
+    request.positions.skip_first = draw(st.sampled_from([0, 1, 2**32 - 1]))
+    request.positions.only.extend(draw(st.lists(st.integers(0, 2**32 - 1), max_size=3)))
+    request.output.path = draw(paths)
+    request.output.shard_tokens = draw(st.sampled_from([0, 1, 7, 2**64 - 1]))
+    request.output.overwrite = draw(st.booleans())
+    request.output.shuffle.enabled = draw(st.booleans())
+    request.output.shuffle.buffer_shards = draw(st.sampled_from([0, 1, 2**32 - 1]))
+    request.output.shuffle.seed = draw(st.integers(0, 2**64 - 1))
+    if draw(st.booleans()):
+        request.rules.append(draw(st.one_of(lm_hooks(), specs())))
+    return request
+
+
+@FUZZ
+@given(request=harvest_requests(), interval=st.sampled_from([0, 1, 50, 2**32 - 1]))
+def test_harvest(fuzz_server, request, interval) -> None:
+    stub = fuzz_server["harvests"]
+
+    def call() -> None:
+        job = stub.StartHarvest(request, timeout=30)
+        # A job that starts is visible, watchable and cancellable; it ends (it is small or cancelled).
+        assert stub.GetHarvest(HV.GetHarvestRequest(job_id=job.job_id), timeout=10).job_id == job.job_id
+        stub.CancelHarvest(HV.CancelHarvestRequest(job_id=job.job_id), timeout=10)
+        states = list(stub.WatchHarvest(HV.WatchHarvestRequest(job_id=job.job_id, interval_ms=interval), timeout=120))
+        assert states[-1].state in (HV.HARVEST_STATE_SUCCEEDED, HV.HARVEST_STATE_CANCELLED, HV.HARVEST_STATE_FAILED)
+
+    _check(call)
 
 
 @FUZZ

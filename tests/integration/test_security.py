@@ -21,6 +21,8 @@ import hookwire
 from certs import make_pki
 from hookwire import _codec
 from hookwire.v1 import (
+    harvest_service_pb2,
+    harvest_service_pb2_grpc,
     hook_pb2,
     hook_service_pb2,
     hook_service_pb2_grpc,
@@ -31,7 +33,7 @@ from hookwire.v1 import (
 from hookwire_server import HookwireServer, ServerSettings
 from hookwire_server.auth import MINIMUM_ROLE, ROLES, hash_token
 from hookwire_server.security import AuthInterceptor
-from hookwire_server.servicers import HookServicer, ModelServicer, add_to_server
+from hookwire_server.servicers import HarvestServicer, HookServicer, ModelServicer, add_to_server
 from support import ServerThread, build_test_registry, collect
 
 TOKENS = {name: f"hwt_test_{name}" for name in ("viewer", "alice", "bob", "observer", "operator")}
@@ -269,8 +271,10 @@ async def test_revoked_principals_lose_their_sessions_and_hooks(tmp_path) -> Non
 
 MIB = 1 << 20
 RPC_NAMES = {m.name for service in (model_service_pb2.DESCRIPTOR.services_by_name["ModelService"],
-                                    hook_service_pb2.DESCRIPTOR.services_by_name["HookService"])
+                                    hook_service_pb2.DESCRIPTOR.services_by_name["HookService"],
+                                    harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"])
              for m in service.methods}
+HARVEST_RPCS = {m.name for m in harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"].methods}
 WHO_HAS = {"viewer": "viewer", "user": "alice", "observer": "observer", "operator": "operator"}
 
 
@@ -359,7 +363,8 @@ def test_refused_and_idle_requests_cost_no_lasting_memory(tmp_path) -> None:
         proc.wait(30)
 
 
-def _calls(model: model_service_pb2_grpc.ModelServiceStub, hooks: hook_service_pb2_grpc.HookServiceStub) -> dict[str, Any]:
+def _calls(model: model_service_pb2_grpc.ModelServiceStub, hooks: hook_service_pb2_grpc.HookServiceStub,
+           harvests: harvest_service_pb2_grpc.HarvestServiceStub) -> dict[str, Any]:
     """Each RPC with a small request that passes every role check of a principal that
     holds the RPC's least role (it may still fail for other reasons, e.g. NOT_FOUND)."""
     infer = model_service_pb2.InferRequest(model="mlp", args=[_codec.encode_value(X)])
@@ -391,6 +396,13 @@ def _calls(model: model_service_pb2_grpc.ModelServiceStub, hooks: hook_service_p
         "ListSlots": lambda md: hooks.ListSlots(hook_service_pb2.ListSlotsRequest(session_id="ses_none"), metadata=md),
         "Subscribe": lambda md: first(hooks.Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=["hk_none"]),
                                                       metadata=md)),
+        "StartHarvest": lambda md: harvests.StartHarvest(harvest_service_pb2.StartHarvestRequest(model="mlp"), metadata=md),
+        "GetHarvest": lambda md: harvests.GetHarvest(harvest_service_pb2.GetHarvestRequest(job_id="hv-0"), metadata=md),
+        "WatchHarvest": lambda md: first(harvests.WatchHarvest(harvest_service_pb2.WatchHarvestRequest(job_id="hv-0"),
+                                                               metadata=md)),
+        "CancelHarvest": lambda md: harvests.CancelHarvest(harvest_service_pb2.CancelHarvestRequest(job_id="hv-0"),
+                                                           metadata=md),
+        "ListHarvests": lambda md: harvests.ListHarvests(harvest_service_pb2.ListHarvestsRequest(), metadata=md),
     }
 
 
@@ -398,7 +410,8 @@ def _denials(target: str) -> dict[str, set[str]]:
     """For each RPC, the roles answered PERMISSION_DENIED (a sync client: see grpc/grpc#36066)."""
     denied: dict[str, set[str]] = {}
     with grpc.insecure_channel(target) as channel:
-        calls = _calls(model_service_pb2_grpc.ModelServiceStub(channel), hook_service_pb2_grpc.HookServiceStub(channel))
+        calls = _calls(model_service_pb2_grpc.ModelServiceStub(channel), hook_service_pb2_grpc.HookServiceStub(channel),
+                       harvest_service_pb2_grpc.HarvestServiceStub(channel))
         assert set(calls) == RPC_NAMES
         for rpc, call in calls.items():
             denied[rpc] = set()
@@ -427,6 +440,8 @@ async def test_the_early_role_check_agrees_with_the_handlers(secured) -> None:
                   model_service_pb2.DESCRIPTOR.services_by_name["ModelService"], handlers_only)
     add_to_server(HookServicer(parts.hooks, parts.tokens),
                   hook_service_pb2.DESCRIPTOR.services_by_name["HookService"], handlers_only)
+    add_to_server(HarvestServicer(parts.harvests, parts.tokens, parts.metrics),
+                  harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"], handlers_only)
     port = handlers_only.add_insecure_port("127.0.0.1:0")
     await handlers_only.start()
     try:
@@ -442,12 +457,13 @@ async def test_the_early_role_check_agrees_with_the_handlers(secured) -> None:
 def test_fuzz_refused_callers_get_a_clear_status_whatever_they_send(fuzz_secured, body, rpc, who) -> None:
     """Random bodies from callers without credentials, with wrong ones, or without the
     role: UNAUTHENTICATED or PERMISSION_DENIED, never a parse error (the body is not read)."""
-    service = "ModelService" if rpc in ("ListModels", "GetModel", "Infer", "InferStream", "Tokenize", "Generate") else "HookService"
+    service = ("ModelService" if rpc in ("ListModels", "GetModel", "Infer", "InferStream", "Tokenize", "Generate")
+               else "HarvestService" if rpc in HARVEST_RPCS else "HookService")
     path = f"/hookwire.v1.{service}/{rpc}"
     metadata = () if who is None else (("authorization", f"Bearer {TOKENS.get(who, 'hwt_wrong')}"),)
     channel = fuzz_secured
     streaming_in = rpc == "InferStream"
-    streaming_out = rpc in ("InferStream", "OpenSession", "Subscribe", "Generate")
+    streaming_out = rpc in ("InferStream", "OpenSession", "Subscribe", "Generate", "WatchHarvest")
     if streaming_in:
         call = channel.stream_stream(path)(iter([body, body]), metadata=metadata, timeout=60)
     elif streaming_out:

@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Copied from client/hookwire/__init__.py, in its order (isort-style: constants first).
 EXPECTED_ALL = [
+    "ActivationDataset",
     "DEFAULT_TARGET",
     "Backward",
     "BatchingInfo",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
-from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
+from hookwire.v1 import harvest_service_pb2, hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
 from hookwire_server.errors import InvalidArgument, ResourceExhausted
 from hookwire_server.request_bounds import (
     NAME_FIELDS,
@@ -15,7 +15,7 @@ from hookwire_server.request_bounds import (
     check,
 )
 
-REQUESTS = [m.DESCRIPTOR for s in (model_service_pb2, hook_service_pb2)
+REQUESTS = [m.DESCRIPTOR for s in (model_service_pb2, hook_service_pb2, harvest_service_pb2)
             for name, m in vars(s).items() if name.endswith("Request") and hasattr(m, "DESCRIPTOR")]
 
 

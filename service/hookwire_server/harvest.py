@@ -1,0 +1,1025 @@
+"""Harvest jobs: activation datasets written by the server (HarvestService).
+
+A job is started by one RPC and then lives on its own, on the server's event loop: it
+does not depend on the connection that started it. Its life:
+
+1. ``HarvestManager.start`` validates everything it can before it costs anything (model,
+   module patterns, rules, paths under the configured roots, limits, quotas), opens the
+   output (``DatasetWriter``: a finished dataset is ALREADY_EXISTS, an unfinished one of
+   other settings FAILED_PRECONDITION, an unfinished one of the same settings is resumed)
+   and returns the job, PENDING.
+2. The job plans on a thread of its own: it tokenizes its source once to count contexts
+   and tokens (``_harvest_sources.plan``), which fixes the batches, the token budget's
+   last batch and this worker's share.
+3. RUNNING: a producer thread tokenizes the source again and hands this worker's batches
+   (past those already committed) to the job, which queues each as *background* work on
+   the model's scheduler (``Work.background``): it runs only when no live call waits,
+   never shares a pass with live calls, and its hooks are request-scoped hooks of its
+   own (the rules first, then one capture hook per module) whose captures the pass hands
+   over as tensors (``Pass.tap``), not events. The stored rows are cut on the worker thread
+   (real tokens at kept positions), cast, and copied to the CPU once; a writer thread
+   stores them while the model runs the next batch.
+4. The writer commits groups of shards (their manifest last); ``finish`` commits the rest;
+   worker 0 then waits for the other workers and writes the merged manifest.
+
+Job state is also written, as JSON, to a state folder (``harvest_state_dir``, default
+``<harvest_output_root>/.hookwire-jobs``): a replica that does not run a job answers
+GetHarvest/WatchHarvest/ListHarvests from it, and CancelHarvest leaves a cancel marker
+there that the running replica honours at its next batch. Nothing here imports grpc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+import os
+import pathlib
+import queue
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from google.protobuf import json_format, timestamp_pb2
+
+import hookwire
+from hookwire import _codec
+from hookwire import _harvest_format as fmt
+from hookwire import _harvest_sources as sources
+from hookwire.v1 import harvest_service_pb2 as hv
+from hookwire.v1 import hook_pb2
+
+from . import batching
+from .auth import MINIMUM_ROLE, Principal
+from .capture import _CASTS
+from .errors import (
+    AlreadyExists, FailedPrecondition, HookwireServerError, InvalidArgument, NotFound, PermissionDenied,
+    ResourceExhausted, Unavailable,
+)
+from .hook_record import HookRecord
+from .passes import Pass
+from .scheduler import Work
+from .selection import Index, SelectionError, parse_selection
+
+log = logging.getLogger("hookwire.harvest")
+
+DEFAULT_LENGTH = 128
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_SHARD_TOKENS = 65536
+DEFAULT_BUFFER_SHARDS = 4
+MAX_BUFFER_SHARDS = 64
+MAX_SHARD_TOKENS = 1 << 24
+MAX_LENGTH = 1 << 16
+MAX_MODULES = 256
+MAX_POSITIONS = 4096
+MAX_WORKERS = 1024
+MIN_WATCH_MS, DEFAULT_WATCH_MS = 50, 500
+#: How often the state file of a running job is rewritten (progress), at most.
+STATE_WRITE_SECONDS = 1.0
+#: Batches tokenized ahead of the model (the producer's queue).
+AHEAD = 2
+ENDED = (hv.HARVEST_STATE_SUCCEEDED, hv.HARVEST_STATE_FAILED, hv.HARVEST_STATE_CANCELLED)
+
+
+@dataclasses.dataclass(frozen=True)
+class HarvestConfig:
+    """The server's harvest settings (ServerSettings.harvest_*)."""
+
+    #: Text sources are read from under this folder; None: text sources are refused.
+    data_root: str | None = None
+    #: Outputs are written under this folder; None: only URL outputs (url_prefixes).
+    output_root: str | None = None
+    #: fsspec URL prefixes outputs may name ("s3://bucket/harvest/"); empty: none.
+    url_prefixes: tuple[str, ...] = ()
+    #: Where job state is kept for other replicas; None: <output_root>/.hookwire-jobs.
+    state_dir: str | None = None
+    #: Jobs a principal may have pending or running at once (on this server).
+    max_jobs_per_principal: int = 2
+    #: Bytes of shards a principal's jobs may write (on this server, since it started); 0: no limit.
+    max_bytes_per_principal: int = 0
+    #: Seconds between worker 0's looks at the other workers' manifests while it waits to merge.
+    merge_poll_seconds: float = 2.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.output_root or self.url_prefixes)
+
+    @property
+    def state_path(self) -> pathlib.Path | None:
+        if self.state_dir:
+            return pathlib.Path(self.state_dir)
+        if self.output_root:
+            return pathlib.Path(self.output_root) / ".hookwire-jobs"
+        return None
+
+
+@dataclasses.dataclass
+class _Settings:
+    """A validated StartHarvestRequest."""
+
+    model: str
+    patterns: list[str]
+    modules: list[str]
+    part: int
+    select: Index | None
+    cast: torch.dtype | None
+    rule_specs: list[hook_pb2.HookSpec]
+    source: dict[str, Any]
+    text: sources.TextDataset | None
+    token_ids: np.ndarray | None
+    token_pad: int | None
+    spec: sources.ContextSpec | None
+    length: int
+    batch_size: int
+    skip_first: int
+    only: tuple[int, ...]
+    max_tokens: int
+    output: str
+    url: str
+    shard_tokens: int
+    overwrite: bool
+    shuffle: bool
+    buffer_shards: int
+    seed: int
+    worker_index: int
+    num_workers: int
+
+    def describe(self) -> dict[str, Any]:
+        """What the dataset's settings_digest covers: everything that changes its contents."""
+        return {
+            "model": self.model, "modules": self.modules, "part": hook_pb2.Part.Name(self.part),
+            "select": None if self.select is None else repr(self.select),
+            "dtype": None if self.cast is None else str(self.cast).removeprefix("torch."),
+            "rules": [json_format.MessageToDict(s, preserving_proto_field_name=True) for s in self.rule_specs],
+            "source": self.source,
+            "contexts": {"length": self.length, "batch_size": self.batch_size,
+                         "packing": None if self.spec is None else self.spec.packing,
+                         "bos_id": None if self.spec is None else self.spec.bos_id,
+                         "sep_id": None if self.spec is None else self.spec.sep_id},
+            "positions": {"skip_first": self.skip_first, "only": list(self.only)},
+            "max_tokens": self.max_tokens, "shard_tokens": self.shard_tokens,
+            "shuffle": {"enabled": self.shuffle, "buffer_shards": self.buffer_shards, "seed": self.seed},
+            "num_workers": self.num_workers,
+        }
+
+
+class Job:
+    """One harvest job and its progress. Its fields change on the event loop only."""
+
+    def __init__(self, job_id: str, owner: str, settings: _Settings) -> None:
+        self.id = job_id
+        self.owner = owner
+        self.settings = settings
+        self.state = hv.HARVEST_STATE_PENDING
+        self.error = ""
+        self.created = time.time()
+        self.started: float | None = None
+        self.ended: float | None = None
+        self.tokens_done = 0
+        self.tokens_total = 0
+        self.resumed_tokens = 0
+        self.batches_done = 0
+        self.batches_total = 0
+        self.shards_written = 0
+        self.bytes_written = 0
+        self.rate = 0.0
+        self.committed = False
+        self.cancel_reason = ""
+        self.task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+        self._version = 0
+
+    def changed(self) -> None:
+        """Wakes the watchers."""
+        self._version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def next_change(self, version: int) -> int:
+        """Waits until the job changed after ``version``; returns the new version."""
+        while self._version == version:
+            await self._changed.wait()
+        return self._version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def active(self) -> bool:
+        return self.state not in ENDED
+
+    def to_proto(self) -> hv.HarvestJob:
+        s = self.settings
+        eta = 0.0
+        if self.active and self.rate > 0 and self.tokens_total > self.tokens_done:
+            eta = (self.tokens_total - self.tokens_done) / self.rate
+        msg = hv.HarvestJob(
+            job_id=self.id, state=self.state, owner=self.owner, model=s.model, output=s.output,
+            tokens_done=self.tokens_done, tokens_total=self.tokens_total, tokens_per_second=self.rate,
+            eta_seconds=eta, shards_written=self.shards_written, bytes_written=self.bytes_written,
+            batches_done=self.batches_done, batches_total=self.batches_total, resumed_tokens=self.resumed_tokens,
+            error=self.error, worker_index=s.worker_index, num_workers=max(1, s.num_workers), modules=s.modules,
+            committed=self.committed,
+        )
+        for field, when in (("created", self.created), ("started", self.started), ("ended", self.ended)):
+            if when is not None:
+                getattr(msg, field).CopyFrom(_timestamp(when))
+        return msg
+
+
+def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+@dataclasses.dataclass
+class _BatchWork:
+    """One harvest batch on its way through the model (the payload of its Work)."""
+
+    job_id: str
+    owner: str
+    records: list[HookRecord]
+    capture_ids: dict[str, str]  # hook id -> module path it captures
+    settings: _Settings
+    batch: sources.TokenBatch
+    keep: np.ndarray
+
+
+@dataclasses.dataclass
+class _BatchResult:
+    values: dict[str, torch.Tensor]
+    token_ids: torch.Tensor
+    sequence: torch.Tensor
+    position: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+
+def run_harvest_batch(host: Any, works: list[_BatchWork]) -> list[Any]:
+    """Runs harvest batches on the model's worker thread (the scheduler runs each alone):
+    the batch's stored rows, or the exception it failed with."""
+    results: list[Any] = []
+    for work in works:
+        try:
+            results.append(_harvest_pass(host, work))
+        except Exception as exc:
+            results.append(exc)
+    return results
+
+
+def _harvest_pass(host: Any, work: _BatchWork) -> _BatchResult:
+    s = work.settings
+    batch = work.batch
+    ids = torch.from_numpy(batch.input_ids)
+    mask = torch.from_numpy(batch.attention_mask)
+    keep = torch.from_numpy(work.keep)
+    part_name = "output" if s.part == hook_pb2.PART_OUTPUT else "input"
+    collected: dict[str, torch.Tensor] = {}
+
+    def tap(hook_id: str, action: Any, path: str, call_index: int, parts: dict[str, Any]) -> None:
+        module = work.capture_ids.get(hook_id)
+        if module is None:
+            return
+        if call_index > 0:
+            raise InvalidArgument(
+                f"module {path!r} runs more than once in a pass; a harvest stores one value per module and token"
+            )
+        if s.part == hook_pb2.PART_OUTPUT:
+            value = parts.get("output")
+        else:
+            args = parts.get("args") or ()
+            value = args[0] if args else None
+        if isinstance(value, (tuple, list)):
+            value = value[0] if value else None
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgument(f"the {part_name} of module {path!r} is {type(value).__name__}, not a tensor")
+        v = value.detach()
+        if s.select is not None:
+            try:
+                v = v[s.select]
+            except (IndexError, RuntimeError, TypeError, ValueError) as exc:
+                raise InvalidArgument(f"select does not fit the {part_name} of module {path!r}: {exc}") from None
+        if v.dim() < 2 or tuple(v.shape[:2]) != tuple(keep.shape):
+            raise InvalidArgument(
+                f"the {part_name} of module {path!r} has shape {list(v.shape)}{' after select' if s.select else ''}, "
+                f"not [batch, positions, ...] = [{keep.shape[0]}, {keep.shape[1]}, ...]: a harvest stores per-token values"
+            )
+        if s.cast is not None and v.is_floating_point():
+            v = v.to(s.cast)
+        # One copy: the kept rows, gathered (a new tensor), on the CPU.
+        collected[module] = v[keep.to(v.device)].to("cpu")
+
+    p = Pass(work.job_id, "", principal=work.owner, model=host.name)
+    p.tap = tap
+    inputs: dict[str, Any] = {"input_ids": ids}
+    if takes_attention_mask(host.module):
+        inputs["attention_mask"] = mask
+    try:
+        for record in work.records:
+            record.attach()
+        host.current_batch = batching.Batch.alone(p)
+        with torch.no_grad():
+            host.module(**inputs)
+    finally:
+        host.current_batch = None
+        for record in work.records:
+            record.detach()
+    for record in work.records:
+        if record.disabled_reason:  # a rule failed: a dataset of a half-steered model is worse than none
+            raise InvalidArgument(f"a rule failed, so the job stops: {record.disabled_reason}")
+    missing = [m for m in s.modules if m not in collected]
+    if missing:
+        raise InvalidArgument(f"module(s) {missing} did not run in the forward pass, so nothing can be stored for them")
+    rows = torch.arange(ids.shape[0], dtype=torch.int64).unsqueeze(1).expand_as(ids)
+    positions = torch.arange(ids.shape[1], dtype=torch.int64).unsqueeze(0).expand_as(ids)
+    return _BatchResult(
+        values=collected,
+        token_ids=ids[keep].to(torch.int64),
+        sequence=rows[keep] + batch.first_sequence,
+        position=positions[keep],
+    )
+
+
+class HarvestManager:
+    """The server's harvest jobs (HarvestService's domain)."""
+
+    def __init__(self, registry: Any, hooks: Any, config: HarvestConfig, *, limits: Any) -> None:
+        self._registry = registry
+        self._hooks = hooks
+        self._metrics = hooks.metrics
+        self.config = config
+        self.limits = limits
+        self._jobs: dict[str, Job] = {}
+        #: Outputs (and worker) of the active jobs: two jobs never write the same files.
+        self._outputs: dict[tuple[str, int], str] = {}
+        self._bytes: dict[str, int] = {}
+        self._closing = False
+
+    # ---- starting -------------------------------------------------------------------
+
+    async def start(self, request: hv.StartHarvestRequest, principal: Principal) -> Job:
+        """Validates the request, opens its output and starts the job (see the module
+        docstring); raises a HookwireServerError naming what is wrong."""
+        principal.require(MINIMUM_ROLE["StartHarvest"], "starting a harvest")
+        if self._closing:
+            raise Unavailable("the server is shutting down")
+        if not self.config.enabled:
+            raise FailedPrecondition(
+                "this server has no harvest storage: its operator sets harvest_output_root (or harvest_url_prefixes); "
+                "without it, `hookwire harvest --sink client` writes the dataset on the client"
+            )
+        host = self._registry.get(request.model)
+        active = [j for j in self._jobs.values() if j.active and j.owner == principal.name]
+        if len(active) >= self.config.max_jobs_per_principal:
+            raise ResourceExhausted(
+                f"{principal.name!r} has {len(active)} harvest jobs running, the limit is "
+                f"{self.config.max_jobs_per_principal} (harvest_max_jobs_per_principal)"
+            )
+        quota = self.config.max_bytes_per_principal
+        if quota and self._bytes.get(principal.name, 0) >= quota:
+            raise ResourceExhausted(
+                f"{principal.name!r} has written {self._bytes[principal.name]} bytes of harvest shards, the limit is "
+                f"{quota} (harvest_max_bytes_per_principal)"
+            )
+        settings = await asyncio.to_thread(self._validate, request, host)
+        key = (settings.url, settings.worker_index)
+        if key in self._outputs:
+            raise AlreadyExists(f"output.path: job {self._outputs[key]} is writing {settings.output!r} (worker {key[1]})")
+        job_id = "hv-" + secrets.token_hex(8)
+        records, capture_ids = self._records(host, settings, principal, job_id)
+        header = {
+            "model": settings.model, "modules": settings.modules, "settings": settings.describe(),
+            "source": settings.source, "hookwire_version": hookwire.__version__,
+        }
+        self._outputs[key] = "(starting)"
+        try:
+            try:
+                writer = await asyncio.to_thread(
+                    fmt.DatasetWriter, settings.url, header=header, worker_index=settings.worker_index,
+                    num_workers=max(1, settings.num_workers), shard_tokens=settings.shard_tokens,
+                    shuffle_buffer_shards=settings.buffer_shards if settings.shuffle else 0,
+                    shuffle_seed=settings.seed, overwrite=settings.overwrite,
+                )
+            except fmt.DatasetExists as exc:
+                raise AlreadyExists(f"output.path: {exc} (set output.overwrite to replace it)") from None
+            except fmt.SettingsMismatch as exc:
+                raise FailedPrecondition(
+                    f"output.path: {settings.output!r} holds an unfinished dataset of other settings: {exc}; "
+                    "use another path, the same settings (to resume), or output.overwrite"
+                ) from None
+            except (OSError, ValueError) as exc:
+                raise FailedPrecondition(f"output.path: {settings.output!r} cannot be written: {exc}") from None
+        except BaseException:
+            del self._outputs[key]
+            raise
+        job = Job(job_id, principal.name, settings)
+        self._outputs[key] = job.id
+        self._jobs[job.id] = job
+        job.resumed_tokens = job.tokens_done = writer.tokens_done
+        job.shards_written, job.bytes_written = writer.shards_written, writer.bytes_written
+        self._save_state(job)
+        job.task = asyncio.get_running_loop().create_task(self._run(job, host, writer, records, capture_ids))
+        log.info("harvest %s started on %s into %s (resuming at %d tokens)", job.id, settings.model, settings.output,
+                 writer.tokens_done, extra={"model": settings.model})
+        return job
+
+    def _validate(self, request: hv.StartHarvestRequest, host: Any) -> _Settings:
+        """Everything about the request that can be checked before the job starts (a
+        thread: the source's fingerprint reads its files)."""
+        if not request.modules:
+            raise InvalidArgument("modules: at least one module path or glob is needed")
+        paths: dict[str, None] = {}
+        for i, pattern in enumerate(request.modules):
+            if not pattern:
+                raise InvalidArgument(f"modules[{i}]: empty")
+            try:
+                found = host.resolve(pattern)
+            except (NotFound, InvalidArgument) as exc:
+                raise type(exc)(f"modules[{i}]: {exc}") from None
+            paths.update(dict.fromkeys(found))
+        if len(paths) > MAX_MODULES:
+            raise InvalidArgument(f"modules: the patterns match {len(paths)} modules, over the limit of {MAX_MODULES}")
+        order = {p: i for i, p in enumerate(host.paths)}
+        modules = sorted(paths, key=order.__getitem__)
+        part = request.part or hook_pb2.PART_OUTPUT
+        if part not in (hook_pb2.PART_OUTPUT, hook_pb2.PART_ARGS):
+            raise InvalidArgument(f"part: {part} is not PART_OUTPUT or PART_ARGS")
+        select = None
+        if request.select:
+            try:
+                select = parse_selection(request.select)
+            except SelectionError as exc:
+                raise InvalidArgument(f"select: {exc}") from None
+        cast = None
+        if request.dtype:
+            cast = _CASTS.get(request.dtype)
+            if cast is None:
+                raise InvalidArgument(
+                    f"dtype: {_codec.dtype_name(request.dtype)} is not one of DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_FLOAT32"
+                )
+        for i, spec in enumerate(request.rules):
+            if spec.model and spec.model != host.name:
+                raise InvalidArgument(f"rules[{i}].model: {spec.model!r} is not the job's model {host.name!r}")
+            for field in ("prehook", "posthook", "backward_prehook", "backward_hook"):
+                if spec.HasField(field) and getattr(spec, field).capture:  # type: ignore[arg-type]
+                    raise InvalidArgument(f"rules[{i}].{field}.capture: a harvest's rules change values only; "
+                                          "what is stored is named by modules and part")
+            if spec.HasField("backward_prehook") or spec.HasField("backward_hook"):
+                raise InvalidArgument(f"rules[{i}]: a harvest runs no backward pass")
+        c = request.contexts
+        length = c.length or DEFAULT_LENGTH
+        if length > MAX_LENGTH or (host.positions is not None and length > host.positions):
+            raise InvalidArgument(
+                f"contexts.length: {length} is over the model's {host.positions} positions"
+                if host.positions is not None and length <= MAX_LENGTH else f"contexts.length: {length} is over {MAX_LENGTH}"
+            )
+        batch_size = c.batch_size or DEFAULT_BATCH_SIZE
+        if batch_size > host.batching.max_batch_size:
+            raise InvalidArgument(
+                f"contexts.batch_size: {batch_size} is over the model's max_batch_size of {host.batching.max_batch_size}"
+            )
+        if c.packing not in hv.Packing.values():
+            raise InvalidArgument(f"contexts.packing: unknown value {c.packing}")
+        positions = request.positions
+        if len(positions.only) > MAX_POSITIONS:
+            raise InvalidArgument(f"positions.only: {len(positions.only)} entries, over the limit of {MAX_POSITIONS}")
+        bad = [p for p in positions.only if p >= length]
+        if bad:
+            raise InvalidArgument(f"positions.only: {bad[:5]} not below contexts.length {length}")
+        if positions.skip_first >= length:
+            raise InvalidArgument(f"positions.skip_first: {positions.skip_first} leaves no position of {length}")
+        workers = request.num_workers
+        if workers > MAX_WORKERS:
+            raise InvalidArgument(f"num_workers: {workers} is over the limit of {MAX_WORKERS}")
+        if request.worker_index >= max(1, workers):
+            raise InvalidArgument(f"worker_index: {request.worker_index} is not below num_workers {max(1, workers)}")
+        out = request.output
+        shard_tokens = out.shard_tokens or DEFAULT_SHARD_TOKENS
+        if shard_tokens > MAX_SHARD_TOKENS:
+            raise InvalidArgument(f"output.shard_tokens: {shard_tokens} is over the limit of {MAX_SHARD_TOKENS}")
+        buffer_shards = out.shuffle.buffer_shards or DEFAULT_BUFFER_SHARDS
+        if buffer_shards > MAX_BUFFER_SHARDS:
+            raise InvalidArgument(f"output.shuffle.buffer_shards: {buffer_shards} is over the limit of {MAX_BUFFER_SHARDS}")
+        url = self._output_url(out.path)
+        text = token_ids = spec = None
+        token_pad = None
+        kind = request.source.WhichOneof("kind")
+        if kind == "text":
+            text, spec, source = self._text_source(request.source.text, c, host, length)
+        elif kind == "tokens":
+            token_ids, token_pad, source = _token_source(request.source.tokens, length)
+        else:
+            raise InvalidArgument("source: set source.text (a dataset on the server) or source.tokens (token ids)")
+        return _Settings(
+            model=host.name, patterns=list(request.modules), modules=modules, part=part, select=select, cast=cast,
+            rule_specs=list(request.rules), source=source, text=text, token_ids=token_ids, token_pad=token_pad,
+            spec=spec, length=length, batch_size=batch_size, skip_first=positions.skip_first,
+            only=tuple(positions.only), max_tokens=request.max_tokens, output=out.path, url=url,
+            shard_tokens=shard_tokens, overwrite=out.overwrite, shuffle=out.shuffle.enabled,
+            buffer_shards=buffer_shards, seed=out.shuffle.seed, worker_index=request.worker_index,
+            num_workers=max(1, workers),
+        )
+
+    def _output_url(self, path: str) -> str:
+        if not path:
+            raise InvalidArgument("output.path: empty; name a folder under the server's harvest output root")
+        if "://" in path:
+            if not any(path.startswith(prefix) for prefix in self.config.url_prefixes):
+                raise PermissionDenied(
+                    f"output.path: {path!r} is not under a URL prefix this server allows (harvest_url_prefixes)"
+                )
+            if "/../" in path + "/" or "\\" in path:
+                raise PermissionDenied(f"output.path: {path!r} has '..' in it")
+            return path
+        if not self.config.output_root:
+            raise FailedPrecondition("output.path: this server writes harvests to URLs only (harvest_url_prefixes)")
+        try:
+            return str(sources.confine(self.config.output_root, path, what="output.path"))
+        except sources.PathNotAllowed as exc:
+            raise PermissionDenied(str(exc)) from None
+        except sources.SourceError as exc:
+            raise InvalidArgument(str(exc)) from None
+
+    def _text_source(
+        self, text: hv.TextSource, c: hv.HarvestContexts, host: Any, length: int,
+    ) -> tuple[sources.TextDataset, sources.ContextSpec, dict[str, Any]]:
+        if not self.config.data_root:
+            raise FailedPrecondition("source.text: this server has no harvest data root (harvest_data_root)")
+        if host.tokenizer is None:
+            raise FailedPrecondition(
+                f"source.text: model {host.name!r} has no tokenizer; send token ids (source.tokens) instead"
+            )
+        try:
+            path = sources.confine(self.config.data_root, text.path, what="source.text.path")
+        except sources.PathNotAllowed as exc:
+            raise PermissionDenied(str(exc)) from None
+        except sources.SourceError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if not path.exists():
+            raise NotFound(f"source.text.path: {text.path!r} does not exist under the data root")
+        formats = {hv.TEXT_FORMAT_JSONL: "jsonl", hv.TEXT_FORMAT_PARQUET: "parquet", hv.TEXT_FORMAT_TEXT: "text",
+                   hv.TEXT_FORMAT_HF_DATASET: "hf"}
+        if text.format and text.format not in formats:
+            raise InvalidArgument(f"source.text.format: unknown value {text.format}")
+        try:
+            dataset = sources.TextDataset(
+                path, format=formats.get(text.format), text_field=text.text_field or "text", split=text.split or None,
+            )
+            described = dataset.describe()
+        except sources.SourceError as exc:
+            raise InvalidArgument(f"source.text: {exc}") from None
+        described["path"] = text.path  # as given (the root is the server's business)
+        bos, sep, pad = sources.special_ids(host.tokenizer, bos=c.bos if c.HasField("bos") else None)
+        if c.HasField("bos") and c.bos and bos is None:
+            raise InvalidArgument(f"contexts.bos: the tokenizer of {host.name!r} has no BOS (or CLS) token")
+        packing = "pack" if c.packing == hv.PACKING_PACK else "truncate"
+        spec = sources.ContextSpec(length=length, packing=packing, bos_id=bos, sep_id=sep, pad_id=pad)
+        return dataset, spec, described
+
+    def _records(
+        self, host: Any, settings: _Settings, principal: Principal, request_id: str,
+    ) -> tuple[list[HookRecord], dict[str, str]]:
+        """The job's hooks (request-scoped hooks of its passes, whose request id is the
+        job's id): its rules first (so a capture on the same module sees their effect),
+        then one capture hook per stored module."""
+        try:
+            rules = self._hooks.request_hooks(host, settings.rule_specs, request_id, None, principal)
+        except (InvalidArgument, NotFound) as exc:
+            raise type(exc)(str(exc).replace("hooks[", "rules[", 1)) from None
+        for i, record in enumerate(rules):
+            if record.compiled.uses_slots:
+                raise InvalidArgument(f"rules[{i}]: save and patch rules need a session; a harvest has none")
+        action = hook_pb2.HookAction()
+        action.capture.append(settings.part)  # type: ignore[arg-type]
+        captures = []
+        for module in settings.modules:
+            spec = hook_pb2.HookSpec(module=module)
+            if settings.part == hook_pb2.PART_OUTPUT:
+                spec.posthook.CopyFrom(action)
+            else:
+                spec.prehook.CopyFrom(action)
+            captures.extend(self._hooks.request_hooks(host, [spec], request_id, None, principal))
+        capture_ids = {r.hook_id: m for r, m in zip(captures, settings.modules)}
+        return rules + captures, capture_ids
+
+    # ---- running --------------------------------------------------------------------
+
+    async def _run(
+        self, job: Job, host: Any, writer: fmt.DatasetWriter, records: list[HookRecord], capture_ids: dict[str, str],
+    ) -> None:
+        s = job.settings
+        stop = threading.Event()
+        writes = _Writer(job.id)
+        try:
+            plan = await asyncio.to_thread(self._plan, job, host)
+            mine = plan.worker_batches(s.worker_index, s.num_workers)
+            job.batches_total = len(mine)
+            job.tokens_total = plan.worker_tokens(s.worker_index, s.num_workers)
+            await asyncio.to_thread(writer.set_batches_total, len(mine))
+            skip = min(writer.resume_batches, len(mine))
+            job.batches_done = skip
+            job.state = hv.HARVEST_STATE_RUNNING
+            job.started = time.time()
+            job.changed()
+            self._save_state(job)
+            wanted = set(mine[skip:])
+            batches: queue.Queue[Any] = queue.Queue(maxsize=AHEAD)
+            producer = threading.Thread(
+                target=self._produce, args=(job, host, wanted, plan.num_batches, batches, stop),
+                name=f"harvest-tokens:{job.id}", daemon=True,
+            )
+            producer.start()
+            rate = _Rate()
+            last_saved = 0.0
+            while True:
+                item = await _next(batches)
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                self._check_cancel(job)
+                keep = sources.keep_mask(item.attention_mask, skip_first=s.skip_first, only=s.only)
+                work = Work(
+                    run_harvest_batch, _BatchWork(job.id, job.owner, records, capture_ids, s, item, keep),
+                    key=None, rows=int(item.input_ids.shape[0]), kind="harvest", background=True,
+                )
+                result = await host.scheduler.submit(work)
+                await writes.wait()  # at most one batch being written while the next one runs
+                self._account(job, writer)
+                writes.start(writer, result)
+                job.batches_done += 1
+                job.tokens_done += result.tokens
+                self._metrics.harvest_tokens.labels(s.model).inc(result.tokens)
+                job.rate = rate.add(result.tokens)
+                job.changed()
+                now = time.monotonic()
+                if now - last_saved >= STATE_WRITE_SECONDS:
+                    last_saved = now
+                    self._save_state(job)
+            await writes.wait()
+            await asyncio.to_thread(writer.finish)
+            self._account(job, writer)
+            if s.worker_index == 0:
+                job.changed()
+                self._save_state(job)
+                while not await asyncio.to_thread(writer.merge):
+                    self._check_cancel(job)
+                    await asyncio.sleep(self.config.merge_poll_seconds)
+                job.committed = True
+            job.state = hv.HARVEST_STATE_SUCCEEDED
+            log.info("harvest %s done: %d tokens, %d shards", job.id, job.tokens_done, job.shards_written)
+        except asyncio.CancelledError:
+            job.state = hv.HARVEST_STATE_CANCELLED
+            job.error = job.cancel_reason or "cancelled"
+        except _Cancelled:
+            job.state = hv.HARVEST_STATE_CANCELLED
+            job.error = job.cancel_reason or "cancelled"
+        except HookwireServerError as exc:
+            job.state = hv.HARVEST_STATE_FAILED
+            job.error = str(exc)
+        except Exception as exc:
+            log.exception("harvest %s failed", job.id)
+            job.state = hv.HARVEST_STATE_FAILED
+            job.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            stop.set()
+            try:
+                await asyncio.shield(writes.wait())  # what was handed over is written (or failed)
+            except BaseException:
+                pass
+            self._account(job, writer)
+            job.ended = time.time()
+            job.rate = 0.0
+            self._outputs.pop((s.url, s.worker_index), None)
+            job.changed()
+            self._save_state(job)
+
+    def _account(self, job: Job, writer: fmt.DatasetWriter) -> None:
+        """Takes the writer's committed figures into the job and the owner's byte quota."""
+        grown = writer.bytes_written - job.bytes_written
+        job.shards_written, job.bytes_written = writer.shards_written, writer.bytes_written
+        if grown > 0:
+            self._metrics.harvest_bytes.labels(job.settings.model).inc(grown)
+            self._bytes[job.owner] = self._bytes.get(job.owner, 0) + grown
+            quota = self.config.max_bytes_per_principal
+            if quota and self._bytes[job.owner] > quota and job.active:
+                raise ResourceExhausted(
+                    f"{job.owner!r} wrote {self._bytes[job.owner]} bytes of harvest shards, over the limit of {quota} "
+                    "(harvest_max_bytes_per_principal); the shards written so far are kept"
+                )
+
+    def _check_cancel(self, job: Job) -> None:
+        if not job.cancel_reason and self._cancel_marker(job.id) is not None:
+            job.cancel_reason = "cancelled (by CancelHarvest on another replica)"
+        if job.cancel_reason:
+            raise _Cancelled()
+
+    def _batches(self, job: Job, host: Any, tokenizer: Any) -> Iterator[sources.TokenBatch]:
+        s = job.settings
+        if s.token_ids is not None:
+            return sources.token_batches(s.token_ids, s.batch_size, s.token_pad)
+        assert s.text is not None and s.spec is not None
+        return sources.batches(
+            sources.contexts(
+                s.text.documents(), lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"], s.spec,
+            ),
+            s.batch_size, s.spec.pad_id,
+        )
+
+    def _plan(self, job: Job, host: Any) -> sources.Plan:
+        """Counts the source (a thread): the batches, their stored tokens, the budget's end."""
+        s = job.settings
+        tokenizer = copy.deepcopy(host.tokenizer) if s.text is not None else None
+        try:
+            plan = sources.plan(
+                self._batches(job, host, tokenizer), skip_first=s.skip_first, only=s.only, max_tokens=s.max_tokens,
+            )
+        except sources.SourceError as exc:
+            raise InvalidArgument(f"source: {exc}") from None
+        if plan.num_batches == 0:
+            raise InvalidArgument("source: it holds no context to harvest (empty documents, or none at all)")
+        return plan
+
+    def _produce(
+        self, job: Job, host: Any, wanted: set[int], num_batches: int, out: queue.Queue[Any], stop: threading.Event,
+    ) -> None:
+        """Tokenizes the source again on a thread of its own and queues this worker's
+        batches that are still to do (then None; an exception if it fails)."""
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.2)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        try:
+            tokenizer = copy.deepcopy(host.tokenizer) if job.settings.text is not None else None
+            for batch in self._batches(job, host, tokenizer):
+                if batch.index >= num_batches or stop.is_set():
+                    break
+                if batch.index in wanted and not put(batch):
+                    return
+            put(None)
+        except sources.SourceError as exc:
+            put(InvalidArgument(f"source: {exc}"))
+        except Exception as exc:
+            put(exc)
+
+    # ---- looking at jobs ------------------------------------------------------------
+
+    def _visible(self, job_id: str, principal: Principal) -> Job | dict[str, Any]:
+        job = self._jobs.get(job_id)
+        if job is not None:
+            if job.owner == principal.name or principal.is_operator:
+                return job
+            raise NotFound(f"no harvest job {job_id!r}")
+        stored = self._load_state(job_id)
+        if stored is None or not (stored.get("owner") == principal.name or principal.is_operator):
+            raise NotFound(f"no harvest job {job_id!r}")
+        return stored
+
+    def get(self, job_id: str, principal: Principal) -> hv.HarvestJob:
+        """The job's state (from this server, or the shared state folder)."""
+        principal.require(MINIMUM_ROLE["GetHarvest"], "looking at harvest jobs")
+        found = self._visible(job_id, principal)
+        return found.to_proto() if isinstance(found, Job) else _from_state(found)
+
+    async def watch(self, job_id: str, principal: Principal, interval_ms: int) -> AsyncIterator[hv.HarvestJob]:
+        """The job's state, then each change (at most every interval), until it ends."""
+        principal.require(MINIMUM_ROLE["WatchHarvest"], "watching harvest jobs")
+        if interval_ms and interval_ms < MIN_WATCH_MS:
+            raise InvalidArgument(f"interval_ms: {interval_ms} is below {MIN_WATCH_MS}")
+        interval = (interval_ms or DEFAULT_WATCH_MS) / 1e3
+        found = self._visible(job_id, principal)
+        if not isinstance(found, Job):  # another replica runs it: follow its state file
+            while True:
+                msg = _from_state(found)
+                yield msg
+                if msg.state in ENDED:
+                    return
+                await asyncio.sleep(max(interval, STATE_WRITE_SECONDS))
+                found = self._load_state(job_id) or found
+        job = found
+        version = job.version
+        yield job.to_proto()
+        while job.active:
+            version = await job.next_change(version)
+            if job.active:
+                await asyncio.sleep(interval)  # changes meanwhile are folded into one message
+            yield job.to_proto()
+
+    async def cancel(self, job_id: str, principal: Principal) -> hv.HarvestJob:
+        """Cancels the job (it stops after its current batch) and returns its state."""
+        principal.require(MINIMUM_ROLE["CancelHarvest"], "cancelling harvest jobs")
+        found = self._visible(job_id, principal)
+        if isinstance(found, Job):
+            if found.active and not found.cancel_reason:
+                found.cancel_reason = f"cancelled by {principal.name}"
+                if found.state == hv.HARVEST_STATE_PENDING and found.task is not None:
+                    found.task.cancel()  # still counting: nothing to keep
+                found.changed()
+            return found.to_proto()
+        if found.get("state") not in [hv.HarvestState.Name(s) for s in ENDED]:
+            self._write_cancel_marker(job_id, principal.name)
+        return _from_state(found)
+
+    def list_jobs(self, request: hv.ListHarvestsRequest, principal: Principal) -> list[hv.HarvestJob]:
+        """The caller's jobs (everyone's for operators), here and in the state folder, newest first."""
+        principal.require(MINIMUM_ROLE["ListHarvests"], "listing harvest jobs")
+        found: dict[str, hv.HarvestJob] = {}
+        for stored in self._stored_states():
+            msg = _from_state(stored)
+            found[msg.job_id] = msg
+        for job in self._jobs.values():
+            found[job.id] = job.to_proto()
+        jobs = [
+            j for j in found.values()
+            if (j.owner == principal.name or principal.is_operator) and (not request.model or j.model == request.model)
+            and (not request.active_only or j.state not in ENDED)
+        ]
+        jobs.sort(key=lambda j: j.created.ToNanoseconds(), reverse=True)
+        return jobs
+
+    async def close(self, timeout: float) -> None:
+        """Cancels every job (the server stops); waits up to ``timeout`` for them to end."""
+        self._closing = True
+        tasks = []
+        for job in self._jobs.values():
+            if job.active and job.task is not None:
+                job.cancel_reason = job.cancel_reason or "the server shut down (start the job again to resume it)"
+                job.task.cancel()
+                tasks.append(job.task)
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(0.01, timeout))
+
+    # ---- the shared state folder ----------------------------------------------------
+
+    def _state_file(self, job_id: str, suffix: str = ".json") -> pathlib.Path | None:
+        folder = self.config.state_path
+        if folder is None or not job_id.startswith("hv-") or not job_id[3:].isalnum():
+            return None
+        return folder / f"{job_id}{suffix}"
+
+    def _save_state(self, job: Job) -> None:
+        path = self._state_file(job.id)
+        if path is None:
+            return
+        record = json_format.MessageToDict(job.to_proto(), preserving_proto_field_name=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, path)
+        except OSError as exc:  # progress bookkeeping must not fail the job
+            log.warning("harvest %s: cannot write its state file %s: %s", job.id, path, exc)
+
+    def _load_state(self, job_id: str) -> dict[str, Any] | None:
+        path = self._state_file(job_id)
+        if path is None:
+            return None
+        try:
+            loaded = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return loaded if isinstance(loaded, dict) else None
+
+    def _stored_states(self) -> list[dict[str, Any]]:
+        folder = self.config.state_path
+        if folder is None or not folder.is_dir():
+            return []
+        out = []
+        for path in folder.glob("hv-*.json"):
+            try:
+                loaded = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(loaded, dict):
+                out.append(loaded)
+        return out
+
+    def _write_cancel_marker(self, job_id: str, by: str) -> None:
+        path = self._state_file(job_id, ".cancel")
+        if path is not None:
+            try:
+                path.write_text(by)
+            except OSError as exc:
+                raise Unavailable(f"cannot leave a cancel request for {job_id}: {exc}") from None
+
+    def _cancel_marker(self, job_id: str) -> str | None:
+        path = self._state_file(job_id, ".cancel")
+        if path is None or not path.exists():
+            return None
+        try:
+            return path.read_text()
+        except OSError:
+            return None
+
+
+class _Cancelled(Exception):
+    """The job was asked to stop."""
+
+
+def _from_state(record: dict[str, Any]) -> hv.HarvestJob:
+    msg = hv.HarvestJob()
+    json_format.ParseDict(record, msg, ignore_unknown_fields=True)
+    return msg
+
+
+def _token_source(tokens: hv.TokenSource, length: int) -> tuple[np.ndarray, int | None, dict[str, Any]]:
+    try:
+        _codec.check_tensor(tokens.input_ids, "source.tokens.input_ids")
+        t = _codec.decode_tensor(tokens.input_ids)
+    except _codec.CodecError as exc:
+        raise InvalidArgument(str(exc)) from None
+    if t.dim() != 2 or t.shape[0] == 0 or t.shape[1] == 0:
+        raise InvalidArgument(f"source.tokens.input_ids: shape {list(t.shape)} is not [contexts, length] with both > 0")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise InvalidArgument(f"source.tokens.input_ids: dtype {t.dtype} is not an integer type")
+    if t.shape[1] > length:
+        raise InvalidArgument(f"source.tokens.input_ids: rows of {t.shape[1]} tokens are longer than contexts.length {length}")
+    ids = t.to(torch.int64).numpy()
+    pad = tokens.pad_token_id if tokens.HasField("pad_token_id") else None
+    digest = hashlib.sha256(ids.tobytes()).hexdigest()
+    return ids, pad, {"kind": "tokens", "shape": list(ids.shape), "pad_token_id": pad, "fingerprint": digest}
+
+
+class _Rate:
+    """Tokens per second over the last batches (a window of about 20 s)."""
+
+    def __init__(self) -> None:
+        self._marks: list[tuple[float, int]] = [(time.monotonic(), 0)]
+
+    def add(self, tokens: int) -> float:
+        now = time.monotonic()
+        total = self._marks[-1][1] + tokens
+        self._marks.append((now, total))
+        while len(self._marks) > 2 and now - self._marks[1][0] > 20.0:
+            self._marks.pop(0)
+        t0, n0 = self._marks[0]
+        return (total - n0) / (now - t0) if now > t0 else 0.0
+
+
+class _Writer:
+    """At most one batch being stored, on a thread, while the model runs the next."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._future: asyncio.Future[Any] | None = None
+
+    def start(self, writer: fmt.DatasetWriter, result: _BatchResult) -> None:
+        self._future = asyncio.ensure_future(asyncio.to_thread(
+            writer.add, result.values, result.token_ids, result.sequence, result.position,
+        ))
+
+    async def wait(self) -> None:
+        future, self._future = self._future, None
+        if future is not None:
+            await future
+
+
+def settings_from(
+    *, data_root: str | None, output_root: str | None, url_prefixes: str | None, state_dir: str | None,
+    max_jobs: int, max_bytes: int, merge_poll_seconds: float = 2.0,
+) -> HarvestConfig:
+    """A HarvestConfig from the server's flat settings (url_prefixes comma-separated)."""
+    prefixes = tuple(p.strip() for p in (url_prefixes or "").split(",") if p.strip())
+    return HarvestConfig(
+        data_root=data_root or None, output_root=output_root or None, url_prefixes=prefixes, state_dir=state_dir or None,
+        max_jobs_per_principal=max_jobs, max_bytes_per_principal=max_bytes, merge_poll_seconds=merge_poll_seconds,
+    )
+
+
+async def _next(items: queue.Queue[Any]) -> Any:
+    """The producer's next item, waited for on a thread in short waits: a cancelled job
+    never leaves a thread blocked on the queue (the loop's executor is joined at exit)."""
+    while True:
+        try:
+            return await asyncio.to_thread(items.get, True, 0.5)
+        except queue.Empty:
+            continue
+
+
+def takes_attention_mask(module: Any) -> bool:
+    """Whether the model's forward takes ``attention_mask`` (transformers models do)."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "attention_mask" in params
+
+
+__all__ = ["HarvestConfig", "HarvestManager", "Job", "run_harvest_batch", "settings_from"]
