@@ -40,6 +40,7 @@ from ._errors import (
 )
 from . import rules
 from .dataset import ActivationDataset
+from ._harvest import HarvestFailed, HarvestJob, HarvestProgress
 from ._generation import GenerateStream
 from ._specs import Backward, HookAction, HookSpec, Sampling, StepRange, capture, edit
 from ._types import (
@@ -62,6 +63,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationDataset",
+    "HarvestFailed",
+    "HarvestJob",
+    "HarvestProgress",
     "DEFAULT_TARGET",
     "Backward",
     "BatchingInfo",

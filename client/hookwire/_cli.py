@@ -1,4 +1,4 @@
-"""The ``hookwire`` command: serve, health, models, inspect, generate, tap, hooks."""
+"""The ``hookwire`` command: serve, health, models, inspect, generate, tap, hooks, harvest."""
 
 from __future__ import annotations
 
@@ -236,6 +236,116 @@ def _tap(ns: argparse.Namespace) -> int:
         return 0
 
 
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+
+
+def parse_count(text: str) -> int:
+    """A token count: 500000, 500k, 10M, 1.5G (argparse type)."""
+    value = text.strip().lower().replace("_", "")
+    scale = _SUFFIXES.get(value[-1:], 1)
+    number = value[:-1] if scale != 1 else value
+    try:
+        count = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count like 500000, 500k, 10M or 1.5G") from None
+    if count < 0 or count != int(count):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole, non-negative count")
+    return int(count)
+
+
+def _print_job(p: Any) -> None:
+    total = f"/{p.tokens_total}" if p.tokens_total else ""
+    print(f"{p.job_id}  {p.state:<9} {p.model:<16} {p.output:<24} tokens {p.tokens_done}{total}  "
+          f"shards {p.shards_written}{'  committed' if p.committed else ''}{'  ' + p.error if p.error else ''}")
+
+
+async def _follow(client: Any, job: Any, plain: bool) -> int:
+    """Shows the job's progress until it ends; Ctrl-C leaves it running on the server."""
+    from ._harvest import HarvestFailed
+
+    try:
+        if plain:
+            last = None
+            async for last in job.watch(interval=2.0):
+                _print_job(last)
+            assert last is not None
+            if last.state == "failed":
+                raise HarvestFailed(f"harvest {job.id} failed: {last.error}")
+            return 0 if last.state == "succeeded" else 1
+        last = await job.wait(progress=True)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print(f"\nstopped watching; job {job.id} goes on on the server: hookwire harvest --watch {job.id} "
+              f"(hookwire harvest cancel {job.id} stops it)", file=sys.stderr)
+        return 130
+    _print_job(last)
+    return 0 if last.state == "succeeded" else 1
+
+
+async def _harvest(ns: argparse.Namespace) -> int:
+    words = list(ns.words)
+    async with connect(ns.target, options=_client_options(ns)) as client:
+        if ns.watch:
+            return await _follow(client, client.harvest_job(ns.watch), ns.plain or not sys.stderr.isatty())
+        if words and words[0] == "list":
+            for p in await client.harvests(model=ns.model_filter, active_only=ns.active):
+                _print_job(p)
+            return 0
+        if words and words[0] == "cancel":
+            if len(words) < 2:
+                print("hookwire harvest cancel: name the job (hookwire harvest list shows them)", file=sys.stderr)
+                return 2
+            for job_id in words[1:]:
+                _print_job(await client.harvest_job(job_id).cancel())
+            return 0
+        if len(words) != 1 or not ns.modules or not ns.out or not (ns.data or ns.token_file):
+            print("hookwire harvest: give MODEL --modules GLOB --data FILE --out DIR (or: list, cancel JOB, --watch JOB)",
+                  file=sys.stderr)
+            return 2
+        options: dict[str, Any] = dict(
+            dtype=ns.dtype, part=ns.part, select=ns.select, length=ns.length, batch_size=ns.batch_size,
+            packing=ns.packing, bos=False if ns.no_bos else None, skip_first=ns.skip_first, max_tokens=ns.tokens or 0,
+            shard_tokens=ns.shard_tokens, shuffle=ns.shuffle, shuffle_buffer=ns.shuffle_buffer, seed=ns.seed,
+            overwrite=ns.overwrite, text_field=ns.text_field, format=ns.format, split=ns.split,
+        )
+        if ns.sink == "client":
+            if ns.worker_index or ns.num_workers > 1:
+                print("hookwire harvest: --sink client runs one worker", file=sys.stderr)
+                return 2
+            if ns.token_file:
+                import numpy as np
+
+                options["tokens"] = np.load(ns.token_file)
+                options["pad_token_id"] = ns.pad_token_id
+            else:
+                options["data"] = ns.data
+                options["tokenizer"] = ns.tokenizer
+            try:
+                result = await client.harvest_local(words[0], ns.modules, out=ns.out, progress=not ns.plain, **options)
+            except KeyboardInterrupt:
+                print(f"\nstopped; run the same command again to resume from {ns.out}", file=sys.stderr)
+                return 130
+            _print_job(result)
+            return 0
+        if ns.token_file:
+            print("hookwire harvest: --token-file needs --sink client (server jobs read text under their data root)",
+                  file=sys.stderr)
+            return 2
+        job = await client.harvest(words[0], ns.modules, out=ns.out, data=ns.data, worker_index=ns.worker_index,
+                                   num_workers=ns.num_workers, **options)
+        print(f"started {job.id} on {words[0]} into {ns.out}; hookwire harvest --watch {job.id} follows it", file=sys.stderr)
+        if ns.detach:
+            print(job.id)
+            return 0
+        return await _follow(client, job, ns.plain or not sys.stderr.isatty())
+
+
+def _harvest_command(ns: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_harvest(ns))
+    except KeyboardInterrupt:
+        return 130
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``hookwire`` command."""
     parser = argparse.ArgumentParser(prog="hookwire", description="Remote PyTorch model interception over gRPC.")
@@ -326,6 +436,48 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="", help="a service name, e.g. hookwire.v1.ModelService (default: the server)")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
 
+    harvest = sub.add_parser(
+        "harvest", help="activation datasets: start a harvest job and follow it; list; cancel JOB; --watch JOB",
+        description="hookwire harvest MODEL --modules 'encoder.layer.*' --data texts.jsonl --out DIR starts a job on "
+                    "the server (paths under its harvest roots) and shows its progress; Ctrl-C stops watching, not the "
+                    "job. hookwire harvest list | cancel JOB | --watch JOB. --sink client runs the harvest from here "
+                    "into a local DIR instead (docs/harvest.md).")
+    harvest.add_argument("words", nargs="*", metavar="MODEL | list | cancel JOB")
+    harvest.add_argument("--modules", action="append", help="module path or glob (repeatable)")
+    harvest.add_argument("--data", help="text dataset: .jsonl, .parquet, .txt or a save_to_disk folder")
+    harvest.add_argument("--text-field", default="text", help="field or column holding the text (default text)")
+    harvest.add_argument("--format", choices=["jsonl", "parquet", "text", "hf"], help="the data's format (default: from its name)")
+    harvest.add_argument("--split", help="split of a DatasetDict folder (default train)")
+    harvest.add_argument("--out", help="output folder (under the server's root; a local folder or URL with --sink client)")
+    harvest.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="cast stored values")
+    harvest.add_argument("--part", choices=["output", "input"], default="output", help="the modules' output (default) or input")
+    harvest.add_argument("--select", help="a selection that keeps the first two dims, e.g. '[..., :64]'")
+    harvest.add_argument("--tokens", type=parse_count, help="token budget: 500k, 10M, 1G (default: the whole source)")
+    harvest.add_argument("--length", type=int, default=128, help="tokens per context (default 128)")
+    harvest.add_argument("--batch-size", type=int, default=8, help="contexts per forward pass (default 8)")
+    harvest.add_argument("--packing", choices=["truncate", "pack"], default="truncate",
+                         help="one document per context (default), or documents packed into full contexts")
+    harvest.add_argument("--no-bos", action="store_true", help="contexts without a BOS (CLS) token")
+    harvest.add_argument("--skip-first", type=int, default=0, help="do not store each context's first N positions")
+    harvest.add_argument("--shard-tokens", type=parse_count, default=65536, help="tokens per shard (default 65536)")
+    harvest.add_argument("--shuffle", action="store_true", help="shuffle tokens across a buffer of shards")
+    harvest.add_argument("--shuffle-buffer", type=int, default=4, help="shards per shuffle buffer (default 4)")
+    harvest.add_argument("--seed", type=int, default=0, help="shuffle seed")
+    harvest.add_argument("--overwrite", action="store_true", help="replace a finished dataset at --out")
+    harvest.add_argument("--worker-index", type=int, default=0, help="this worker of a split (0-based)")
+    harvest.add_argument("--num-workers", type=int, default=1, help="workers of a split (each takes every N-th batch)")
+    harvest.add_argument("--sink", choices=["server", "client"], default="server",
+                         help="server: a job on the server (default); client: run from here, write --out locally")
+    harvest.add_argument("--tokenizer", help="with --sink client and --data: the model's tokenizer folder")
+    harvest.add_argument("--token-file", help="with --sink client: a .npy of token ids [contexts, length]")
+    harvest.add_argument("--pad-token-id", type=int, help="with --token-file: the id that pads rows")
+    harvest.add_argument("--watch", metavar="JOB", help="follow a running job")
+    harvest.add_argument("--detach", action="store_true", help="start the job, print its id and exit")
+    harvest.add_argument("--active", action="store_true", help="with list: only running and pending jobs")
+    harvest.add_argument("--model", dest="model_filter", help="with list: only jobs on this model")
+    harvest.add_argument("--plain", action="store_true", help="progress as lines instead of a bar")
+    harvest.add_argument("--target", default=target_default, help=target_help)
+
     hooks = sub.add_parser("hooks", help="list or remove registered hooks")
     hooks_sub = hooks.add_subparsers(dest="hooks_command", required=True)
     hooks_list = hooks_sub.add_parser("list", help="every hook, with its statistics")
@@ -341,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "shows them) exits 2 before anything is removed.")
     hooks_rm.add_argument("ids", nargs="+", metavar="ID")
     hooks_rm.add_argument("--target", default=target_default, help=target_help)
-    for command in (models, inspect, generate, tap, health, hooks_list, hooks_rm):
+    for command in (models, inspect, generate, tap, health, hooks_list, hooks_rm, harvest):
         command.add_argument("--token", help="bearer token (default: the HOOKWIRE_TOKEN variable)")
         command.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server with the system roots")
         command.add_argument("--tls-ca", help="PEM CA that verifies the server (implies --tls)")
@@ -389,6 +541,8 @@ def _run(ns: argparse.Namespace) -> int:
     try:
         if ns.command == "tap":
             return _tap(ns)
+        if ns.command == "harvest":
+            return _harvest_command(ns)
         return asyncio.run(commands[ns.command](ns))
     except HookwireError as exc:
         print(f"hookwire {ns.command}: {exc}", file=sys.stderr)

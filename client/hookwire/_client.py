@@ -21,13 +21,16 @@ from ._framing import (
 )
 from ._credentials import bearer_token_interceptors, channel_credentials
 from ._errors import FailedPreconditionError, HookwireError, NotFoundError, UnavailableError, from_rpc_error
+from . import _harvest
 from ._generation import GenerateStream, generate_request
+from ._harvest import HarvestJob, HarvestProgress
 from ._session import CallEnded, EndedCalls, EventRouter, kind_of, pump, stream_items, uncut
 from ._specs import (
     ActionLike, Backward, HookSpec, HookSpecLike, OnErrorName, Sampling, ScopeName, StepsLike, spec_proto,
 )
 from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, Notice, SlotInfo, Tokenized
 from .v1 import (
+    harvest_service_pb2_grpc,
     hook_service_pb2,
     hook_service_pb2_grpc,
     model_service_pb2,
@@ -278,6 +281,7 @@ class Client:
         self._models: model_service_pb2_grpc.ModelServiceStub | None = None
         self._hooks: hook_service_pb2_grpc.HookServiceStub | None = None
         self._streams: TensorCalls | None = None
+        self._harvests: harvest_service_pb2_grpc.HarvestServiceStub | None = None
         #: Which Infer calls stream their replies (see CallSizes).
         self.call_sizes = CallSizes()
         self._session: Session | None = None
@@ -315,6 +319,7 @@ class Client:
             self._models = model_service_pb2_grpc.ModelServiceStub(self._channel)
             self._hooks = hook_service_pb2_grpc.HookServiceStub(self._channel)
             self._streams = TensorCalls(self._channel)
+            self._harvests = harvest_service_pb2_grpc.HarvestServiceStub(self._channel)
 
     @property
     def model_stub(self) -> model_service_pb2_grpc.ModelServiceStub:
@@ -329,6 +334,41 @@ class Client:
         self._open()
         assert self._hooks is not None
         return self._hooks
+
+    @property
+    def harvest_stub(self) -> harvest_service_pb2_grpc.HarvestServiceStub:
+        """The raw HarvestService stub (escape hatch)."""
+        self._open()
+        assert self._harvests is not None
+        return self._harvests
+
+    # ---------------------------------------------------------------- harvest
+
+    async def harvest(self, model: str, modules: Sequence[str] | str, *, out: str, **options: Any) -> HarvestJob:
+        """Starts a harvest job on the server (docs/harvest.md) and returns its handle at
+        once; the job runs on the server whatever this client does. ``out`` and ``data``
+        are paths under the server's harvest roots. Options (see ``harvest_request``):
+        data, tokens, pad_token_id, text_field, format, split, dtype ("bfloat16", ...), part
+        ("output" or "input"), select, rules, length, batch_size, packing ("truncate" or
+        "pack"), bos, skip_first, positions, max_tokens, shard_tokens, shuffle,
+        shuffle_buffer, seed, overwrite, worker_index, num_workers. Raises what StartHarvest
+        answers (AlreadyExistsError for a finished dataset, FailedPreconditionError for a
+        server without harvest storage, PermissionDeniedError for a path outside its roots,
+        ...). ``await job.wait(progress=True)`` follows it to the end."""
+        return await _harvest.start(self, _harvest.harvest_request(model, modules, out=out, **options))
+
+    def harvest_job(self, job_id: str) -> HarvestJob:
+        """A handle on an existing job (nothing is sent until it is used)."""
+        return HarvestJob(self, job_id)
+
+    async def harvests(self, *, model: str | None = None, active_only: bool = False) -> list[HarvestProgress]:
+        """The caller's harvest jobs (everyone's for operators), newest first."""
+        return await _harvest.list_jobs(self, model, active_only)
+
+    async def harvest_local(self, model: str, modules: Sequence[str] | str, *, out: str, **options: Any) -> HarvestProgress:
+        """Harvests from this client into ``out`` (local or an fsspec URL), for servers
+        without harvest storage; see ``hookwire._harvest.harvest_local``. Blocks until done."""
+        return await _harvest.harvest_local(self, model, modules, out=out, **options)
 
     @property
     def tensor_calls(self) -> TensorCalls:

@@ -373,3 +373,30 @@ async def test_unknown_jobs_are_not_found(stub: hv_grpc.HarvestServiceStub) -> N
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_the_client_sink_writes_the_same_dataset_as_a_server_job(
+    stub: hv_grpc.HarvestServiceStub, server: ServerThread, roots: tuple[pathlib.Path, pathlib.Path],
+    local: dict[str, Any], tmp_path: pathlib.Path,
+) -> None:
+    import hookwire
+
+    data, out = roots
+    options = dict(dtype="bfloat16", length=12, batch_size=4, packing="pack", skip_first=1, shard_tokens=32,
+                   shuffle=True, shuffle_buffer=2, seed=5)
+    async with hookwire.connect(server.target) as client:
+        job = await client.harvest("minilm", "encoder.layer.*", data="docs.jsonl", out="sink-server", **options)
+        done = await job.wait()
+        assert done.state == "succeeded" and done.committed
+        local_done = await client.harvest_local(
+            "minilm", "encoder.layer.*", data=data / "docs.jsonl", tokenizer=local["bert_tok"],
+            out=str(tmp_path / "sink-client"), **options,
+        )
+    assert local_done.tokens_done == done.tokens_done > 0
+    a = hookwire.ActivationDataset(out / "sink-server")
+    b = hookwire.ActivationDataset(tmp_path / "sink-client")
+    assert a.modules == b.modules == list(done.modules)
+    assert [s["tokens"] for s in a.shards] == [s["tokens"] for s in b.shards]
+    for key in [*a.modules, "token_ids", "sequence", "position"]:
+        x, y = a[:][key], b[:][key]
+        assert x.dtype == y.dtype and torch.equal(x, y), key

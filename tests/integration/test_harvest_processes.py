@@ -1,0 +1,199 @@
+"""Harvest across server processes, driven by the CLI: a 2-way split by two servers into
+one dataset equals a 1-way run; a server killed (SIGKILL) mid-job and started again
+resumes to the same dataset as an uninterrupted run; Ctrl-C of the CLI leaves the job
+running on the server; list, cancel and --watch. The demo tiny-lm (seeded weights, a
+tokenizer built in code) is the same model in every process."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import hookwire
+
+HOOKWIRE = [sys.executable, "-m", "hookwire._cli"]
+TESTS = pathlib.Path(__file__).resolve().parent.parent
+#: Liveness bounds (never speed claims).
+LIVENESS = 600.0
+
+WORDS = "the of and to in is it that was for on are with as at be this have from or one by not hook model token layer".split()
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(TESTS), *env.get("PYTHONPATH", "").split(os.pathsep)] if p)
+    return env
+
+
+class Server:
+    """``hookwire serve`` in a process of its own, on the demo models, with harvest roots."""
+
+    def __init__(self, data: pathlib.Path, out: pathlib.Path) -> None:
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [*HOOKWIRE, "serve", "--port", "0", "--harvest-data-root", str(data), "--harvest-output-root", str(out)],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env=_env(),
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "serving" not in line:
+            self.proc.kill()
+            self.log.seek(0)
+            raise AssertionError(f"server did not start: {line!r} {self.log.read()}")
+        self.target = line.rsplit(" ", 1)[-1].strip()
+
+    def cli(self, *args: str, timeout: float = LIVENESS) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*HOOKWIRE, *args, "--target", self.target], capture_output=True, text=True,
+                              timeout=timeout, env=_env())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
+    data, out = tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("out")
+    g = torch.Generator().manual_seed(0)
+    with open(data / "corpus.jsonl", "w") as f:
+        for i in range(700):
+            n = int(torch.randint(3, 20, (1,), generator=g))
+            words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (n,), generator=g)]
+            f.write(json.dumps({"text": " ".join(words), "i": i}) + "\n")
+    return data, out
+
+
+@pytest.fixture(scope="module")
+def servers(roots: tuple[pathlib.Path, pathlib.Path]) -> Iterator[list[Server]]:
+    started = [Server(*roots), Server(*roots)]
+    yield started
+    for s in started:
+        s.stop()
+
+
+JOB = ["tiny-lm", "--modules", "model.layers.*", "--data", "corpus.jsonl", "--length", "16", "--batch-size", "2",
+       "--packing", "pack", "--skip-first", "1", "--shard-tokens", "300", "--dtype", "bfloat16"]
+
+
+def _tokens(folder: pathlib.Path) -> dict[tuple[int, int], tuple[Any, ...]]:
+    ds = hookwire.ActivationDataset(folder)
+    rows = ds[:]
+    out = {}
+    for i in range(len(ds)):
+        key = (int(rows["sequence"][i]), int(rows["position"][i]))
+        assert key not in out, f"{key} stored twice"
+        out[key] = (int(rows["token_ids"][i]),
+                    *(rows[m][i].view(torch.int16).tolist() for m in ds.modules))
+    return out
+
+
+def _start(server: Server, *extra: str) -> str:
+    started = server.cli("harvest", *JOB, *extra, "--detach")
+    assert started.returncode == 0, started.stderr
+    return started.stdout.strip()
+
+
+def _watch(server: Server, job_id: str) -> subprocess.CompletedProcess[str]:
+    return server.cli("harvest", "--watch", job_id, "--plain")
+
+
+def test_a_two_way_split_over_two_server_processes_equals_a_one_way_run(
+    servers: list[Server], roots: tuple[pathlib.Path, pathlib.Path],
+) -> None:
+    data, out = roots
+    whole = _start(servers[0], "--out", "one-way")
+    first = _start(servers[0], "--out", "two-way", "--worker-index", "0", "--num-workers", "2")
+    second = _start(servers[1], "--out", "two-way", "--worker-index", "1", "--num-workers", "2")
+    for server, job in ((servers[0], whole), (servers[1], second), (servers[0], first)):
+        watched = _watch(server, job)
+        assert watched.returncode == 0, watched.stdout + watched.stderr
+        assert "succeeded" in watched.stdout.splitlines()[-1]
+    one, two = _tokens(out / "one-way"), _tokens(out / "two-way")
+    assert len(one) > 1000 and one == two
+    manifest = json.loads((out / "two-way" / "manifest.json").read_text())
+    assert manifest["num_workers"] == 2 and {s["worker"] for s in manifest["shards"]} == {0, 1}
+    files = [s["file"] for s in manifest["shards"]]
+    assert len(files) == len(set(files))
+    # Job state is in the shared state folder: either server answers for either job.
+    listed = servers[1].cli("harvest", "list")
+    assert first in listed.stdout and second in listed.stdout, listed.stdout
+
+
+def test_a_server_killed_mid_job_resumes_to_the_uninterrupted_dataset(
+    roots: tuple[pathlib.Path, pathlib.Path], servers: list[Server],
+) -> None:
+    data, out = roots
+    reference = _start(servers[1], "--out", "uninterrupted", "--shuffle", "--shuffle-buffer", "2", "--seed", "9")
+    victim = Server(data, out)
+    try:
+        _start(victim, "--out", "killed", "--shuffle", "--shuffle-buffer", "2", "--seed", "9")
+        manifest = out / "killed" / "workers" / "w0000-of-0001.json"
+        deadline = time.monotonic() + LIVENESS
+        while not (manifest.exists() and json.loads(manifest.read_text()).get("tokens_done", 0) > 0):
+            assert time.monotonic() < deadline, "no group committed"
+            time.sleep(0.005)
+        victim.proc.send_signal(signal.SIGKILL)  # mid-job: between any two instructions
+        victim.proc.wait(60)
+        assert not (out / "killed" / "manifest.json").exists(), "the job finished before it could be killed"
+    finally:
+        victim.stop()
+    again = Server(data, out)
+    try:
+        job = _start(again, "--out", "killed", "--shuffle", "--shuffle-buffer", "2", "--seed", "9")
+        watched = _watch(again, job)
+        assert watched.returncode == 0 and "succeeded" in watched.stdout.splitlines()[-1], watched.stdout
+    finally:
+        again.stop()
+    assert _watch(servers[1], reference).returncode == 0
+    a = hookwire.ActivationDataset(out / "uninterrupted")
+    b = hookwire.ActivationDataset(out / "killed")
+    for key in [*a.modules, "token_ids", "sequence", "position"]:  # same tokens, same shuffled order
+        assert torch.equal(a[:][key].view(torch.int16) if a[:][key].dtype == torch.bfloat16 else a[:][key],
+                           b[:][key].view(torch.int16) if b[:][key].dtype == torch.bfloat16 else b[:][key]), key
+
+
+def test_ctrl_c_of_the_cli_leaves_the_job_running_and_cancel_stops_one(
+    servers: list[Server], roots: tuple[pathlib.Path, pathlib.Path],
+) -> None:
+    data, out = roots
+    server = servers[0]
+    follower = subprocess.Popen(
+        [*HOOKWIRE, "harvest", *JOB, "--out", "ctrl-c", "--plain", "--target", server.target],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+    )
+    assert follower.stdout is not None
+    first = follower.stdout.readline()  # the job's first progress line: it is running
+    job_id = first.split()[0]
+    assert job_id.startswith("hv-"), first
+    follower.send_signal(signal.SIGINT)
+    _, err = follower.communicate(timeout=120)
+    assert follower.returncode == 130 and f"hookwire harvest --watch {job_id}" in err and "Traceback" not in err, err
+    watched = _watch(server, job_id)  # it went on without the CLI, to the end
+    assert watched.returncode == 0 and "succeeded" in watched.stdout.splitlines()[-1], watched.stdout
+    assert (out / "ctrl-c" / "manifest.json").exists()
+
+    job = _start(server, "--out", "to-cancel")
+    cancelled = server.cli("harvest", "cancel", job)
+    assert cancelled.returncode == 0 and job in cancelled.stdout, cancelled.stderr
+    final = _watch(server, job)
+    assert "cancelled" in final.stdout.splitlines()[-1] or "succeeded" in final.stdout.splitlines()[-1], final.stdout
+    listed = server.cli("harvest", "list")
+    assert listed.returncode == 0 and job in listed.stdout
+    again = server.cli("harvest", *JOB, "--out", "ctrl-c")
+    assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr.upper().replace(" ", "_") or "finished" in again.stderr, again.stderr
+    bad = server.cli("harvest", "tiny-lm", "--modules", "model.norm", "--data", "../etc/passwd", "--out", "x")
+    assert bad.returncode == 1 and "source.text.path" in bad.stderr, bad.stderr
+    usage = server.cli("harvest", "tiny-lm")
+    assert usage.returncode == 2
