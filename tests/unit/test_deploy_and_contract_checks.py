@@ -55,7 +55,8 @@ def test_yaml_passes_yamllint() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("manifest", ["configmap.yaml", "deployment.yaml", "service.yaml", "secret.example.yaml"])
+@pytest.mark.parametrize("manifest", ["configmap.yaml", "deployment.yaml", "service.yaml", "secret.example.yaml",
+                                      "harvest-pvc.yaml", "harvest-job.yaml"])
 def test_kubernetes_manifests_validate_against_the_schemas(manifest: str) -> None:
     proc = _run([str(BIN / "kubernetes-validate"), "--strict", f"deploy/k8s/{manifest}"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -82,6 +83,25 @@ def test_manifests_fit_together() -> None:
     assert [s["spec"].get("clusterIP") for s in services] == [None, "None"]  # regular + headless
     labels = deployment["spec"]["selector"]["matchLabels"]
     assert all(s["spec"]["selector"] == labels for s in services)
+    # Harvest storage survives pods and is shared by the replicas and the harvest Job.
+    pvc = yaml.safe_load((DEPLOY / "k8s" / "harvest-pvc.yaml").read_text())
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["harvest"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert env["HOOKWIRE_HARVEST_OUTPUT_ROOT"].startswith(mounts["harvest"])
+    assert env["HOOKWIRE_HARVEST_DATA_ROOT"].startswith(mounts["harvest"])
+    job = yaml.safe_load((DEPLOY / "k8s" / "harvest-job.yaml").read_text())
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    command = " ".join(spec["template"]["spec"]["containers"][0]["args"])
+    assert f"--num-workers {spec['completions']}" in command and '"$JOB_COMPLETION_INDEX"' in command
+    assert f"--target {services[0]['metadata']['name']}:50051" in command
+    from hookwire._cli import build_parser
+
+    argv = command.split("exec hookwire ", 1)[1].replace("'", "").replace('"$JOB_COMPLETION_INDEX"', "1").split()
+    parsed = build_parser().parse_args(argv)  # the CLI accepts the Job's command line
+    assert parsed.worker_index == 1 and parsed.num_workers == spec["completions"]
 
 
 def test_configmap_and_compose_config_are_the_same_and_load() -> None:
