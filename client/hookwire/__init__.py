@@ -25,6 +25,7 @@ from ._client import (
 from ._codec import CodecError
 from ._fleet import FleetClient, FleetHookHandle, FleetModel, FleetNotice, connect_fleet
 from ._errors import (
+    AlreadyExistsError,
     CancelledError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -63,6 +64,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationDataset",
+    "AlreadyExistsError",
     "HarvestFailed",
     "HarvestJob",
     "HarvestProgress",

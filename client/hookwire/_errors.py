@@ -49,6 +49,12 @@ class ResourceExhaustedError(HookwireError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class AlreadyExistsError(HookwireError):
+    """What the call would create exists (a finished harvest dataset, a job writing the same output)."""
+
+    code = "ALREADY_EXISTS"
+
+
 class PermissionDeniedError(HookwireError):
     """The caller may not do this."""
 
@@ -97,6 +103,7 @@ _BY_CODE: dict[grpc.StatusCode, type[HookwireError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,

@@ -86,6 +86,8 @@ MIN_WATCH_MS, DEFAULT_WATCH_MS = 50, 500
 STATE_WRITE_SECONDS = 1.0
 #: Batches tokenized ahead of the model (the producer's queue).
 AHEAD = 2
+#: Ended jobs kept in memory (older ones are still found in the state folder).
+KEEP_ENDED = 256
 ENDED = (hv.HARVEST_STATE_SUCCEEDED, hv.HARVEST_STATE_FAILED, hv.HARVEST_STATE_CANCELLED)
 
 
@@ -324,8 +326,11 @@ def _harvest_pass(host: Any, work: _BatchWork) -> _BatchResult:
     p = Pass(work.job_id, "", principal=work.owner, model=host.name)
     p.tap = tap
     inputs: dict[str, Any] = {"input_ids": ids}
-    if takes_attention_mask(host.module):
+    params = forward_parameters(host.module)
+    if "attention_mask" in params:
         inputs["attention_mask"] = mask
+    if "use_cache" in params:
+        inputs["use_cache"] = False  # a KV cache nobody reads: no values change, less memory
     try:
         for record in work.records:
             record.attach()
@@ -426,6 +431,7 @@ class HarvestManager:
             raise
         job = Job(job_id, principal.name, settings)
         self._outputs[key] = job.id
+        self._forget_old_jobs()
         self._jobs[job.id] = job
         job.resumed_tokens = job.tokens_done = writer.tokens_done
         job.shards_written, job.bytes_written = writer.shards_written, writer.bytes_written
@@ -434,6 +440,11 @@ class HarvestManager:
         log.info("harvest %s started on %s into %s (resuming at %d tokens)", job.id, settings.model, settings.output,
                  writer.tokens_done, extra={"model": settings.model})
         return job
+
+    def _forget_old_jobs(self) -> None:
+        ended = [job_id for job_id, job in self._jobs.items() if not job.active]
+        for job_id in ended[:max(0, len(ended) - KEEP_ENDED)]:
+            del self._jobs[job_id]
 
     def _validate(self, request: hv.StartHarvestRequest, host: Any) -> _Settings:
         """Everything about the request that can be checked before the job starts (a
@@ -1013,13 +1024,13 @@ async def _next(items: queue.Queue[Any]) -> Any:
             continue
 
 
-def takes_attention_mask(module: Any) -> bool:
-    """Whether the model's forward takes ``attention_mask`` (transformers models do)."""
+def forward_parameters(module: Any) -> frozenset[str]:
+    """The names the model's forward takes (transformers models take ``attention_mask``
+    and, causal LMs, ``use_cache``)."""
     try:
-        params = inspect.signature(module.forward).parameters
+        return frozenset(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
-        return False
-    return "attention_mask" in params
+        return frozenset()
 
 
 __all__ = ["HarvestConfig", "HarvestManager", "Job", "run_harvest_batch", "settings_from"]

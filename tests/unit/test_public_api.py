@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Copied from client/hookwire/__init__.py, in its order (isort-style: constants first).
 EXPECTED_ALL = [
     "ActivationDataset",
+    "AlreadyExistsError",
     "HarvestFailed",
     "HarvestJob",
     "HarvestProgress",
