@@ -6,6 +6,7 @@ tokenizer built in code) is the same model in every process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
@@ -100,9 +101,35 @@ def _tokens(folder: pathlib.Path) -> dict[tuple[int, int], tuple[Any, ...]]:
 
 
 def _start(server: Server, *extra: str) -> str:
-    started = server.cli("harvest", *JOB, *extra, "--detach")
-    assert started.returncode == 0, started.stderr
-    return started.stdout.strip()
+    """Starts the JOB with the CLI's own argument parsing, through the SDK (a CLI process
+    per call would import torch each time); the CLI itself is exercised below."""
+    from hookwire._cli import build_parser
+
+    ns = build_parser().parse_args(["harvest", *JOB, *extra])
+
+    async def start() -> str:
+        async with hookwire.connect(server.target) as client:
+            job = await client.harvest(
+                ns.words[0], ns.modules, out=ns.out, data=ns.data, length=ns.length, batch_size=ns.batch_size,
+                packing=ns.packing, skip_first=ns.skip_first, shard_tokens=ns.shard_tokens, dtype=ns.dtype,
+                max_tokens=ns.tokens or 0, worker_index=ns.worker_index, num_workers=ns.num_workers,
+            )
+            return job.id
+
+    return asyncio.run(start())
+
+
+def _wait(server: Server, job_id: str) -> str:
+    """The job's final state (followed with WatchHarvest)."""
+    async def wait() -> str:
+        async with hookwire.connect(server.target) as client:
+            last = None
+            async for last in client.harvest_job(job_id).watch(interval=0.05):
+                pass
+            assert last is not None
+            return last.state
+
+    return asyncio.run(wait())
 
 
 def _watch(server: Server, job_id: str) -> subprocess.CompletedProcess[str]:
@@ -116,10 +143,9 @@ def test_a_two_way_split_over_two_server_processes_equals_a_one_way_run(
     whole = _start(servers[0], "--out", "one-way")
     first = _start(servers[0], "--out", "two-way", "--worker-index", "0", "--num-workers", "2")
     second = _start(servers[1], "--out", "two-way", "--worker-index", "1", "--num-workers", "2")
-    for server, job in ((servers[0], whole), (servers[1], second), (servers[0], first)):
-        watched = _watch(server, job)
-        assert watched.returncode == 0, watched.stdout + watched.stderr
-        assert "succeeded" in watched.stdout.splitlines()[-1]
+    assert [_wait(servers[0], whole), _wait(servers[1], second)] == ["succeeded", "succeeded"]
+    watched = _watch(servers[0], first)  # the CLI follows worker 0 to its merge
+    assert watched.returncode == 0 and "succeeded" in watched.stdout.splitlines()[-1], watched.stdout + watched.stderr
     one, two = _tokens(out / "one-way"), _tokens(out / "two-way")
     assert len(one) > 1000 and one == two
     manifest = json.loads((out / "two-way" / "manifest.json").read_text())
@@ -153,8 +179,7 @@ def test_a_server_killed_mid_job_resumes_to_the_uninterrupted_dataset(
     again = Server(data, out)
     try:
         job = _start(again, "--out", "killed")
-        watched = _watch(again, job)
-        assert watched.returncode == 0 and "succeeded" in watched.stdout.splitlines()[-1], watched.stdout
+        assert _wait(again, job) == "succeeded"
     finally:
         again.stop()
     a = hookwire.ActivationDataset(out / "one-way")
@@ -191,8 +216,7 @@ def test_ctrl_c_of_the_cli_leaves_the_job_running_and_cancel_stops_one(
     job = _start(server, "--out", "to-cancel", *split)  # waits for a worker 1 that never comes
     cancelled = server.cli("harvest", "cancel", job)
     assert cancelled.returncode == 0 and job in cancelled.stdout, cancelled.stderr
-    final = _watch(server, job)
-    assert "cancelled" in final.stdout.splitlines()[-1], final.stdout
+    assert _wait(server, job) == "cancelled"
     listed = server.cli("harvest", "list")
     assert listed.returncode == 0 and job in listed.stdout
     again = server.cli("harvest", *JOB, *split, "--out", "ctrl-c")
