@@ -19,8 +19,6 @@ from hookwire_server.model_registry import ModelHost, ModelRegistry
 from hookwire_server.server import ServerSettings
 from support import ServerThread
 
-pytestmark = pytest.mark.asyncio
-
 TOKENS = {name: f"hwt_harvest_{name}" for name in ("viewer", "alice", "bob", "operator")}
 ROLE = {"viewer": "viewer", "alice": "user", "bob": "user", "operator": "operator"}
 LINES = "\n".join(f"{name}:{ROLE[name]}:{hash_token(token)}" for name, token in TOKENS.items())
@@ -56,6 +54,7 @@ def _connect(srv: ServerThread, who: str) -> hookwire.Client:
 OPTIONS = dict(data="docs.jsonl", length=8, batch_size=2, packing="pack")
 
 
+@pytest.mark.asyncio
 async def test_jobs_are_visible_to_their_owner_and_operators_only(secured: ServerThread) -> None:
     async with _connect(secured, "alice") as alice, _connect(secured, "bob") as bob, \
             _connect(secured, "operator") as operator, _connect(secured, "viewer") as viewer:
@@ -74,6 +73,7 @@ async def test_jobs_are_visible_to_their_owner_and_operators_only(secured: Serve
             await viewer.harvest("tiny-lm", "model.norm", out="viewer-run", **OPTIONS)
 
 
+@pytest.mark.asyncio
 async def test_a_principal_runs_at_most_its_quota_of_jobs_at_once(secured: ServerThread) -> None:
     scheduler = secured.server.registry.get("tiny-lm").scheduler
     async with _connect(secured, "bob") as bob, _connect(secured, "alice") as alice:
@@ -91,6 +91,7 @@ async def test_a_principal_runs_at_most_its_quota_of_jobs_at_once(secured: Serve
         assert (await second.wait()).state == "succeeded"
 
 
+@pytest.mark.asyncio
 async def test_url_outputs_need_an_allowed_prefix_and_are_read_back(secured: ServerThread) -> None:
     async with _connect(secured, "alice") as alice:
         with pytest.raises(hookwire.PermissionDeniedError, match="harvest_url_prefixes"):
@@ -102,6 +103,7 @@ async def test_url_outputs_need_an_allowed_prefix_and_are_read_back(secured: Ser
     assert len(ds) == done.tokens_done and ds.modules == ["model.layers.0", "model.layers.1"]
 
 
+@pytest.mark.asyncio
 async def test_the_byte_quota_stops_a_job_and_keeps_what_it_committed(roots: tuple[pathlib.Path, pathlib.Path]) -> None:
     data, out = roots
     srv = ServerThread(_registry(), ServerSettings(
@@ -119,6 +121,7 @@ async def test_the_byte_quota_stops_a_job_and_keeps_what_it_committed(roots: tup
         srv.stop()
 
 
+@pytest.mark.asyncio
 async def test_a_server_without_harvest_storage_says_what_to_do() -> None:
     srv = ServerThread(_registry(), ServerSettings(port=0)).start()
     try:
