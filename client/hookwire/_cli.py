@@ -223,14 +223,50 @@ async def _hooks(ns: argparse.Namespace) -> int:
         return 0
 
 
+def run_interruptible(make: Any) -> Any:
+    """``asyncio.run(make())``, where Ctrl-C (SIGINT) cancels the coroutine at its current
+    await (its ``finally`` blocks and ``async with`` exits run: hooks are removed) and then
+    raises KeyboardInterrupt. Python's own SIGINT handling raises KeyboardInterrupt at
+    whatever bytecode runs, which can be inside gRPC's callbacks (the SDK's message readers
+    run there), where it is swallowed and the command never stops."""
+    async def main() -> Any:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        interrupted = False
+
+        def on_sigint() -> None:
+            nonlocal interrupted
+            interrupted = True
+            task.cancel()
+
+        try:
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such support
+            pass
+        try:
+            return await make()
+        except asyncio.CancelledError:
+            if interrupted:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            try:
+                loop.remove_signal_handler(signal.SIGINT)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
+
+    return asyncio.run(main())
+
+
 def _tap(ns: argparse.Namespace) -> int:
     from ._tap import run_tap
 
     try:
-        return asyncio.run(run_tap(
+        return int(run_interruptible(lambda: run_tap(
             ns.target, ns.model, ns.pattern, options=_client_options(ns), stats=ns.stats, every=ns.every, scope=ns.scope,
             interval=ns.interval, duration=ns.duration, plain=ns.plain or not sys.stdout.isatty(),
-        ))
+        )))
     except KeyboardInterrupt:
         print("tap stopped; its hooks were removed with its session")
         return 0
@@ -321,7 +357,7 @@ async def _harvest(ns: argparse.Namespace) -> int:
                 options["tokenizer"] = ns.tokenizer
             try:
                 result = await client.harvest_local(words[0], ns.modules, out=ns.out, progress=not ns.plain, **options)
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, asyncio.CancelledError):
                 print(f"\nstopped; run the same command again to resume from {ns.out}", file=sys.stderr)
                 return 130
             _print_job(result)
@@ -341,7 +377,7 @@ async def _harvest(ns: argparse.Namespace) -> int:
 
 def _harvest_command(ns: argparse.Namespace) -> int:
     try:
-        return asyncio.run(_harvest(ns))
+        return int(run_interruptible(lambda: _harvest(ns)))
     except KeyboardInterrupt:
         return 130
 
