@@ -31,15 +31,16 @@ there that the running replica honours at its next batch. Nothing here imports g
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
 import logging
 import os
 import pathlib
-import queue
 import secrets
 import threading
 import time
@@ -371,6 +372,10 @@ class HarvestManager:
         self._outputs: dict[tuple[str, int], str] = {}
         self._bytes: dict[str, int] = {}
         self._closing = False
+        #: Blocking harvest work (counting sources, writing shards, manifests): threads of
+        #: its own, so that jobs never take the event loop's default executor from live
+        #: calls (Infer compiles its request hooks there).
+        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="harvest-io")
 
     # ---- starting -------------------------------------------------------------------
 
@@ -398,7 +403,7 @@ class HarvestManager:
                 f"{principal.name!r} has written {self._bytes[principal.name]} bytes of harvest shards, the limit is "
                 f"{quota} (harvest_max_bytes_per_principal)"
             )
-        settings = await asyncio.to_thread(self._validate, request, host)
+        settings = await self._blocking(self._validate, request, host)
         key = (settings.url, settings.worker_index)
         if key in self._outputs:
             raise AlreadyExists(f"output.path: job {self._outputs[key]} is writing {settings.output!r} (worker {key[1]})")
@@ -411,7 +416,7 @@ class HarvestManager:
         self._outputs[key] = "(starting)"
         try:
             try:
-                writer = await asyncio.to_thread(
+                writer = await self._blocking(
                     fmt.DatasetWriter, settings.url, header=header, worker_index=settings.worker_index,
                     num_workers=max(1, settings.num_workers), shard_tokens=settings.shard_tokens,
                     shuffle_buffer_shards=settings.buffer_shards if settings.shuffle else 0,
@@ -440,6 +445,10 @@ class HarvestManager:
         log.info("harvest %s started on %s into %s (resuming at %d tokens)", job.id, settings.model, settings.output,
                  writer.tokens_done, extra={"model": settings.model})
         return job
+
+    async def _blocking(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the harvest threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._io, functools.partial(fn, *args, **kwargs))
 
     def _forget_old_jobs(self) -> None:
         ended = [job_id for job_id, job in self._jobs.items() if not job.active]
@@ -632,13 +641,13 @@ class HarvestManager:
     ) -> None:
         s = job.settings
         stop = threading.Event()
-        writes = _Writer(job.id)
+        writes = _Writer(self._io)
         try:
-            plan = await asyncio.to_thread(self._plan, job, host)
+            plan = await self._blocking(self._plan, job, host)
             mine = plan.worker_batches(s.worker_index, s.num_workers)
             job.batches_total = len(mine)
             job.tokens_total = plan.worker_tokens(s.worker_index, s.num_workers)
-            await asyncio.to_thread(writer.set_batches_total, len(mine))
+            await self._blocking(writer.set_batches_total, len(mine))
             skip = min(writer.resume_batches, len(mine))
             job.batches_done = skip
             job.state = hv.HARVEST_STATE_RUNNING
@@ -646,7 +655,7 @@ class HarvestManager:
             job.changed()
             self._save_state(job)
             wanted = set(mine[skip:])
-            batches: queue.Queue[Any] = queue.Queue(maxsize=AHEAD)
+            batches = _Handoff(asyncio.get_running_loop(), AHEAD, stop)
             producer = threading.Thread(
                 target=self._produce, args=(job, host, wanted, plan.num_batches, batches, stop),
                 name=f"harvest-tokens:{job.id}", daemon=True,
@@ -655,7 +664,7 @@ class HarvestManager:
             rate = _Rate()
             last_saved = 0.0
             while True:
-                item = await _next(batches)
+                item = await batches.get()
                 if item is None:
                     break
                 if isinstance(item, BaseException):
@@ -680,12 +689,12 @@ class HarvestManager:
                     last_saved = now
                     self._save_state(job)
             await writes.wait()
-            await asyncio.to_thread(writer.finish)
+            await self._blocking(writer.finish)
             self._account(job, writer)
             if s.worker_index == 0:
                 job.changed()
                 self._save_state(job)
-                while not await asyncio.to_thread(writer.merge):
+                while not await self._blocking(writer.merge):
                     self._check_cancel(job)
                     await asyncio.sleep(self.config.merge_poll_seconds)
                 job.committed = True
@@ -764,19 +773,11 @@ class HarvestManager:
         return plan
 
     def _produce(
-        self, job: Job, host: Any, wanted: set[int], num_batches: int, out: queue.Queue[Any], stop: threading.Event,
+        self, job: Job, host: Any, wanted: set[int], num_batches: int, out: _Handoff, stop: threading.Event,
     ) -> None:
-        """Tokenizes the source again on a thread of its own and queues this worker's
+        """Tokenizes the source again on a thread of its own and hands over this worker's
         batches that are still to do (then None; an exception if it fails)."""
-        def put(item: Any) -> bool:
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=0.2)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
+        put = out.put
         try:
             tokenizer = copy.deepcopy(host.tokenizer) if job.settings.text is not None else None
             for batch in self._batches(job, host, tokenizer):
@@ -876,6 +877,7 @@ class HarvestManager:
                 tasks.append(job.task)
         if tasks:
             await asyncio.wait(tasks, timeout=max(0.01, timeout))
+        self._io.shutdown(wait=False, cancel_futures=True)
 
     # ---- the shared state folder ----------------------------------------------------
 
@@ -985,14 +987,14 @@ class _Rate:
 
 
 class _Writer:
-    """At most one batch being stored, on a thread, while the model runs the next."""
+    """At most one batch being stored, on a harvest thread, while the model runs the next."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    def __init__(self, executor: concurrent.futures.Executor) -> None:
+        self._executor = executor
         self._future: asyncio.Future[Any] | None = None
 
     def start(self, writer: fmt.DatasetWriter, result: _BatchResult) -> None:
-        self._future = asyncio.ensure_future(asyncio.to_thread(
+        self._future = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(
             writer.add, result.values, result.token_ids, result.sequence, result.position,
         ))
 
@@ -1014,14 +1016,33 @@ def settings_from(
     )
 
 
-async def _next(items: queue.Queue[Any]) -> Any:
-    """The producer's next item, waited for on a thread in short waits: a cancelled job
-    never leaves a thread blocked on the queue (the loop's executor is joined at exit)."""
-    while True:
-        try:
-            return await asyncio.to_thread(items.get, True, 0.5)
-        except queue.Empty:
-            continue
+class _Handoff:
+    """Batches from the producer thread to the job on the event loop, at most ``ahead``
+    at a time: the producer blocks on a semaphore (checking ``stop``), the job awaits an
+    asyncio queue. No executor thread sits waiting for the next batch."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, ahead: int, stop: threading.Event) -> None:
+        self._loop = loop
+        self._items: asyncio.Queue[Any] = asyncio.Queue()
+        self._room = threading.Semaphore(ahead)
+        self._stop = stop
+
+    def put(self, item: Any) -> bool:
+        """Producer thread: hands ``item`` over once there is room; False when the job stopped."""
+        while not self._stop.is_set():
+            if self._room.acquire(timeout=0.2):
+                try:
+                    self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+                except RuntimeError:  # the loop is closed: nobody takes it
+                    return False
+                return True
+        return False
+
+    async def get(self) -> Any:
+        """Event loop: the next item."""
+        item = await self._items.get()
+        self._room.release()
+        return item
 
 
 def forward_parameters(module: Any) -> frozenset[str]:
