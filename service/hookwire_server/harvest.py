@@ -642,6 +642,7 @@ class HarvestManager:
         s = job.settings
         stop = threading.Event()
         writes = _Writer(self._io)
+        final = (hv.HARVEST_STATE_FAILED, "the job stopped without a reason")
         try:
             plan = await self._blocking(self._plan, job, host)
             mine = plan.worker_batches(s.worker_index, s.num_workers)
@@ -698,31 +699,31 @@ class HarvestManager:
                     self._check_cancel(job)
                     await asyncio.sleep(self.config.merge_poll_seconds)
                 job.committed = True
-            job.state = hv.HARVEST_STATE_SUCCEEDED
+            final = (hv.HARVEST_STATE_SUCCEEDED, "")
             log.info("harvest %s done: %d tokens, %d shards", job.id, job.tokens_done, job.shards_written)
-        except asyncio.CancelledError:
-            job.state = hv.HARVEST_STATE_CANCELLED
-            job.error = job.cancel_reason or "cancelled"
-        except _Cancelled:
-            job.state = hv.HARVEST_STATE_CANCELLED
-            job.error = job.cancel_reason or "cancelled"
+        except (asyncio.CancelledError, _Cancelled):
+            final = (hv.HARVEST_STATE_CANCELLED, job.cancel_reason or "cancelled")
         except HookwireServerError as exc:
-            job.state = hv.HARVEST_STATE_FAILED
-            job.error = str(exc)
+            final = (hv.HARVEST_STATE_FAILED, str(exc))
         except Exception as exc:
             log.exception("harvest %s failed", job.id)
-            job.state = hv.HARVEST_STATE_FAILED
-            job.error = f"{type(exc).__name__}: {exc}"
+            final = (hv.HARVEST_STATE_FAILED, f"{type(exc).__name__}: {exc}")
         finally:
+            # The job ends (its state turns final) only once its writes are done and its
+            # output is free: a client that sees it end can start it again at once.
             stop.set()
             try:
                 await asyncio.shield(writes.wait())  # what was handed over is written (or failed)
             except BaseException:
                 pass
-            self._account(job, writer)
+            try:
+                self._account(job, writer)
+            except ResourceExhausted:  # the job is over either way; the quota stops the next one
+                pass
+            self._outputs.pop((s.url, s.worker_index), None)
             job.ended = time.time()
             job.rate = 0.0
-            self._outputs.pop((s.url, s.worker_index), None)
+            job.state, job.error = final
             job.changed()
             self._save_state(job)
 
