@@ -42,19 +42,8 @@ class CaptureOptions:
     @classmethod
     def compile(cls, action: hook_pb2.HookAction, field: str) -> CaptureOptions:
         """Validated options of a HookAction; InvalidArgument naming the field."""
-        select = None
-        if action.select:
-            try:
-                select = parse_selection(action.select)
-            except SelectionError as exc:
-                raise InvalidArgument(f"{field}.select: {exc}") from None
-        cast = None
-        if action.cast:
-            cast = _CASTS.get(action.cast)
-            if cast is None:
-                raise InvalidArgument(
-                    f"{field}.cast: {_codec.dtype_name(action.cast)} is not one of DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_FLOAT32"
-                )
+        select = compile_select(action.select, f"{field}.select")
+        cast = compile_cast(action.cast, f"{field}.cast")
         bins = None
         if action.HasField("summarize"):
             bins = action.summarize.histogram_bins
@@ -77,6 +66,29 @@ class CaptureOptions:
         if isinstance(value, Mapping):
             return {k: self.prepare(v) for k, v in value.items()}
         return value
+
+
+def compile_select(text: str, field: str) -> Index | None:
+    """A selection's index, or None for none; InvalidArgument naming ``field``."""
+    if not text:
+        return None
+    try:
+        return parse_selection(text)
+    except SelectionError as exc:
+        raise InvalidArgument(f"{field}: {exc}") from None
+
+
+def compile_cast(dtype: int, field: str) -> torch.dtype | None:
+    """The floating dtype captures are cast to, or None to keep theirs; InvalidArgument
+    naming ``field`` for a dtype that is not a float cast."""
+    if not dtype:
+        return None
+    cast = _CASTS.get(dtype)  # type: ignore[call-overload]
+    if cast is None:
+        raise InvalidArgument(
+            f"{field}: {_codec.dtype_name(dtype)} is not one of DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_FLOAT32"
+        )
+    return cast
 
 
 def summarize(t: torch.Tensor, bins: int = 0) -> tensor_pb2.TensorSummary:

@@ -60,7 +60,7 @@ from hookwire.v1 import hook_pb2
 
 from . import batching
 from .auth import MINIMUM_ROLE, Principal
-from .capture import _CASTS
+from .capture import compile_cast, compile_select
 from .errors import (
     AlreadyExists, FailedPrecondition, HookwireServerError, InvalidArgument, NotFound, PermissionDenied,
     ResourceExhausted, Unavailable,
@@ -68,7 +68,7 @@ from .errors import (
 from .hook_record import HookRecord
 from .passes import Pass
 from .scheduler import Work
-from .selection import Index, SelectionError, parse_selection
+from .selection import Index
 
 log = logging.getLogger("hookwire.harvest")
 
@@ -476,19 +476,8 @@ class HarvestManager:
         part = request.part or hook_pb2.PART_OUTPUT
         if part not in (hook_pb2.PART_OUTPUT, hook_pb2.PART_ARGS):
             raise InvalidArgument(f"part: {part} is not PART_OUTPUT or PART_ARGS")
-        select = None
-        if request.select:
-            try:
-                select = parse_selection(request.select)
-            except SelectionError as exc:
-                raise InvalidArgument(f"select: {exc}") from None
-        cast = None
-        if request.dtype:
-            cast = _CASTS.get(request.dtype)
-            if cast is None:
-                raise InvalidArgument(
-                    f"dtype: {_codec.dtype_name(request.dtype)} is not one of DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_FLOAT32"
-                )
+        select = compile_select(request.select, "select")
+        cast = compile_cast(request.dtype, "dtype")
         for i, spec in enumerate(request.rules):
             if spec.model and spec.model != host.name:
                 raise InvalidArgument(f"rules[{i}].model: {spec.model!r} is not the job's model {host.name!r}")
