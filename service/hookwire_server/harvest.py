@@ -816,13 +816,19 @@ class HarvestManager:
                 await asyncio.sleep(max(interval, STATE_WRITE_SECONDS))
                 found = self._load_state(job_id) or found
         job = found
+        # The stream ends after the message that shows the job ended, never on the job's
+        # own state: a job may end while a message is being sent, and that message (taken
+        # before) would then be the stream's last, showing it running.
         version = job.version
-        yield job.to_proto()
-        while job.active:
-            version = await job.next_change(version)
+        msg = job.to_proto()
+        yield msg
+        while msg.state not in ENDED:
+            await job.next_change(version)
             if job.active:
                 await asyncio.sleep(interval)  # changes meanwhile are folded into one message
-            yield job.to_proto()
+            version = job.version
+            msg = job.to_proto()
+            yield msg
 
     async def cancel(self, job_id: str, principal: Principal) -> hv.HarvestJob:
         """Cancels the job (it stops after its current batch) and returns its state."""
