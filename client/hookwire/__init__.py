@@ -8,6 +8,9 @@
                 ...
         generation = await client.model("tiny-lm").generate("Once upon a time", 16)
 
+    with hookwire.connect_sync("127.0.0.1:50051") as client:   # blocking: scripts, notebooks
+        out, cache = client.model("tiny-transformer").run_with_cache(input_ids, modules="encoder.layers.*")
+
 This package only re-exports; the code lives in private modules.
 """
 
@@ -22,6 +25,7 @@ from ._client import (
     Subscription,
     connect,
 )
+from ._cache import ActivationCache
 from ._codec import CodecError
 from ._fleet import FleetClient, FleetHookHandle, FleetModel, FleetNotice, connect_fleet
 from ._errors import (
@@ -43,6 +47,16 @@ from . import rules
 from .dataset import ActivationDataset
 from ._harvest import HarvestFailed, HarvestJob, HarvestProgress
 from ._generation import GenerateStream
+from ._sync import (
+    SyncClient,
+    SyncGenerateStream,
+    SyncHarvestJob,
+    SyncHookHandle,
+    SyncIterator,
+    SyncModel,
+    SyncSubscription,
+    connect_sync,
+)
 from ._specs import Backward, HookAction, HookSpec, Sampling, StepRange, capture, edit
 from ._types import (
     GeneratedTokens,
@@ -63,6 +77,7 @@ from ._types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationCache",
     "ActivationDataset",
     "AlreadyExistsError",
     "HarvestFailed",
@@ -107,6 +122,13 @@ __all__ = [
     "SlotInfo",
     "StepRange",
     "Subscription",
+    "SyncClient",
+    "SyncGenerateStream",
+    "SyncHarvestJob",
+    "SyncHookHandle",
+    "SyncIterator",
+    "SyncModel",
+    "SyncSubscription",
     "TensorSummary",
     "Tokenized",
     "UnauthenticatedError",
@@ -115,6 +137,7 @@ __all__ = [
     "capture",
     "connect",
     "connect_fleet",
+    "connect_sync",
     "edit",
     "rules",
 ]

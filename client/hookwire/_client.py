@@ -25,8 +25,10 @@ from . import _harvest
 from ._generation import GenerateStream, generate_request
 from ._harvest import HarvestJob, HarvestProgress
 from ._session import CallEnded, EndedCalls, EventRouter, kind_of, pump, stream_items, uncut
+from ._cache import ActivationCache, cache_hooks
 from ._specs import (
-    ActionLike, Backward, HookSpec, HookSpecLike, OnErrorName, Sampling, ScopeName, StepsLike, spec_proto,
+    ActionLike, Backward, CastName, HookSpec, HookSpecLike, OnErrorName, PartName, Sampling, ScopeName, StepsLike,
+    spec_proto,
 )
 from ._types import HookInfo, InferResult, InterceptEvent, ModelInfo, Notice, SlotInfo, Tokenized
 from .v1 import (
@@ -387,6 +389,16 @@ class Client:
         self._open()
         return self
 
+    def __enter__(self) -> Client:
+        raise TypeError(
+            "hookwire.connect() is the async client: use `async with hookwire.connect(...) as client:` "
+            "(top-level await works in a Jupyter notebook), or `with hookwire.connect_sync(...) as client:` "
+            "for blocking calls"
+        )
+
+    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ always raises
+        pass
+
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
@@ -606,7 +618,7 @@ class HookHandle:
         """The module paths the pattern resolved to."""
         return self.info.modules
 
-    def events(self, *, until: CallRef | None = None) -> AsyncIterator[InterceptEvent]:
+    def events(self, *, until: CallRef | None = None, timeout: float | None = None) -> AsyncIterator[InterceptEvent]:
         """The hook's events, in firing order, as they arrive.
 
         Waits for each event; ends after the hook is removed (every event fired
@@ -632,20 +644,26 @@ class HookHandle:
         session (subscribe with ``client.subscribe`` before the call, and use
         ``Subscription.events(until=...)``: a subscription started later could
         miss the marker).
+
+        ``timeout`` (seconds) also ends the iteration, quietly, once no event has
+        arrived for that long: a way out for a hook whose events may never come
+        (sampled away, another caller's calls). It is an idle limit, not a limit on
+        the whole iteration; events that come later stay queued for the next one.
         """
         request_id = None if until is None else request_id_of(until)
+        _check_timeout(timeout)
         if self._router is None:
             if request_id is not None:
                 raise ValueError(
                     "events(until=...) needs a session hook; for a hook without a session, start "
                     "client.subscribe([hook.id]) before the call and iterate sub.events(until=call)"
                 )
-            return self._subscribed_events()
-        return self._router.events(self.id, until=request_id)
+            return self._subscribed_events(timeout)
+        return self._router.events(self.id, until=request_id, timeout=timeout)
 
-    async def _subscribed_events(self) -> AsyncIterator[InterceptEvent]:
+    async def _subscribed_events(self, timeout: float | None) -> AsyncIterator[InterceptEvent]:
         async with self._client.subscribe([self.id]) as sub:  # ends when iteration does
-            async for event in sub:
+            async for event in sub.events(timeout=timeout):
                 yield event
 
     async def remove(self) -> bool:
@@ -697,6 +715,7 @@ class Subscription:
         self._items: AsyncIterator[Any] | None = None
         self._calls = EndedCalls()
         self._read = 0
+        self._next: asyncio.Future[Any] | None = None
         #: Notices received so far (drops, removed or disabled hooks).
         self.notices: list[Notice] = []
 
@@ -722,6 +741,9 @@ class Subscription:
 
     async def aclose(self) -> None:
         """Ends the subscription."""
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
         if self._call is not None:
             self._call.cancel()
 
@@ -729,7 +751,7 @@ class Subscription:
         """Events of the subscribed hooks; ends when all of them are removed."""
         return self.events()
 
-    async def events(self, *, until: CallRef | None = None) -> AsyncIterator[InterceptEvent]:
+    async def events(self, *, until: CallRef | None = None, timeout: float | None = None) -> AsyncIterator[InterceptEvent]:
         """Events of the subscribed hooks, in arrival order; ends when all of them are
         removed. Starts the subscription if needed (see ``start``).
 
@@ -739,14 +761,30 @@ class Subscription:
         marker. Only calls that had events on this stream are marked (see
         HookHandle.events), and only calls that ran after ``start()``: start the
         subscription before the call.
+
+        ``timeout`` (seconds) also ends it once nothing has arrived for that long (see
+        HookHandle.events); what arrives later is kept for the next iteration.
         """
         request_id = None if until is None else request_id_of(until)
+        _check_timeout(timeout)
         await self.start()
         assert self._items is not None
         if request_id is not None and self._calls.position(request_id) is not None:
             return
         try:
-            async for item in self._items:
+            while True:
+                item: Any
+                if timeout is None and self._next is None:
+                    item = await anext(self._items, _END)
+                else:
+                    if self._next is None:  # a read in flight, kept across timeouts and iterations
+                        self._next = asyncio.ensure_future(anext(self._items, _END))
+                    done, _ = await asyncio.wait((self._next,), timeout=timeout)
+                    if not done:
+                        return
+                    item, self._next = self._next.result(), None
+                if item is _END:
+                    return
                 self._read += 1
                 if isinstance(item, CallEnded):
                     self._calls.add(item.request_id, self._read)
@@ -759,6 +797,14 @@ class Subscription:
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 raise from_rpc_error(exc) from None
+
+
+_END = object()
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0 (or None: no limit), not {timeout!r}")
 
 
 def _cut_result(reply: CutReply) -> InferResult:
@@ -842,6 +888,50 @@ class RemoteModel:
         result, reply_bytes = await self._infer_stream(request, chunker)
         sizes.note(kind, reply_bytes)
         return result
+
+    async def run_with_cache(
+        self,
+        *args: Any,
+        modules: str | Sequence[str] = "**",
+        parts: PartName | Sequence[PartName] = "output",
+        select: str = "",
+        cast: CastName | None = None,
+        hooks: Sequence[HookSpecLike] = (),
+        backward: Backward | None = None,
+        mode: str = "eval",
+        seed: int | None = None,
+        use_session: bool = True,
+        kwargs: Mapping[str, Any] | None = None,
+        **model_kwargs: Any,
+    ) -> tuple[Any, ActivationCache]:
+        """Runs the model once and returns its output and what every matched module saw,
+        as TransformerLens' ``run_with_cache`` does::
+
+            out, cache = await model.run_with_cache(ids, attention_mask=mask, modules="encoder.layer.*")
+            cache["encoder.layer.3"]                  # [batch, seq, hidden]
+            cache.stack("encoder.layer.*")            # [layers, batch, seq, hidden]
+
+        ``modules``: a path or glob (or several) as hooks take them; the default ``"**"``
+        is every module. ``parts``: "output" (the default), "args", "kwargs", and with a
+        ``backward`` pass "grad_input" / "grad_output". ``select`` and ``cast`` reduce
+        every captured tensor on the server first (``select="[:, -1]"`` keeps the last
+        position, ``cast="bfloat16"`` halves the bytes). The captures are request-scoped
+        hooks of this one call (``hooks`` are added before them: rules there steer what
+        is cached); the rest is as ``infer``. Keys: see ActivationCache.
+
+        Blocks until the call and its captures are in (one reply: large captures stream
+        in chunks, each copied once into its tensor, so the client holds about one copy
+        of the data; see docs/sdk.md). Raises ValueError for bad ``modules`` / ``parts``
+        (before anything is sent), and what ``infer`` raises: NotFoundError when a
+        pattern matches no module, InvalidArgumentError for bad inputs or a select that
+        does not apply, ResourceExhaustedError past the server's limits.
+        """
+        cached = cache_hooks(modules, parts, select=select, cast=cast, backward=backward is not None)
+        result = await self.infer(
+            *args, hooks=[*hooks, *cached], backward=backward, mode=mode, seed=seed, use_session=use_session,
+            kwargs=kwargs, **model_kwargs,
+        )
+        return result.output, ActivationCache.from_result(result, parts)
 
     async def _infer_stream(
         self, request: model_service_pb2.InferRequest, chunker: _codec.Chunker,

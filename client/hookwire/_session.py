@@ -253,10 +253,13 @@ class EventRouter:
         for inbox in self._inboxes.values():
             inbox.wake()
 
-    async def events(self, hook_id: str, until: str | None = None) -> AsyncIterator[InterceptEvent]:
+    async def events(
+        self, hook_id: str, until: str | None = None, timeout: float | None = None,
+    ) -> AsyncIterator[InterceptEvent]:
         """The hook's events in arrival order, until it is removed or the stream ends;
         with ``until`` (a request id), until that call's end marker has arrived and every
-        event of the hook that came before it has been read."""
+        event of the hook that came before it has been read; with ``timeout``, also once
+        nothing has arrived for that many seconds."""
         inbox = self._inbox(hook_id)
         while True:
             end = None if until is None else self.calls.position(until)
@@ -273,7 +276,13 @@ class EventRouter:
             if hook_id in self._ended:
                 self._inboxes.pop(hook_id, None)  # removed for good: free its inbox
                 return
-            await inbox.wait()
+            if timeout is None:
+                await inbox.wait()
+                continue
+            try:
+                await asyncio.wait_for(inbox.wait(), timeout)
+            except TimeoutError:  # wait() holds nothing: cancelling it loses no event
+                return
 
 
 async def pump(call: grpc.aio.UnaryStreamCall, router: EventRouter) -> None:

@@ -1,0 +1,421 @@
+"""The synchronous client: the async client's surface with blocking calls, context
+managers and iterators, for scripts and notebooks::
+
+    with hookwire.connect_sync("127.0.0.1:50051") as client:
+        model = client.model("tiny-transformer")
+        out, cache = model.run_with_cache(ids, modules="encoder.layers.*")
+        with model.hook("encoder.layers.0", posthook=hookwire.capture("output")) as hook:
+            result = model.infer(ids)
+            for event in hook.events(until=result):
+                ...
+
+One implementation: every call runs the async client's own coroutine on an event loop
+that this client keeps on a thread of its own, and the calling thread waits for it. So
+it works the same in a plain script and inside a running event loop (a Jupyter kernel,
+whose loop stays untouched), and objects the async client returns (HookHandle,
+Subscription, GenerateStream, HarvestJob) come back wrapped so that their methods block
+too. ``.aio`` on each object is the async one underneath.
+
+Ctrl-C (KeyboardInterrupt) while a call blocks cancels that call on the loop, as
+cancelling its task would in async code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+from ._client import Client, ConnectOptions, DEFAULT_TARGET, HookHandle, RemoteModel, Subscription, connect
+from ._generation import GenerateStream
+from ._harvest import HarvestJob, HarvestProgress
+from ._specs import HookSpec
+from ._types import GenerateResult, HookInfo, InterceptEvent
+
+T = TypeVar("T")
+
+
+class _Loop:
+    """An event loop running on a daemon thread of its own; ``run`` waits for a coroutine on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="hookwire-sync", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs ``coro`` on the loop and blocks until it is done; its result or exception.
+        A KeyboardInterrupt (or any exception) in the waiting thread cancels it."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a synchronous hookwire call was made from its own event loop (a callback?)")
+        if self.loop.is_closed():
+            coro.close()
+            raise RuntimeError("this hookwire client is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # no-op when it finished; else (Ctrl-C) the call is cancelled on the loop
+            raise
+
+    def close(self) -> None:
+        """Cancels what still runs on the loop (streams left open), then stops the loop
+        and its thread. Idempotent."""
+        if self.loop.is_closed():
+            return
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            asyncio.run_coroutine_threadsafe(_drain(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+async def _drain() -> None:
+    """Cancels the loop's other tasks and waits for them, so that gRPC's calls end
+    cleanly instead of being destroyed pending when the loop stops."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
+
+
+def _blocking(method: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
+    """A blocking method calling the async ``method`` on the wrapped object (``self.aio``)
+    on the client's loop. The docstring and signature are the async method's."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> T:
+        return self._loop.run(method(self.aio, *args, **kwargs))
+
+    return call
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _like(method: Callable[..., Any]) -> Callable[[F], F]:
+    """Gives a wrapper the async method's docstring (what it does, sends and raises)."""
+
+    def give(fn: F) -> F:
+        fn.__doc__ = method.__doc__
+        return fn
+
+    return give
+
+
+class SyncIterator(Iterator[T]):
+    """An async iterator of the client, iterated from synchronous code: each ``next``
+    blocks until the next item arrives. ``close()`` (or leaving ``with``) ends it early."""
+
+    def __init__(self, loop: _Loop, items: AsyncIterator[T]) -> None:
+        self._loop = loop
+        self._items = items
+        self._done = False
+
+    def __iter__(self) -> SyncIterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        try:
+            return self._loop.run(_anext(self._items))
+        except StopAsyncIteration:
+            self._done = True
+            raise StopIteration from None
+
+    def close(self) -> None:
+        """Ends the iteration (runs the async generator's cleanup). Idempotent."""
+        if not self._done:
+            self._done = True
+            aclose = getattr(self._items, "aclose", None)
+            if aclose is not None and not self._loop.loop.is_closed():
+                self._loop.run(aclose())
+
+    def __enter__(self) -> SyncIterator[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _anext(items: AsyncIterator[T]) -> T:
+    return await items.__anext__()
+
+
+def connect_sync(target: str = DEFAULT_TARGET, *, options: ConnectOptions | None = None) -> SyncClient:
+    """A blocking client for the server at ``target`` (see ``hookwire.connect`` for
+    targets and options). Starts the client's own event-loop thread; nothing is sent
+    until the first call. Use it as ``with connect_sync(...) as client:``, or call
+    ``client.close()`` when done (the thread is a daemon: a forgotten client does not
+    keep the process alive). Raises ValueError for a target it cannot read."""
+    return SyncClient(connect(target, options=options))
+
+
+class SyncClient:
+    """``hookwire.connect_sync(...)``: the async Client with every call blocking.
+
+    Methods have the async client's names, arguments, docstrings and errors; they
+    return once the server answered. Closing ends the session (its hooks are removed)
+    and stops the client's loop thread.
+    """
+
+    def __init__(self, client: Client) -> None:
+        #: The async client underneath (its coroutines must run on ``loop``).
+        self.aio = client
+        self._loop = _Loop()
+        self._closer = weakref.finalize(self, self._loop.close)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the async client runs on (a thread of this client's own)."""
+        return self._loop.loop
+
+    @property
+    def target(self) -> str:
+        """The address dialled."""
+        return self.aio.target
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs a coroutine of the async API on this client's loop and waits for it:
+        ``client.run(client.aio.some_call(...))``, for what has no blocking wrapper."""
+        return self._loop.run(coro)
+
+    def close(self) -> None:
+        """Ends the session, closes the channel and stops the loop thread. Idempotent."""
+        if not self._loop.loop.is_closed():
+            try:
+                self._loop.run(self.aio.close())
+            finally:
+                self._closer()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    list_models = _blocking(Client.list_models)
+    wait_ready = _blocking(Client.wait_ready)
+    list_hooks = _blocking(Client.list_hooks)
+    deregister_hook = _blocking(Client.deregister_hook)
+    get_slot = _blocking(Client.get_slot)
+    list_slots = _blocking(Client.list_slots)
+    harvests = _blocking(Client.harvests)
+    harvest_local = _blocking(Client.harvest_local)
+
+    @property
+    def session_id(self) -> str:
+        """The open session's id, or "" before one is opened."""
+        return self.aio.session_id
+
+    def model(self, name: str) -> SyncModel:
+        """A handle on a hosted model; nothing is sent until it is used."""
+        return SyncModel(self, self.aio.model(name))
+
+    @_like(Client.register_hook)
+    def register_hook(self, spec: HookSpec, *, model: str = "") -> SyncHookHandle:
+        return SyncHookHandle(self, self._loop.run(self.aio.register_hook(spec, model=model)))
+
+    @_like(Client.subscribe)
+    def subscribe(self, hook_ids: Sequence[str], **options: Any) -> SyncSubscription:
+        return SyncSubscription(self, self.aio.subscribe(hook_ids, **options))
+
+    @_like(Client.harvest)
+    def harvest(self, model: str, modules: Sequence[str] | str, *, out: str, **options: Any) -> SyncHarvestJob:
+        return SyncHarvestJob(self, self._loop.run(self.aio.harvest(model, modules, out=out, **options)))
+
+    def harvest_job(self, job_id: str) -> SyncHarvestJob:
+        """A handle on an existing harvest job (nothing is sent until it is used)."""
+        return SyncHarvestJob(self, self.aio.harvest_job(job_id))
+
+
+class SyncModel:
+    """A hosted model with blocking calls: ``out = model(x, attention_mask=m)``."""
+
+    def __init__(self, client: SyncClient, model: RemoteModel) -> None:
+        self._client = client
+        self._loop = client._loop
+        #: The async RemoteModel underneath.
+        self.aio = model
+
+    @property
+    def name(self) -> str:
+        return self.aio.name
+
+    def __repr__(self) -> str:
+        return f"SyncModel({self.name!r})"
+
+    info = _blocking(RemoteModel.info)
+    infer = _blocking(RemoteModel.infer)
+    tokenize = _blocking(RemoteModel.tokenize)
+    run_with_cache = _blocking(RemoteModel.run_with_cache)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs forward in eval mode and returns the output; the session's hooks fire. Blocks."""
+        return self._loop.run(self.aio(*args, **kwargs))
+
+    @_like(RemoteModel.generate)
+    def generate(self, *args: Any, **kwargs: Any) -> SyncGenerateStream:
+        return SyncGenerateStream(self._client, self.aio.generate(*args, **kwargs))
+
+    @_like(RemoteModel.hook)
+    def hook(self, module: str, **options: Any) -> SyncHookHandle:
+        # Registered at once (blocking), unlike the async PendingHook: the handle is also
+        # a context manager, so `with model.hook(...) as h:` removes it on exit.
+        return SyncHookHandle(self._client, self._loop.run(self.aio.hook(module, **options).__aenter__()))
+
+
+class SyncHookHandle:
+    """A registered hook (blocking). ``with`` removes it on exit; ``remove()`` is idempotent."""
+
+    def __init__(self, client: SyncClient, handle: HookHandle) -> None:
+        self._loop = client._loop
+        #: The async HookHandle underneath.
+        self.aio = handle
+
+    @property
+    def id(self) -> str:
+        """The server's hook id."""
+        return self.aio.id
+
+    @property
+    def info(self) -> HookInfo:
+        return self.aio.info
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The module paths the pattern resolved to."""
+        return self.aio.modules
+
+    def __repr__(self) -> str:
+        return f"SyncHookHandle({self.id!r}, modules={len(self.modules)})"
+
+    @_like(HookHandle.events)
+    def events(self, **options: Any) -> SyncIterator[InterceptEvent]:
+        return SyncIterator(self._loop, self.aio.events(**options))
+
+    remove = _blocking(HookHandle.remove)
+
+    def __enter__(self) -> SyncHookHandle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.remove()
+
+
+class SyncSubscription:
+    """A Subscribe stream (blocking): ``with client.subscribe(ids) as sub: for e in sub: ...``."""
+
+    def __init__(self, client: SyncClient, subscription: Subscription) -> None:
+        self._loop = client._loop
+        #: The async Subscription underneath.
+        self.aio = subscription
+
+    @property
+    def notices(self) -> list[Any]:
+        """Notices received so far (drops, removed or disabled hooks)."""
+        return self.aio.notices
+
+    start = _blocking(Subscription.start)
+    close = _blocking(Subscription.aclose)
+
+    @_like(Subscription.events)
+    def events(self, **options: Any) -> SyncIterator[InterceptEvent]:
+        return SyncIterator(self._loop, self.aio.events(**options))
+
+    def __iter__(self) -> Iterator[InterceptEvent]:
+        return self.events()
+
+    def __enter__(self) -> SyncSubscription:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SyncGenerateStream:
+    """A Generate call (blocking): iterate it for the items as they happen, or call
+    ``result()``; see GenerateStream for what it yields, raises and cancels. Leaving
+    ``with`` (or ``close()``) cancels the call if it is still running."""
+
+    def __init__(self, client: SyncClient, stream: GenerateStream) -> None:
+        self._loop = client._loop
+        #: The async GenerateStream underneath.
+        self.aio = stream
+
+    def __iter__(self) -> Iterator[Any]:
+        return SyncIterator(self._loop, self.aio.__aiter__())
+
+    @property
+    def request_id(self) -> str:
+        return self.aio.request_id
+
+    @property
+    def done(self) -> bool:
+        return self.aio.done
+
+    def start(self) -> SyncGenerateStream:
+        """Sends the request and waits until the server has started the call."""
+        self._loop.run(self.aio.start())
+        return self
+
+    def result(self) -> GenerateResult:
+        """Reads what was not read yet and returns the GenerateResult. Blocks."""
+        return self._loop.run(self.aio.result())
+
+    def cancel(self) -> None:
+        """Cancels the call (the server stops at the next step boundary)."""
+        self._loop.loop.call_soon_threadsafe(self.aio.cancel)
+
+    close = _blocking(GenerateStream.aclose)
+
+    def __enter__(self) -> SyncGenerateStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SyncHarvestJob:
+    """A handle on a server-side harvest job (blocking); see HarvestJob."""
+
+    def __init__(self, client: SyncClient, job: HarvestJob) -> None:
+        self._loop = client._loop
+        #: The async HarvestJob underneath.
+        self.aio = job
+
+    @property
+    def id(self) -> str:
+        return self.aio.id
+
+    @property
+    def last(self) -> HarvestProgress | None:
+        """The last state seen."""
+        return self.aio.last
+
+    def __repr__(self) -> str:
+        return repr(self.aio)
+
+    refresh = _blocking(HarvestJob.refresh)
+    wait = _blocking(HarvestJob.wait)
+    cancel = _blocking(HarvestJob.cancel)
+
+    @_like(HarvestJob.watch)
+    def watch(self, **options: Any) -> SyncIterator[HarvestProgress]:
+        return SyncIterator(self._loop, self.aio.watch(**options))
+
+
+__all__ = [
+    "SyncClient", "SyncGenerateStream", "SyncHarvestJob", "SyncHookHandle", "SyncIterator", "SyncModel",
+    "SyncSubscription", "connect_sync",
+]
