@@ -23,6 +23,7 @@ cancelling its task would in async code.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import threading
 import weakref
@@ -56,12 +57,39 @@ class _Loop:
         if self.loop.is_closed():
             coro.close()
             raise RuntimeError("this hookwire client is closed")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        # Not asyncio.run_coroutine_threadsafe: a Ctrl-C landing inside it, after it has
+        # scheduled the coroutine but before it returns the future, would leave the call
+        # running with nothing to cancel it. Here the future exists before anything is
+        # scheduled, and cancelling it at any point cancels the call.
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         try:
+            self.loop.call_soon_threadsafe(self._start, coro, future)
             return future.result()
         except BaseException:
             future.cancel()  # no-op when it finished; else (Ctrl-C) the call is cancelled on the loop
             raise
+
+    def _start(self, coro: Coroutine[Any, Any, T], future: concurrent.futures.Future[T]) -> None:
+        """On the loop: runs ``coro`` as a task whose outcome goes to ``future``, and
+        which a cancelled ``future`` cancels."""
+        if future.cancelled():
+            coro.close()
+            return
+        task = self.loop.create_task(coro)
+
+        def settle(done: asyncio.Task[T]) -> None:
+            try:
+                if done.cancelled():
+                    future.cancel()
+                elif done.exception() is not None:
+                    future.set_exception(done.exception())
+                else:
+                    future.set_result(done.result())
+            except concurrent.futures.InvalidStateError:  # the caller cancelled it meanwhile
+                pass
+
+        task.add_done_callback(settle)
+        future.add_done_callback(lambda f: f.cancelled() and self.loop.call_soon_threadsafe(task.cancel))
 
     def close(self) -> None:
         """Cancels what still runs on the loop (streams left open), then stops the loop
