@@ -165,8 +165,9 @@ class ModelServiceServicer:
         parameter (the message names it), UNAVAILABLE while the model loads,
         INVALID_ARGUMENT for no names or a bad dtype, RESOURCE_EXHAUSTED past
         max_parameter_names, max_parameter_bytes or
-        max_parameter_calls_per_principal (the message names the limit): all
-        before anything is sent.
+        max_parameter_calls_per_principal (the message names the limit),
+        UNIMPLEMENTED for a parameter whose dtype has no wire form: all before
+        anything is sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
