@@ -186,9 +186,10 @@ class Parameters:
             selection = await loop.run_in_executor(None, select_parameters, host, patterns, cast)
             if selection.nbytes > self.limits.max_parameter_bytes:
                 as_cast = f" as {_codec.dtype_name(request.dtype)}" if cast is not None else ""
+                or_cast = "" if cast is not None else " or cast them (dtype)"
                 raise ResourceExhausted(
                     f"the {len(selection.names)} parameters named take {selection.nbytes} bytes{as_cast}, over the "
-                    f"limit of {self.limits.max_parameter_bytes} (max_parameter_bytes); name fewer per call"
+                    f"limit of {self.limits.max_parameter_bytes} (max_parameter_bytes); name fewer per call{or_cast}"
                 )
             chunk_bytes = chunk_bytes_for(max_message or DEFAULT_MAX_MESSAGE_BYTES)
             framing = Framing(GET_PARAMETERS_CHUNK, chunk_bytes)
