@@ -16,14 +16,15 @@ import grpc
 
 from . import _codec
 from ._framing import (
-    GENERATE_RESPONSE_CHUNK, INFER_STREAM_CHUNK, SESSION_MESSAGE_CHUNK, CutReply, RawChunk, deserializer,
-    serializer,
+    GENERATE_RESPONSE_CHUNK, GET_PARAMETERS_CHUNK, INFER_STREAM_CHUNK, SESSION_MESSAGE_CHUNK, CutReply, RawChunk,
+    deserializer, serializer,
 )
 from ._credentials import bearer_token_interceptors, channel_credentials
 from ._errors import FailedPreconditionError, HookwireError, NotFoundError, UnavailableError, from_rpc_error
 from . import _harvest
 from ._generation import GenerateStream, generate_request
 from ._harvest import HarvestJob, HarvestProgress
+from ._parameters import CastName, parameters_request, read_parameters
 from ._session import CallEnded, EndedCalls, EventRouter, kind_of, pump, stream_items, uncut
 from ._cache import ActivationCache, cache_hooks
 from ._specs import (
@@ -128,6 +129,12 @@ class TensorCalls:
             "/hookwire.v1.ModelService/Generate",
             request_serializer=model_service_pb2.GenerateRequest.SerializeToString,
             response_deserializer=deserializer(model_service_pb2.GenerateResponse, GENERATE_RESPONSE_CHUNK, CUT_TENSOR_BYTES),
+            _registered_method=True,
+        )
+        self.get_parameters = channel.unary_stream(
+            "/hookwire.v1.ModelService/GetParameters",
+            request_serializer=model_service_pb2.GetParametersRequest.SerializeToString,
+            response_deserializer=deserializer(model_service_pb2.GetParametersResponse, GET_PARAMETERS_CHUNK, CUT_TENSOR_BYTES),
             _registered_method=True,
         )
 
@@ -996,6 +1003,42 @@ class RemoteModel:
             request.add_special_tokens = add_special_tokens
         reply = await self._client._unary(self._client.model_stub.Tokenize, request)
         return Tokenized.from_proto(reply)
+
+    async def parameters(self, *names: str, dtype: CastName | None = None) -> dict[str, Any]:
+        """The model's parameters that ``names`` name, by name, in the model's
+        ``named_parameters()`` order (each once)::
+
+            weights = await model.parameters("encoder.layer.*.attention.output.dense.weight")
+            everything = await model.parameters("**", dtype="bfloat16")
+
+        Each of ``names`` is an exact name as ``named_parameters()`` gives it (a tied
+        weight answers to each of its names) or a glob: ``*`` within one dotted segment,
+        ``**`` across segments, ``?`` one character, as hook modules match. ``dtype``
+        ("float16", "bfloat16", "float32") casts the floating-point ones on the server
+        (as in-process ``.to(dtype)``); None keeps their dtype. Values are torch tensors
+        (numpy arrays without torch), bit-identical to the server's weights as they were
+        between two of its passes.
+
+        Waits for them all (GetParameters): large ones arrive in chunks, each copied once
+        into its tensor, so memory is the tensors plus one message. The model's config
+        must allow it (``parameters_readable = true``): FailedPreconditionError otherwise.
+        Raises NotFoundError for an unknown model or a name or glob that matches no
+        parameter, UnavailableError while the model loads, PermissionDeniedError below
+        the user role, ResourceExhaustedError past the server's limits
+        (max_parameter_names, max_parameter_bytes, max_parameter_calls_per_principal: the
+        message names it); ValueError at once for no names or an unknown ``dtype``.
+        """
+        request = parameters_request(self.name, names, dtype, self._client.options.stream_max_message_bytes)
+        call = self._client.tensor_calls.get_parameters(request, timeout=self._client.options.timeout)
+        return await read_parameters(call, target=self._client.target)
+
+    async def parameter(self, name: str, *, dtype: CastName | None = None) -> Any:
+        """One parameter by its exact name, e.g. ``await model.parameter("lm_head.weight")``:
+        ``parameters(name, dtype=dtype)[name]`` (see ``parameters`` for what it waits for
+        and raises). ValueError for a glob (use ``parameters``)."""
+        if "*" in name or "?" in name:
+            raise ValueError(f"parameter() takes one exact name, not the glob {name!r}: use parameters()")
+        return (await self.parameters(name, dtype=dtype))[name]
 
     def generate(
         self,

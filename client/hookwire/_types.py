@@ -91,6 +91,9 @@ class ModelInfo:
     has_tokenizer: bool = False
     #: Its batching settings; None until it is ready (or from a server without batching).
     batching: BatchingInfo | None = None
+    #: Whether ``RemoteModel.parameters`` may read its weights (the model config's
+    #: ``parameters_readable``, off unless the operator sets it).
+    parameters_readable: bool = False
 
     @classmethod
     def from_proto(cls, msg: model_service_pb2.Model) -> ModelInfo:
@@ -103,6 +106,7 @@ class ModelInfo:
             state_message=msg.state_message,
             can_generate=msg.can_generate,
             has_tokenizer=msg.has_tokenizer,
+            parameters_readable=msg.parameters_readable,
             batching=BatchingInfo(
                 enabled=b.enabled, max_batch_size=b.max_batch_size, max_batch_delay_ms=b.max_batch_delay_ms,
                 batch_dim=b.batch_dim, reducing_inputs=tuple(b.reducing_inputs), pads_tokens=b.pads_tokens,

@@ -43,6 +43,7 @@ MINIMUM_ROLE: dict[str, str] = {
     "InferStream": "user",
     "Tokenize": "user",
     "Generate": "user",
+    "GetParameters": "user",
     "OpenSession": "user",
     "RegisterHook": "user",
     "DeregisterHook": "user",

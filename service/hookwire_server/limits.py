@@ -107,6 +107,18 @@ class Limits:
     #: beyond): a caller who stops reading keeps its calls, not everyone's.
     max_generations_per_principal: int = 16
 
+    # --- parameters (issue #14): GetParameters, on models whose config sets parameters_readable ---
+    #: Names and globs in one GetParameters call (GetParametersRequest.names), counted on the
+    #: request's bytes before it is parsed; each is a path (max_path_length).
+    max_parameter_names: int = 256
+    #: Bytes of parameter data (after the call's cast) one GetParameters call may return,
+    #: checked before anything is sent: it bounds the time and bandwidth of one call, not the
+    #: server's memory (parameters are copied and sent one at a time).
+    max_parameter_bytes: int = 2 * 1024 * 1024 * 1024
+    #: GetParameters calls of one principal running at once (RESOURCE_EXHAUSTED beyond): a
+    #: call whose client stops reading holds the copy of the parameter it is sending.
+    max_parameter_calls_per_principal: int = 8
+
 
 def check(count: int, limit: int, what: str, name: str) -> None:
     """ResourceExhausted when ``count`` would go past ``limit``."""

@@ -49,6 +49,9 @@ class Metrics:
         self.harvest_bytes = Counter(
             "hookwire_harvest_bytes", "Bytes of shards harvest jobs committed, by model.", ["model"], registry=r
         )
+        self.parameter_bytes = Counter(
+            "hookwire_parameter_bytes", "Parameter bytes GetParameters calls sent, by model.", ["model"], registry=r
+        )
         self._fires: Callable[[], dict[str, int]] = dict
         r.register(_Fires(self))
         self.events_sent = Counter("hookwire_events_sent", "Events handed to gRPC on event streams.", registry=r)

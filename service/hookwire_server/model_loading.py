@@ -66,6 +66,18 @@ class ModelConfig:
     pad_token_id: int | None = None
     #: Whether token inputs of different lengths join, padded on the right (default true).
     batch_padding: bool | None = None
+    #: Whether GetParameters may read the model's weights (off by default: production
+    #: weights may be private; see docs/security.md).
+    parameters_readable: bool = False
+
+    def check(self) -> None:
+        """ConfigError naming the model and the key for a key of the wrong type (TOML gives
+        any type: a string "no" would otherwise be taken as true)."""
+        if not isinstance(self.parameters_readable, bool):
+            raise ConfigError(
+                f"model {self.name!r}: parameters_readable must be true or false, not {self.parameters_readable!r}"
+            )
+        self.batch_config()
 
     def batch_config(self) -> BatchConfig:
         """The batching keys, checked; ConfigError naming the model and the key for a bad one."""
@@ -127,6 +139,7 @@ def demo_configs() -> list[ModelConfig]:
         configs.append(ModelConfig(
             name=name, factory=_factory_name(demo.factory), description=demo.description,
             tokenizer=_factory_name(demo.tokenizer) if demo.tokenizer is not None else None,
+            parameters_readable=True,  # seeded random weights: nothing to keep private
         ))
     return configs
 
@@ -153,7 +166,7 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], list[Mod
             if entry.get(key):
                 entry[key] = str(base / entry[key])
         model = ModelConfig(**entry)
-        model.batch_config()  # ConfigError now, not when the model loads
+        model.check()  # ConfigError now, not when the model loads
         models.append(model)
     return server, models
 
@@ -301,10 +314,12 @@ def check_names(configs: list[ModelConfig]) -> None:
 def build_host(config: ModelConfig) -> ModelHost:
     """Builds one configured model and its host; blocks while it loads (run it off the
     event loop). Raises ConfigError for a bad entry, or whatever the factory raises."""
+    config.check()
     model = build_model(config)
     tokenizer, problem = load_tokenizer(config)
     return ModelHost(config.name, model, description=config.description, training_allowed=config.training_allowed,
-                     tokenizer=tokenizer, tokenizer_problem=problem, batching=config.batch_config())
+                     tokenizer=tokenizer, tokenizer_problem=problem, batching=config.batch_config(),
+                     parameters_readable=config.parameters_readable)
 
 
 def build_hosts(configs: list[ModelConfig]) -> list[ModelHost]:

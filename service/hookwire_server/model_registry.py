@@ -195,6 +195,7 @@ class ModelHost:
     def __init__(
         self, name: str, module: nn.Module, *, description: str = "", training_allowed: bool = True,
         tokenizer: Any = None, tokenizer_problem: str = "", batching: BatchConfig | None = None,
+        parameters_readable: bool = False,
     ) -> None:
         if not name:
             raise ValueError("a model needs a name")
@@ -202,6 +203,13 @@ class ModelHost:
         self.module = module.eval()
         self.description = description
         self.training_allowed = training_allowed
+        #: Whether GetParameters may read its weights (the model config's parameters_readable).
+        self.parameters_readable = parameters_readable
+        #: Its parameters by every name they have (named_parameters(remove_duplicate=False):
+        #: a tied weight, e.g. GPT-2's lm_head.weight, answers to each of its names), in
+        #: that order; GetParameters' glob index over them is built when first needed.
+        self.parameters: dict[str, nn.Parameter] = dict(module.named_parameters(remove_duplicate=False))
+        self._parameter_index: PathIndex | None = None
         #: The model's tokenizer (a transformers tokenizer, prepared by
         #: tokenization.prepare_tokenizer), or None: callers then send input_ids.
         self.tokenizer = tokenizer
@@ -310,6 +318,14 @@ class ModelHost:
             raise NotFound(f"model {self.name!r} has no module {pattern!r}")
         return list(found)
 
+    @property
+    def parameter_index(self) -> PathIndex:
+        """The parameter names (see ``parameters``) in a PathIndex, for globs. Any thread:
+        two threads that build it at once build equal ones."""
+        if self._parameter_index is None:
+            self._parameter_index = PathIndex(list(self.parameters))
+        return self._parameter_index
+
     def path_of(self, module: nn.Module) -> str | None:
         """The path of one of this model's modules, or None."""
         return self._path_of.get(id(module))
@@ -319,7 +335,7 @@ class ModelHost:
         msg = model_service_pb2.Model(
             name=self.name, description=self.description, training_allowed=self.training_allowed,
             can_generate=self.can_generate, has_tokenizer=self.tokenizer is not None,
-            batching=self.batching.to_proto(),
+            batching=self.batching.to_proto(), parameters_readable=self.parameters_readable,
         )
         if with_modules:
             for path, mod in self.modules.items():
@@ -374,6 +390,7 @@ class ModelEntry:
     #: Why it failed (FAILED only).
     reason: str = ""
     host: ModelHost | None = None
+    parameters_readable: bool = False
 
     def describe(self, *, with_modules: bool) -> model_service_pb2.Model:
         """The model as the wire describes it; modules only once it is ready."""
@@ -381,7 +398,8 @@ class ModelEntry:
             msg = self.host.describe(with_modules=with_modules)
         else:
             msg = model_service_pb2.Model(
-                name=self.name, description=self.description, training_allowed=self.training_allowed
+                name=self.name, description=self.description, training_allowed=self.training_allowed,
+                parameters_readable=self.parameters_readable,
             )
         msg.state = _WIRE_STATE[self.state]
         msg.state_message = self.reason
@@ -413,13 +431,15 @@ class ModelRegistry:
         host.batching = host.batch_config.resolve(self._batch_defaults, host)
         host.observe_batch = self._observe
 
-    def expect(self, name: str, *, description: str = "", training_allowed: bool = True) -> None:
+    def expect(
+        self, name: str, *, description: str = "", training_allowed: bool = True, parameters_readable: bool = False,
+    ) -> None:
         """Lists a model that is about to load (LOADING); ValueError on a duplicate name."""
         if not name:
             raise ValueError("a model needs a name")
         if name in self._entries:
             raise ValueError(f"two models are named {name!r}")
-        self._entries[name] = ModelEntry(name, description, training_allowed)
+        self._entries[name] = ModelEntry(name, description, training_allowed, parameters_readable=parameters_readable)
 
     def add(self, host: ModelHost) -> None:
         """Hosts one more model, or the loaded one that expect() announced (READY);
@@ -429,7 +449,8 @@ class ModelRegistry:
             raise ValueError(f"two models are named {host.name!r}")
         self._configure(host)
         self._entries[host.name] = ModelEntry(
-            host.name, host.description, host.training_allowed, ModelState.READY, host=host
+            host.name, host.description, host.training_allowed, ModelState.READY, host=host,
+            parameters_readable=host.parameters_readable,
         )
 
     def fail(self, name: str, reason: str) -> None:

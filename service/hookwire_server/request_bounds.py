@@ -10,12 +10,13 @@ data) and stops at the first bound it passes:
   repeated field): ``max_request_fields``; this also bounds the scan itself;
 - the Values and map entries it holds: ``max_request_values``;
 - the request-scoped hooks of an InferRequest (``max_request_hooks``), the
-  rules of one hook action (``max_rules_per_action``) and the texts of a
-  TokenizeRequest (``max_tokenize_texts``);
+  rules of one hook action (``max_rules_per_action``), the texts of a
+  TokenizeRequest (``max_tokenize_texts``) and the names of a
+  GetParametersRequest (``max_parameter_names``);
 - the length of every string the server parses or looks up: names (model,
   session, hook, slot, tag, keyword and map keys) ``max_name_length``, paths
-  (module globs, rule targets and indices, selections, backward.output_path)
-  ``max_path_length``, both in UTF-8 bytes. ``Value.string_value`` is data the
+  (module and parameter globs, rule targets and indices, selections,
+  backward.output_path) ``max_path_length``, both in UTF-8 bytes. ``Value.string_value`` is data the
   server hands to the model unread: only ``max_message_bytes`` bounds it;
   ``TokenizeRequest.texts`` are data for the tokenizer (their number is capped
   here, their characters after the parse: ``max_tokenize_chars``).
@@ -74,6 +75,7 @@ NAME_FIELDS = frozenset({
     "hookwire.v1.WatchHarvestRequest.job_id",
     "hookwire.v1.CancelHarvestRequest.job_id",
     "hookwire.v1.ListHarvestsRequest.model",
+    "hookwire.v1.GetParametersRequest.model",
 })
 #: String fields the server parses: globs, dotted paths, selections.
 PATH_FIELDS = frozenset({
@@ -86,6 +88,7 @@ PATH_FIELDS = frozenset({
     "hookwire.v1.StartHarvestRequest.select",
     "hookwire.v1.TextSource.path",
     "hookwire.v1.HarvestOutput.path",
+    "hookwire.v1.GetParametersRequest.names",
 })
 #: String fields the server never parses (data for the model).
 UNBOUNDED_FIELDS = frozenset({
@@ -111,6 +114,7 @@ class RequestBounds:
     max_path_length: int = 1024
     max_tokenize_texts: int = 256
     max_stop_strings: int = 16
+    max_parameter_names: int = 256
 
     @classmethod
     def of(cls, limits: Any) -> RequestBounds:
@@ -120,6 +124,7 @@ class RequestBounds:
             max_request_hooks=limits.max_request_hooks, max_rules_per_action=limits.max_rules_per_action,
             max_name_length=limits.max_name_length, max_path_length=limits.max_path_length,
             max_tokenize_texts=limits.max_tokenize_texts, max_stop_strings=limits.max_stop_strings,
+            max_parameter_names=limits.max_parameter_names,
         )
 
 
@@ -157,6 +162,7 @@ _CAPS = {
     "hookwire.v1.GenerateRequest.stop": ("max_stop_strings", InvalidArgument),
     "hookwire.v1.StartHarvestRequest.rules": ("max_request_hooks", ResourceExhausted),
     "hookwire.v1.StartHarvestRequest.modules": ("max_request_hooks", ResourceExhausted),
+    "hookwire.v1.GetParametersRequest.names": ("max_parameter_names", ResourceExhausted),
 }
 
 

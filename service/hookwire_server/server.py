@@ -26,6 +26,7 @@ from .limits import Limits
 from .metrics import Metrics
 from .model_loading import ConfigError, ModelConfig, build_host, check_names, load_models
 from .model_registry import ModelHost, ModelRegistry, ModelState
+from .parameters import Parameters
 from .servicers import HarvestServicer, HookServicer, ModelServicer, add_to_server
 from .tokenization import Tokenization
 
@@ -170,6 +171,7 @@ class HookwireServer:
         self.inference = Inference(registry, self.hooks, limits=self.settings)
         self.tokenization = Tokenization(registry, limits=self.settings)
         self.generation = Generation(registry, self.hooks, limits=self.settings)
+        self.parameters = Parameters(registry, self.hooks, limits=self.settings)
         s = self.settings
         self.harvests = HarvestManager(registry, self.hooks, settings_from(
             data_root=s.harvest_data_root, output_root=s.harvest_output_root, url_prefixes=s.harvest_url_prefixes,
@@ -206,7 +208,8 @@ class HookwireServer:
         )
         add_to_server(
             ModelServicer(
-                self.registry, self.inference, self.metrics, self.tokens, self.tokenization, self.generation
+                self.registry, self.inference, self.metrics, self.tokens, self.tokenization, self.generation,
+                self.parameters,
             ),
             model_service_pb2.DESCRIPTOR.services_by_name["ModelService"], server,
         )
@@ -306,7 +309,8 @@ async def serve(
     check_names(list(models))
     registry = ModelRegistry()
     for config in models:
-        registry.expect(config.name, description=config.description, training_allowed=config.training_allowed)
+        registry.expect(config.name, description=config.description, training_allowed=config.training_allowed,
+                        parameters_readable=config.parameters_readable)
     server = HookwireServer(registry, settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -31,6 +31,7 @@ from .security import principal_of
 from .model_registry import ModelRegistry
 from .slots import slot_to_proto
 from .generation import Generation
+from .parameters import Parameters
 from .tokenization import Tokenization
 from .status_mapping import streaming, tolerant_parser, unary
 
@@ -43,11 +44,13 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     def __init__(
         self, registry: ModelRegistry, inference: Inference, metrics: Metrics, tokens: TokenStore,
         tokenization: Tokenization | None = None, generation: Generation | None = None,
+        parameters: Parameters | None = None,
     ) -> None:
         self._registry = registry
         self._inference = inference
         self._tokenization = tokenization or Tokenization(registry, limits=inference.limits)
         self._generation = generation
+        self._parameters = parameters
         self._tokens = tokens
         self.metrics = metrics
         #: Request bounds, checked before a request is parsed (status_mapping.parse_request).
@@ -99,6 +102,13 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
             raise Unavailable("this server does not run Generate")
         async for message in self._generation.generate(request, principal=principal_of(context, self._tokens)):
             yield message
+
+    @streaming
+    async def GetParameters(self, request: model_service_pb2.GetParametersRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.GetParametersResponse | bytes]:
+        if self._parameters is None:
+            raise Unavailable("this server does not run GetParameters")
+        async for message in self._parameters.read(request, principal=principal_of(context, self._tokens)):
+            yield message  # chunk messages are wire bytes (see _framing)
 
 
 async def _chunks(

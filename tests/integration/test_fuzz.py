@@ -465,6 +465,37 @@ def test_tokenize(fuzz_server, model, texts, add_special_tokens, padding_side) -
     assert [len(t.pieces) for t in reply.tokens] == mask.sum(dim=1).tolist()
 
 
+#: Parameter names of the demo models (readable) and globs, mostly valid for some of them;
+#: rarely near misses, odd globs and strings around the bounds.
+parameter_names = rarely(
+    st.one_of(st.sampled_from(["lm_head.weight", "fc1", "fc1.weight.", "", "**.**.*", "nope"]), patterns, long_strings),
+    st.sampled_from(["**", "**", "*.weight", "**.bias", "fc1.weight", "out.bias", "fc?.*", "model.layers.*.**",
+                     "lm_head.weight"]),
+)
+
+
+@FUZZ
+@given(model=rarely(model_names, st.sampled_from(["mlp", "tiny-lm", "tiny-transformer"])),
+       names=rarely(st.lists(parameter_names, max_size=4), st.lists(parameter_names, min_size=1, max_size=3)),
+       dtype=rarely(st.integers(-1, 12), st.sampled_from([0, 0, 1, 3, 4])),
+       max_message=rarely(st.sampled_from([1, MB - 1, 2**32 - 1]), st.sampled_from([0, MB, 4 * MB])))
+def test_get_parameters(fuzz_server, model, names, dtype, max_message) -> None:
+    request = model_service_pb2.GetParametersRequest(model=model, names=names, dtype=dtype,
+                                                     max_response_message_bytes=max_message)
+    try:
+        messages = list(fuzz_server["models"].GetParameters(request, timeout=30))
+    except grpc.RpcError as exc:
+        assert exc.code() not in BAD, f"{exc.code()}: {exc.details()}"
+        return
+    # A call that succeeds sends each parameter once, whole, in named_parameters order.
+    params = [m.parameter for m in messages if m.WhichOneof("kind") == "parameter"]
+    host = fuzz_server["srv"].server.registry.get(model)
+    order = list(host.parameters)
+    assert [p.name for p in params] == sorted({p.name for p in params}, key=order.index) and params
+    for p in params:
+        assert list(p.tensor.shape) == list(host.parameters[p.name].shape)
+
+
 # ------------------------------------------------------------------ wide requests and many request hooks
 
 WIDE = settings(max_examples=max(4, EXAMPLES // 10), deadline=None, suppress_health_check=list(HealthCheck),
@@ -527,7 +558,7 @@ METHODS = [
     ("/hookwire.v1.HookService/DeregisterHook", "unary"), ("/hookwire.v1.HookService/ListHooks", "unary"),
     ("/hookwire.v1.HookService/Subscribe", "stream"), ("/hookwire.v1.HookService/GetSlot", "unary"),
     ("/hookwire.v1.HookService/ListSlots", "unary"), ("/hookwire.v1.ModelService/Tokenize", "unary"),
-    ("/hookwire.v1.ModelService/Generate", "stream"),
+    ("/hookwire.v1.ModelService/Generate", "stream"), ("/hookwire.v1.ModelService/GetParameters", "stream"),
     ("/hookwire.v1.HarvestService/StartHarvest", "unary"), ("/hookwire.v1.HarvestService/GetHarvest", "unary"),
     ("/hookwire.v1.HarvestService/WatchHarvest", "stream"), ("/hookwire.v1.HarvestService/CancelHarvest", "unary"),
     ("/hookwire.v1.HarvestService/ListHarvests", "unary"),

@@ -384,6 +384,8 @@ def _calls(model: model_service_pb2_grpc.ModelServiceStub, hooks: hook_service_p
         "Tokenize": lambda md: model.Tokenize(model_service_pb2.TokenizeRequest(model="mlp", texts=["hi"]), metadata=md),
         "Generate": lambda md: first(model.Generate(
             model_service_pb2.GenerateRequest(model="mlp", prompts=["hi"], max_new_tokens=1), metadata=md)),
+        "GetParameters": lambda md: first(model.GetParameters(
+            model_service_pb2.GetParametersRequest(model="mlp", names=["fc1.bias"]), metadata=md)),
         "OpenSession": lambda md: first(hooks.OpenSession(hook_service_pb2.OpenSessionRequest(), metadata=md)),
         "RegisterHook": lambda md: hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(
             session_id="ses_none", spec=hook_pb2.HookSpec(model="mlp", module="fc1", posthook=hook_pb2.HookAction())),
@@ -436,7 +438,7 @@ async def test_the_early_role_check_agrees_with_the_handlers(secured) -> None:
     parts = HookwireServer(build_test_registry(), ServerSettings(port=0, tokens=LINES))
     handlers_only = grpc.aio.server(interceptors=[AuthInterceptor(parts.tokens, client_certs=False, roles={})])
     add_to_server(ModelServicer(parts.registry, parts.inference, parts.metrics, parts.tokens,
-                                parts.tokenization, parts.generation),
+                                parts.tokenization, parts.generation, parts.parameters),
                   model_service_pb2.DESCRIPTOR.services_by_name["ModelService"], handlers_only)
     add_to_server(HookServicer(parts.hooks, parts.tokens),
                   hook_service_pb2.DESCRIPTOR.services_by_name["HookService"], handlers_only)
@@ -457,13 +459,14 @@ async def test_the_early_role_check_agrees_with_the_handlers(secured) -> None:
 def test_fuzz_refused_callers_get_a_clear_status_whatever_they_send(fuzz_secured, body, rpc, who) -> None:
     """Random bodies from callers without credentials, with wrong ones, or without the
     role: UNAUTHENTICATED or PERMISSION_DENIED, never a parse error (the body is not read)."""
-    service = ("ModelService" if rpc in ("ListModels", "GetModel", "Infer", "InferStream", "Tokenize", "Generate")
+    service = ("ModelService" if rpc in ("ListModels", "GetModel", "Infer", "InferStream", "Tokenize", "Generate",
+                                         "GetParameters")
                else "HarvestService" if rpc in HARVEST_RPCS else "HookService")
     path = f"/hookwire.v1.{service}/{rpc}"
     metadata = () if who is None else (("authorization", f"Bearer {TOKENS.get(who, 'hwt_wrong')}"),)
     channel = fuzz_secured
     streaming_in = rpc == "InferStream"
-    streaming_out = rpc in ("InferStream", "OpenSession", "Subscribe", "Generate", "WatchHarvest")
+    streaming_out = rpc in ("InferStream", "OpenSession", "Subscribe", "Generate", "WatchHarvest", "GetParameters")
     if streaming_in:
         call = channel.stream_stream(path)(iter([body, body]), metadata=metadata, timeout=60)
     elif streaming_out:

@@ -18,6 +18,7 @@ CARRIERS = [
     (model_service_pb2.InferStreamResponse, _framing.INFER_STREAM_CHUNK),
     (model_service_pb2.InferStreamRequest, _framing.INFER_STREAM_CHUNK),
     (model_service_pb2.GenerateResponse, _framing.GENERATE_RESPONSE_CHUNK),
+    (model_service_pb2.GetParametersResponse, _framing.GET_PARAMETERS_CHUNK),
 ]
 CARRIER_IDS = [cls.DESCRIPTOR.name for cls, _ in CARRIERS]
 SIZES = [0, 1, 2, 3, 127, 128, 129, 16383, 16384, 65535, 65537, (1 << 20) - 1, 1 << 20, (1 << 20) + 3]

@@ -160,3 +160,21 @@ def test_generate_requests_are_bounded_before_the_parse() -> None:
             check(request(**{field: "x" * 9}), descriptor, bounds)
     with pytest.raises(InvalidArgument, match=r"^tags: 9 bytes.*\(max_name_length\)$"):
         check(request(tags=["x" * 9]), descriptor, bounds)
+
+
+def test_get_parameters_requests_are_bounded_before_the_parse() -> None:
+    bounds = RequestBounds(max_parameter_names=3, max_name_length=8, max_path_length=16)
+    descriptor = model_service_pb2.GetParametersRequest.DESCRIPTOR
+
+    def request(**fields: object) -> bytes:
+        base: dict[str, object] = dict(model="12345678", names=["encoder.layer.*."] * 3)
+        base.update(fields)
+        return model_service_pb2.GetParametersRequest(**base).SerializeToString()  # type: ignore[arg-type]
+
+    check(request(), descriptor, bounds)  # at every bound
+    with pytest.raises(ResourceExhausted, match=r"^names: 4 or more names, over the limit of 3 \(max_parameter_names\)$"):
+        check(request(names=["a"] * 4), descriptor, bounds)
+    with pytest.raises(InvalidArgument, match=r"^names: 17 bytes, over the limit of 16 \(max_path_length\)$"):
+        check(request(names=["encoder.layer.*.w"]), descriptor, bounds)
+    with pytest.raises(InvalidArgument, match=r"^model: 9 bytes, over the limit of 8 \(max_name_length\)$"):
+        check(request(model="123456789"), descriptor, bounds)

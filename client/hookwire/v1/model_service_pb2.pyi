@@ -65,7 +65,7 @@ class GetModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer", "batching")
+    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer", "batching", "parameters_readable")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TRAINING_ALLOWED_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class Model(_message.Message):
     CAN_GENERATE_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     BATCHING_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_READABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     training_allowed: bool
@@ -84,7 +85,8 @@ class Model(_message.Message):
     can_generate: bool
     has_tokenizer: bool
     batching: Batching
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ...) -> None: ...
+    parameters_readable: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ..., parameters_readable: _Optional[bool] = ...) -> None: ...
 
 class Batching(_message.Message):
     __slots__ = ("enabled", "max_batch_size", "max_batch_delay_ms", "batch_dim", "reducing_inputs", "pads_tokens")
@@ -309,3 +311,31 @@ class GeneratedSequence(_message.Message):
     text: str
     finish_reason: str
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class GetParametersRequest(_message.Message):
+    __slots__ = ("model", "names", "dtype", "max_response_message_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    dtype: _tensor_pb2.DType
+    max_response_message_bytes: int
+    def __init__(self, model: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., max_response_message_bytes: _Optional[int] = ...) -> None: ...
+
+class GetParametersResponse(_message.Message):
+    __slots__ = ("parameter", "chunk")
+    PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    parameter: Parameter
+    chunk: _tensor_pb2.TensorChunk
+    def __init__(self, parameter: _Optional[_Union[Parameter, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class Parameter(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: _tensor_pb2.Tensor
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...

@@ -67,6 +67,11 @@ class ModelServiceStub:
                 request_serializer=hookwire_dot_v1_dot_model__service__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=hookwire_dot_v1_dot_model__service__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetParameters = channel.unary_stream(
+                '/hookwire.v1.ModelService/GetParameters',
+                request_serializer=hookwire_dot_v1_dot_model__service__pb2.GetParametersRequest.SerializeToString,
+                response_deserializer=hookwire_dot_v1_dot_model__service__pb2.GetParametersResponse.FromString,
+                _registered_method=True)
 
 
 class ModelServiceServicer:
@@ -147,6 +152,27 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetParameters(self, request, context):
+        """Reads a model's parameters (weights): those that GetParametersRequest.names
+        names, in the model's named_parameters() order, one `parameter` message
+        each; a parameter too large to travel inline has Tensor.chunk_id set and
+        its data follows in `chunk` messages before the next parameter (as on
+        InferStream). Each parameter is copied whole between the model's passes.
+        Needs the user role, and a model whose config sets
+        `parameters_readable = true` (Model.parameters_readable): on any other
+        model FAILED_PRECONDITION, since production weights may be private.
+        NOT_FOUND for an unknown model or a name or glob that matches no
+        parameter (the message names it), UNAVAILABLE while the model loads,
+        INVALID_ARGUMENT for no names or a bad dtype, RESOURCE_EXHAUSTED past
+        max_parameter_names, max_parameter_bytes or
+        max_parameter_calls_per_principal (the message names the limit),
+        UNIMPLEMENTED for a parameter whose dtype has no wire form: all before
+        anything is sent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +205,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=hookwire_dot_v1_dot_model__service__pb2.GenerateRequest.FromString,
                     response_serializer=hookwire_dot_v1_dot_model__service__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetParameters': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetParameters,
+                    request_deserializer=hookwire_dot_v1_dot_model__service__pb2.GetParametersRequest.FromString,
+                    response_serializer=hookwire_dot_v1_dot_model__service__pb2.GetParametersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -346,6 +377,33 @@ class ModelService:
             '/hookwire.v1.ModelService/Generate',
             hookwire_dot_v1_dot_model__service__pb2.GenerateRequest.SerializeToString,
             hookwire_dot_v1_dot_model__service__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetParameters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hookwire.v1.ModelService/GetParameters',
+            hookwire_dot_v1_dot_model__service__pb2.GetParametersRequest.SerializeToString,
+            hookwire_dot_v1_dot_model__service__pb2.GetParametersResponse.FromString,
             options,
             channel_credentials,
             insecure,
