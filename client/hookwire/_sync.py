@@ -284,6 +284,8 @@ class SyncModel:
     infer = _blocking(RemoteModel.infer)
     tokenize = _blocking(RemoteModel.tokenize)
     run_with_cache = _blocking(RemoteModel.run_with_cache)
+    parameters = _blocking(RemoteModel.parameters)
+    parameter = _blocking(RemoteModel.parameter)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs forward in eval mode and returns the output; the session's hooks fire. Blocks."""

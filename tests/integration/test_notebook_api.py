@@ -22,6 +22,7 @@ from torch import nn
 
 import hookwire
 from hookwire.rules import add
+from hookwire_server.demo_models import tiny_lm
 from hookwire_server.model_registry import ModelHost
 from support import Recorder, ServerThread, assert_same, build_test_registry, local_models
 
@@ -224,10 +225,11 @@ def _sync_session(target: str) -> dict[str, Any]:
             events = list(hook.events(until=call))
             assert client.list_hooks(session_id=client.session_id)
         assert hook.remove() is False  # removed on exit
+        weights = client.model("tiny-lm").parameters("model.norm.weight", "lm_head.weight")
         generated = client.model("tiny-lm").generate("Once upon a time", 4, seed=1).result()
         streamed = [type(item).__name__ for item in client.model("tiny-lm").generate("Once", 2, seed=1)]
         return {"out": out, "result": result, "cache": cache, "events": events, "generated": generated,
-                "streamed": streamed, "thread": threading.current_thread().name}
+                "streamed": streamed, "weights": weights, "thread": threading.current_thread().name}
 
 
 async def test_sync_client_matches_the_async_client(client: Any, server: ServerThread) -> None:
@@ -246,6 +248,9 @@ async def test_sync_client_matches_the_async_client(client: Any, server: ServerT
     assert [e.module for e in got["events"]] == ["encoder.layers.0", "encoder.layers.1"]
     assert got["generated"].texts == expected_gen.texts
     assert got["streamed"].count("GeneratedTokens") == 2
+    local_lm = tiny_lm()
+    assert list(got["weights"]) == ["model.norm.weight", "lm_head.weight"]
+    assert torch.equal(got["weights"]["lm_head.weight"], local_lm.lm_head.weight)
 
 
 def test_sync_client_in_a_plain_thread_and_after_close(server: ServerThread) -> None:
