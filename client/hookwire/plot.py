@@ -144,7 +144,7 @@ def attention_pattern(
         heads = [0]
         probs = probs[None]
     else:
-        picked = list(range(probs.shape[0])) if head is None else ([head] if isinstance(head, int) else list(head))
+        picked = list(range(probs.shape[0])) if head is None else ([head] if isinstance(head, (int, np.integer)) else list(head))
         bad = [h for h in picked if not isinstance(h, (int, np.integer)) or not 0 <= h < probs.shape[0]]
         if bad or not picked:
             raise ValueError(f"attention_pattern: head must be indices in 0..{probs.shape[0] - 1}, not {head!r}")
@@ -416,10 +416,13 @@ def _figure_and_axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure
 
 
 def _root(fig: Any) -> Figure:
-    """The top-level Figure of a (sub)figure."""
-    root = fig.get_figure(root=True) if hasattr(fig, "get_figure") else fig
-    assert isinstance(root, Figure)
-    return root
+    """The top-level Figure of a (sub)figure: a SubFigure's ``.figure`` leads there
+    (``get_figure(root=True)`` would too, but only from matplotlib 3.10 on)."""
+    for _ in range(64):
+        if isinstance(fig, Figure):
+            return fig
+        fig = fig.figure
+    raise ValueError("hookwire.plot: ax= is not in a matplotlib Figure")
 
 
 def _heatmap_size(shape: tuple[int, ...]) -> tuple[float, float]:
@@ -431,11 +434,12 @@ def _label_heatmap(axes: Axes, rows: list[str] | None, cols: list[str] | None, *
                    title: str | None) -> None:
     """Every label when given (tokens must all be readable), else integer ticks."""
     if cols is not None:
-        axes.set_xticks(range(len(cols)), cols, rotation=_rotation(cols), ha="right" if _rotation(cols) else "center")
+        axes.set_xticks(range(len(cols)), cols, rotation=_rotation(cols), ha="right" if _rotation(cols) else "center",
+                        fontsize=_tick_size(cols))
     else:
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     if rows is not None:
-        axes.set_yticks(range(len(rows)), rows)
+        axes.set_yticks(range(len(rows)), rows, fontsize=_tick_size(rows))
     else:
         axes.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel(xlabel)
@@ -447,6 +451,11 @@ def _label_heatmap(axes: Axes, rows: list[str] | None, cols: list[str] | None, *
 def _rotation(labels: Sequence[str]) -> int:
     """Long or many labels are turned so that they do not overlap."""
     return 45 if len(labels) > 6 or max((len(s) for s in labels), default=0) > 4 else 0
+
+
+def _tick_size(labels: Sequence[str]) -> str:
+    """Smaller type for long token lists, which still label every position."""
+    return "medium" if len(labels) <= 24 else ("small" if len(labels) <= 48 else "xx-small")
 
 
 def _should_annotate(annotate: bool | None, shape: tuple[int, ...]) -> bool:

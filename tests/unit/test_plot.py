@@ -83,6 +83,9 @@ def test_patching_heatmap_draws_into_a_given_axes() -> None:
     left, right = fig.subplots(1, 2)
     assert hwplot.patching_heatmap(np.ones((2, 3)), ax=right) is fig
     assert not left.images and right.images[0].get_array().shape == (2, 3)
+    # An axes in a subfigure: the figure returned is the top-level one.
+    outer = Figure()
+    assert hwplot.logit_lens(np.ones((2, 3)), ax=outer.subfigures(1, 2)[1].add_subplot()) is outer
 
 
 @pytest.mark.parametrize("values, match", [
