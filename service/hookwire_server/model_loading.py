@@ -78,6 +78,30 @@ class ModelConfig:
                 f"model {self.name!r}: parameters_readable must be true or false, not {self.parameters_readable!r}"
             )
         self.batch_config()
+        self.checked_attn_implementation()
+
+    #: For a transformers folder: the attention implementation transformers loads it with
+    #: ("eager", "sdpa", or another name transformers accepts); unset, transformers'
+    #: default (sdpa where the model supports it). With "eager" the attention modules
+    #: return their probabilities, so hooks capture them (docs/recipes/attention.md).
+    attn_implementation: str | None = None
+
+    def checked_attn_implementation(self) -> str | None:
+        """``attn_implementation``, checked: ConfigError naming the model when it is not a
+        non-empty string, is set for a factory model (only transformers folders take it),
+        or is also in ``kwargs``. Whether transformers knows the name is for transformers
+        to say, when the model loads (its message becomes the model's FAILED reason)."""
+        value = self.attn_implementation
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"model {self.name!r}: attn_implementation must be a name such as \"eager\" "
+                              f"or \"sdpa\", not {value!r}")
+        if not self.transformers:
+            raise ConfigError(f"model {self.name!r}: attn_implementation applies to transformers folders only")
+        if "attn_implementation" in self.kwargs:
+            raise ConfigError(f"model {self.name!r}: attn_implementation is set twice (also in kwargs)")
+        return value
 
     def batch_config(self) -> BatchConfig:
         """The batching keys, checked; ConfigError naming the model and the key for a bad one."""
@@ -213,6 +237,7 @@ def build_model(config: ModelConfig) -> nn.Module:
     """Builds, loads weights into, and returns the model (in eval mode)."""
     if bool(config.factory) == bool(config.transformers):
         raise ConfigError(f"model {config.name!r}: set exactly one of factory or transformers")
+    config.checked_attn_implementation()
     if config.factory:
         model = import_factory(config.name, config.factory)(**config.kwargs)
     else:
@@ -235,7 +260,11 @@ def _load_transformers(config: ModelConfig) -> nn.Module:
     if not folder.is_dir():
         raise ConfigError(f"model {config.name!r}: {folder} is not a folder")
     auto = transformers.AutoModelForCausalLM if _is_causal_lm_folder(folder) else transformers.AutoModel
-    return auto.from_pretrained(str(folder), local_files_only=True, **config.kwargs)  # type: ignore[no-any-return]
+    kwargs = dict(config.kwargs)
+    attn = config.checked_attn_implementation()
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    return auto.from_pretrained(str(folder), local_files_only=True, **kwargs)  # type: ignore[no-any-return]
 
 
 #: Endings of the architecture names (config.json "architectures") of causal LMs.

@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Copied from client/hookwire/__init__.py, in its order (isort-style: constants first).
 EXPECTED_ALL = [
+    "ActivationCache",
     "ActivationDataset",
     "AlreadyExistsError",
     "HarvestFailed",
@@ -59,6 +60,13 @@ EXPECTED_ALL = [
     "SlotInfo",
     "StepRange",
     "Subscription",
+    "SyncClient",
+    "SyncGenerateStream",
+    "SyncHarvestJob",
+    "SyncHookHandle",
+    "SyncIterator",
+    "SyncModel",
+    "SyncSubscription",
     "TensorSummary",
     "Tokenized",
     "UnauthenticatedError",
@@ -67,6 +75,7 @@ EXPECTED_ALL = [
     "capture",
     "connect",
     "connect_fleet",
+    "connect_sync",
     "edit",
     "rules",
 ]
