@@ -24,6 +24,7 @@ from ._errors import FailedPreconditionError, HookwireError, NotFoundError, Unav
 from . import _harvest
 from ._generation import GenerateStream, generate_request
 from ._harvest import HarvestJob, HarvestProgress
+from ._progress import TransferProgress
 from ._parameters import CastName, parameters_request, read_parameters
 from ._session import CallEnded, EndedCalls, EventRouter, kind_of, pump, stream_items, uncut
 from ._cache import ActivationCache, cache_hooks
@@ -850,6 +851,8 @@ class RemoteModel:
         seed: int | None = None,
         tags: Sequence[str] = (),
         use_session: bool = True,
+        stream: bool | None = None,
+        progress: bool | None = False,
         kwargs: Mapping[str, Any] | None = None,
         **model_kwargs: Any,
     ) -> InferResult:
@@ -862,6 +865,16 @@ class RemoteModel:
         raises InvalidArgumentError (bad input, or the model raised: the message
         names the module), NotFoundError, FailedPreconditionError (train mode
         not allowed).
+
+        Memory: ``stream=True`` sends the call over InferStream, where captured tensors
+        arrive in chunks, each copied once into its preallocated tensor: the client then
+        holds the result plus one chunk (about 1 MiB). A unary reply arrives whole first,
+        so decoding it holds about twice its size for a moment. ``stream=None`` (the
+        default) streams calls whose last reply of the same kind was over 4 MiB, and
+        inputs with large tensors; ``stream=False`` is unary where it can be (not with
+        large input tensors or a message limit under 64 MiB). ``progress=True`` streams and shows a tqdm bar (bytes,
+        total, rate; on stderr, or a widget in Jupyter) while a reply of 8 MiB or more
+        arrives; ``None`` does so only when stderr is a terminal.
         """
         if mode not in _MODES:
             raise ValueError(f"mode must be 'eval' or 'train', not {mode!r}")
@@ -882,17 +895,23 @@ class RemoteModel:
         request.tags.extend(tags)
         sizes = self._client.call_sizes
         kind = sizes.kind(request)
-        if (
-            not chunker.tensors and self._client.options.max_message_bytes >= UNARY_MIN_MESSAGE_BYTES
-            and not sizes.expects_large(kind)
-        ):
+        if progress is not False and stream is None:
+            stream = True  # a unary reply arrives in one piece: nothing to show progress of
+        if stream is None:
+            stream = (
+                bool(chunker.tensors) or self._client.options.max_message_bytes < UNARY_MIN_MESSAGE_BYTES
+                or sizes.expects_large(kind)
+            )
+        elif not stream and (chunker.tensors or self._client.options.max_message_bytes < UNARY_MIN_MESSAGE_BYTES):
+            stream = True  # large inputs, or a message limit a unary reply may not fit, need the stream
+        if not stream:
             reply = await self._client._unary(self._client.tensor_calls.infer, request)
             if type(reply) is CutReply:
                 sizes.note(kind, reply.msg.ByteSize() + sum(len(view) for view in reply.views.values()))
                 return _cut_result(reply)
             sizes.note(kind, reply.ByteSize())
             return InferResult.from_proto(reply)
-        result, reply_bytes = await self._infer_stream(request, chunker)
+        result, reply_bytes = await self._infer_stream(request, chunker, progress)
         sizes.note(kind, reply_bytes)
         return result
 
@@ -908,6 +927,8 @@ class RemoteModel:
         mode: str = "eval",
         seed: int | None = None,
         use_session: bool = True,
+        stream: bool | None = None,
+        progress: bool | None = False,
         kwargs: Mapping[str, Any] | None = None,
         **model_kwargs: Any,
     ) -> tuple[Any, ActivationCache]:
@@ -926,9 +947,10 @@ class RemoteModel:
         hooks of this one call (``hooks`` are added before them: rules there steer what
         is cached); the rest is as ``infer``. Keys: see ActivationCache.
 
-        Blocks until the call and its captures are in (one reply: large captures stream
-        in chunks, each copied once into its tensor, so the client holds about one copy
-        of the data; see docs/sdk.md). Raises ValueError for bad ``modules`` / ``parts``
+        Blocks until the call and its captures are in. ``stream`` and ``progress`` are as
+        in ``infer``: ``stream=True`` holds the client to about one copy of the data
+        (captures arrive in chunks, each copied once into its tensor), ``progress=True``
+        shows a bar while a large cache arrives (docs/sdk.md). Raises ValueError for bad ``modules`` / ``parts``
         (before anything is sent), and what ``infer`` raises: NotFoundError when a
         pattern matches no module, InvalidArgumentError for bad inputs or a select that
         does not apply, ResourceExhaustedError past the server's limits.
@@ -936,12 +958,12 @@ class RemoteModel:
         cached = cache_hooks(modules, parts, select=select, cast=cast, backward=backward is not None)
         result = await self.infer(
             *args, hooks=[*hooks, *cached], backward=backward, mode=mode, seed=seed, use_session=use_session,
-            kwargs=kwargs, **model_kwargs,
+            stream=stream, progress=progress, kwargs=kwargs, **model_kwargs,
         )
         return result.output, ActivationCache.from_result(result, parts)
 
     async def _infer_stream(
-        self, request: model_service_pb2.InferRequest, chunker: _codec.Chunker,
+        self, request: model_service_pb2.InferRequest, chunker: _codec.Chunker, progress: bool | None = False,
     ) -> tuple[InferResult, int]:
         """InferStream: large tensors travel as chunks both ways, each message within the
         limit. Returns the result and the bytes of the reply (its tensors included)."""
@@ -954,6 +976,7 @@ class RemoteModel:
                 yield chunk
 
         call = self._client.tensor_calls.infer_stream(messages(), timeout=self._client.options.timeout)
+        bar = TransferProgress(f"{self.name}: reply", enabled=progress)
         try:
             first = await call.read()
             if first is grpc.aio.EOF or kind_of(first) != "response":
@@ -961,14 +984,20 @@ class RemoteModel:
             first, views = uncut(first)
             assembler = _codec.ChunkAssembler(first.response)
             assembler.take(views)
+            total = assembler.nbytes
+            done = sum(len(v) for v in views.values())
+            bar.update(done, total)
             while not assembler.done:
                 msg = await call.read()
                 if type(msg) is RawChunk:
                     assembler.feed(msg)
-                    continue
-                if msg is grpc.aio.EOF or kind_of(msg) != "chunk":
+                elif msg is grpc.aio.EOF or kind_of(msg) != "chunk":
                     raise HookwireError("InferStream ended before the response's tensors were complete", code="DATA_LOSS")
-                assembler.feed(msg.chunk)
+                else:
+                    msg = msg.chunk
+                    assembler.feed(msg)
+                done += len(msg.data)
+                bar.update(done, total)
             reply_bytes = first.response.ByteSize() + assembler.nbytes
             return InferResult.from_proto(first.response, chunked=assembler.result()), reply_bytes
         except grpc.RpcError as exc:
@@ -976,6 +1005,7 @@ class RemoteModel:
         except _codec.CodecError as exc:
             raise HookwireError(f"InferStream: {exc}", code="DATA_LOSS") from None
         finally:
+            bar.close()
             call.cancel()  # a no-op once it has finished
 
     async def tokenize(
