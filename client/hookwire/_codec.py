@@ -583,13 +583,16 @@ class ChunkAssembler:
             self._views[tensor.chunk_id] = view
             self._filled[tensor.chunk_id] = 0
         self._pending = {cid for cid, view in self._views.items() if len(view)}
+        self._nbytes = total
+        #: Bytes copied into place so far, of ``nbytes`` (what a progress bar shows).
+        self.received = 0
         self._as_numpy = torch is None
         self._bf16 = {t.chunk_id for t in chunked if t.dtype == tensor_pb2.DTYPE_BFLOAT16}
 
     @property
     def nbytes(self) -> int:
         """Bytes of the chunked tensors."""
-        return sum(len(view) for view in self._views.values())
+        return self._nbytes
 
     def take(self, views: Mapping[int, Any]) -> None:
         """Copies whole tensors' data into place: ``views`` maps chunk ids to their bytes
@@ -624,6 +627,7 @@ class ChunkAssembler:
             raise CodecError(f"chunk of tensor {chunk.chunk_id} overruns its {len(view)} bytes")
         view[filled:end] = data
         self._filled[chunk.chunk_id] = end
+        self.received += end - filled
         if end == len(view):
             self._pending.discard(chunk.chunk_id)
 

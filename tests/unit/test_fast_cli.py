@@ -72,6 +72,9 @@ def test_import_help_argument_parsing_and_token_new_import_no_torch() -> None:
         with contextlib.redirect_stdout(out):
             assert cli.main(["token", "new", "alice", "--role", "viewer"]) == 0
         assert "alice:viewer:" in out.getvalue()
+        from hookwire._progress import TransferProgress  # tqdm only once a bar is drawn
+        with TransferProgress(enabled=True) as bar:
+            bar.update(1024, 4096)
         assert heavy() == [], heavy()
         print("OK")
         """
