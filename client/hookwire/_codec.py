@@ -1,13 +1,15 @@
 """Values and tensors between Python and the wire (hookwire.v1.Value / Tensor).
 
 One codec serves the SDK and the server. Decoding yields torch tensors when
-torch is importable (always on the server), else numpy arrays. Nothing here
+torch is importable (always on the server), else numpy arrays; torch is imported
+by the first tensor decoded, not with this module. Nothing here
 unpickles or evaluates anything: a Tensor is dtype + shape + raw bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import sys
 from typing import Any, Iterator, Mapping, cast
 
@@ -47,32 +49,96 @@ class CodecError(ValueError):
     """A value that cannot be encoded or decoded; the message names where."""
 
 
+# torch is imported lazily: importing it takes seconds, and the SDK's users that never
+# touch a tensor (the ``hookwire`` command's health, models, inspect, hooks) should not
+# pay for it. Encoding needs torch only for a torch tensor, which cannot exist unless
+# torch was imported already (``sys.modules``); decoding imports it on its first tensor
+# when it is installed (find_spec: decided without importing). Either way the module and
+# its dtype tables are looked up once, then read from these globals.
+
+#: The torch module once the codec has adopted it (None: not yet, or not installed).
+_torch_mod: Any = None
+#: Whether torch is importable; None until first asked (see torch_importable).
+_torch_found: bool | None = None
+#: torch dtype -> DType code, and the reverse; filled in place when torch is adopted.
+_TORCH_TO_WIRE: dict[Any, int] = {}
+_TORCH_DTYPES: dict[int, Any] = {}
+
+
+def torch_importable() -> bool:
+    """Whether torch is installed (decoding then yields torch tensors), decided without
+    importing it: its import takes seconds. Cached after the first call."""
+    global _torch_found
+    if _torch_found is None:
+        if "torch" in sys.modules:
+            _torch_found = sys.modules["torch"] is not None
+        else:
+            try:
+                _torch_found = importlib.util.find_spec("torch") is not None
+            except (ImportError, ValueError):  # an import hook that refuses it; a broken entry
+                _torch_found = False
+    return _torch_found
+
+
+def _adopt(torch: Any) -> Any:
+    """Fills the dtype tables from ``torch`` and makes it the codec's torch; returns it.
+    Idempotent, and safe from several threads: the tables are filled before _torch_mod
+    is set, so a reader that sees the module sees the tables."""
+    global _torch_mod
+    if _torch_mod is None:
+        to_wire = {
+            torch.float32: tensor_pb2.DTYPE_FLOAT32,
+            torch.float64: tensor_pb2.DTYPE_FLOAT64,
+            torch.float16: tensor_pb2.DTYPE_FLOAT16,
+            torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
+            torch.int8: tensor_pb2.DTYPE_INT8,
+            torch.int16: tensor_pb2.DTYPE_INT16,
+            torch.int32: tensor_pb2.DTYPE_INT32,
+            torch.int64: tensor_pb2.DTYPE_INT64,
+            torch.uint8: tensor_pb2.DTYPE_UINT8,
+            torch.bool: tensor_pb2.DTYPE_BOOL,
+        }
+        _TORCH_TO_WIRE.update(to_wire)
+        _TORCH_DTYPES.update({code: dt for dt, code in to_wire.items()})
+        _torch_mod = torch
+    return _torch_mod
+
+
+def _torch_loaded() -> Any:
+    """torch if something imported it already, else None; never imports it. What
+    encoding needs: a torch tensor implies an imported torch."""
+    if _torch_mod is not None:
+        return _torch_mod
+    torch = sys.modules.get("torch")
+    # A module object without Tensor is torch half-way through its own import: leave it.
+    if torch is None or not hasattr(torch, "Tensor"):
+        return None
+    return _adopt(torch)
+
+
 def _torch() -> Any:
+    """torch, imported now if it is installed and not imported yet (seconds, once), else
+    None. What decoding needs: results are torch tensors when torch is importable."""
+    if _torch_mod is not None:
+        return _torch_mod
+    if not torch_importable():
+        return None
     try:
         import torch
-    except ImportError:
+    except ImportError:  # found but broken: decode to numpy, as without torch
+        global _torch_found
+        _torch_found = False
         return None
-    return torch
+    return _adopt(torch)
 
 
-_torch_mod = _torch()
-if _torch_mod is not None:
-    _TORCH_TO_WIRE: dict[Any, int] = {
-        _torch_mod.float32: tensor_pb2.DTYPE_FLOAT32,
-        _torch_mod.float64: tensor_pb2.DTYPE_FLOAT64,
-        _torch_mod.float16: tensor_pb2.DTYPE_FLOAT16,
-        _torch_mod.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
-        _torch_mod.int8: tensor_pb2.DTYPE_INT8,
-        _torch_mod.int16: tensor_pb2.DTYPE_INT16,
-        _torch_mod.int32: tensor_pb2.DTYPE_INT32,
-        _torch_mod.int64: tensor_pb2.DTYPE_INT64,
-        _torch_mod.uint8: tensor_pb2.DTYPE_UINT8,
-        _torch_mod.bool: tensor_pb2.DTYPE_BOOL,
-    }
-    TORCH_DTYPES: dict[int, Any] = {code: dt for dt, code in _TORCH_TO_WIRE.items()}
-else:
-    _TORCH_TO_WIRE = {}
-    TORCH_DTYPES = {}
+def __getattr__(name: str) -> Any:
+    # TORCH_DTYPES: DType code -> torch dtype ({} without torch). Reading it imports
+    # torch when it is installed, as decoding does.
+    if name == "TORCH_DTYPES":
+        _torch()
+        return _TORCH_DTYPES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_name(code: int) -> str:
@@ -86,6 +152,8 @@ def dtype_name(code: int) -> str:
 def wire_dtype_of(dtype: Any) -> tensor_pb2.DType:
     """The DType code of a torch or numpy dtype; raises CodecError if it has none."""
     code: int | None = _TORCH_TO_WIRE.get(dtype)
+    if code is None and _torch_mod is None and _torch_loaded() is not None:
+        code = _TORCH_TO_WIRE.get(dtype)  # a torch dtype seen before the codec adopted torch
     if code is None:
         try:
             code = _NUMPY_TO_WIRE.get(np.dtype(dtype))
@@ -213,7 +281,7 @@ def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | S
     chunks, a Splicer writes it into the message's wire bytes). CUDA tensors are
     copied to the host first; the caller decides where that happens.
     """
-    torch = _torch_mod
+    torch = _torch_mod or _torch_loaded()
     code: int | None
     if torch is not None and isinstance(tensor, torch.Tensor):
         code = _TORCH_TO_WIRE.get(tensor.dtype)
@@ -279,7 +347,7 @@ def encode_value_into(
     """
     if _depth > MAX_DEPTH:
         raise CodecError(f"value nests deeper than {MAX_DEPTH} levels")
-    torch = _torch_mod
+    torch = _torch_mod or _torch_loaded()
     if (torch is not None and isinstance(obj, torch.Tensor)) or isinstance(obj, np.ndarray):
         return encode_tensor_into(obj, out.tensor, chunker)
     if isinstance(obj, tensor_pb2.TensorSummary):
@@ -393,11 +461,11 @@ def decode_tensor(
             raise CodecError(f"{where}: the data of chunk {msg.chunk_id} did not arrive")
         return chunked[msg.chunk_id]
     shape = tuple(msg.shape)
-    torch = None if as_numpy else _torch_mod
+    torch = None if as_numpy else (_torch_mod or _torch())
     if torch is not None:
         if not data:
-            return torch.empty(shape, dtype=TORCH_DTYPES[msg.dtype])
-        flat = torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[msg.dtype])
+            return torch.empty(shape, dtype=_TORCH_DTYPES[msg.dtype])
+        flat = torch.frombuffer(bytearray(data), dtype=_TORCH_DTYPES[msg.dtype])
         return flat.reshape(shape)
     arr = np.frombuffer(data, dtype=_NUMPY_DTYPES[msg.dtype]).reshape(shape)
     if msg.dtype == tensor_pb2.DTYPE_BFLOAT16:
@@ -493,7 +561,11 @@ class ChunkAssembler:
         self._views: dict[int, memoryview] = {}
         self._filled: dict[int, int] = {}
         total = 0
-        for tensor in chunked_tensors(msg):
+        chunked = list(chunked_tensors(msg))
+        # torch only when there is a tensor to make: most messages have none, and a
+        # stream of summaries (hookwire tap) never needs to import it.
+        torch = None if as_numpy or not chunked else (_torch_mod or _torch())
+        for tensor in chunked:
             if tensor.chunk_id in self.tensors:
                 raise CodecError(f"chunk id {tensor.chunk_id} is used twice in one message")
             count = check_tensor(tensor, f"chunked tensor {tensor.chunk_id}")
@@ -501,9 +573,8 @@ class ChunkAssembler:
             total += nbytes
             if max_bytes is not None and total > max_bytes:
                 raise CodecError(f"chunked tensors claim {total} bytes, over the limit of {max_bytes}")
-            torch = None if as_numpy else _torch_mod
             if torch is not None:
-                value = torch.empty(tuple(tensor.shape), dtype=TORCH_DTYPES[tensor.dtype])
+                value = torch.empty(tuple(tensor.shape), dtype=_TORCH_DTYPES[tensor.dtype])
                 view = memoryview(value.reshape(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
             else:
                 value = np.empty(tuple(tensor.shape), dtype=_NUMPY_DTYPES[tensor.dtype])
@@ -512,13 +583,16 @@ class ChunkAssembler:
             self._views[tensor.chunk_id] = view
             self._filled[tensor.chunk_id] = 0
         self._pending = {cid for cid, view in self._views.items() if len(view)}
-        self._as_numpy = as_numpy or _torch_mod is None
-        self._bf16 = {t.chunk_id for t in chunked_tensors(msg) if t.dtype == tensor_pb2.DTYPE_BFLOAT16}
+        self._nbytes = total
+        #: Bytes copied into place so far, of ``nbytes`` (what a progress bar shows).
+        self.received = 0
+        self._as_numpy = torch is None
+        self._bf16 = {t.chunk_id for t in chunked if t.dtype == tensor_pb2.DTYPE_BFLOAT16}
 
     @property
     def nbytes(self) -> int:
         """Bytes of the chunked tensors."""
-        return sum(len(view) for view in self._views.values())
+        return self._nbytes
 
     def take(self, views: Mapping[int, Any]) -> None:
         """Copies whole tensors' data into place: ``views`` maps chunk ids to their bytes
@@ -553,6 +627,7 @@ class ChunkAssembler:
             raise CodecError(f"chunk of tensor {chunk.chunk_id} overruns its {len(view)} bytes")
         view[filled:end] = data
         self._filled[chunk.chunk_id] = end
+        self.received += end - filled
         if end == len(view):
             self._pending.discard(chunk.chunk_id)
 

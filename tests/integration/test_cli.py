@@ -28,6 +28,28 @@ SCRIPT = pathlib.Path(sys.executable).with_name("hookwire")
 CONSOLE = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-P", "-m", "hookwire._cli"]
 
 
+#: The hookwire command (its main(), as the console script runs it), then on stderr's
+#: last line the heavy packages the run imported: issue #14's fast CLI, where commands
+#: that move no tensors import no torch (seconds). Checked by sys.modules, never by time.
+TRACED = [sys.executable, "-c", (
+    "import sys\n"
+    "from hookwire._cli import main\n"
+    "try:\n"
+    "    status = main(sys.argv[1:])\n"
+    "finally:\n"
+    "    heavy = ('torch', 'transformers', 'datasets', 'pyarrow', 'safetensors', 'fsspec', 'pandas', 'tqdm')\n"
+    "    print('imported:', sorted({m.split('.')[0] for m in sys.modules} & set(heavy)), file=sys.stderr)\n"
+    "sys.exit(status)\n"
+)]
+
+
+def _imported(stderr: str) -> str:
+    """The heavy packages a TRACED run imported, as its last stderr line says them."""
+    last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+    assert last.startswith("imported: "), stderr
+    return last.removeprefix("imported: ")
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     # No empty entries: an empty PYTHONPATH entry would put the working directory on the path.
@@ -140,10 +162,10 @@ def test_tap_shows_live_stats_and_removes_its_hook_on_ctrl_c(demo: Served) -> No
 
     import hookwire
 
-    tap = subprocess.Popen(
-        [*HOOKWIRE, "tap", "tiny-transformer", "encoder.layers.*", "--stats", "--every", "2", "--interval", "0.3",
+    tap = subprocess.Popen(  # TRACED: the tap's events carry summaries, not tensors, so it imports no torch
+        [*TRACED, "tap", "tiny-transformer", "encoder.layers.*", "--stats", "--every", "2", "--interval", "0.3",
          "--plain", "--target", demo.target],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
     )
 
     import threading as _threading
@@ -183,6 +205,7 @@ def test_tap_shows_live_stats_and_removes_its_hook_on_ctrl_c(demo: Served) -> No
     finally:
         tap.kill()
     assert tap.returncode == 0, err
+    assert _imported(err) == "[]", err
     assert "encoder.layers.0" in out and "encoder.layers.1" in out and "calls/s" in out and "mean" in out
     last_table = out.strip().split("\n\n")[-2] if "tap stopped" in out.strip().split("\n\n")[-1] else out
     rows = [line.split() for line in last_table.splitlines() if line.startswith("encoder.layers.")]
@@ -235,6 +258,33 @@ def test_hooks_rm_is_idempotent_like_handle_remove(demo: Served) -> None:
     assert kept in demo.run("hooks", "list").stdout
     assert "already gone" in demo.run("hooks", "rm", "--help").stdout
     assert demo.run("hooks", "rm", kept).returncode == 0
+
+
+def test_commands_that_move_no_tensors_import_no_torch(demo: Served) -> None:
+    import asyncio as _asyncio
+
+    import hookwire
+
+    async def register() -> str:
+        async with hookwire.connect(demo.target) as client:
+            handle = await client.model("mlp").hook("fc2", posthook=hookwire.capture(), scope="all", ttl_seconds=60)
+            return handle.id
+
+    hook_id = _asyncio.run(register())
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([*TRACED, *args], capture_output=True, text=True, timeout=300, env=_env())
+        assert proc.returncode == 0, proc.stderr
+        assert _imported(proc.stderr) == "[]", (args, proc.stderr)
+        return proc
+
+    assert "SERVING" in run("health", demo.target).stdout
+    assert run("models", "--target", demo.target).stdout.startswith("mlp\tready")
+    assert "[encoder.layers.0.attn.qkv]" in run("inspect", "tiny-transformer", "--target", demo.target).stdout
+    assert hook_id in run("hooks", "list", "--model", "mlp", "--target", demo.target).stdout
+    assert f"{hook_id}: removed" in run("hooks", "rm", hook_id, "--target", demo.target).stdout
+    assert "usage: hookwire" in run("--help").stdout
+    assert "token file line: alice:user:" in run("token", "new", "alice").stdout
 
 
 def test_generate_prints_the_text_of_in_process_generate(demo: Served) -> None:

@@ -1,0 +1,146 @@
+"""The SDK and the ``hookwire`` command import no torch until a tensor needs it (issue #14).
+
+Importing torch takes seconds, and ``hookwire --help``, ``health``, ``models``,
+``inspect``, ``hooks`` and ``token new`` never touch a tensor. Each check runs in a
+fresh interpreter (this one has torch imported already) and asserts on ``sys.modules``,
+never on time. The same commands against a real server: tests/integration/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+#: Packages the commands above must not import: torch and the heavy packages the SDK
+#: uses for datasets and harvests (and plots), each seconds or hundreds of ms to import.
+HEAVY = ("torch", "transformers", "datasets", "pyarrow", "safetensors", "fsspec", "pandas", "matplotlib", "tqdm")
+
+
+def _run(script: str) -> str:
+    env = dict(os.environ)
+    env.pop("PYTHONSTARTUP", None)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+PRELUDE = f"""
+import contextlib, io, sys
+HEAVY = {HEAVY!r}
+
+def heavy():
+    return sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)
+"""
+
+
+def test_import_help_argument_parsing_and_token_new_import_no_torch() -> None:
+    script = PRELUDE + textwrap.dedent(
+        """
+        import hookwire
+        import hookwire._cli as cli
+        assert heavy() == [], heavy()
+
+        parser = cli.build_parser()
+        argvs = [
+            ["serve", "--port", "0"], ["health"], ["health", "127.0.0.1:1", "--timeout", "2"], ["models"],
+            ["inspect", "m"], ["hooks", "list", "--model", "m"], ["hooks", "rm", "hk_" + "0" * 32],
+            ["tap", "m", "a.*", "--stats"], ["generate", "m", "hi", "-n", "3"],
+            ["harvest", "list"], ["harvest", "m", "--modules", "a.*", "--data", "d.jsonl", "--out", "o"],
+            ["token", "new", "alice"],
+        ]
+        for argv in argvs:
+            parser.parse_args(argv)
+        helps = [["--help"], *([command, "--help"] for command in
+                                ("serve", "health", "models", "inspect", "generate", "tap", "harvest", "hooks"))]
+        helps += [["hooks", "list", "--help"], ["hooks", "rm", "--help"], ["token", "new", "--help"]]
+        for argv in helps:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                try:
+                    cli.main(argv)
+                except SystemExit as exc:
+                    assert exc.code == 0, (argv, exc.code)
+                else:
+                    raise AssertionError(f"{argv} did not exit")
+            assert "usage: hookwire" in out.getvalue(), argv
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["token", "new", "alice", "--role", "viewer"]) == 0
+        assert "alice:viewer:" in out.getvalue()
+        from hookwire._progress import TransferProgress  # tqdm only once a bar is drawn
+        with TransferProgress(enabled=True) as bar:
+            bar.update(1024, 4096)
+        assert heavy() == [], heavy()
+        print("OK")
+        """
+    )
+    assert _run(script).strip() == "OK"
+
+
+def test_tensors_decode_to_torch_importing_it_on_the_first_one() -> None:
+    # The documented behaviour stays: torch tensors when torch is importable. It is
+    # decided without importing torch, which the first decoded tensor imports.
+    script = PRELUDE + textwrap.dedent(
+        """
+        import numpy as np
+        from hookwire import _codec
+        from hookwire.v1 import tensor_pb2
+
+        assert _codec.torch_importable() and "torch" not in sys.modules
+        values = np.arange(6, dtype="<f4").reshape(2, 3)
+        msg = _codec.encode_tensor(values)  # numpy needs no torch
+        value = _codec.encode_value({"x": values, "n": [1, 2.5, None]})
+        assert _codec.decode_tensor(msg, as_numpy=True).tolist() == values.tolist()
+        assert "torch" not in sys.modules
+
+        # The first tensor to decode here is a chunked one: ChunkAssembler imports torch
+        # and allocates torch tensors for the chunks to fill.
+        big = np.random.default_rng(0).standard_normal((256, 512)).astype("<f4")  # 512 KiB: chunked
+        chunker = _codec.Chunker(snapshot=False)
+        chunked = tensor_pb2.Value()
+        _codec.encode_value_into(big, chunked, chunker=chunker)
+        assert chunked.tensor.chunk_id and "torch" not in sys.modules
+        assembler = _codec.ChunkAssembler(chunked)
+        for chunk in chunker.chunks(64 * 1024):
+            assembler.feed(chunk)
+        out = _codec.decode_value(chunked, chunked=assembler.result())
+        import torch
+        assert isinstance(out, torch.Tensor) and torch.equal(out, torch.from_numpy(big)), type(out)
+
+        out = _codec.decode_tensor(msg)
+        assert isinstance(out, torch.Tensor) and out.dtype == torch.float32, type(out)
+        assert torch.equal(out, torch.from_numpy(values))
+        assert isinstance(_codec.decode_value(value)["x"], torch.Tensor)
+        assert _codec.TORCH_DTYPES[tensor_pb2.DTYPE_BFLOAT16] is torch.bfloat16
+        print("OK")
+        """
+    )
+    assert _run(script).strip() == "OK"
+
+
+def test_torch_imported_by_the_caller_is_used_for_encoding_before_any_decode() -> None:
+    # A torch tensor can only exist once torch is imported: encoding finds it in
+    # sys.modules (and fills the dtype tables then) without a decode having imported it.
+    script = PRELUDE + textwrap.dedent(
+        """
+        from hookwire import _codec
+        from hookwire.v1 import tensor_pb2
+        import torch
+
+        assert _codec.wire_dtype_of(torch.bfloat16) == tensor_pb2.DTYPE_BFLOAT16
+        t = torch.arange(12, dtype=torch.int16).reshape(3, 4)
+        msg = _codec.encode_tensor(t)
+        assert msg.dtype == tensor_pb2.DTYPE_INT16 and list(msg.shape) == [3, 4]
+        assert torch.equal(_codec.decode_tensor(msg), t)
+        value = _codec.encode_value((t.to(torch.bfloat16), {"m": t > 4}))
+        back = _codec.decode_value(value)
+        assert back[0].dtype == torch.bfloat16 and torch.equal(back[1]["m"], t > 4)
+        print("OK")
+        """
+    )
+    assert _run(script).strip() == "OK"
