@@ -984,9 +984,7 @@ class RemoteModel:
             first, views = uncut(first)
             assembler = _codec.ChunkAssembler(first.response)
             assembler.take(views)
-            total = assembler.nbytes
-            done = sum(len(v) for v in views.values())
-            bar.update(done, total)
+            bar.update(assembler.received, assembler.nbytes)
             while not assembler.done:
                 msg = await call.read()
                 if type(msg) is RawChunk:
@@ -994,10 +992,8 @@ class RemoteModel:
                 elif msg is grpc.aio.EOF or kind_of(msg) != "chunk":
                     raise HookwireError("InferStream ended before the response's tensors were complete", code="DATA_LOSS")
                 else:
-                    msg = msg.chunk
-                    assembler.feed(msg)
-                done += len(msg.data)
-                bar.update(done, total)
+                    assembler.feed(msg.chunk)
+                bar.update(assembler.received, assembler.nbytes)
             reply_bytes = first.response.ByteSize() + assembler.nbytes
             return InferResult.from_proto(first.response, chunked=assembler.result()), reply_bytes
         except grpc.RpcError as exc:

@@ -206,12 +206,12 @@ def tiny_lm() -> nn.Module:
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_LM_MAX_POSITIONS,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-        # Eager attention: its attention modules return their probabilities, so hooks on
-        # model.layers.N.self_attn capture real attention patterns (with transformers'
-        # default, sdpa, they return None there; docs/recipes/attention.md).
-        attn_implementation="eager",
     )
     model = _seeded(lambda: transformers.LlamaForCausalLM(config), 2)
+    # Eager attention: its attention modules return their probabilities, so hooks on
+    # model.layers.N.self_attn capture real attention patterns (with transformers'
+    # default, sdpa, they return None there; docs/recipes/attention.md).
+    model.set_attn_implementation("eager")  # type: ignore[operator]  # typed as a Tensor attribute by nn.Module
     return model
 
 

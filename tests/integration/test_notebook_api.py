@@ -333,3 +333,21 @@ def test_the_sync_quickstart_script_reproduces_the_readme_quickstart(server: Ser
     assert "connect_sync" in script and "async " not in script and "await " not in script
     synced = run(script.replace("127.0.0.1:50051", server.target))
     assert readme.splitlines() and synced.splitlines() == readme.splitlines()
+
+
+async def test_progress_shows_a_bar_for_a_large_cache_and_streams(
+    client: Any, capsys: pytest.CaptureFixture[str],
+) -> None:
+    x = torch.arange(3 * 2**20, dtype=torch.float32).reshape(3, 2**20)  # 12 MiB in, 12 MiB captured
+    model = client.model("scale")
+    out, cache = await model.run_with_cache(x, modules="**", progress=True)
+    err = capsys.readouterr().err
+    assert "scale: reply" in err and "MiB" in err
+    assert torch.equal(cache[""], x * 2) and torch.equal(out, x * 2)
+    # Small replies draw nothing, and stream=False / True give the same result.
+    small = torch.ones(2, 3)
+    unary = await model.infer(small, stream=False, hooks=[hookwire.HookSpec("", posthook=hookwire.capture("output"))])
+    streamed = await model.infer(small, stream=True, progress=True,
+                                 hooks=[hookwire.HookSpec("", posthook=hookwire.capture("output"))])
+    assert "reply" not in capsys.readouterr().err
+    assert torch.equal(unary.events[0].output, streamed.events[0].output)
