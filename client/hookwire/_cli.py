@@ -152,6 +152,37 @@ async def _inspect(ns: argparse.Namespace) -> int:
     return 0
 
 
+async def _parameters(ns: argparse.Namespace) -> int:
+    async with connect(ns.target, options=_client_options(ns)) as client:
+        # The bar shows on a terminal only (progress=None), unless --no-progress.
+        weights = await client.model(ns.model).parameters(
+            *ns.names, dtype=ns.dtype, progress=False if ns.no_progress else None,
+        )
+    total = 0
+    for name, value in weights.items():
+        nbytes = int(value.nbytes)
+        total += nbytes
+        dtype = str(value.dtype).replace("torch.", "")
+        print(f"{name}\t{list(value.shape)}\t{dtype}\t{nbytes / 2**20:.2f} MiB")
+    if ns.out:
+        _save_tensors(weights, ns.out)
+        print(f"wrote {len(weights)} tensors, {total / 2**20:.1f} MiB, to {ns.out}", file=sys.stderr)
+    return 0
+
+
+def _save_tensors(tensors: dict[str, Any], path: str) -> None:
+    """``tensors`` into one safetensors file (torch tensors or numpy arrays)."""
+    first = next(iter(tensors.values()), None)
+    if first is not None and type(first).__module__.startswith("torch"):
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    else:
+        from safetensors.numpy import save_file as save_numpy
+
+        save_numpy(dict(tensors), path)
+
+
 def read_hook_file(path: str) -> Any:
     """A HookSpec (wire form) from a file holding it in protobuf's JSON form, as
     ``google.protobuf.json_format.MessageToJson(spec.to_proto())`` writes it. Parsed as
@@ -432,6 +463,21 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("model")
     inspect.add_argument("--target", default=target_default, help=target_help)
 
+    parameters = sub.add_parser(
+        "parameters", help="read a model's weights by name or glob (where its config allows it)",
+        description="Reads the parameters NAMES name (exact names or globs: '*' one segment, '**' any) with "
+        "GetParameters and prints each one's name, shape, dtype and size; --out also saves them to a "
+        "safetensors file. The model's config must set parameters_readable = true (the demo models do). "
+        "A progress bar (bytes, rate) shows on a terminal once 8 MiB have arrived.",
+    )
+    parameters.add_argument("model")
+    parameters.add_argument("names", nargs="+", metavar="NAME")
+    parameters.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                            help="cast floating-point parameters on the server first")
+    parameters.add_argument("--out", "-o", default=None, help="save them to this .safetensors file")
+    parameters.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
+    parameters.add_argument("--target", default=target_default, help=target_help)
+
     generate = sub.add_parser(
         "generate", help="generate text with a causal LM, printed as it is produced",
         description="Generates up to -n tokens after PROMPT and prints the new text as it is produced (stdout), "
@@ -529,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "shows them) exits 2 before anything is removed.")
     hooks_rm.add_argument("ids", nargs="+", metavar="ID")
     hooks_rm.add_argument("--target", default=target_default, help=target_help)
-    for command in (models, inspect, generate, tap, health, hooks_list, hooks_rm, harvest):
+    for command in (models, inspect, parameters, generate, tap, health, hooks_list, hooks_rm, harvest):
         command.add_argument("--token", help="bearer token (default: the HOOKWIRE_TOKEN variable)")
         command.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server with the system roots")
         command.add_argument("--tls-ca", help="PEM CA that verifies the server (implies --tls)")
@@ -573,7 +619,8 @@ def _run(ns: argparse.Namespace) -> int:
         return _serve(ns)
     if ns.command == "token":
         return _token(ns)
-    commands = {"models": _models, "inspect": _inspect, "generate": _generate, "hooks": _hooks, "health": _health}
+    commands = {"models": _models, "inspect": _inspect, "generate": _generate, "hooks": _hooks, "health": _health,
+                "parameters": _parameters}
     try:
         if ns.command == "tap":
             return _tap(ns)

@@ -1031,7 +1031,9 @@ class RemoteModel:
         reply = await self._client._unary(self._client.model_stub.Tokenize, request)
         return Tokenized.from_proto(reply)
 
-    async def parameters(self, *names: str, dtype: CastName | None = None) -> dict[str, Any]:
+    async def parameters(
+        self, *names: str, dtype: CastName | None = None, progress: bool | None = False,
+    ) -> dict[str, Any]:
         """The model's parameters that ``names`` name, by name, in the model's
         ``named_parameters()`` order (each once)::
 
@@ -1054,18 +1056,21 @@ class RemoteModel:
         the user role, ResourceExhaustedError past the server's limits
         (max_parameter_names, max_parameter_bytes, max_parameter_calls_per_principal: the
         message names it); ValueError at once for no names or an unknown ``dtype``.
+        ``progress=True`` draws a bar (bytes so far, rate) once 8 MiB have arrived;
+        ``None`` only when stderr is a terminal.
         """
         request = parameters_request(self.name, names, dtype, self._client.options.stream_max_message_bytes)
         call = self._client.tensor_calls.get_parameters(request, timeout=self._client.options.timeout)
-        return await read_parameters(call, target=self._client.target)
+        with TransferProgress(f"{self.name}: parameters", enabled=progress) as bar:
+            return await read_parameters(call, target=self._client.target, progress=bar)
 
-    async def parameter(self, name: str, *, dtype: CastName | None = None) -> Any:
+    async def parameter(self, name: str, *, dtype: CastName | None = None, progress: bool | None = False) -> Any:
         """One parameter by its exact name, e.g. ``await model.parameter("lm_head.weight")``:
         ``parameters(name, dtype=dtype)[name]`` (see ``parameters`` for what it waits for
         and raises). ValueError for a glob (use ``parameters``)."""
         if "*" in name or "?" in name:
             raise ValueError(f"parameter() takes one exact name, not the glob {name!r}: use parameters()")
-        return (await self.parameters(name, dtype=dtype))[name]
+        return (await self.parameters(name, dtype=dtype, progress=progress))[name]
 
     def generate(
         self,

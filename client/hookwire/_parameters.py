@@ -9,6 +9,7 @@ import grpc
 from . import _codec
 from ._errors import HookwireError, from_rpc_error
 from ._framing import RawChunk
+from ._progress import TransferProgress
 from ._session import kind_of, uncut
 from ._specs import _CASTS, CastName
 from .v1 import model_service_pb2, tensor_pb2
@@ -32,14 +33,18 @@ def parameters_request(
     )
 
 
-async def read_parameters(call: grpc.aio.UnaryStreamCall, *, target: str = "") -> dict[str, Any]:
+async def read_parameters(
+    call: grpc.aio.UnaryStreamCall, *, target: str = "", progress: TransferProgress | None = None,
+) -> dict[str, Any]:
     """The parameters a GetParameters ``call`` (made with Client.tensor_calls, so chunk
     messages arrive as RawChunks) streams, by name, in the order they arrive (the
     model's named_parameters order). Each chunked tensor is allocated once and every
     chunk copied into it as it arrives: memory is the tensors plus one message. Raises
     the SDK's error for the call's status, HookwireError (DATA_LOSS) for a stream that
-    breaks the protocol; cancels the call on the way out, whatever happened."""
+    breaks the protocol; cancels the call on the way out, whatever happened. ``progress``
+    is fed the bytes received so far (the total is not known before the end)."""
     out: dict[str, Any] = {}
+    before = 0  # bytes of the parameters already complete
     try:
         while (msg := await call.read()) is not grpc.aio.EOF:
             if kind_of(msg) != "parameter":
@@ -50,6 +55,8 @@ async def read_parameters(call: grpc.aio.UnaryStreamCall, *, target: str = "") -
             parameter = msg.parameter
             assembler = _codec.ChunkAssembler(parameter)
             assembler.take(views)
+            if progress is not None:
+                progress.update(before + assembler.received)
             while not assembler.done:
                 chunk = await call.read()
                 if type(chunk) is RawChunk:  # read by hand: its data is a view of the message, copied once
@@ -59,6 +66,9 @@ async def read_parameters(call: grpc.aio.UnaryStreamCall, *, target: str = "") -
                 else:
                     raise HookwireError(f"GetParameters: the stream ended before the chunks of {parameter.name!r} "
                                         "were complete", code="DATA_LOSS")
+                if progress is not None:
+                    progress.update(before + assembler.received)
+            before += assembler.received
             out[parameter.name] = _codec.decode_tensor(parameter.tensor, where=parameter.name,
                                                        chunked=assembler.result())
     except grpc.RpcError as exc:

@@ -109,6 +109,26 @@ def test_inspect_command(demo: Served) -> None:
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
 
 
+def test_parameters_command_prints_and_saves_weights(demo: Served, tmp_path: pathlib.Path) -> None:
+    from safetensors.torch import load_file
+
+    from hookwire_server.demo_models import tiny_transformer
+
+    out_file = tmp_path / "w.safetensors"
+    out = demo.run("parameters", "tiny-transformer", "encoder.layers.*.attn.qkv.weight", "--out", str(out_file))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].split("\t")[:3] == ["encoder.layers.0.attn.qkv.weight", "[96, 32]", "float32"]
+    saved = load_file(str(out_file))
+    local = dict(tiny_transformer().named_parameters())
+    assert sorted(saved) == ["encoder.layers.0.attn.qkv.weight", "encoder.layers.1.attn.qkv.weight"]
+    for name, value in saved.items():
+        assert torch.equal(value, local[name])
+    cast = demo.run("parameters", "tiny-transformer", "embed.weight", "--dtype", "bfloat16", "--no-progress")
+    assert cast.returncode == 0 and "\tbfloat16\t" in cast.stdout
+    missing = demo.run("parameters", "tiny-transformer", "no.such.weight")
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+
+
 def test_factory_flag_and_config_with_safetensors_weights(tmp_path: pathlib.Path) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(42)
