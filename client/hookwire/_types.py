@@ -94,6 +94,9 @@ class ModelInfo:
     #: Whether ``RemoteModel.parameters`` may read its weights (the model config's
     #: ``parameters_readable``, off unless the operator sets it).
     parameters_readable: bool = False
+    #: Where its modules live when the server loaded it with a device map (module path to
+    #: "cpu", "disk" or an accelerator such as "cuda:1"); {} for a model on one device.
+    device_map: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, msg: model_service_pb2.Model) -> ModelInfo:
@@ -107,6 +110,7 @@ class ModelInfo:
             can_generate=msg.can_generate,
             has_tokenizer=msg.has_tokenizer,
             parameters_readable=msg.parameters_readable,
+            device_map=dict(msg.device_map),
             batching=BatchingInfo(
                 enabled=b.enabled, max_batch_size=b.max_batch_size, max_batch_delay_ms=b.max_batch_delay_ms,
                 batch_dim=b.batch_dim, reducing_inputs=tuple(b.reducing_inputs), pads_tokens=b.pads_tokens,
@@ -157,6 +161,10 @@ class InterceptEvent:
     #: pass, s for the pass that consumed the s-th new token); 0 for Infer calls.
     #: ``call_index`` counts within this one pass.
     step: int = 0
+    #: The devices the captured tensors were on in the server's hook ("cpu", "cuda:1"),
+    #: each once, in the order of the tensors; () when nothing tensor-valued was captured.
+    #: The tensors themselves arrive in host memory.
+    devices: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, msg: hook_pb2.InterceptEvent, chunked: Mapping[int, Any] | None = None) -> InterceptEvent:
@@ -180,6 +188,7 @@ class InterceptEvent:
             dropped=msg.dropped,
             raw=msg,
             step=msg.step,
+            devices=tuple(msg.devices),
         )
 
 

@@ -326,10 +326,10 @@ def _harvest_pass(host: Any, work: _BatchWork) -> _BatchResult:
 
     p = Pass(work.job_id, "", principal=work.owner, model=host.name)
     p.tap = tap
-    inputs: dict[str, Any] = {"input_ids": ids}
+    inputs: dict[str, Any] = {"input_ids": ids.to(host.device)}
     params = forward_parameters(host.module)
     if "attention_mask" in params:
-        inputs["attention_mask"] = mask
+        inputs["attention_mask"] = mask.to(host.device)
     if "use_cache" in params:
         inputs["use_cache"] = False  # a KV cache nobody reads: no values change, less memory
     try:

@@ -16,8 +16,10 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
 from google.protobuf import timestamp_pb2
 from torch.utils.hooks import RemovableHandle
 
@@ -355,25 +357,31 @@ class HookRecord:
         nbytes = 0
         options = action.options
         encode = functools.partial(_codec.encode_value_into, opaque_caches=True)  # a KV cache in kwargs: null, marked
+        devices: list[str] = []
         try:
             for part in action.capture:
                 if part == hook_pb2.PART_ARGS:
                     for value in parts["args"]:
+                        _devices_of(value, devices)
                         value = options.prepare(value) if options.transforms else value
                         nbytes += encode(value, event.args.add(), chunker=chunker)
                 elif part == hook_pb2.PART_KWARGS:
                     for key, value in parts["kwargs"].items():
+                        _devices_of(value, devices)
                         value = options.prepare(value) if options.transforms else value
                         nbytes += encode(value, event.kwargs[key], chunker=chunker)
                 elif part == hook_pb2.PART_OUTPUT:
+                    _devices_of(parts["output"], devices)
                     value = options.prepare(parts["output"]) if options.transforms else parts["output"]
                     nbytes += encode(value, event.output, chunker=chunker)
                 else:
                     field = "grad_input" if part == hook_pb2.PART_GRAD_INPUT else "grad_output"
                     target = getattr(event, field)
                     for value in parts[field]:
+                        _devices_of(value, devices)
                         value = options.prepare(value) if options.transforms else value
                         nbytes += encode(value, target.add(), chunker=chunker)
+            event.devices.extend(devices)
         except _codec.CodecError as exc:
             raise Unimplemented(f"hook {self.hook_id} on module {path!r} cannot capture {_part_name(part)}: {exc}") from None
         except (IndexError, RuntimeError, ValueError, TypeError) as exc:  # a selection that does not fit, ...
@@ -434,6 +442,21 @@ def _install(module: Any, action: Action, fn: Callable[..., None]) -> RemovableH
     if action.phase == hook_pb2.PHASE_BACKWARD_PRE:
         return module.register_full_backward_pre_hook(fn, prepend=action.prepend)
     return module.register_full_backward_hook(fn, prepend=action.prepend)
+
+
+def _devices_of(value: Any, out: list[str]) -> None:
+    """Adds the devices of the tensors in ``value`` that ``out`` lacks, in order
+    (InterceptEvent.devices). Plain walks of the few containers a hook sees."""
+    if isinstance(value, torch.Tensor):
+        name = str(value.device)
+        if name not in out:
+            out.append(name)
+    elif type(value) in (tuple, list):
+        for v in value:
+            _devices_of(v, out)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _devices_of(v, out)
 
 
 def _copy(msg: hook_service_pb2.SessionMessage) -> hook_service_pb2.SessionMessage:

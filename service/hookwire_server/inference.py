@@ -389,14 +389,30 @@ class Inference:
 
 
 def _decode_inputs(
-    request: model_service_pb2.InferRequest, chunked: Mapping[int, Any] | None
+    request: model_service_pb2.InferRequest, chunked: Mapping[int, Any] | None, device: torch.device,
 ) -> tuple[list[Any], dict[str, Any]]:
+    """The call's inputs as torch values, their tensors on ``device`` (the model's input
+    device: on the CPU nothing moves)."""
     try:
         args = [_codec.decode_value(v, where=f"args[{i}]", chunked=chunked) for i, v in enumerate(request.args)]
         kwargs = {k: _codec.decode_value(v, where=f"kwargs[{k!r}]", chunked=chunked) for k, v in request.kwargs.items()}
     except _codec.CodecError as exc:
         raise InvalidArgument(str(exc)) from None
+    if device.type != "cpu":
+        args = [to_device(v, device) for v in args]
+        kwargs = {k: to_device(v, device) for k, v in kwargs.items()}
     return args, kwargs
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it moved to ``device`` (lists, tuples and maps rebuilt)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if type(value) in (list, tuple):
+        return type(value)(to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value
 
 
 @dataclasses.dataclass
@@ -463,7 +479,7 @@ def run_infer_batch(host: ModelHost, calls: list[InferCall]) -> list[Any]:
     if len(calls) > 1:
         for i, call in enumerate(calls):
             try:
-                inputs.append((i, _decode_inputs(call.request, call.chunked)))
+                inputs.append((i, _decode_inputs(call.request, call.chunked, host.device)))
             except Exception as exc:  # its own bad tensor fails only it
                 results[i] = exc
     if len(inputs) > 1:
@@ -558,7 +574,7 @@ def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferRespon
     p, request, records, train, backward, seed, chunked = (
         call.p, call.request, call.records, call.train, call.backward, call.seed, call.chunked
     )
-    args, kwargs = _decode_inputs(request, chunked)
+    args, kwargs = _decode_inputs(request, chunked, host.device)
     model = host.module
     if p.splicer is not None:
         p.splicer.snapshot = True  # captures during the pass (see below for the output)

@@ -69,6 +69,23 @@ class ModelConfig:
     #: Whether GetParameters may read the model's weights (off by default: production
     #: weights may be private; see docs/security.md).
     parameters_readable: bool = False
+    #: For a transformers folder: where its modules live, as transformers and accelerate
+    #: take it: "auto", "balanced", "balanced_low_0", "sequential", or a mapping from
+    #: module path to a device ("cpu", "disk", "cuda:1", or a GPU index). Unset: one
+    #: device (the CPU), as before. See docs/deploy.md ("Models bigger than one device").
+    device_map: str | dict[str, Any] | None = None
+    #: For a transformers folder with a device_map: the most memory each device may hold
+    #: ({"0": "20GiB", "cpu": "64GiB"}; keys are GPU indices, "cpu", or device names).
+    max_memory: dict[str, Any] | None = None
+    #: For a transformers folder: the dtype its weights load in ("float32", "float16",
+    #: "bfloat16", or "auto" for the folder's own); unset, transformers' default.
+    torch_dtype: str | None = None
+    #: For a transformers folder with a device_map: where modules mapped to "disk" keep
+    #: their weights (relative to the config file; created when missing).
+    offload_folder: str | None = None
+    #: The one device a model without a device_map runs on ("cpu", "cuda", "cuda:1",
+    #: "mps"): moved there once loaded; inputs are moved there per call. Unset: the CPU.
+    device: str | None = None
 
     def check(self) -> None:
         """ConfigError naming the model and the key for a key of the wrong type (TOML gives
@@ -79,6 +96,8 @@ class ModelConfig:
             )
         self.batch_config()
         self.checked_attn_implementation()
+        self.placement_kwargs()
+        self.checked_device()
 
     #: For a transformers folder: the attention implementation transformers loads it with
     #: ("eager", "sdpa", or another name transformers accepts); unset, transformers'
@@ -102,6 +121,88 @@ class ModelConfig:
         if "attn_implementation" in self.kwargs:
             raise ConfigError(f"model {self.name!r}: attn_implementation is set twice (also in kwargs)")
         return value
+
+    def placement_kwargs(self) -> dict[str, Any]:
+        """``device_map``, ``max_memory``, ``torch_dtype`` and ``offload_folder`` checked and
+        turned into ``from_pretrained``'s keyword arguments ({} when none is set).
+
+        ConfigError naming the model and the key for a value of the wrong type, a device
+        name torch does not parse, a key set for a factory model (only transformers
+        folders load through accelerate) or also in ``kwargs``, max_memory or
+        offload_folder without a device_map, and an explicit map sending modules to "disk"
+        without an offload_folder. Whether the devices exist and the model fits them is for
+        accelerate to say when the model loads (its message becomes the FAILED reason)."""
+        keys = {"device_map": self.device_map, "max_memory": self.max_memory,
+                "torch_dtype": self.torch_dtype, "offload_folder": self.offload_folder}
+        given = {k: v for k, v in keys.items() if v is not None}
+        if not given:
+            return {}
+        name = self.name
+        if not self.transformers:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ConfigError(f"model {name!r}: {', '.join(sorted(given))} {verb} to transformers folders only")
+        for key in given:
+            if key in self.kwargs or (key == "torch_dtype" and "dtype" in self.kwargs):
+                raise ConfigError(f"model {name!r}: {key} is set twice (also in kwargs)")
+        out: dict[str, Any] = {}
+        dm = self.device_map
+        if dm is not None:
+            if isinstance(dm, str):
+                if dm not in DEVICE_MAP_STRATEGIES:
+                    raise ConfigError(f"model {name!r}: device_map must be one of {', '.join(DEVICE_MAP_STRATEGIES)} "
+                                      f"or a table of module paths to devices, not {dm!r}")
+                out["device_map"] = dm
+            elif isinstance(dm, dict) and dm:
+                out["device_map"] = {
+                    str(path): _placement_device(name, f"device_map[{path!r}]", device, allow_disk=True)
+                    for path, device in dm.items()
+                }
+            else:
+                raise ConfigError(f"model {name!r}: device_map must be a strategy name or a non-empty table, not {dm!r}")
+        if self.max_memory is not None:
+            if dm is None:
+                raise ConfigError(f"model {name!r}: max_memory needs a device_map")
+            if not isinstance(self.max_memory, dict) or not self.max_memory:
+                raise ConfigError(f"model {name!r}: max_memory must be a table of devices to sizes, not {self.max_memory!r}")
+            memory: dict[int | str, int | str] = {}
+            for device, size in self.max_memory.items():
+                if isinstance(size, bool) or not isinstance(size, (int, str)) or (isinstance(size, int) and size <= 0):
+                    raise ConfigError(f"model {name!r}: max_memory[{device!r}] must be bytes or a size such as "
+                                      f"\"20GiB\", not {size!r}")
+                memory[_placement_device(name, f"max_memory[{device!r}]", device, allow_disk=False)] = size
+            out["max_memory"] = memory
+        if self.torch_dtype is not None:
+            if self.torch_dtype not in TORCH_DTYPES:
+                raise ConfigError(f"model {name!r}: torch_dtype must be one of {', '.join(TORCH_DTYPES)}, "
+                                  f"not {self.torch_dtype!r}")
+            # transformers 5 names it dtype (torch_dtype is its deprecated spelling).
+            out["dtype"] = TORCH_DTYPES[self.torch_dtype]
+        if self.offload_folder is not None:
+            if dm is None:
+                raise ConfigError(f"model {name!r}: offload_folder needs a device_map")
+            if not isinstance(self.offload_folder, str) or not self.offload_folder:
+                raise ConfigError(f"model {name!r}: offload_folder must be a path, not {self.offload_folder!r}")
+            out["offload_folder"] = self.offload_folder
+        elif isinstance(out.get("device_map"), dict) and "disk" in out["device_map"].values():
+            raise ConfigError(f"model {name!r}: device_map sends modules to \"disk\": set offload_folder")
+        return out
+
+    def checked_device(self) -> torch.device | None:
+        """``device`` parsed, or None; ConfigError naming the model for a name torch does not
+        parse, the meta device, or a device set beside a device_map (accelerate places a
+        mapped model's modules itself)."""
+        if self.device is None:
+            return None
+        if self.device_map is not None:
+            raise ConfigError(f"model {self.name!r}: set device or device_map, not both")
+        try:
+            device = torch.device(self.device) if isinstance(self.device, str) else None
+        except (RuntimeError, ValueError):
+            device = None
+        if device is None or device.type == "meta":
+            raise ConfigError(f"model {self.name!r}: device must be a device name such as \"cpu\" or \"cuda:0\", "
+                              f"not {self.device!r}")
+        return device
 
     def batch_config(self) -> BatchConfig:
         """The batching keys, checked; ConfigError naming the model and the key for a bad one."""
@@ -137,6 +238,42 @@ class ModelConfig:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"model {self.name!r}: {exc}") from None
         return config
+
+
+#: device_map strategies accelerate computes a map for.
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+#: torch_dtype names (the config's string) and what from_pretrained is given.
+TORCH_DTYPES: dict[str, Any] = {
+    "auto": "auto", "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+}
+
+
+def _placement_device(model: str, key: str, device: Any, *, allow_disk: bool) -> int | str:
+    """A device of a device_map or max_memory entry as accelerate takes it: an int for a
+    GPU index (TOML table keys are strings: "0" becomes 0), "cpu", "disk" (maps only),
+    or a name torch parses ("cuda:1", "mps"); ConfigError naming ``key`` otherwise."""
+    if isinstance(device, bool):
+        raise ConfigError(f"model {model!r}: {key} must be a device, not {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ConfigError(f"model {model!r}: {key}: a GPU index must be >= 0, not {device}")
+        return device
+    if isinstance(device, str):
+        if device.isdigit():
+            return int(device)
+        if device == "disk":
+            if not allow_disk:
+                raise ConfigError(f"model {model!r}: {key}: \"disk\" holds no memory budget (use offload_folder)")
+            return device
+        try:
+            parsed = torch.device(device)
+        except (RuntimeError, ValueError):
+            parsed = None
+        if parsed is not None and parsed.type != "meta":
+            return device
+    disk = ', "disk"' if allow_disk else ""
+    raise ConfigError(f"model {model!r}: {key} must be a GPU index, \"cpu\"{disk} or a device name "
+                      f"such as \"cuda:1\", not {device!r}")
 
 
 def parse_model_flag(text: str) -> ModelConfig:
@@ -186,7 +323,7 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], list[Mod
             raise ConfigError(f"config {path}: models[{i}] has unknown keys {sorted(unknown)}")
         if "name" not in entry:
             raise ConfigError(f"config {path}: models[{i}] has no name")
-        for key in ("weights", "transformers"):
+        for key in ("weights", "transformers", "offload_folder"):
             if entry.get(key):
                 entry[key] = str(base / entry[key])
         model = ModelConfig(**entry)
@@ -246,6 +383,9 @@ def build_model(config: ModelConfig) -> nn.Module:
         raise ConfigError(f"model {config.name!r}: the factory returned {type(model).__name__}, not an nn.Module")
     if config.weights:
         load_weights(model, config.weights)
+    device = config.checked_device()
+    if device is not None:
+        model = model.to(device)
     return model.eval()
 
 
@@ -264,6 +404,11 @@ def _load_transformers(config: ModelConfig) -> nn.Module:
     attn = config.checked_attn_implementation()
     if attn is not None:
         kwargs["attn_implementation"] = attn
+    placement = config.placement_kwargs()
+    if "device_map" in placement and importlib.util.find_spec("accelerate") is None:
+        raise ConfigError(f"model {config.name!r}: device_map needs accelerate, which is not installed "
+                          "(from a checkout of this repository: pip install '.[transformers]')")
+    kwargs.update(placement)
     return auto.from_pretrained(str(folder), local_files_only=True, **kwargs)  # type: ignore[no-any-return]
 
 

@@ -232,9 +232,13 @@ class ModelHost:
         self._resolved: dict[str, list[str]] = {}
         self._resolved_lock = threading.Lock()
         self._path_of: dict[int, str] = {id(m): p for p, m in self.modules.items()}
-        first = next(module.parameters(), None)
-        #: Where rule operands are decoded to (the device of the model's first parameter).
-        self.device = first.device if first is not None else torch.device("cpu")
+        #: Where its modules live when it was loaded with a device map (accelerate's
+        #: hf_device_map: module path -> "cpu", "disk", "cuda:1", ...), else {}.
+        self.device_map: dict[str, str] = placement_of(module)
+        #: Where inputs and rule operands are decoded to: the device the model's first
+        #: module runs on (under a device map, accelerate moves what each module receives to
+        #: its own device, and rule operands are cast once per device they edit on).
+        self.device = input_device(module, self.device_map)
         self._executor = DaemonWorker(f"model:{name}")
         #: Hook firings on this model that passed scope and gating (the hook_fires metric):
         #: a plain counter only the worker thread adds to, as a metric increment per firing
@@ -326,6 +330,22 @@ class ModelHost:
             self._parameter_index = PathIndex(list(self.parameters))
         return self._parameter_index
 
+    def parameter_value(self, name: str) -> torch.Tensor:
+        """Parameter ``name``'s value, also when a device map offloaded it (accelerate then
+        leaves a tensor on the meta device in the module and keeps the weight on the CPU
+        or on disk, loading it around each forward): read from accelerate's weights map.
+        Worker thread (between passes: a pass swaps offloaded weights in and out)."""
+        param = self.parameters[name]
+        if param.device.type != "meta":
+            return param.detach()
+        module_path, _, local = name.rpartition(".")
+        hook = getattr(self.modules.get(module_path), "_hf_hook", None)
+        weights = getattr(hook, "weights_map", None)
+        if weights is None:
+            raise FailedPrecondition(f"parameter {name!r} of model {self.name!r} is on the meta device "
+                                     "and no offload map holds its value")
+        return torch.as_tensor(weights[local]).detach()
+
     def path_of(self, module: nn.Module) -> str | None:
         """The path of one of this model's modules, or None."""
         return self._path_of.get(id(module))
@@ -336,6 +356,7 @@ class ModelHost:
             name=self.name, description=self.description, training_allowed=self.training_allowed,
             can_generate=self.can_generate, has_tokenizer=self.tokenizer is not None,
             batching=self.batching.to_proto(), parameters_readable=self.parameters_readable,
+            device_map=self.device_map,
         )
         if with_modules:
             for path, mod in self.modules.items():
@@ -499,3 +520,29 @@ class ModelRegistry:
         """Stops every model's worker thread (without waiting for a running pass)."""
         for host in self:
             host.shutdown()
+
+
+def placement_of(module: nn.Module) -> dict[str, str]:
+    """A device-mapped model's placement (accelerate's ``hf_device_map``) as names: GPU
+    indices become "cuda:N"; {} for a model loaded without a device map."""
+    mapping = getattr(module, "hf_device_map", None)
+    if not isinstance(mapping, dict):
+        return {}
+    return {str(path): f"cuda:{device}" if isinstance(device, int) else str(device) for path, device in mapping.items()}
+
+
+def input_device(module: nn.Module, device_map: dict[str, str]) -> torch.device:
+    """Where a model's inputs go: under a device map, the device of its first mapped
+    module that holds its weights on an accelerator (modules kept on the CPU or disk take
+    CPU inputs: accelerate moves them on); else the device of the first parameter that is
+    not on the meta device; else the CPU."""
+    if device_map:
+        for device in device_map.values():
+            if device not in ("cpu", "disk"):
+                return torch.device(device)
+        return torch.device("cpu")
+    for param in module.parameters():
+        if param.device.type != "meta":
+            return param.device
+    return torch.device("cpu")
+

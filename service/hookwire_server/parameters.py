@@ -124,7 +124,7 @@ def copy_parameters(host: ModelHost, names: list[str], cast: torch.dtype | None,
     out: list[Reply] = []
     with torch.no_grad():
         for name in names:
-            t = host.parameters[name].detach()
+            t = host.parameter_value(name)
             if cast is not None and t.is_floating_point():
                 t = t.to(cast)
             msg = model_service_pb2.GetParametersResponse()

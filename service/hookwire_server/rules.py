@@ -201,13 +201,14 @@ class CompiledRule:
 
     def _patch(self, t: torch.Tensor, slots: SlotStore | None) -> torch.Tensor:
         assert slots is not None
-        source = slots.get(self.slot)
+        # On the target's device and in its dtype: moved once per saved value, not per firing.
+        source = slots.get_as(self.slot, t.dtype, t.device)
         if source is None:
             raise FailedPrecondition(f"slot {self.slot!r} is empty (save into it first)")
         if self.index is not None and source.shape == t.shape:
             source = source[self.index]  # a whole saved activation: patch the same selection
         target = t if self.index is None else t[self.index]
-        value = source.to(dtype=t.dtype, device=t.device).expand(target.shape).clone()
+        value = source.expand(target.shape).clone()
         if self.index is None:
             return value
         new = t.clone()

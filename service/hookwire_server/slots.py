@@ -24,6 +24,8 @@ class SlotStore:
         self._lock = threading.Lock()
         self._slots: dict[str, torch.Tensor] = {}
         self._bytes = 0
+        #: Copies of slots on other devices or in other dtypes (get_as), dropped with the slot.
+        self._moved: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
     @staticmethod
     def _size(tensor: torch.Tensor) -> int:
@@ -42,11 +44,32 @@ class SlotStore:
                 )
             self._slots[name] = tensor.detach().clone()
             self._bytes = total
+            self._drop_moved(name)
 
     def get(self, name: str) -> torch.Tensor | None:
         """The tensor in ``name``, or None."""
         with self._lock:
             return self._slots.get(name)
+
+    def get_as(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The tensor in ``name`` in ``dtype`` on ``device``, or None when empty. A patch
+        into a module on another device than the save (a device map) moves the slot once,
+        not on every firing: the moved copy is kept until the slot is saved again or
+        freed. It is not counted against ``max_bytes`` (it lives on the patching device,
+        one per device and dtype)."""
+        with self._lock:
+            tensor = self._slots.get(name)
+            if tensor is None or (tensor.dtype == dtype and tensor.device == device):
+                return tensor
+            key = (name, dtype, device)
+            moved = self._moved.get(key)
+            if moved is None:
+                moved = self._moved[key] = tensor.to(dtype=dtype, device=device)
+            return moved
+
+    def _drop_moved(self, name: str) -> None:
+        for key in [k for k in self._moved if k[0] == name]:
+            del self._moved[key]
 
     def require(self, name: str) -> torch.Tensor:
         """The tensor in ``name``; NotFound when empty."""
@@ -70,6 +93,7 @@ class SlotStore:
         """Frees every slot."""
         with self._lock:
             self._slots.clear()
+            self._moved.clear()
             self._bytes = 0
 
 

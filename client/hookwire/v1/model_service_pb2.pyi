@@ -65,7 +65,14 @@ class GetModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer", "batching", "parameters_readable")
+    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer", "batching", "parameters_readable", "device_map")
+    class DeviceMapEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TRAINING_ALLOWED_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +83,7 @@ class Model(_message.Message):
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     BATCHING_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_READABLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MAP_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     training_allowed: bool
@@ -86,7 +94,8 @@ class Model(_message.Message):
     has_tokenizer: bool
     batching: Batching
     parameters_readable: bool
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ..., parameters_readable: _Optional[bool] = ...) -> None: ...
+    device_map: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ..., parameters_readable: _Optional[bool] = ..., device_map: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Batching(_message.Message):
     __slots__ = ("enabled", "max_batch_size", "max_batch_delay_ms", "batch_dim", "reducing_inputs", "pads_tokens")
