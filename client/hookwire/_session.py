@@ -194,9 +194,14 @@ class _Inbox:
         """Lets waiting readers look again (the hook or a call ended, or the stream did)."""
         self._wake.set()
 
-    async def wait(self) -> None:
-        """Waits for the next put or wake. Check every condition first: a wake before this call is not kept."""
+    def arm(self) -> None:
+        """Forgets earlier wakes: call it before checking the conditions ``wait`` waits on.
+        (Clearing inside ``wait`` lost wakes: under ``asyncio.wait_for`` the wait starts a
+        loop turn later, and a marker routed in that turn was cleared unseen.)"""
         self._wake.clear()
+
+    async def wait(self) -> None:
+        """Waits for a put or wake since the last ``arm``."""
         await self._wake.wait()
 
 
@@ -262,6 +267,7 @@ class EventRouter:
         nothing has arrived for that many seconds."""
         inbox = self._inbox(hook_id)
         while True:
+            inbox.arm()
             end = None if until is None else self.calls.position(until)
             if end is not None and (not inbox.items or inbox.items[0][0] > end):
                 return

@@ -29,6 +29,7 @@ import torch
 
 from hookwire.v1 import model_service_pb2, tensor_pb2
 
+from .deferred import DeferredCaptures
 from .errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -125,6 +126,8 @@ class Batch:
         self.shared = len(segments) > 1
         #: The hooks that fired in this shared pass, with their state before it (see undo).
         self._ledger: dict[int, tuple[Any, Any]] = {}
+        #: Its asynchronous captures whose copies are in flight (deferred.py).
+        self.deferred = DeferredCaptures()
 
     def note(self, record: Any) -> None:
         """Remembers a hook's state before its first firing in this pass. Worker thread."""
@@ -135,6 +138,7 @@ class Batch:
         """Puts every hook that fired in this failed shared pass back as it was before it
         (counts, sampling budgets and draws), so that its calls, run again alone, fire as if
         it never ran. (A hook a failing rule disabled stays disabled: its notice is out.)"""
+        self.deferred.drop()
         for record, state in self._ledger.values():
             record.restore(state)
         self._ledger.clear()

@@ -868,12 +868,14 @@ def _step_work(call: StepCall) -> Work:
 def _run_step(host: ModelHost, call: StepCall) -> StepResult:
     """One step of a Generate call alone (worker thread); signals the stream when it is over."""
     p, decoder = call.p, call.decoder
-    host.current_batch = Batch.alone(p)
+    batch = host.current_batch = Batch.alone(p)
     p.begin_step(call.step)
     try:
         tokens = _call(host, "forward", decoder.step)
+        batch.deferred.finish()  # asynchronous captures: the step's events, before its end
         return StepResult(tokens, tuple(decoder.reasons), decoder.finished)
     finally:
+        batch.deferred.finish(raise_errors=False)  # a failed step: what was captured still goes out
         host.current_batch = None
         call.put(("done",))
 
@@ -954,6 +956,7 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
     try:
         with torch.no_grad():
             outputs = _call(host, "forward", lambda: model(**merged, return_dict=True))
+        batch.deferred.finish()  # asynchronous captures: their events, held with the calls'
     except BaseException:
         batch.undo()  # its calls' steps run again alone, as if this pass never ran
         host.fires = fires

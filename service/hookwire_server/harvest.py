@@ -335,10 +335,13 @@ def _harvest_pass(host: Any, work: _BatchWork) -> _BatchResult:
     try:
         for record in work.records:
             record.attach()
-        host.current_batch = batching.Batch.alone(p)
+        running = host.current_batch = batching.Batch.alone(p)
         with torch.no_grad():
             host.module(**inputs)
+        running.deferred.finish()  # asynchronous captures of other hooks in the pass, if any
     finally:
+        if host.current_batch is not None:
+            host.current_batch.deferred.finish(raise_errors=False)
         host.current_batch = None
         for record in work.records:
             record.detach()

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -30,6 +30,7 @@ from hookwire.v1 import hook_pb2, hook_service_pb2
 
 from .auth import ANONYMOUS, Principal
 from .capture import Sampler
+from .deferred import HostCopies, wants_deferral
 from .errors import InvalidArgument, Unimplemented
 from .event_bus import EventStream, HookCounters
 from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec, _part_name
@@ -208,6 +209,8 @@ class HookRecord:
         batch = self.host.current_batch
         if batch is None or not self.active:
             return None
+        if batch.deferred:
+            batch.deferred.poll()  # earlier asynchronous captures whose copies are done go out
         if not batch.shared:
             return self._fire_call(action, path, module, parts, batch.segments[0].p)
         batch.note(self)
@@ -293,14 +296,46 @@ class HookRecord:
     def _capture(
         self, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any]
     ) -> None:
+        if self.compiled.scope == SCOPE_REQUEST and p.tap is not None:
+            p.tap(self.hook_id, action, path, call_index, parts)  # a harvest batch: the tensors themselves, no event
+            return
+        batch = self.host.current_batch
+        mode = self.host.async_captures
+        if batch is not None and mode != "off" and wants_deferral(mode, [v for _, _, _, v in _captured(action, parts)]):
+            self._capture_later(batch, action, path, p, call_index, training, parts)
+            return
+        self._send(action, path, p, call_index, training, parts, None)
+
+    def _capture_later(
+        self, batch: Any, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any]
+    ) -> None:
+        """An asynchronous capture (deferred.py): selection and cast now, on the device; the
+        copies to the host started; numbering, encoding and delivery once they are done."""
+        copies = HostCopies()
+        try:
+            items, devices = _prepare(self.hook_id, action, path, parts, copies.copy)
+        except Exception as exc:
+            if self.compiled.scope == SCOPE_REQUEST:
+                raise  # the request's own hook: its call fails, as a capture failure always did
+            self.errors += 1
+            self._disable(f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}",
+                          hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, p)
+            return
+        self.host.deferred_captures += 1
+        batch.deferred.add(copies.events(), copies.keep, functools.partial(
+            self._send, action, path, p, call_index, training, parts, (items, devices)))
+
+    def _send(
+        self, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any],
+        prepared: tuple[list[Captured], list[str]] | None,
+    ) -> None:
+        """Numbers, encodes and delivers one capture (``prepared``: its values already
+        selected, cast and on the host, from _capture_later)."""
         if self.compiled.scope == SCOPE_REQUEST:
-            if p.tap is not None:  # a harvest batch: the tensors themselves, no event
-                p.tap(self.hook_id, action, path, call_index, parts)
-                return
             # The request's own hook: a capture failure fails the request (raised through forward),
             # and so does an event past max_events_per_call (Pass.request_event).
             event, chunker = p.request_event()
-            self._fill_event(event, action, path, p, call_index, training, parts, chunker)
+            self._fill_event(event, action, path, p, call_index, training, parts, chunker, prepared)
             event.seq = p.next_seq(self.hook_id)
             p.deliver(event, chunker)
             return
@@ -320,11 +355,12 @@ class HookRecord:
         msg = hook_service_pb2.SessionMessage()
         # Large tensors are copied once, here, into their chunk messages (their snapshot):
         # the event loop that sends them then only hands the bytes to gRPC. The smallest
-        # chunk size of the streams fits every one of them.
-        chunker = Chunker(snapshot=True, framing=Framing(
+        # chunk size of the streams fits every one of them. (Host copies of an asynchronous
+        # capture belong to the event already: no snapshot.)
+        chunker = Chunker(snapshot=prepared is None, framing=Framing(
             SESSION_MESSAGE_CHUNK, min(stream.limits.chunk_bytes for stream in streams)))
         try:
-            nbytes = self._fill_event(msg.event, action, path, p, call_index, training, parts, chunker)
+            nbytes = self._fill_event(msg.event, action, path, p, call_index, training, parts, chunker, prepared)
         except Exception as exc:  # never break a pass because a capture cannot be made
             self.errors += 1
             detail = f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}"
@@ -344,6 +380,7 @@ class HookRecord:
     def _fill_event(
         self, event: hook_pb2.InterceptEvent, action: Action, path: str, p: Pass,
         call_index: int, training: bool, parts: dict[str, Any], chunker: Chunker | Splicer | None,
+        prepared: tuple[list[Captured], list[str]] | None = None,
     ) -> int:
         event.hook_id = self.hook_id
         event.model = self.host.name
@@ -354,40 +391,21 @@ class HookRecord:
         event.step = p.step
         event.training = training
         event.time.CopyFrom(_now())
-        nbytes = 0
-        options = action.options
+        items, devices = prepared if prepared is not None else _prepare(self.hook_id, action, path, parts, None)
         encode = functools.partial(_codec.encode_value_into, opaque_caches=True)  # a KV cache in kwargs: null, marked
-        devices: list[str] = []
-        try:
-            for part in action.capture:
-                if part == hook_pb2.PART_ARGS:
-                    for value in parts["args"]:
-                        _devices_of(value, devices)
-                        value = options.prepare(value) if options.transforms else value
-                        nbytes += encode(value, event.args.add(), chunker=chunker)
-                elif part == hook_pb2.PART_KWARGS:
-                    for key, value in parts["kwargs"].items():
-                        _devices_of(value, devices)
-                        value = options.prepare(value) if options.transforms else value
-                        nbytes += encode(value, event.kwargs[key], chunker=chunker)
-                elif part == hook_pb2.PART_OUTPUT:
-                    _devices_of(parts["output"], devices)
-                    value = options.prepare(parts["output"]) if options.transforms else parts["output"]
-                    nbytes += encode(value, event.output, chunker=chunker)
-                else:
-                    field = "grad_input" if part == hook_pb2.PART_GRAD_INPUT else "grad_output"
-                    target = getattr(event, field)
-                    for value in parts[field]:
-                        _devices_of(value, devices)
-                        value = options.prepare(value) if options.transforms else value
-                        nbytes += encode(value, target.add(), chunker=chunker)
-            event.devices.extend(devices)
-        except _codec.CodecError as exc:
-            raise Unimplemented(f"hook {self.hook_id} on module {path!r} cannot capture {_part_name(part)}: {exc}") from None
-        except (IndexError, RuntimeError, ValueError, TypeError) as exc:  # a selection that does not fit, ...
-            raise InvalidArgument(
-                f"hook {self.hook_id} on module {path!r} cannot capture {_part_name(part)}: {type(exc).__name__}: {exc}"
-            ) from None
+        nbytes = 0
+        for part, field, key, value in items:
+            if field == "output":
+                target = event.output
+            elif field == "kwargs":
+                target = event.kwargs[key]
+            else:
+                target = getattr(event, field).add()
+            try:
+                nbytes += encode(value, target, chunker=chunker)
+            except Exception as exc:
+                raise _capture_error(exc, self.hook_id, path, part) from None
+        event.devices.extend(devices)
         return nbytes
 
     def to_proto(self, *, include_operand_data: bool = False) -> hook_pb2.Hook:
@@ -442,6 +460,62 @@ def _install(module: Any, action: Action, fn: Callable[..., None]) -> RemovableH
     if action.phase == hook_pb2.PHASE_BACKWARD_PRE:
         return module.register_full_backward_pre_hook(fn, prepend=action.prepend)
     return module.register_full_backward_hook(fn, prepend=action.prepend)
+
+
+#: One captured value: its part, the InterceptEvent field it goes to, its kwargs key
+#: (else None), and the value.
+Captured = tuple[int, str, "str | None", Any]
+_FIELDS = {hook_pb2.PART_GRAD_INPUT: "grad_input", hook_pb2.PART_GRAD_OUTPUT: "grad_output"}
+
+
+def _captured(action: Action, parts: dict[str, Any]) -> Iterator[Captured]:
+    """The values a capture sends, in the event's order (args, kwargs, output, grads)."""
+    for part in action.capture:
+        if part == hook_pb2.PART_ARGS:
+            for value in parts["args"]:
+                yield part, "args", None, value
+        elif part == hook_pb2.PART_KWARGS:
+            for key, value in parts["kwargs"].items():
+                yield part, "kwargs", key, value
+        elif part == hook_pb2.PART_OUTPUT:
+            yield part, "output", None, parts["output"]
+        else:
+            field = _FIELDS[part]
+            for value in parts[field]:
+                yield part, field, None, value
+
+
+def _prepare(
+    hook_id: str, action: Action, path: str, parts: dict[str, Any], then: Callable[[Any], Any] | None,
+) -> tuple[list[Captured], list[str]]:
+    """The captured values selected, cast or summarized (on their device), each passed
+    through ``then`` (an asynchronous capture's host copies), and the devices the
+    captured tensors were on (InterceptEvent.devices)."""
+    options = action.options
+    items: list[Captured] = []
+    devices: list[str] = []
+    for part, field, key, value in _captured(action, parts):
+        _devices_of(value, devices)
+        try:
+            value = options.prepare(value) if options.transforms else value
+            if then is not None:
+                value = then(value)
+        except Exception as exc:
+            raise _capture_error(exc, hook_id, path, part) from None
+        items.append((part, field, key, value))
+    return items, devices
+
+
+def _capture_error(exc: BaseException, hook_id: str, path: str, part: int) -> BaseException:
+    """What a capture that cannot be made raises: UNIMPLEMENTED for a value with no wire
+    form, INVALID_ARGUMENT for a selection that does not fit and the like; anything else
+    as it is."""
+    if isinstance(exc, _codec.CodecError):
+        return Unimplemented(f"hook {hook_id} on module {path!r} cannot capture {_part_name(part)}: {exc}")
+    if isinstance(exc, (IndexError, RuntimeError, ValueError, TypeError)):
+        return InvalidArgument(
+            f"hook {hook_id} on module {path!r} cannot capture {_part_name(part)}: {type(exc).__name__}: {exc}")
+    return exc
 
 
 def _devices_of(value: Any, out: list[str]) -> None:

@@ -539,6 +539,7 @@ def _run_shared(
         host.current_batch = batch
         with torch.no_grad():
             output = _call(host, "forward", lambda: model(*args, **kwargs))
+        batch.deferred.finish()  # asynchronous captures: their events, before the calls' outputs
         outputs = batch.split(output, f"the output of model {host.name!r}")
     except BaseException:
         batch.undo()  # its calls run again alone, as if this pass never ran
@@ -581,7 +582,7 @@ def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferRespon
     try:
         for record in records:
             record.attach()
-        host.current_batch = batching.Batch.alone(p)
+        batch = host.current_batch = batching.Batch.alone(p)
         if train:
             model.train(True)
         with _seeded(seed), torch.set_grad_enabled(backward is not None):
@@ -594,6 +595,7 @@ def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferRespon
                 _backward(host, output, backward, chunked)
                 if backward.return_input_grads:
                     _encode_grads(p.response, args, kwargs, p.chunker or p.splicer)
+        batch.deferred.finish()  # asynchronous captures: their events, before the output
         large = p.chunker or p.splicer
         if large is not None:
             large.snapshot = False  # the pass is over: the output no longer changes
@@ -603,6 +605,9 @@ def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferRespon
             # e.g. a type with no wire form, a sparse or meta tensor
             raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
     finally:
+        if host.current_batch is not None:
+            # A failed pass: what its hooks captured before the failure still goes out.
+            host.current_batch.deferred.finish(raise_errors=False)
         host.current_batch = None
         if train:
             model.eval()

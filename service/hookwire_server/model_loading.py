@@ -25,6 +25,7 @@ from torch import nn
 
 from .demo_models import DEMO_MODELS
 from .batching import BatchSettings
+from .deferred import MODES as ASYNC_CAPTURE_MODES
 from .model_registry import BatchConfig, DaemonWorker, ModelHost, ModelRegistry
 from .tokenization import prepare_tokenizer
 
@@ -86,6 +87,10 @@ class ModelConfig:
     #: The one device a model without a device_map runs on ("cpu", "cuda", "cuda:1",
     #: "mps"): moved there once loaded; inputs are moved there per call. Unset: the CPU.
     device: str | None = None
+    #: When captures copy to the host asynchronously, off the forward pass (#15): "auto"
+    #: (captures of tensors on an accelerator), "on" (CPU tensors too: cloned, encoded
+    #: after the pass), "off" (every capture copies and encodes inside its hook).
+    async_captures: str = "auto"
 
     def check(self) -> None:
         """ConfigError naming the model and the key for a key of the wrong type (TOML gives
@@ -98,6 +103,9 @@ class ModelConfig:
         self.checked_attn_implementation()
         self.placement_kwargs()
         self.checked_device()
+        if self.async_captures not in ASYNC_CAPTURE_MODES:
+            raise ConfigError(f"model {self.name!r}: async_captures must be one of "
+                              f"{', '.join(ASYNC_CAPTURE_MODES)}, not {self.async_captures!r}")
 
     #: For a transformers folder: the attention implementation transformers loads it with
     #: ("eager", "sdpa", or another name transformers accepts); unset, transformers'
@@ -493,7 +501,7 @@ def build_host(config: ModelConfig) -> ModelHost:
     tokenizer, problem = load_tokenizer(config)
     return ModelHost(config.name, model, description=config.description, training_allowed=config.training_allowed,
                      tokenizer=tokenizer, tokenizer_problem=problem, batching=config.batch_config(),
-                     parameters_readable=config.parameters_readable)
+                     parameters_readable=config.parameters_readable, async_captures=config.async_captures)
 
 
 def build_hosts(configs: list[ModelConfig]) -> list[ModelHost]:

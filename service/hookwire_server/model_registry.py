@@ -29,6 +29,7 @@ from hookwire import _codec
 from hookwire.v1 import model_service_pb2
 
 from .batching import BatchSettings, model_dimensions
+from .deferred import MODES as ASYNC_CAPTURE_MODES
 from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from .module_patterns import PathIndex
 
@@ -195,7 +196,7 @@ class ModelHost:
     def __init__(
         self, name: str, module: nn.Module, *, description: str = "", training_allowed: bool = True,
         tokenizer: Any = None, tokenizer_problem: str = "", batching: BatchConfig | None = None,
-        parameters_readable: bool = False,
+        parameters_readable: bool = False, async_captures: str = "auto",
     ) -> None:
         if not name:
             raise ValueError("a model needs a name")
@@ -205,6 +206,13 @@ class ModelHost:
         self.training_allowed = training_allowed
         #: Whether GetParameters may read its weights (the model config's parameters_readable).
         self.parameters_readable = parameters_readable
+        #: When captures copy to the host asynchronously (deferred.py): "auto" (tensors on
+        #: an accelerator), "on" (CPU tensors too, cloned), "off".
+        if async_captures not in ASYNC_CAPTURE_MODES:
+            raise ValueError(f"async_captures must be one of {', '.join(ASYNC_CAPTURE_MODES)}, not {async_captures!r}")
+        self.async_captures = async_captures
+        #: Captures that were made asynchronously (worker thread adds; tests and operators read).
+        self.deferred_captures = 0
         #: Its parameters by every name they have (named_parameters(remove_duplicate=False):
         #: a tied weight, e.g. GPT-2's lm_head.weight, answers to each of its names), in
         #: that order; GetParameters' glob index over them is built when first needed.
