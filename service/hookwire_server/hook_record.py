@@ -323,14 +323,14 @@ class HookRecord:
             return
         self.host.deferred_captures += 1
         batch.deferred.add(copies.events(), copies.keep, functools.partial(
-            self._send, action, path, p, call_index, training, parts, (items, devices)))
+            self._send, action, path, p, call_index, training, parts, (items, devices, _now())))
 
     def _send(
         self, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any],
-        prepared: tuple[list[Captured], list[str]] | None,
+        prepared: Prepared | None,
     ) -> None:
         """Numbers, encodes and delivers one capture (``prepared``: its values already
-        selected, cast and on the host, from _capture_later)."""
+        selected, cast and on the host, the devices and the firing time, from _capture_later)."""
         if self.compiled.scope == SCOPE_REQUEST:
             # The request's own hook: a capture failure fails the request (raised through forward),
             # and so does an event past max_events_per_call (Pass.request_event).
@@ -380,7 +380,7 @@ class HookRecord:
     def _fill_event(
         self, event: hook_pb2.InterceptEvent, action: Action, path: str, p: Pass,
         call_index: int, training: bool, parts: dict[str, Any], chunker: Chunker | Splicer | None,
-        prepared: tuple[list[Captured], list[str]] | None = None,
+        prepared: Prepared | None = None,
     ) -> int:
         event.hook_id = self.hook_id
         event.model = self.host.name
@@ -390,8 +390,12 @@ class HookRecord:
         event.request_id = p.request_id
         event.step = p.step
         event.training = training
-        event.time.CopyFrom(_now())
-        items, devices = prepared if prepared is not None else _prepare(self.hook_id, action, path, parts, None)
+        if prepared is None:
+            event.time.CopyFrom(_now())
+            items, devices = _prepare(self.hook_id, action, path, parts, None)
+        else:
+            items, devices, fired = prepared
+            event.time.CopyFrom(fired)  # when the hook fired, not when the copies completed
         encode = functools.partial(_codec.encode_value_into, opaque_caches=True)  # a KV cache in kwargs: null, marked
         nbytes = 0
         for part, field, key, value in items:
@@ -465,6 +469,8 @@ def _install(module: Any, action: Action, fn: Callable[..., None]) -> RemovableH
 #: One captured value: its part, the InterceptEvent field it goes to, its kwargs key
 #: (else None), and the value.
 Captured = tuple[int, str, "str | None", Any]
+#: An asynchronous capture's values on the host, their devices, and when its hook fired.
+Prepared = tuple[list[Captured], list[str], timestamp_pb2.Timestamp]
 _FIELDS = {hook_pb2.PART_GRAD_INPUT: "grad_input", hook_pb2.PART_GRAD_OUTPUT: "grad_output"}
 
 
