@@ -61,6 +61,7 @@ from hookwire.v1 import hook_pb2
 from . import batching
 from .auth import MINIMUM_ROLE, Principal
 from .capture import compile_cast, compile_select
+from .deferred import HostCopies
 from .errors import (
     AlreadyExists, FailedPrecondition, HookwireServerError, InvalidArgument, NotFound, PermissionDenied,
     ResourceExhausted, Unavailable,
@@ -290,6 +291,7 @@ def _harvest_pass(host: Any, work: _BatchWork) -> _BatchResult:
     keep = torch.from_numpy(work.keep)
     part_name = "output" if s.part == hook_pb2.PART_OUTPUT else "input"
     collected: dict[str, torch.Tensor] = {}
+    copies = HostCopies()
 
     def tap(hook_id: str, action: Any, path: str, call_index: int, parts: dict[str, Any]) -> None:
         module = work.capture_ids.get(hook_id)
@@ -321,8 +323,11 @@ def _harvest_pass(host: Any, work: _BatchWork) -> _BatchResult:
             )
         if s.cast is not None and v.is_floating_point():
             v = v.to(s.cast)
-        # One copy: the kept rows, gathered (a new tensor), on the CPU.
-        collected[module] = v[keep.to(v.device)].to("cpu")
+        # One copy: the kept rows, gathered (a new tensor). On an accelerator the gather
+        # stays there and its copy to pinned host memory is started, not waited for: the
+        # forward goes on, and the pass waits for every copy once, at its end.
+        gathered = v[keep.to(v.device)]
+        collected[module] = gathered if gathered.device.type == "cpu" else copies.copy(gathered)
 
     p = Pass(work.job_id, "", principal=work.owner, model=host.name)
     p.tap = tap
@@ -345,6 +350,9 @@ def _harvest_pass(host: Any, work: _BatchWork) -> _BatchResult:
         host.current_batch = None
         for record in work.records:
             record.detach()
+    for event in copies.events():
+        event.synchronize()  # the values in collected are complete from here on
+    del copies
     for record in work.records:
         if record.disabled_reason:  # a rule failed: a dataset of a half-steered model is worse than none
             raise InvalidArgument(f"a rule failed, so the job stops: {record.disabled_reason}")

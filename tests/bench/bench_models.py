@@ -36,3 +36,21 @@ class Scale(nn.Module):
 
 def scale() -> nn.Module:
     return Scale()
+
+
+def llama_1b() -> nn.Module:
+    """A Llama of 1.1B parameters (TinyLlama's shape: hidden 2048, 22 layers, 32 heads, 4
+    key-value heads, vocabulary 32000) with seeded random weights, in bfloat16, eval mode.
+    Built on the GPU when there is one (the server then keeps it there with
+    ``device = "cuda:0"``): its fp32 initialization would take 4.4 GB of host memory."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False,
+    )
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+    return model.to(torch.bfloat16).eval()
