@@ -322,8 +322,9 @@ class HookRecord:
                           hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, p)
             return
         self.host.deferred_captures += 1
+        # Not ``parts``: the queue must not keep the pass's other tensors alive.
         batch.deferred.add(copies.events(), copies.keep, functools.partial(
-            self._send, action, path, p, call_index, training, parts, (items, devices, _now())))
+            self._send, action, path, p, call_index, training, {}, (items, devices, _now())))
 
     def _send(
         self, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any],
