@@ -60,6 +60,9 @@ class DeferredCaptures:
 
     def __init__(self) -> None:
         self._queue: collections.deque[_Pending] = collections.deque()
+        #: Whether a capture is being finished now (a failure in it may disable its hook,
+        #: which must not finish the rest of the queue from inside: see HookRecord._disable).
+        self.running = False
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -72,7 +75,12 @@ class DeferredCaptures:
         """Finishes the captures at the front whose copies are done, without waiting."""
         queue = self._queue
         while queue and queue[0].ready():
-            queue.popleft().finish()
+            pending = queue.popleft()
+            self.running = True
+            try:
+                pending.finish()
+            finally:
+                self.running = False
 
     def finish(self, *, raise_errors: bool = True) -> None:
         """Waits for every copy in flight and finishes every capture, in order. The first
@@ -81,11 +89,14 @@ class DeferredCaptures:
         error: BaseException | None = None
         while self._queue:
             pending = self._queue.popleft()
+            self.running = True
             try:
                 pending.wait()
                 pending.finish()
             except Exception as exc:  # the others still go out, as they would have without deferral
                 error = error or exc
+            finally:
+                self.running = False
         if error is not None and raise_errors:
             raise error
 
@@ -105,7 +116,7 @@ def wants_deferral(mode: str, value: Any) -> bool:
 def _any_tensor(value: Any, *, accelerator_only: bool) -> bool:
     if isinstance(value, torch.Tensor):
         return value.device.type != "cpu" or not accelerator_only
-    if type(value) in (tuple, list):
+    if isinstance(value, (tuple, list)):  # named tuples and torch.return_types too
         return any(_any_tensor(v, accelerator_only=accelerator_only) for v in value)
     if isinstance(value, Mapping):
         return any(_any_tensor(v, accelerator_only=accelerator_only) for v in value.values())
@@ -134,6 +145,10 @@ class HostCopies:
             return host
         if type(value) in (tuple, list):
             return type(value)(self.copy(v) for v in value)
+        if isinstance(value, (tuple, list)):
+            # A named tuple or torch.return_types value: rebuilt as a plain tuple (the wire
+            # has no other), never kept as the live object a later kernel could change.
+            return tuple(self.copy(v) for v in value)
         if isinstance(value, Mapping):
             return {k: self.copy(v) for k, v in value.items()}
         return value

@@ -284,6 +284,12 @@ class HookRecord:
     def _disable(self, reason: str, kind: hook_service_pb2.NoticeKind, p: Pass | None = None) -> None:
         """Stops the hook for good (it stays listed) and tells its streams (a request-scoped
         hook of a streaming call, its call's stream). Worker thread."""
+        batch = self.host.current_batch
+        if batch is not None and batch.deferred and not batch.deferred.running:
+            # Captures still in flight go out first: a notice never overtakes an event of the
+            # hook (or of another) that fired before it. A request-scoped capture failing here
+            # fails the call, as it would have when it fired.
+            batch.deferred.finish()
         self.active = False
         self.disabled_reason = reason
         log.warning("hook %s disabled: %s", self.hook_id, reason)
@@ -301,7 +307,11 @@ class HookRecord:
             return
         batch = self.host.current_batch
         mode = self.host.async_captures
-        if batch is not None and mode != "off" and wants_deferral(mode, [v for _, _, _, v in _captured(action, parts)]):
+        # Behind captures still in flight, a capture that needs no copy waits its turn too:
+        # events leave in firing order.
+        if batch is not None and mode != "off" and (
+            batch.deferred or wants_deferral(mode, [v for _, _, _, v in _captured(action, parts)])
+        ):
             self._capture_later(batch, action, path, p, call_index, training, parts)
             return
         self._send(action, path, p, call_index, training, parts, None)
@@ -311,6 +321,8 @@ class HookRecord:
     ) -> None:
         """An asynchronous capture (deferred.py): selection and cast now, on the device; the
         copies to the host started; numbering, encoding and delivery once they are done."""
+        if self.compiled.scope == SCOPE_REQUEST:
+            p.count_event()  # past max_events_per_call the pass stops here, as it always did
         copies = HostCopies()
         try:
             items, devices = _prepare(self.hook_id, action, path, parts, copies.copy)
@@ -335,10 +347,14 @@ class HookRecord:
         if self.compiled.scope == SCOPE_REQUEST:
             # The request's own hook: a capture failure fails the request (raised through forward),
             # and so does an event past max_events_per_call (Pass.request_event).
-            event, chunker = p.request_event()
+            event, chunker = p.request_event(counted=prepared is not None)
             self._fill_event(event, action, path, p, call_index, training, parts, chunker, prepared)
             event.seq = p.next_seq(self.hook_id)
             p.deliver(event, chunker)
+            return
+        if prepared is not None and self.disabled_reason:
+            # Queued before an earlier queued capture of this hook failed and disabled it: a
+            # hook that captured in its hook would never have fired again.
             return
         streams = self.streams
         if streams and not p.holding:
@@ -532,7 +548,7 @@ def _devices_of(value: Any, out: list[str]) -> None:
         name = str(value.device)
         if name not in out:
             out.append(name)
-    elif type(value) in (tuple, list):
+    elif isinstance(value, (tuple, list)):  # named tuples and torch.return_types too
         for v in value:
             _devices_of(v, out)
     elif isinstance(value, Mapping):

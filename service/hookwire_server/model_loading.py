@@ -162,7 +162,7 @@ class ModelConfig:
                 out["device_map"] = dm
             elif isinstance(dm, dict) and dm:
                 out["device_map"] = {
-                    str(path): _placement_device(name, f"device_map[{path!r}]", device, allow_disk=True)
+                    str(path): _placement_device(name, f"device_map[{path!r}]", device)
                     for path, device in dm.items()
                 }
             else:
@@ -177,10 +177,10 @@ class ModelConfig:
                 if isinstance(size, bool) or not isinstance(size, (int, str)) or (isinstance(size, int) and size <= 0):
                     raise ConfigError(f"model {name!r}: max_memory[{device!r}] must be bytes or a size such as "
                                       f"\"20GiB\", not {size!r}")
-                memory[_placement_device(name, f"max_memory[{device!r}]", device, allow_disk=False)] = size
+                memory[_memory_device(name, device)] = size
             out["max_memory"] = memory
         if self.torch_dtype is not None:
-            if self.torch_dtype not in TORCH_DTYPES:
+            if not isinstance(self.torch_dtype, str) or self.torch_dtype not in TORCH_DTYPES:
                 raise ConfigError(f"model {name!r}: torch_dtype must be one of {', '.join(TORCH_DTYPES)}, "
                                   f"not {self.torch_dtype!r}")
             # transformers 5 names it dtype (torch_dtype is its deprecated spelling).
@@ -256,10 +256,10 @@ TORCH_DTYPES: dict[str, Any] = {
 }
 
 
-def _placement_device(model: str, key: str, device: Any, *, allow_disk: bool) -> int | str:
-    """A device of a device_map or max_memory entry as accelerate takes it: an int for a
-    GPU index (TOML table keys are strings: "0" becomes 0), "cpu", "disk" (maps only),
-    or a name torch parses ("cuda:1", "mps"); ConfigError naming ``key`` otherwise."""
+def _placement_device(model: str, key: str, device: Any) -> int | str:
+    """A device of a device_map entry as accelerate takes it: an int for a GPU index
+    ("0" becomes 0), "cpu", "disk", or a name torch parses ("cuda:1", "mps");
+    ConfigError naming ``key`` otherwise."""
     if isinstance(device, bool):
         raise ConfigError(f"model {model!r}: {key} must be a device, not {device!r}")
     if isinstance(device, int):
@@ -270,8 +270,6 @@ def _placement_device(model: str, key: str, device: Any, *, allow_disk: bool) ->
         if device.isdigit():
             return int(device)
         if device == "disk":
-            if not allow_disk:
-                raise ConfigError(f"model {model!r}: {key}: \"disk\" holds no memory budget (use offload_folder)")
             return device
         try:
             parsed = torch.device(device)
@@ -279,9 +277,24 @@ def _placement_device(model: str, key: str, device: Any, *, allow_disk: bool) ->
             parsed = None
         if parsed is not None and parsed.type != "meta":
             return device
-    disk = ', "disk"' if allow_disk else ""
-    raise ConfigError(f"model {model!r}: {key} must be a GPU index, \"cpu\"{disk} or a device name "
+    raise ConfigError(f"model {model!r}: {key} must be a GPU index, \"cpu\", \"disk\" or a device name "
                       f"such as \"cuda:1\", not {device!r}")
+
+
+def _memory_device(model: str, device: Any) -> int | str:
+    """A max_memory key as accelerate takes it: an accelerator index (an int; "0" and
+    "cuda:0" become 0), "cpu", "mps" or "disk"; ConfigError naming the key otherwise."""
+    key = f"max_memory[{device!r}]"
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return device
+    if isinstance(device, str):
+        if device in ("cpu", "mps", "disk"):
+            return device
+        kind, sep, index = device.rpartition(":")
+        if index.isdigit() and bool(kind) == bool(sep):  # "0", "cuda:0"; not ":0"
+            return int(index)
+    raise ConfigError(f"model {model!r}: {key} must be an accelerator index (0, \"cuda:1\"), \"cpu\", \"mps\" or "
+                      f"\"disk\", not {device!r}")
 
 
 def parse_model_flag(text: str) -> ModelConfig:
@@ -332,7 +345,7 @@ def load_config_file(path: str | pathlib.Path) -> tuple[dict[str, Any], list[Mod
         if "name" not in entry:
             raise ConfigError(f"config {path}: models[{i}] has no name")
         for key in ("weights", "transformers", "offload_folder"):
-            if entry.get(key):
+            if entry.get(key) and isinstance(entry[key], str):  # other types: check() says what is wrong
                 entry[key] = str(base / entry[key])
         model = ModelConfig(**entry)
         model.check()  # ConfigError now, not when the model loads

@@ -531,12 +531,15 @@ class ModelRegistry:
 
 
 def placement_of(module: nn.Module) -> dict[str, str]:
-    """A device-mapped model's placement (accelerate's ``hf_device_map``) as names: GPU
-    indices become "cuda:N"; {} for a model loaded without a device map."""
+    """A device-mapped model's placement (accelerate's ``hf_device_map``) as names:
+    accelerator indices become "cuda:N" (or the machine's accelerator type: "xpu:N", ...);
+    {} for a model loaded without a device map."""
     mapping = getattr(module, "hf_device_map", None)
     if not isinstance(mapping, dict):
         return {}
-    return {str(path): f"cuda:{device}" if isinstance(device, int) else str(device) for path, device in mapping.items()}
+    accelerator = torch.accelerator.current_accelerator()
+    kind = accelerator.type if accelerator is not None else "cuda"
+    return {str(path): f"{kind}:{device}" if isinstance(device, int) else str(device) for path, device in mapping.items()}
 
 
 def input_device(module: nn.Module, device_map: dict[str, str]) -> torch.device:

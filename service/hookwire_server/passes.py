@@ -95,7 +95,10 @@ class Pass:
         self._calls[key] = index + 1
         return index
 
-    def _count_event(self) -> None:
+    def count_event(self) -> None:
+        """Counts a request-scoped event of this pass; ResourceExhausted, failing the call,
+        past ``max_events``. An asynchronous capture counts when its hook fires (so the
+        pass stops where it would have), and is filled later (``request_event(counted=True)``)."""
         if self.max_events is not None and self._events_in_step >= self.max_events:
             per = "pass (Generate step)" if self.sink is not None else "call"
             raise ResourceExhausted(
@@ -104,11 +107,12 @@ class Pass:
             )
         self._events_in_step += 1
 
-    def request_event(self) -> tuple[hook_pb2.InterceptEvent, Chunker | Splicer | None]:
+    def request_event(self, *, counted: bool = False) -> tuple[hook_pb2.InterceptEvent, Chunker | Splicer | None]:
         """A new event of a request-scoped hook, and where its large tensors go (None:
         inline); hand it to ``deliver`` once filled. ResourceExhausted, failing the call,
-        past ``max_events`` events in this pass."""
-        self._count_event()
+        past ``max_events`` events in this pass (unless ``counted`` already)."""
+        if not counted:
+            self.count_event()
         if self.sink is None:
             return self.response.events.add(), self.chunker or self.splicer
         # Snapshot: the tensors are copied now, as the pass may change them in place later.

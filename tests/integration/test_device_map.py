@@ -273,7 +273,10 @@ async def test_generation_with_an_offloaded_layer_equals_in_process_generate(ser
     ('transformers = "m"\ndevice_map = { encoder = "disk" }', r"sends modules to \"disk\": set offload_folder"),
     ('transformers = "m"\nmax_memory = { cpu = "1GiB" }', r"max_memory needs a device_map"),
     ('transformers = "m"\noffload_folder = "off"', r"offload_folder needs a device_map"),
-    ('transformers = "m"\ndevice_map = "auto"\nmax_memory = { disk = "1GiB" }', r"\"disk\" holds no memory budget"),
+    ('transformers = "m"\ndevice_map = "auto"\nmax_memory = { gpu = "1GiB" }',
+     r"max_memory\['gpu'\] must be an accelerator index \(0, \"cuda:1\"\), \"cpu\", \"mps\" or \"disk\""),
+    ('transformers = "m"\ntorch_dtype = ["bfloat16"]', r"torch_dtype must be one of"),
+    ('transformers = "m"\ndevice_map = "auto"\noffload_folder = 5', r"offload_folder must be a path, not 5"),
     ('transformers = "m"\ndevice_map = "auto"\nmax_memory = { cpu = 0 }', r"max_memory\['cpu'\] must be bytes"),
     ('transformers = "m"\ndevice_map = "auto"\nmax_memory = { cpu = 1.5 }', r"max_memory\['cpu'\] must be bytes"),
     ('transformers = "m"\ntorch_dtype = "int8"', r"torch_dtype must be one of auto, float32, float16, bfloat16"),
@@ -295,12 +298,12 @@ def test_config_refuses_bad_placement_keys(tmp_path: pathlib.Path, entry: str, m
 def test_config_reads_placement_keys(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "hookwire.toml"
     path.write_text('[[models]]\nname = "big"\ntransformers = "m"\noffload_folder = "offload"\n'
-                    'torch_dtype = "bfloat16"\nmax_memory = { 0 = "20GiB", 1 = 1000, cpu = "64GiB" }\n'
+                    'torch_dtype = "bfloat16"\nmax_memory = { 0 = "20GiB", "cuda:1" = 1000, cpu = "64GiB" }\n'
                     'device_map = { "model.embed_tokens" = 0, "model.layers.0" = "cuda:1", lm_head = "disk" }\n')
     _, (config,) = load_config_file(path)
     assert config.placement_kwargs() == {
         "device_map": {"model.embed_tokens": 0, "model.layers.0": "cuda:1", "lm_head": "disk"},
-        "max_memory": {0: "20GiB", 1: 1000, "cpu": "64GiB"},  # TOML's string keys become GPU indices
+        "max_memory": {0: "20GiB", 1: 1000, "cpu": "64GiB"},  # TOML's string keys and "cuda:1" become indices
         "dtype": torch.bfloat16,
         "offload_folder": str(tmp_path / "offload"),  # relative to the config file
     }
