@@ -201,7 +201,7 @@ class ModelConfig:
         mapped model's modules itself)."""
         if self.device is None:
             return None
-        if self.device_map is not None:
+        if self.device_map is not None or "device_map" in self.kwargs:
             raise ConfigError(f"model {self.name!r}: set device or device_map, not both")
         try:
             device = torch.device(self.device) if isinstance(self.device, str) else None

@@ -57,15 +57,21 @@ class SlotStore:
         not on every firing: the moved copy is kept until the slot is saved again or
         freed. It is not counted against ``max_bytes`` (it lives on the patching device,
         one per device and dtype)."""
+        key = (name, dtype, device)
         with self._lock:
             tensor = self._slots.get(name)
             if tensor is None or (tensor.dtype == dtype and tensor.device == device):
                 return tensor
-            key = (name, dtype, device)
             moved = self._moved.get(key)
-            if moved is None:
-                moved = self._moved[key] = tensor.to(dtype=dtype, device=device)
+        if moved is not None:
             return moved
+        # Moved outside the lock (the event loop takes it to list slots); only the model's
+        # worker thread patches, so nobody else moves this slot meanwhile.
+        moved = tensor.to(dtype=dtype, device=device)
+        with self._lock:
+            if self._slots.get(name) is tensor:  # not saved again meanwhile (from another model's thread)
+                self._moved[key] = moved
+        return moved
 
     def _drop_moved(self, name: str) -> None:
         for key in [k for k in self._moved if k[0] == name]:

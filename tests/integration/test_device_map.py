@@ -285,6 +285,7 @@ async def test_generation_with_an_offloaded_layer_equals_in_process_generate(ser
     ('factory = "hookwire_server.demo_models:mlp"\ndevice_map = "auto"',
      r"model 'mine': device_map applies to transformers folders only"),
     ('transformers = "m"\ndevice_map = "auto"\ndevice = "cpu"', r"set device or device_map, not both"),
+    ('transformers = "m"\ndevice = "cpu"\nkwargs = { device_map = "auto" }', r"set device or device_map, not both"),
     ('factory = "hookwire_server.demo_models:mlp"\ndevice = "gpu7"', r"device must be a device name such as"),
     ('factory = "hookwire_server.demo_models:mlp"\ndevice = "meta"', r"device must be a device name such as"),
 ])
