@@ -4,7 +4,7 @@ TransformerLens users hold activations (``cache["encoder.layer.3"]``)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ._specs import CastName, HookAction, HookSpec, PartName, _PARTS
@@ -91,13 +91,33 @@ class ActivationCache(Mapping[str, Any]):
         self.result = result
 
     @classmethod
-    def from_result(cls, result: InferResult, parts: PartName | Sequence[PartName] = "output") -> ActivationCache:
-        """The cache of a call's events (the parts named), keyed as ``cache_key`` says."""
+    def from_result(
+        cls, result: InferResult, parts: PartName | Sequence[PartName] = "output", *,
+        hooks: Collection[int] | None = None,
+    ) -> ActivationCache:
+        """The cache of a call's events (the parts named), keyed as ``cache_key`` says.
+
+        ``hooks``: only the events of the request's hooks at these positions (1-based, as
+        ``InterceptEvent.request_hook_index``); None for every event. A gradient's ``#k``
+        is the forward call it belongs to: autograd runs the backward of a module's later
+        calls first, so the server's backward call index counts from the last forward
+        call (``cache["shared:grad_output"]`` pairs with ``cache["shared"]``)."""
         names = _parts(parts)
+        events = list(result.events)
+        # A server older than request_hook_index marks none: then every event is kept.
+        if hooks is not None and any(e.request_hook_index for e in events):
+            events = [e for e in events if e.request_hook_index in hooks]
+        backward_calls: dict[str, int] = {}
+        for event in events:
+            if event.phase == "backward":
+                backward_calls[event.module] = backward_calls.get(event.module, 0) + 1
         entries: dict[str, Any] = {}
-        for event in result.events:
+        for event in events:
+            index = event.call_index
+            if event.phase == "backward":
+                index = backward_calls[event.module] - 1 - index
             for part, value in _values(event, names):
-                entries[cache_key(event.module, part, event.call_index)] = value
+                entries[cache_key(event.module, part, index)] = value
         return cls(entries, result)
 
     def __getitem__(self, key: str) -> Any:

@@ -615,6 +615,9 @@ class HookHandle:
         self.info = info
         self._router = router  # None for a hook without a session
         self._removed = False
+        #: A hook without a session: the subscription its events() reads, from the first
+        #: iteration until remove().
+        self._subscription: Subscription | None = None
 
     @property
     def id(self) -> str:
@@ -632,7 +635,9 @@ class HookHandle:
         Waits for each event; ends after the hook is removed (every event fired
         before the removal is delivered first) or raises the session's error if
         its stream failed. For a hook without a session this subscribes (with the
-        default drop policy) when iteration starts.
+        default drop policy) when the first iteration starts, and keeps that
+        subscription until ``remove()``, so events of calls made between two
+        iterations wait for the next one.
 
         ``until`` (a call: its InferResult or GenerateResult, a started
         GenerateStream, or a request id) also ends the iteration once that call is
@@ -670,18 +675,26 @@ class HookHandle:
         return self._router.events(self.id, until=request_id, timeout=timeout)
 
     async def _subscribed_events(self, timeout: float | None) -> AsyncIterator[InterceptEvent]:
-        async with self._client.subscribe([self.id]) as sub:  # ends when iteration does
-            async for event in sub.events(timeout=timeout):
-                yield event
+        # One subscription for the handle's life (closed by remove()): one per iteration lost
+        # the events of calls made between two iterations that ended on their timeout.
+        if self._subscription is None:
+            self._subscription = self._client.subscribe([self.id])
+        async for event in self._subscription.events(timeout=timeout):
+            yield event
 
     async def remove(self) -> bool:
         """Removes the hook on the server; True if this call removed it. Safe to repeat."""
         if self._removed:
             return False
         self._removed = True
-        if self._router is not None and self._router.closed:
-            return False  # the session is gone, and its hooks with it
-        return await self._client.deregister_hook(self.id)
+        subscription, self._subscription = self._subscription, None
+        try:
+            if self._router is not None and self._router.closed:
+                return False  # the session is gone, and its hooks with it
+            return await self._client.deregister_hook(self.id)
+        finally:
+            if subscription is not None:
+                await subscription.aclose()
 
     async def __aenter__(self) -> HookHandle:
         return self
@@ -782,15 +795,15 @@ class Subscription:
         try:
             while True:
                 item: Any
-                if timeout is None and self._next is None:
-                    item = await anext(self._items, _END)
-                else:
-                    if self._next is None:  # a read in flight, kept across timeouts and iterations
-                        self._next = asyncio.ensure_future(anext(self._items, _END))
-                    done, _ = await asyncio.wait((self._next,), timeout=timeout)
-                    if not done:
-                        return
-                    item, self._next = self._next.result(), None
+                # A read in flight, kept across timeouts, iterations and a cancelled reader
+                # (a task cancelled, Ctrl-C in the sync client): cancelling the read itself
+                # would cancel the RPC, and the subscription would end for good.
+                if self._next is None:
+                    self._next = asyncio.ensure_future(anext(self._items, _END))
+                done, _ = await asyncio.wait((self._next,), timeout=timeout)
+                if not done:
+                    return
+                item, self._next = self._next.result(), None
                 if item is _END:
                     return
                 self._read += 1
@@ -961,7 +974,8 @@ class RemoteModel:
             *args, hooks=[*hooks, *cached], backward=backward, mode=mode, seed=seed, use_session=use_session,
             stream=stream, progress=progress, kwargs=kwargs, **model_kwargs,
         )
-        return result.output, ActivationCache.from_result(result, parts)
+        own = range(len(hooks) + 1, len(hooks) + len(cached) + 1)  # the cache's hooks, not the caller's
+        return result.output, ActivationCache.from_result(result, parts, hooks=own)
 
     async def _infer_stream(
         self, request: model_service_pb2.InferRequest, chunker: _codec.Chunker, progress: bool | None = False,

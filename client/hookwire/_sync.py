@@ -47,6 +47,16 @@ class _Loop:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="hookwire-sync", daemon=True)
         self._thread.start()
+        # close() and calls from other threads: once closing, no call is scheduled, and
+        # the calls still pending when the loop stops fail instead of waiting forever.
+        self._lock = threading.Lock()
+        self._closing = False
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() has begun: calls raise, teardown calls return at once."""
+        return self._closing
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs ``coro`` on the loop and blocks until it is done; its result or exception.
@@ -54,14 +64,17 @@ class _Loop:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a synchronous hookwire call was made from its own event loop (a callback?)")
-        if self.loop.is_closed():
-            coro.close()
-            raise RuntimeError("this hookwire client is closed")
         # Not asyncio.run_coroutine_threadsafe: a Ctrl-C landing inside it, after it has
         # scheduled the coroutine but before it returns the future, would leave the call
         # running with nothing to cancel it. Here the future exists before anything is
         # scheduled, and cancelling it at any point cancels the call.
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._closing:
+                coro.close()
+                raise RuntimeError("this hookwire client is closed")
+            self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
         try:
             self.loop.call_soon_threadsafe(self._start, coro, future)
             return future.result()
@@ -94,23 +107,59 @@ class _Loop:
     def close(self) -> None:
         """Cancels what still runs on the loop (streams left open), then stops the loop
         and its thread. Idempotent."""
-        if self.loop.is_closed():
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if threading.current_thread() is self._thread:
+            self.loop.stop()  # a finalizer run on the loop itself: it cannot wait for itself
             return
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(_drain(), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()
+        for future in list(self._pending):  # scheduled just before closing began, never run
+            if not future.done():
+                future.set_exception(RuntimeError("this hookwire client was closed during the call"))
 
 
 async def _drain() -> None:
     """Cancels the loop's other tasks and waits for them, so that gRPC's calls end
-    cleanly instead of being destroyed pending when the loop stops."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    cleanly instead of being destroyed pending when the loop stops. Again while any
+    remain: a call scheduled just before close began starts its task meanwhile."""
+    for _ in range(100):
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if not tasks:
+            break
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.get_running_loop().shutdown_asyncgens()
+
+
+def _close_unclosed(loop: _Loop, client: Client) -> None:
+    """Closes ``client`` on ``loop``, then the loop (SyncClient.close, or its finalizer)."""
+    try:
+        if not loop.closed and threading.current_thread() is not loop._thread:
+            loop.run(client.close())
+    finally:
+        loop.close()
+
+
+def _teardown(method: Callable[..., Coroutine[Any, Any, T]], closed: T) -> Callable[..., T]:
+    """As ``_blocking``, for removing or closing something: returns ``closed`` at once
+    once the client is closed (the server side went with it), as the async method does
+    once its session is gone, instead of raising (a ``with`` block's exit would otherwise
+    mask the exception that ended it)."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> T:
+        if self._loop.closed:
+            return closed
+        return self._loop.run(method(self.aio, *args, **kwargs))
+
+    return call
 
 
 def _blocking(method: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
@@ -163,7 +212,7 @@ class SyncIterator(Iterator[T]):
         if not self._done:
             self._done = True
             aclose = getattr(self._items, "aclose", None)
-            if aclose is not None and not self._loop.loop.is_closed():
+            if aclose is not None and not self._loop.closed:
                 self._loop.run(aclose())
 
     def __enter__(self) -> SyncIterator[T]:
@@ -198,7 +247,9 @@ class SyncClient:
         #: The async client underneath (its coroutines must run on ``loop``).
         self.aio = client
         self._loop = _Loop()
-        self._closer = weakref.finalize(self, self._loop.close)
+        # Collected without close(): the client's session and channel are closed too, then
+        # the loop (the finalizer holds the async client and the loop, never this object).
+        self._closer = weakref.finalize(self, _close_unclosed, self._loop, self.aio)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -217,11 +268,7 @@ class SyncClient:
 
     def close(self) -> None:
         """Ends the session, closes the channel and stops the loop thread. Idempotent."""
-        if not self._loop.loop.is_closed():
-            try:
-                self._loop.run(self.aio.close())
-            finally:
-                self._closer()
+        self._closer()
 
     def __enter__(self) -> SyncClient:
         return self
@@ -331,7 +378,7 @@ class SyncHookHandle:
     def events(self, **options: Any) -> SyncIterator[InterceptEvent]:
         return SyncIterator(self._loop, self.aio.events(**options))
 
-    remove = _blocking(HookHandle.remove)
+    remove = _teardown(HookHandle.remove, False)
 
     def __enter__(self) -> SyncHookHandle:
         return self
@@ -356,7 +403,7 @@ class SyncSubscription:
         return self.aio.notices
 
     start = _blocking(Subscription.start)
-    close = _blocking(Subscription.aclose)
+    close = _teardown(Subscription.aclose, None)
 
     @_like(Subscription.events)
     def events(self, **options: Any) -> SyncIterator[InterceptEvent]:
@@ -407,7 +454,7 @@ class SyncGenerateStream:
         """Cancels the call (the server stops at the next step boundary)."""
         self._loop.loop.call_soon_threadsafe(self.aio.cancel)
 
-    close = _blocking(GenerateStream.aclose)
+    close = _teardown(GenerateStream.aclose, None)
 
     def __enter__(self) -> SyncGenerateStream:
         return self

@@ -165,6 +165,9 @@ class InterceptEvent:
     #: each once, in the order of the tensors; () when nothing tensor-valued was captured.
     #: The tensors themselves arrive in host memory.
     devices: tuple[str, ...] = ()
+    #: For a request-scoped hook's event: the hook's position in the call's ``hooks=``
+    #: list, plus one; 0 for a registered (session or TTL) hook.
+    request_hook_index: int = 0
 
     @classmethod
     def from_proto(cls, msg: hook_pb2.InterceptEvent, chunked: Mapping[int, Any] | None = None) -> InterceptEvent:
@@ -189,6 +192,7 @@ class InterceptEvent:
             raw=msg,
             step=msg.step,
             devices=tuple(msg.devices),
+            request_hook_index=msg.request_hook_index,
         )
 
 

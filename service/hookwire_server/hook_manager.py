@@ -343,6 +343,7 @@ class HookManager:
             records.append(HookRecord(
                 new_id("hk"), host, spec, compiled, request_id=request_id,
                 slots=session.slots if session is not None else None, metrics=self.metrics, owner=principal,
+                request_index=i + 1,
             ))
         return records
 

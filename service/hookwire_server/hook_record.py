@@ -54,9 +54,12 @@ class HookRecord:
     def __init__(
         self, hook_id: str, host: ModelHost, spec: hook_pb2.HookSpec, compiled: CompiledSpec,
         *, session_id: str = "", request_id: str = "", slots: SlotStore | None = None,
-        metrics: Metrics | None = None, owner: Principal = ANONYMOUS,
+        metrics: Metrics | None = None, owner: Principal = ANONYMOUS, request_index: int = 0,
     ) -> None:
         self.hook_id = hook_id
+        #: For a request-scoped hook, its position in the request's hooks plus one
+        #: (InterceptEvent.request_hook_index); 0 for a registered hook.
+        self.request_index = request_index
         #: Who registered it: only they (or an operator) see, subscribe to and remove it.
         self.owner = owner
         self.host = host
@@ -400,6 +403,7 @@ class HookRecord:
         prepared: Prepared | None = None,
     ) -> int:
         event.hook_id = self.hook_id
+        event.request_hook_index = self.request_index
         event.model = self.host.name
         event.module = path
         event.phase = action.phase

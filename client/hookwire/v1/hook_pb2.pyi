@@ -186,7 +186,7 @@ class Hook(_message.Message):
     def __init__(self, hook_id: _Optional[str] = ..., spec: _Optional[_Union[HookSpec, _Mapping]] = ..., modules: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., disabled: _Optional[bool] = ..., disabled_reason: _Optional[str] = ..., fire_count: _Optional[int] = ..., events_sent: _Optional[int] = ..., events_dropped: _Optional[int] = ..., errors: _Optional[int] = ..., last_fired: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class InterceptEvent(_message.Message):
-    __slots__ = ("hook_id", "model", "module", "phase", "seq", "call_index", "request_id", "training", "time", "args", "kwargs", "output", "grad_input", "grad_output", "dropped", "step", "devices")
+    __slots__ = ("hook_id", "model", "module", "phase", "seq", "call_index", "request_id", "training", "time", "args", "kwargs", "output", "grad_input", "grad_output", "dropped", "step", "devices", "request_hook_index")
     class KwargsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class InterceptEvent(_message.Message):
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_HOOK_INDEX_FIELD_NUMBER: _ClassVar[int]
     hook_id: str
     model: str
     module: str
@@ -228,4 +229,5 @@ class InterceptEvent(_message.Message):
     dropped: int
     step: int
     devices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hook_id: _Optional[str] = ..., model: _Optional[str] = ..., module: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., seq: _Optional[int] = ..., call_index: _Optional[int] = ..., request_id: _Optional[str] = ..., training: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., grad_input: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., grad_output: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., dropped: _Optional[int] = ..., step: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
+    request_hook_index: int
+    def __init__(self, hook_id: _Optional[str] = ..., model: _Optional[str] = ..., module: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., seq: _Optional[int] = ..., call_index: _Optional[int] = ..., request_id: _Optional[str] = ..., training: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., grad_input: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., grad_output: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., dropped: _Optional[int] = ..., step: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., request_hook_index: _Optional[int] = ...) -> None: ...
