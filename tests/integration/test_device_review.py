@@ -1,4 +1,4 @@
-"""Review of #15 (device maps, asynchronous captures): failing tests for the bugs found.
+"""Review of #15 (device maps, asynchronous captures): a test for each bug it found (each failed before its fix).
 
 Each test compares a model served with ``async_captures = "on"`` (the deferred queue,
 exercised on the CPU) with the same model with ``"off"`` (captures made inside the hook,
