@@ -16,6 +16,22 @@ from hookwire_server import HookwireServer, ModelHost, ModelRegistry, ServerSett
 from hookwire_server.demo_models import mlp, tiny_transformer
 
 
+def _cache_name() -> str:
+    """What transformers calls a causal LM's KV cache in its forward's arguments and
+    outputs: "cache" from 5.24 on, "past_key_values" before (hookwire takes either)."""
+    try:
+        from transformers import LlamaForCausalLM
+    except ImportError:
+        return "past_key_values"
+    from hookwire_server.generation import cache_argument
+
+    return cache_argument(LlamaForCausalLM)
+
+
+#: The installed transformers' name for the KV cache (see _cache_name).
+CACHE = _cache_name()
+
+
 class Scale(nn.Module):
     """Multiplies by 2: a cheap model whose output is as large as its input."""
 

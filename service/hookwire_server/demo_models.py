@@ -239,7 +239,7 @@ DEMO_MODELS: dict[str, DemoModel] = {
         tiny_lm,
         "Demo causal LM (2-layer Llama, random seeded weights: its text is gibberish) with a byte-level "
         "BPE tokenizer: Tokenize, then input_ids int64 (batch, seq<=512), attention_mask; returns "
-        "{logits, past_key_values}.",
+        "{logits, past_key_values} ({logits, cache} with transformers 5.24 and later).",
         tokenizer=tiny_lm_tokenizer,
         needs="transformers",
     ),

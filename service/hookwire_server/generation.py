@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import inspect
 import logging
 import math
 import secrets
@@ -127,6 +128,8 @@ class Decoder:
 
     def __init__(self, model: Any, prepared: _Prepared, generator: torch.Generator) -> None:
         self.model = model
+        #: The name the model's forward takes its KV cache by (cache_argument).
+        self.cache_key = cache_argument(model)
         self.input_ids = prepared.input_ids
         self.prompt_length = int(prepared.input_ids.shape[1])
         self.logits_processor = prepared.logits_processor
@@ -181,7 +184,7 @@ class Decoder:
         kwargs = self.model_kwargs
         if self.step_index == 0 or kwargs is None or not kwargs.get("use_cache"):
             return None
-        cache: Any = kwargs.get("past_key_values")
+        cache: Any = kwargs.get(self.cache_key)
         if type(cache).__name__ != "DynamicCache" or not cache.layers:
             return None
         layers = []
@@ -196,7 +199,7 @@ class Decoder:
             return None
         plain = []
         for key, value in sorted(kwargs.items()):
-            if key in ("attention_mask", "position_ids", "past_key_values"):
+            if key in ("attention_mask", "position_ids", self.cache_key):
                 continue
             if not isinstance(value, (bool, int, float, str, type(None))):
                 return None  # e.g. token_type_ids: not stacked here
@@ -206,7 +209,7 @@ class Decoder:
     def cache_length(self) -> int:
         """Tokens in the KV cache now."""
         assert self.model_kwargs is not None
-        return int(self.model_kwargs["past_key_values"].layers[0].keys.shape[2])
+        return int(self.model_kwargs[self.cache_key].layers[0].keys.shape[2])
 
     def advance(self, outputs: Any) -> list[int]:
         """Takes a pass's outputs (logits, KV cache) and chooses the next tokens; returns
@@ -859,6 +862,16 @@ class StepCall:
     group: str | None = None
 
 
+def cache_argument(model: Any) -> str:
+    """The name a transformers model's forward takes its KV cache by, and its outputs
+    return it under: "cache" from transformers 5.24 on, "past_key_values" before."""
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"
+
+
 def _step_work(call: StepCall) -> Work:
     key = call.decoder.join_key()
     return Work(run_step_batch, call, key=key, rows=int(call.decoder.input_ids.shape[0]), kind="generate",
@@ -918,7 +931,8 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
         segments.append(Segment(call.p, start, start + n, length))
         start += n
     first = inputs[0]
-    joined = ("input_ids", "position_ids", "attention_mask", "past_key_values")
+    cache_key = calls[0].decoder.cache_key
+    joined = ("input_ids", "position_ids", "attention_mask", cache_key)
     merged: dict[str, Any] = {k: v for k, v in first.items() if k not in joined}
     for i in inputs[1:]:  # the others must be equal plain values (a tensor would need stacking)
         rest = {k: v for k, v in i.items() if k not in joined}
@@ -934,7 +948,7 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
         mask = i.get("attention_mask")
         merged["attention_mask"][seg.start:seg.stop, keys - length:] = 1 if mask is None else mask
     layers = []
-    caches = [i["past_key_values"] for i in inputs]
+    caches = [i[cache_key] for i in inputs]
     for index, layer in enumerate(caches[0].layers):
         stacked = []
         for which in ("keys", "values"):
@@ -945,7 +959,7 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
                 out[seg.start:seg.stop, :, keys - 1 - mine.shape[2]:] = mine
             stacked.append(out)
         layers.append((stacked[0], stacked[1]))
-    merged["past_key_values"] = DynamicCache(ddp_cache_data=layers)
+    merged[cache_key] = DynamicCache(ddp_cache_data=layers)
     del layers, caches, inputs
     batch = Batch(segments, padded=keys, side="left")
     for call in calls:
@@ -963,7 +977,7 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
         raise
     finally:
         host.current_batch = None
-    cache = outputs.past_key_values
+    cache = getattr(outputs, cache_key)
     results: list[Any] = []
     for call, seg, length in zip(calls, segments, own):
         mine = DynamicCache(ddp_cache_data=[
@@ -971,7 +985,7 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
             for layer in cache.layers
         ])
         try:
-            tokens = call.decoder.advance(type(outputs)(logits=outputs.logits[seg.start:seg.stop], past_key_values=mine))
+            tokens = call.decoder.advance(type(outputs)(logits=outputs.logits[seg.start:seg.stop], **{cache_key: mine}))
         except Exception as exc:  # e.g. its sampling settings leave no distribution: only it fails
             call.p.release()  # its events of the pass still go out, as a step alone delivers them
             results.append(exc)

@@ -52,7 +52,7 @@ from hookwire_server import ModelConfig, ModelHost, ModelRegistry, ServerSetting
 from hookwire_server.demo_models import tiny_lm, tiny_transformer
 from hookwire_server.model_loading import ConfigError, build_host, load_config_file
 from hookwire_server.model_registry import BatchConfig
-from support import ServerThread, assert_same
+from support import CACHE, ServerThread, assert_same
 
 #: (atol, rtol) of a batched call against its unbatched in-process run (see the module docstring).
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -585,7 +585,7 @@ async def test_tiny_lm_calls_of_different_lengths_equal_the_padded_batched_compu
         keys=("logits",), pad_id=0,
     )
     for result in results:
-        assert list(result.output) == ["logits", "past_key_values"] and result.output["past_key_values"] is None
+        assert list(result.output) == ["logits", CACHE] and result.output[CACHE] is None
 
 
 async def test_a_padded_length_never_equals_a_head_size(server: ServerThread, local: Local) -> None:

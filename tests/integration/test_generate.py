@@ -29,7 +29,7 @@ from hookwire.v1 import (
 from hookwire_server import ModelConfig, ModelHost, ServerSettings, build_registry, demo_configs
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
 from hookwire_server.tokenization import prepare_tokenizer
-from support import ServerThread, assert_same
+from support import CACHE, ServerThread, assert_same
 
 MB = 1 << 20
 GenerateRequest = model_service_pb2.GenerateRequest
@@ -827,16 +827,16 @@ def test_a_kv_cache_in_kwargs_and_outputs_is_null_with_a_marker(env: Env) -> Non
     root_events = [e for e in result.events if e.raw.module == ""]
     assert [e.raw.step for e in layer_events] == [e.raw.step for e in root_events] == [0, 1, 2]
     for e in layer_events:
-        marker = e.raw.kwargs["past_key_values"]
+        marker = e.raw.kwargs[CACHE]
         assert marker.WhichOneof("kind") == "null_value" and marker.opaque_type == "DynamicCache"
-        assert all(v.opaque_type == "" for k, v in e.raw.kwargs.items() if k != "past_key_values")
+        assert all(v.opaque_type == "" for k, v in e.raw.kwargs.items() if k != CACHE)
         args, kwargs = oracle.inputs[(e.raw.step, "model.layers.0")]
         assert_same(e.value("args"), args, f"args at step {e.raw.step}")
         got = e.value("kwargs")  # a protobuf map: its order is not the call's
         assert sorted(got) == sorted(kwargs)
         assert_same({k: got[k] for k in kwargs}, kwargs, f"kwargs at step {e.raw.step}")
     for e in root_events:
-        marker = e.raw.output.map.entries["past_key_values"]
+        marker = e.raw.output.map.entries[CACHE]
         assert marker.WhichOneof("kind") == "null_value" and marker.opaque_type == "DynamicCache"
         assert_same(e.value()["logits"], oracle.outputs[(e.raw.step, "")]["logits"], f"logits at step {e.raw.step}")
     assert_tokens_match(result, oracle, pad=0)

@@ -34,7 +34,7 @@ import lm_oracle as oracle
 from hookwire import rules
 from hookwire_server import build_registry, demo_configs, generation
 from hookwire_server.batching import model_dimensions, padded_length
-from support import ServerThread, assert_same
+from support import CACHE, ServerThread, assert_same
 
 MARGIN_BOUND = 1e-5
 """The smallest top-2 logit margin (of the alone run, at a step) at which a batched greedy
@@ -323,7 +323,7 @@ class Replayed:
             out = {"input_ids": self.ids[:, -1:].clone(), "position_ids": self.positions[..., -1:].clone()}
         if self.mask is not None:
             out["attention_mask"] = self.mask
-        return {**out, "past_key_values": self.cache, "logits_to_keep": 1, "use_cache": True}
+        return {**out, CACHE: self.cache, "logits_to_keep": 1, "use_cache": True}
 
     def advance(self, logits: torch.Tensor, cache: DynamicCache) -> None:
         assert not self.done
@@ -382,7 +382,7 @@ class Replay:
     def _alone(self, call: Replayed) -> None:
         self._segments, self._keys = [_Segment(call, 0, call.rows, 0)], None
         out = self.model(**call.inputs(), return_dict=True)
-        call.advance(out.logits, out.past_key_values)
+        call.advance(out.logits, out[CACHE])
 
     def _joined(self, calls: list[Replayed]) -> None:
         own = [c.cache.get_seq_length() + 1 for c in calls]  # the keys each call's step attends to
@@ -413,14 +413,14 @@ class Replay:
         out = self.model(
             input_ids=torch.cat([i["input_ids"] for i in inputs]),
             position_ids=torch.cat([i["position_ids"] for i in inputs]),
-            attention_mask=mask, past_key_values=DynamicCache(ddp_cache_data=layers),
+            attention_mask=mask, **{CACHE: DynamicCache(ddp_cache_data=layers)},
             logits_to_keep=1, use_cache=True, return_dict=True,
         )
         for seg in segments:
             mine = DynamicCache(ddp_cache_data=[
                 (layer.keys[seg.start:seg.stop, :, keys - seg.own:],
                  layer.values[seg.start:seg.stop, :, keys - seg.own:])
-                for layer in out.past_key_values.layers
+                for layer in out[CACHE].layers
             ])
             seg.call.advance(out.logits[seg.start:seg.stop], mine)
 

@@ -21,7 +21,7 @@ from hookwire import _codec
 from hookwire.v1 import hook_pb2, model_service_pb2, model_service_pb2_grpc, rule_pb2
 from hookwire_server import ModelHost, ServerSettings, build_registry, demo_configs
 from hookwire_server.tokenization import prepare_tokenizer
-from support import ServerThread
+from support import CACHE, ServerThread
 
 GenerateRequest = model_service_pb2.GenerateRequest
 CALL_TIMEOUT = 120
@@ -115,7 +115,7 @@ def test_a_failed_generate_frees_its_kv_cache(srv: ServerThread, stub) -> None:
     caches: list[weakref.ref] = []
 
     def watch(module: Any, args: Any, kwargs: Any) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get(CACHE)
         if cache is not None:
             caches.append(weakref.ref(cache))
 

@@ -13,7 +13,7 @@ import transformers
 import hookwire
 from hookwire_server import ModelConfig, ServerSettings, build_registry, demo_configs
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
-from support import ServerThread
+from support import CACHE, ServerThread
 
 TEXTS = ["Hello world, the model is a hook.", "hi", "ünïcødé ✓ 日本語 🙂", "the the the"]
 
@@ -170,22 +170,22 @@ async def test_a_kv_cache_is_sent_as_null_with_a_marker(client: hookwire.Client)
     local = tiny_lm()
     with torch.no_grad():
         want = local(batch.input_ids, attention_mask=batch.attention_mask)
-    assert type(want.past_key_values).__name__ == "DynamicCache"
+    assert type(want[CACHE]).__name__ == "DynamicCache"
     result = await model.infer(
         batch.input_ids, attention_mask=batch.attention_mask,
         hooks=[hookwire.HookSpec("model.layers.0", prehook=hookwire.capture("args", "kwargs"),
                                  prehook_kwargs={"with_kwargs": True})],
     )
-    assert list(result.output) == ["logits", "past_key_values"]
-    assert result.output["past_key_values"] is None
-    marker = result.raw.output.map.entries["past_key_values"]
+    assert list(result.output) == ["logits", CACHE]
+    assert result.output[CACHE] is None
+    marker = result.raw.output.map.entries[CACHE]
     assert marker.WhichOneof("kind") == "null_value" and marker.opaque_type == "DynamicCache"
     assert torch.equal(result.output["logits"], want.logits)
     [event] = result.events
-    assert event.kwargs["past_key_values"] is None
-    assert event.raw.kwargs["past_key_values"].opaque_type == "DynamicCache"
-    assert all(v.opaque_type == "" for k, v in event.raw.kwargs.items() if k != "past_key_values")
+    assert event.kwargs[CACHE] is None
+    assert event.raw.kwargs[CACHE].opaque_type == "DynamicCache"
+    assert all(v.opaque_type == "" for k, v in event.raw.kwargs.items() if k != CACHE)
     # A client never sends one: encoding a cache in a request is still an error.
     from hookwire import _codec
     with pytest.raises(_codec.CodecError, match="DynamicCache"):
-        _codec.encode_value(want.past_key_values)
+        _codec.encode_value(want[CACHE])
