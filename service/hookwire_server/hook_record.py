@@ -309,11 +309,10 @@ class HookRecord:
             p.tap(self.hook_id, action, path, call_index, parts)  # a harvest batch: the tensors themselves, no event
             return
         batch = self.host.current_batch
-        mode = self.host.async_captures
         # Behind captures still in flight, a capture that needs no copy waits its turn too:
         # events leave in firing order.
-        if batch is not None and mode != "off" and (
-            batch.deferred or wants_deferral(mode, [v for _, _, _, v in _captured(action, parts)])
+        if batch is not None and self.host.defers and (
+            batch.deferred or wants_deferral(self.host.async_captures, [v for _, _, _, v in _captured(action, parts)])
         ):
             self._capture_later(batch, action, path, p, call_index, training, parts)
             return

@@ -247,6 +247,9 @@ class ModelHost:
         #: module runs on (under a device map, accelerate moves what each module receives to
         #: its own device, and rule operands are cast once per device they edit on).
         self.device = input_device(module, self.device_map)
+        #: Whether captures may be deferred at all: "on", or "auto" for a model with weights
+        #: on an accelerator (a model wholly on the CPU then pays no check per capture).
+        self.defers = async_captures == "on" or (async_captures == "auto" and on_accelerator(module, self.device_map))
         self._executor = DaemonWorker(f"model:{name}")
         #: Hook firings on this model that passed scope and gating (the hook_fires metric):
         #: a plain counter only the worker thread adds to, as a metric increment per firing
@@ -557,3 +560,12 @@ def input_device(module: nn.Module, device_map: dict[str, str]) -> torch.device:
             return param.device
     return torch.device("cpu")
 
+
+
+def on_accelerator(module: nn.Module, device_map: dict[str, str]) -> bool:
+    """Whether any of a model's parameters or buffers (or device-map entries) is on an
+    accelerator (not the CPU, disk or meta)."""
+    if any(device not in ("cpu", "disk") for device in device_map.values()):
+        return True
+    tensors = [*module.parameters(), *module.buffers()]
+    return any(t.device.type not in ("cpu", "meta") for t in tensors)
