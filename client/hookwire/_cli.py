@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import re
 import signal
@@ -144,11 +145,17 @@ async def _inspect(ns: argparse.Namespace) -> int:
     async with connect(ns.target, options=_client_options(ns)) as client:
         info = await client.model(ns.model).info()
     print(f"{info.name}: {info.description}")
+    placement = info.device_map
+    if placement:
+        counts = collections.Counter(placement.values())
+        print("device map: " + ", ".join(f"{device} {n}" for device, n in sorted(counts.items()))
+              + " (modules marked @ below; the rest live where their closest marked parent does)")
     for module in info.modules:
         depth = module.path.count(".") + 1 if module.path else 0
         name = module.path.rsplit(".", 1)[-1] if module.path else "(root)"
         params = ", ".join(f"{p.name} {list(p.shape)} {p.dtype}" for p in module.parameters)
-        print(f"{'  ' * depth}{name} ({module.type}){'  ' + params if params else ''}    [{module.path}]")
+        where = f"  @{placement[module.path]}" if module.path in placement else ""
+        print(f"{'  ' * depth}{name} ({module.type}){'  ' + params if params else ''}    [{module.path}]{where}")
     return 0
 
 

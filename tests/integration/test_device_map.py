@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -222,6 +224,15 @@ async def test_offloaded_weights_read_and_the_map_shown(server: ServerThread, lo
     assert info.device_map == MINILM_MAP
     # accelerate's own split under the CPU budget: some modules in memory, the rest on disk.
     assert set(auto.device_map.values()) == {"cpu", "disk"}, auto.device_map
+
+
+def test_inspect_shows_the_map(server: ServerThread) -> None:
+    """hookwire inspect (a real CLI process) marks the mapped modules and counts the devices."""
+    out = subprocess.run([sys.executable, "-m", "hookwire._cli", "inspect", "minilm", "--target", server.target],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "device map: cpu 4, disk 4 (modules marked @ below" in out
+    assert "[encoder.layer.3]  @disk" in out and "[embeddings]  @cpu" in out
+    assert "[encoder.layer.3.attention]" in out and "[encoder.layer.3.attention]  @" not in out
 
 
 async def test_auto_map_with_a_memory_budget_is_exact(server: ServerThread, local: dict[str, Any]) -> None:
