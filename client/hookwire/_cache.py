@@ -101,21 +101,27 @@ class ActivationCache(Mapping[str, Any]):
         ``InterceptEvent.request_hook_index``); None for every event. A gradient's ``#k``
         is the forward call it belongs to: autograd runs the backward of a module's later
         calls first, so the server's backward call index counts from the last forward
-        call (``cache["shared:grad_output"]`` pairs with ``cache["shared"]``)."""
+        call (``cache["shared:grad_output"]`` pairs with ``cache["shared"]``). This holds
+        when every call of the module reaches what backward starts from; when an earlier
+        call's output does not (detached, unused), the module has fewer gradients than
+        calls and they are keyed from #0 up in reverse autograd order all the same (the
+        server does not know which forward call a gradient belongs to)."""
         names = _parts(parts)
         events = list(result.events)
         # A server older than request_hook_index marks none: then every event is kept.
         if hooks is not None and any(e.request_hook_index for e in events):
             events = [e for e in events if e.request_hook_index in hooks]
-        backward_calls: dict[str, int] = {}
+        # The server counts calls per hook and module: so does the remap.
+        backward_calls: dict[tuple[str, str], int] = {}
         for event in events:
             if event.phase == "backward":
-                backward_calls[event.module] = backward_calls.get(event.module, 0) + 1
+                key = (event.hook_id, event.module)
+                backward_calls[key] = backward_calls.get(key, 0) + 1
         entries: dict[str, Any] = {}
         for event in events:
             index = event.call_index
             if event.phase == "backward":
-                index = backward_calls[event.module] - 1 - index
+                index = backward_calls[(event.hook_id, event.module)] - 1 - index
             for part, value in _values(event, names):
                 entries[cache_key(event.module, part, index)] = value
         return cls(entries, result)

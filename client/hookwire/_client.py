@@ -677,6 +677,8 @@ class HookHandle:
     async def _subscribed_events(self, timeout: float | None) -> AsyncIterator[InterceptEvent]:
         # One subscription for the handle's life (closed by remove()): one per iteration lost
         # the events of calls made between two iterations that ended on their timeout.
+        if self._removed:
+            return  # removed: nothing to subscribe to (and nothing would close it)
         if self._subscription is None:
             self._subscription = self._client.subscribe([self.id])
         async for event in self._subscription.events(timeout=timeout):
@@ -737,6 +739,7 @@ class Subscription:
         self._calls = EndedCalls()
         self._read = 0
         self._next: asyncio.Future[Any] | None = None
+        self._closed = False
         #: Notices received so far (drops, removed or disabled hooks).
         self.notices: list[Notice] = []
 
@@ -761,7 +764,8 @@ class Subscription:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Ends the subscription."""
+        """Ends the subscription (an iteration running in another task ends quietly)."""
+        self._closed = True
         if self._next is not None:
             self._next.cancel()
             self._next = None
@@ -798,12 +802,19 @@ class Subscription:
                 # A read in flight, kept across timeouts, iterations and a cancelled reader
                 # (a task cancelled, Ctrl-C in the sync client): cancelling the read itself
                 # would cancel the RPC, and the subscription would end for good.
-                if self._next is None:
-                    self._next = asyncio.ensure_future(anext(self._items, _END))
-                done, _ = await asyncio.wait((self._next,), timeout=timeout)
+                if self._closed:
+                    return
+                pending = self._next
+                if pending is None:
+                    pending = self._next = asyncio.ensure_future(anext(self._items, _END))
+                done, _ = await asyncio.wait((pending,), timeout=timeout)
+                if self._closed or pending.cancelled():
+                    return  # aclose() from another task (or remove() of its hook)
                 if not done:
                     return
-                item, self._next = self._next.result(), None
+                if self._next is not pending:
+                    continue  # another iteration running at the same time took this item
+                item, self._next = pending.result(), None
                 if item is _END:
                     return
                 self._read += 1

@@ -93,7 +93,10 @@ class _Loop:
         def settle(done: asyncio.Task[T]) -> None:
             try:
                 if done.cancelled():
-                    future.cancel()
+                    if self._closing:  # cancelled by close(), not by its caller: say so
+                        future.set_exception(RuntimeError("this hookwire client was closed during the call"))
+                    else:
+                        future.cancel()
                 elif done.exception() is not None:
                     future.set_exception(done.exception())
                 else:
@@ -112,8 +115,13 @@ class _Loop:
                 return
             self._closing = True
         if threading.current_thread() is self._thread:
-            self.loop.stop()  # a finalizer run on the loop itself: it cannot wait for itself
+            # Called on the loop itself (a callback, a finalizer run by a collection there):
+            # it cannot wait for itself, so a thread of its own closes it.
+            threading.Thread(target=self._shut_down, name="hookwire-sync-close", daemon=True).start()
             return
+        self._shut_down()
+
+    def _shut_down(self) -> None:
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(_drain(), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -139,9 +147,13 @@ async def _drain() -> None:
 
 
 def _close_unclosed(loop: _Loop, client: Client) -> None:
-    """Closes ``client`` on ``loop``, then the loop (SyncClient.close, or its finalizer)."""
+    """Closes ``client`` on ``loop``, then the loop (SyncClient.close, or its finalizer;
+    on the loop's own thread, from a thread of its own)."""
+    if threading.current_thread() is loop._thread:
+        threading.Thread(target=_close_unclosed, args=(loop, client), name="hookwire-sync-close", daemon=True).start()
+        return
     try:
-        if not loop.closed and threading.current_thread() is not loop._thread:
+        if not loop.closed:
             loop.run(client.close())
     finally:
         loop.close()
@@ -190,10 +202,13 @@ class SyncIterator(Iterator[T]):
     """An async iterator of the client, iterated from synchronous code: each ``next``
     blocks until the next item arrives. ``close()`` (or leaving ``with``) ends it early."""
 
-    def __init__(self, loop: _Loop, items: AsyncIterator[T]) -> None:
+    def __init__(self, loop: _Loop, items: AsyncIterator[T], owner: Any = None) -> None:
         self._loop = loop
         self._items = items
         self._done = False
+        #: What it was made from (a handle, a stream): kept alive, and with it the client,
+        #: whose finalizer would otherwise close the client under the iteration.
+        self._owner = owner
 
     def __iter__(self) -> SyncIterator[T]:
         return self
@@ -353,6 +368,7 @@ class SyncHookHandle:
     """A registered hook (blocking). ``with`` removes it on exit; ``remove()`` is idempotent."""
 
     def __init__(self, client: SyncClient, handle: HookHandle) -> None:
+        self._client = client  # kept alive: its finalizer closes the client
         self._loop = client._loop
         #: The async HookHandle underneath.
         self.aio = handle
@@ -376,7 +392,7 @@ class SyncHookHandle:
 
     @_like(HookHandle.events)
     def events(self, **options: Any) -> SyncIterator[InterceptEvent]:
-        return SyncIterator(self._loop, self.aio.events(**options))
+        return SyncIterator(self._loop, self.aio.events(**options), self)
 
     remove = _teardown(HookHandle.remove, False)
 
@@ -393,6 +409,7 @@ class SyncSubscription:
     """A Subscribe stream (blocking): ``with client.subscribe(ids) as sub: for e in sub: ...``."""
 
     def __init__(self, client: SyncClient, subscription: Subscription) -> None:
+        self._client = client  # kept alive: its finalizer closes the client
         self._loop = client._loop
         #: The async Subscription underneath.
         self.aio = subscription
@@ -407,7 +424,7 @@ class SyncSubscription:
 
     @_like(Subscription.events)
     def events(self, **options: Any) -> SyncIterator[InterceptEvent]:
-        return SyncIterator(self._loop, self.aio.events(**options))
+        return SyncIterator(self._loop, self.aio.events(**options), self)
 
     def __iter__(self) -> Iterator[InterceptEvent]:
         return self.events()
@@ -426,12 +443,13 @@ class SyncGenerateStream:
     ``with`` (or ``close()``) cancels the call if it is still running."""
 
     def __init__(self, client: SyncClient, stream: GenerateStream) -> None:
+        self._client = client  # kept alive: its finalizer closes the client
         self._loop = client._loop
         #: The async GenerateStream underneath.
         self.aio = stream
 
     def __iter__(self) -> Iterator[Any]:
-        return SyncIterator(self._loop, self.aio.__aiter__())
+        return SyncIterator(self._loop, self.aio.__aiter__(), self)
 
     @property
     def request_id(self) -> str:
@@ -467,6 +485,7 @@ class SyncHarvestJob:
     """A handle on a server-side harvest job (blocking); see HarvestJob."""
 
     def __init__(self, client: SyncClient, job: HarvestJob) -> None:
+        self._client = client  # kept alive: its finalizer closes the client
         self._loop = client._loop
         #: The async HarvestJob underneath.
         self.aio = job
@@ -489,7 +508,7 @@ class SyncHarvestJob:
 
     @_like(HarvestJob.watch)
     def watch(self, **options: Any) -> SyncIterator[HarvestProgress]:
-        return SyncIterator(self._loop, self.aio.watch(**options))
+        return SyncIterator(self._loop, self.aio.watch(**options), self)
 
 
 __all__ = [
