@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import inspect
 import logging
 import math
 import secrets
@@ -71,7 +70,7 @@ from .hook_record import HookRecord
 from .inference import _call
 from . import limits
 from .limits import Limits
-from .model_registry import ModelHost, ModelRegistry
+from .model_registry import ModelHost, ModelRegistry, forward_parameters
 from .passes import Pass
 from .tokenization import check_texts, no_tokenizer_message, padding_side_for, tokenize_texts
 
@@ -865,10 +864,7 @@ class StepCall:
 def cache_argument(model: Any) -> str:
     """The name a transformers model's forward takes its KV cache by, and its outputs
     return it under: "cache" from transformers 5.24 on, "past_key_values" before."""
-    try:
-        names = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
+    names = forward_parameters(model)
     return "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"
 
 

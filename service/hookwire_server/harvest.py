@@ -36,7 +36,6 @@ import copy
 import dataclasses
 import functools
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -67,6 +66,7 @@ from .errors import (
     ResourceExhausted, Unavailable,
 )
 from .hook_record import HookRecord
+from .model_registry import forward_parameters
 from .passes import Pass
 from .scheduler import Work
 from .selection import Index
@@ -1050,15 +1050,6 @@ class _Handoff:
         item = await self._items.get()
         self._room.release()
         return item
-
-
-def forward_parameters(module: Any) -> frozenset[str]:
-    """The names the model's forward takes (transformers models take ``attention_mask``
-    and, causal LMs, ``use_cache``)."""
-    try:
-        return frozenset(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
 
 
 __all__ = ["HarvestConfig", "HarvestManager", "Job", "run_harvest_batch", "settings_from"]

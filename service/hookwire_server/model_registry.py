@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import enum
 import functools
+import inspect
 import logging
 import queue
 import threading
@@ -569,3 +570,12 @@ def on_accelerator(module: nn.Module, device_map: dict[str, str]) -> bool:
         return True
     tensors = [*module.parameters(), *module.buffers()]
     return any(t.device.type not in ("cpu", "meta") for t in tensors)
+
+
+def forward_parameters(module: Any) -> frozenset[str]:
+    """The names the model's forward takes (transformers models take ``attention_mask``
+    and, causal LMs, ``use_cache``; the KV cache as ``past_key_values`` or ``cache``)."""
+    try:
+        return frozenset(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
