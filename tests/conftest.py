@@ -1,11 +1,12 @@
 from __future__ import annotations
 
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import pytest
 import torch
 
 import hookwire
+from hookwire_server import ServerSettings
 from support import ServerThread, build_test_registry
 
 
@@ -15,6 +16,22 @@ def server() -> Iterator[ServerThread]:
     srv = ServerThread(build_test_registry()).start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., ServerThread]]:
+    """Starts a real server on the test registry, on a free loopback port, with the given
+    ServerSettings fields (e.g. a tight limit); each is stopped after the test."""
+    started: list[ServerThread] = []
+
+    def start(**settings: Any) -> ServerThread:
+        srv = ServerThread(build_test_registry(), ServerSettings(port=0, **settings)).start()
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
 
 
 @pytest.fixture

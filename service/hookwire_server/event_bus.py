@@ -5,9 +5,13 @@ message to the EventStream of every stream that wants it; the stream's policy
 decides what a full buffer does:
 
 - BLOCK: lossless for the calls of the stream's owner (the principal that
-  opened it), and for everyone's calls on an operator's stream; the producing
-  forward pass waits for space. Other callers' events drop oldest first, so a
-  stream that stops reading never holds another caller's pass.
+  opened it), and for everyone's calls on an operator's stream. The forward pass
+  never waits for a reader: once the stream is full, the call keeps its further
+  events (passes.Pass, counted against the principal's byte budget, HeldBytes)
+  and waits for the reader after its pass, alone; and a call that such a stream
+  would hold is not started while the stream is full (DeliveryGate), so calls of
+  other principals overtake it. Other callers' events drop oldest first, so a
+  stream that stops reading never holds another caller's call.
 - DROP_OLDEST / DROP_NEWEST: the pass never waits; the oldest buffered event,
   or the new one, is dropped and counted.
 - UNSPECIFIED: BLOCK for the calls of the stream's own session, DROP_OLDEST for
@@ -34,7 +38,7 @@ from hookwire._codec import Chunker
 from hookwire._framing import SESSION_MESSAGE_CHUNK
 from hookwire.v1 import hook_service_pb2
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, ResourceExhausted
 from .limits import DEFAULT_STREAM_BYTES
 
 DEFAULT_MAX_EVENTS = 1024
@@ -186,6 +190,13 @@ class EventStream:
         self._carry_total = 0
         #: CallEnded markers queued now (bounded by max_events, see put_call_ended).
         self._markers = 0
+        #: Models whose events this stream has carried: a full stream holds back only
+        #: calls on those (DeliveryGate.stalled).
+        self._models: set[str] = set()
+        #: Called on the event loop when a reader takes from the stream after the gate found
+        #: it full, and when the stream ends: calls it held back may start now.
+        self.on_room: Callable[[], None] | None = None
+        self._gated = False
 
     @property
     def waiting_producers(self) -> int:
@@ -213,6 +224,18 @@ class EventStream:
         own_calls = own_session or (bool(principal) and principal == self.owner)
         return policy == BLOCK and (own_calls or self.blocks_others)
 
+    def stalls(self, model: str, session_id: str, principal: str) -> bool:
+        """Whether a call on ``model`` made in ``session_id`` by ``principal`` must not start
+        now: the stream blocks for it, has carried events of that model, and is full (or a
+        call's kept events already wait for room). Event loop; reads counters without the
+        lock (a stale answer only moves a call by one scheduling decision)."""
+        if model not in self._models or self._closed or self._ending or not self.blocks_for(session_id, principal):
+            return False
+        full = self._waiting > 0 or self._events >= self.limits.max_events or self._bytes >= self.limits.max_bytes
+        if full:
+            self._gated = True  # the next read (or the end) tells the schedulers
+        return full
+
     def put_event(
         self, msg: hook_service_pb2.SessionMessage, hook_id: str, nbytes: int, *,
         session_id: str = "", principal: str = "", counters: HookCounters | None = None,
@@ -231,6 +254,8 @@ class EventStream:
         queued) and None is returned: the caller offers it again later, waiting.
         """
         block = self.blocks_for(session_id, principal)
+        if block:
+            self._models.add(msg.event.model)  # from the first event on, even one kept back (DeliveryGate)
         if wire is None:
             wire = msg.ByteSize()
         with self._lock:
@@ -341,9 +366,11 @@ class EventStream:
 
     def wake_producers(self) -> None:
         """Makes producers waiting for space re-check their ``cancelled`` condition and
-        whether the stream still blocks for their call (``blocks_others`` may change)."""
+        whether the stream still blocks for their call (``blocks_others`` may change), and
+        the schedulers the calls it held back. Any thread."""
         with self._lock:
             self._not_full.notify_all()
+        self._room_later()
 
     def forget_hook(self, hook_id: str) -> None:
         """Drops a removed hook's numbering (ids are never reused)."""
@@ -416,6 +443,9 @@ class EventStream:
                         elif kind == "call_ended":
                             self._markers -= 1
                     self._not_full.notify_all()
+                    gated, self._gated = self._gated, False
+                    if gated and self.on_room is not None:
+                        self.on_room()
                     return out
                 if self._ending:
                     return []
@@ -485,6 +515,7 @@ class EventStream:
             self._ending = True
             self._not_full.notify_all()
         self._wake()
+        self._room_later()
 
     def close(self, reason: str = "") -> None:
         """Ends the stream: frees the buffer and releases every waiting producer. Any thread.
@@ -503,6 +534,16 @@ class EventStream:
             self._bytes = 0
             self._not_full.notify_all()
         self._wake()
+        self._room_later()
+
+    def _room_later(self) -> None:
+        """Tells the schedulers (on the loop) that calls this stream held back may start."""
+        if self.on_room is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self.on_room)
+        except RuntimeError:  # the loop is already closed: nothing is scheduled any more
+            pass
 
     def _wake(self) -> None:
         try:
@@ -514,6 +555,89 @@ class EventStream:
         """(events, bytes) buffered now."""
         with self._lock:
             return self._events, self._bytes
+
+
+class DeliveryGate:
+    """The open streams, asked by the schedulers which calls must not start now.
+
+    A call whose events a full stream would hold (BLOCK for its owner's calls, or for
+    everyone's on an operator's stream; the default policy for the stream's own
+    session) would only add to what waits for that stream's reader: it is not started
+    until the reader takes from the stream, and later calls that no full stream holds
+    overtake it. Event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._streams: set[EventStream] = set()
+        self._listeners: list[Callable[[], None]] = []
+
+    def add(self, stream: EventStream) -> None:
+        """Watches ``stream`` (a session's or a subscription's) from now on."""
+        stream.on_room = self._room
+        self._streams.add(stream)
+
+    def remove(self, stream: EventStream) -> None:
+        """Forgets a closed stream; the calls it held back may start."""
+        if stream in self._streams:
+            self._streams.discard(stream)
+            self._room()
+
+    def listen(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn`` (on the loop) whenever calls held back may start."""
+        self._listeners.append(fn)
+
+    def _room(self) -> None:
+        for fn in self._listeners:
+            fn()
+
+    def stalled(self, model: str, session_id: str, principal: str) -> bool:
+        """Whether a call on ``model`` made in ``session_id`` by ``principal`` waits now
+        (see EventStream.stalls)."""
+        return any(stream.stalls(model, session_id, principal) for stream in self._streams)
+
+
+class HeldBytes:
+    """Event bytes that calls keep because a full stream cannot take them yet (see
+    passes.Pass), per principal, counted with the principal's stream buffers against
+    max_buffered_bytes_per_principal: past it, the call keeping them fails with
+    RESOURCE_EXHAUSTED instead of holding more memory. Any thread."""
+
+    def __init__(self, limit: int, buffers: Callable[[str], int]) -> None:
+        self.limit = limit
+        #: The byte budgets of a principal's open streams.
+        self._buffers = buffers
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    def take(self, principal: str, nbytes: int) -> None:
+        """Counts ``nbytes`` more for ``principal``; ResourceExhausted, counting nothing,
+        when that would pass the limit."""
+        buffers = self._buffers(principal)
+        with self._lock:
+            held = self._held.get(principal, 0) + nbytes
+            if held + buffers > self.limit:
+                raise ResourceExhausted(
+                    f"{principal or 'the caller'!r}'s calls keep {held} bytes of events that their full streams "
+                    f"cannot take yet, which with its stream buffers ({buffers} bytes) is over its limit of "
+                    f"{self.limit} (max_buffered_bytes_per_principal): read the stream (or capture less per call)"
+                )
+            self._held[principal] = held
+
+    def give(self, principal: str, nbytes: int) -> None:
+        """Uncounts ``nbytes`` (delivered, or dropped with their failed call)."""
+        if not nbytes:
+            return
+        with self._lock:
+            held = self._held.get(principal, 0) - nbytes
+            if held > 0:
+                self._held[principal] = held
+            else:
+                self._held.pop(principal, None)
+
+    def held(self, principal: str) -> int:
+        """Bytes counted for ``principal`` now."""
+        with self._lock:
+            return self._held.get(principal, 0)
 
 
 def _coalesce(events: list[hook_service_pb2.SessionMessage]) -> Iterator[hook_service_pb2.SessionMessage]:

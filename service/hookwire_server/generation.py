@@ -50,6 +50,7 @@ from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from .batching import Batch, Segment, padded_length
 from .scheduler import Work, in_own_thread
 from .errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -536,6 +537,16 @@ class Generation:
             empty = (mask.sum(dim=1) == 0).nonzero()
             if len(empty):
                 raise InvalidArgument(f"attention_mask: sequence {int(empty[0])} has no token (all zeros)")
+            # A causal LM appends each new token after the last position: padding on the right
+            # would put pads between the prompt and its continuation (transformers only warns,
+            # and the tokens come out wrong).
+            right = (mask[:, 1:] < mask[:, :-1]).any(dim=1).nonzero()
+            if len(right):
+                raise InvalidArgument(
+                    f"attention_mask: sequence {int(right[0])} has padding (0) after a token (1): Generate needs "
+                    "prompts padded on the left (a causal LM continues after the last position); pad on the left, "
+                    "or tokenize with padding_side='left' (the server's default for this model)"
+                )
         else:
             mask = torch.ones_like(ids)
         return ids, mask
@@ -658,6 +669,31 @@ class Generation:
             if not any(self._active.values()):
                 self._idle.set()
 
+    async def _step_done(self, future: asyncio.Future[StepResult], work: Work, host: ModelHost) -> StepResult:
+        """The step's result. A step that a full stream of the call's holds back (its
+        reader stalled: see scheduler.py) for generate_idle_timeout fails the call with
+        DEADLINE_EXCEEDED; a step that waits for a busy model waits as long as it takes."""
+        idle = self.limits.generate_idle_timeout
+        while True:
+            since = work.stalled_since
+            wait = idle if since is None else max(0.0, since + idle - time.perf_counter())
+            done, _ = await asyncio.wait((future,), timeout=wait)
+            if done:
+                return future.result()
+            since = work.stalled_since
+            if since is not None and time.perf_counter() - since >= idle:
+                raise _idle_error(host, "a reader of one of its event streams took nothing", idle)
+
+    async def _backlog_delivered(self, p: Pass, host: ModelHost) -> None:
+        """Waits until the step's events that a full stream could not take during the step
+        are delivered (a thread of its own waits for the reader); DEADLINE_EXCEEDED after
+        generate_idle_timeout."""
+        idle = self.limits.generate_idle_timeout
+        try:
+            await asyncio.wait_for(in_own_thread(p.flush_backlog, f"backlog:{p.request_id}"), idle)
+        except asyncio.TimeoutError:
+            raise _idle_error(host, "a reader of one of its event streams took nothing", idle) from None
+
     async def _run(
         self, request: model_service_pb2.GenerateRequest, host: ModelHost, principal: Principal,
         options: GenerateOptions, ids: torch.Tensor, mask: torch.Tensor, request_id: str, records: list[HookRecord],
@@ -671,6 +707,7 @@ class Generation:
             sink=lambda event, chunker: put(("event", event, chunker)), session_stream=session_stream,
         )
         p.notices = lambda notice: put(("notice", notice))
+        p.held_bytes = self._hooks.held_bytes
         chunk_bytes = chunk_bytes_for(request.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
         p.framing = Framing(GENERATE_RESPONSE_CHUNK, chunk_bytes)
         detokenizer = host.detokenizer
@@ -692,19 +729,21 @@ class Generation:
             texts = [TextDeltas() for _ in range(batch)]
             tokens: list[list[int]] = [[] for _ in range(batch)]  # the loop's own copy (the decoder runs ahead)
             step = 0
-            future = asyncio.ensure_future(host.scheduler.submit(_step_work(StepCall(p, decoder, step, put, group))))
+            work = _step_work(StepCall(p, decoder, step, put, group))
+            future = asyncio.ensure_future(host.scheduler.submit(work))
             while True:
                 async for out in _messages(mailbox, chunk_bytes):
                     yield out
-                result = await future
-                if p.backlog:  # it shared a pass, and a BLOCK stream of its own was full: wait here, alone
-                    await in_own_thread(p.flush_backlog, f"backlog:{request_id}")
+                result = await self._step_done(future, work, host)
+                if p.backlog:  # a stream that blocks for the call was full: wait for its reader here, alone
+                    await self._backlog_delivered(p, host)
                 final = result.finished or step == options.max_new_tokens - 1
                 stopping = not final and self._hooks.draining
                 if not final and not stopping:
                     # The next step runs while this one's tokens are decoded and sent: at most
                     # one step ahead of the reader, who still pauses the call (and only it).
-                    future = asyncio.ensure_future(host.scheduler.submit(_step_work(StepCall(p, decoder, step + 1, put, group))))
+                    work = _step_work(StepCall(p, decoder, step + 1, put, group))
+                    future = asyncio.ensure_future(host.scheduler.submit(work))
                 for i, token in enumerate(result.tokens):
                     if token != FINISHED:
                         tokens[i].append(token)
@@ -735,6 +774,11 @@ class Generation:
                 decoder.end("cancelled")
             raise
         except BaseException as exc:
+            if future is not None:
+                future.cancel()  # e.g. the reader timed out: a step still waiting never runs
+            if isinstance(exc, DeadlineExceeded):
+                outcome = "timeout"
+                p.abandon()  # events kept for a stalled reader are dropped with the call
             # The frames of the failing step hold the KV cache and its activations.
             raise release_failure(exc)
         finally:
@@ -756,6 +800,13 @@ class Generation:
                        "duration_ms": round(elapsed * 1e3, 3), "hooks": len(records),
                        "steps": decoder.step_index if decoder is not None else 0},
             )
+
+
+def _idle_error(host: ModelHost, what: str, idle: float) -> DeadlineExceeded:
+    return DeadlineExceeded(
+        f"Generate on {host.name!r}: {what} for {idle:g} s (generate_idle_timeout); the call ended and its "
+        "generation slot and KV cache were freed"
+    )
 
 
 def _log_failure(future: asyncio.Future[Any]) -> None:
@@ -871,7 +922,7 @@ def cache_argument(model: Any) -> str:
 def _step_work(call: StepCall) -> Work:
     key = call.decoder.join_key()
     return Work(run_step_batch, call, key=key, rows=int(call.decoder.input_ids.shape[0]), kind="generate",
-                group=call.group)
+                group=call.group, caller=(call.p.session_id, call.p.principal))
 
 
 def _run_step(host: ModelHost, call: StepCall) -> StepResult:

@@ -350,6 +350,9 @@ def _harvest_pass(host: Any, work: _BatchWork) -> _BatchResult:
         host.current_batch = None
         for record in work.records:
             record.detach()
+        # Other hooks' events (e.g. an operator's SCOPE_ALL capture) that a full stream
+        # could not take during the pass go out from a thread of their own: the model goes on.
+        p.finish(end=False)
     for event in copies.events():
         event.synchronize()  # the values in collected are complete from here on
     del copies
@@ -675,6 +678,7 @@ class HarvestManager:
                 work = Work(
                     run_harvest_batch, _BatchWork(job.id, job.owner, records, capture_ids, s, item, keep),
                     key=None, rows=int(item.input_ids.shape[0]), kind="harvest", background=True,
+                    caller=("", job.owner),
                 )
                 result = await host.scheduler.submit(work)
                 await writes.wait()  # at most one batch being written while the next one runs

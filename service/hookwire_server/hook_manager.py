@@ -20,7 +20,7 @@ from hookwire.v1 import hook_pb2, hook_service_pb2
 from . import limits
 from .auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
 from .errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
-from .event_bus import DeliveryLimits, EventStream
+from .event_bus import DeliveryGate, DeliveryLimits, EventStream, HeldBytes
 from .hook_record import HookRecord, _notice
 from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
 from .limits import Limits
@@ -103,6 +103,11 @@ class HookManager:
         self._compiled_lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._background: set[asyncio.Future[None]] = set()
+        #: The open streams, which the models' schedulers ask which calls must wait.
+        self.gate = DeliveryGate()
+        registry.configure_delivery(self.gate)
+        #: Event bytes calls keep for their full streams, per principal (passes.Pass).
+        self.held_bytes = HeldBytes(self.limits.max_buffered_bytes_per_principal, self._stream_budget)
 
     # ---------------------------------------------------------------- sessions
 
@@ -117,11 +122,11 @@ class HookManager:
         mine += sum(1 for s in self._subscriptions if principal.owns(s.principal))
         limits.check(mine, self.limits.max_streams_per_principal, f"{principal.name!r} has {mine} open streams",
                      "max_streams_per_principal")
-        own = sum(s.stream.limits.max_bytes for s in self._sessions.values() if principal.owns(s.principal))
-        own += sum(s.stream.limits.max_bytes for s in self._subscriptions if principal.owns(s.principal))
+        own = self._stream_budget(principal.name) + self.held_bytes.held(principal.name)
         if own + delivery.max_bytes > self.limits.max_buffered_bytes_per_principal:
             raise ResourceExhausted(
-                f"{principal.name!r}'s stream buffers would take {own + delivery.max_bytes} bytes, over its limit of "
+                f"{principal.name!r}'s stream buffers (and the events its calls keep for full streams) would take "
+                f"{own + delivery.max_bytes} bytes, over its limit of "
                 f"{self.limits.max_buffered_bytes_per_principal} (max_buffered_bytes_per_principal)"
             )
         budget = sum(s.limits.max_bytes for s in streams) + delivery.max_bytes
@@ -131,6 +136,13 @@ class HookManager:
                 f"{budget} bytes, over its limit of {self.limits.max_buffered_bytes} (max_buffered_bytes); "
                 "ask for a smaller delivery.max_bytes"
             )
+
+    def _stream_budget(self, principal: str) -> int:
+        """The byte budgets of the open streams of the principal named ``principal``. Any
+        thread: it reads copies of the tables (taken without running Python code between)."""
+        streams = [s for s in list(self._sessions.values()) if s.principal.name == principal]
+        subs = [s for s in list(self._subscriptions) if s.principal.name == principal]
+        return sum(s.stream.limits.max_bytes for s in streams) + sum(s.stream.limits.max_bytes for s in subs)
 
     def open_session(self, delivery: DeliveryLimits, principal: Principal = ANONYMOUS) -> Session:
         """A new session with its own event stream."""
@@ -145,6 +157,7 @@ class HookManager:
                              on_sent=self._count_sent, blocks_others=principal.is_operator)
         session = Session(session_id, stream, self.limits.max_slot_bytes, principal)
         self._sessions[session.session_id] = session
+        self.gate.add(stream)
         log.info("session opened", extra={"session_id": session_id, "principal": principal.name})
         return session
 
@@ -166,6 +179,7 @@ class HookManager:
             return
         session.closed = True
         session.stream.close()
+        self.gate.remove(session.stream)
         session.slots.clear()
         for hook_id in list(session.hook_ids):
             self._remove(hook_id, reason=f"session {session_id} ended")
@@ -398,6 +412,7 @@ class HookManager:
         sub = Subscription(EventStream(asyncio.get_running_loop(), delivery, owner=principal.name,
                                        on_sent=self._count_sent, blocks_others=principal.is_operator), ids, principal)
         self._subscriptions.add(sub)
+        self.gate.add(sub.stream)
         for record in records:
             record.streams = record.streams + (sub.stream,)
             record.subscriptions.append(sub)
@@ -408,6 +423,7 @@ class HookManager:
         """Detaches a subscription from its hooks and frees its buffer."""
         self._subscriptions.discard(sub)
         sub.stream.close()
+        self.gate.remove(sub.stream)
         for hook_id in list(sub.hook_ids):
             record = self._hooks.get(hook_id)
             if record is not None:

@@ -14,7 +14,6 @@ import functools
 import time
 import dataclasses
 import logging
-import threading
 import traceback
 from collections.abc import Mapping
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, ParamSpec, TypeVar
@@ -329,6 +328,7 @@ class Inference:
         )
         p.chunker = chunker
         p.splicer = splicer if chunker is None else None
+        p.held_bytes = self._hooks.held_bytes
         p.response.hook_ids.extend(r.hook_id for r in records)
         seed = request.seed if request.HasField("seed") else None
         shape = None
@@ -353,19 +353,19 @@ class Inference:
                 run_infer_batch, call, key=shape.key if shape is not None else None,
                 rows=shape.rows if shape is not None else 1, kind="infer",
                 avoid=shape.sizes if shape is not None else frozenset(),
-                group=request.session_id if slots else None,
+                group=request.session_id if slots else None, caller=(request.session_id, principal.name),
             )
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.limits.infer_timeout
             try:
                 response = await asyncio.wait_for(host.scheduler.submit(work), self.limits.infer_timeout)
             except HookwireServerError:
-                # Failed after a shared pass (e.g. an output with no wire form): its events still
-                # go out before the error, as a call alone delivers them before it fails.
+                # Failed (e.g. an output with no wire form): the events its pass kept for a full
+                # stream still go out before the error, as the others did.
                 await _backlog_delivered(call, max(0.0, deadline - loop.time()))
                 raise
-            # It shared a pass, and a BLOCK stream of its own was full: it waits for its reader
-            # here, alone (as a call alone would have waited inside its pass).
+            # A stream that blocks for it was full: it waits for that reader here, after its
+            # pass and alone (the pass itself never waits for a reader).
             await _backlog_delivered(call, max(0.0, deadline - loop.time()))
             outcome = "ok"
             return response
@@ -428,8 +428,8 @@ class InferCall:
     chunked: Mapping[int, Any] | None
     #: How it joins other calls (None: it runs alone).
     shape: batching.Shape | None
-    #: Done once the events a shared pass left in its backlog are delivered and the call
-    #: ended (see _deliver); None when nothing was left.
+    #: Done once the events its pass left in its backlog (a full stream that blocks for
+    #: it) are delivered and the call ended (see _deliver); None when nothing was left.
     flushing: concurrent.futures.Future[None] | None = None
 
 
@@ -441,29 +441,16 @@ async def _backlog_delivered(call: InferCall, timeout: float) -> None:
 
 
 def _deliver(call: InferCall) -> None:
-    """After a shared pass (worker thread): delivers the call's held events and ends it.
-    Events a full BLOCK stream cannot take now are delivered by a thread of their own,
-    which then ends the call: the model goes on with other calls meanwhile, and the
-    delivery does not depend on the caller (a call cancelled or timed out while its pass
-    ran still delivers every event of that pass, then its CallEnded marker, as a call
-    alone does). ``call.flushing`` is done once it is."""
+    """After the call's pass (worker thread): delivers its held events (a shared pass's)
+    and ends it; events a full stream cannot take now go out from a thread of their own,
+    which then ends the call (Pass.finish): ``call.flushing`` is done once it has. Raises
+    ResourceExhausted when the held events pass the principal's byte limit (the call
+    fails; what was delivered stays delivered, and it still ends)."""
     p = call.p
-    p.release()
-    if not p.backlog:
-        p.end()
-        return
-    flushing: concurrent.futures.Future[None] = concurrent.futures.Future()
-    flushing.set_running_or_notify_cancel()  # a waiter that gives up cannot cancel it
-
-    def flush_and_end() -> None:
-        try:
-            p.flush_backlog()
-            p.end()
-        finally:
-            flushing.set_result(None)
-
-    call.flushing = flushing
-    threading.Thread(target=flush_and_end, name=f"backlog:{p.request_id}", daemon=True).start()
+    try:
+        p.release()
+    finally:
+        call.flushing = p.finish()
 
 
 def run_infer_batch(host: ModelHost, calls: list[InferCall]) -> list[Any]:
@@ -562,12 +549,20 @@ def _run_shared(
                 raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
         except Exception as exc:
             # As alone: its hooks' events are delivered (they fired), then it fails.
-            _deliver(call)
-            results.append(exc)
+            results.append(_delivered(call, exc))
             continue
-        _deliver(call)
-        results.append(p.response)
+        results.append(_delivered(call, p.response))
     return results
+
+
+def _delivered(call: InferCall, result: Any) -> Any:
+    """``result`` once the call's held events are delivered (_deliver), or the error
+    delivering them failed it with."""
+    try:
+        _deliver(call)
+    except ResourceExhausted as exc:
+        return exc
+    return result
 
 
 def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferResponse:
@@ -613,7 +608,9 @@ def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferRespon
             model.eval()
         for record in records:
             record.detach()
-        p.end()  # CallEnded on the session streams that had its events
+        # CallEnded on the session streams that had its events, after the events a full
+        # stream could not take during the pass (delivered off this thread: the model goes on).
+        _deliver(call)
     return p.response
 
 

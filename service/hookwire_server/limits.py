@@ -106,6 +106,11 @@ class Limits:
     #: Generate calls of one principal running at once, on all models (RESOURCE_EXHAUSTED
     #: beyond): a caller who stops reading keeps its calls, not everyone's.
     max_generations_per_principal: int = 16
+    #: Seconds a Generate call may wait for its reader: its response stream taking no
+    #: message, or one of its own event streams (a full BLOCK stream, its session's stream)
+    #: taking nothing while the call's next step waits for room. Past it the call ends with
+    #: DEADLINE_EXCEEDED and frees its slot and KV cache.
+    generate_idle_timeout: float = 300.0
 
     # --- parameters (issue #14): GetParameters, on models whose config sets parameters_readable ---
     #: Names and globs in one GetParameters call (GetParametersRequest.names), counted on the

@@ -21,7 +21,7 @@ import inspect
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -265,7 +265,14 @@ class ModelHost:
         self._scheduler: Scheduler | None = None
         #: Where the scheduler reports each pass (model, kind, calls, rows, queue delays).
         self.observe_batch: Callable[[str, str, int, int, list[float]], None] | None = None
+        #: Which calls must wait for a stream's reader before they start; None: none do.
+        self.gate: CallGate | None = None
         self._dimensions: frozenset[int] | None = None
+
+    def poke_scheduler(self) -> None:
+        """Makes the scheduler look at its waiting calls again (event loop)."""
+        if self._scheduler is not None:
+            self._scheduler.poke()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -439,6 +446,16 @@ class ModelEntry:
         return msg
 
 
+class CallGate(Protocol):
+    """Which calls must not start yet (event_bus.DeliveryGate)."""
+
+    def stalled(self, model: str, session_id: str, principal: str) -> bool:
+        """Whether a call on ``model`` made in ``session_id`` by ``principal`` waits for a reader."""
+
+    def listen(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn`` whenever calls that waited may start."""
+
+
 class ModelRegistry:
     """Models by name, with the state of each configured one (loading, ready, failed)."""
 
@@ -446,6 +463,7 @@ class ModelRegistry:
         self._entries: dict[str, ModelEntry] = {}
         self._batch_defaults = BatchSettings()
         self._observe: Callable[[str, str, int, int, list[float]], None] | None = None
+        self._gate: CallGate | None = None
         for host in hosts:
             self.add(host)
 
@@ -460,9 +478,23 @@ class ModelRegistry:
         for host in self:
             self._configure(host)
 
+    def configure_delivery(self, gate: CallGate) -> None:
+        """What tells every model's scheduler (those loaded later too) which calls must
+        wait for a stream's reader before they start (event_bus.DeliveryGate)."""
+        self._gate = gate
+        gate.listen(self._room)
+        for host in self:
+            self._configure(host)
+
+    def _room(self) -> None:
+        """Calls held back by a full stream may start: every scheduler looks again."""
+        for host in self:
+            host.poke_scheduler()
+
     def _configure(self, host: ModelHost) -> None:
         host.batching = host.batch_config.resolve(self._batch_defaults, host)
         host.observe_batch = self._observe
+        host.gate = self._gate
 
     def expect(
         self, name: str, *, description: str = "", training_allowed: bool = True, parameters_readable: bool = False,

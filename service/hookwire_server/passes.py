@@ -13,6 +13,7 @@ loop only between passes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ from hookwire._framing import Framing, Splicer
 from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2
 
 from .errors import ResourceExhausted
+from .event_bus import HeldBytes
 
 #: Where the request-scoped hooks' events of a streaming call (Generate) go, as they
 #: fire: the event and, when it has chunked tensors, the chunker holding them. Called on
@@ -75,9 +77,17 @@ class Pass:
         #: in order, delivered when the pass succeeded (``release``); None: delivered as it fires.
         self._held: list[tuple[Any, ...]] | None = None
         self._checkpoint: tuple[Any, ...] | None = None
-        #: Events ``release`` could not hand over without waiting (a full BLOCK stream):
-        #: ``flush_backlog`` delivers them, waiting, before the call goes on.
+        #: Events a full stream that blocks for the call could not take without waiting
+        #: (the pass never waits for a reader): ``flush_backlog`` delivers them, waiting,
+        #: after the pass and before the call goes on. Once one is kept, every later
+        #: session event of the call is kept behind it (streams see the call's order).
         self.backlog: list[tuple[Any, ...]] = []
+        #: Where the backlog's bytes are counted (max_buffered_bytes_per_principal); None: nowhere.
+        self.held_bytes: HeldBytes | None = None
+        self._backlog_bytes = 0
+        #: Set when nobody waits for the backlog any more (its Generate call timed out):
+        #: a flush in progress stops, and the rest is dropped.
+        self._abandoned = threading.Event()
         self._end_lock = threading.Lock()
         self._flushing = False
         self._end_pending = False
@@ -129,13 +139,27 @@ class Pass:
                 self.sink(event, kept)
 
     def put_event(self, stream: Any, msg: Any, hook_id: str, nbytes: int, **kwargs: Any) -> None:
-        """Offers a session-scoped event of this call to ``stream`` (EventStream.put_event),
-        or keeps it while the call shares a pass (see hold)."""
+        """Offers a session-scoped event of this call to ``stream`` (EventStream.put_event)
+        without waiting: while the call shares a pass it is held (see hold); when the
+        stream would make it wait (full, and blocking for this call), it is kept in the
+        backlog, counted in ``held_bytes`` (ResourceExhausted past the principal's
+        limit: the event is not kept and the call fails). Worker thread."""
         self.offered(stream)
+        item = ("stream", stream, msg, hook_id, nbytes, kwargs)
         if self._held is not None:
-            self._held.append(("stream", stream, msg, hook_id, nbytes, kwargs))
-        else:
-            stream.put_event(msg, hook_id, nbytes, session_id=self.session_id, principal=self.principal, **kwargs)
+            self._held.append(item)
+        elif self.backlog or stream.put_event(
+            msg, hook_id, nbytes, session_id=self.session_id, principal=self.principal, wait=False, **kwargs
+        ) is None:
+            self._keep([item])
+
+    def _keep(self, items: list[tuple[Any, ...]]) -> None:
+        """Adds ``items`` to the backlog, counting their bytes (all or none)."""
+        nbytes = sum(item[4] for item in items if item[0] == "stream")
+        if self.held_bytes is not None and nbytes:
+            self.held_bytes.take(self.principal, nbytes)
+        self._backlog_bytes += nbytes
+        self.backlog.extend(items)
 
     # ------------------------------------------------------------ shared passes
 
@@ -169,7 +193,9 @@ class Pass:
 
     def release(self) -> None:
         """After a shared pass succeeded: delivers the held events in order without waiting;
-        those behind one a full BLOCK stream would wait for stay in ``backlog``. Worker thread."""
+        those from the first one a full stream would make wait on are kept in ``backlog``
+        (ResourceExhausted, keeping none of them, past the principal's byte limit: the
+        call fails). Worker thread."""
         held, self._held, self._checkpoint = self._held or [], None, None
         for i, item in enumerate(held):
             if item[0] == "sink":
@@ -180,13 +206,14 @@ class Pass:
             if stream.put_event(
                 msg, hook_id, nbytes, session_id=self.session_id, principal=self.principal, wait=False, **kwargs
             ) is None:
-                self.backlog = held[i:]
+                self._keep(held[i:])
                 return
 
     def flush_backlog(self) -> None:
         """Delivers the backlog, waiting for room as a call alone would have waited; an
-        ``end`` asked for meanwhile (the call was cancelled) comes after it. Blocks: run it
-        off the event loop and off the model's worker thread."""
+        ``end`` asked for meanwhile (the call was cancelled) comes after it. Stops early,
+        dropping the rest, once the call is abandoned. Blocks: run it off the event loop
+        and off the model's worker thread."""
         with self._end_lock:
             self._flushing = True
         try:
@@ -194,16 +221,73 @@ class Pass:
             for item in backlog:
                 if item[0] == "sink":
                     assert self.sink is not None
-                    self.sink(item[1], item[2])
+                    if not self._abandoned.is_set():
+                        self.sink(item[1], item[2])
                     continue
                 _, stream, msg, hook_id, nbytes, kwargs = item
-                stream.put_event(msg, hook_id, nbytes, session_id=self.session_id, principal=self.principal, **kwargs)
+                if not self._abandoned.is_set():
+                    removed = kwargs.get("cancelled")
+                    stream.put_event(
+                        msg, hook_id, nbytes, session_id=self.session_id, principal=self.principal,
+                        **{**kwargs, "cancelled": self._gives_up(removed)},
+                    )
+                self._uncount(nbytes)
         finally:
             with self._end_lock:
                 self._flushing = False
                 ending, self._end_pending = self._end_pending, False
             if ending:
                 self._end()
+
+    def _gives_up(self, removed: Callable[[], bool] | None) -> Callable[[], bool]:
+        """What ends a wait for room: the call abandoned, or the event's hook removed."""
+        abandoned = self._abandoned.is_set
+        return abandoned if removed is None else (lambda: abandoned() or removed())
+
+    def _uncount(self, nbytes: int) -> None:
+        self._backlog_bytes -= nbytes
+        if self.held_bytes is not None:
+            self.held_bytes.give(self.principal, nbytes)
+
+    def abandon(self) -> None:
+        """Nobody waits for the backlog any more (its call timed out waiting for a reader):
+        a flush stops at its next event and drops the rest; a backlog not being flushed is
+        dropped now. Any thread."""
+        self._abandoned.set()
+        with self._end_lock:
+            flushing = self._flushing
+        if not flushing:
+            backlog, self.backlog = self.backlog, []
+            for item in backlog:
+                if item[0] == "stream":
+                    self._uncount(item[4])
+        for stream in list(self._streams):  # a flush waiting for room re-checks, and stops
+            stream.wake_producers()
+
+    def finish(self, *, end: bool = True) -> concurrent.futures.Future[None] | None:
+        """After the call's last pass (worker thread): its CallEnded markers (with ``end``)
+        now, or, when events wait in its backlog, from a thread of its own once that
+        thread has delivered them; the model goes on with other calls meanwhile, and the
+        delivery does not depend on the caller (a call cancelled or timed out while its
+        pass ran still delivers every event of that pass, then its marker). Returns a
+        future done once that thread is, or None when nothing waited."""
+        if not self.backlog:
+            if end:
+                self.end()
+            return None
+        flushing: concurrent.futures.Future[None] = concurrent.futures.Future()
+        flushing.set_running_or_notify_cancel()  # a waiter that gives up cannot cancel it
+
+        def flush_and_end() -> None:
+            try:
+                self.flush_backlog()
+                if end:
+                    self.end()
+            finally:
+                flushing.set_result(None)
+
+        threading.Thread(target=flush_and_end, name=f"backlog:{self.request_id}", daemon=True).start()
+        return flushing
 
     def next_seq(self, hook_id: str) -> int:
         """The seq of a request-scoped hook's next event (contiguous from 1)."""

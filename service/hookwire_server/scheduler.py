@@ -17,6 +17,11 @@ on the worker thread with the batch's payloads, returning one result (or excepti
 per work. Works join only when their ``run`` and ``key`` are equal; a work with key
 None always runs alone.
 
+A call that a full stream would hold (its owner's BLOCK stream, an operator's BLOCK
+stream, its session's stream under the default policy: see event_bus.DeliveryGate)
+does not start until that stream's reader takes from it: the works behind it that no
+full stream holds overtake it, and the model never idles in front of a stalled reader.
+
 Tests form batches deterministically with ``hold``: calls queue up without running
 until ``release``.
 """
@@ -70,6 +75,11 @@ class Work:
     #: (key None), and sets no expectation of company for live calls: a live call waits at
     #: most for the one background pass that is running when it arrives.
     background: bool = False
+    #: Who made the call: (session id, principal name), what a stream's policy decides by
+    #: (DeliveryGate.stalled); None: no full stream holds it back.
+    caller: tuple[str, str] | None = None
+    #: Since when (time.perf_counter) a full stream holds it back; None while none does.
+    stalled_since: float | None = None
 
 
 class Scheduler:
@@ -130,6 +140,10 @@ class Scheduler:
         if self._task is not None:
             self._task.cancel()
 
+    def poke(self) -> None:
+        """Looks at the waiting works again (a stream that held some back has room). Event loop."""
+        self._poke()
+
     def _poke(self) -> None:
         if self._changed is not None:
             self._changed.set()
@@ -157,18 +171,34 @@ class Scheduler:
     def _rows_for(self, first: Work) -> int:
         return sum(w.rows for w in self._compatible(first))
 
+    def _stalled(self, work: Work) -> bool:
+        """Whether a full stream holds ``work`` back now (noting since when)."""
+        gate, caller = self._host.gate, work.caller
+        if gate is None or caller is None or not gate.stalled(self._host.name, *caller):
+            work.stalled_since = None
+            return False
+        if work.stalled_since is None:
+            work.stalled_since = time.perf_counter()
+        return True
+
+    def _ready(self, work: Work) -> bool:
+        """Whether ``work`` may run now: still wanted, and held back by no full stream."""
+        return not work.future.done() and not self._stalled(work)
+
     def _others_wait(self, first: Work) -> bool:
         """Whether a waiting work cannot share ``first``'s pass: waiting for ``first``'s
         company would leave the model idle while that work waits too."""
         joined = self._compatible(first)
-        return any(not w.future.done() and not w.background and w not in joined for w in self._queue)
+        return any(not w.background and w not in joined and self._ready(w) for w in self._queue)
 
-    def _first(self) -> Work:
-        """The work whose pass runs next: the oldest live work, else the oldest background one."""
-        for work in self._queue:
-            if not work.background and not work.future.done():
+    def _first(self) -> Work | None:
+        """The work whose pass runs next: the oldest live work that may run, else the
+        oldest such background one; None when every waiting work is held back."""
+        ready = [work for work in self._queue if self._ready(work)]
+        for work in ready:
+            if not work.background:
                 return work
-        return self._queue[0]
+        return ready[0] if ready else None
 
     def _compatible(self, first: Work) -> list[Work]:
         """The first waiting work and those behind it that may share its pass: equal run and
@@ -182,7 +212,7 @@ class Scheduler:
         for work in list(self._queue):
             if work is first or work.future.done() or (work.group is not None and work.group in groups):
                 continue
-            if work.run is first.run and work.key == first.key and rows + work.rows <= limit:
+            if work.run is first.run and work.key == first.key and rows + work.rows <= limit and not self._stalled(work):
                 batch.append(work)
                 rows += work.rows
                 if work.group is not None:
@@ -221,6 +251,9 @@ class Scheduler:
                 if not self._queue or self._held:
                     continue
             first = self._first()
+            if first is None:  # every waiting call is held back by a full stream: wait for room
+                await self._wait_change(None)
+                continue
             settings = self._host.batching
             delay = settings.max_batch_delay_ms / 1e3
             expected = min(settings.max_batch_size, self._last_rows)
@@ -241,6 +274,8 @@ class Scheduler:
                 if self._held or first.future.done():
                     continue
             batch = [w for w in self._compatible(first) if not w.future.done()]
+            if self._stalled(first):  # its stream filled up while it waited for company
+                continue
             for work in batch:
                 self._queue.remove(work)
             started = time.perf_counter()

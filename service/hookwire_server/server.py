@@ -201,6 +201,8 @@ class HookwireServer:
             raise ValueError("keepalive_time and keepalive_timeout must be positive (seconds)")
         if settings.infer_stream_idle_timeout <= 0:
             raise ValueError("infer_stream_idle_timeout must be positive (seconds)")
+        if settings.generate_idle_timeout <= 0:
+            raise ValueError("generate_idle_timeout must be positive (seconds)")
         interceptor = AuthInterceptor(self.tokens, client_certs=bool(settings.tls_client_ca))
         server = grpc.aio.server(
             options=channel_options(settings.max_message_bytes, settings.keepalive_time, settings.keepalive_timeout),

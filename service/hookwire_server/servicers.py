@@ -33,7 +33,7 @@ from .slots import slot_to_proto
 from .generation import Generation
 from .parameters import Parameters
 from .tokenization import Tokenization
-from .status_mapping import streaming, tolerant_parser, unary
+from .status_mapping import paced, streaming, tolerant_parser, unary
 
 CHUNK_TYPE = tensor_pb2.TensorChunk.DESCRIPTOR.full_name
 
@@ -96,7 +96,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     async def Tokenize(self, request: model_service_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.TokenizeResponse:
         return await self._tokenization.tokenize(request, principal=principal_of(context, self._tokens))
 
-    @streaming
+    @paced("generate_idle_timeout", held="its generation slot and KV cache")
     async def Generate(self, request: model_service_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[model_service_pb2.GenerateResponse | bytes]:
         if self._generation is None:
             raise Unavailable("this server does not run Generate")

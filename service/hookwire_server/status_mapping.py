@@ -205,3 +205,50 @@ def streaming(
                 await inner.aclose()  # type: ignore[attr-defined]
 
     return wrapper
+
+
+def paced(setting: str, held: str) -> Callable[[Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]]], Callable[..., Awaitable[None]]]:
+    """Like ``streaming``, for a server-streaming method whose call holds resources while
+    it runs (Generate: a slot and a KV cache): each message is written with a bound, the
+    servicer's ``limits.<setting>`` seconds. A client that takes no message for that long
+    (a connected reader that stopped reading: gRPC's flow control holds the write) ends
+    the call with DEADLINE_EXCEEDED naming the setting, and the method's iterator is
+    closed, so its cleanup frees what the call held (``held``, for the message)."""
+
+    def wrap(
+        fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]],
+    ) -> Callable[..., Awaitable[None]]:
+        @functools.wraps(fn)
+        async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> None:
+            inner = None
+            code = "OK"
+            try:
+                parsed = await parse_request(request, self)
+                inner = fn(self, parsed, context)
+                idle = getattr(self.limits, setting)
+                async for item in inner:
+                    try:
+                        async with asyncio.timeout(idle):
+                            await context.write(item)
+                    except TimeoutError:
+                        raise errors.DeadlineExceeded(
+                            f"{fn.__name__}: the client read nothing for {idle:g} s ({setting}); the call ended and "
+                            f"freed {held}"
+                        ) from None
+            except grpc.aio.AbortError:
+                raise
+            except BaseException as exc:
+                code = _code_of(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                if inner is not None:
+                    await inner.aclose()  # type: ignore[attr-defined]  # free the call's resources before the status goes out
+                await _abort(context, fn.__name__, exc)
+            finally:
+                _count(self, fn.__name__, code)
+                if inner is not None:
+                    await inner.aclose()  # type: ignore[attr-defined]
+
+        return wrapper
+
+    return wrap

@@ -91,8 +91,11 @@ async def test_block_is_lossless_for_a_users_own_calls_on_its_own_subscription(s
         caller = asyncio.ensure_future(call_all())
         (subscription,) = secured.call(lambda: list(secured.server.hooks._subscriptions))
         record = secured.call(lambda: secured.server.hooks._hooks[hook.hook_id])
-        # The subscription is not read: alice's pass must wait for it (on main it dropped instead).
-        await _until(secured, lambda: getattr(subscription.stream, "waiting_producers", 0) > 0 or record.counters.events_dropped > 0)
+        # The subscription is not read: alice's calls must wait for it (on main it dropped instead):
+        # after their pass (their kept events wait for room), or before it (held back while it is full).
+        scheduler = secured.call(lambda: secured.server.registry.get("scale").scheduler)
+        await _until(secured, lambda: subscription.stream.waiting_producers > 0 or record.counters.events_dropped > 0
+                     or any(w.stalled_since is not None for w in scheduler._queue))
         assert record.counters.events_dropped == 0, "alice's own BLOCK subscription dropped her events"
         sub_queue: asyncio.Queue = asyncio.Queue()
         sub_reader = asyncio.ensure_future(_pump(sub, sub_queue))
@@ -132,6 +135,97 @@ async def test_a_users_block_subscription_never_holds_another_callers_pass(secur
         assert record.counters.events_dropped > 0
         sub.cancel()
         session.cancel()
+
+
+# ------------------------------------------------------------------ a stalled BLOCK stream holds only its owner
+
+
+def _mlp_request(rows: int, session_id: str = "", seed: int = 0) -> model_service_pb2.InferRequest:
+    x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed))
+    request = model_service_pb2.InferRequest(model="mlp", session_id=session_id)
+    request.args.add().CopyFrom(_codec.encode_value(x))
+    return request
+
+
+async def _block_session(hooks: Any, who: str, max_bytes: int) -> tuple[Any, str]:
+    """A session of ``who`` with a small BLOCK buffer and a hook capturing every module of
+    the demo MLP (7 events a call); the session stream is read up to its first message only."""
+    session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
+        policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_bytes=max_bytes)), metadata=_auth(who))
+    session_id = (await session.read()).opened.session_id
+    await hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+        model="mlp", module="**", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=_auth(who))
+    return session, session_id
+
+
+async def test_a_stalled_block_session_never_stalls_another_principals_calls(secured) -> None:
+    """alice opens a BLOCK session (64 KiB buffer) with a capture-everything hook, stops
+    reading it and keeps calling Infer in it. bob's calls on the same model all complete
+    (on main every one of them ran into its deadline behind alice's waiting pass); once alice
+    reads again, every one of her calls completes and none of her events is lost."""
+    alice_calls, rows = 6, 2048  # 256 KiB per hidden-layer event: more than the buffer and gRPC's own
+    async with grpc.aio.insecure_channel(secured.target) as channel:
+        hooks = hook_service_pb2_grpc.HookServiceStub(channel)
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        session, session_id = await _block_session(hooks, "alice", 64 * 1024)
+        alice = [asyncio.ensure_future(models.Infer(_mlp_request(rows, session_id, i), metadata=_auth("alice")))
+                 for i in range(alice_calls)]
+        (stream,) = secured.call(lambda: [s.stream for s in secured.server.hooks._sessions.values()
+                                          if s.session_id == session_id])
+        # alice's stream is full: a call of hers waits for her reader (after its pass; the rest
+        # wait before theirs).
+        await _until(secured, lambda: stream.waiting_producers > 0)
+        local = secured.call(lambda: secured.server.registry.get("mlp").module)
+        for i in range(12):
+            request = _mlp_request(rows, seed=100 + i)
+            reply = await asyncio.wait_for(models.Infer(request, metadata=_auth("bob")), LIVENESS)
+            expected = local(_codec.decode_value(request.args[0]))
+            assert torch.equal(_codec.decode_value(reply.output), expected)
+        # Her first calls may have ended (gRPC's transport buffers took their events); not the rest.
+        assert not all(call.done() for call in alice), "alice's calls went on while her stream was stalled"
+        queue: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.ensure_future(_pump(session, queue))
+        await asyncio.wait_for(asyncio.gather(*alice), LIVENESS)
+        events: list[hook_pb2.InterceptEvent] = []
+        ended: set[str] = set()
+        while len(ended) < alice_calls:
+            msg = await asyncio.wait_for(queue.get(), LIVENESS)
+            assert msg is not None and msg.WhichOneof("kind") not in ("notice",), msg
+            events += _events(msg)
+            if msg.WhichOneof("kind") == "call_ended":
+                ended.add(msg.call_ended.request_id)
+        assert len(events) == 7 * alice_calls
+        assert [e.seq for e in events] == list(range(1, 7 * alice_calls + 1))
+        assert all(e.dropped == 0 for e in events)
+        session.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+
+async def test_events_kept_for_a_full_stream_count_against_the_principals_byte_limit(make_server) -> None:
+    """A call whose events a full BLOCK stream cannot take keeps them until its pass ends,
+    counted against max_buffered_bytes_per_principal: past it, the call fails with
+    RESOURCE_EXHAUSTED naming the setting, the server stays healthy and the kept bytes are
+    given back (a later call within the limit succeeds)."""
+    srv = make_server(max_buffered_bytes_per_principal=2 * 1024 * 1024)
+    async with grpc.aio.insecure_channel(srv.target) as channel:
+        hooks = hook_service_pb2_grpc.HookServiceStub(channel)
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
+            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_bytes=64 * 1024)))
+        session_id = (await session.read()).opened.session_id
+        await hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="mlp", module="**", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))))
+        queue: asyncio.Queue = asyncio.Queue()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(models.Infer(_mlp_request(8192, session_id)), LIVENESS)  # 1 MiB per hidden event
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_buffered_bytes_per_principal" in (info.value.details() or "")
+        reader = asyncio.ensure_future(_pump(session, queue))
+        await _until(srv, lambda: srv.server.hooks.held_bytes.held("") == 0)
+        reply = await asyncio.wait_for(models.Infer(_mlp_request(16, session_id)), LIVENESS)
+        assert list(_codec.decode_value(reply.output).shape) == [16, 4]
+        session.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
 
 
 # ------------------------------------------------------------------ `dropped` on every event

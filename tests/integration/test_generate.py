@@ -998,6 +998,9 @@ def _bad_requests() -> list[tuple[str, GenerateRequest, grpc.StatusCode, str]]:
         ("attention_mask of a row without tokens", GenerateRequest(input_ids=_ids([1, 5], [1, 6]),
                                                                    attention_mask=_ids([1, 1], [0, 0]), **ok),
          INVALID, r"^attention_mask: sequence 1"),
+        ("a right-padded attention_mask", GenerateRequest(input_ids=_ids([1, 5, 6], [1, 6, 0]),
+                                                          attention_mask=_ids([1, 1, 1], [1, 1, 0]), **ok),
+         INVALID, r"^attention_mask: sequence 1 has padding \(0\) after a token \(1\).*padded on the left"),
         ("float input_ids", GenerateRequest(input_ids=_ids([1.0, 5.0], dtype=torch.float32), **ok), INVALID,
          r"^input_ids: integer"),
         ("1-D input_ids", GenerateRequest(input_ids=_codec.encode_tensor(torch.tensor([1, 5])), **ok), INVALID,
@@ -1151,6 +1154,73 @@ def test_max_active_generations_holds_for_calls_arriving_together(small_limits) 
             stream.cancel()
         slow.close()
     wait_for(lambda: srv.call(lambda: srv.server.generation._active.get("tiny-lm", 0)) == 0, "the cancelled call ends")
+
+
+# --------------------------------------------------------------------------- a reader that stops
+
+
+IDLE = 1.0  # generate_idle_timeout of the servers below: short, so the tests do not wait long
+
+
+def _ends_with(stream: Iterator[Any], code: grpc.StatusCode) -> grpc.RpcError:
+    """Reads ``stream`` to its end, which must be an error with ``code``; returns it."""
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in stream:
+            pass
+    assert info.value.code() == code, info.value.details()
+    return info.value
+
+
+def test_a_generate_whose_reader_stops_reading_ends_after_generate_idle_timeout(make_server) -> None:
+    """A connected client that stops reading its Generate stream: after generate_idle_timeout
+    the call ends with DEADLINE_EXCEEDED naming the setting, and its slot and KV cache are
+    freed (on main it held them until the client read, cancelled or disconnected)."""
+    srv = make_server(generate_idle_timeout=IDLE)
+    slow = _slow_reader_channel(srv.target)
+    try:
+        request = GenerateRequest(model="tiny-lm", prompts=HEAVY_PROMPTS, max_new_tokens=200, hooks=[HEAVY_HOOK])
+        stream = model_service_pb2_grpc.ModelServiceStub(slow).Generate(request, timeout=CALL_TIMEOUT)
+        assert next(stream).WhichOneof("kind") == "started"
+        wait_for(lambda: srv.call(lambda: srv.server.generation._active.get("tiny-lm", 0)) == 0,
+                 "the stalled call is ended")
+        error = _ends_with(stream, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert "(generate_idle_timeout)" in error.details() and "KV cache" in error.details(), error.details()
+    finally:
+        slow.close()
+    with grpc.insecure_channel(srv.target) as channel:
+        again = read_stream(model_service_pb2_grpc.ModelServiceStub(channel).Generate(
+            GenerateRequest(model="tiny-lm", prompts=["a"], max_new_tokens=2), timeout=CALL_TIMEOUT))
+    assert again.done.steps == 2
+
+
+def test_a_generate_whose_own_block_stream_is_not_read_ends_after_generate_idle_timeout(make_server) -> None:
+    """A Generate call in a session whose BLOCK stream nobody reads runs no step past the one
+    whose events the stream cannot take, and ends with DEADLINE_EXCEEDED after
+    generate_idle_timeout, freeing its slot; meanwhile the model serves other calls."""
+    srv = make_server(generate_idle_timeout=IDLE)
+    slow = _slow_reader_channel(srv.target)
+    fast = grpc.insecure_channel(srv.target)
+    try:
+        hooks = hook_service_pb2_grpc.HookServiceStub(slow)
+        session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
+            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_bytes=64 * 1024)), timeout=CALL_TIMEOUT)
+        session_id = next(session).opened.session_id  # and never read again
+        hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="tiny-lm", module="**", posthook=_capture())), timeout=CALL_TIMEOUT)
+        models = model_service_pb2_grpc.ModelServiceStub(fast)
+        stream = models.Generate(GenerateRequest(model="tiny-lm", prompts=HEAVY_PROMPTS, max_new_tokens=200,
+                                                 session_id=session_id), timeout=CALL_TIMEOUT)
+        error = _ends_with(stream, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert "(generate_idle_timeout)" in error.details() and "event streams" in error.details(), error.details()
+        wait_for(lambda: srv.call(lambda: srv.server.generation._active.get("tiny-lm", 0)) == 0, "the call is ended")
+        # Another caller (no session) was never held by that stream.
+        again = read_stream(models.Generate(GenerateRequest(model="tiny-lm", prompts=["a"], max_new_tokens=2),
+                                            timeout=CALL_TIMEOUT))
+        assert again.done.steps == 2
+        session.cancel()
+    finally:
+        slow.close()
+        fast.close()
 
 
 def test_a_session_hook_with_last_before_first_is_refused(env: Env, session) -> None:

@@ -662,7 +662,7 @@ async def test_a_demoted_operator_no_longer_blocks_other_callers(reloadable) -> 
 
 
 async def test_a_demotion_releases_a_pass_the_stream_already_holds(reloadable) -> None:
-    """Another caller's pass waiting on an operator's full BLOCK stream when a reload
+    """Another caller's call waiting on an operator's full BLOCK stream when a reload
     demotes the operator must go on at once (its event drops), not wait for room."""
     srv, tokens = reloadable
     async with grpc.aio.insecure_channel(srv.target) as channel:
@@ -687,7 +687,10 @@ async def test_a_demotion_releases_a_pass_the_stream_already_holds(reloadable) -
                 return done
 
             caller = asyncio.ensure_future(calls())
-            await _until(lambda: session_stream.waiting_producers == 1, "alice's pass is held")
+            scheduler = srv.call(lambda: srv.server.registry.get("scale").scheduler)
+            # Held after its pass (its event waits for room) or before it (the stream is full).
+            await _until(lambda: session_stream.waiting_producers == 1
+                         or any(w.stalled_since is not None for w in scheduler._queue), "alice's call is held")
             tokens.write_text(_token_lines(alice=("user", "a1"), ops=("observer", "o1"), obs=("observer", "s1")))
             _reload(srv)
             stop.set()
