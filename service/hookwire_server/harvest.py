@@ -382,6 +382,9 @@ class HarvestManager:
         #: Outputs (and worker) of the active jobs: two jobs never write the same files.
         self._outputs: dict[tuple[str, int], str] = {}
         self._bytes: dict[str, int] = {}
+        #: Starts in progress per principal (StartHarvest between its quota check and its
+        #: job's registration): they count against harvest_max_jobs_per_principal.
+        self._starting: dict[str, int] = {}
         self._closing = False
         #: Blocking harvest work (counting sources, writing shards, manifests): threads of
         #: its own, so that jobs never take the event loop's default executor from live
@@ -402,18 +405,40 @@ class HarvestManager:
                 "without it, `hookwire harvest --sink client` writes the dataset on the client"
             )
         host = self._registry.get(request.model)
-        active = [j for j in self._jobs.values() if j.active and j.owner == principal.name]
-        if len(active) >= self.config.max_jobs_per_principal:
+        # The quota counts a start from its check on: the slot is reserved here, before
+        # the first await (validation and opening the output are awaits, and concurrent
+        # starts of one principal would all pass a check that counted registered jobs
+        # only), and released on every way out of this method: by the job itself once
+        # it is registered (it counts as active), or by a failure.
+        self._reserve(principal.name)
+        try:
+            return await self._start_reserved(request, principal, host)
+        finally:
+            self._starting[principal.name] -= 1
+            if not self._starting[principal.name]:
+                del self._starting[principal.name]
+
+    def _reserve(self, owner: str) -> None:
+        """Takes a job slot of ``owner``'s quota (synchronously: no await between the
+        check and the count), or raises RESOURCE_EXHAUSTED naming the setting."""
+        active = sum(1 for j in self._jobs.values() if j.active and j.owner == owner) + self._starting.get(owner, 0)
+        if active >= self.config.max_jobs_per_principal:
             raise ResourceExhausted(
-                f"{principal.name!r} has {len(active)} harvest jobs running, the limit is "
+                f"{owner!r} has {active} harvest jobs running or starting, the limit is "
                 f"{self.config.max_jobs_per_principal} (harvest_max_jobs_per_principal)"
             )
+        self._check_bytes(owner)
+        self._starting[owner] = self._starting.get(owner, 0) + 1
+
+    def _check_bytes(self, owner: str) -> None:
         quota = self.config.max_bytes_per_principal
-        if quota and self._bytes.get(principal.name, 0) >= quota:
+        if quota and self._bytes.get(owner, 0) >= quota:
             raise ResourceExhausted(
-                f"{principal.name!r} has written {self._bytes[principal.name]} bytes of harvest shards, the limit is "
+                f"{owner!r} has written {self._bytes[owner]} bytes of harvest shards, the limit is "
                 f"{quota} (harvest_max_bytes_per_principal)"
             )
+
+    async def _start_reserved(self, request: hv.StartHarvestRequest, principal: Principal, host: Any) -> Job:
         settings = await self._blocking(self._validate, request, host)
         key = (settings.url, settings.worker_index)
         if key in self._outputs:
@@ -443,6 +468,13 @@ class HarvestManager:
             except (OSError, ValueError) as exc:
                 raise FailedPrecondition(f"output.path: {settings.output!r} cannot be written: {exc}") from None
         except BaseException:
+            del self._outputs[key]
+            raise
+        try:
+            # The other jobs of this principal wrote on while this start awaited: the
+            # byte quota is checked again with no await between the check and the job.
+            self._check_bytes(principal.name)
+        except ResourceExhausted:
             del self._outputs[key]
             raise
         job = Job(job_id, principal.name, settings)
