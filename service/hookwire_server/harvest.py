@@ -457,7 +457,12 @@ class HarvestManager:
                     num_workers=max(1, settings.num_workers), shard_tokens=settings.shard_tokens,
                     shuffle_buffer_shards=settings.buffer_shards if settings.shuffle else 0,
                     shuffle_seed=settings.seed, overwrite=settings.overwrite,
+                    # Local outputs: every file the job opens is checked as it is opened
+                    # (no symlink inside the output folder), not only the path at start.
+                    confine="://" not in settings.url,
                 )
+            except fmt.UnsafePath as exc:
+                raise PermissionDenied(f"output.path: {exc}") from None
             except fmt.DatasetExists as exc:
                 raise AlreadyExists(f"output.path: {exc} (set output.overwrite to replace it)") from None
             except fmt.SettingsMismatch as exc:
@@ -598,11 +603,22 @@ class HarvestManager:
         if not self.config.output_root:
             raise FailedPrecondition("output.path: this server writes harvests to URLs only (harvest_url_prefixes)")
         try:
-            return str(sources.confine(self.config.output_root, path, what="output.path"))
+            resolved = sources.confine(self.config.output_root, path, what="output.path")
         except sources.PathNotAllowed as exc:
             raise PermissionDenied(str(exc)) from None
         except sources.SourceError as exc:
             raise InvalidArgument(str(exc)) from None
+        state = self.config.state_path
+        if state is not None:
+            # The job-state folder is the server's own (job records, cancel markers): a
+            # dataset there could overwrite or be pruned with them.
+            state_real = pathlib.Path(os.path.realpath(state))
+            if resolved == state_real or state_real in resolved.parents:
+                raise InvalidArgument(
+                    f"output.path: {path!r} is inside the server's job-state folder (harvest_state_dir); "
+                    "name a folder outside it"
+                )
+        return str(resolved)
 
     def _text_source(
         self, text: hv.TextSource, c: hv.HarvestContexts, host: Any, length: int,
@@ -735,6 +751,8 @@ class HarvestManager:
             log.info("harvest %s done: %d tokens, %d shards", job.id, job.tokens_done, job.shards_written)
         except (asyncio.CancelledError, _Cancelled):
             final = (hv.HARVEST_STATE_CANCELLED, job.cancel_reason or "cancelled")
+        except fmt.UnsafePath as exc:  # a symlink planted in the output folder while the job ran
+            final = (hv.HARVEST_STATE_FAILED, f"output.path: {exc}")
         except HookwireServerError as exc:
             final = (hv.HARVEST_STATE_FAILED, str(exc))
         except Exception as exc:

@@ -349,6 +349,10 @@ BAD = [
         input_ids=_codec.encode_tensor(torch.zeros(2, 4))))), grpc.StatusCode.INVALID_ARGUMENT, "integer"),
     ("too many modules", dict(modules=["model.norm"] * 65), grpc.StatusCode.RESOURCE_EXHAUSTED, "modules"),
     ("long path", dict(output__path="x" * 5000), grpc.StatusCode.INVALID_ARGUMENT, "output"),
+    ("output in the state folder", dict(output__path=".hookwire-jobs/acts"), grpc.StatusCode.INVALID_ARGUMENT,
+     "harvest_state_dir"),
+    ("output is the state folder", dict(output__path=".hookwire-jobs"), grpc.StatusCode.INVALID_ARGUMENT,
+     "output.path"),
 ]
 
 
@@ -365,6 +369,39 @@ async def test_bad_requests_get_a_clear_status_and_start_nothing(
     assert len(server.call(lambda: list(server.server.harvests._jobs))) == before
     # the server stays healthy
     assert (await stub.ListHarvests(hv.ListHarvestsRequest())) is not None
+
+
+@pytest.mark.parametrize("planted", ["shards", "shards/w0000-000000.safetensors.tmp",
+                                     "shards/w0000-000000.safetensors", "workers"])
+async def test_a_symlink_planted_inside_an_existing_output_folder_writes_nothing_outside(
+    stub: hv_grpc.HarvestServiceStub, roots: tuple[pathlib.Path, pathlib.Path], tmp_path: pathlib.Path, planted: str,
+) -> None:
+    # The output folder itself is inside the root (the start-time check passes), but a
+    # component inside it is a link out of the root: a folder, or a shard's own name.
+    data, out = roots
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    name = "planted-" + planted.replace("/", "-").replace(".", "-")
+    link = out / name / planted
+    link.parent.mkdir(parents=True)
+    if planted in ("shards", "workers"):
+        link.symlink_to(outside, target_is_directory=True)
+    else:
+        (outside / "victim").write_bytes(b"precious")
+        link.symlink_to(outside / "victim")
+    request = _bad(output__path=name)
+    try:
+        job = await stub.StartHarvest(request)
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.PERMISSION_DENIED, exc.details()
+        assert "symlink" in (exc.details() or "") and "output.path" in (exc.details() or ""), exc.details()
+    else:
+        done = await asyncio.wait_for(_finish(stub, job), LIVENESS)
+        assert done.state == hv.HARVEST_STATE_FAILED and "symlink" in done.error, (done.state, done.error)
+    left = sorted(p.name for p in outside.iterdir())
+    assert left in ([], ["victim"]), left
+    if left:
+        assert (outside / "victim").read_bytes() == b"precious"
 
 
 async def test_unknown_jobs_are_not_found(stub: hv_grpc.HarvestServiceStub) -> None:
