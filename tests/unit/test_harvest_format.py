@@ -306,9 +306,9 @@ def test_a_kill_at_any_point_resumes_to_the_uninterrupted_dataset(
         after()
         return nbytes
 
-    def manifest(fs: Any, path: str, record: Any) -> None:
+    def manifest(fs: Any, path: str, record: Any, *rest: Any) -> None:
         step(lambda: _partial(pathlib.Path(f"{path}.tmp"), b'{"partial'))
-        real_json(fs, path, record)
+        real_json(fs, path, record, *rest)
         after()
 
     monkeypatch.setattr(fmt.DatasetWriter, "_write_shard", shard)
