@@ -465,6 +465,17 @@ async def _wait_for_model(client: Any, model: str, seconds: float) -> None:
         raise HookwireError(f"{exc} (--wait-ready {seconds:g})", code="UNAVAILABLE") from None
 
 
+def harvest_options(ns: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of ``Client.harvest`` (and ``harvest_local``) that the
+    harvest command's flags give (the model, modules, out, data and split aside)."""
+    return dict(
+        dtype=ns.dtype, part=ns.part, select=ns.select, length=ns.length, batch_size=ns.batch_size,
+        packing=ns.packing, bos=False if ns.no_bos else None, skip_first=ns.skip_first, max_tokens=ns.tokens or 0,
+        shard_tokens=ns.shard_tokens, shuffle=ns.shuffle, shuffle_buffer=ns.shuffle_buffer, seed=ns.seed,
+        overwrite=ns.overwrite, text_field=ns.text_field, format=ns.format, split=ns.split,
+    )
+
+
 async def _harvest(ns: argparse.Namespace) -> int:
     words = list(ns.words)
     plain = ns.plain or not sys.stderr.isatty()
@@ -489,12 +500,7 @@ async def _harvest(ns: argparse.Namespace) -> int:
         if ns.wait_ready < 0:
             print("hookwire harvest: --wait-ready takes seconds >= 0", file=sys.stderr)
             return 2
-        options: dict[str, Any] = dict(
-            dtype=ns.dtype, part=ns.part, select=ns.select, length=ns.length, batch_size=ns.batch_size,
-            packing=ns.packing, bos=False if ns.no_bos else None, skip_first=ns.skip_first, max_tokens=ns.tokens or 0,
-            shard_tokens=ns.shard_tokens, shuffle=ns.shuffle, shuffle_buffer=ns.shuffle_buffer, seed=ns.seed,
-            overwrite=ns.overwrite, text_field=ns.text_field, format=ns.format, split=ns.split,
-        )
+        options = harvest_options(ns)
         if ns.sink == "client":
             if ns.worker_index or ns.num_workers > 1:
                 print("hookwire harvest: --sink client runs one worker", file=sys.stderr)
