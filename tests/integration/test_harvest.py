@@ -437,3 +437,32 @@ async def test_the_client_sink_writes_the_same_dataset_as_a_server_job(
     for key in [*a.modules, "token_ids", "sequence", "position"]:
         x, y = a[:][key], b[:][key]
         assert x.dtype == y.dtype and torch.equal(x, y), key
+
+
+async def test_the_servers_tokenize_gives_the_local_tokenizers_ids_in_batches_within_its_limits(
+    server: ServerThread, local: dict[str, Any],
+) -> None:
+    # The client sink's default tokenizer: Tokenize on the server. Its ids must be exactly
+    # transformers' own for every document (tiny-lm's tokenizer, in process, is the oracle),
+    # sent in batches the server accepts (256 texts by default: more are split; a batch
+    # asked over the limit is refused by the server, halved and sent again).
+    import hookwire
+    from hookwire._harvest import RemoteTokenize
+
+    texts = [d for d in DOCS] * 40 + ["naïve café ☕ — 東京", "  leading and trailing  ", "a\u2028b", ""]
+    expected = [list(ids) for ids in local["lm_tok"](texts, add_special_tokens=False)["input_ids"]]
+    async with hookwire.connect(server.target) as client:
+        remote = client.model("tiny-lm")
+        tokenize = RemoteTokenize(remote, asyncio.get_running_loop(), max_texts=1000)
+        got = await asyncio.to_thread(tokenize, texts)
+        assert got == expected
+        assert tokenize.max_texts <= 256 and tokenize.calls >= 3  # refused once, then within the limit
+        small = RemoteTokenize(remote, asyncio.get_running_loop(), max_texts=7, max_chars=300)
+        assert await asyncio.to_thread(small, texts) == expected
+        assert small.calls >= len(texts) // 7
+        info = await remote.info()
+        ids = info.raw.tokenizer_ids
+        tok = local["lm_tok"]
+        assert (ids.bos_token_id, ids.eos_token_id, ids.pad_token_id) == (tok.bos_token_id, tok.eos_token_id,
+                                                                         tok.pad_token_id)
+        assert not ids.HasField("cls_token_id") and not ids.HasField("sep_token_id")

@@ -292,3 +292,75 @@ def test_a_killed_servers_job_is_interrupted_with_its_resume_command_and_can_be_
         assert _wait(second, resumed) == "cancelled"
     finally:
         second.stop()
+
+
+def test_the_cli_names_its_flags_and_the_client_sink_tokenizes_on_the_server(
+    servers: list[Server], roots: tuple[pathlib.Path, pathlib.Path], tmp_path: pathlib.Path,
+) -> None:
+    data, out = roots
+    server = servers[0]
+    budget = ["--tokens", "300"]
+    assert _wait(server, _start(server, "--out", "flags-done", *budget)) == "succeeded"
+    # The server says output.path / output.overwrite / contexts.length: the CLI says its flags.
+    again = server.cli("harvest", *JOB, *budget, "--out", "flags-done")
+    assert again.returncode == 1, again.stderr
+    assert "--overwrite" in again.stderr and "--out:" in again.stderr, again.stderr
+    assert "output.overwrite" not in again.stderr and "output.path" not in again.stderr, again.stderr
+    long = server.cli("harvest", *JOB, "--out", "flags-long", "--length", "100000")
+    assert long.returncode == 1 and "--length: 100000" in long.stderr and "contexts.length" not in long.stderr, long.stderr
+    # The client sink with text and no --tokenizer: the server's Tokenize gives the ids;
+    # the dataset equals the server job's. stderr is not a terminal: plain lines, no bar.
+    sink = server.cli("harvest", *JOB, *budget, "--sink", "client", "--data", str(data / "corpus.jsonl"),
+                      "--out", str(tmp_path / "sink"))
+    assert sink.returncode == 0, sink.stderr
+    assert "\r" not in sink.stderr and "|" not in sink.stderr, sink.stderr  # no tqdm bar
+    lines = sink.stdout.splitlines()
+    assert lines[0].startswith("local  running") and "tok/s" in lines[0], sink.stdout
+    assert "succeeded" in lines[-1], sink.stdout
+    assert _tokens(tmp_path / "sink") == _tokens(out / "flags-done")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_cli_waits_for_a_loading_model(roots: tuple[pathlib.Path, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    # `hookwire harvest` right after `hookwire serve`: the model is still loading. The CLI
+    # waits (saying so on stderr), bounded by --wait-ready, instead of failing UNAVAILABLE.
+    data, out = roots
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    gate = tmp_path / "gate"
+    env = _env()
+    env["HOOKWIRE_TEST_GATE"] = str(gate)
+    proc = subprocess.Popen(
+        [*HOOKWIRE, "serve", "--port", str(port), "--model", "gated=support:gated_factory",
+         "--harvest-data-root", str(data), "--harvest-output-root", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    )
+    args = [*HOOKWIRE, "harvest", "gated", "--modules", "", "--data", "corpus.jsonl", "--out", "gated",
+            "--target", target]
+    try:
+        bounded = subprocess.run([*args, "--wait-ready", "3"], capture_output=True, text=True, timeout=LIVENESS,
+                                 env=_env())
+        assert bounded.returncode == 1, bounded.stderr
+        assert "waiting up to 3 s for model 'gated'" in bounded.stderr and "--wait-ready 3" in bounded.stderr
+        assert "Traceback" not in bounded.stderr, bounded.stderr
+        waiting = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        assert waiting.stderr is not None
+        first = waiting.stderr.readline()
+        assert "waiting up to 120 s for model 'gated'" in first, first
+        gate.touch()
+        _, err = waiting.communicate(timeout=LIVENESS)
+        # Once loaded, the start goes on and gets the server's answer about the request
+        # itself (checked only for a model that is ready), said with the CLI's flags.
+        assert waiting.returncode == 1 and "is loading" not in err, err
+        assert "INVALID_ARGUMENT: --modules[0]: empty" in err, err
+    finally:
+        gate.touch()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)

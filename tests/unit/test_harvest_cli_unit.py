@@ -128,3 +128,17 @@ def test_rate_and_eta_are_the_jobs_own_on_reattach() -> None:
 ])
 def test_errors_name_the_flags_the_user_typed(message: str, said: str) -> None:
     assert harvest_flags(message).startswith(said)
+
+
+def test_plain_lines_carry_the_jobs_rate_and_eta(capsys: pytest.CaptureFixture[str]) -> None:
+    from hookwire._cli import _print_job
+
+    _print_job(HarvestProgress.from_proto(hv.HarvestJob(
+        job_id="hv-1", state=hv.HARVEST_STATE_RUNNING, tokens_done=500, tokens_total=1000, tokens_per_second=250.0,
+        eta_seconds=2.0,
+    )))
+    _print_job(HarvestProgress.from_proto(hv.HarvestJob(job_id="hv-1", state=hv.HARVEST_STATE_SUCCEEDED,
+                                                        tokens_done=1000, tokens_total=1000)))
+    running, done = capsys.readouterr().out.splitlines()
+    assert running.split()[0] == "hv-1" and "250 tok/s, ETA 0:00:02" in running, running
+    assert "tok/s" not in done
