@@ -363,7 +363,6 @@ HARVEST_FLAGS = {
     "contexts.packing": "--packing",
     "contexts.bos": "--no-bos",
     "positions.skip_first": "--skip-first",
-    "positions.only": "--positions",
     "max_tokens": "--tokens",
     "worker_index": "--worker-index",
     "num_workers": "--num-workers",
