@@ -45,7 +45,7 @@ from ._errors import (
 )
 from . import rules
 from .dataset import ActivationDataset
-from ._harvest import HarvestFailed, HarvestJob, HarvestProgress
+from ._harvest import HarvestFailed, HarvestInterrupted, HarvestJob, HarvestProgress
 from ._generation import GenerateStream
 from ._sync import (
     SyncClient,
@@ -81,6 +81,7 @@ __all__ = [
     "ActivationDataset",
     "AlreadyExistsError",
     "HarvestFailed",
+    "HarvestInterrupted",
     "HarvestJob",
     "HarvestProgress",
     "DEFAULT_TARGET",

@@ -328,38 +328,159 @@ def parse_count(text: str) -> int:
 
 
 def _print_job(p: Any) -> None:
+    from ._harvest import format_rate
+
     total = f"/{p.tokens_total}" if p.tokens_total else ""
-    print(f"{p.job_id}  {p.state:<9} {p.model:<16} {p.output:<24} tokens {p.tokens_done}{total}  "
-          f"shards {p.shards_written}{'  committed' if p.committed else ''}{'  ' + p.error if p.error else ''}")
+    rate = format_rate(p)
+    print(f"{p.job_id}  {p.state:<11} {p.model:<16} {p.output:<24} tokens {p.tokens_done}{total}  "
+          f"shards {p.shards_written}{'  ' + rate if rate else ''}{'  committed' if p.committed else ''}"
+          f"{'  ' + p.error if p.error else ''}", flush=True)
+
+
+#: Plain progress lines at most this often (seconds), the last state always.
+PLAIN_EVERY = 2.0
+
+#: The harvest API's field names, as servers and the SDK name them in messages, and the
+#: flags of ``hookwire harvest`` that set them: a CLI user reads the flags they typed.
+#: Longest names first, so that "output.shuffle.buffer_shards" is not read as
+#: "output.shuffle" + ".buffer_shards".
+HARVEST_FLAGS = {
+    "output.shuffle.buffer_shards": "--shuffle-buffer",
+    "output.shuffle.seed": "--seed",
+    "output.shuffle": "--shuffle",
+    "output.overwrite": "--overwrite",
+    "output.shard_tokens": "--shard-tokens",
+    "output.path": "--out",
+    "source.text.path": "--data",
+    "source.text.format": "--format",
+    "source.text.text_field": "--text-field",
+    "source.text.split": "--split",
+    "source.text": "--data",
+    "source.tokens.input_ids": "--token-file",
+    "source.tokens": "--token-file",
+    "contexts.length": "--length",
+    "contexts.batch_size": "--batch-size",
+    "contexts.packing": "--packing",
+    "contexts.bos": "--no-bos",
+    "positions.skip_first": "--skip-first",
+    "max_tokens": "--tokens",
+    "worker_index": "--worker-index",
+    "num_workers": "--num-workers",
+    "tokenizer=": "--tokenizer",
+    "tokens=": "--token-file",
+    "data=": "--data",
+    "modules": "--modules",
+    "select": "--select",
+    "dtype": "--dtype",
+    "part": "--part",
+}
+#: Plain words among the names ("modules", "select", "dtype", "part") are fields only
+#: where a message names a field: followed by ":" or "[" ("modules[0]: empty").
+_PLAIN_WORDS = {k for k in HARVEST_FLAGS if re.fullmatch(r"[a-z]+", k)}
+_FIELD = re.compile(r"(?<![\w.-])(?:" + "|".join(
+    re.escape(k) + (r"(?=[:\[])" if k in _PLAIN_WORDS else r"(?!\w|\.\w)")
+    for k in sorted(HARVEST_FLAGS, key=len, reverse=True)
+) + ")")
+
+
+def harvest_flags(message: str) -> str:
+    """``message`` with the harvest API's field names replaced by the CLI's flags
+    ("output.overwrite" -> "--overwrite", "modules[0]" -> "--modules[0]")."""
+    return _FIELD.sub(lambda m: HARVEST_FLAGS[m.group(0)], message)
+
+
+def _plain_printer() -> Any:
+    """A progress callback printing a line at most every PLAIN_EVERY seconds."""
+    import time
+
+    last = [0.0]
+
+    def show(p: Any) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PLAIN_EVERY or p.ended:
+            last[0] = now
+            _print_job(p)
+
+    return show
 
 
 async def _follow(client: Any, job: Any, plain: bool) -> int:
-    """Shows the job's progress until it ends; Ctrl-C leaves it running on the server."""
-    from ._harvest import HarvestFailed
+    """Shows the job's progress until it ends; Ctrl-C leaves it running on the server.
+    Exits 0 when it succeeded, 1 otherwise (an interrupted job: with how to resume it)."""
+    from ._harvest import raise_if_failed
 
     try:
         if plain:
             last = None
-            async for last in job.watch(interval=2.0):
+            async for last in job.watch(interval=PLAIN_EVERY):
                 _print_job(last)
             assert last is not None
-            if last.state == "failed":
-                raise HarvestFailed(f"harvest {job.id} failed: {last.error}")
-            return 0 if last.state == "succeeded" else 1
-        last = await job.wait(progress=True)
+        else:
+            bar_last = None
+            from ._harvest import _Bar
+
+            bar = _Bar(True)
+            try:
+                async for bar_last in job.watch(interval=0.5):
+                    bar.update(bar_last)
+            finally:
+                bar.close()
+            assert bar_last is not None
+            last = bar_last
+            _print_job(last)
+        raise_if_failed(last)
     except (KeyboardInterrupt, asyncio.CancelledError):
         print(f"\nstopped watching; job {job.id} goes on on the server: hookwire harvest --watch {job.id} "
               f"(hookwire harvest cancel {job.id} stops it)", file=sys.stderr)
         return 130
-    _print_job(last)
     return 0 if last.state == "succeeded" else 1
+
+
+async def _interrupted_at(client: Any, out: str, worker_index: int) -> list[Any]:
+    """The caller's interrupted jobs that wrote ``out`` (as this worker)."""
+    try:
+        jobs = await client.harvests()
+    except HookwireError:  # listing is a courtesy here: the start itself says what is wrong
+        return []
+    return [j for j in jobs if j.state == "interrupted" and j.output == out and j.worker_index == worker_index]
+
+
+async def _wait_for_model(client: Any, model: str, seconds: float) -> None:
+    """Waits (at most ``seconds``) for ``model`` to be ready, saying so on stderr once
+    when it is not ready at once (a server just started loads its models)."""
+    if seconds <= 0:
+        return
+    quick = min(1.0, seconds)  # a model that is ready answers at once: no message then
+    try:
+        await client.wait_ready([model], timeout=quick)
+        return
+    except TimeoutError:
+        pass
+    print(f"hookwire harvest: waiting up to {seconds:g} s for model {model!r} to be ready on {client.target} "
+          "(--wait-ready)", file=sys.stderr, flush=True)
+    try:
+        await client.wait_ready([model], timeout=max(0.001, seconds - quick))
+    except TimeoutError as exc:
+        raise HookwireError(f"{exc} (--wait-ready {seconds:g})", code="UNAVAILABLE") from None
+
+
+def harvest_options(ns: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of ``Client.harvest`` (and ``harvest_local``) that the
+    harvest command's flags give (the model, modules, out, data and split aside)."""
+    return dict(
+        dtype=ns.dtype, part=ns.part, select=ns.select, length=ns.length, batch_size=ns.batch_size,
+        packing=ns.packing, bos=False if ns.no_bos else None, skip_first=ns.skip_first, max_tokens=ns.tokens or 0,
+        shard_tokens=ns.shard_tokens, shuffle=ns.shuffle, shuffle_buffer=ns.shuffle_buffer, seed=ns.seed,
+        overwrite=ns.overwrite, text_field=ns.text_field, format=ns.format, split=ns.split,
+    )
 
 
 async def _harvest(ns: argparse.Namespace) -> int:
     words = list(ns.words)
+    plain = ns.plain or not sys.stderr.isatty()
     async with connect(ns.target, options=_client_options(ns)) as client:
         if ns.watch:
-            return await _follow(client, client.harvest_job(ns.watch), ns.plain or not sys.stderr.isatty())
+            return await _follow(client, client.harvest_job(ns.watch), plain)
         if words and words[0] == "list":
             for p in await client.harvests(model=ns.model_filter, active_only=ns.active):
                 _print_job(p)
@@ -375,12 +496,10 @@ async def _harvest(ns: argparse.Namespace) -> int:
             print("hookwire harvest: give MODEL --modules GLOB --data FILE --out DIR (or: list, cancel JOB, --watch JOB)",
                   file=sys.stderr)
             return 2
-        options: dict[str, Any] = dict(
-            dtype=ns.dtype, part=ns.part, select=ns.select, length=ns.length, batch_size=ns.batch_size,
-            packing=ns.packing, bos=False if ns.no_bos else None, skip_first=ns.skip_first, max_tokens=ns.tokens or 0,
-            shard_tokens=ns.shard_tokens, shuffle=ns.shuffle, shuffle_buffer=ns.shuffle_buffer, seed=ns.seed,
-            overwrite=ns.overwrite, text_field=ns.text_field, format=ns.format, split=ns.split,
-        )
+        if ns.wait_ready < 0:
+            print("hookwire harvest: --wait-ready takes seconds >= 0", file=sys.stderr)
+            return 2
+        options = harvest_options(ns)
         if ns.sink == "client":
             if ns.worker_index or ns.num_workers > 1:
                 print("hookwire harvest: --sink client runs one worker", file=sys.stderr)
@@ -392,9 +511,13 @@ async def _harvest(ns: argparse.Namespace) -> int:
                 options["pad_token_id"] = ns.pad_token_id
             else:
                 options["data"] = ns.data
-                options["tokenizer"] = ns.tokenizer
+                options["tokenizer"] = ns.tokenizer  # None: the server's tokenizer (Tokenize)
+            await _wait_for_model(client, words[0], ns.wait_ready)
             try:
-                result = await client.harvest_local(words[0], ns.modules, out=ns.out, progress=not ns.plain, **options)
+                result = await client.harvest_local(
+                    words[0], ns.modules, out=ns.out, progress=not plain,
+                    on_progress=_plain_printer() if plain else None, **options,
+                )
             except (KeyboardInterrupt, asyncio.CancelledError):
                 print(f"\nstopped; run the same command again to resume from {ns.out}", file=sys.stderr)
                 return 130
@@ -404,13 +527,20 @@ async def _harvest(ns: argparse.Namespace) -> int:
             print("hookwire harvest: --token-file needs --sink client (server jobs read text under their data root)",
                   file=sys.stderr)
             return 2
+        await _wait_for_model(client, words[0], ns.wait_ready)
+        if not ns.overwrite:
+            for old in await _interrupted_at(client, ns.out, ns.worker_index):
+                print(f"hookwire harvest: job {old.job_id} at {ns.out} was interrupted at {old.tokens_done} tokens "
+                      f"(its server stopped); this command resumes it from its committed shards"
+                      f"{' (the same as: ' + old.resume_command + ')' if old.resume_command else ''}",
+                      file=sys.stderr, flush=True)
         job = await client.harvest(words[0], ns.modules, out=ns.out, data=ns.data, worker_index=ns.worker_index,
                                    num_workers=ns.num_workers, **options)
         print(f"started {job.id} on {words[0]} into {ns.out}; hookwire harvest --watch {job.id} follows it", file=sys.stderr)
         if ns.detach:
             print(job.id)
             return 0
-        return await _follow(client, job, ns.plain or not sys.stderr.isatty())
+        return await _follow(client, job, plain)
 
 
 def _harvest_command(ns: argparse.Namespace) -> int:
@@ -418,6 +548,12 @@ def _harvest_command(ns: argparse.Namespace) -> int:
         return int(run_interruptible(lambda: _harvest(ns)))
     except KeyboardInterrupt:
         return 130
+    except HookwireError as exc:  # the server's and the SDK's field names, said as this command's flags
+        print(f"hookwire harvest: {harvest_flags(str(exc))}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"hookwire harvest: {harvest_flags(str(exc))}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -557,7 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
     harvest.add_argument("--num-workers", type=int, default=1, help="workers of a split (each takes every N-th batch)")
     harvest.add_argument("--sink", choices=["server", "client"], default="server",
                          help="server: a job on the server (default); client: run from here, write --out locally")
-    harvest.add_argument("--tokenizer", help="with --sink client and --data: the model's tokenizer folder")
+    harvest.add_argument("--tokenizer", help="with --sink client and --data: tokenize here with this folder's tokenizer "
+                                             "(default: the model's tokenizer on the server, through Tokenize)")
     harvest.add_argument("--token-file", help="with --sink client: a .npy of token ids [contexts, length]")
     harvest.add_argument("--pad-token-id", type=int, help="with --token-file: the id that pads rows")
     harvest.add_argument("--watch", metavar="JOB", help="follow a running job")
@@ -565,6 +702,9 @@ def build_parser() -> argparse.ArgumentParser:
     harvest.add_argument("--active", action="store_true", help="with list: only running and pending jobs")
     harvest.add_argument("--model", dest="model_filter", help="with list: only jobs on this model")
     harvest.add_argument("--plain", action="store_true", help="progress as lines instead of a bar")
+    harvest.add_argument("--wait-ready", type=float, default=120.0, metavar="SECONDS",
+                         help="wait up to SECONDS for the model to be ready (a server just started loads it; "
+                              "default 120)")
     harvest.add_argument("--target", default=target_default, help=target_help)
 
     hooks = sub.add_parser("hooks", help="list or remove registered hooks")

@@ -15,7 +15,8 @@ import dataclasses
 import os
 import pathlib
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+import types
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -36,11 +37,23 @@ _PARTS = {"output": hook_pb2.PART_OUTPUT, "input": hook_pb2.PART_ARGS}
 _PACKING = {"truncate": hv.PACKING_TRUNCATE, "pack": hv.PACKING_PACK}
 _FORMATS = {None: hv.TEXT_FORMAT_UNSPECIFIED, "jsonl": hv.TEXT_FORMAT_JSONL, "parquet": hv.TEXT_FORMAT_PARQUET,
             "text": hv.TEXT_FORMAT_TEXT, "hf": hv.TEXT_FORMAT_HF_DATASET}
-ENDED = ("succeeded", "failed", "cancelled")
+#: States a job does not leave ("interrupted": its server stopped; starting it again resumes it).
+ENDED = ("succeeded", "failed", "cancelled", "interrupted")
 
 
 class HarvestFailed(HookwireError):
     """A harvest job ended FAILED (the message is the server's reason)."""
+
+
+class HarvestInterrupted(HarvestFailed):
+    """A harvest job is INTERRUPTED: the server running it stopped (killed, its node
+    lost) and nothing runs it. The message says how to resume it (``resume_command``:
+    the same command again, at the same output, resumes from its committed shards)."""
+
+    def __init__(self, message: str, *, resume_command: str = "") -> None:
+        super().__init__(message)
+        #: The ``hookwire harvest ...`` command that resumes it ("" when the CLI cannot say it).
+        self.resume_command = resume_command
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +61,8 @@ class HarvestProgress:
     """A harvest job's state at one moment (HarvestService's HarvestJob, decoded)."""
 
     job_id: str
-    #: "pending", "running", "succeeded", "failed" or "cancelled".
+    #: "pending", "running", "succeeded", "failed", "cancelled" or "interrupted" (its
+    #: server stopped without ending it; ``error`` says how to resume it).
     state: str
     owner: str
     model: str
@@ -69,9 +83,13 @@ class HarvestProgress:
     modules: tuple[str, ...]
     #: Whether the merged manifest.json is written (the dataset is complete).
     committed: bool
+    #: The ``hookwire harvest ...`` command that starts the job again at the same output
+    #: (resuming it); "" when the CLI has no flags for its settings, or for a client sink.
+    resume_command: str = ""
 
     @property
     def ended(self) -> bool:
+        """Whether the job will not change any more (succeeded, failed, cancelled, interrupted)."""
         return self.state in ENDED
 
     @classmethod
@@ -83,7 +101,7 @@ class HarvestProgress:
             shards_written=msg.shards_written, bytes_written=msg.bytes_written, batches_done=msg.batches_done,
             batches_total=msg.batches_total, resumed_tokens=msg.resumed_tokens, error=msg.error,
             worker_index=msg.worker_index, num_workers=msg.num_workers, modules=tuple(msg.modules),
-            committed=msg.committed,
+            committed=msg.committed, resume_command=msg.resume_command,
         )
 
 
@@ -167,8 +185,10 @@ class HarvestJob:
 
     async def wait(self, *, progress: bool = False, interval: float = 0.5) -> HarvestProgress:
         """Waits until the job ends (blocks the caller, not the job); its final state.
-        Raises HarvestFailed when it FAILED (a cancelled job is returned, state "cancelled").
-        ``progress=True`` shows a tqdm bar (tokens, tokens/s, ETA) on stderr."""
+        Raises HarvestFailed when it FAILED, HarvestInterrupted (a HarvestFailed) when its
+        server stopped without ending it (the message says how to resume it); a cancelled
+        job is returned, state "cancelled". ``progress=True`` shows a tqdm bar (tokens,
+        and the job's own tokens/s and ETA) on stderr."""
         bar = _Bar(progress)
         try:
             last = self.last
@@ -177,8 +197,7 @@ class HarvestJob:
         finally:
             bar.close()
         assert last is not None
-        if last.state == "failed":
-            raise HarvestFailed(f"harvest {self.id} failed: {last.error}")
+        raise_if_failed(last)
         return last
 
     async def cancel(self) -> HarvestProgress:
@@ -189,15 +208,46 @@ class HarvestJob:
         return self.last
 
 
-class _Bar:
-    """A tqdm progress bar over a job's tokens (or nothing)."""
+def raise_if_failed(p: HarvestProgress) -> None:
+    """HarvestInterrupted for an interrupted job, HarvestFailed for a failed one."""
+    if p.state == "interrupted":
+        raise HarvestInterrupted(f"harvest {p.job_id}: {p.error}", resume_command=p.resume_command)
+    if p.state == "failed":
+        raise HarvestFailed(f"harvest {p.job_id} failed: {p.error}")
 
-    def __init__(self, enabled: bool, *, desc: str = "harvest") -> None:
+
+def format_rate(p: HarvestProgress) -> str:
+    """"62.1k tok/s, ETA 0:01:05" from the job's own figures ("" when it has none): the
+    rate the job measures over its last batches, not one a watcher derives from the
+    tokens it saw arrive (a watcher that attaches late sees the earlier tokens at once)."""
+    if p.ended or p.tokens_per_second <= 0:
+        return ""
+    rate = p.tokens_per_second
+    scaled = next((f"{rate / f:.1f}{u}" for f, u in ((1e9, "G"), (1e6, "M"), (1e3, "k")) if rate >= f), f"{rate:.0f}")
+    text = f"{scaled} tok/s"
+    if p.eta_seconds > 0:
+        eta = int(round(p.eta_seconds))
+        text += f", ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
+    return text
+
+
+#: The bar's line: tqdm's rate and remaining time are left out (they come from the
+#: counts a watcher saw change, wrong for a watcher that attached late); the job's own
+#: rate and ETA are in the postfix.
+_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} tok [{elapsed}{postfix}]"
+
+
+class _Bar:
+    """A tqdm progress bar over a job's tokens (or nothing). Rate and ETA are the job's
+    own (HarvestProgress.tokens_per_second, eta_seconds)."""
+
+    def __init__(self, enabled: bool, *, desc: str = "harvest", file: Any = None) -> None:
         self._bar: Any = None
         if enabled:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=0, unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True)
+            self._bar = tqdm(total=0, unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True,
+                             bar_format=_BAR_FORMAT, file=file)
 
     def update(self, p: HarvestProgress) -> None:
         if self._bar is None:
@@ -205,8 +255,11 @@ class _Bar:
         if p.tokens_total and self._bar.total != p.tokens_total:
             self._bar.total = p.tokens_total
         self._bar.n = p.tokens_done
-        self._bar.set_postfix_str(f"{p.state}, {p.shards_written} shards, {p.bytes_written / 2**20:.1f} MiB",
-                                  refresh=False)
+        rate = format_rate(p)
+        self._bar.set_postfix_str(
+            f"{rate + ', ' if rate else ''}{p.state}, {p.shards_written} shards, {p.bytes_written / 2**20:.1f} MiB",
+            refresh=False,
+        )
         self._bar.refresh()
 
     def close(self) -> None:
@@ -237,20 +290,29 @@ async def harvest_local(
     packing: str = "truncate", bos: bool | None = None, skip_first: int = 0, positions: Sequence[int] = (),
     max_tokens: int = 0, shard_tokens: int = 65536, shuffle: bool = False, shuffle_buffer: int = 4, seed: int = 0,
     overwrite: bool = False, progress: bool = False, storage_options: Mapping[str, Any] | None = None,
+    on_progress: Callable[[HarvestProgress], None] | None = None,
 ) -> HarvestProgress:
     """Harvests from the client: the same contexts, batches and dataset format as a
     server-side job (docs/harvest.md), written to ``out`` (a local folder or an fsspec URL)
     by this process. Needs torch. Blocks (awaits) until done; resumes an unfinished
     dataset of the same settings like a server job.
 
-    Text (``data``, a local file or folder) is tokenized here with ``tokenizer`` (a
-    transformers tokenizer, or the path of a folder holding one: the model's own, as
-    a server would use); ``tokens`` are token ids ``[contexts, length]``. Each batch is
+    Text (``data``, a local file or folder) is tokenized by the model's own tokenizer
+    on the server (Tokenize calls, in batches within the server's max_tokenize_texts and
+    max_tokenize_chars; the ids are exactly the tokenizer's), or here with ``tokenizer``
+    (a transformers tokenizer, or the path of a folder holding one: the model's own);
+    ``tokens`` are token ids ``[contexts, length]``. A document over the server's
+    max_prompt_tokens (or max_tokenize_chars) cannot be tokenized there: HookwireError
+    naming the limit (pass ``tokenizer=``). Each batch is
     one Infer call carrying request-scoped capture hooks on the modules (the cast and
     selection run on the server) and a seed, so that it never shares a pass with other
     callers' calls and its values are exactly what a job alone computes. Memory: one
     group of shards (``shard_tokens``, times ``shuffle_buffer`` with shuffling) plus one
     batch's captures.
+
+    ``progress=True`` draws a tqdm bar on stderr; ``on_progress`` is called (on the event
+    loop) with a HarvestProgress after every batch, rate and ETA included (a command
+    line prints plain lines with it).
     """
     import numpy as np
     import torch
@@ -265,23 +327,39 @@ async def harvest_local(
     info = await remote.info()
     order = {m.path: i for i, m in enumerate(info.modules)} if getattr(info, "modules", None) else {}
     if data is not None:
+        tokenize: Callable[[list[str]], list[list[int]]]
         if tokenizer is None:
-            raise ValueError("harvest_local with text needs tokenizer= (the model's tokenizer, or its folder)")
-        if isinstance(tokenizer, (str, os.PathLike)):
-            import transformers
+            # The server's tokenizer (Tokenize): the model's own, no local copy needed.
+            if not getattr(info, "has_tokenizer", False):
+                raise ValueError(f"model {model!r} has no tokenizer on the server: pass tokenizer= (its folder) "
+                                 "or tokens= (token ids)")
+            ids_msg = info.raw.tokenizer_ids if info.raw.HasField("tokenizer_ids") else None
+            if ids_msg is None:
+                raise ValueError("the server does not say its tokenizer's special tokens (an older server): "
+                                 "pass tokenizer= (the model's tokenizer folder)")
+            tokenizer_ids: Any = types.SimpleNamespace(**{
+                name: getattr(ids_msg, name) if ids_msg.HasField(name) else None
+                for name in ("bos_token_id", "eos_token_id", "pad_token_id", "cls_token_id", "sep_token_id")
+            })
+            tokenize = RemoteTokenize(remote, asyncio.get_running_loop())
+        else:
+            if isinstance(tokenizer, (str, os.PathLike)):
+                import transformers
 
-            tokenizer = transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer), local_files_only=True)
+                tokenizer = transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer), local_files_only=True)
+            tokenizer_ids = tokenizer
+            tok = copy.deepcopy(tokenizer)
+
+            def tokenize(texts: list[str]) -> list[list[int]]:
+                return list(tok(texts, add_special_tokens=False)["input_ids"])
         dataset = sources.TextDataset(pathlib.Path(data), format=format, text_field=text_field,
                                       split=split)
-        bos_id, sep_id, pad_id = sources.special_ids(tokenizer, bos=bos)
+        bos_id, sep_id, pad_id = sources.special_ids(tokenizer_ids, bos=bos)
         spec = sources.ContextSpec(length=length, packing=packing, bos_id=bos_id, sep_id=sep_id, pad_id=pad_id)
         source: dict[str, Any] = await asyncio.to_thread(dataset.describe)
-        tok = copy.deepcopy(tokenizer)
 
         def make() -> Any:
-            return sources.batches(sources.contexts(
-                dataset.documents(), lambda texts: tok(texts, add_special_tokens=False)["input_ids"], spec,
-            ), batch_size, pad_id)
+            return sources.batches(sources.contexts(dataset.documents(), tokenize, spec), batch_size, pad_id)
     elif tokens is not None:
         ids = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens, dtype=np.int64)
         source = {"kind": "tokens", "shape": list(ids.shape), "pad_token_id": pad_token_id}
@@ -323,8 +401,14 @@ async def harvest_local(
     done = writer.tokens_done
     rate_start, rate_tokens = time.monotonic(), 0
     pending: asyncio.Future[Any] | None = None
+    # Batches are formed on a thread (reading and tokenizing, over Tokenize calls when the
+    # server tokenizes): the event loop stays free for the calls themselves.
+    batch_iter = iter(make())
     try:
-        for batch in make():
+        while True:
+            batch = await asyncio.to_thread(next, batch_iter, None)
+            if batch is None:
+                break
             if batch.index >= plan.num_batches:
                 break
             if batch.index < writer.resume_batches:  # committed by an earlier run
@@ -357,13 +441,18 @@ async def harvest_local(
             done += n
             rate_tokens += n
             elapsed = time.monotonic() - rate_start
-            bar.update(HarvestProgress(
+            rate = rate_tokens / elapsed if elapsed else 0.0
+            snapshot = HarvestProgress(
                 job_id="local", state="running", owner="", model=model, output=out, tokens_done=done,
-                tokens_total=plan.total_tokens, tokens_per_second=rate_tokens / elapsed if elapsed else 0.0,
-                eta_seconds=0.0, shards_written=writer.shards_written, bytes_written=writer.bytes_written,
+                tokens_total=plan.total_tokens, tokens_per_second=rate,
+                eta_seconds=max(0, plan.total_tokens - done) / rate if rate > 0 else 0.0,
+                shards_written=writer.shards_written, bytes_written=writer.bytes_written,
                 batches_done=batch.index + 1, batches_total=plan.num_batches, resumed_tokens=0, error="",
                 worker_index=0, num_workers=1, modules=tuple(stored_modules), committed=False,
-            ))
+            )
+            bar.update(snapshot)
+            if on_progress is not None:
+                on_progress(snapshot)
         if pending is not None:
             await pending
         await asyncio.to_thread(writer.finish)
@@ -382,4 +471,64 @@ async def harvest_local(
     )
 
 
-__all__ = ["HarvestFailed", "HarvestJob", "HarvestProgress", "harvest_local", "harvest_request"]
+class RemoteTokenize:
+    """``tokenize(texts) -> ids per text`` with the model's tokenizer on the server
+    (Tokenize, ``add_special_tokens=False``), as a harvest's contexts need them; called
+    from a worker thread (it waits for calls made on ``loop``), never on the loop itself.
+
+    The texts are sent in batches within the server's limits: at most ``max_texts`` texts
+    and ``max_chars`` characters a call (the servers' defaults of max_tokenize_texts and
+    max_tokenize_chars); a server with lower limits answers RESOURCE_EXHAUSTED naming
+    one, and the batch is halved and sent again. A single text over max_tokenize_chars
+    or max_prompt_tokens cannot be tokenized there: HookwireError naming the limit.
+    The ids are the padded rows' real tokens (the attention mask), so they are exactly
+    what the tokenizer gives for each text alone."""
+
+    def __init__(self, remote: Any, loop: asyncio.AbstractEventLoop, *, max_texts: int = 256,
+                 max_chars: int = 1 << 20) -> None:
+        self._remote = remote
+        self._loop = loop
+        self.max_texts = max_texts
+        self.max_chars = max_chars
+        #: Tokenize calls made so far.
+        self.calls = 0
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        from ._errors import FailedPreconditionError, ResourceExhaustedError
+
+        out: list[list[int]] = []
+        i = 0
+        while i < len(texts):
+            j, chars = i, 0
+            while j < len(texts) and j - i < self.max_texts and (j == i or chars + len(texts[j]) <= self.max_chars):
+                chars += len(texts[j])
+                j += 1
+            batch = texts[i:j]
+            try:
+                self.calls += 1
+                reply = asyncio.run_coroutine_threadsafe(
+                    self._remote.tokenize(batch, add_special_tokens=False, padding_side="right"), self._loop,
+                ).result()
+            except ResourceExhaustedError as exc:
+                message = str(exc)
+                if len(batch) > 1 and ("max_tokenize_texts" in message or "max_tokenize_chars" in message):
+                    self.max_texts = max(1, len(batch) // 2)  # a server with lower limits: smaller calls
+                    self.max_chars = max(1, chars // 2)
+                    continue
+                raise HookwireError(
+                    f"the server cannot tokenize a document of the data ({message}); tokenize on this machine "
+                    "with the model's tokenizer (tokenizer=, --tokenizer)", code=exc.code,
+                ) from None
+            except FailedPreconditionError as exc:
+                if len(batch) > 1 and "pad token" in str(exc):  # texts of different lengths cannot be padded there
+                    self.max_texts = 1
+                    continue
+                raise
+            ids, mask = reply.input_ids, reply.attention_mask
+            for row in range(len(batch)):
+                out.append([int(t) for t, m in zip(ids[row].tolist(), mask[row].tolist()) if m])
+            i = j
+        return out
+
+
+__all__ = ["HarvestFailed", "HarvestInterrupted", "HarvestJob", "HarvestProgress", "harvest_local", "harvest_request"]

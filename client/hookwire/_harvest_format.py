@@ -50,6 +50,41 @@ class DatasetExists(Exception):
     without ``overwrite``."""
 
 
+class UnsafePath(ValueError):
+    """A local file of a confined dataset would be reached through a symlink (or lie
+    outside the dataset's folder): a writer opened with ``confine=True`` opens nothing
+    there. The message names the path."""
+
+
+def check_confined(root: str, path: str) -> None:
+    """Raises UnsafePath unless ``path`` is ``root`` or below it, with none of its
+    components, from ``root`` itself down to ``path``, a symlink (components that do not
+    exist yet are fine: they are created as plain folders and files). Each component is
+    looked at with ``lstat``, so a symlink planted anywhere inside the folder, to a
+    folder or as a file's name, is refused before anything is opened through it."""
+    rel = os.path.relpath(path, root)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        raise UnsafePath(f"{path} is not inside the dataset folder {root}")
+    parts = [] if rel == os.curdir else rel.split(os.sep)
+    current = root
+    for i, part in enumerate([None, *parts]):
+        if part is not None:
+            current = os.path.join(current, part)
+        try:
+            is_link = os.path.islink(current)
+            exists = is_link or os.path.lexists(current)
+        except OSError:
+            return
+        if is_link:
+            shown = os.path.join(*parts[:i]) if i else "the dataset folder itself"
+            raise UnsafePath(
+                f"{shown} (in {root}) is a symlink: a confined harvest writes only inside its output folder, "
+                "never through a link"
+            )
+        if not exists:
+            return
+
+
 class SettingsMismatch(Exception):
     """An unfinished dataset written with other settings (or another split, shard size
     or shuffle) is where a writer was opened; the message names what differs."""
@@ -136,22 +171,41 @@ def read_worker_manifests(fs: Any, root: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _write_json(fs: Any, path: str, record: Mapping[str, Any]) -> None:
+def _write_json(fs: Any, path: str, record: Mapping[str, Any], confine: str | None = None) -> None:
     """Writes ``record`` whole or not at all: locally a temporary file, fsynced and
-    renamed over ``path``; on an object store one put of the whole object."""
+    renamed over ``path``; on an object store one put of the whole object. ``confine``:
+    a local folder whose files are never reached through a symlink (check_confined)."""
     data = json.dumps(record, indent=1, sort_keys=True).encode()
     if not is_local(fs):
         fs.pipe_file(path, data)
         return
     folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp"  # one name per manifest: a kill leaves at most this file, reused next time
-    with open(tmp, "wb") as f:
+    if confine is not None:
+        check_confined(confine, tmp)
+        check_confined(confine, path)
+    os.makedirs(folder, exist_ok=True)
+    with _open_new(tmp, confine is not None) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(folder)
+
+
+def _open_new(path: str, nofollow: bool) -> Any:
+    """``open(path, "wb")``; with ``nofollow`` a symlink at ``path`` (planted after the
+    check) is refused by the kernel (O_NOFOLLOW) instead of followed."""
+    if not nofollow:
+        return open(path, "wb")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise UnsafePath(f"{path} is a symlink: a confined harvest never writes through a link") from None
+        raise exc
+    return os.fdopen(fd, "wb")
 
 
 def _fsync_dir(folder: str) -> None:
@@ -206,7 +260,7 @@ class DatasetWriter:
     def __init__(
         self, url: str, *, header: Mapping[str, Any], worker_index: int = 0, num_workers: int = 1,
         shard_tokens: int = 65536, shuffle_buffer_shards: int = 0, shuffle_seed: int = 0, overwrite: bool = False,
-        storage_options: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None, confine: bool = False,
     ) -> None:
         """Opens the dataset folder at ``url`` (created when missing). ``header`` gives
         ``model``, ``modules`` (may be empty: then the first batch's modules, in its
@@ -221,7 +275,14 @@ class DatasetWriter:
         message names what differs). Otherwise this worker's committed part, if any,
         is resumed: ``resume_batches`` says how many of its batches to skip. Shard files
         of this worker that its manifest does not list (left by a killed run) are
-        removed. Blocks on I/O."""
+        removed. Blocks on I/O.
+
+        ``confine=True`` (a server's jobs; local folders only): every file the writer
+        reads, creates, renames or removes is checked as it is opened, and refused with
+        UnsafePath when a component of its path inside the folder (the folder itself,
+        ``shards``, ``workers``, the file's own name) is a symlink; new files are opened
+        with O_NOFOLLOW. The format's folders and files are checked when the writer
+        opens, so a planted link refuses the start."""
         if not 0 <= worker_index < num_workers:
             raise ValueError(f"worker_index {worker_index} is not in [0, {num_workers})")
         if shard_tokens < 1:
@@ -231,6 +292,10 @@ class DatasetWriter:
         self.url = os.fspath(url)
         self.fs, self.root = open_fs(self.url, storage_options)
         self._local = is_local(self.fs)
+        #: The folder no file of this writer may leave through a symlink (None: no check).
+        self._confine: str | None = self.root if confine and self._local else None
+        if self._confine is not None:
+            self._check_folder()
         self.worker_index, self.num_workers = worker_index, num_workers
         self.shard_tokens = shard_tokens
         self.buffer_shards = shuffle_buffer_shards
@@ -435,8 +500,14 @@ class DatasetWriter:
         metadata = {"format": FORMAT, "version": VERSION}
         target = f"{self.root}/{name}"
         if self._local:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
             tmp = f"{target}.tmp"  # a fixed name: a kill leaves at most this, rewritten or removed on resume
+            if self._confine is not None:
+                # Checked as it is opened: a link planted since the writer opened is refused.
+                check_confined(self._confine, tmp)
+                check_confined(self._confine, target)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if self._confine is not None:
+                _open_new(tmp, True).close()  # created here, not through a link planted at its name
             save_file(tensors, tmp, metadata=metadata)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
@@ -453,7 +524,21 @@ class DatasetWriter:
 
     def _write_manifest(self) -> None:
         self.manifest["updated"] = _now()
-        _write_json(self.fs, self._worker_path, self.manifest)
+        _write_json(self.fs, self._worker_path, self.manifest, self._confine)
+
+    def _check_folder(self) -> None:
+        """confine: refuses a dataset folder with a symlink among the format's folders
+        and files (it would lead reads, writes or removals out of the folder)."""
+        root = self._confine
+        assert root is not None
+        check_confined(root, root)
+        for sub in ("shards", "workers", MANIFEST):
+            check_confined(root, os.path.join(root, sub))
+        for sub in ("shards", "workers"):
+            folder = os.path.join(root, sub)
+            if os.path.isdir(folder):
+                for name in sorted(os.listdir(folder)):
+                    check_confined(root, os.path.join(folder, name))
 
     # ---- opening: overwrite and leftovers -----------------------------------------------
 
@@ -497,6 +582,9 @@ class DatasetWriter:
         when workers disagree on a module's dtype or shape. Blocks on I/O."""
         if self.worker_index != 0:
             raise ValueError("only worker 0 writes the merged manifest")
+        if self._confine is not None:  # other workers' files are read below: not through a link
+            check_confined(self._confine, f"{self.root}/{MANIFEST}")
+            check_confined(self._confine, f"{self.root}/workers")
         if read_json(self.fs, f"{self.root}/{MANIFEST}") is not None:
             return True
         workers: list[dict[str, Any]] = []
@@ -504,7 +592,10 @@ class DatasetWriter:
             if i == 0:
                 record: dict[str, Any] | None = self.manifest
             else:
-                record = read_json(self.fs, f"{self.root}/{worker_manifest_name(i, self.num_workers)}")
+                path = f"{self.root}/{worker_manifest_name(i, self.num_workers)}"
+                if self._confine is not None:
+                    check_confined(self._confine, path)
+                record = read_json(self.fs, path)
             if record is None or not record.get("done"):
                 return False
             if record.get("settings_digest") != self.digest:
@@ -527,7 +618,7 @@ class DatasetWriter:
             "num_workers": self.num_workers, "tokens": sum(int(m["tokens_done"]) for m in workers),
             "shards": [s for m in workers for s in m["shards"]], "complete": True, "updated": _now(),
         }
-        _write_json(self.fs, f"{self.root}/{MANIFEST}", merged)
+        _write_json(self.fs, f"{self.root}/{MANIFEST}", merged, self._confine)
         return True
 
 

@@ -41,6 +41,7 @@ import logging
 import os
 import pathlib
 import secrets
+import shlex
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -55,7 +56,7 @@ from hookwire import _codec
 from hookwire import _harvest_format as fmt
 from hookwire import _harvest_sources as sources
 from hookwire.v1 import harvest_service_pb2 as hv
-from hookwire.v1 import hook_pb2
+from hookwire.v1 import hook_pb2, tensor_pb2
 
 from . import batching
 from .auth import MINIMUM_ROLE, Principal
@@ -90,7 +91,17 @@ STATE_WRITE_SECONDS = 1.0
 AHEAD = 2
 #: Ended jobs kept in memory (older ones are still found in the state folder).
 KEEP_ENDED = 256
-ENDED = (hv.HARVEST_STATE_SUCCEEDED, hv.HARVEST_STATE_FAILED, hv.HARVEST_STATE_CANCELLED)
+#: States a job does not leave (INTERRUPTED: until someone starts it again, as a new job).
+ENDED = (hv.HARVEST_STATE_SUCCEEDED, hv.HARVEST_STATE_FAILED, hv.HARVEST_STATE_CANCELLED,
+         hv.HARVEST_STATE_INTERRUPTED)
+#: The shortest lease a server may give its jobs (harvest_lease_seconds): heartbeats come
+#: every third of it, and a state folder on network storage needs time to show them.
+MIN_LEASE_SECONDS = 1.0
+DEFAULT_LEASE_SECONDS = 30.0
+#: Finished jobs' state files are pruned this long after they end (harvest_retention_seconds).
+DEFAULT_RETENTION_SECONDS = 7 * 86400.0
+#: Seconds between looks for state files to prune (at most).
+PRUNE_EVERY_SECONDS = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +122,22 @@ class HarvestConfig:
     max_bytes_per_principal: int = 0
     #: Seconds between worker 0's looks at the other workers' manifests while it waits to merge.
     merge_poll_seconds: float = 2.0
+    #: A running job's lease: its server rewrites the job's state file (a heartbeat) every
+    #: third of it; a pending or running job whose state is older than this is INTERRUPTED.
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    #: Finished jobs' state files are removed this long after they ended; 0 keeps them.
+    retention_seconds: float = DEFAULT_RETENTION_SECONDS
+
+    def validate(self) -> None:
+        """Raises ValueError naming the setting that is out of range."""
+        if not self.lease_seconds >= MIN_LEASE_SECONDS:  # NaN too
+            raise ValueError(f"harvest_lease_seconds: {self.lease_seconds} is below the minimum of {MIN_LEASE_SECONDS}")
+        if not self.retention_seconds >= 0:
+            raise ValueError(f"harvest_retention_seconds: {self.retention_seconds} is negative (0 keeps finished jobs)")
+        if self.max_jobs_per_principal < 0:
+            raise ValueError(f"harvest_max_jobs_per_principal: {self.max_jobs_per_principal} is negative")
+        if self.max_bytes_per_principal < 0:
+            raise ValueError(f"harvest_max_bytes_per_principal: {self.max_bytes_per_principal} is negative (0: no limit)")
 
     @property
     def enabled(self) -> bool:
@@ -197,6 +224,8 @@ class Job:
         self.rate = 0.0
         self.committed = False
         self.cancel_reason = ""
+        #: The CLI command that starts this job again (resume_command()), "" when none can.
+        self.resume_command = ""
         self.task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._version = 0
@@ -232,7 +261,7 @@ class Job:
             eta_seconds=eta, shards_written=self.shards_written, bytes_written=self.bytes_written,
             batches_done=self.batches_done, batches_total=self.batches_total, resumed_tokens=self.resumed_tokens,
             error=self.error, worker_index=s.worker_index, num_workers=max(1, s.num_workers), modules=s.modules,
-            committed=self.committed,
+            committed=self.committed, resume_command=self.resume_command,
         )
         for field, when in (("created", self.created), ("started", self.started), ("ended", self.ended)):
             if when is not None:
@@ -385,7 +414,15 @@ class HarvestManager:
         #: Outputs (and worker) of the active jobs: two jobs never write the same files.
         self._outputs: dict[tuple[str, int], str] = {}
         self._bytes: dict[str, int] = {}
+        #: Starts in progress per principal (StartHarvest between its quota check and its
+        #: job's registration): they count against harvest_max_jobs_per_principal.
+        self._starting: dict[str, int] = {}
         self._closing = False
+        #: The state folder's records: file name -> (mtime_ns, size, record). A file is read
+        #: again only when its mtime or size changed (another replica wrote it).
+        self._index: dict[str, tuple[int, int, dict[str, Any]]] = {}
+        self._last_prune = 0.0
+        self._heartbeat: asyncio.Task[None] | None = None
         #: Blocking harvest work (counting sources, writing shards, manifests): threads of
         #: its own, so that jobs never take the event loop's default executor from live
         #: calls (Infer compiles its request hooks there).
@@ -405,18 +442,40 @@ class HarvestManager:
                 "without it, `hookwire harvest --sink client` writes the dataset on the client"
             )
         host = self._registry.get(request.model)
-        active = [j for j in self._jobs.values() if j.active and j.owner == principal.name]
-        if len(active) >= self.config.max_jobs_per_principal:
+        # The quota counts a start from its check on: the slot is reserved here, before
+        # the first await (validation and opening the output are awaits, and concurrent
+        # starts of one principal would all pass a check that counted registered jobs
+        # only), and released on every way out of this method: by the job itself once
+        # it is registered (it counts as active), or by a failure.
+        self._reserve(principal.name)
+        try:
+            return await self._start_reserved(request, principal, host)
+        finally:
+            self._starting[principal.name] -= 1
+            if not self._starting[principal.name]:
+                del self._starting[principal.name]
+
+    def _reserve(self, owner: str) -> None:
+        """Takes a job slot of ``owner``'s quota (synchronously: no await between the
+        check and the count), or raises RESOURCE_EXHAUSTED naming the setting."""
+        active = sum(1 for j in self._jobs.values() if j.active and j.owner == owner) + self._starting.get(owner, 0)
+        if active >= self.config.max_jobs_per_principal:
             raise ResourceExhausted(
-                f"{principal.name!r} has {len(active)} harvest jobs running, the limit is "
+                f"{owner!r} has {active} harvest jobs running or starting, the limit is "
                 f"{self.config.max_jobs_per_principal} (harvest_max_jobs_per_principal)"
             )
+        self._check_bytes(owner)
+        self._starting[owner] = self._starting.get(owner, 0) + 1
+
+    def _check_bytes(self, owner: str) -> None:
         quota = self.config.max_bytes_per_principal
-        if quota and self._bytes.get(principal.name, 0) >= quota:
+        if quota and self._bytes.get(owner, 0) >= quota:
             raise ResourceExhausted(
-                f"{principal.name!r} has written {self._bytes[principal.name]} bytes of harvest shards, the limit is "
+                f"{owner!r} has written {self._bytes[owner]} bytes of harvest shards, the limit is "
                 f"{quota} (harvest_max_bytes_per_principal)"
             )
+
+    async def _start_reserved(self, request: hv.StartHarvestRequest, principal: Principal, host: Any) -> Job:
         settings = await self._blocking(self._validate, request, host)
         key = (settings.url, settings.worker_index)
         if key in self._outputs:
@@ -435,7 +494,12 @@ class HarvestManager:
                     num_workers=max(1, settings.num_workers), shard_tokens=settings.shard_tokens,
                     shuffle_buffer_shards=settings.buffer_shards if settings.shuffle else 0,
                     shuffle_seed=settings.seed, overwrite=settings.overwrite,
+                    # Local outputs: every file the job opens is checked as it is opened
+                    # (no symlink inside the output folder), not only the path at start.
+                    confine="://" not in settings.url,
                 )
+            except fmt.UnsafePath as exc:
+                raise PermissionDenied(f"output.path: {exc}") from None
             except fmt.DatasetExists as exc:
                 raise AlreadyExists(f"output.path: {exc} (set output.overwrite to replace it)") from None
             except fmt.SettingsMismatch as exc:
@@ -448,13 +512,22 @@ class HarvestManager:
         except BaseException:
             del self._outputs[key]
             raise
+        try:
+            # The other jobs of this principal wrote on while this start awaited: the
+            # byte quota is checked again with no await between the check and the job.
+            self._check_bytes(principal.name)
+        except ResourceExhausted:
+            del self._outputs[key]
+            raise
         job = Job(job_id, principal.name, settings)
+        job.resume_command = resume_command(request)
         self._outputs[key] = job.id
         self._forget_old_jobs()
         self._jobs[job.id] = job
         job.resumed_tokens = job.tokens_done = writer.tokens_done
         job.shards_written, job.bytes_written = writer.shards_written, writer.bytes_written
         self._save_state(job)
+        self._start_heartbeats()
         job.task = asyncio.get_running_loop().create_task(self._run(job, host, writer, records, capture_ids))
         log.info("harvest %s started on %s into %s (resuming at %d tokens)", job.id, settings.model, settings.output,
                  writer.tokens_done, extra={"model": settings.model})
@@ -569,11 +642,22 @@ class HarvestManager:
         if not self.config.output_root:
             raise FailedPrecondition("output.path: this server writes harvests to URLs only (harvest_url_prefixes)")
         try:
-            return str(sources.confine(self.config.output_root, path, what="output.path"))
+            resolved = sources.confine(self.config.output_root, path, what="output.path")
         except sources.PathNotAllowed as exc:
             raise PermissionDenied(str(exc)) from None
         except sources.SourceError as exc:
             raise InvalidArgument(str(exc)) from None
+        state = self.config.state_path
+        if state is not None:
+            # The job-state folder is the server's own (job records, cancel markers): a
+            # dataset there could overwrite or be pruned with them.
+            state_real = pathlib.Path(os.path.realpath(state))
+            if resolved == state_real or state_real in resolved.parents:
+                raise InvalidArgument(
+                    f"output.path: {path!r} is inside the server's job-state folder (harvest_state_dir); "
+                    "name a folder outside it"
+                )
+        return str(resolved)
 
     def _text_source(
         self, text: hv.TextSource, c: hv.HarvestContexts, host: Any, length: int,
@@ -707,6 +791,8 @@ class HarvestManager:
             log.info("harvest %s done: %d tokens, %d shards", job.id, job.tokens_done, job.shards_written)
         except (asyncio.CancelledError, _Cancelled):
             final = (hv.HARVEST_STATE_CANCELLED, job.cancel_reason or "cancelled")
+        except fmt.UnsafePath as exc:  # a symlink planted in the output folder while the job ran
+            final = (hv.HARVEST_STATE_FAILED, f"output.path: {exc}")
         except HookwireServerError as exc:
             final = (hv.HARVEST_STATE_FAILED, str(exc))
         except Exception as exc:
@@ -813,7 +899,7 @@ class HarvestManager:
         """The job's state (from this server, or the shared state folder)."""
         principal.require(MINIMUM_ROLE["GetHarvest"], "looking at harvest jobs")
         found = self._visible(job_id, principal)
-        return found.to_proto() if isinstance(found, Job) else _from_state(found)
+        return found.to_proto() if isinstance(found, Job) else self._interpret(found)
 
     async def watch(self, job_id: str, principal: Principal, interval_ms: int) -> AsyncIterator[hv.HarvestJob]:
         """The job's state, then each change (at most every interval), until it ends."""
@@ -824,7 +910,7 @@ class HarvestManager:
         found = self._visible(job_id, principal)
         if not isinstance(found, Job):  # another replica runs it: follow its state file
             while True:
-                msg = _from_state(found)
+                msg = self._interpret(found)
                 yield msg
                 if msg.state in ENDED:
                     return
@@ -856,17 +942,29 @@ class HarvestManager:
                     found.task.cancel()  # still counting: nothing to keep
                 found.changed()
             return found.to_proto()
-        if found.get("state") not in [hv.HarvestState.Name(s) for s in ENDED]:
+        msg = self._interpret(found)
+        if msg.state == hv.HARVEST_STATE_INTERRUPTED:
+            # Nothing runs it: this server ends it. The cancel marker stays as well, so
+            # that a server that only seemed gone (a long pause) stops it when it wakes.
             self._write_cancel_marker(job_id, principal.name)
-        return _from_state(found)
+            msg.state = hv.HARVEST_STATE_CANCELLED
+            msg.error = f"cancelled by {principal.name} (it was interrupted: its server had stopped)"
+            msg.eta_seconds = msg.tokens_per_second = 0
+            if not msg.HasField("ended"):
+                msg.ended.CopyFrom(_timestamp(time.time()))
+            self._write_record(job_id, json_format.MessageToDict(msg, preserving_proto_field_name=True))
+        elif msg.state not in ENDED:
+            self._write_cancel_marker(job_id, principal.name)
+        return msg
 
     def list_jobs(self, request: hv.ListHarvestsRequest, principal: Principal) -> list[hv.HarvestJob]:
         """The caller's jobs (everyone's for operators), here and in the state folder, newest first."""
         principal.require(MINIMUM_ROLE["ListHarvests"], "listing harvest jobs")
         found: dict[str, hv.HarvestJob] = {}
         for stored in self._stored_states():
-            msg = _from_state(stored)
+            msg = self._interpret(stored)
             found[msg.job_id] = msg
+        self._maybe_prune()
         for job in self._jobs.values():
             found[job.id] = job.to_proto()
         jobs = [
@@ -880,6 +978,8 @@ class HarvestManager:
     async def close(self, timeout: float) -> None:
         """Cancels every job (the server stops); waits up to ``timeout`` for them to end."""
         self._closing = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         tasks = []
         for job in self._jobs.values():
             if job.active and job.task is not None:
@@ -899,41 +999,155 @@ class HarvestManager:
         return folder / f"{job_id}{suffix}"
 
     def _save_state(self, job: Job) -> None:
-        path = self._state_file(job.id)
+        """Writes the job's state file; for a pending or running job it is also its
+        heartbeat (the time written renews its lease)."""
+        record = json_format.MessageToDict(job.to_proto(), preserving_proto_field_name=True)
+        self._write_record(job.id, record)
+
+    def _write_record(self, job_id: str, record: dict[str, Any]) -> None:
+        path = self._state_file(job_id)
         if path is None:
             return
-        record = json_format.MessageToDict(job.to_proto(), preserving_proto_field_name=True)
+        # Wall-clock time (not monotonic): other replicas compare it with their own clock.
+        record = {**record, "heartbeat": time.time(), "lease_seconds": self.config.lease_seconds}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(record))
             os.replace(tmp, path)
         except OSError as exc:  # progress bookkeeping must not fail the job
-            log.warning("harvest %s: cannot write its state file %s: %s", job.id, path, exc)
+            log.warning("harvest %s: cannot write its state file %s: %s", job_id, path, exc)
+
+    def _interpret(self, record: dict[str, Any]) -> hv.HarvestJob:
+        """A stored record as a HarvestJob: a pending or running job whose lease expired
+        (no heartbeat for lease_seconds: its server was killed or lost) is INTERRUPTED,
+        with a message saying how to resume it."""
+        msg = _from_state(record)
+        if msg.state in ENDED:
+            return msg
+        beat = record.get("heartbeat")
+        lease = record.get("lease_seconds")
+        if not isinstance(beat, (int, float)):  # written before leases: its file's time is its heartbeat
+            beat = record.get("_mtime", time.time())
+        if not isinstance(lease, (int, float)) or lease <= 0:
+            lease = self.config.lease_seconds
+        now = time.time()
+        if now - float(beat) <= float(lease):
+            return msg
+        msg.state = hv.HARVEST_STATE_INTERRUPTED
+        msg.tokens_per_second = msg.eta_seconds = 0
+        msg.ended.CopyFrom(_timestamp(float(beat)))
+        msg.error = interrupted_message(msg, now - float(beat), float(lease))
+        return msg
 
     def _load_state(self, job_id: str) -> dict[str, Any] | None:
         path = self._state_file(job_id)
         if path is None:
             return None
+        return self._indexed(path)
+
+    def _indexed(self, path: pathlib.Path, stat: os.stat_result | None = None) -> dict[str, Any] | None:
+        """The record in ``path``, from the index when the file has not changed since it
+        was read (same mtime and size), else read again; None when there is none."""
+        try:
+            st = stat if stat is not None else path.stat()
+        except OSError:
+            self._index.pop(path.name, None)
+            return None
+        cached = self._index.get(path.name)
+        if cached is not None and cached[0] == st.st_mtime_ns and cached[1] == st.st_size:
+            return cached[2]
         try:
             loaded = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        return loaded if isinstance(loaded, dict) else None
+        if not isinstance(loaded, dict):
+            return None
+        loaded["_mtime"] = st.st_mtime
+        self._index[path.name] = (st.st_mtime_ns, st.st_size, loaded)
+        return loaded
 
     def _stored_states(self) -> list[dict[str, Any]]:
+        """Every record in the state folder: one directory listing and one stat per
+        file; only files that changed since the last call are read."""
         folder = self.config.state_path
         if folder is None or not folder.is_dir():
+            self._index.clear()
             return []
         out = []
-        for path in folder.glob("hv-*.json"):
-            try:
-                loaded = json.loads(path.read_text())
-            except (OSError, ValueError):
+        seen = set()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return []
+        for entry in entries:
+            name = entry.name
+            if not (name.startswith("hv-") and name.endswith(".json")):
                 continue
-            if isinstance(loaded, dict):
-                out.append(loaded)
+            seen.add(name)
+            try:
+                stat = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            record = self._indexed(pathlib.Path(entry.path), stat)
+            if record is not None:
+                out.append(record)
+        for gone in set(self._index) - seen:
+            del self._index[gone]
         return out
+
+    def _maybe_prune(self) -> None:
+        """Prunes at most every PRUNE_EVERY_SECONDS (listing calls it, and the heartbeats)."""
+        now = time.monotonic()
+        if self.config.retention_seconds and now - self._last_prune >= PRUNE_EVERY_SECONDS:
+            self._last_prune = now
+            self.prune()
+
+    def prune(self, now: float | None = None) -> list[str]:
+        """Removes the state files (and cancel markers) of jobs that ended more than
+        harvest_retention_seconds ago (INTERRUPTED ones: since their last heartbeat);
+        returns their ids. Jobs this server runs are never pruned; 0 keeps everything."""
+        retention = self.config.retention_seconds
+        if not retention:
+            return []
+        now = time.time() if now is None else now
+        pruned = []
+        for record in self._stored_states():
+            msg = self._interpret(record)
+            if msg.state not in ENDED or msg.job_id in self._jobs and self._jobs[msg.job_id].active:
+                continue
+            ended = msg.ended.ToNanoseconds() / 1e9 if msg.HasField("ended") else float(record.get("_mtime", now))
+            if now - ended <= retention:
+                continue
+            for suffix in (".json", ".cancel"):
+                path = self._state_file(msg.job_id, suffix)
+                if path is not None:
+                    try:
+                        path.unlink(missing_ok=True)
+                    except OSError as exc:
+                        log.warning("harvest: cannot prune %s: %s", path, exc)
+            self._index.pop(f"{msg.job_id}.json", None)
+            pruned.append(msg.job_id)
+        if pruned:
+            log.info("harvest: pruned the state of %d finished jobs (harvest_retention_seconds)", len(pruned))
+        return pruned
+
+    def _start_heartbeats(self) -> None:
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+
+    async def _beat(self) -> None:
+        """Renews the leases of this server's active jobs every third of the lease (their
+        state files rewritten), and prunes the state folder now and then."""
+        while True:
+            await asyncio.sleep(self.config.lease_seconds / 3)
+            for job in list(self._jobs.values()):
+                if job.active:
+                    self._save_state(job)
+            try:
+                self._maybe_prune()
+            except Exception:  # pruning is housekeeping: it never stops the heartbeats
+                log.exception("harvest: pruning the state folder failed")
 
     def _write_cancel_marker(self, job_id: str, by: str) -> None:
         path = self._state_file(job_id, ".cancel")
@@ -1017,14 +1231,90 @@ class _Writer:
 
 def settings_from(
     *, data_root: str | None, output_root: str | None, url_prefixes: str | None, state_dir: str | None,
-    max_jobs: int, max_bytes: int, merge_poll_seconds: float = 2.0,
+    max_jobs: int, max_bytes: int, merge_poll_seconds: float = 2.0, lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    retention_seconds: float = DEFAULT_RETENTION_SECONDS,
 ) -> HarvestConfig:
-    """A HarvestConfig from the server's flat settings (url_prefixes comma-separated)."""
+    """A HarvestConfig from the server's flat settings (url_prefixes comma-separated);
+    ValueError naming the setting that is out of range."""
     prefixes = tuple(p.strip() for p in (url_prefixes or "").split(",") if p.strip())
-    return HarvestConfig(
+    config = HarvestConfig(
         data_root=data_root or None, output_root=output_root or None, url_prefixes=prefixes, state_dir=state_dir or None,
         max_jobs_per_principal=max_jobs, max_bytes_per_principal=max_bytes, merge_poll_seconds=merge_poll_seconds,
+        lease_seconds=lease_seconds, retention_seconds=retention_seconds,
     )
+    config.validate()
+    return config
+
+
+_CLI_DTYPES = {tensor_pb2.DTYPE_FLOAT16: "float16", tensor_pb2.DTYPE_BFLOAT16: "bfloat16",
+               tensor_pb2.DTYPE_FLOAT32: "float32"}
+_CLI_FORMATS = {hv.TEXT_FORMAT_JSONL: "jsonl", hv.TEXT_FORMAT_PARQUET: "parquet", hv.TEXT_FORMAT_TEXT: "text",
+                hv.TEXT_FORMAT_HF_DATASET: "hf"}
+
+
+def resume_command(request: hv.StartHarvestRequest) -> str:
+    """The ``hookwire harvest ...`` command that sends ``request`` again (without
+    ``--overwrite``: at the same output it resumes the job from its committed shards),
+    or "" when the CLI has no flags for it (token ids, rules, positions.only, a value
+    the CLI cannot name). The target (--target or HOOKWIRE_TARGET) is the caller's own."""
+    kind = request.source.WhichOneof("kind")
+    if kind != "text" or request.rules or request.positions.only:
+        return ""
+    if request.dtype and request.dtype not in _CLI_DTYPES or request.source.text.format and \
+            request.source.text.format not in _CLI_FORMATS:
+        return ""
+    args = ["hookwire", "harvest", request.model]
+    for pattern in request.modules:
+        args += ["--modules", pattern]
+    text = request.source.text
+    args += ["--data", text.path]
+    if text.text_field and text.text_field != "text":
+        args += ["--text-field", text.text_field]
+    if text.format:
+        args += ["--format", _CLI_FORMATS[text.format]]
+    if text.split:
+        args += ["--split", text.split]
+    args += ["--out", request.output.path]
+    if request.dtype:
+        args += ["--dtype", _CLI_DTYPES[request.dtype]]
+    if request.part == hook_pb2.PART_ARGS:
+        args += ["--part", "input"]
+    if request.select:
+        args += ["--select", request.select]
+    if request.max_tokens:
+        args += ["--tokens", str(request.max_tokens)]
+    c = request.contexts
+    if (c.length or DEFAULT_LENGTH) != DEFAULT_LENGTH:
+        args += ["--length", str(c.length)]
+    if (c.batch_size or DEFAULT_BATCH_SIZE) != DEFAULT_BATCH_SIZE:
+        args += ["--batch-size", str(c.batch_size)]
+    if c.packing == hv.PACKING_PACK:
+        args += ["--packing", "pack"]
+    if c.HasField("bos") and not c.bos:
+        args += ["--no-bos"]
+    if request.positions.skip_first:
+        args += ["--skip-first", str(request.positions.skip_first)]
+    out = request.output
+    if (out.shard_tokens or DEFAULT_SHARD_TOKENS) != DEFAULT_SHARD_TOKENS:
+        args += ["--shard-tokens", str(out.shard_tokens)]
+    if out.shuffle.enabled:
+        args += ["--shuffle"]
+        if (out.shuffle.buffer_shards or DEFAULT_BUFFER_SHARDS) != DEFAULT_BUFFER_SHARDS:
+            args += ["--shuffle-buffer", str(out.shuffle.buffer_shards)]
+        if out.shuffle.seed:
+            args += ["--seed", str(out.shuffle.seed)]
+    if request.num_workers > 1:
+        args += ["--worker-index", str(request.worker_index), "--num-workers", str(request.num_workers)]
+    return shlex.join(args)
+
+
+def interrupted_message(msg: hv.HarvestJob, silent: float, lease: float) -> str:
+    """HarvestJob.error of an INTERRUPTED job: what happened, and how to resume it."""
+    how = (f"resume it with: {msg.resume_command}" if msg.resume_command else
+           f"resume it by sending the same StartHarvestRequest again (output {msg.output!r})")
+    return (f"interrupted: the server running it stopped ({silent:.0f} s without a heartbeat, lease {lease:g} s) "
+            f"with {msg.tokens_done} tokens committed; nothing runs it now. Starting it again at the same output "
+            f"resumes it from there: {how}")
 
 
 class _Handoff:

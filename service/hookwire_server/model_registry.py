@@ -377,6 +377,12 @@ class ModelHost:
             batching=self.batching.to_proto(), parameters_readable=self.parameters_readable,
             device_map=self.device_map,
         )
+        if self.tokenizer is not None:  # the ids a Tokenize client needs to form a harvest's contexts
+            for name in ("bos_token_id", "eos_token_id", "pad_token_id", "cls_token_id", "sep_token_id"):
+                value = getattr(self.tokenizer, name, None)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    setattr(msg.tokenizer_ids, name, value)
+            msg.tokenizer_ids.SetInParent()
         if with_modules:
             for path, mod in self.modules.items():
                 info = msg.modules.add(path=path, type=type(mod).__name__)

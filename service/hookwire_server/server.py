@@ -20,7 +20,7 @@ from .batching import DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_MAX_BATCH_SIZE, BatchS
 from .security import AuthInterceptor, server_credentials
 from .hook_manager import HookManager
 from .generation import Generation
-from .harvest import HarvestManager, settings_from
+from .harvest import HarvestConfig, HarvestManager, settings_from
 from .inference import Inference
 from .limits import Limits
 from .metrics import Metrics
@@ -101,12 +101,31 @@ class ServerSettings(Limits):
     harvest_max_jobs_per_principal: int = 2
     #: Bytes of shards one principal's harvest jobs may write (per server process); 0: no limit.
     harvest_max_bytes_per_principal: int = 0
+    #: Seconds of a running harvest job's lease: its server renews it (a heartbeat in the
+    #: job's state file) every third of it; a job not renewed for this long (its server was
+    #: killed) is INTERRUPTED. At least 1; longer than the replicas' clock skew.
+    harvest_lease_seconds: float = 30.0
+    #: Seconds finished harvest jobs' state files are kept before they are pruned; 0: forever.
+    harvest_retention_seconds: float = 7 * 86400.0
 
     def __post_init__(self) -> None:
         try:
             self.batch_defaults()
         except ValueError as exc:
             raise ConfigError(f"batching settings: {exc}") from None
+        try:
+            self.harvest_config()
+        except ValueError as exc:
+            raise ConfigError(f"harvest settings: {exc}") from None
+
+    def harvest_config(self) -> HarvestConfig:
+        """The harvest settings (ValueError naming one that is out of range)."""
+        return settings_from(
+            data_root=self.harvest_data_root, output_root=self.harvest_output_root,
+            url_prefixes=self.harvest_url_prefixes, state_dir=self.harvest_state_dir,
+            max_jobs=self.harvest_max_jobs_per_principal, max_bytes=self.harvest_max_bytes_per_principal,
+            lease_seconds=self.harvest_lease_seconds, retention_seconds=self.harvest_retention_seconds,
+        )
 
     def batch_defaults(self) -> BatchSettings:
         """The batching settings of models whose config leaves them unset."""
@@ -173,11 +192,7 @@ class HookwireServer:
         self.generation = Generation(registry, self.hooks, limits=self.settings)
         self.parameters = Parameters(registry, self.hooks, limits=self.settings)
         s = self.settings
-        self.harvests = HarvestManager(registry, self.hooks, settings_from(
-            data_root=s.harvest_data_root, output_root=s.harvest_output_root, url_prefixes=s.harvest_url_prefixes,
-            state_dir=s.harvest_state_dir, max_jobs=s.harvest_max_jobs_per_principal,
-            max_bytes=s.harvest_max_bytes_per_principal,
-        ), limits=self.settings)
+        self.harvests = HarvestManager(registry, self.hooks, s.harvest_config(), limits=self.settings)
         self.tokens = TokenStore(self.settings.tokens_file, self.settings.tokens)
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None

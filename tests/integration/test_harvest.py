@@ -349,6 +349,10 @@ BAD = [
         input_ids=_codec.encode_tensor(torch.zeros(2, 4))))), grpc.StatusCode.INVALID_ARGUMENT, "integer"),
     ("too many modules", dict(modules=["model.norm"] * 65), grpc.StatusCode.RESOURCE_EXHAUSTED, "modules"),
     ("long path", dict(output__path="x" * 5000), grpc.StatusCode.INVALID_ARGUMENT, "output"),
+    ("output in the state folder", dict(output__path=".hookwire-jobs/acts"), grpc.StatusCode.INVALID_ARGUMENT,
+     "harvest_state_dir"),
+    ("output is the state folder", dict(output__path=".hookwire-jobs"), grpc.StatusCode.INVALID_ARGUMENT,
+     "output.path"),
 ]
 
 
@@ -365,6 +369,39 @@ async def test_bad_requests_get_a_clear_status_and_start_nothing(
     assert len(server.call(lambda: list(server.server.harvests._jobs))) == before
     # the server stays healthy
     assert (await stub.ListHarvests(hv.ListHarvestsRequest())) is not None
+
+
+@pytest.mark.parametrize("planted", ["shards", "shards/w0000-000000.safetensors.tmp",
+                                     "shards/w0000-000000.safetensors", "workers"])
+async def test_a_symlink_planted_inside_an_existing_output_folder_writes_nothing_outside(
+    stub: hv_grpc.HarvestServiceStub, roots: tuple[pathlib.Path, pathlib.Path], tmp_path: pathlib.Path, planted: str,
+) -> None:
+    # The output folder itself is inside the root (the start-time check passes), but a
+    # component inside it is a link out of the root: a folder, or a shard's own name.
+    data, out = roots
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    name = "planted-" + planted.replace("/", "-").replace(".", "-")
+    link = out / name / planted
+    link.parent.mkdir(parents=True)
+    if planted in ("shards", "workers"):
+        link.symlink_to(outside, target_is_directory=True)
+    else:
+        (outside / "victim").write_bytes(b"precious")
+        link.symlink_to(outside / "victim")
+    request = _bad(output__path=name)
+    try:
+        job = await stub.StartHarvest(request)
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.PERMISSION_DENIED, exc.details()
+        assert "symlink" in (exc.details() or "") and "output.path" in (exc.details() or ""), exc.details()
+    else:
+        done = await asyncio.wait_for(_finish(stub, job), LIVENESS)
+        assert done.state == hv.HARVEST_STATE_FAILED and "symlink" in done.error, (done.state, done.error)
+    left = sorted(p.name for p in outside.iterdir())
+    assert left in ([], ["victim"]), left
+    if left:
+        assert (outside / "victim").read_bytes() == b"precious"
 
 
 async def test_unknown_jobs_are_not_found(stub: hv_grpc.HarvestServiceStub) -> None:
@@ -400,3 +437,32 @@ async def test_the_client_sink_writes_the_same_dataset_as_a_server_job(
     for key in [*a.modules, "token_ids", "sequence", "position"]:
         x, y = a[:][key], b[:][key]
         assert x.dtype == y.dtype and torch.equal(x, y), key
+
+
+async def test_the_servers_tokenize_gives_the_local_tokenizers_ids_in_batches_within_its_limits(
+    server: ServerThread, local: dict[str, Any],
+) -> None:
+    # The client sink's default tokenizer: Tokenize on the server. Its ids must be exactly
+    # transformers' own for every document (tiny-lm's tokenizer, in process, is the oracle),
+    # sent in batches the server accepts (256 texts by default: more are split; a batch
+    # asked over the limit is refused by the server, halved and sent again).
+    import hookwire
+    from hookwire._harvest import RemoteTokenize
+
+    texts = [d for d in DOCS] * 40 + ["naïve café ☕ — 東京", "  leading and trailing  ", "a\u2028b", ""]
+    expected = [list(ids) for ids in local["lm_tok"](texts, add_special_tokens=False)["input_ids"]]
+    async with hookwire.connect(server.target) as client:
+        remote = client.model("tiny-lm")
+        tokenize = RemoteTokenize(remote, asyncio.get_running_loop(), max_texts=1000)
+        got = await asyncio.to_thread(tokenize, texts)
+        assert got == expected
+        assert tokenize.max_texts <= 256 and tokenize.calls >= 3  # refused once, then within the limit
+        small = RemoteTokenize(remote, asyncio.get_running_loop(), max_texts=7, max_chars=300)
+        assert await asyncio.to_thread(small, texts) == expected
+        assert small.calls >= len(texts) // 7
+        info = await remote.info()
+        ids = info.raw.tokenizer_ids
+        tok = local["lm_tok"]
+        assert (ids.bos_token_id, ids.eos_token_id, ids.pad_token_id) == (tok.bos_token_id, tok.eos_token_id,
+                                                                         tok.pad_token_id)
+        assert not ids.HasField("cls_token_id") and not ids.HasField("sep_token_id")

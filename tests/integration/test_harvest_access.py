@@ -4,6 +4,7 @@ prefix, and a server without harvest storage says how to harvest anyway."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import pathlib
@@ -19,8 +20,8 @@ from hookwire_server.model_registry import ModelHost, ModelRegistry
 from hookwire_server.server import ServerSettings
 from support import ServerThread
 
-TOKENS = {name: f"hwt_harvest_{name}" for name in ("viewer", "alice", "bob", "operator")}
-ROLE = {"viewer": "viewer", "alice": "user", "bob": "user", "operator": "operator"}
+TOKENS = {name: f"hwt_harvest_{name}" for name in ("viewer", "alice", "bob", "carol", "operator")}
+ROLE = {"viewer": "viewer", "alice": "user", "bob": "user", "carol": "user", "operator": "operator"}
 LINES = "\n".join(f"{name}:{ROLE[name]}:{hash_token(token)}" for name, token in TOKENS.items())
 LM = tiny_lm().eval()
 
@@ -89,6 +90,35 @@ async def test_a_principal_runs_at_most_its_quota_of_jobs_at_once(secured: Serve
         assert (await first.wait()).state == "succeeded"
         second = await bob.harvest("tiny-lm", "model.norm", out="bob-2", **OPTIONS)  # room again
         assert (await second.wait()).state == "succeeded"
+
+
+@pytest.mark.asyncio
+async def test_concurrent_starts_cannot_get_past_the_job_quota(secured: ServerThread) -> None:
+    # Six StartHarvest calls at once, quota 1: the count is taken from the check on (a
+    # slot reserved before the awaits of validation and opening the output), so exactly
+    # one is accepted, whatever order their awaits interleave in.
+    scheduler = secured.server.registry.get("tiny-lm").scheduler
+    async with _connect(secured, "carol") as carol:
+        secured.call(scheduler.hold)  # the accepted job waits for the model: it stays active
+        try:
+            results = await asyncio.gather(
+                *(carol.harvest("tiny-lm", "model.norm", out=f"carol-{i}", **OPTIONS) for i in range(6)),
+                return_exceptions=True,
+            )
+            accepted = [r for r in results if isinstance(r, hookwire.HarvestJob)]
+            refused = [r for r in results if not isinstance(r, hookwire.HarvestJob)]
+            assert len(accepted) == 1, results
+            for exc in refused:
+                assert isinstance(exc, hookwire.ResourceExhaustedError), exc
+                assert "harvest_max_jobs_per_principal" in str(exc)
+            running = [j for j in await carol.harvests(active_only=True)]
+            assert [j.job_id for j in running] == [accepted[0].id]
+        finally:
+            secured.call(scheduler.release)
+        assert (await accepted[0].wait()).state == "succeeded"
+        # The refused calls released their slots: room for one again.
+        again = await carol.harvest("tiny-lm", "model.norm", out="carol-again", **OPTIONS)
+        assert (await again.wait()).state == "succeeded"
 
 
 @pytest.mark.asyncio

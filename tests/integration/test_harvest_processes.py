@@ -40,10 +40,12 @@ def _env() -> dict[str, str]:
 class Server:
     """``hookwire serve`` in a process of its own, on the demo models, with harvest roots."""
 
-    def __init__(self, data: pathlib.Path, out: pathlib.Path) -> None:
+    def __init__(self, data: pathlib.Path, out: pathlib.Path, config: pathlib.Path | None = None) -> None:
         self.log = tempfile.TemporaryFile(mode="w+")
+        extra = ["--config", str(config)] if config is not None else []
         self.proc = subprocess.Popen(
-            [*HOOKWIRE, "serve", "--port", "0", "--harvest-data-root", str(data), "--harvest-output-root", str(out)],
+            [*HOOKWIRE, "serve", "--port", "0", "--harvest-data-root", str(data), "--harvest-output-root", str(out),
+             *extra],
             stdout=subprocess.PIPE, stderr=self.log, text=True, env=_env(),
         )
         assert self.proc.stdout is not None
@@ -217,4 +219,148 @@ def test_ctrl_c_of_the_cli_leaves_the_job_running_and_cancel_stops_one(
     listed = server.cli("harvest", "list")
     assert listed.returncode == 0 and job in listed.stdout
     bad = server.cli("harvest", "tiny-lm", "--modules", "model.norm", "--data", "../etc/passwd", "--out", "x")
-    assert bad.returncode == 1 and "source.text.path" in bad.stderr, bad.stderr
+    assert bad.returncode == 1 and "--data: " in bad.stderr and "source.text.path" not in bad.stderr, bad.stderr
+
+
+def _progress(server: Server, job_id: str) -> hookwire.HarvestProgress:
+    async def get() -> hookwire.HarvestProgress:
+        async with hookwire.connect(server.target) as client:
+            return await client.harvest_job(job_id).refresh()
+
+    return asyncio.run(get())
+
+
+def test_a_killed_servers_job_is_interrupted_with_its_resume_command_and_can_be_cancelled(
+    roots: tuple[pathlib.Path, pathlib.Path], tmp_path: pathlib.Path,
+) -> None:
+    # A short lease set through the config: a job whose server was SIGKILLed is seen as
+    # INTERRUPTED by the next server within it (the state file alone still says running).
+    data, out = roots
+    config = tmp_path / "lease.toml"
+    config.write_text("[server]\nharvest_lease_seconds = 1.5\n")
+    # Worker 0 of a 2-way split waits (running) for a worker 1 that never comes: whatever
+    # the machine's speed, the job is running when it is killed.
+    split = ["--worker-index", "0", "--num-workers", "2", "--tokens", "200"]
+    victim = Server(data, out, config)
+    try:
+        job = _start(victim, "--out", "leased", *split)
+        state = out / ".hookwire-jobs" / f"{job}.json"
+        deadline = time.monotonic() + LIVENESS
+        while not (state.exists() and json.loads(state.read_text()).get("state") == "HARVEST_STATE_RUNNING"):
+            assert time.monotonic() < deadline, "the job never ran"
+            time.sleep(0.01)
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(60)
+    finally:
+        victim.stop()
+    assert json.loads(state.read_text())["state"] == "HARVEST_STATE_RUNNING"
+    second = Server(data, out, config)
+    try:
+        deadline = time.monotonic() + LIVENESS
+        while (p := _progress(second, job)).state != "interrupted":
+            assert p.state == "running" and time.monotonic() < deadline, p
+            time.sleep(0.2)
+        # The message gives the exact command that resumes it (the same request again).
+        assert p.resume_command.startswith("hookwire harvest tiny-lm ") and "--out leased" in p.resume_command
+        assert p.resume_command in p.error and p.tokens_per_second == 0 and p.eta_seconds == 0, p
+        from hookwire._cli import build_parser
+        import shlex
+
+        again = build_parser().parse_args(shlex.split(p.resume_command)[1:])
+        original = build_parser().parse_args(["harvest", *JOB, "--out", "leased", *split])
+        assert vars(again) == vars(original)
+        listed = second.cli("harvest", "list")
+        assert listed.returncode == 0 and any(job in line and "interrupted" in line for line in listed.stdout.splitlines())
+        active = second.cli("harvest", "list", "--active")
+        assert active.returncode == 0 and job not in active.stdout, active.stdout
+        # --watch ends on it, non-zero, saying how to resume (it would print its line forever before).
+        watched = second.cli("harvest", "--watch", job, "--plain", timeout=120)
+        assert watched.returncode == 1 and "interrupted" in watched.stdout, watched.stdout + watched.stderr
+        assert p.resume_command in watched.stderr and "Traceback" not in watched.stderr, watched.stderr
+        # Starting the same job again says it resumes the interrupted one (and does).
+        restarted = second.cli("harvest", *JOB, "--out", "leased", *split, "--detach")
+        assert restarted.returncode == 0, restarted.stderr
+        assert f"job {job} at leased was interrupted" in restarted.stderr and "resumes it" in restarted.stderr
+        resumed = restarted.stdout.strip()
+        assert resumed.startswith("hv-") and resumed != job
+        # The interrupted job can be cancelled: it ends CANCELLED, in its state file too.
+        cancelled = second.cli("harvest", "cancel", job)
+        assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
+        assert _progress(second, job).state == "cancelled"
+        assert json.loads(state.read_text())["state"] == "HARVEST_STATE_CANCELLED"
+        assert second.cli("harvest", "cancel", resumed).returncode == 0
+        assert _wait(second, resumed) == "cancelled"
+    finally:
+        second.stop()
+
+
+def test_the_cli_names_its_flags_and_the_client_sink_tokenizes_on_the_server(
+    servers: list[Server], roots: tuple[pathlib.Path, pathlib.Path], tmp_path: pathlib.Path,
+) -> None:
+    data, out = roots
+    server = servers[0]
+    budget = ["--tokens", "300"]
+    assert _wait(server, _start(server, "--out", "flags-done", *budget)) == "succeeded"
+    # The server says output.path / output.overwrite / contexts.length: the CLI says its flags.
+    again = server.cli("harvest", *JOB, *budget, "--out", "flags-done")
+    assert again.returncode == 1, again.stderr
+    assert "--overwrite" in again.stderr and "--out:" in again.stderr, again.stderr
+    assert "output.overwrite" not in again.stderr and "output.path" not in again.stderr, again.stderr
+    long = server.cli("harvest", *JOB, "--out", "flags-long", "--length", "100000")
+    assert long.returncode == 1 and "--length: 100000" in long.stderr and "contexts.length" not in long.stderr, long.stderr
+    # The client sink with text and no --tokenizer: the server's Tokenize gives the ids;
+    # the dataset equals the server job's. stderr is not a terminal: plain lines, no bar.
+    sink = server.cli("harvest", *JOB, *budget, "--sink", "client", "--data", str(data / "corpus.jsonl"),
+                      "--out", str(tmp_path / "sink"))
+    assert sink.returncode == 0, sink.stderr
+    assert "\r" not in sink.stderr and "|" not in sink.stderr, sink.stderr  # no tqdm bar
+    lines = sink.stdout.splitlines()
+    assert lines[0].startswith("local  running") and "tok/s" in lines[0], sink.stdout
+    assert "succeeded" in lines[-1], sink.stdout
+    assert _tokens(tmp_path / "sink") == _tokens(out / "flags-done")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_cli_waits_for_a_loading_model(roots: tuple[pathlib.Path, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    # `hookwire harvest` right after `hookwire serve`: the model is still loading. The CLI
+    # waits (saying so on stderr), bounded by --wait-ready, instead of failing UNAVAILABLE.
+    data, out = roots
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    gate = tmp_path / "gate"
+    env = _env()
+    env["HOOKWIRE_TEST_GATE"] = str(gate)
+    proc = subprocess.Popen(
+        [*HOOKWIRE, "serve", "--port", str(port), "--model", "gated=support:gated_factory",
+         "--harvest-data-root", str(data), "--harvest-output-root", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    )
+    args = [*HOOKWIRE, "harvest", "gated", "--modules", "", "--data", "corpus.jsonl", "--out", "gated",
+            "--target", target]
+    try:
+        bounded = subprocess.run([*args, "--wait-ready", "3"], capture_output=True, text=True, timeout=LIVENESS,
+                                 env=_env())
+        assert bounded.returncode == 1, bounded.stderr
+        assert "waiting up to 3 s for model 'gated'" in bounded.stderr and "--wait-ready 3" in bounded.stderr
+        assert "Traceback" not in bounded.stderr, bounded.stderr
+        waiting = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        assert waiting.stderr is not None
+        first = waiting.stderr.readline()
+        assert "waiting up to 120 s for model 'gated'" in first, first
+        gate.touch()
+        _, err = waiting.communicate(timeout=LIVENESS)
+        # Once loaded, the start goes on and gets the server's answer about the request
+        # itself (checked only for a model that is ready), said with the CLI's flags.
+        assert waiting.returncode == 1 and "is loading" not in err, err
+        assert "INVALID_ARGUMENT: --modules[0]: empty" in err, err
+    finally:
+        gate.touch()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)

@@ -7,8 +7,12 @@ import argparse
 import pytest
 import torch
 
-from hookwire._cli import build_parser, parse_count
-from hookwire._harvest import HarvestProgress, harvest_request
+import io
+import shlex
+
+from hookwire._cli import build_parser, harvest_flags, harvest_options, parse_count
+from hookwire._harvest import HarvestProgress, _Bar, format_rate, harvest_request
+from hookwire_server.harvest import resume_command
 from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import hook_pb2, tensor_pb2
 
@@ -56,3 +60,85 @@ def test_the_cli_parses_a_job_line() -> None:
     ns = build_parser().parse_args(["harvest", "m", "--modules", "a.*", "--modules", "b", "--data", "d.jsonl",
                                     "--out", "o", "--tokens", "10M", "--shuffle", "--num-workers", "3"])
     assert ns.words == ["m"] and ns.modules == ["a.*", "b"] and ns.tokens == 10_000_000 and ns.num_workers == 3
+
+
+def _cli_request(argv: list[str]) -> hv.StartHarvestRequest:
+    """The StartHarvestRequest the harvest command sends for ``argv`` (its words after
+    ``hookwire``)."""
+    ns = build_parser().parse_args(argv)
+    return harvest_request(ns.words[0], ns.modules, out=ns.out, data=ns.data, worker_index=ns.worker_index,
+                           num_workers=ns.num_workers, **harvest_options(ns))
+
+
+@pytest.mark.parametrize("flags", [
+    [],
+    ["--dtype", "bfloat16", "--length", "16", "--batch-size", "2", "--packing", "pack", "--skip-first", "1",
+     "--shard-tokens", "300", "--tokens", "200", "--worker-index", "1", "--num-workers", "2"],
+    ["--part", "input", "--select", "[..., :4]", "--no-bos", "--shuffle", "--shuffle-buffer", "2", "--seed", "7",
+     "--text-field", "body", "--format", "jsonl", "--split", "train", "--modules", "b c"],
+])
+def test_the_resume_command_sends_the_same_request(flags: list[str]) -> None:
+    # An interrupted job's message gives this command: run again, it must send exactly
+    # the job's request (without --overwrite, which would start it over).
+    argv = ["harvest", "m", "--modules", "a.*", "--data", "my data.jsonl", "--out", "out dir", *flags]
+    request = _cli_request(argv)
+    command = resume_command(request)
+    words = shlex.split(command)
+    assert words[:2] == ["hookwire", "harvest"]
+    assert _cli_request(words[1:]) == request
+    overwriting = _cli_request([*argv, "--overwrite"])
+    assert "--overwrite" not in resume_command(overwriting)
+    # What the CLI cannot say has no command (the message then says to send the request again).
+    assert resume_command(harvest_request("m", ["a"], tokens=torch.tensor([[1, 2]]), out="o")) == ""
+
+
+def test_interrupted_is_final_for_watching() -> None:
+    p = HarvestProgress.from_proto(hv.HarvestJob(job_id="hv-1", state=hv.HARVEST_STATE_INTERRUPTED,
+                                                 resume_command="hookwire harvest m", error="interrupted: ..."))
+    assert p.state == "interrupted" and p.ended and p.resume_command == "hookwire harvest m"
+
+
+def test_rate_and_eta_are_the_jobs_own_on_reattach() -> None:
+    # A watcher attaching to a job at 9M of 10M tokens, running at 60k tok/s: the bar shows
+    # the job's rate and ETA, not the 9M tokens it saw "arrive" at once.
+    p = HarvestProgress.from_proto(hv.HarvestJob(
+        job_id="hv-1", state=hv.HARVEST_STATE_RUNNING, tokens_done=9_000_000, tokens_total=10_000_000,
+        tokens_per_second=60_000.0, eta_seconds=1_000_000 / 60_000.0,
+    ))
+    assert format_rate(p) == "60.0k tok/s, ETA 0:00:17"
+    out = io.StringIO()
+    bar = _Bar(True, file=out)
+    bar.update(HarvestProgress.from_proto(hv.HarvestJob(job_id="hv-1", state=hv.HARVEST_STATE_RUNNING,
+                                                        tokens_total=10_000_000)))
+    bar.update(p)
+    bar.close()
+    shown = out.getvalue().rsplit("\r", 1)[-1]
+    assert "60.0k tok/s, ETA 0:00:17" in shown, shown
+    assert "Mtok/s" not in shown and "ktok/s" not in shown, shown  # no rate of tqdm's own (9M "in" no time)
+
+
+@pytest.mark.parametrize("message,said", [
+    ("output.path: x holds a finished dataset (set output.overwrite to replace it)",
+     "--out: x holds a finished dataset (set --overwrite to replace it)"),
+    ("harvest_local with text needs tokenizer= (the model's tokenizer)", "harvest_local with text needs --tokenizer"),
+    ("modules[1]: no module matches", "--modules[1]: no module matches"),
+    ("the patterns match 300 modules, over the limit", "the patterns match 300 modules, over the limit"),
+    ("output.shuffle.buffer_shards: 99 is over the limit", "--shuffle-buffer: 99 is over the limit"),
+    ("contexts.batch_size: 99 is over", "--batch-size: 99 is over"),
+])
+def test_errors_name_the_flags_the_user_typed(message: str, said: str) -> None:
+    assert harvest_flags(message).startswith(said)
+
+
+def test_plain_lines_carry_the_jobs_rate_and_eta(capsys: pytest.CaptureFixture[str]) -> None:
+    from hookwire._cli import _print_job
+
+    _print_job(HarvestProgress.from_proto(hv.HarvestJob(
+        job_id="hv-1", state=hv.HARVEST_STATE_RUNNING, tokens_done=500, tokens_total=1000, tokens_per_second=250.0,
+        eta_seconds=2.0,
+    )))
+    _print_job(HarvestProgress.from_proto(hv.HarvestJob(job_id="hv-1", state=hv.HARVEST_STATE_SUCCEEDED,
+                                                        tokens_done=1000, tokens_total=1000)))
+    running, done = capsys.readouterr().out.splitlines()
+    assert running.split()[0] == "hv-1" and "250 tok/s, ETA 0:00:02" in running, running
+    assert "tok/s" not in done

@@ -306,9 +306,9 @@ def test_a_kill_at_any_point_resumes_to_the_uninterrupted_dataset(
         after()
         return nbytes
 
-    def manifest(fs: Any, path: str, record: Any) -> None:
+    def manifest(fs: Any, path: str, record: Any, *rest: Any) -> None:
         step(lambda: _partial(pathlib.Path(f"{path}.tmp"), b'{"partial'))
-        real_json(fs, path, record)
+        real_json(fs, path, record, *rest)
         after()
 
     monkeypatch.setattr(fmt.DatasetWriter, "_write_shard", shard)
@@ -599,3 +599,28 @@ def test_bad_files_are_named(tmp_path: pathlib.Path) -> None:
     (tmp_path / "d" / "manifest.json").write_text(json.dumps({**manifest, "version": "2"}))
     with pytest.raises(ValueError, match="version '2'"):
         ActivationDataset(tmp_path / "d")
+
+
+@pytest.mark.parametrize("planted", ["shards", "shards/w0000-000000.safetensors.tmp", "workers/w0000-of-0001.json.tmp"])
+def test_a_confined_writer_checks_each_file_as_it_opens_it(tmp_path: pathlib.Path, planted: str) -> None:
+    # A link planted after the writer opened (the start-time checks passed) is refused
+    # when the file under it is opened: nothing is written outside the folder.
+    folder, outside = tmp_path / "ds", tmp_path / "outside"
+    outside.mkdir()
+    w = fmt.DatasetWriter(str(folder), header=HEADER, shard_tokens=4, confine=True)
+    link = folder / planted
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if planted == "shards":
+        link.symlink_to(outside, target_is_directory=True)
+    else:
+        link.symlink_to(outside / "victim")
+    with pytest.raises(fmt.UnsafePath, match="symlink"):
+        for b in _batches(6):
+            w.add(*b)
+        w.finish()
+    assert list(outside.iterdir()) == []
+    # A writer opened on a folder holding such a link refuses at once.
+    with pytest.raises(fmt.UnsafePath, match="symlink"):
+        fmt.DatasetWriter(str(folder), header=HEADER, shard_tokens=4, confine=True)
+    # Without confine (the client sink, the user's own folder) links are the user's business.
+    assert fmt.UnsafePath.__mro__[1] is ValueError

@@ -19,6 +19,7 @@ EXPECTED_ALL = [
     "ActivationDataset",
     "AlreadyExistsError",
     "HarvestFailed",
+    "HarvestInterrupted",
     "HarvestJob",
     "HarvestProgress",
     "DEFAULT_TARGET",

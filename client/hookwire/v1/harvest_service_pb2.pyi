@@ -34,6 +34,7 @@ class HarvestState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HARVEST_STATE_SUCCEEDED: _ClassVar[HarvestState]
     HARVEST_STATE_FAILED: _ClassVar[HarvestState]
     HARVEST_STATE_CANCELLED: _ClassVar[HarvestState]
+    HARVEST_STATE_INTERRUPTED: _ClassVar[HarvestState]
 TEXT_FORMAT_UNSPECIFIED: TextFormat
 TEXT_FORMAT_JSONL: TextFormat
 TEXT_FORMAT_PARQUET: TextFormat
@@ -48,6 +49,7 @@ HARVEST_STATE_RUNNING: HarvestState
 HARVEST_STATE_SUCCEEDED: HarvestState
 HARVEST_STATE_FAILED: HarvestState
 HARVEST_STATE_CANCELLED: HarvestState
+HARVEST_STATE_INTERRUPTED: HarvestState
 
 class StartHarvestRequest(_message.Message):
     __slots__ = ("model", "modules", "part", "select", "dtype", "rules", "source", "contexts", "positions", "max_tokens", "output", "worker_index", "num_workers")
@@ -150,7 +152,7 @@ class HarvestShuffle(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., buffer_shards: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class HarvestJob(_message.Message):
-    __slots__ = ("job_id", "state", "owner", "model", "output", "tokens_done", "tokens_total", "tokens_per_second", "eta_seconds", "shards_written", "bytes_written", "batches_done", "batches_total", "resumed_tokens", "error", "created", "started", "ended", "worker_index", "num_workers", "modules", "committed")
+    __slots__ = ("job_id", "state", "owner", "model", "output", "tokens_done", "tokens_total", "tokens_per_second", "eta_seconds", "shards_written", "bytes_written", "batches_done", "batches_total", "resumed_tokens", "error", "created", "started", "ended", "worker_index", "num_workers", "modules", "committed", "resume_command")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,7 @@ class HarvestJob(_message.Message):
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    RESUME_COMMAND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: HarvestState
     owner: str
@@ -195,7 +198,8 @@ class HarvestJob(_message.Message):
     num_workers: int
     modules: _containers.RepeatedScalarFieldContainer[str]
     committed: bool
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[HarvestState, str]] = ..., owner: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[str] = ..., tokens_done: _Optional[int] = ..., tokens_total: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., eta_seconds: _Optional[float] = ..., shards_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., batches_done: _Optional[int] = ..., batches_total: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., error: _Optional[str] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., modules: _Optional[_Iterable[str]] = ..., committed: _Optional[bool] = ...) -> None: ...
+    resume_command: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[HarvestState, str]] = ..., owner: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[str] = ..., tokens_done: _Optional[int] = ..., tokens_total: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., eta_seconds: _Optional[float] = ..., shards_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., batches_done: _Optional[int] = ..., batches_total: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., error: _Optional[str] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ended: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., modules: _Optional[_Iterable[str]] = ..., committed: _Optional[bool] = ..., resume_command: _Optional[str] = ...) -> None: ...
 
 class GetHarvestRequest(_message.Message):
     __slots__ = ("job_id",)

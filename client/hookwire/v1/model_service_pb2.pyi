@@ -65,7 +65,7 @@ class GetModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer", "batching", "parameters_readable", "device_map")
+    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer", "batching", "parameters_readable", "device_map", "tokenizer_ids")
     class DeviceMapEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class Model(_message.Message):
     BATCHING_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_READABLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MAP_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_IDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     training_allowed: bool
@@ -95,7 +96,22 @@ class Model(_message.Message):
     batching: Batching
     parameters_readable: bool
     device_map: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ..., parameters_readable: _Optional[bool] = ..., device_map: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    tokenizer_ids: TokenizerIds
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ..., parameters_readable: _Optional[bool] = ..., device_map: _Optional[_Mapping[str, str]] = ..., tokenizer_ids: _Optional[_Union[TokenizerIds, _Mapping]] = ...) -> None: ...
+
+class TokenizerIds(_message.Message):
+    __slots__ = ("bos_token_id", "eos_token_id", "pad_token_id", "cls_token_id", "sep_token_id")
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PAD_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CLS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SEP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    cls_token_id: int
+    sep_token_id: int
+    def __init__(self, bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., cls_token_id: _Optional[int] = ..., sep_token_id: _Optional[int] = ...) -> None: ...
 
 class Batching(_message.Message):
     __slots__ = ("enabled", "max_batch_size", "max_batch_delay_ms", "batch_dim", "reducing_inputs", "pads_tokens")
