@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import ipaddress
 import os
 import re
 import signal
@@ -90,6 +91,71 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"hookwire serve: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+#: gRPC target URI schemes the command passes on (after checking what it can).
+_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:")
+
+
+def target_problem(target: str, flag: str = "--target") -> str | None:
+    """What is wrong with a target the user typed, in the command's words (``--target:
+    port 'xx' is not a number``), or None when it reads as one.
+
+    Checked before connecting because gRPC reports a malformed target as a name it
+    could not resolve (a DNS failure), which sends the user looking in the wrong
+    place. Accepted: ``host:port`` with a port from 1 to 65535, ``[IPv6]:port``,
+    http(s):// URLs (see resolve_target), ``dns:[//authority/]host:port``,
+    ``ipv4:``/``ipv6:`` address lists, and ``unix:PATH`` / ``unix-abstract:NAME``.
+    """
+    try:
+        resolved, _ = resolve_target(target)
+    except ValueError as exc:
+        return f"{flag}: {str(exc).removeprefix('target ')}"
+    lower = resolved.lower()
+    scheme = next((s for s in _URI_SCHEMES if lower.startswith(s)), None)
+    if scheme in ("unix:", "unix-abstract:"):
+        return None if resolved[len(scheme):] else f"{flag}: {target!r} names no socket ({scheme}PATH)"
+    if scheme == "dns:":
+        rest = resolved[len(scheme):]
+        addresses = [rest.split("/", 3)[-1] if rest.startswith("//") else rest]  # dns://authority/host:port
+    elif scheme in ("ipv4:", "ipv6:"):
+        addresses = resolved[len(scheme):].split(",")
+    else:
+        addresses = [resolved]
+    for address in addresses:
+        problem = _address_problem(address)
+        if problem is not None:
+            return f"{flag}: {problem}"
+    return None
+
+
+def _address_problem(address: str) -> str | None:
+    if not address:
+        return "no address: give host:port, e.g. 127.0.0.1:50051"
+    if address.startswith("["):
+        host, sep, port = address[1:].partition("]")
+        if not sep:
+            return f"{address!r}: no ']' after the IPv6 address"
+        try:
+            ipaddress.IPv6Address(host.split("%", 1)[0])
+        except ValueError:
+            return f"{host!r} in brackets is not an IPv6 address"
+        if not port.startswith(":"):
+            return f"{address!r} has no port: give [{host}]:PORT"
+        port = port[1:]
+    else:
+        if address.count(":") > 1:
+            return f"{address!r}: an IPv6 address goes in brackets, with the port after them: [::1]:50051"
+        host, sep, port = address.partition(":")
+        if not sep:
+            return f"{address!r} has no port: give host:port, e.g. {address}:50051"
+        if not host:
+            return f"no host before ':{port}': give host:port, e.g. 127.0.0.1:{port}"
+    if not port.isdigit() or not port.isascii():
+        return f"port {port!r} is not a number" if port else f"no port after {address!r}: give host:port"
+    if not 1 <= int(port) <= 65535:
+        return f"port {int(port)} is not from 1 to 65535"
+    return None
 
 
 def _client_options(ns: argparse.Namespace) -> ConnectOptions:
@@ -626,6 +692,10 @@ def _run(ns: argparse.Namespace) -> int:
         return _serve(ns)
     if ns.command == "token":
         return _token(ns)
+    problem = target_problem(ns.target, "target" if ns.command == "health" else "--target")
+    if problem is not None:
+        print(f"hookwire {ns.command}: {problem}", file=sys.stderr)
+        return 2
     commands = {"models": _models, "inspect": _inspect, "generate": _generate, "hooks": _hooks, "health": _health,
                 "parameters": _parameters}
     try:
