@@ -51,7 +51,12 @@ def _serve(ns: argparse.Namespace) -> int:
                  "harvest_data_root": ns.harvest_data_root, "harvest_output_root": ns.harvest_output_root}
         settings, sources = resolve_settings(flags, env, {k: v for k, v in server_table.items() if k not in cli_keys})
         model_flags = ns.model or [m for m in env.get("HOOKWIRE_MODELS", "").split(",") if m.strip()]
-        models += [parse_model_flag(text) for text in model_flags]
+        if ns.parameters_readable and not model_flags:
+            # Config entries say it per model, and the demo models allow it already: a flag
+            # that changed nothing would let an operator believe otherwise.
+            raise ConfigError("--parameters-readable applies to the --model (or HOOKWIRE_MODELS) entries, and none "
+                              "is given; a --config model sets parameters_readable = true in its [[models]] entry")
+        models += [parse_model_flag(text, parameters_readable=ns.parameters_readable) for text in model_flags]
         if ns.demo or not models:
             models = demo_configs() + models
         if log_format not in ("text", "json"):
@@ -504,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", action="append", default=[], metavar="NAME=package.module:factory",
                        help="host the nn.Module a factory returns (repeatable); the module is looked for in the "
                             "working directory first, then in the installed packages")
+    serve.add_argument("--parameters-readable", action="store_true",
+                       help="let users read the weights of the --model entries (GetParameters, hookwire parameters); "
+                            "off by default: production weights may be private. Config models say it per model")
     serve.add_argument("--config", help="a TOML config file with [server] settings and [[models]]")
     serve.add_argument("--demo", action="store_true", help="also host the demo models when --model/--config are given")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
@@ -540,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
         "parameters", help="read a model's weights by name or glob (where its config allows it)",
         description="Reads the parameters NAMES name (exact names or globs: '*' one segment, '**' any) with "
         "GetParameters and prints each one's name, shape, dtype and size; --out also saves them to a "
-        "safetensors file. The model's config must set parameters_readable = true (the demo models do). "
+        "safetensors file. The model's config must set parameters_readable = true (the demo models do; "
+        "hookwire serve --model ... --parameters-readable for models given by flag). "
         "A progress bar (bytes, rate) shows on a terminal once 8 MiB have arrived.",
     )
     parameters.add_argument("model")

@@ -160,6 +160,38 @@ def test_factory_flag_and_config_with_safetensors_weights(tmp_path: pathlib.Path
         assert served.stop() == 0
 
 
+def test_parameters_readable_flag_applies_to_the_model_flags_only(tmp_path: pathlib.Path) -> None:
+    config = tmp_path / "hookwire.toml"
+    config.write_text('[[models]]\nname = "private"\nfactory = "hookwire_server.demo_models:mlp"\n')
+    served = Served("--config", str(config), "--model", "open=hookwire_server.demo_models:mlp", "--parameters-readable")
+    try:
+        readable = served.run("parameters", "open", "fc1.weight", "--no-progress")
+        assert readable.returncode == 0, readable.stderr
+        assert readable.stdout.split("\t")[:3] == ["fc1.weight", "[32, 8]", "float32"]
+        import asyncio
+
+        import hookwire
+        from hookwire_server.demo_models import mlp
+
+        async def check() -> None:
+            async with hookwire.connect(served.target) as client:
+                assert (await client.model("open").info()).parameters_readable
+                weights = await client.model("open").parameters("**")
+                assert list(weights) == [name for name, _ in mlp().named_parameters()]
+                assert all(torch.equal(weights[n], p) for n, p in mlp().named_parameters())
+                with pytest.raises(hookwire.FailedPreconditionError, match=r"--parameters-readable"):
+                    await client.model("private").parameters("**")
+
+        asyncio.run(check())
+        refused = served.run("parameters", "private", "fc1.weight", "--no-progress")
+        assert refused.returncode == 1 and "FAILED_PRECONDITION" in refused.stderr
+    finally:
+        assert served.stop() == 0
+    alone = subprocess.run([*HOOKWIRE, "serve", "--port", "0", "--parameters-readable"], capture_output=True,
+                           text=True, timeout=120, env={**_env(), "HOOKWIRE_MODELS": ""})
+    assert alone.returncode == 2 and "--parameters-readable applies to the --model" in alone.stderr, alone.stderr
+
+
 def test_pickled_weights_are_refused(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "evil.pt"
     torch.save({"fc1.weight": torch.zeros(1), "payload": pathlib.Path("/")}, path)  # not a plain tensor dict
