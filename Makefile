@@ -10,23 +10,33 @@ NODE_STAMP := client/node/node_modules/.installed
 
 .PHONY: serve test proto lint-proto bench clean
 
+# Each step says what it does before it starts: pip and npm run quietly, and the first
+# install takes minutes (torch), which would otherwise look like a hang.
 $(STAMP): pyproject.toml
+	@echo "==> creating .venv ($(PYTHON) -m venv)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "==> upgrading pip in .venv"
 	$(BIN)/pip install -q --upgrade pip
+	@echo "==> installing hookwire[server,dev] into .venv (first run: a few minutes: torch, transformers)"
 	$(BIN)/pip install -q -e '.[server,dev]'
 	touch $(STAMP)
+	@echo "==> .venv is ready"
 
 serve: $(STAMP)
+	@echo "==> starting the server on the demo models (hookwire serve; it prints its address once they load; Ctrl-C stops it) ..."
 	$(BIN)/hookwire serve
 
 $(NODE_STAMP): client/node/package.json client/node/package-lock.json
+	@echo "==> installing the Node.js example client's packages (npm ci in client/node)"
 	npm ci --prefix client/node --no-audit --no-fund
 	touch $(NODE_STAMP)
 
 # mypy is its own step, not a pytest test: its run time depends on the machine's
 # load, and no test may fail for being slow.
 test: $(STAMP) $(NODE_STAMP)
+	@echo "==> type-checking the SDK and the server (mypy)"
 	$(BIN)/python -m mypy -p hookwire -p hookwire_server
+	@echo "==> running the test suite (pytest: unit, then integration tests against real servers; several minutes)"
 	$(BIN)/python -m pytest -q
 
 proto: $(STAMP)
