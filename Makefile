@@ -1,5 +1,7 @@
 # make serve  - start the server on the demo models (installs into .venv first)
 # make test   - type-check with mypy, then run the whole test suite (installs into .venv first)
+# make notebook - install JupyterLab into .venv (the notebook extra) and open docs/notebooks
+#                 (start a server first: make serve, in another terminal)
 # make bench  - the hot-path benchmarks P1-P6 of issue #12, one table of ratios (installs into .venv first);
 #               make bench BENCH_ARGS=--quick for a shorter run
 PYTHON ?= python3
@@ -7,8 +9,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NODE_STAMP := client/node/node_modules/.installed
+NOTEBOOK_STAMP := $(VENV)/.notebook-installed
 
-.PHONY: serve test proto lint-proto bench clean
+.PHONY: serve test notebook proto lint-proto bench clean
 
 # Each step says what it does before it starts: pip and npm run quietly, and the first
 # install takes minutes (torch), which would otherwise look like a hang.
@@ -25,6 +28,15 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	@echo "==> starting the server on the demo models (hookwire serve; it prints its address once they load; Ctrl-C stops it) ..."
 	$(BIN)/hookwire serve
+
+$(NOTEBOOK_STAMP): $(STAMP)
+	@echo "==> installing hookwire[notebook] into .venv (JupyterLab, nbconvert; first run: a minute or two)"
+	$(BIN)/pip install -q -e '.[server,dev,notebook]'
+	touch $(NOTEBOOK_STAMP)
+
+notebook: $(NOTEBOOK_STAMP)
+	@echo "==> starting JupyterLab on docs/notebooks (the notebooks need a server: make serve, in another terminal; Ctrl-C stops JupyterLab) ..."
+	$(BIN)/jupyter lab --notebook-dir=docs/notebooks
 
 $(NODE_STAMP): client/node/package.json client/node/package-lock.json
 	@echo "==> installing the Node.js example client's packages (npm ci in client/node)"
