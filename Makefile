@@ -1,5 +1,7 @@
 # make serve  - start the server on the demo models (installs into .venv first)
 # make test   - type-check with mypy, then run the whole test suite (installs into .venv first)
+# make notebook - install JupyterLab into .venv (the notebook extra) and open docs/notebooks
+#                 (start a server first: make serve, in another terminal)
 # make bench  - the hot-path benchmarks P1-P6 of issue #12, one table of ratios (installs into .venv first);
 #               make bench BENCH_ARGS=--quick for a shorter run
 PYTHON ?= python3
@@ -7,26 +9,46 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NODE_STAMP := client/node/node_modules/.installed
+NOTEBOOK_STAMP := $(VENV)/.notebook-installed
 
-.PHONY: serve test proto lint-proto bench clean
+.PHONY: serve test notebook proto lint-proto bench clean
 
+# Each step says what it does before it starts: pip and npm run quietly, and the first
+# install takes minutes (torch), which would otherwise look like a hang.
 $(STAMP): pyproject.toml
+	@echo "==> creating .venv ($(PYTHON) -m venv)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "==> upgrading pip in .venv"
 	$(BIN)/pip install -q --upgrade pip
+	@echo "==> installing hookwire[server,dev] into .venv (first run: a few minutes: torch, transformers)"
 	$(BIN)/pip install -q -e '.[server,dev]'
 	touch $(STAMP)
+	@echo "==> .venv is ready"
 
 serve: $(STAMP)
+	@echo "==> starting the server on the demo models (hookwire serve; it prints its address once they load; Ctrl-C stops it) ..."
 	$(BIN)/hookwire serve
 
+$(NOTEBOOK_STAMP): $(STAMP)
+	@echo "==> installing hookwire[notebook] into .venv (JupyterLab, nbconvert; first run: a minute or two)"
+	$(BIN)/pip install -q -e '.[server,dev,notebook]'
+	touch $(NOTEBOOK_STAMP)
+
+notebook: $(NOTEBOOK_STAMP)
+	@echo "==> starting JupyterLab on docs/notebooks (the notebooks need a server: make serve, in another terminal; Ctrl-C stops JupyterLab) ..."
+	$(BIN)/jupyter lab --notebook-dir=docs/notebooks
+
 $(NODE_STAMP): client/node/package.json client/node/package-lock.json
+	@echo "==> installing the Node.js example client's packages (npm ci in client/node)"
 	npm ci --prefix client/node --no-audit --no-fund
 	touch $(NODE_STAMP)
 
 # mypy is its own step, not a pytest test: its run time depends on the machine's
 # load, and no test may fail for being slow.
 test: $(STAMP) $(NODE_STAMP)
+	@echo "==> type-checking the SDK and the server (mypy)"
 	$(BIN)/python -m mypy -p hookwire -p hookwire_server
+	@echo "==> running the test suite (pytest: unit, then integration tests against real servers; several minutes)"
 	$(BIN)/python -m pytest -q
 
 proto: $(STAMP)

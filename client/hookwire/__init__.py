@@ -14,6 +14,12 @@
 This package only re-exports; the code lives in private modules.
 """
 
+# First, before anything imports grpc: the hookwire command silences gRPC's C-core log
+# (see _cli_env). A program that imports hookwire is left alone.
+from ._cli_env import quiet_grpc_logging as _quiet_grpc_logging
+
+_quiet_grpc_logging()
+
 from ._client import (
     DEFAULT_TARGET,
     Client,

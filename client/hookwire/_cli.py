@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import ipaddress
 import os
 import re
 import signal
@@ -50,7 +51,12 @@ def _serve(ns: argparse.Namespace) -> int:
                  "harvest_data_root": ns.harvest_data_root, "harvest_output_root": ns.harvest_output_root}
         settings, sources = resolve_settings(flags, env, {k: v for k, v in server_table.items() if k not in cli_keys})
         model_flags = ns.model or [m for m in env.get("HOOKWIRE_MODELS", "").split(",") if m.strip()]
-        models += [parse_model_flag(text) for text in model_flags]
+        if ns.parameters_readable and not model_flags:
+            # Config entries say it per model, and the demo models allow it already: a flag
+            # that changed nothing would let an operator believe otherwise.
+            raise ConfigError("--parameters-readable applies to the --model (or HOOKWIRE_MODELS) entries, and none "
+                              "is given; a --config model sets parameters_readable = true in its [[models]] entry")
+        models += [parse_model_flag(text, parameters_readable=ns.parameters_readable) for text in model_flags]
         if ns.demo or not models:
             models = demo_configs() + models
         if log_format not in ("text", "json"):
@@ -90,6 +96,71 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"hookwire serve: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+#: gRPC target URI schemes the command passes on (after checking what it can).
+_URI_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:")
+
+
+def target_problem(target: str, flag: str = "--target") -> str | None:
+    """What is wrong with a target the user typed, in the command's words (``--target:
+    port 'xx' is not a number``), or None when it reads as one.
+
+    Checked before connecting because gRPC reports a malformed target as a name it
+    could not resolve (a DNS failure), which sends the user looking in the wrong
+    place. Accepted: ``host:port`` with a port from 1 to 65535, ``[IPv6]:port``,
+    http(s):// URLs (see resolve_target), ``dns:[//authority/]host:port``,
+    ``ipv4:``/``ipv6:`` address lists, and ``unix:PATH`` / ``unix-abstract:NAME``.
+    """
+    try:
+        resolved, _ = resolve_target(target)
+    except ValueError as exc:
+        return f"{flag}: {str(exc).removeprefix('target ')}"
+    lower = resolved.lower()
+    scheme = next((s for s in _URI_SCHEMES if lower.startswith(s)), None)
+    if scheme in ("unix:", "unix-abstract:"):
+        return None if resolved[len(scheme):] else f"{flag}: {target!r} names no socket ({scheme}PATH)"
+    if scheme == "dns:":
+        rest = resolved[len(scheme):]
+        addresses = [rest.split("/", 3)[-1] if rest.startswith("//") else rest]  # dns://authority/host:port
+    elif scheme in ("ipv4:", "ipv6:"):
+        addresses = resolved[len(scheme):].split(",")
+    else:
+        addresses = [resolved]
+    for address in addresses:
+        problem = _address_problem(address)
+        if problem is not None:
+            return f"{flag}: {problem}"
+    return None
+
+
+def _address_problem(address: str) -> str | None:
+    if not address:
+        return "no address: give host:port, e.g. 127.0.0.1:50051"
+    if address.startswith("["):
+        host, sep, port = address[1:].partition("]")
+        if not sep:
+            return f"{address!r}: no ']' after the IPv6 address"
+        try:
+            ipaddress.IPv6Address(host.split("%", 1)[0])
+        except ValueError:
+            return f"{host!r} in brackets is not an IPv6 address"
+        if not port.startswith(":"):
+            return f"{address!r} has no port: give [{host}]:PORT"
+        port = port[1:]
+    else:
+        if address.count(":") > 1:
+            return f"{address!r}: an IPv6 address goes in brackets, with the port after them: [::1]:50051"
+        host, sep, port = address.partition(":")
+        if not sep:
+            return f"{address!r} has no port: give host:port, e.g. {address}:50051"
+        if not host:
+            return f"no host before ':{port}': give host:port, e.g. 127.0.0.1:{port}"
+    if not port.isdigit() or not port.isascii():
+        return f"port {port!r} is not a number" if port else f"no port after {address!r}: give host:port"
+    if not 1 <= int(port) <= 65535:
+        return f"port {int(port)} is not from 1 to 65535"
+    return None
 
 
 def _client_options(ns: argparse.Namespace) -> ConnectOptions:
@@ -574,6 +645,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", action="append", default=[], metavar="NAME=package.module:factory",
                        help="host the nn.Module a factory returns (repeatable); the module is looked for in the "
                             "working directory first, then in the installed packages")
+    serve.add_argument("--parameters-readable", action="store_true",
+                       help="let users read the weights of the --model entries (GetParameters, hookwire parameters); "
+                            "off by default: production weights may be private. Config models say it per model")
     serve.add_argument("--config", help="a TOML config file with [server] settings and [[models]]")
     serve.add_argument("--demo", action="store_true", help="also host the demo models when --model/--config are given")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
@@ -610,7 +684,8 @@ def build_parser() -> argparse.ArgumentParser:
         "parameters", help="read a model's weights by name or glob (where its config allows it)",
         description="Reads the parameters NAMES name (exact names or globs: '*' one segment, '**' any) with "
         "GetParameters and prints each one's name, shape, dtype and size; --out also saves them to a "
-        "safetensors file. The model's config must set parameters_readable = true (the demo models do). "
+        "safetensors file. The model's config must set parameters_readable = true (the demo models do; "
+        "hookwire serve --model ... --parameters-readable for models given by flag). "
         "A progress bar (bytes, rate) shows on a terminal once 8 MiB have arrived.",
     )
     parameters.add_argument("model")
@@ -766,6 +841,10 @@ def _run(ns: argparse.Namespace) -> int:
         return _serve(ns)
     if ns.command == "token":
         return _token(ns)
+    problem = target_problem(ns.target, "target" if ns.command == "health" else "--target")
+    if problem is not None:
+        print(f"hookwire {ns.command}: {problem}", file=sys.stderr)
+        return 2
     commands = {"models": _models, "inspect": _inspect, "generate": _generate, "hooks": _hooks, "health": _health,
                 "parameters": _parameters}
     try:

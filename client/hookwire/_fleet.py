@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import inspect
 import logging
@@ -10,7 +11,7 @@ import socket
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, Union
 
-from ._client import Client, ConnectOptions, HookHandle, connect
+from ._client import CallRef, Client, ConnectOptions, HookHandle, _check_timeout, connect, request_id_of
 from ._errors import HookwireError, UnavailableError
 from ._specs import ActionLike, HookSpec, OnErrorName, Sampling, ScopeName
 from ._types import InferResult, InterceptEvent
@@ -294,9 +295,14 @@ class FleetHookHandle:
         self.spec = spec
         #: The hook on each replica, by target.
         self.handles: dict[str, HookHandle] = {}
-        self._queue: asyncio.Queue[InterceptEvent | None] = asyncio.Queue()
+        # Events of every replica, merged in arrival order: (replica, position in that
+        # replica's session stream, event). The position lets events(until=call) stop
+        # exactly at the call's end marker on the replica that ran it.
+        self._merged: collections.deque[tuple[str, int, InterceptEvent]] = collections.deque()
+        self._wake = asyncio.Event()
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._removed = False
+        self._stopped = False
 
     async def _attach(self, replica: _Replica) -> None:
         if self._removed:
@@ -310,24 +316,86 @@ class FleetHookHandle:
                 pass
         handle = await replica.client.register_hook(self.spec)
         self.handles[replica.target] = handle
+        if handle._router is not None:  # a call's end marker wakes events(until=...)
+            handle._router.call_listeners.add(self._wake.set)
         self._pumps[replica.target] = asyncio.ensure_future(self._pump(replica, handle))
 
     async def _pump(self, replica: _Replica, handle: HookHandle) -> None:
+        # An event leaves the replica's inbox and enters the merged queue in one step (no
+        # await between): an event is always in exactly one of them, which events(until=)
+        # relies on.
         try:
-            async for event in handle.events():
-                self._queue.put_nowait(dataclasses.replace(event, replica=replica.target))
+            if handle._router is None:  # no session (fleet hooks have one): no positions
+                async for event in handle.events():
+                    self._put(replica.target, 0, event)
+            else:
+                async for position, event in handle._router.positioned_events(handle.id):
+                    self._put(replica.target, position, event)
         except HookwireError as exc:
             if not self._removed:
                 self._fleet._lost(replica, f"event stream failed: {exc}")
 
-    def events(self) -> AsyncIterator[InterceptEvent]:
-        """Events of every replica, merged in arrival order; ends after remove()."""
+    def _put(self, target: str, position: int, event: InterceptEvent) -> None:
+        self._merged.append((target, position, dataclasses.replace(event, replica=target)))
+        self._wake.set()
 
-        async def merged() -> AsyncIterator[InterceptEvent]:
-            while (event := await self._queue.get()) is not None:
-                yield event
+    def events(self, *, until: CallRef | None = None, timeout: float | None = None) -> AsyncIterator[InterceptEvent]:
+        """Events of every replica, merged in arrival order (each event's ``replica``
+        says where it came from), as HookHandle.events gives one replica's.
 
-        return merged()
+        Waits for each event; ends after remove() (or the fleet's close()). ``until``
+        (a call: the InferResult of ``fleet_model.infer``, or its request id) also ends
+        the iteration once that call is over, without a timeout: once its CallEnded
+        marker has arrived on the session stream of the replica that ran it and every
+        event of this hook from that replica that came before the marker has been
+        yielded (with the other replicas' events that arrived before those, in merged
+        order; later ones stay for the next iteration). It ends at once for a call whose
+        marker an earlier iteration already passed. A call that failed over to another
+        replica is marked on the replica that answered it.
+
+        ``timeout`` (seconds) also ends the iteration, quietly, once no event has
+        arrived for that long: an idle limit, not a limit on the whole iteration;
+        events that come later stay queued for the next one.
+
+        Raises ValueError for a ``timeout`` that is not > 0, TypeError / ValueError for
+        an ``until`` that names no call. Raises nothing when a replica's stream fails:
+        the replica is marked lost (``fleet.notices``) and the others go on.
+        """
+        request_id = None if until is None else request_id_of(until)
+        _check_timeout(timeout)
+        return self._merged_events(request_id, timeout)
+
+    def _call_over(self, request_id: str) -> bool:
+        """Whether ``request_id``'s marker has arrived on some replica's stream and every
+        event of this hook from that replica before it has left the merged queue."""
+        for target, handle in self.handles.items():
+            router = handle._router
+            end = None if router is None else router.calls.position(request_id)
+            if router is None or end is None:
+                continue
+            if router.pending_before(handle.id, end):
+                return False  # not pumped yet
+            return not any(t == target and p < end for t, p, _ in self._merged)
+        return False
+
+    async def _merged_events(self, request_id: str | None, timeout: float | None) -> AsyncIterator[InterceptEvent]:
+        while True:
+            # Cleared before the checks: a put or a marker after them wakes the wait below.
+            self._wake.clear()
+            if request_id is not None and self._call_over(request_id):
+                return
+            if self._merged:
+                yield self._merged.popleft()[2]
+                continue
+            if self._stopped:
+                return
+            if timeout is None:
+                await self._wake.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:  # the wait holds nothing: cancelling it loses no event
+                return
 
     async def remove(self) -> None:
         """Removes the hook from every replica that has it (unreachable ones lose it with their session)."""
@@ -346,7 +414,11 @@ class FleetHookHandle:
     def _stop(self) -> None:
         for pump in self._pumps.values():
             pump.cancel()
-        self._queue.put_nowait(None)
+        for handle in self.handles.values():
+            if handle._router is not None:
+                handle._router.call_listeners.discard(self._wake.set)
+        self._stopped = True
+        self._wake.set()
 
 
 def connect_fleet(

@@ -6,7 +6,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from typing import Any, AsyncIterator, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Union
 
 import grpc
 
@@ -223,6 +223,9 @@ class EventRouter:
         self.error: HookwireError | None = None
         self.notices: list[Notice] = []
         self.closed = False
+        #: Called on each call's end marker (the fleet client's merged readers wait on
+        #: their own queue, not on an inbox this wakes).
+        self.call_listeners: set[Callable[[], None]] = set()
 
     def _inbox(self, hook_id: str) -> _Inbox:
         inbox = self._inboxes.get(hook_id)
@@ -237,6 +240,8 @@ class EventRouter:
             self.calls.add(item.request_id, self._position)
             for waiting in self._inboxes.values():  # readers waiting for this call's end
                 waiting.wake()
+            for listener in self.call_listeners:
+                listener()
             return
         if isinstance(item, Notice):
             self.notices.append(item)
@@ -265,6 +270,24 @@ class EventRouter:
         with ``until`` (a request id), until that call's end marker has arrived and every
         event of the hook that came before it has been read; with ``timeout``, also once
         nothing has arrived for that many seconds."""
+        inner = self.positioned_events(hook_id, until, timeout)
+        try:
+            async for _, event in inner:
+                yield event
+        finally:
+            await inner.aclose()
+
+    def pending_before(self, hook_id: str, position: int) -> bool:
+        """Whether the hook's inbox still holds an event from before stream ``position``
+        (one its reader has not taken yet)."""
+        inbox = self._inboxes.get(hook_id)
+        return inbox is not None and bool(inbox.items) and inbox.items[0][0] < position
+
+    async def positioned_events(
+        self, hook_id: str, until: str | None = None, timeout: float | None = None,
+    ) -> AsyncGenerator[tuple[int, InterceptEvent], None]:
+        """``events``, each with its position in the stream (what ``calls.position`` of a
+        call's end marker is compared with: the fleet client merges several streams)."""
         inbox = self._inbox(hook_id)
         while True:
             inbox.arm()
@@ -272,8 +295,8 @@ class EventRouter:
             if end is not None and (not inbox.items or inbox.items[0][0] > end):
                 return
             if inbox.items:
-                _, (event, chunked) = inbox.items.popleft()
-                yield InterceptEvent.from_proto(event, chunked=chunked)
+                position, (event, chunked) = inbox.items.popleft()
+                yield position, InterceptEvent.from_proto(event, chunked=chunked)
                 continue
             if self.closed:
                 if self.error is not None:

@@ -23,9 +23,28 @@ export function connect(target) {
   return { models, hooks, close: () => { models.close(); hooks.close(); } };
 }
 
-/** Promise wrapper for a unary call. */
-export function call(client, method, request) {
-  return new Promise((resolve, reject) => client[method](request, (err, reply) => (err ? reject(err) : resolve(reply))));
+/** Milliseconds a call may take unless told otherwise: a client must never wait forever. */
+export const DEFAULT_TIMEOUT_MS = 30_000;
+
+/** A grpc-js deadline `ms` milliseconds from now. */
+export function deadlineIn(ms) {
+  return new Date(Date.now() + ms);
+}
+
+/** Promise wrapper for a unary call, with a deadline (`timeoutMs`, default 30 s): DEADLINE_EXCEEDED after it. */
+export function call(client, method, request, { timeoutMs = DEFAULT_TIMEOUT_MS } = {}) {
+  return new Promise((resolve, reject) =>
+    client[method](request, { deadline: deadlineIn(timeoutMs) }, (err, reply) => (err ? reject(err) : resolve(reply))));
+}
+
+/** `promise`, or a rejection naming `what` after `ms` milliseconds (the timer never keeps the process alive). */
+export function within(promise, ms, what) {
+  let timer;
+  const timeout = new Promise((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`${what}: nothing after ${ms} ms`)), ms);
+    timer.unref();
+  });
+  return Promise.race([promise, timeout]).finally(() => clearTimeout(timer));
 }
 
 /** A float32 Tensor message: raw little-endian bytes, C order. */
@@ -53,20 +72,30 @@ export function chunkedTensors(value, out = []) {
 }
 
 /**
- * Opens a session. Resolves with { sessionId, events, stream }: `events` is an async
- * iterator of InterceptEvents, with chunked tensors reassembled into their `data`.
+ * Opens a session. Resolves with { sessionId, events, next, stream }: `events` is an async
+ * iterator of InterceptEvents, with chunked tensors reassembled into their `data`;
+ * `next(ms)` is the next event, or a rejection after `ms` milliseconds. Rejects when the
+ * server does not open it within `openTimeoutMs` (the stream is cancelled then);
+ * `deadlineMs` ends the whole stream (DEADLINE_EXCEEDED) after that long. Cancel
+ * `stream` when done: an open session keeps the process alive.
  */
-export function openSession(hooks) {
-  const stream = hooks.OpenSession({});
+export function openSession(hooks, { openTimeoutMs = DEFAULT_TIMEOUT_MS, deadlineMs } = {}) {
+  const stream = hooks.OpenSession({}, deadlineMs === undefined ? {} : { deadline: deadlineIn(deadlineMs) });
   const queue = [];
   let wake = null;
   let ended = null;
   let pending = null; // { event, tensors: Map<id, {tensor, buffer, filled}> }
   const push = (event) => { queue.push(event); if (wake) { wake(); wake = null; } };
-  return new Promise((resolve, reject) => {
+  const opened = new Promise((resolve, reject) => {
     stream.on("data", (msg) => {
       if (msg.kind === "opened") {
-        resolve({ sessionId: msg.opened.session_id, events: iterate(), stream });
+        const events = iterate();
+        const next = async (ms = DEFAULT_TIMEOUT_MS) => {
+          const { value, done } = await within(events.next(), ms, "waiting for an event");
+          if (done) throw ended ?? new Error("session stream ended");
+          return value;
+        };
+        resolve({ sessionId: msg.opened.session_id, events, next, stream });
       } else if (msg.kind === "event") {
         const chunked = chunkedTensors(msg.event);
         if (chunked.length === 0) return push(msg.event);
@@ -91,6 +120,7 @@ export function openSession(hooks) {
     stream.on("error", (err) => { ended = err; reject(err); if (wake) wake(); });
     stream.on("end", () => { ended = ended || new Error("session stream ended"); if (wake) wake(); });
   });
+  return within(opened, openTimeoutMs, "opening a session").catch((err) => { stream.cancel(); throw err; });
 
   async function* iterate() {
     while (true) {

@@ -297,12 +297,13 @@ def _memory_device(model: str, device: Any) -> int | str:
                       f"\"disk\", not {device!r}")
 
 
-def parse_model_flag(text: str) -> ModelConfig:
-    """``NAME=package.module:factory`` (from ``--model``)."""
+def parse_model_flag(text: str, *, parameters_readable: bool = False) -> ModelConfig:
+    """``NAME=package.module:factory`` (from ``--model``); ``parameters_readable`` from
+    ``serve --parameters-readable``, which applies to every ``--model`` entry."""
     name, sep, factory = text.partition("=")
     if not sep or not name or ":" not in factory:
         raise ConfigError(f"--model {text!r}: expected NAME=package.module:factory")
-    return ModelConfig(name=name.strip(), factory=factory.strip())
+    return ModelConfig(name=name.strip(), factory=factory.strip(), parameters_readable=parameters_readable)
 
 
 def _factory_name(fn: Callable[..., Any]) -> str:

@@ -55,7 +55,8 @@ Reply = tuple[model_service_pb2.GetParametersResponse, _codec.Chunker, int]
 def not_readable_message(name: str) -> str:
     """Why GetParameters refuses a model whose config does not allow it, and what to do."""
     return (f"model {name!r} does not allow reading its parameters: its operator sets "
-            f"`parameters_readable = true` in the model's [[models]] entry of the server config to allow it")
+            f"`parameters_readable = true` in the model's [[models]] entry of the server config "
+            f"(or serves it with `hookwire serve --model ... --parameters-readable`) to allow it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,9 @@ class Selection:
 
     names: list[str]
     sizes: list[int]
+    #: How many parameters each pattern matched, in the request's order (before the
+    #: union): a refusal says them, since a glob's reach is not obvious from its text.
+    matches: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -93,6 +97,7 @@ def select_parameters(host: ModelHost, patterns: list[str], cast: torch.dtype | 
     index = host.parameter_index
     order = {name: i for i, name in enumerate(index.paths)}
     chosen: set[int] = set()
+    matches = []
     for i, pattern in enumerate(patterns):
         if len(pattern) > MAX_PATTERN_LENGTH:
             raise InvalidArgument(f"names[{i}]: a parameter pattern is at most {MAX_PATTERN_LENGTH} characters")
@@ -103,6 +108,7 @@ def select_parameters(host: ModelHost, patterns: list[str], cast: torch.dtype | 
             raise NotFound(f"names[{i}]: model {host.name!r} has no parameter {pattern!r} (GetModel lists them "
                            "per module; a glob such as '**' matches several)")
         chosen.update(order[name] for name in found)
+        matches.append(len(found))
     names = [index.paths[i] for i in sorted(chosen)]
     sizes = []
     for name in names:
@@ -113,7 +119,28 @@ def select_parameters(host: ModelHost, patterns: list[str], cast: torch.dtype | 
         except _codec.CodecError:
             raise Unimplemented(f"parameter {name!r} of model {host.name!r} is {param.dtype}, which has no wire form") from None
         sizes.append(param.numel() * _codec.ITEMSIZE[code])
-    return Selection(names, sizes)
+    return Selection(names, sizes, matches)
+
+
+#: Patterns a refusal lists one by one (more are counted), and the characters of a
+#: pattern it quotes (a longer one is cut, with its length said).
+SHOWN_PATTERNS = 4
+SHOWN_PATTERN_CHARS = 48
+
+
+def describe_matches(patterns: list[str], selection: Selection) -> str:
+    """``the names match 12 parameters ('encoder.*.weight': 12)``: how many parameters a
+    request's names matched in all (each counted once) and per name."""
+    def shown(pattern: str) -> str:
+        if len(pattern) <= SHOWN_PATTERN_CHARS:
+            return repr(pattern)
+        return f"{pattern[:SHOWN_PATTERN_CHARS]!r}... ({len(pattern)} characters)"
+
+    count = len(selection.names)
+    what = f"the names match {count} parameter{'s' if count != 1 else ''}"
+    if len(patterns) > SHOWN_PATTERNS:
+        return f"{what} ({len(patterns)} names)"
+    return f"{what} ({'; '.join(f'{shown(p)}: {k}' for p, k in zip(patterns, selection.matches))})"
 
 
 def copy_parameters(host: ModelHost, names: list[str], cast: torch.dtype | None, framing: Framing) -> list[Reply]:
@@ -188,8 +215,8 @@ class Parameters:
                 as_cast = f" as {_codec.dtype_name(request.dtype)}" if cast is not None else ""
                 or_cast = "" if cast is not None else " or cast them (dtype)"
                 raise ResourceExhausted(
-                    f"the {len(selection.names)} parameters named take {selection.nbytes} bytes{as_cast}, over the "
-                    f"limit of {self.limits.max_parameter_bytes} (max_parameter_bytes); name fewer per call{or_cast}"
+                    f"{describe_matches(patterns, selection)}, which take {selection.nbytes} bytes{as_cast}, over "
+                    f"the limit of {self.limits.max_parameter_bytes} (max_parameter_bytes); name fewer per call{or_cast}"
                 )
             chunk_bytes = chunk_bytes_for(max_message or DEFAULT_MAX_MESSAGE_BYTES)
             framing = Framing(GET_PARAMETERS_CHUNK, chunk_bytes)

@@ -160,6 +160,38 @@ def test_factory_flag_and_config_with_safetensors_weights(tmp_path: pathlib.Path
         assert served.stop() == 0
 
 
+def test_parameters_readable_flag_applies_to_the_model_flags_only(tmp_path: pathlib.Path) -> None:
+    config = tmp_path / "hookwire.toml"
+    config.write_text('[[models]]\nname = "private"\nfactory = "hookwire_server.demo_models:mlp"\n')
+    served = Served("--config", str(config), "--model", "open=hookwire_server.demo_models:mlp", "--parameters-readable")
+    try:
+        readable = served.run("parameters", "open", "fc1.weight", "--no-progress")
+        assert readable.returncode == 0, readable.stderr
+        assert readable.stdout.split("\t")[:3] == ["fc1.weight", "[32, 8]", "float32"]
+        import asyncio
+
+        import hookwire
+        from hookwire_server.demo_models import mlp
+
+        async def check() -> None:
+            async with hookwire.connect(served.target) as client:
+                assert (await client.model("open").info()).parameters_readable
+                weights = await client.model("open").parameters("**")
+                assert list(weights) == [name for name, _ in mlp().named_parameters()]
+                assert all(torch.equal(weights[n], p) for n, p in mlp().named_parameters())
+                with pytest.raises(hookwire.FailedPreconditionError, match=r"--parameters-readable"):
+                    await client.model("private").parameters("**")
+
+        asyncio.run(check())
+        refused = served.run("parameters", "private", "fc1.weight", "--no-progress")
+        assert refused.returncode == 1 and "FAILED_PRECONDITION" in refused.stderr
+    finally:
+        assert served.stop() == 0
+    alone = subprocess.run([*HOOKWIRE, "serve", "--port", "0", "--parameters-readable"], capture_output=True,
+                           text=True, timeout=120, env={**_env(), "HOOKWIRE_MODELS": ""})
+    assert alone.returncode == 2 and "--parameters-readable applies to the --model" in alone.stderr, alone.stderr
+
+
 def test_pickled_weights_are_refused(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "evil.pt"
     torch.save({"fc1.weight": torch.zeros(1), "payload": pathlib.Path("/")}, path)  # not a plain tensor dict
@@ -488,3 +520,53 @@ def test_health_explains_no_server_and_http_targets(closed_port: int, demo: Serv
     bad = subprocess.run([*HOOKWIRE, "models", "--target", "grpc://127.0.0.1:1"], capture_output=True, text=True,
                          timeout=120, env=_env())
     assert bad.returncode == 2 and "use host:port" in bad.stderr and "Traceback" not in bad.stderr
+
+
+#: What gRPC's C core prints when it logs (absl format: E1126 13:33:49.465695 3897 add_port.cc:83] ...).
+C_CORE_LINE = r"^[EIWD]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\.cc:\d+\]"
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("notahost:xx", "--target: port 'xx' is not a number"),
+    ("notahost", "--target: 'notahost' has no port: give host:port"),
+    ("127.0.0.1:70000", "--target: port 70000 is not from 1 to 65535"),
+    ("::1:50051", "an IPv6 address goes in brackets, with the port after them: [::1]:50051"),
+    ("[nope]:50051", "--target: 'nope' in brackets is not an IPv6 address"),
+    ("dns:///localhost:p", "--target: port 'p' is not a number"),
+])
+def test_a_malformed_target_is_named_before_connecting(target: str, message: str) -> None:
+    proc = subprocess.run([*CONSOLE, "models", "--target", target], capture_output=True, text=True,
+                          timeout=120, env=_env())
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("hookwire models: --target: ") and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "DNS" not in proc.stderr and "resolve" not in proc.stderr
+
+
+def test_health_names_its_positional_target() -> None:
+    proc = subprocess.run([*HOOKWIRE, "health", "notahost:xx"], capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 2 and proc.stderr == "hookwire health: target: port 'xx' is not a number\n"
+
+
+def test_grpc_core_log_lines_do_not_precede_the_commands_messages(demo: Served) -> None:
+    import re
+
+    env = {k: v for k, v in _env().items() if k not in ("GRPC_VERBOSITY", "GRPC_TRACE")}
+    host, port = demo.target.rsplit(":", 1)
+    # A busy port (C core: "E... add_port.cc:83] Failed to add port to server"), and a TLS
+    # handshake with a plaintext server (C core: ssl_transport_security.cc, handshake errors).
+    busy = subprocess.run([*HOOKWIRE, "serve", "--port", port], capture_output=True, text=True, timeout=300, env=env)
+    assert busy.returncode == 2
+    assert busy.stderr.strip().splitlines()[-1] == (
+        f"hookwire serve: cannot listen on {host}:{port}: the port is in use (is another server running there?) "
+        "or the address is not available on this machine")
+    tls = subprocess.run([*CONSOLE, "models", "--tls", "--target", demo.target], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert tls.returncode == 1 and tls.stderr.startswith("hookwire models: UNAVAILABLE: the TLS handshake"), tls.stderr
+    for proc in (busy, tls):
+        assert not re.search(C_CORE_LINE, proc.stderr, re.MULTILINE), proc.stderr
+        assert "add_port.cc" not in proc.stderr and "ssl_transport_security" not in proc.stderr
+    # A user who asks for the C core's log gets it: the command only fills in variables left unset.
+    loud = subprocess.run([*HOOKWIRE, "serve", "--port", port], capture_output=True, text=True, timeout=300,
+                          env={**env, "GRPC_VERBOSITY": "ERROR"})
+    assert loud.returncode == 2 and re.search(C_CORE_LINE, loud.stderr, re.MULTILINE), loud.stderr

@@ -180,3 +180,54 @@ async def test_a_replica_whose_model_is_loading_is_not_lost() -> None:
     finally:
         ready.stop()
         loading.stop()
+
+
+async def _all(iterator, timeout: float = 60.0) -> list:
+    """Every item of an iteration that must end by itself (the timeout is a hang guard)."""
+
+    async def run() -> list:
+        return [item async for item in iterator]
+
+    return await asyncio.wait_for(run(), timeout)
+
+
+async def test_fleet_events_until_a_call_and_with_an_idle_timeout(replicas) -> None:
+    """FleetHookHandle.events takes HookHandle.events' until= and timeout= (issue 22)."""
+    targets = [r.target for r in replicas]
+    async with hookwire.connect_fleet(targets) as fleet:
+        model = fleet.model("mlp")
+        async with model.hook("fc1", posthook=hookwire.capture("output")) as hook, \
+                model.hook("fc2", posthook=hookwire.capture("output"), eval_update=False) as quiet:
+            # until: the call's events, from whichever replica ran it, then the end; no timeout.
+            seen = set()
+            for _ in targets:  # round-robin: one call per replica
+                result = await model.infer(X)
+                got = await _all(hook.events(until=result))
+                assert [e.request_id for e in got] == [result.request_id]
+                seen.add(got[0].replica)
+            assert seen == set(targets)
+            # Unread events of earlier calls come first; a call whose marker was passed ends at once.
+            first, second = await model.infer(X), await model.infer(X)
+            got = await _all(hook.events(until=second.request_id))
+            assert sorted(e.request_id for e in got) == sorted([first.request_id, second.request_id])
+            assert len({e.replica for e in got}) == 2
+            assert await _all(hook.events(until=first)) == []
+            # A call the hook captured nothing from still ends the iteration (its marker comes).
+            result = await model.infer(X)
+            assert await _all(quiet.events(until=result)) == []
+            assert [e.request_id for e in await _all(hook.events(until=result))] == [result.request_id]
+
+            # timeout: an idle limit, ending quietly; what arrives later waits for the next iteration.
+            assert await _all(quiet.events(timeout=0.2)) == []
+            assert await _all(hook.events(timeout=0.2)) == []
+            later = await model.infer(X)
+            assert [e.request_id for e in await _take(hook.events(timeout=30), 1)] == [later.request_id]
+            last = await model.infer(X)
+            assert [e.request_id for e in await _all(hook.events(until=last, timeout=30))] == [last.request_id]
+
+            with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+                hook.events(timeout=0)
+            with pytest.raises(TypeError, match="until: expected a call result or a request id"):
+                hook.events(until=object())  # type: ignore[arg-type]
+        # After remove(), an iteration ends at once.
+        assert await _all(hook.events(timeout=30)) == []

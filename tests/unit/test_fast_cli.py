@@ -144,3 +144,26 @@ def test_torch_imported_by_the_caller_is_used_for_encoding_before_any_decode() -
         """
     )
     assert _run(script).strip() == "OK"
+
+
+def test_only_the_command_silences_grpc_core_logging() -> None:
+    # The hookwire command sets GRPC_VERBOSITY/GRPC_TRACE before grpc is imported (issue 22);
+    # a program importing the SDK keeps gRPC's own defaults.
+    script = "import os, hookwire; print(os.environ.get('GRPC_VERBOSITY'), repr(os.environ.get('GRPC_TRACE')))"
+    env = {k: v for k, v in os.environ.items() if k not in ("GRPC_VERBOSITY", "GRPC_TRACE", "PYTHONSTARTUP")}
+    library = subprocess.run([sys.executable, "-c", script, "-m", "hookwire._cli"], capture_output=True, text=True,
+                             timeout=300, cwd=ROOT, env=env)
+    assert library.stdout.strip() == "None None", library.stderr
+    from hookwire import _cli_env
+
+    for argv, expected in [
+        (["python", "-m", "hookwire._cli", "models"], True), (["python", "-X", "dev", "-m", "hookwire._cli"], True),
+        (["python", "-mhookwire"], True), (["python", "-m", "pytest", "-m", "hookwire._cli"], False),
+        (["python", "script.py", "-m", "hookwire._cli"], False), (["python", "-c", "x", "-m", "hookwire._cli"], False),
+    ]:
+        saved = sys.orig_argv, sys.argv
+        sys.orig_argv, sys.argv = argv, ["-m"]
+        try:
+            assert _cli_env.is_cli_process() is expected, argv
+        finally:
+            sys.orig_argv, sys.argv = saved
