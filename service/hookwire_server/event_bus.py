@@ -596,6 +596,10 @@ class DeliveryGate:
         return any(stream.stalls(model, session_id, principal) for stream in self._streams)
 
 
+class HeldBytesExceeded(ResourceExhausted):
+    """A call's kept events would pass its principal's max_buffered_bytes_per_principal."""
+
+
 class HeldBytes:
     """Event bytes that calls keep because a full stream cannot take them yet (see
     passes.Pass), per principal, counted with the principal's stream buffers against
@@ -616,7 +620,7 @@ class HeldBytes:
         with self._lock:
             held = self._held.get(principal, 0) + nbytes
             if held + buffers > self.limit:
-                raise ResourceExhausted(
+                raise HeldBytesExceeded(
                     f"{principal or 'the caller'!r}'s calls keep {held} bytes of events that their full streams "
                     f"cannot take yet, which with its stream buffers ({buffers} bytes) is over its limit of "
                     f"{self.limit} (max_buffered_bytes_per_principal): read the stream (or capture less per call)"

@@ -1047,6 +1047,8 @@ def _finish(host: ModelHost, p: Pass, records: list[HookRecord], decoder: Decode
     """The end of a Generate call (worker thread, after its last step)."""
     for record in records:
         record.detach()
-    p.end()
+    # Its CallEnded markers, after any events a failed or cancelled step kept for a full
+    # stream (delivered from a thread of their own; an abandoned call kept none).
+    p.finish()
     if decoder is not None:
         decoder.release()

@@ -35,6 +35,7 @@ from .errors import (
     Unavailable,
     Unimplemented,
 )
+from .event_bus import HeldBytesExceeded
 from .hook_manager import HookManager, new_id
 from .hook_record import HookRecord
 from .passes import Pass
@@ -359,10 +360,13 @@ class Inference:
             deadline = loop.time() + self.limits.infer_timeout
             try:
                 response = await asyncio.wait_for(host.scheduler.submit(work), self.limits.infer_timeout)
-            except HookwireServerError:
+            except HookwireServerError as exc:
                 # Failed (e.g. an output with no wire form): the events its pass kept for a full
-                # stream still go out before the error, as the others did.
-                await _backlog_delivered(call, max(0.0, deadline - loop.time()))
+                # stream still go out before the error, as the others did; but a call that failed
+                # because it kept too much for a stalled reader says so at once (its kept events
+                # still go out, from their own thread, as the reader takes them).
+                if not isinstance(exc, HeldBytesExceeded):
+                    await _backlog_delivered(call, max(0.0, deadline - loop.time()))
                 raise
             # A stream that blocks for it was full: it waits for that reader here, after its
             # pass and alone (the pass itself never waits for a reader).

@@ -140,6 +140,13 @@ async def test_a_users_block_subscription_never_holds_another_callers_pass(secur
 # ------------------------------------------------------------------ a stalled BLOCK stream holds only its owner
 
 
+def _slow_reader_channel(target: str) -> grpc.aio.Channel:
+    """A channel whose flow-control window stays small (no BDP probing): a stream nobody
+    reads fills it after about 64 KiB, so the server's buffer fills next."""
+    return grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                      ("grpc.http2.bdp_probe", 0)])
+
+
 def _mlp_request(rows: int, session_id: str = "", seed: int = 0) -> model_service_pb2.InferRequest:
     x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed))
     request = model_service_pb2.InferRequest(model="mlp", session_id=session_id)
@@ -164,7 +171,7 @@ async def test_a_stalled_block_session_never_stalls_another_principals_calls(sec
     (on main every one of them ran into its deadline behind alice's waiting pass); once alice
     reads again, every one of her calls completes and none of her events is lost."""
     alice_calls, rows = 6, 2048  # 256 KiB per hidden-layer event: more than the buffer and gRPC's own
-    async with grpc.aio.insecure_channel(secured.target) as channel:
+    async with _slow_reader_channel(secured.target) as channel:
         hooks = hook_service_pb2_grpc.HookServiceStub(channel)
         models = model_service_pb2_grpc.ModelServiceStub(channel)
         session, session_id = await _block_session(hooks, "alice", 64 * 1024)
@@ -204,10 +211,11 @@ async def test_a_stalled_block_session_never_stalls_another_principals_calls(sec
 async def test_events_kept_for_a_full_stream_count_against_the_principals_byte_limit(make_server) -> None:
     """A call whose events a full BLOCK stream cannot take keeps them until its pass ends,
     counted against max_buffered_bytes_per_principal: past it, the call fails with
-    RESOURCE_EXHAUSTED naming the setting, the server stays healthy and the kept bytes are
-    given back (a later call within the limit succeeds)."""
-    srv = make_server(max_buffered_bytes_per_principal=2 * 1024 * 1024)
-    async with grpc.aio.insecure_channel(srv.target) as channel:
+    RESOURCE_EXHAUSTED naming the setting at once (not after its reader reads), the server
+    stays healthy, the events it kept still go out once the reader reads, and the kept bytes
+    are given back (a later call within the limit succeeds)."""
+    srv = make_server(max_buffered_bytes_per_principal=6 * 1024 * 1024)
+    async with _slow_reader_channel(srv.target) as channel:
         hooks = hook_service_pb2_grpc.HookServiceStub(channel)
         models = model_service_pb2_grpc.ModelServiceStub(channel)
         session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
@@ -217,7 +225,9 @@ async def test_events_kept_for_a_full_stream_count_against_the_principals_byte_l
             model="mlp", module="**", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))))
         queue: asyncio.Queue = asyncio.Queue()
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await asyncio.wait_for(models.Infer(_mlp_request(8192, session_id)), LIVENESS)  # 1 MiB per hidden event
+            # 4 MiB per hidden-layer event, 21 MiB a call: the call keeps one or two events, and
+            # the next passes the limit (more than gRPC's transport takes from a stream nobody reads).
+            await asyncio.wait_for(models.Infer(_mlp_request(32768, session_id)), LIVENESS)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_buffered_bytes_per_principal" in (info.value.details() or "")
         reader = asyncio.ensure_future(_pump(session, queue))
