@@ -149,6 +149,10 @@ def _notice(kind: hook_service_pb2.NoticeKind, message: str, dropped: int) -> ho
 
 #: Unread CallEnded markers a stream keeps for calls that do not block on it (at least).
 MIN_MARKER_CAP = 1024
+#: Sessions a stream tells apart per model when deciding which calls it holds back; past
+#: this many it holds back every call of the model that it blocks for.
+SOURCE_SESSIONS = 64
+ANY_SESSION = "*"
 
 
 class EventStream:
@@ -190,12 +194,17 @@ class EventStream:
         self._carry_total = 0
         #: CallEnded markers queued now (bounded by max_events, see put_call_ended).
         self._markers = 0
-        #: Models whose events this stream has carried: a full stream holds back only
-        #: calls on those (DeliveryGate.stalled).
-        self._models: set[str] = set()
+        #: The calls whose events this stream has carried and blocks for, by model: the
+        #: sessions they were made in (ANY_SESSION past SOURCE_SESSIONS of them). A full
+        #: stream holds back only such calls (DeliveryGate.stalled); forgotten when a hook
+        #: of the stream is removed (relearnt from the next event).
+        self._sources: dict[str, set[str]] = {}
         #: Called on the event loop when a reader takes from the stream after the gate found
         #: it full, and when the stream ends: calls it held back may start now.
         self.on_room: Callable[[], None] | None = None
+        #: Called (any thread, under the stream's lock) when the stream fills up for calls it
+        #: blocks for: the gate then looks at it (DeliveryGate keeps the full streams only).
+        self.on_full: Callable[[EventStream], None] | None = None
         self._gated = False
 
     @property
@@ -224,17 +233,37 @@ class EventStream:
         own_calls = own_session or (bool(principal) and principal == self.owner)
         return policy == BLOCK and (own_calls or self.blocks_others)
 
+    def full_now(self) -> bool:
+        """Whether the stream is full now (or producers already wait for room). Reads
+        counters without the lock: a stale answer only moves a call by one scheduling
+        decision."""
+        return self._waiting > 0 or self._events >= self.limits.max_events or self._bytes >= self.limits.max_bytes
+
     def stalls(self, model: str, session_id: str, principal: str) -> bool:
         """Whether a call on ``model`` made in ``session_id`` by ``principal`` must not start
-        now: the stream blocks for it, has carried events of that model, and is full (or a
-        call's kept events already wait for room). Event loop; reads counters without the
-        lock (a stale answer only moves a call by one scheduling decision)."""
-        if model not in self._models or self._closed or self._ending or not self.blocks_for(session_id, principal):
+        now: the stream blocks for it, has carried events of such calls (same model and
+        session), and is full. Event loop."""
+        sessions = self._sources.get(model)
+        if not sessions or (session_id not in sessions and ANY_SESSION not in sessions):
             return False
-        full = self._waiting > 0 or self._events >= self.limits.max_events or self._bytes >= self.limits.max_bytes
-        if full:
-            self._gated = True  # the next read (or the end) tells the schedulers
-        return full
+        if self._closed or self._ending or not self.blocks_for(session_id, principal) or not self.full_now():
+            return False
+        self._gated = True  # the next read (or the end) tells the schedulers
+        return True
+
+    def _learn(self, model: str, session_id: str) -> None:
+        """Notes that events of calls on ``model`` in ``session_id`` come to this stream."""
+        sessions = self._sources.setdefault(model, set())
+        if session_id not in sessions and ANY_SESSION not in sessions:
+            if len(sessions) >= SOURCE_SESSIONS:
+                sessions.clear()
+                session_id = ANY_SESSION
+            sessions.add(session_id)
+
+    def _filled(self) -> None:
+        """Under the lock: tells the gate when the stream is full for calls it blocks for."""
+        if self.on_full is not None and self.full_now():
+            self.on_full(self)
 
     def put_event(
         self, msg: hook_service_pb2.SessionMessage, hook_id: str, nbytes: int, *,
@@ -254,17 +283,20 @@ class EventStream:
         queued) and None is returned: the caller offers it again later, waiting.
         """
         block = self.blocks_for(session_id, principal)
-        if block:
-            self._models.add(msg.event.model)  # from the first event on, even one kept back (DeliveryGate)
         if wire is None:
             wire = msg.ByteSize()
         with self._lock:
             if self._closed or self._ending:
                 return False
+            if block:
+                self._learn(msg.event.model, session_id)  # from the first event on, even one kept back
             if block and not wait and self._is_full(nbytes) and not (cancelled is not None and cancelled()):
+                if self.on_full is not None:
+                    self.on_full(self)
                 return None
             if block:
                 self._waiting += 1
+                self._filled()
                 try:
                     while (
                         not self._closed and not self._ending and self._is_full(nbytes)
@@ -314,6 +346,8 @@ class EventStream:
                 dropped_before=self.dropped - self._carry_total,
             ))
             self._events += 1
+            if block:
+                self._filled()
         if counters is not None:
             counters.add(sent=1)
         return True
@@ -373,9 +407,11 @@ class EventStream:
         self._room_later()
 
     def forget_hook(self, hook_id: str) -> None:
-        """Drops a removed hook's numbering (ids are never reused)."""
+        """Drops a removed hook's numbering (ids are never reused), and what the stream knew
+        of the calls it carries (the other hooks' calls are learnt again from their events)."""
         with self._lock:
             self._seq.pop(hook_id, None)
+            self._sources.clear()
 
     def put_notice(self, msg: hook_service_pb2.SessionMessage) -> None:
         """Queues a notice without waiting (notices are small and rare); any thread."""
@@ -569,15 +605,20 @@ class DeliveryGate:
 
     def __init__(self) -> None:
         self._streams: set[EventStream] = set()
+        #: Streams that filled up (told by the streams themselves, from any thread): only
+        #: these are asked, so a server whose readers keep up pays nothing per decision.
+        self._full: set[EventStream] = set()
         self._listeners: list[Callable[[], None]] = []
 
     def add(self, stream: EventStream) -> None:
         """Watches ``stream`` (a session's or a subscription's) from now on."""
         stream.on_room = self._room
+        stream.on_full = self._full.add
         self._streams.add(stream)
 
     def remove(self, stream: EventStream) -> None:
         """Forgets a closed stream; the calls it held back may start."""
+        self._full.discard(stream)
         if stream in self._streams:
             self._streams.discard(stream)
             self._room()
@@ -593,7 +634,15 @@ class DeliveryGate:
     def stalled(self, model: str, session_id: str, principal: str) -> bool:
         """Whether a call on ``model`` made in ``session_id`` by ``principal`` waits now
         (see EventStream.stalls)."""
-        return any(stream.stalls(model, session_id, principal) for stream in self._streams)
+        if not self._full:
+            return False
+        for stream in list(self._full):  # a copy: streams add themselves from other threads
+            if stream.closed or not stream.full_now():
+                # Room again (a stream that fills up again tells the gate again).
+                self._full.discard(stream)
+            elif stream.stalls(model, session_id, principal):
+                return True
+        return False
 
 
 class HeldBytesExceeded(ResourceExhausted):
@@ -621,9 +670,10 @@ class HeldBytes:
             held = self._held.get(principal, 0) + nbytes
             if held + buffers > self.limit:
                 raise HeldBytesExceeded(
-                    f"{principal or 'the caller'!r}'s calls keep {held} bytes of events that their full streams "
-                    f"cannot take yet, which with its stream buffers ({buffers} bytes) is over its limit of "
-                    f"{self.limit} (max_buffered_bytes_per_principal): read the stream (or capture less per call)"
+                    f"{principal or 'the caller'!r}'s calls keep {held} bytes of events that full streams (its own, "
+                    f"or an operator's BLOCK stream) cannot take yet, which with its stream buffers ({buffers} bytes) "
+                    f"is over its limit of {self.limit} (max_buffered_bytes_per_principal): the streams' readers must "
+                    "read (or the calls capture less)"
                 )
             self._held[principal] = held
 

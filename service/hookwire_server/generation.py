@@ -682,7 +682,7 @@ class Generation:
                 return future.result()
             since = work.stalled_since
             if since is not None and time.perf_counter() - since >= idle:
-                raise _idle_error(host, "a reader of one of its event streams took nothing", idle)
+                raise _idle_error(host, "one of its event streams stayed full (its reader took too little)", idle)
 
     async def _backlog_delivered(self, p: Pass, host: ModelHost) -> None:
         """Waits until the step's events that a full stream could not take during the step
@@ -1031,14 +1031,18 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
             (layer.keys[seg.start:seg.stop, :, keys - length:], layer.values[seg.start:seg.stop, :, keys - length:])
             for layer in cache.layers
         ])
+        result: Any
         try:
             tokens = call.decoder.advance(type(outputs)(logits=outputs.logits[seg.start:seg.stop], **{cache_key: mine}))
         except Exception as exc:  # e.g. its sampling settings leave no distribution: only it fails
-            call.p.release()  # its events of the pass still go out, as a step alone delivers them
-            results.append(exc)
+            result = exc
         else:
-            call.p.release()
-            results.append(StepResult(tokens, tuple(call.decoder.reasons), call.decoder.finished))
+            result = StepResult(tokens, tuple(call.decoder.reasons), call.decoder.finished)
+        try:
+            call.p.release()  # its events of the pass go out (also when it failed, as a step alone delivers them)
+        except ResourceExhausted as exc:  # it kept more for a full stream than its principal may: only it fails
+            result = exc
+        results.append(result)
         call.put(("done",))
     return results
 

@@ -62,6 +62,7 @@ from . import batching
 from .auth import MINIMUM_ROLE, Principal
 from .capture import compile_cast, compile_select
 from .deferred import HostCopies
+from .event_bus import HeldBytes
 from .errors import (
     AlreadyExists, FailedPrecondition, HookwireServerError, InvalidArgument, NotFound, PermissionDenied,
     ResourceExhausted, Unavailable,
@@ -286,6 +287,9 @@ class _BatchWork:
     settings: _Settings
     batch: sources.TokenBatch
     keep: np.ndarray
+    #: Where events of other hooks that a full stream cannot take are counted (the job
+    #: owner's max_buffered_bytes_per_principal); None: nowhere.
+    held_bytes: HeldBytes | None = None
 
 
 @dataclasses.dataclass
@@ -359,6 +363,7 @@ def _harvest_pass(host: Any, work: _BatchWork) -> _BatchResult:
         collected[module] = gathered if gathered.device.type == "cpu" else copies.copy(gathered)
 
     p = Pass(work.job_id, "", principal=work.owner, model=host.name)
+    p.held_bytes = work.held_bytes
     p.tap = tap
     inputs: dict[str, Any] = {"input_ids": ids.to(host.device)}
     params = forward_parameters(host.module)
@@ -760,7 +765,8 @@ class HarvestManager:
                 self._check_cancel(job)
                 keep = sources.keep_mask(item.attention_mask, skip_first=s.skip_first, only=s.only)
                 work = Work(
-                    run_harvest_batch, _BatchWork(job.id, job.owner, records, capture_ids, s, item, keep),
+                    run_harvest_batch,
+                    _BatchWork(job.id, job.owner, records, capture_ids, s, item, keep, self._hooks.held_bytes),
                     key=None, rows=int(item.input_ids.shape[0]), kind="harvest", background=True,
                     caller=("", job.owner),
                 )

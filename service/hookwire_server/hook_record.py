@@ -359,9 +359,10 @@ class HookRecord:
             # hook that captured in its hook would never have fired again.
             return
         streams = self.streams
-        if streams and not p.holding:
+        if streams and not p.holding and not p.backlog:
             # A full DROP_NEWEST stream drops the event whatever it holds: numbered and counted
-            # now, never encoded. (Not in a shared pass: its events are numbered as they leave.)
+            # now, never encoded. (Not in a shared pass, nor behind events the call keeps: their
+            # events are numbered as they leave, in firing order.)
             open_streams = []
             for stream in streams:
                 if stream.drop_if_full(self.hook_id, session_id=p.session_id, principal=p.principal, counters=self.counters):

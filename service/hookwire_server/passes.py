@@ -216,8 +216,8 @@ class Pass:
         and off the model's worker thread."""
         with self._end_lock:
             self._flushing = True
-        try:
             backlog, self.backlog = self.backlog, []
+        try:
             for item in backlog:
                 if item[0] == "sink":
                     assert self.sink is not None
@@ -254,13 +254,13 @@ class Pass:
         a flush stops at its next event and drops the rest; a backlog not being flushed is
         dropped now. Any thread."""
         self._abandoned.set()
-        with self._end_lock:
-            flushing = self._flushing
-        if not flushing:
-            backlog, self.backlog = self.backlog, []
-            for item in backlog:
-                if item[0] == "stream":
-                    self._uncount(item[4])
+        with self._end_lock:  # a flush that starts later finds the backlog empty
+            backlog = [] if self._flushing else self.backlog
+            if not self._flushing:
+                self.backlog = []
+        for item in backlog:
+            if item[0] == "stream":
+                self._uncount(item[4])
         for stream in list(self._streams):  # a flush waiting for room re-checks, and stops
             stream.wake_producers()
 

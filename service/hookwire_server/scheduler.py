@@ -194,11 +194,16 @@ class Scheduler:
     def _first(self) -> Work | None:
         """The work whose pass runs next: the oldest live work that may run, else the
         oldest such background one; None when every waiting work is held back."""
-        ready = [work for work in self._queue if self._ready(work)]
-        for work in ready:
+        background = None
+        for work in self._queue:
+            if work.future.done():
+                continue
             if not work.background:
-                return work
-        return ready[0] if ready else None
+                if not self._stalled(work):
+                    return work
+            elif background is None and not self._stalled(work):
+                background = work
+        return background
 
     def _compatible(self, first: Work) -> list[Work]:
         """The first waiting work and those behind it that may share its pass: equal run and

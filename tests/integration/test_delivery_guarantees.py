@@ -17,7 +17,7 @@ import hookwire
 from hookwire import _codec
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ServerSettings
-from hookwire_server.auth import hash_token
+from hookwire_server.auth import ANONYMOUS, hash_token
 from support import ServerThread, build_test_registry
 
 TOKENS = {name: f"hwt_delivery_{name}" for name in ("alice", "bob", "observer")}
@@ -155,13 +155,15 @@ def _mlp_request(rows: int, session_id: str = "", seed: int = 0) -> model_servic
 
 
 async def _block_session(hooks: Any, who: str, max_bytes: int) -> tuple[Any, str]:
-    """A session of ``who`` with a small BLOCK buffer and a hook capturing every module of
-    the demo MLP (7 events a call); the session stream is read up to its first message only."""
+    """A session of ``who`` ("": no credentials) with a small BLOCK buffer and a
+    session-scoped hook capturing every module of the demo MLP (7 events a call); the
+    session stream is read up to its first message only."""
+    metadata = _auth(who) if who else None
     session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
-        policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_bytes=max_bytes)), metadata=_auth(who))
+        policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_bytes=max_bytes)), metadata=metadata)
     session_id = (await session.read()).opened.session_id
     await hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
-        model="mlp", module="**", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=_auth(who))
+        model="mlp", module="**", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=metadata)
     return session, session_id
 
 
@@ -231,11 +233,31 @@ async def test_events_kept_for_a_full_stream_count_against_the_principals_byte_l
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_buffered_bytes_per_principal" in (info.value.details() or "")
         reader = asyncio.ensure_future(_pump(session, queue))
-        await _until(srv, lambda: srv.server.hooks.held_bytes.held("") == 0)
+        await _until(srv, lambda: srv.server.hooks.held_bytes.held(ANONYMOUS.name) == 0)
         reply = await asyncio.wait_for(models.Infer(_mlp_request(16, session_id)), LIVENESS)
         assert list(_codec.decode_value(reply.output).shape) == [16, 4]
         session.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+
+
+async def test_a_full_session_stream_does_not_hold_calls_that_cannot_emit_into_it(make_server) -> None:
+    """A user's session (BLOCK, a session-scoped hook) is full and unread: her calls in that
+    session wait, but her calls outside it, for which that hook never fires, run at once."""
+    srv = make_server(infer_timeout=30.0)
+    async with _slow_reader_channel(srv.target) as channel:
+        hooks = hook_service_pb2_grpc.HookServiceStub(channel)
+        models = model_service_pb2_grpc.ModelServiceStub(channel)
+        session, session_id = await _block_session(hooks, "", 64 * 1024)
+        in_session = [asyncio.ensure_future(models.Infer(_mlp_request(2048, session_id, i))) for i in range(6)]
+        (stream,) = srv.call(lambda: [s.stream for s in srv.server.hooks._sessions.values()])
+        await _until(srv, lambda: stream.waiting_producers > 0)
+        try:
+            for i in range(3):
+                reply = await asyncio.wait_for(models.Infer(_mlp_request(4, seed=i)), LIVENESS)
+                assert list(_codec.decode_value(reply.output).shape) == [4, 4]
+        finally:
+            session.cancel()
+            await asyncio.gather(*in_session, return_exceptions=True)
 
 
 # ------------------------------------------------------------------ `dropped` on every event

@@ -1223,6 +1223,30 @@ def test_a_generate_whose_own_block_stream_is_not_read_ends_after_generate_idle_
         fast.close()
 
 
+def test_a_generate_failing_over_its_byte_limit_gives_its_kept_bytes_back(make_server) -> None:
+    """A Generate call whose step keeps more events for its full BLOCK stream than its
+    principal may (max_buffered_bytes_per_principal) fails with RESOURCE_EXHAUSTED; what it
+    kept is given back to the principal's budget once its session ends."""
+    from hookwire_server.auth import ANONYMOUS
+
+    srv = make_server(max_buffered_bytes_per_principal=96 * 1024, generate_idle_timeout=30.0)
+    with _slow_reader_channel(srv.target) as slow, grpc.insecure_channel(srv.target) as fast:
+        hooks = hook_service_pb2_grpc.HookServiceStub(slow)
+        session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
+            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_bytes=64 * 1024)), timeout=CALL_TIMEOUT)
+        session_id = next(session).opened.session_id  # never read again
+        hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+            model="tiny-lm", module="**", posthook=_capture())), timeout=CALL_TIMEOUT)
+        stream = model_service_pb2_grpc.ModelServiceStub(fast).Generate(GenerateRequest(
+            model="tiny-lm", prompts=HEAVY_PROMPTS, max_new_tokens=20, session_id=session_id), timeout=CALL_TIMEOUT)
+        error = _ends_with(stream, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert "(max_buffered_bytes_per_principal)" in error.details(), error.details()
+        wait_for(lambda: srv.call(lambda: srv.server.generation._active.get("tiny-lm", 0)) == 0, "the call ended")
+        session.cancel()  # the session ends: nothing waits for its stream any more
+        wait_for(lambda: srv.call(lambda: srv.server.hooks.held_bytes.held(ANONYMOUS.name)) == 0,
+                 "the bytes the failed call kept are given back")
+
+
 def test_a_session_hook_with_last_before_first_is_refused(env: Env, session) -> None:
     session_id, _ = session
     with pytest.raises(grpc.RpcError) as info:

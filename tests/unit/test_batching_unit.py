@@ -3,14 +3,18 @@ tensors per call and putting rule edits back."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from hookwire import _codec
-from hookwire.v1 import model_service_pb2
-from hookwire_server import batching
+from hookwire.v1 import hook_service_pb2, model_service_pb2
+from hookwire_server import batching, generation
 from hookwire_server.batching import Batch, BatchSettings, Segment, Unsplittable
+from hookwire_server.event_bus import HeldBytes
 from hookwire_server.passes import Pass
+from support import build_test_registry
 
 
 def _request(*args: object, **kwargs: object) -> model_service_pb2.InferRequest:
@@ -107,3 +111,52 @@ def test_put_writes_only_the_changed_rows_and_clones_once() -> None:
     assert again[0] is merged[0]  # already a clone of this firing: written in place
     unchanged = batch.put(parts, before, before, seg, "w", set())
     assert unchanged[0] is x
+
+
+# ------------------------------------------------------------------ a shared step's delivery failing one call
+
+
+class _FullStream:
+    """A stream that blocks for the call and is full: it takes no event without waiting."""
+
+    def put_event(self, *args: Any, wait: bool = True, **kwargs: Any) -> bool | None:
+        return None if not wait else False
+
+    def put_call_ended(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def wake_producers(self) -> None:
+        pass
+
+
+class _KeepsTooMuch(Pass):
+    """A call whose hook, in a shared pass, emitted one event for a full stream, over its budget."""
+
+    def hold(self) -> None:
+        super().hold()
+        assert self._held is not None
+        self._held.append(("stream", _FullStream(), hook_service_pb2.SessionMessage(), "h1", 1000, {}))
+
+
+def _decoder(host: Any) -> Any:
+    ids = torch.tensor([[1, 5, 6, 7]])
+    options = generation.GenerateOptions(max_new_tokens=8, overrides={}, seed=0, stop=())
+    return generation._start(host, [], ids, torch.ones_like(ids), options, None)
+
+
+def test_a_call_over_its_byte_limit_in_a_shared_step_fails_alone() -> None:
+    """Delivering a shared Generate step's held events puts one call over its principal's
+    byte limit: only that call fails; the others' steps ran once (not again alone)."""
+    host = build_test_registry().get("tiny-lm")
+    put = lambda item: None  # noqa: E731
+    bob = generation.StepCall(Pass("bob", "", principal="bob", model="tiny-lm"), _decoder(host), 0, put)
+    alice_p = _KeepsTooMuch("alice", "", principal="alice", model="tiny-lm")
+    alice_p.held_bytes = HeldBytes(limit=10, buffers=lambda principal: 0)
+    alice = generation.StepCall(alice_p, _decoder(host), 0, put)
+    for call in (bob, alice):  # the prefills, alone
+        generation._run_step(host, call)
+    bob.step = alice.step = 1
+    results = generation.run_step_batch(host, [bob, alice])  # one shared step
+    assert bob.decoder.step_index == 2 and len(bob.decoder.tokens[0]) == 2, bob.decoder.tokens
+    assert isinstance(results[0], generation.StepResult), results[0]
+    assert isinstance(results[1], Exception) and "max_buffered_bytes_per_principal" in str(results[1])
