@@ -26,9 +26,9 @@ HOOK_ID = re.compile(r"hk_[0-9a-f]{32}")
 def _serve(ns: argparse.Namespace) -> int:
     try:
         from hookwire_server import serve
-        from hookwire_server.config import pick, resolve_settings
+        from hookwire_server.api.config import pick, resolve_settings
         from hookwire_server.logging_setup import configure
-        from hookwire_server.model_loading import (
+        from hookwire_server.models.model_loading import (
             ConfigError, demo_configs, load_config_file, parse_model_flag,
         )
     except ImportError as exc:

@@ -82,7 +82,7 @@ import transformers
 
 import hookwire
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
-from hookwire_server.module_patterns import match_paths
+from hookwire_server.models.module_patterns import match_paths
 
 #: 8 prompts of 9 words, each one MiniLM (uncased WordPiece) token: 11 tokens with [CLS] and [SEP].
 MINILM_PROMPTS = (

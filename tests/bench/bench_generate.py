@@ -53,7 +53,7 @@ import hookwire
 from hookwire import _codec
 from hookwire.v1 import model_service_pb2, model_service_pb2_grpc
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
-from hookwire_server.module_patterns import match_paths
+from hookwire_server.models.module_patterns import match_paths
 
 #: Greedy decoding of both models runs 32 new tokens from it without reaching <eos>.
 PROMPT = "hookwire streams every layer of the model"

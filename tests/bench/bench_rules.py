@@ -33,7 +33,7 @@ import hookwire
 from bench_hotpath import SINGLE_THREAD_ENV, RoundResult, Variant, details, interleaved, latency, latency_round, spread
 from hookwire import rules
 from hookwire_server.demo_models import tiny_transformer
-from hookwire_server.module_patterns import match_paths
+from hookwire_server.models.module_patterns import match_paths
 
 SETS = {
     "layers": ["encoder.layers.*"],

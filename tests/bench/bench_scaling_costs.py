@@ -247,7 +247,7 @@ def summary_costs(repeats: int, capture_s_per_mib: float) -> str:
     tensors of 64 KiB, 2 MiB and 16 MiB, sizes interleaved (5 calls each per round); ms
     per MiB against the per-MiB cost of sending captures measured in the same run."""
     import torch
-    from hookwire_server.capture import summarize
+    from hookwire_server.hooks.capture import summarize
 
     sizes = {64 * 1024: [], 2 * MIB: [], 16 * MIB: []}  # type: dict[int, list[float]]
     tensors = {n: torch.randn(n // 2).bfloat16() for n in sizes}

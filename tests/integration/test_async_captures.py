@@ -21,10 +21,10 @@ from torch import nn
 
 import hookwire
 from hookwire import rules
-from hookwire_server.deferred import DeferredCaptures, HostCopies, wants_deferral
+from hookwire_server.hooks.deferred import DeferredCaptures, HostCopies, wants_deferral
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer, tiny_transformer
-from hookwire_server.model_loading import ConfigError, ModelConfig, build_host
-from hookwire_server.model_registry import ModelHost, ModelRegistry
+from hookwire_server.models.model_loading import ConfigError, ModelConfig, build_host
+from hookwire_server.models.model_registry import ModelHost, ModelRegistry
 from support import ServerThread
 
 LIVENESS = 120.0

@@ -20,8 +20,8 @@ import torch
 import transformers
 
 import hookwire
-from hookwire_server.model_loading import ConfigError, ModelConfig, build_host, load_config_file, load_failure
-from hookwire_server.model_registry import ModelRegistry
+from hookwire_server.models.model_loading import ConfigError, ModelConfig, build_host, load_config_file, load_failure
+from hookwire_server.models.model_registry import ModelRegistry
 from support import ServerThread
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -50,8 +50,8 @@ from hookwire._session import CallEnded, stream_items
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ModelConfig, ModelHost, ModelRegistry, ServerSettings, batching, build_registry
 from hookwire_server.demo_models import tiny_lm, tiny_transformer
-from hookwire_server.model_loading import ConfigError, build_host, load_config_file
-from hookwire_server.model_registry import BatchConfig
+from hookwire_server.models.model_loading import ConfigError, build_host, load_config_file
+from hookwire_server.models.model_registry import BatchConfig
 from support import CACHE, ServerThread, assert_same
 
 #: (atol, rtol) of a batched call against its unbatched in-process run (see the module docstring).

@@ -27,9 +27,9 @@ from hookwire import HookSpec, Sampling, _codec, capture, rules
 from hookwire._session import CallEnded, stream_items
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ModelHost, ModelRegistry, ServerSettings
-from hookwire_server.batching import LIMIT_MAX_BATCH_DELAY_MS
+from hookwire_server.engine.batching import LIMIT_MAX_BATCH_DELAY_MS
 from hookwire_server.demo_models import tiny_lm, tiny_transformer
-from hookwire_server.model_registry import BatchConfig
+from hookwire_server.models.model_registry import BatchConfig
 from support import ServerThread
 
 LIVENESS = 60.0  # a generous bound on things that must happen, never a speed requirement

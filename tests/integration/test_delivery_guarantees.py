@@ -384,7 +384,7 @@ async def test_list_hooks_returns_the_operands_as_registered_when_asked(client) 
 
 
 def test_default_stream_budgets_are_consistent() -> None:
-    from hookwire_server.event_bus import DEFAULT_MAX_BYTES
+    from hookwire_server.hooks.event_bus import DEFAULT_MAX_BYTES
     from hookwire_server.limits import Limits
 
     limits = Limits()
@@ -437,7 +437,9 @@ async def test_large_operands_are_decoded_and_encoded_off_the_event_loop(monkeyp
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from hookwire_server import hook_manager, hook_record
+    from hookwire_server.hooks import hook_manager
+
+    from hookwire_server.hooks import hook_record
 
     gate, entered = threading.Event(), threading.Event()
 

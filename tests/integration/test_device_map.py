@@ -21,8 +21,8 @@ import transformers
 import hookwire
 from hookwire import rules
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
-from hookwire_server.model_loading import ConfigError, ModelConfig, build_host, load_config_file, load_failure
-from hookwire_server.model_registry import ModelRegistry
+from hookwire_server.models.model_loading import ConfigError, ModelConfig, build_host, load_config_file, load_failure
+from hookwire_server.models.model_registry import ModelRegistry
 from support import ServerThread
 
 SENTENCES = ["The cat sat on the mat.", "Hello world"]

@@ -25,10 +25,10 @@ import hookwire
 from hookwire import rules
 from hookwire._generation import generate_request
 from hookwire_server import ServerSettings
-from hookwire_server import deferred
+from hookwire_server.hooks import deferred
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
-from hookwire_server.model_loading import ConfigError, load_config_file
-from hookwire_server.model_registry import ModelHost, ModelRegistry
+from hookwire_server.models.model_loading import ConfigError, load_config_file
+from hookwire_server.models.model_registry import ModelHost, ModelRegistry
 from support import ServerThread
 
 

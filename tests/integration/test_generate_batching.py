@@ -32,8 +32,10 @@ from transformers import DynamicCache
 import hookwire
 import lm_oracle as oracle
 from hookwire import rules
-from hookwire_server import build_registry, demo_configs, generation
-from hookwire_server.batching import model_dimensions, padded_length
+from hookwire_server import build_registry
+from hookwire_server import demo_configs
+from hookwire_server.calls import generation
+from hookwire_server.engine.batching import model_dimensions, padded_length
 from support import CACHE, ServerThread, assert_same
 
 MARGIN_BOUND = 1e-5

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from hookwire import _codec
 from hookwire.v1 import hook_pb2, model_service_pb2, model_service_pb2_grpc, rule_pb2
 from hookwire_server import ModelHost, ServerSettings, build_registry, demo_configs
-from hookwire_server.tokenization import prepare_tokenizer
+from hookwire_server.calls.tokenization import prepare_tokenizer
 from support import CACHE, ServerThread
 
 GenerateRequest = model_service_pb2.GenerateRequest
@@ -204,7 +204,7 @@ def test_text_held_back_for_an_incomplete_character_does_not_grow_without_bound(
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     from hookwire_server.demo_models import tiny_lm_tokenizer
-    from hookwire_server.generation import TextDeltas
+    from hookwire_server.calls.generation import TextDeltas
 
     tokenizer = tiny_lm_tokenizer()
     continuation = tokenizer.convert_tokens_to_ids(bytes_to_unicode()[0x80])

@@ -28,9 +28,9 @@ from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import harvest_service_pb2_grpc as hv_grpc
 from hookwire.v1 import hook_pb2, rule_pb2, tensor_pb2
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
-from hookwire_server.model_loading import ModelConfig, build_host
-from hookwire_server.model_registry import ModelHost, ModelRegistry
-from hookwire_server.server import ServerSettings
+from hookwire_server.models.model_loading import ModelConfig, build_host
+from hookwire_server.models.model_registry import ModelHost, ModelRegistry
+from hookwire_server.api.server import ServerSettings
 from support import ServerThread
 
 pytestmark = pytest.mark.asyncio

@@ -16,8 +16,8 @@ import pytest
 import hookwire
 from hookwire_server.auth import hash_token
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
-from hookwire_server.model_registry import ModelHost, ModelRegistry
-from hookwire_server.server import ServerSettings
+from hookwire_server.models.model_registry import ModelHost, ModelRegistry
+from hookwire_server.api.server import ServerSettings
 from support import ServerThread
 
 TOKENS = {name: f"hwt_harvest_{name}" for name in ("viewer", "alice", "bob", "carol", "operator")}

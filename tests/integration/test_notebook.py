@@ -15,7 +15,7 @@ import nbclient
 import nbformat
 import pytest
 
-from hookwire_server.model_loading import build_registry, demo_configs
+from hookwire_server.models.model_loading import build_registry, demo_configs
 from support import ServerThread
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[2] / "docs" / "notebooks" / "quickstart.ipynb"

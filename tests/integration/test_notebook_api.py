@@ -25,7 +25,7 @@ from torch import nn
 import hookwire
 from hookwire.rules import add
 from hookwire_server.demo_models import tiny_lm
-from hookwire_server.model_registry import ModelHost
+from hookwire_server.models.model_registry import ModelHost
 from support import Recorder, ServerThread, assert_same, build_test_registry, local_models
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -21,8 +21,8 @@ from hookwire import _codec
 from hookwire.v1 import model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ModelConfig, ServerSettings, demo_configs
 from hookwire_server.auth import hash_token
-from hookwire_server.model_loading import ConfigError, build_host, load_config_file
-from hookwire_server.model_registry import ModelHost, ModelRegistry
+from hookwire_server.models.model_loading import ConfigError, build_host, load_config_file
+from hookwire_server.models.model_registry import ModelHost, ModelRegistry
 from support import ServerThread
 
 TOKENS = {"alice": "hwt_params_alice", "viewer": "hwt_params_viewer"}

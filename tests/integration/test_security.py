@@ -32,8 +32,8 @@ from hookwire.v1 import (
 )
 from hookwire_server import HookwireServer, ServerSettings
 from hookwire_server.auth import MINIMUM_ROLE, ROLES, hash_token
-from hookwire_server.security import AuthInterceptor
-from hookwire_server.servicers import HarvestServicer, HookServicer, ModelServicer, add_to_server
+from hookwire_server.api.security import AuthInterceptor
+from hookwire_server.api.servicers import HarvestServicer, HookServicer, ModelServicer, add_to_server
 from support import ServerThread, build_test_registry, collect
 
 TOKENS = {name: f"hwt_test_{name}" for name in ("viewer", "alice", "bob", "observer", "operator")}

@@ -10,10 +10,11 @@ import torch
 
 from hookwire import _codec
 from hookwire.v1 import hook_service_pb2, model_service_pb2
-from hookwire_server import batching, generation
-from hookwire_server.batching import Batch, BatchSettings, Segment, Unsplittable
-from hookwire_server.event_bus import HeldBytes
-from hookwire_server.passes import Pass
+from hookwire_server.engine import batching
+from hookwire_server.calls import generation
+from hookwire_server.engine.batching import Batch, BatchSettings, Segment, Unsplittable
+from hookwire_server.hooks.event_bus import HeldBytes
+from hookwire_server.hooks.passes import Pass
 from support import build_test_registry
 
 

@@ -110,8 +110,8 @@ def test_configmap_and_compose_config_are_the_same_and_load() -> None:
     assert in_cluster.strip() == "\n".join(
         line for line in (DEPLOY / "hookwire.toml").read_text().splitlines() if not line.startswith("#")
     ).strip()
-    from hookwire_server.config import resolve_settings
-    from hookwire_server.model_loading import load_config_file
+    from hookwire_server.api.config import resolve_settings
+    from hookwire_server.models.model_loading import load_config_file
 
     server, models = load_config_file(DEPLOY / "hookwire.toml")
     settings, sources = resolve_settings({}, {}, server)

@@ -1,4 +1,4 @@
-"""hookwire_server.event_bus: the bounded buffer between hook threads and a stream."""
+"""hookwire_server.hooks.event_bus: the bounded buffer between hook threads and a stream."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import time
 import pytest
 
 from hookwire.v1 import hook_service_pb2
-from hookwire_server import errors, event_bus
-from hookwire_server.event_bus import DeliveryLimits, EventStream
+from hookwire_server import errors
+from hookwire_server.hooks import event_bus
+from hookwire_server.hooks.event_bus import DeliveryLimits, EventStream
 
 TIMEOUT = 60.0  # hang guard for anything that should happen "soon" (generous: a loaded machine is slow)
 SETTLE = 0.15  # how long to wait before concluding that a thread is blocked

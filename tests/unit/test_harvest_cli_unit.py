@@ -12,7 +12,7 @@ import shlex
 
 from hookwire._cli import build_parser, harvest_flags, harvest_options, parse_count
 from hookwire._harvest import HarvestProgress, _Bar, format_rate, harvest_request
-from hookwire_server.harvest import resume_command
+from hookwire_server.calls.harvest import resume_command
 from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import hook_pb2, tensor_pb2
 

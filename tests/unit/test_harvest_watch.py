@@ -15,7 +15,7 @@ import pytest
 
 from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire_server.auth import Principal
-from hookwire_server.harvest import HarvestConfig, HarvestManager, Job
+from hookwire_server.calls.harvest import HarvestConfig, HarvestManager, Job
 
 OWNER = Principal("alice", "user")
 
@@ -141,8 +141,8 @@ def test_finished_jobs_are_pruned_after_the_retention(tmp_path: pathlib.Path) ->
 @pytest.mark.parametrize("setting,value", [("lease_seconds", 0.5), ("lease_seconds", float("nan")),
                                            ("retention_seconds", -1.0), ("max_jobs_per_principal", -1)])
 def test_harvest_settings_are_validated(setting: str, value: float) -> None:
-    from hookwire_server.model_loading import ConfigError
-    from hookwire_server.server import ServerSettings
+    from hookwire_server.models.model_loading import ConfigError
+    from hookwire_server.api.server import ServerSettings
 
     with pytest.raises(ValueError, match=setting):
         HarvestConfig(**{setting: value}).validate()  # type: ignore[arg-type]

@@ -1,10 +1,10 @@
-"""hookwire_server.module_patterns: globs over dotted module paths."""
+"""hookwire_server.models.module_patterns: globs over dotted module paths."""
 
 from __future__ import annotations
 
 import pytest
 
-from hookwire_server.module_patterns import is_glob, match_paths, matches
+from hookwire_server.models.module_patterns import is_glob, match_paths, matches
 
 # named_modules() of a small encoder, in its order ("" is the root module).
 PATHS = [

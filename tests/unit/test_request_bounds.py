@@ -7,7 +7,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from hookwire.v1 import harvest_service_pb2, hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
 from hookwire_server.errors import InvalidArgument, ResourceExhausted
-from hookwire_server.request_bounds import (
+from hookwire_server.api.request_bounds import (
     NAME_FIELDS,
     PATH_FIELDS,
     UNBOUNDED_FIELDS,

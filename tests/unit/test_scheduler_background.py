@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from hookwire_server.model_registry import ModelHost
-from hookwire_server.scheduler import Work
+from hookwire_server.models.model_registry import ModelHost
+from hookwire_server.engine.scheduler import Work
 
 pytestmark = pytest.mark.asyncio
 

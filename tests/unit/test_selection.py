@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hookwire_server.selection import SelectionError, parse_selection
+from hookwire_server.hooks.selection import SelectionError, parse_selection
 
 
 @pytest.mark.parametrize(

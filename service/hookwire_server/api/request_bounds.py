@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from .errors import InvalidArgument, ResourceExhausted
+from ..errors import InvalidArgument, ResourceExhausted
 
 #: protobuf's own parser refuses messages nested deeper than this; so does the scan.
 MAX_NESTING = 100

@@ -58,20 +58,20 @@ from hookwire import _harvest_sources as sources
 from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import hook_pb2, tensor_pb2
 
-from . import batching
-from .auth import MINIMUM_ROLE, Principal
-from .capture import compile_cast, compile_select
-from .deferred import HostCopies
-from .event_bus import HeldBytes
-from .errors import (
+from ..engine import batching
+from ..auth import MINIMUM_ROLE, Principal
+from ..hooks.capture import compile_cast, compile_select
+from ..hooks.deferred import HostCopies
+from ..hooks.event_bus import HeldBytes
+from ..errors import (
     AlreadyExists, FailedPrecondition, HookwireServerError, InvalidArgument, NotFound, PermissionDenied,
     ResourceExhausted, Unavailable,
 )
-from .hook_record import HookRecord
-from .model_registry import forward_parameters
-from .passes import Pass
-from .scheduler import Work
-from .selection import Index
+from ..hooks.hook_record import HookRecord
+from ..models.model_registry import forward_parameters
+from ..hooks.passes import Pass
+from ..engine.scheduler import Work
+from ..hooks.selection import Index
 
 log = logging.getLogger("hookwire.harvest")
 

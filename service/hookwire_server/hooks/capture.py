@@ -14,7 +14,7 @@ import torch
 from hookwire import _codec
 from hookwire.v1 import hook_pb2, tensor_pb2
 
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 from .selection import Index, SelectionError, parse_selection
 
 MAX_HISTOGRAM_BINS = 4096

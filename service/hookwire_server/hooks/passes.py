@@ -21,7 +21,7 @@ from hookwire._codec import Chunker
 from hookwire._framing import Framing, Splicer
 from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2
 
-from .errors import ResourceExhausted
+from ..errors import ResourceExhausted
 from .event_bus import HeldBytes
 
 #: Where the request-scoped hooks' events of a streaming call (Generate) go, as they

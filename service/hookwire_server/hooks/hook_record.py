@@ -28,14 +28,14 @@ from hookwire._codec import Chunker
 from hookwire._framing import SESSION_MESSAGE_CHUNK, Framing, Splicer
 from hookwire.v1 import hook_pb2, hook_service_pb2
 
-from .auth import ANONYMOUS, Principal
+from ..auth import ANONYMOUS, Principal
 from .capture import Sampler
 from .deferred import HostCopies, wants_deferral
-from .errors import InvalidArgument, Unimplemented
+from ..errors import InvalidArgument, Unimplemented
 from .event_bus import EventStream, HookCounters
 from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec, _part_name
-from .metrics import Metrics
-from .model_registry import ModelHost
+from ..metrics import Metrics
+from ..models.model_registry import ModelHost
 from .rules import RuleFailure, apply_rules, operand_tensors
 from .slots import SlotStore
 

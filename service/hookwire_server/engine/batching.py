@@ -29,11 +29,11 @@ import torch
 
 from hookwire.v1 import model_service_pb2, tensor_pb2
 
-from .deferred import DeferredCaptures
-from .errors import InvalidArgument
+from ..hooks.deferred import DeferredCaptures
+from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from .passes import Pass
+    from ..hooks.passes import Pass
 
 #: Inputs that make a call run alone unless the model's config names others: a loss
 #: over ``labels`` is a mean over the batch's rows, so it would mix callers.

@@ -9,8 +9,8 @@ import torch
 from hookwire import _codec
 from hookwire.v1 import hook_service_pb2
 
-from .errors import NotFound, ResourceExhausted
-from .limits import Limits
+from ..errors import NotFound, ResourceExhausted
+from ..limits import Limits
 
 DEFAULT_MAX_SLOT_BYTES = Limits.max_slot_bytes  # one default, in limits.py
 

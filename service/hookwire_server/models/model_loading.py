@@ -23,11 +23,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .demo_models import DEMO_MODELS
-from .batching import BatchSettings
-from .deferred import MODES as ASYNC_CAPTURE_MODES
+from ..demo_models import DEMO_MODELS
+from ..engine.batching import BatchSettings
+from ..hooks.deferred import MODES as ASYNC_CAPTURE_MODES
 from .model_registry import BatchConfig, DaemonWorker, ModelHost, ModelRegistry
-from .tokenization import prepare_tokenizer
+from ..calls.tokenization import prepare_tokenizer
 
 log = logging.getLogger("hookwire.models")
 

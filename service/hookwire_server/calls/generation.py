@@ -46,10 +46,10 @@ from hookwire import _codec
 from hookwire._framing import GENERATE_RESPONSE_CHUNK, Framing
 from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
-from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
-from .batching import Batch, Segment, padded_length
-from .scheduler import Work, in_own_thread
-from .errors import (
+from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
+from ..engine.batching import Batch, Segment, padded_length
+from ..engine.scheduler import Work, in_own_thread
+from ..errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -58,7 +58,7 @@ from .errors import (
     Unimplemented,
     release_failure,
 )
-from .event_bus import (
+from ..hooks.event_bus import (
     BATCH_EVENT_MAX_BYTES,
     BATCH_MAX_BYTES,
     BATCH_MAX_EVENTS,
@@ -66,13 +66,13 @@ from .event_bus import (
     MIN_MAX_MESSAGE_BYTES,
     chunk_bytes_for,
 )
-from .hook_manager import HookManager, new_id
-from .hook_record import HookRecord
+from ..hooks.hook_manager import HookManager, new_id
+from ..hooks.hook_record import HookRecord
 from .inference import _call
-from . import limits
-from .limits import Limits
-from .model_registry import ModelHost, ModelRegistry, forward_parameters
-from .passes import Pass
+from .. import limits
+from ..limits import Limits
+from ..models.model_registry import ModelHost, ModelRegistry, forward_parameters
+from ..hooks.passes import Pass
 from .tokenization import check_texts, no_tokenizer_message, padding_side_for, tokenize_texts
 
 log = logging.getLogger("hookwire.generate")

@@ -9,8 +9,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import grpc
 
-from .auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore, Unauthenticated
-from .errors import PermissionDenied
+from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore, Unauthenticated
+from ..errors import PermissionDenied
 
 #: Services anyone may call: probes and discovery.
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")

@@ -37,10 +37,10 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, Callable
 
-from .errors import Unavailable
+from ..errors import Unavailable
 
 if TYPE_CHECKING:
-    from .model_registry import ModelHost
+    from ..models.model_registry import ModelHost
 
 log = logging.getLogger("hookwire.batching")
 

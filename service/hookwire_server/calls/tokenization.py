@@ -24,10 +24,10 @@ import torch
 from hookwire import _codec
 from hookwire.v1 import model_service_pb2
 
-from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
-from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from .limits import Limits
-from .model_registry import ModelHost, ModelRegistry
+from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
+from ..errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from ..limits import Limits
+from ..models.model_registry import ModelHost, ModelRegistry
 
 log = logging.getLogger("hookwire.models")
 

@@ -29,7 +29,7 @@ import torch
 from hookwire import _codec
 from hookwire.v1 import hook_pb2
 
-from .errors import FailedPrecondition, HookwireServerError, InvalidArgument
+from ..errors import FailedPrecondition, HookwireServerError, InvalidArgument
 from .selection import Index, SelectionError, parse_selection
 from .slots import SlotStore
 

@@ -25,7 +25,7 @@ from hookwire._codec import Chunker
 from hookwire._framing import INFER_STREAM_CHUNK, Framing, RawChunk, Splicer
 from hookwire.v1 import model_service_pb2, tensor_pb2
 
-from .errors import (
+from ..errors import (
     DeadlineExceeded,
     FailedPrecondition,
     HookwireServerError,
@@ -35,16 +35,16 @@ from .errors import (
     Unavailable,
     Unimplemented,
 )
-from .event_bus import HeldBytesExceeded
-from .hook_manager import HookManager, new_id
-from .hook_record import HookRecord
-from .passes import Pass
-from . import batching
-from .scheduler import Work
-from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
-from . import limits
-from .limits import Limits
-from .model_registry import ModelHost, ModelRegistry
+from ..hooks.event_bus import HeldBytesExceeded
+from ..hooks.hook_manager import HookManager, new_id
+from ..hooks.hook_record import HookRecord
+from ..hooks.passes import Pass
+from ..engine import batching
+from ..engine.scheduler import Work
+from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
+from .. import limits
+from ..limits import Limits
+from ..models.model_registry import ModelHost, ModelRegistry
 
 log = logging.getLogger("hookwire.infer")
 

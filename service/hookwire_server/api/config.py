@@ -7,7 +7,7 @@ import dataclasses
 import typing
 from typing import Any, Mapping
 
-from .model_loading import ConfigError
+from ..models.model_loading import ConfigError
 from .server import ServerSettings
 
 ENV_PREFIX = "HOOKWIRE_"

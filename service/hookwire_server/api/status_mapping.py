@@ -14,9 +14,11 @@ import grpc
 
 from hookwire._framing import read_frame
 
-from . import errors, request_bounds
-from .auth import Unauthenticated
-from .limits import Limits
+from .. import errors
+
+from . import request_bounds
+from ..auth import Unauthenticated
+from ..limits import Limits
 from .request_bounds import RequestBounds
 
 log = logging.getLogger("hookwire.rpc")

@@ -33,15 +33,15 @@ from hookwire import _codec
 from hookwire._framing import GET_PARAMETERS_CHUNK, Framing
 from hookwire.v1 import model_service_pb2
 
-from . import limits
-from .auth import ANONYMOUS, MINIMUM_ROLE, Principal
-from .capture import compile_cast
-from .errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, Unimplemented
-from .event_bus import DEFAULT_MAX_MESSAGE_BYTES, MIN_MAX_MESSAGE_BYTES, chunk_bytes_for
-from .hook_manager import HookManager
-from .limits import Limits
-from .model_registry import ModelHost, ModelRegistry
-from .module_patterns import MAX_PATTERN_LENGTH, is_glob
+from .. import limits
+from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
+from ..hooks.capture import compile_cast
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, Unimplemented
+from ..hooks.event_bus import DEFAULT_MAX_MESSAGE_BYTES, MIN_MAX_MESSAGE_BYTES, chunk_bytes_for
+from ..hooks.hook_manager import HookManager
+from ..limits import Limits
+from ..models.model_registry import ModelHost, ModelRegistry
+from ..models.module_patterns import MAX_PATTERN_LENGTH, is_glob
 
 #: Parameters copied in one trip to the model's worker thread, in bytes at most (a larger
 #: parameter goes alone): fewer trips for the many small ones (biases, norms), and a call's

@@ -20,19 +20,19 @@ from hookwire.v1 import (
     tensor_pb2,
 )
 
-from .errors import InvalidArgument, Unavailable
-from .event_bus import DEFAULT_MAX_MESSAGE_BYTES, DeliveryLimits, chunk_bytes_for
-from .harvest import HarvestManager
-from .hook_manager import HookManager
-from .inference import Inference
-from .auth import MINIMUM_ROLE, TokenStore
-from .metrics import Metrics
+from ..errors import InvalidArgument, Unavailable
+from ..hooks.event_bus import DEFAULT_MAX_MESSAGE_BYTES, DeliveryLimits, chunk_bytes_for
+from ..calls.harvest import HarvestManager
+from ..hooks.hook_manager import HookManager
+from ..calls.inference import Inference
+from ..auth import MINIMUM_ROLE, TokenStore
+from ..metrics import Metrics
 from .security import principal_of
-from .model_registry import ModelRegistry
-from .slots import slot_to_proto
-from .generation import Generation
-from .parameters import Parameters
-from .tokenization import Tokenization
+from ..models.model_registry import ModelRegistry
+from ..hooks.slots import slot_to_proto
+from ..calls.generation import Generation
+from ..calls.parameters import Parameters
+from ..calls.tokenization import Tokenization
 from .status_mapping import paced, streaming, tolerant_parser, unary
 
 CHUNK_TYPE = tensor_pb2.TensorChunk.DESCRIPTOR.full_name

@@ -29,14 +29,14 @@ from torch import nn
 from hookwire import _codec
 from hookwire.v1 import model_service_pb2
 
-from .batching import BatchSettings, model_dimensions
-from .deferred import MODES as ASYNC_CAPTURE_MODES
-from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from ..engine.batching import BatchSettings, model_dimensions
+from ..hooks.deferred import MODES as ASYNC_CAPTURE_MODES
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from .module_patterns import PathIndex
 
 if TYPE_CHECKING:
-    from .batching import Batch
-    from .scheduler import Scheduler
+    from ..engine.batching import Batch
+    from ..engine.scheduler import Scheduler
 
 log = logging.getLogger("hookwire.models")
 T = TypeVar("T")
@@ -278,7 +278,7 @@ class ModelHost:
     def scheduler(self) -> Scheduler:
         """The model's call scheduler (joins calls into batches; see scheduler.py)."""
         if self._scheduler is None:
-            from .scheduler import Scheduler
+            from ..engine.scheduler import Scheduler
 
             self._scheduler = Scheduler(self)
         return self._scheduler

@@ -17,15 +17,15 @@ from typing import Iterable
 
 from hookwire.v1 import hook_pb2, hook_service_pb2
 
-from . import limits
-from .auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
-from .errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
+from .. import limits
+from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
+from ..errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from .event_bus import DeliveryGate, DeliveryLimits, EventStream, HeldBytes
 from .hook_record import HookRecord, _notice
 from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
-from .limits import Limits
-from .metrics import Metrics
-from .model_registry import ModelHost, ModelRegistry
+from ..limits import Limits
+from ..metrics import Metrics
+from ..models.model_registry import ModelHost, ModelRegistry
 from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
 
 log = logging.getLogger("hookwire.hooks")

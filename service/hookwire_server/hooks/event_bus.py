@@ -38,8 +38,8 @@ from hookwire._codec import Chunker
 from hookwire._framing import SESSION_MESSAGE_CHUNK
 from hookwire.v1 import hook_service_pb2
 
-from .errors import InvalidArgument, ResourceExhausted
-from .limits import DEFAULT_STREAM_BYTES
+from ..errors import InvalidArgument, ResourceExhausted
+from ..limits import DEFAULT_STREAM_BYTES
 
 DEFAULT_MAX_EVENTS = 1024
 #: Sized with the per-principal stream limit and byte budget (see limits.py).

@@ -15,20 +15,20 @@ from grpc_reflection.v1alpha import reflection
 
 from hookwire.v1 import harvest_service_pb2, hook_service_pb2, model_service_pb2
 
-from .auth import TokenStore
-from .batching import DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_MAX_BATCH_SIZE, BatchSettings
+from ..auth import TokenStore
+from ..engine.batching import DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_MAX_BATCH_SIZE, BatchSettings
 from .security import AuthInterceptor, server_credentials
-from .hook_manager import HookManager
-from .generation import Generation
-from .harvest import HarvestConfig, HarvestManager, settings_from
-from .inference import Inference
-from .limits import Limits
-from .metrics import Metrics
-from .model_loading import ConfigError, ModelConfig, build_host, check_names, load_models
-from .model_registry import ModelHost, ModelRegistry, ModelState
-from .parameters import Parameters
+from ..hooks.hook_manager import HookManager
+from ..calls.generation import Generation
+from ..calls.harvest import HarvestConfig, HarvestManager, settings_from
+from ..calls.inference import Inference
+from ..limits import Limits
+from ..metrics import Metrics
+from ..models.model_loading import ConfigError, ModelConfig, build_host, check_names, load_models
+from ..models.model_registry import ModelHost, ModelRegistry, ModelState
+from ..calls.parameters import Parameters
 from .servicers import HarvestServicer, HookServicer, ModelServicer, add_to_server
-from .tokenization import Tokenization
+from ..calls.tokenization import Tokenization
 
 log = logging.getLogger("hookwire.server")
 

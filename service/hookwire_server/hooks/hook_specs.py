@@ -9,10 +9,10 @@ import functools
 
 from hookwire.v1 import hook_pb2, rule_pb2
 
-from .auth import MINIMUM_ROLE, Principal
+from ..auth import MINIMUM_ROLE, Principal
 from .capture import CaptureOptions, Sampler
-from .errors import InvalidArgument, PermissionDenied
-from .model_registry import ModelHost
+from ..errors import InvalidArgument, PermissionDenied
+from ..models.model_registry import ModelHost
 from .rules import CompiledRule, compile_rules
 
 SCOPE_REQUEST = -1  # internal: InferRequest.hooks, which have no wire scope value

@@ -1,0 +1,1 @@
+"""What runs the models: the per-model scheduler, batch slicing and joins."""

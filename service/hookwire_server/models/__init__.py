@@ -1,0 +1,1 @@
+"""Models: the registry (hosts, states), loading from config, module patterns."""
