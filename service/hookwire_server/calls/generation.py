@@ -48,6 +48,7 @@ from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from ..engine.batching import Batch, Segment, padded_length
+from ..engine.pass_runner import run_joined, running
 from ..engine.scheduler import Work, in_own_thread
 from ..errors import (
     DeadlineExceeded,
@@ -926,17 +927,15 @@ def _step_work(call: StepCall) -> Work:
 
 
 def _run_step(host: ModelHost, call: StepCall) -> StepResult:
-    """One step of a Generate call alone (worker thread); signals the stream when it is over."""
+    """One step of a Generate call alone (worker thread); signals the stream when it is over.
+    The call's hooks stay attached between its steps (attached by _start)."""
     p, decoder = call.p, call.decoder
-    batch = host.current_batch = Batch.alone(p)
     p.begin_step(call.step)
     try:
-        tokens = _call(host, "forward", decoder.step)
-        batch.deferred.finish()  # asynchronous captures: the step's events, before its end
+        with running(host, Batch.alone(p)):
+            tokens = _call(host, "forward", decoder.step)
         return StepResult(tokens, tuple(decoder.reasons), decoder.finished)
     finally:
-        batch.deferred.finish(raise_errors=False)  # a failed step: what was captured still goes out
-        host.current_batch = None
         call.put(("done",))
 
 
@@ -947,20 +946,8 @@ def run_step_batch(host: ModelHost, calls: list[StepCall]) -> list[Any]:
     keeps its own step number, hooks, processors, sampling generator and stopping
     criteria; a step alone runs exactly as before batching. When the shared pass
     fails, each call's step runs again alone. Returns a StepResult or exception per call."""
-    if len(calls) > 1:
-        try:
-            return _run_shared_step(host, calls)
-        except Exception as exc:
-            log.info("a batched step of %d calls on %s failed (%s); they run again alone", len(calls), host.name, exc)
-            for call in calls:
-                call.p.rollback()
-    results: list[Any] = []
-    for call in calls:
-        try:
-            results.append(_run_step(host, call))
-        except Exception as exc:
-            results.append(exc)
-    return results
+    return run_joined(host, calls, lambda cs: _run_shared_step(host, cs), lambda call: _run_step(host, call),
+                      what="batched step", logger=log)
 
 
 def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
@@ -1011,19 +998,9 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
     batch = Batch(segments, padded=keys, side="left")
     for call in calls:
         call.p.begin_step(call.step)
-        call.p.hold()
-    host.current_batch = batch
-    fires = host.fires
-    try:
+    with running(host, batch):
         with torch.no_grad():
             outputs = _call(host, "forward", lambda: model(**merged, return_dict=True))
-        batch.deferred.finish()  # asynchronous captures: their events, held with the calls'
-    except BaseException:
-        batch.undo()  # its calls' steps run again alone, as if this pass never ran
-        host.fires = fires
-        raise
-    finally:
-        host.current_batch = None
     cache = getattr(outputs, cache_key)
     results: list[Any] = []
     for call, seg, length in zip(calls, segments, own):

@@ -59,6 +59,7 @@ from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import hook_pb2, tensor_pb2
 
 from ..engine import batching
+from ..engine.pass_runner import running
 from ..auth import MINIMUM_ROLE, Principal
 from ..hooks.capture import compile_cast, compile_select
 from ..hooks.deferred import HostCopies
@@ -372,18 +373,9 @@ def _harvest_pass(host: Any, work: _BatchWork) -> _BatchResult:
     if "use_cache" in params:
         inputs["use_cache"] = False  # a KV cache nobody reads: no values change, less memory
     try:
-        for record in work.records:
-            record.attach()
-        running = host.current_batch = batching.Batch.alone(p)
-        with torch.no_grad():
+        with running(host, batching.Batch.alone(p), work.records), torch.no_grad():
             host.module(**inputs)
-        running.deferred.finish()  # asynchronous captures of other hooks in the pass, if any
     finally:
-        if host.current_batch is not None:
-            host.current_batch.deferred.finish(raise_errors=False)
-        host.current_batch = None
-        for record in work.records:
-            record.detach()
         # Other hooks' events (e.g. an operator's SCOPE_ALL capture) that a full stream
         # could not take during the pass go out from a thread of their own: the model goes on.
         p.finish(end=False)

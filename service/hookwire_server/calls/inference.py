@@ -40,6 +40,7 @@ from ..hooks.hook_manager import HookManager, new_id
 from ..hooks.hook_record import HookRecord
 from ..hooks.passes import Pass
 from ..engine import batching
+from ..engine.pass_runner import run_joined, running
 from ..engine.scheduler import Work
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from .. import limits
@@ -466,32 +467,19 @@ def run_infer_batch(host: ModelHost, calls: list[InferCall]) -> list[Any]:
     split), every call runs again alone, so one caller's bad input fails only its call.
     """
     results: list[Any] = [None] * len(calls)
-    inputs: list[tuple[int, tuple[list[Any], dict[str, Any]]]] = []
+    decoded: dict[int, tuple[list[Any], dict[str, Any]]] = {}
     if len(calls) > 1:
         for i, call in enumerate(calls):
             try:
-                inputs.append((i, _decode_inputs(call.request, call.chunked, host.device)))
+                decoded[id(call)] = _decode_inputs(call.request, call.chunked, host.device)
             except Exception as exc:  # its own bad tensor fails only it
                 results[i] = exc
-    if len(inputs) > 1:
-        joined = [calls[i] for i, _ in inputs]
-        try:
-            outputs = _run_shared(host, joined, [decoded for _, decoded in inputs])
-        except Exception as exc:
-            log.info("a batch of %d calls on %s failed (%s); they run again alone", len(joined), host.name, exc)
-            for call in joined:
-                call.p.rollback()
-        else:
-            for (i, _), output in zip(inputs, outputs):
-                results[i] = output
-            return results
-    for i, call in enumerate(calls):
-        if results[i] is None:
-            try:
-                results[i] = _run_pass(host, call)
-            except Exception as exc:
-                results[i] = exc
-    return results
+    joined = [call for i, call in enumerate(calls) if results[i] is None]
+    outcomes = iter(run_joined(
+        host, joined, lambda cs: _run_shared(host, cs, [decoded[id(c)] for c in cs]),
+        lambda call: _run_pass(host, call), what="batch", logger=log,
+    ))
+    return [result if result is not None else next(outcomes) for result in results]
 
 
 def _run_shared(
@@ -520,26 +508,10 @@ def _run_shared(
         start += call.shape.rows
     batch = batching.Batch(segments, dim=settings.batch_dim, padded=padded)
     model = host.module
-    records = [record for call in calls for record in call.records]
-    for call in calls:
-        call.p.hold()
-    fires = host.fires
-    try:
-        for record in records:
-            record.attach()
-        host.current_batch = batch
+    with running(host, batch, [record for call in calls for record in call.records]):
         with torch.no_grad():
             output = _call(host, "forward", lambda: model(*args, **kwargs))
-        batch.deferred.finish()  # asynchronous captures: their events, before the calls' outputs
-        outputs = batch.split(output, f"the output of model {host.name!r}")
-    except BaseException:
-        batch.undo()  # its calls run again alone, as if this pass never ran
-        host.fires = fires
-        raise
-    finally:
-        host.current_batch = None
-        for record in records:
-            record.detach()
+        outputs = batch.split(output, f"the output of model {host.name!r}")  # Unsplittable: they run alone
     del output, args, kwargs
     results: list[Any] = []
     for call, mine in zip(calls, outputs):
@@ -579,22 +551,23 @@ def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferRespon
     if p.splicer is not None:
         p.splicer.snapshot = True  # captures during the pass (see below for the output)
     try:
-        for record in records:
-            record.attach()
-        batch = host.current_batch = batching.Batch.alone(p)
-        if train:
-            model.train(True)
-        with _seeded(seed), torch.set_grad_enabled(backward is not None):
-            if backward is not None and backward.return_input_grads:
-                for leaf in _tensors(args, kwargs):
-                    if leaf.is_floating_point():
-                        leaf.requires_grad_(True)
-            output = _call(host, "forward", lambda: model(*args, **kwargs))
-            if backward is not None:
-                _backward(host, output, backward, chunked)
-                if backward.return_input_grads:
-                    _encode_grads(p.response, args, kwargs, p.chunker or p.splicer)
-        batch.deferred.finish()  # asynchronous captures: their events, before the output
+        with running(host, batching.Batch.alone(p), records):
+            if train:
+                model.train(True)
+            try:
+                with _seeded(seed), torch.set_grad_enabled(backward is not None):
+                    if backward is not None and backward.return_input_grads:
+                        for leaf in _tensors(args, kwargs):
+                            if leaf.is_floating_point():
+                                leaf.requires_grad_(True)
+                    output = _call(host, "forward", lambda: model(*args, **kwargs))
+                    if backward is not None:
+                        _backward(host, output, backward, chunked)
+                        if backward.return_input_grads:
+                            _encode_grads(p.response, args, kwargs, p.chunker or p.splicer)
+            finally:
+                if train:
+                    model.eval()
         large = p.chunker or p.splicer
         if large is not None:
             large.snapshot = False  # the pass is over: the output no longer changes
@@ -604,14 +577,6 @@ def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferRespon
             # e.g. a type with no wire form, a sparse or meta tensor
             raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
     finally:
-        if host.current_batch is not None:
-            # A failed pass: what its hooks captured before the failure still goes out.
-            host.current_batch.deferred.finish(raise_errors=False)
-        host.current_batch = None
-        if train:
-            model.eval()
-        for record in records:
-            record.detach()
         # CallEnded on the session streams that had its events, after the events a full
         # stream could not take during the pass (delivered off this thread: the model goes on).
         _deliver(call)

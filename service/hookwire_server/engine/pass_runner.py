@@ -1,0 +1,90 @@
+"""The pass protocol, written once: every forward pass a model runs for hookwire (an
+Infer call, a Generate step, a harvest batch; alone or shared by several calls) goes
+through ``running``, and every batch of joined calls through ``run_joined``.
+
+One pass, on the model's worker thread:
+
+1. a shared pass holds each call's events (``Pass.hold``), so that a failed pass can be
+   run again per call as if it never ran;
+2. the hooks of the work attach (per pass: Infer's request-scoped hooks, a harvest
+   batch's; a Generate call attaches its own once, for all its steps, and passes none);
+3. ``host.current_batch`` names the calls and their rows, which every hook reads;
+4. the body runs the model;
+5. asynchronous captures still in flight are finished (their events delivered in
+   firing order, before the calls' results);
+6. on failure, a shared pass is undone (held events dropped, hooks' counters and
+   sampling put back), a pass of one call delivers what its hooks captured before the
+   failure; either way the hooks detach and ``current_batch`` is cleared.
+
+Delivery after the pass (held events released, events kept for a full stream flushed,
+CallEnded markers) belongs to the call (passes.Pass): the pass itself never waits for a
+reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from .batching import Batch
+
+log = logging.getLogger("hookwire.batching")
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def running(host: Any, batch: Batch, records: Sequence[Any] = ()) -> Iterator[Batch]:
+    """One pass over ``batch`` on ``host``'s worker thread, with ``records`` attached for
+    its duration (see the module docstring). The body runs the model; when it returns,
+    the pass's asynchronous captures are finished before the ``with`` ends."""
+    shared = batch.shared
+    if shared:
+        for p in batch.passes:
+            p.hold()
+    fires = host.fires
+    try:
+        for record in records:
+            record.attach()
+        host.current_batch = batch
+        yield batch
+        batch.deferred.finish()  # asynchronous captures: their events, before the calls' results
+    except BaseException:
+        if shared:
+            batch.undo()  # its calls run again alone, as if this pass never ran
+            host.fires = fires
+        else:
+            batch.deferred.finish(raise_errors=False)  # what was captured before the failure still goes out
+        raise
+    finally:
+        host.current_batch = None
+        for record in records:
+            record.detach()
+
+
+def run_joined(
+    host: Any, calls: list[T], shared: Callable[[list[T]], list[Any]], alone: Callable[[T], Any], *, what: str,
+    logger: logging.Logger = log,
+) -> list[Any]:
+    """Runs calls the scheduler joined: one shared pass (``shared``: one result or
+    exception per call), or, when it fails as a whole (one call's failing hook or rule,
+    a tensor that cannot be split), each call again alone (``alone``), so that one
+    caller's failure reaches only that caller. Each call has a ``p`` (its Pass), rolled
+    back before it runs again; the fall-back is logged (INFO) to ``logger`` as "a
+    ``what`` of N calls on MODEL failed (why); they run again alone". Worker thread."""
+    if len(calls) > 1:
+        try:
+            return shared(calls)
+        except Exception as exc:
+            logger.info("a %s of %d calls on %s failed (%s); they run again alone", what, len(calls), host.name, exc)
+            for call in calls:
+                call.p.rollback()  # type: ignore[attr-defined]
+    results: list[Any] = []
+    for call in calls:
+        try:
+            results.append(alone(call))
+        except Exception as exc:
+            results.append(exc)
+    return results
