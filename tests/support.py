@@ -23,7 +23,7 @@ def _cache_name() -> str:
         from transformers import LlamaForCausalLM
     except ImportError:
         return "past_key_values"
-    from hookwire_server.calls.generation import cache_argument
+    from hookwire_server.engine.decoding import cache_argument
 
     return cache_argument(LlamaForCausalLM)
 

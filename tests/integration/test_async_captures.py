@@ -169,7 +169,7 @@ async def test_session_events_keep_order_numbering_and_precede_call_ended(server
 
 async def _held(srv: ServerThread, model: str, calls: list[Callable[[], Awaitable[Any]]]) -> list[Any]:
     """Runs ``calls`` in one pass: the model's scheduler is held while they queue."""
-    scheduler = srv.call(lambda: srv.server.registry.get(model).scheduler)
+    scheduler = srv.call(lambda: srv.server.engines.scheduler(srv.server.registry.get(model)))
     srv.call(scheduler.hold)
     tasks = []
     try:

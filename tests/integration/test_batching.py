@@ -10,7 +10,7 @@ The oracle is in-process torch with real torch hooks (``run_oracle``):
 
 - *batched*: the calls' inputs joined exactly as the server joins them (stacked along
   dimension 0; token inputs of different lengths padded on the right to
-  ``batching.padded_length(lengths, batching.model_dimensions(model), positions)`` with
+  ``batching.padded_length(lengths, batch_settings.model_dimensions(model), positions)`` with
   the pad token, and with 0 for the attention mask and token type ids), one forward
   pass, and torch hooks that, for each call, take its rows (and cut every dimension >= 1
   of the padded size back to the call's own length), apply the call's edits there and
@@ -50,6 +50,7 @@ from hookwire._session import CallEnded, stream_items
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ModelConfig, ModelHost, ModelRegistry, ServerSettings, build_registry
 from hookwire_server.engine import batching
+from hookwire_server.models import batch_settings
 from hookwire_server.demo_models import tiny_lm, tiny_transformer
 from hookwire_server.models.model_loading import ConfigError, build_host, load_config_file
 from hookwire_server.models.model_registry import BatchConfig
@@ -179,7 +180,7 @@ async def _queue_held(srv: ServerThread, model: str, calls: list[Callable[[], Aw
     """Starts ``calls`` as one held batch: the scheduler of ``model`` is held, each call is
     queued after the previous one (so the pass's rows are in this order), then all are
     released together. Returns the calls' tasks."""
-    scheduler = srv.call(lambda: srv.server.registry.get(model).scheduler)
+    scheduler = srv.call(lambda: srv.server.engines.scheduler(srv.server.registry.get(model)))
     srv.call(scheduler.hold)
     tasks: list[asyncio.Future[Any]] = []
     try:
@@ -355,7 +356,7 @@ def _join(model: nn.Module, calls: list[Call], pad_id: int | None) -> tuple[Call
         config = getattr(model, "config", None)
         rows = sum(_rows(c) for c in calls)  # the server avoids the pass's row count too
         padded = batching.padded_length(
-            [n for n in lengths if n is not None], batching.model_dimensions(model) | {rows},
+            [n for n in lengths if n is not None], batch_settings.model_dimensions(model) | {rows},
             getattr(config, "max_position_embeddings", None))
         assert padded is not None
 
@@ -567,7 +568,7 @@ async def test_tiny_lm_calls_of_different_lengths_equal_the_padded_batched_compu
     the same padded pass in-process, and close to each call alone. (The pass's 5 rows are
     none of the calls' lengths: a pass never has a row count that is also a size of its
     calls' other dimensions.)"""
-    assert batching.padded_length([3, 8, 6, 7], batching.model_dimensions(local.lm) | {5}, 512) == 9
+    assert batching.padded_length([3, 8, 6, 7], batch_settings.model_dimensions(local.lm) | {5}, 512) == 9
     g = torch.Generator().manual_seed(12)
     calls: list[Call] = []
     for rows, length in ((1, 3), (2, 8), (1, 6), (1, 7)):
@@ -594,7 +595,7 @@ async def test_a_padded_length_never_equals_a_head_size(server: ServerThread, lo
     output is [rows, tokens, 16]: lengths 10 and 16 (with explicit position_ids, so the
     rotary output has the batch's rows) must pad past 16, or the call of length 10 would
     get its head dimension cut to 10 as if it were a token dimension."""
-    assert batching.padded_length([10, 16], batching.model_dimensions(local.lm), 512) == 17
+    assert batching.padded_length([10, 16], batch_settings.model_dimensions(local.lm), 512) == 17
     g = torch.Generator().manual_seed(14)
     calls: list[Call] = []
     for length in (10, 16):
@@ -623,7 +624,7 @@ async def test_minilm_calls_of_different_lengths_equal_the_padded_batched_comput
              ["hookwire hooks every layer"])
     calls: list[Call] = [((), dict(tokenizer(t, padding=True, return_tensors="pt"))) for t in texts]
     assert [_token_ids(c).shape[1] for c in calls] == [5, 12, 7]
-    assert batching.padded_length([5, 12, 7], batching.model_dimensions(local.bert) | {4}, 512) == 13
+    assert batching.padded_length([5, 12, 7], batch_settings.model_dimensions(local.bert) | {4}, 512) == 13
     outputs = tuple(f"encoder.layer.{i}.output" for i in range(6))
     await _check_batch(
         server, "minilm", local.bert, calls,

@@ -27,7 +27,7 @@ from hookwire import HookSpec, Sampling, _codec, capture, rules
 from hookwire._session import CallEnded, stream_items
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ModelHost, ModelRegistry, ServerSettings
-from hookwire_server.engine.batching import LIMIT_MAX_BATCH_DELAY_MS
+from hookwire_server.models.batch_settings import LIMIT_MAX_BATCH_DELAY_MS
 from hookwire_server.demo_models import tiny_lm, tiny_transformer
 from hookwire_server.models.model_registry import BatchConfig
 from support import ServerThread
@@ -94,7 +94,7 @@ async def _until(cond: Callable[[], bool], what: str) -> None:
 
 async def _queue_held(srv: ServerThread, model: str, calls: list[Callable[[], Awaitable[Any]]]) -> list[asyncio.Future[Any]]:
     """Queues ``calls`` in order on a held scheduler, then releases it; the calls' tasks."""
-    scheduler = srv.call(lambda: srv.server.registry.get(model).scheduler)
+    scheduler = srv.call(lambda: srv.server.engines.scheduler(srv.server.registry.get(model)))
     srv.call(scheduler.hold)
     tasks: list[asyncio.Future[Any]] = []
     try:
@@ -390,7 +390,7 @@ async def test_a_call_waiting_for_company_does_not_hold_up_a_call_that_cannot_jo
         remote = client.model("tt-patient")
         with _one_pass(server, "tt-patient", 2):  # the model's last pass held 2 rows: company is expected
             await _held(server, "tt-patient", [lambda: remote.infer(ids[0]), lambda: remote.infer(ids[1])])
-        scheduler = server.call(lambda: server.server.registry.get("tt-patient").scheduler)
+        scheduler = server.call(lambda: server.server.engines.scheduler(server.server.registry.get("tt-patient")))
         x = asyncio.ensure_future(remote.infer(ids[2]))
         x_queued = time.monotonic()
         try:

@@ -93,7 +93,7 @@ async def test_block_is_lossless_for_a_users_own_calls_on_its_own_subscription(s
         record = secured.call(lambda: secured.server.hooks._hooks[hook.hook_id])
         # The subscription is not read: alice's calls must wait for it (on main it dropped instead):
         # after their pass (their kept events wait for room), or before it (held back while it is full).
-        scheduler = secured.call(lambda: secured.server.registry.get("scale").scheduler)
+        scheduler = secured.call(lambda: secured.server.engines.scheduler(secured.server.registry.get("scale")))
         await _until(secured, lambda: subscription.stream.waiting_producers > 0 or record.counters.events_dropped > 0
                      or any(w.stalled_since is not None for w in scheduler._queue))
         assert record.counters.events_dropped == 0, "alice's own BLOCK subscription dropped her events"

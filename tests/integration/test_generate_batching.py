@@ -34,8 +34,9 @@ import lm_oracle as oracle
 from hookwire import rules
 from hookwire_server import build_registry
 from hookwire_server import demo_configs
-from hookwire_server.calls import generation
-from hookwire_server.engine.batching import model_dimensions, padded_length
+from hookwire_server.engine import decoding
+from hookwire_server.engine.batching import padded_length
+from hookwire_server.models.batch_settings import model_dimensions
 from support import CACHE, ServerThread, assert_same
 
 MARGIN_BOUND = 1e-5
@@ -105,12 +106,12 @@ class Passes:
 
         return run_step
 
-    def wrap_observe(self, original: Callable[..., None], host: Any) -> Callable[..., None]:
+    def wrap_observe(self, original: Callable[..., None], scheduler: Any) -> Callable[..., None]:
         def observe(*args: Any) -> None:  # on the server's loop, right after a pass
             original(*args)
             self.observed += 1
             if self.stepping:
-                host.scheduler.hold()
+                scheduler.hold()
 
         return observe
 
@@ -128,13 +129,13 @@ class Lab:
     passes: Passes
 
     def queued(self) -> int:
-        return int(self.srv.call(lambda: self.srv.server.registry.get(MODEL).scheduler.queued))
+        return int(self.srv.call(lambda: self.srv.server.engines.scheduler(self.srv.server.registry.get(MODEL)).queued))
 
     def hold(self) -> None:
-        self.srv.call(lambda: self.srv.server.registry.get(MODEL).scheduler.hold())
+        self.srv.call(lambda: self.srv.server.engines.scheduler(self.srv.server.registry.get(MODEL)).hold())
 
     def release(self) -> None:
-        self.srv.call(lambda: self.srv.server.registry.get(MODEL).scheduler.release())
+        self.srv.call(lambda: self.srv.server.engines.scheduler(self.srv.server.registry.get(MODEL)).release())
 
     def sample(self, name: str, labels: dict[str, str]) -> float:
         registry = self.srv.server.metrics.registry
@@ -156,12 +157,12 @@ def lab() -> Iterator[Lab]:
     Generate passes recorded."""
     passes = Passes()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(generation, "run_step_batch", passes.wrap_batch(generation.run_step_batch))
-        mp.setattr(generation, "_run_step", passes.wrap_alone(generation._run_step))
+        mp.setattr(decoding, "run_step_batch", passes.wrap_batch(decoding.run_step_batch))
+        mp.setattr(decoding, "_run_step", passes.wrap_alone(decoding._run_step))
         srv = ServerThread(build_registry([c for c in demo_configs() if c.name == MODEL])).start()
         try:
             host = srv.server.registry.get(MODEL)
-            host.observe_batch = passes.wrap_observe(host.observe_batch, host)
+            host.observe_batch = passes.wrap_observe(host.observe_batch, srv.call(lambda: srv.server.engines.scheduler(host)))
             yield Lab(srv, passes)
         finally:
             srv.stop()

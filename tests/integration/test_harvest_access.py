@@ -76,7 +76,7 @@ async def test_jobs_are_visible_to_their_owner_and_operators_only(secured: Serve
 
 @pytest.mark.asyncio
 async def test_a_principal_runs_at_most_its_quota_of_jobs_at_once(secured: ServerThread) -> None:
-    scheduler = secured.server.registry.get("tiny-lm").scheduler
+    scheduler = secured.server.engines.scheduler(secured.server.registry.get("tiny-lm"))
     async with _connect(secured, "bob") as bob, _connect(secured, "alice") as alice:
         secured.call(scheduler.hold)  # bob's first job waits for the model: it stays active
         try:
@@ -97,7 +97,7 @@ async def test_concurrent_starts_cannot_get_past_the_job_quota(secured: ServerTh
     # Six StartHarvest calls at once, quota 1: the count is taken from the check on (a
     # slot reserved before the awaits of validation and opening the output), so exactly
     # one is accepted, whatever order their awaits interleave in.
-    scheduler = secured.server.registry.get("tiny-lm").scheduler
+    scheduler = secured.server.engines.scheduler(secured.server.registry.get("tiny-lm"))
     async with _connect(secured, "carol") as carol:
         secured.call(scheduler.hold)  # the accepted job waits for the model: it stays active
         try:

@@ -687,7 +687,7 @@ async def test_a_demotion_releases_a_pass_the_stream_already_holds(reloadable) -
                 return done
 
             caller = asyncio.ensure_future(calls())
-            scheduler = srv.call(lambda: srv.server.registry.get("scale").scheduler)
+            scheduler = srv.call(lambda: srv.server.engines.scheduler(srv.server.registry.get("scale")))
             # Held after its pass (its event waits for room) or before it (the stream is full).
             await _until(lambda: session_stream.waiting_producers == 1
                          or any(w.stalled_since is not None for w in scheduler._queue), "alice's call is held")

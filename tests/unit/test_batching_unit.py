@@ -11,8 +11,9 @@ import torch
 from hookwire import _codec
 from hookwire.v1 import hook_service_pb2, model_service_pb2
 from hookwire_server.engine import batching
-from hookwire_server.calls import generation
-from hookwire_server.engine.batching import Batch, BatchSettings, Segment, Unsplittable
+from hookwire_server.engine import decoding
+from hookwire_server.engine.batching import Batch, Segment, Unsplittable
+from hookwire_server.models.batch_settings import BatchSettings
 from hookwire_server.hooks.event_bus import HeldBytes
 from hookwire_server.hooks.passes import Pass
 from support import build_test_registry
@@ -141,8 +142,8 @@ class _KeepsTooMuch(Pass):
 
 def _decoder(host: Any) -> Any:
     ids = torch.tensor([[1, 5, 6, 7]])
-    options = generation.GenerateOptions(max_new_tokens=8, overrides={}, seed=0, stop=())
-    return generation._start(host, [], ids, torch.ones_like(ids), options, None)
+    options = decoding.GenerateOptions(max_new_tokens=8, overrides={}, seed=0, stop=())
+    return decoding.start_call(host, [], ids, torch.ones_like(ids), options, None)
 
 
 def test_a_call_over_its_byte_limit_in_a_shared_step_fails_alone() -> None:
@@ -150,14 +151,14 @@ def test_a_call_over_its_byte_limit_in_a_shared_step_fails_alone() -> None:
     byte limit: only that call fails; the others' steps ran once (not again alone)."""
     host = build_test_registry().get("tiny-lm")
     put = lambda item: None  # noqa: E731
-    bob = generation.StepCall(Pass("bob", "", principal="bob", model="tiny-lm"), _decoder(host), 0, put)
+    bob = decoding.StepCall(Pass("bob", "", principal="bob", model="tiny-lm"), _decoder(host), 0, put)
     alice_p = _KeepsTooMuch("alice", "", principal="alice", model="tiny-lm")
     alice_p.held_bytes = HeldBytes(limit=10, buffers=lambda principal: 0)
-    alice = generation.StepCall(alice_p, _decoder(host), 0, put)
+    alice = decoding.StepCall(alice_p, _decoder(host), 0, put)
     for call in (bob, alice):  # the prefills, alone
-        generation._run_step(host, call)
+        decoding._run_step(host, call)
     bob.step = alice.step = 1
-    results = generation.run_step_batch(host, [bob, alice])  # one shared step
+    results = decoding.run_step_batch(host, [bob, alice])  # one shared step
     assert bob.decoder.step_index == 2 and len(bob.decoder.tokens[0]) == 2, bob.decoder.tokens
-    assert isinstance(results[0], generation.StepResult), results[0]
+    assert isinstance(results[0], decoding.StepResult), results[0]
     assert isinstance(results[1], Exception) and "max_buffered_bytes_per_principal" in str(results[1])

@@ -16,12 +16,13 @@ from grpc_reflection.v1alpha import reflection
 from hookwire.v1 import harvest_service_pb2, hook_service_pb2, model_service_pb2
 
 from ..auth import TokenStore
-from ..engine.batching import DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_MAX_BATCH_SIZE, BatchSettings
+from ..models.batch_settings import DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_MAX_BATCH_SIZE, BatchSettings
 from .security import AuthInterceptor, server_credentials
 from ..hooks.hook_manager import HookManager
 from ..calls.generation import Generation
 from ..calls.harvest import HarvestConfig, HarvestManager, settings_from
 from ..calls.inference import Inference
+from ..engine.core import Engines
 from ..limits import Limits
 from ..metrics import Metrics
 from ..models.model_loading import ConfigError, ModelConfig, build_host, check_names, load_models
@@ -187,12 +188,15 @@ class HookwireServer:
         self.hooks = HookManager(
             registry, allow_shared_rules=self.settings.allow_shared_rules, limits=self.settings, metrics=self.metrics,
         )
-        self.inference = Inference(registry, self.hooks, limits=self.settings)
+        #: Each model's engine and scheduler: Infer, Generate and harvest jobs share them.
+        self.engines = Engines(registry, gate=self.hooks.gate)
+        self.inference = Inference(registry, self.hooks, engines=self.engines, limits=self.settings)
         self.tokenization = Tokenization(registry, limits=self.settings)
-        self.generation = Generation(registry, self.hooks, limits=self.settings)
+        self.generation = Generation(registry, self.hooks, engines=self.engines, limits=self.settings)
         self.parameters = Parameters(registry, self.hooks, limits=self.settings)
         s = self.settings
-        self.harvests = HarvestManager(registry, self.hooks, s.harvest_config(), limits=self.settings)
+        self.harvests = HarvestManager(registry, self.hooks, s.harvest_config(), limits=self.settings,
+                                       engines=self.engines)
         self.tokens = TokenStore(self.settings.tokens_file, self.settings.tokens)
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -300,6 +304,7 @@ class HookwireServer:
             await self._server.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
         await self.hooks.close(timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
         self.metrics.stop()
+        self.engines.close()
         self.registry.shutdown()
 
     async def wait(self) -> None:

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import math
 import secrets
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -47,8 +46,11 @@ from hookwire._framing import GENERATE_RESPONSE_CHUNK, Framing
 from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
-from ..engine.batching import Batch, Segment, padded_length
-from ..engine.pass_runner import run_joined, running
+from ..engine.core import Engines
+from ..engine.seam import GENERATE
+from ..engine.decoding import (
+    FINISHED, Decoder, GenerateOptions, StepCall, StepResult, finish_call, start_call,
+)
 from ..engine.scheduler import Work, in_own_thread
 from ..errors import (
     DeadlineExceeded,
@@ -69,10 +71,9 @@ from ..hooks.event_bus import (
 )
 from ..hooks.hook_manager import HookManager, new_id
 from ..hooks.hook_record import HookRecord
-from .inference import _call
 from .. import limits
 from ..limits import Limits
-from ..models.model_registry import ModelHost, ModelRegistry, forward_parameters
+from ..models.model_registry import ModelHost, ModelRegistry
 from ..hooks.passes import Pass
 from .tokenization import check_texts, no_tokenizer_message, padding_side_for, tokenize_texts
 
@@ -82,196 +83,6 @@ log = logging.getLogger("hookwire.generate")
 _INTEGER_DTYPES = frozenset({
     tensor_pb2.DTYPE_INT8, tensor_pb2.DTYPE_INT16, tensor_pb2.DTYPE_INT32, tensor_pb2.DTYPE_INT64, tensor_pb2.DTYPE_UINT8,
 })
-
-#: GeneratedTokens.token_ids entry of a sequence that has already finished.
-FINISHED = -1
-
-#: finish_reason of a sequence that a stopping criterion ended, by criterion class name
-#: (transformers' classes; anything else, e.g. MaxTimeCriteria, counts as "length").
-_REASONS = {"EosTokenCriteria": "eos", "StopStringCriteria": "stop", "MaxLengthCriteria": "length"}
-#: When several criteria end a sequence in the same step, the first of these wins.
-_PRECEDENCE = ("eos", "stop", "length")
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateOptions:
-    """A validated GenerateRequest's decoding settings."""
-
-    max_new_tokens: int
-    #: Overrides of the model's generation_config (only the fields the request set).
-    overrides: dict[str, Any]
-    seed: int
-    stop: tuple[str, ...]
-
-
-@dataclasses.dataclass
-class _Prepared:
-    """What transformers' generate() prepared, handed over by its custom_generate hook."""
-
-    input_ids: torch.Tensor
-    logits_processor: Any
-    stopping_criteria: Any
-    generation_config: Any
-    model_kwargs: dict[str, Any]
-
-
-def _hand_over(
-    model: Any, input_ids: torch.Tensor, logits_processor: Any = None, stopping_criteria: Any = None,
-    generation_config: Any = None, synced_gpus: bool = False, streamer: Any = None, **model_kwargs: Any,
-) -> _Prepared:
-    """generate()'s custom_generate: instead of decoding, return what it prepared."""
-    return _Prepared(input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
-
-
-class Decoder:
-    """The decoding state of one Generate call: transformers' ``_sample`` loop, one
-    ``step()`` per pass. Used on the model's worker thread only."""
-
-    def __init__(self, model: Any, prepared: _Prepared, generator: torch.Generator) -> None:
-        self.model = model
-        #: The name the model's forward takes its KV cache by (cache_argument).
-        self.cache_key = cache_argument(model)
-        self.input_ids = prepared.input_ids
-        self.prompt_length = int(prepared.input_ids.shape[1])
-        self.logits_processor = prepared.logits_processor
-        self.stopping_criteria = prepared.stopping_criteria
-        self.config = prepared.generation_config
-        self.model_kwargs: dict[str, Any] | None = prepared.model_kwargs
-        self.generator = generator
-        self.do_sample = bool(self.config.do_sample)
-        batch = int(self.input_ids.shape[0])
-        self.unfinished = torch.ones(batch, dtype=torch.long, device=self.input_ids.device)
-        pad = self.config._pad_token_tensor
-        self.pad_token = pad.to(self.input_ids.device) if pad is not None else None
-        # As _sample: with an EOS criterion, finished sequences continue with the pad token.
-        self.has_eos_criterion = any(hasattr(c, "eos_token_id") for c in self.stopping_criteria)
-        self.step_index = 0
-        #: Why each sequence ended ("" while it runs).
-        self.reasons = [""] * batch
-        #: Each sequence's new tokens (up to the one that ended it).
-        self.tokens: list[list[int]] = [[] for _ in range(batch)]
-
-    @property
-    def finished(self) -> bool:
-        """Whether every sequence has ended."""
-        return all(self.reasons)
-
-    def step(self) -> list[int]:
-        """Runs one pass and chooses the next tokens; returns them per sequence
-        (FINISHED for a sequence that had already ended)."""
-        model = self.model
-        kwargs = self.model_kwargs
-        assert kwargs is not None, "the decoder was released"
-        with torch.no_grad():
-            if self.step_index == 0:
-                outputs = model._prefill(self.input_ids, self.config, kwargs, is_first_iteration=True)
-            else:
-                outputs = model(**self.step_inputs(), return_dict=True)
-        return self.advance(outputs)
-
-    def step_inputs(self) -> dict[str, Any]:
-        """The model inputs of the next cached step (after the prefill)."""
-        kwargs = self.model_kwargs
-        assert kwargs is not None, "the decoder was released"
-        return self.model.prepare_inputs_for_generation(  # type: ignore[no-any-return]
-            self.input_ids, next_sequence_length=1 if kwargs.get("use_cache") else None, **kwargs
-        )
-
-    def join_key(self) -> Any:
-        """What decides whether this call's next step may share a pass with other calls'
-        (equal keys join), or None when it must run alone: after the prefill, with a
-        plain ``DynamicCache`` (full attention layers) whose rows can be stacked and an
-        attention mask and position ids that keep each row's own positions."""
-        kwargs = self.model_kwargs
-        if self.step_index == 0 or kwargs is None or not kwargs.get("use_cache"):
-            return None
-        cache: Any = kwargs.get(self.cache_key)
-        if type(cache).__name__ != "DynamicCache" or not cache.layers:
-            return None
-        layers = []
-        for layer in cache.layers:
-            if type(layer).__name__ != "DynamicLayer" or not layer.is_initialized or layer.keys is None:
-                return None
-            layers.append((tuple(layer.keys.shape[1:2]), tuple(layer.keys.shape[3:]), tuple(layer.values.shape[1:2]),
-                           tuple(layer.values.shape[3:]), layer.keys.dtype, str(layer.keys.device)))
-        if not isinstance(kwargs.get("position_ids"), torch.Tensor):
-            return None  # the model would take positions from the (padded) cache length
-        if not isinstance(kwargs.get("attention_mask"), (torch.Tensor, type(None))):
-            return None
-        plain = []
-        for key, value in sorted(kwargs.items()):
-            if key in ("attention_mask", "position_ids", self.cache_key):
-                continue
-            if not isinstance(value, (bool, int, float, str, type(None))):
-                return None  # e.g. token_type_ids: not stacked here
-            plain.append((key, value))
-        return ("decode", tuple(plain), tuple(layers))
-
-    def cache_length(self) -> int:
-        """Tokens in the KV cache now."""
-        assert self.model_kwargs is not None
-        return int(self.model_kwargs[self.cache_key].layers[0].keys.shape[2])
-
-    def advance(self, outputs: Any) -> list[int]:
-        """Takes a pass's outputs (logits, KV cache) and chooses the next tokens; returns
-        them per sequence (FINISHED for a sequence that had already ended)."""
-        model = self.model
-        kwargs = self.model_kwargs
-        assert kwargs is not None, "the decoder was released"
-        with torch.no_grad():
-            self.model_kwargs = kwargs = model._update_model_kwargs_for_generation(
-                outputs, kwargs, is_encoder_decoder=False
-            )
-            logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=self.input_ids.device)
-            del outputs
-            scores = self.logits_processor(self.input_ids, logits)
-            if self.do_sample:
-                probs = torch.nn.functional.softmax(scores, dim=-1)
-                try:
-                    next_tokens = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
-                except RuntimeError as exc:  # e.g. an extreme temperature: no distribution left to sample
-                    raise InvalidArgument(
-                        f"sampling failed at step {self.step_index}: {exc}; the sampling settings (temperature, "
-                        "top_k, top_p) leave no valid distribution"
-                    ) from None
-            else:
-                next_tokens = torch.argmax(scores, dim=-1)
-            if self.has_eos_criterion and self.pad_token is not None:
-                next_tokens = next_tokens * self.unfinished + self.pad_token * (1 - self.unfinished)
-            self.input_ids = torch.cat([self.input_ids, next_tokens[:, None]], dim=-1)
-            ended: dict[str, torch.Tensor] = {}
-            for criterion in self.stopping_criteria:  # what StoppingCriteriaList does, criterion by criterion
-                reason = _REASONS.get(type(criterion).__name__, "length")
-                done = criterion(self.input_ids, None).to(torch.bool)
-                ended[reason] = done | ended[reason] if reason in ended else done
-        was_running = self.unfinished.bool().tolist()
-        chosen = next_tokens.tolist()
-        out = []
-        for i, running in enumerate(was_running):
-            if not running:
-                out.append(FINISHED)
-                continue
-            out.append(int(chosen[i]))
-            self.tokens[i].append(int(chosen[i]))
-            for reason in _PRECEDENCE:
-                if reason in ended and bool(ended[reason][i]):
-                    self.reasons[i] = reason
-                    break
-        any_ended = torch.zeros_like(self.unfinished, dtype=torch.bool)
-        for done in ended.values():
-            any_ended |= done
-        self.unfinished = self.unfinished & ~any_ended.to(self.unfinished.dtype)
-        self.step_index += 1
-        return out
-
-    def end(self, reason: str) -> None:
-        """Ends the sequences still running with ``reason`` (e.g. "cancelled")."""
-        self.reasons = [r or reason for r in self.reasons]
-
-    def release(self) -> None:
-        """Frees the KV cache and the other tensors the call holds."""
-        self.model_kwargs = None
-        self.logits_processor = None
 
 
 class TextDeltas:
@@ -298,18 +109,6 @@ class TextDeltas:
         self._prefix, self._read = self._read, len(tokens)
         self.sent += delta
         return delta
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """What one step chose, as it stood at the end of that step."""
-
-    #: The new token per sequence (FINISHED for one that had already ended).
-    tokens: list[int]
-    #: Why each sequence has ended so far ("" while it runs).
-    reasons: tuple[str, ...]
-    #: Whether every sequence has ended.
-    finished: bool
 
 
 class _Mailbox:
@@ -415,9 +214,13 @@ def _event_run(events: list[hook_pb2.InterceptEvent]) -> model_service_pb2.Gener
 class Generation:
     """Runs Generate calls."""
 
-    def __init__(self, registry: ModelRegistry, hooks: HookManager, *, limits: Limits | None = None) -> None:
+    def __init__(
+        self, registry: ModelRegistry, hooks: HookManager, *, engines: Engines, limits: Limits | None = None,
+    ) -> None:
         self._registry = registry
         self._hooks = hooks
+        #: Each model's engine and scheduler (shared with Infer and harvest jobs).
+        self._engines = engines
         self.limits = limits or Limits()
         #: Running calls by model name, and by principal name.
         self._active: dict[str, int] = {}
@@ -477,7 +280,7 @@ class Generation:
         configured = getattr(getattr(host.module, "generation_config", None), "stop_strings", None)
         if not stop and configured and host.tokenizer is not None:
             # The model's own stop strings (its operator's choice, so not the request's limits):
-            # generate() cannot build them here (see _start), the call's criteria carry them.
+            # generate() cannot build them here (see start_call), the call's criteria carry them.
             stop = (configured,) if isinstance(configured, str) else tuple(configured)
         seed = request.seed if request.HasField("seed") else secrets.randbits(64)
         if request.max_response_message_bytes and request.max_response_message_bytes < MIN_MAX_MESSAGE_BYTES:
@@ -717,7 +520,7 @@ class Generation:
         future: asyncio.Future[StepResult] | None = None
         outcome = "error"
         try:
-            decoder = await host.run(_start, host, records, ids, mask, options, stop_criteria)
+            decoder = await host.run(start_call, host, records, ids, mask, options, stop_criteria)
             msg = model_service_pb2.GenerateResponse()
             msg.started.request_id = request_id
             _codec.encode_tensor_into(ids, msg.started.input_ids)
@@ -731,7 +534,7 @@ class Generation:
             tokens: list[list[int]] = [[] for _ in range(batch)]  # the loop's own copy (the decoder runs ahead)
             step = 0
             work = _step_work(StepCall(p, decoder, step, put, group))
-            future = asyncio.ensure_future(host.scheduler.submit(work))
+            future = asyncio.ensure_future(self._engines.submit(host, work))
             while True:
                 async for out in _messages(mailbox, chunk_bytes):
                     yield out
@@ -744,7 +547,7 @@ class Generation:
                     # The next step runs while this one's tokens are decoded and sent: at most
                     # one step ahead of the reader, who still pauses the call (and only it).
                     work = _step_work(StepCall(p, decoder, step + 1, put, group))
-                    future = asyncio.ensure_future(host.scheduler.submit(work))
+                    future = asyncio.ensure_future(self._engines.submit(host, work))
                 for i, token in enumerate(result.tokens):
                     if token != FINISHED:
                         tokens[i].append(token)
@@ -786,7 +589,7 @@ class Generation:
             # After the step in flight (if any): detach the call's hooks, mark the end of
             # its events on session streams, free its KV cache. Not awaited when the call
             # was cancelled: the client is gone, and the model is free for others at once.
-            cleanup = asyncio.ensure_future(host.run(_finish, host, p, records, decoder))
+            cleanup = asyncio.ensure_future(host.run(finish_call, host, p, records, decoder))
             self._background.add(cleanup)
             cleanup.add_done_callback(self._background.discard)
             cleanup.add_done_callback(_log_failure)
@@ -867,169 +670,9 @@ def _stop_criteria(tokenizer: Any, stop: tuple[str, ...]) -> Any:
             cache.pop(key, None)
 
 
-def _start(
-    host: ModelHost, records: list[HookRecord], ids: torch.Tensor, mask: torch.Tensor, options: GenerateOptions,
-    stop_criteria: Any,
-) -> Decoder:
-    """Attaches the call's hooks and lets generate() prepare the call (worker thread)."""
-    model: Any = host.module
-    for record in records:
-        record.attach()
-    # One sequence per prompt, decoded greedily or by sampling: beam search and several
-    # returned sequences per prompt in a model's generation_config do not apply.
-    # stop_strings None: generate() would build them from the model's generation_config but
-    # drops the tokenizer they need when custom_generate is a callable; the call's own
-    # criteria (built on the tokenizer thread) carry them instead.
-    extra: dict[str, Any] = {"num_beams": 1, "num_return_sequences": 1, "stop_strings": None, **options.overrides}
-    if stop_criteria is not None:
-        extra["stopping_criteria"] = stop_criteria
-    device = host.device
-    try:
-        prepared = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=options.max_new_tokens,
-            custom_generate=_hand_over, **extra,
-        )
-    except (ValueError, TypeError) as exc:  # generate()'s own validation of the settings
-        raise InvalidArgument(f"generate() refused the settings: {exc}") from None
-    except (torch.OutOfMemoryError, MemoryError) as exc:  # e.g. allocating a static cache
-        raise ResourceExhausted(f"preparing the generation on model {host.name!r} ran out of memory: {exc}") from None
-    if not isinstance(prepared, _Prepared):  # pragma: no cover - a transformers that ignores custom_generate
-        raise Unimplemented(f"model {host.name!r}: this transformers version does not support Generate")
-    generator = torch.Generator(device=prepared.input_ids.device)
-    generator.manual_seed(options.seed)
-    return Decoder(model, prepared, generator)
-
-
-@dataclasses.dataclass
-class StepCall:
-    """One Generate call's next step, waiting for (or in) a pass: the payload of its
-    scheduler Work."""
-
-    p: Pass
-    decoder: Decoder
-    step: int
-    put: Callable[[tuple[Any, ...]], None]
-    #: Its session when the session's hooks use slots: steps of one group never share a pass.
-    group: str | None = None
-
-
-def cache_argument(model: Any) -> str:
-    """The name a transformers model's forward takes its KV cache by, and its outputs
-    return it under: "cache" from transformers 5.24 on, "past_key_values" before."""
-    names = forward_parameters(model)
-    return "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"
-
-
 def _step_work(call: StepCall) -> Work:
     key = call.decoder.join_key()
-    return Work(run_step_batch, call, key=key, rows=int(call.decoder.input_ids.shape[0]), kind="generate",
+    return Work(GENERATE, call, key=key, rows=int(call.decoder.input_ids.shape[0]),
                 group=call.group, caller=(call.p.session_id, call.p.principal))
 
 
-def _run_step(host: ModelHost, call: StepCall) -> StepResult:
-    """One step of a Generate call alone (worker thread); signals the stream when it is over.
-    The call's hooks stay attached between its steps (attached by _start)."""
-    p, decoder = call.p, call.decoder
-    p.begin_step(call.step)
-    try:
-        with running(host, Batch.alone(p)):
-            tokens = _call(host, "forward", decoder.step)
-        return StepResult(tokens, tuple(decoder.reasons), decoder.finished)
-    finally:
-        call.put(("done",))
-
-
-def run_step_batch(host: ModelHost, calls: list[StepCall]) -> list[Any]:
-    """Runs the next step of Generate calls that the scheduler joined (worker thread):
-    one decoding pass over all their rows, each call's KV cache stacked into one cache
-    padded on the left (masked), its logits and cache rows cut back after. Each call
-    keeps its own step number, hooks, processors, sampling generator and stopping
-    criteria; a step alone runs exactly as before batching. When the shared pass
-    fails, each call's step runs again alone. Returns a StepResult or exception per call."""
-    return run_joined(host, calls, lambda cs: _run_shared_step(host, cs), lambda call: _run_step(host, call),
-                      what="batched step", logger=log)
-
-
-def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
-    from transformers import DynamicCache
-
-    model: Any = host.module
-    inputs = [call.decoder.step_inputs() for call in calls]
-    own = [call.decoder.cache_length() + 1 for call in calls]  # keys each call's step attends to
-    rows = [int(i["input_ids"].shape[0]) for i in inputs]
-    keys = padded_length(own, host.dimensions | {sum(rows)}, None)
-    assert keys is not None
-    total = sum(rows)
-    segments, start = [], 0
-    for call, n, length in zip(calls, rows, own):
-        segments.append(Segment(call.p, start, start + n, length))
-        start += n
-    first = inputs[0]
-    cache_key = calls[0].decoder.cache_key
-    joined = ("input_ids", "position_ids", "attention_mask", cache_key)
-    merged: dict[str, Any] = {k: v for k, v in first.items() if k not in joined}
-    for i in inputs[1:]:  # the others must be equal plain values (a tensor would need stacking)
-        rest = {k: v for k, v in i.items() if k not in joined}
-        if rest.keys() != merged.keys() or any(
-            isinstance(v, torch.Tensor) or isinstance(rest[k], torch.Tensor) or rest[k] != v for k, v in merged.items()
-        ):
-            raise InvalidArgument("the calls' step inputs differ beyond ids, positions, mask and cache: run alone")
-    merged["input_ids"] = torch.cat([i["input_ids"] for i in inputs])
-    merged["position_ids"] = torch.cat([i["position_ids"] for i in inputs])
-    # generate() drops an all-ones mask; joined rows need one (the padding is masked out).
-    merged["attention_mask"] = torch.zeros((total, keys), dtype=torch.long, device=merged["input_ids"].device)
-    for seg, i, length in zip(segments, inputs, own):
-        mask = i.get("attention_mask")
-        merged["attention_mask"][seg.start:seg.stop, keys - length:] = 1 if mask is None else mask
-    layers = []
-    caches = [i[cache_key] for i in inputs]
-    for index, layer in enumerate(caches[0].layers):
-        stacked = []
-        for which in ("keys", "values"):
-            t = getattr(layer, which)
-            out = t.new_zeros((total, t.shape[1], keys - 1, *t.shape[3:]))
-            for seg, cache in zip(segments, caches):
-                mine = getattr(cache.layers[index], which)
-                out[seg.start:seg.stop, :, keys - 1 - mine.shape[2]:] = mine
-            stacked.append(out)
-        layers.append((stacked[0], stacked[1]))
-    merged[cache_key] = DynamicCache(ddp_cache_data=layers)
-    del layers, caches, inputs
-    batch = Batch(segments, padded=keys, side="left")
-    for call in calls:
-        call.p.begin_step(call.step)
-    with running(host, batch):
-        with torch.no_grad():
-            outputs = _call(host, "forward", lambda: model(**merged, return_dict=True))
-    cache = getattr(outputs, cache_key)
-    results: list[Any] = []
-    for call, seg, length in zip(calls, segments, own):
-        mine = DynamicCache(ddp_cache_data=[
-            (layer.keys[seg.start:seg.stop, :, keys - length:], layer.values[seg.start:seg.stop, :, keys - length:])
-            for layer in cache.layers
-        ])
-        result: Any
-        try:
-            tokens = call.decoder.advance(type(outputs)(logits=outputs.logits[seg.start:seg.stop], **{cache_key: mine}))
-        except Exception as exc:  # e.g. its sampling settings leave no distribution: only it fails
-            result = exc
-        else:
-            result = StepResult(tokens, tuple(call.decoder.reasons), call.decoder.finished)
-        try:
-            call.p.release()  # its events of the pass go out (also when it failed, as a step alone delivers them)
-        except ResourceExhausted as exc:  # it kept more for a full stream than its principal may: only it fails
-            result = exc
-        results.append(result)
-        call.put(("done",))
-    return results
-
-
-def _finish(host: ModelHost, p: Pass, records: list[HookRecord], decoder: Decoder | None) -> None:
-    """The end of a Generate call (worker thread, after its last step)."""
-    for record in records:
-        record.detach()
-    # Its CallEnded markers, after any events a failed or cancelled step kept for a full
-    # stream (delivered from a thread of their own; an abandoned call kept none).
-    p.finish()
-    if decoder is not None:
-        decoder.release()

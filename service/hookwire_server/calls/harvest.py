@@ -58,19 +58,16 @@ from hookwire import _harvest_sources as sources
 from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import hook_pb2, tensor_pb2
 
-from ..engine import batching
-from ..engine.pass_runner import running
+from ..engine.core import Engines
+from ..engine.harvest_pass import HarvestBatch, HarvestResult
+from ..engine.seam import HARVEST
 from ..auth import MINIMUM_ROLE, Principal
 from ..hooks.capture import compile_cast, compile_select
-from ..hooks.deferred import HostCopies
-from ..hooks.event_bus import HeldBytes
 from ..errors import (
     AlreadyExists, FailedPrecondition, HookwireServerError, InvalidArgument, NotFound, PermissionDenied,
     ResourceExhausted, Unavailable,
 )
 from ..hooks.hook_record import HookRecord
-from ..models.model_registry import forward_parameters
-from ..hooks.passes import Pass
 from ..engine.scheduler import Work
 from ..hooks.selection import Index
 
@@ -277,133 +274,16 @@ def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
     return ts
 
 
-@dataclasses.dataclass
-class _BatchWork:
-    """One harvest batch on its way through the model (the payload of its Work)."""
-
-    job_id: str
-    owner: str
-    records: list[HookRecord]
-    capture_ids: dict[str, str]  # hook id -> module path it captures
-    settings: _Settings
-    batch: sources.TokenBatch
-    keep: np.ndarray
-    #: Where events of other hooks that a full stream cannot take are counted (the job
-    #: owner's max_buffered_bytes_per_principal); None: nowhere.
-    held_bytes: HeldBytes | None = None
-
-
-@dataclasses.dataclass
-class _BatchResult:
-    values: dict[str, torch.Tensor]
-    token_ids: torch.Tensor
-    sequence: torch.Tensor
-    position: torch.Tensor
-
-    @property
-    def tokens(self) -> int:
-        return int(self.token_ids.numel())
-
-
-def run_harvest_batch(host: Any, works: list[_BatchWork]) -> list[Any]:
-    """Runs harvest batches on the model's worker thread (the scheduler runs each alone):
-    the batch's stored rows, or the exception it failed with."""
-    results: list[Any] = []
-    for work in works:
-        try:
-            results.append(_harvest_pass(host, work))
-        except Exception as exc:
-            results.append(exc)
-    return results
-
-
-def _harvest_pass(host: Any, work: _BatchWork) -> _BatchResult:
-    s = work.settings
-    batch = work.batch
-    ids = torch.from_numpy(batch.input_ids)
-    mask = torch.from_numpy(batch.attention_mask)
-    keep = torch.from_numpy(work.keep)
-    part_name = "output" if s.part == hook_pb2.PART_OUTPUT else "input"
-    collected: dict[str, torch.Tensor] = {}
-    copies = HostCopies()
-
-    def tap(hook_id: str, action: Any, path: str, call_index: int, parts: dict[str, Any]) -> None:
-        module = work.capture_ids.get(hook_id)
-        if module is None:
-            return
-        if call_index > 0:
-            raise InvalidArgument(
-                f"module {path!r} runs more than once in a pass; a harvest stores one value per module and token"
-            )
-        if s.part == hook_pb2.PART_OUTPUT:
-            value = parts.get("output")
-        else:
-            args = parts.get("args") or ()
-            value = args[0] if args else None
-        if isinstance(value, (tuple, list)):
-            value = value[0] if value else None
-        if not isinstance(value, torch.Tensor):
-            raise InvalidArgument(f"the {part_name} of module {path!r} is {type(value).__name__}, not a tensor")
-        v = value.detach()
-        if s.select is not None:
-            try:
-                v = v[s.select]
-            except (IndexError, RuntimeError, TypeError, ValueError) as exc:
-                raise InvalidArgument(f"select does not fit the {part_name} of module {path!r}: {exc}") from None
-        if v.dim() < 2 or tuple(v.shape[:2]) != tuple(keep.shape):
-            raise InvalidArgument(
-                f"the {part_name} of module {path!r} has shape {list(v.shape)}{' after select' if s.select else ''}, "
-                f"not [batch, positions, ...] = [{keep.shape[0]}, {keep.shape[1]}, ...]: a harvest stores per-token values"
-            )
-        if s.cast is not None and v.is_floating_point():
-            v = v.to(s.cast)
-        # One copy: the kept rows, gathered (a new tensor). On an accelerator the gather
-        # stays there and its copy to pinned host memory is started, not waited for: the
-        # forward goes on, and the pass waits for every copy once, at its end.
-        gathered = v[keep.to(v.device)]
-        collected[module] = gathered if gathered.device.type == "cpu" else copies.copy(gathered)
-
-    p = Pass(work.job_id, "", principal=work.owner, model=host.name)
-    p.held_bytes = work.held_bytes
-    p.tap = tap
-    inputs: dict[str, Any] = {"input_ids": ids.to(host.device)}
-    params = forward_parameters(host.module)
-    if "attention_mask" in params:
-        inputs["attention_mask"] = mask.to(host.device)
-    if "use_cache" in params:
-        inputs["use_cache"] = False  # a KV cache nobody reads: no values change, less memory
-    try:
-        with running(host, batching.Batch.alone(p), work.records), torch.no_grad():
-            host.module(**inputs)
-    finally:
-        # Other hooks' events (e.g. an operator's SCOPE_ALL capture) that a full stream
-        # could not take during the pass go out from a thread of their own: the model goes on.
-        p.finish(end=False)
-    for event in copies.events():
-        event.synchronize()  # the values in collected are complete from here on
-    del copies
-    for record in work.records:
-        if record.disabled_reason:  # a rule failed: a dataset of a half-steered model is worse than none
-            raise InvalidArgument(f"a rule failed, so the job stops: {record.disabled_reason}")
-    missing = [m for m in s.modules if m not in collected]
-    if missing:
-        raise InvalidArgument(f"module(s) {missing} did not run in the forward pass, so nothing can be stored for them")
-    rows = torch.arange(ids.shape[0], dtype=torch.int64).unsqueeze(1).expand_as(ids)
-    positions = torch.arange(ids.shape[1], dtype=torch.int64).unsqueeze(0).expand_as(ids)
-    return _BatchResult(
-        values=collected,
-        token_ids=ids[keep].to(torch.int64),
-        sequence=rows[keep] + batch.first_sequence,
-        position=positions[keep],
-    )
-
-
 class HarvestManager:
     """The server's harvest jobs (HarvestService's domain)."""
 
-    def __init__(self, registry: Any, hooks: Any, config: HarvestConfig, *, limits: Any) -> None:
+    def __init__(
+        self, registry: Any, hooks: Any, config: HarvestConfig, *, limits: Any, engines: Engines | None = None,
+    ) -> None:
         self._registry = registry
         self._hooks = hooks
+        #: Each model's engine and scheduler (shared with live calls); None: runs no job.
+        self._engines = engines
         self._metrics = hooks.metrics
         self.config = config
         self.limits = limits
@@ -757,12 +637,13 @@ class HarvestManager:
                 self._check_cancel(job)
                 keep = sources.keep_mask(item.attention_mask, skip_first=s.skip_first, only=s.only)
                 work = Work(
-                    run_harvest_batch,
-                    _BatchWork(job.id, job.owner, records, capture_ids, s, item, keep, self._hooks.held_bytes),
-                    key=None, rows=int(item.input_ids.shape[0]), kind="harvest", background=True,
+                    HARVEST,
+                    HarvestBatch(job.id, job.owner, records, capture_ids, s, item, keep, self._hooks.held_bytes),
+                    key=None, rows=int(item.input_ids.shape[0]), background=True,
                     caller=("", job.owner),
                 )
-                result = await host.scheduler.submit(work)
+                assert self._engines is not None, "a HarvestManager without engines runs no job"
+                result = await self._engines.submit(host, work)
                 await writes.wait()  # at most one batch being written while the next one runs
                 self._account(job, writer)
                 writes.start(writer, result)
@@ -1216,7 +1097,7 @@ class _Writer:
         self._executor = executor
         self._future: asyncio.Future[Any] | None = None
 
-    def start(self, writer: fmt.DatasetWriter, result: _BatchResult) -> None:
+    def start(self, writer: fmt.DatasetWriter, result: HarvestResult) -> None:
         self._future = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(
             writer.add, result.values, result.token_ids, result.sequence, result.position,
         ))
@@ -1344,4 +1225,4 @@ class _Handoff:
         return item
 
 
-__all__ = ["HarvestConfig", "HarvestManager", "Job", "run_harvest_batch", "settings_from"]
+__all__ = ["HarvestConfig", "HarvestManager", "Job", "settings_from"]

@@ -8,17 +8,12 @@ the event loop only validates what is cheap to validate and waits.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import time
-import dataclasses
 import logging
-import traceback
 from collections.abc import Mapping
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, ParamSpec, TypeVar
-
-import torch
 
 from hookwire import _codec
 from hookwire._codec import Chunker
@@ -33,19 +28,18 @@ from ..errors import (
     ResourceExhausted,
     release_failure,
     Unavailable,
-    Unimplemented,
 )
 from ..hooks.event_bus import HeldBytesExceeded
 from ..hooks.hook_manager import HookManager, new_id
-from ..hooks.hook_record import HookRecord
 from ..hooks.passes import Pass
-from ..engine import batching
-from ..engine.pass_runner import run_joined, running
+from ..engine.core import Engines
+from ..engine.infer_pass import BackwardPlan, InferCall
+from ..engine.seam import INFER
 from ..engine.scheduler import Work
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from .. import limits
 from ..limits import Limits
-from ..models.model_registry import ModelHost, ModelRegistry
+from ..models.model_registry import ModelRegistry
 
 log = logging.getLogger("hookwire.infer")
 
@@ -65,17 +59,6 @@ R = TypeVar("R")
 P = ParamSpec("P")
 
 
-
-
-@dataclasses.dataclass(frozen=True)
-class BackwardPlan:
-    """A validated Backward request."""
-
-    path: tuple[str, ...]
-    grad: model_service_pb2.Backward | None
-    return_input_grads: bool
-
-
 def parse_output_path(path: str) -> tuple[str, ...]:
     """Splits "0.last_hidden_state" into segments; InvalidArgument when malformed."""
     if path == "":
@@ -86,26 +69,6 @@ def parse_output_path(path: str) -> tuple[str, ...]:
             f"backward.output_path: {path!r} is malformed (dot-separated keys or indices, e.g. '0' or 'last_hidden_state')"
         )
     return segments
-
-
-def select_output(output: Any, segments: tuple[str, ...]) -> Any:
-    """The item of ``output`` that ``segments`` name; InvalidArgument when absent."""
-    current = output
-    for depth, seg in enumerate(segments):
-        where = ".".join(segments[: depth + 1])
-        if isinstance(current, Mapping):
-            if seg not in current:
-                raise InvalidArgument(f"backward.output_path: no key {seg!r} at {where!r} (keys: {list(current)})")
-            current = current[seg]
-        elif isinstance(current, (tuple, list)):
-            if not (seg.isascii() and seg.isdigit() and len(seg) <= 9) or int(seg) >= len(current):
-                raise InvalidArgument(
-                    f"backward.output_path: {seg!r} at {where!r} is not an index of a sequence of {len(current)} items"
-                )
-            current = current[int(seg)]
-        else:
-            raise InvalidArgument(f"backward.output_path: {where!r} goes inside a {type(current).__name__}")
-    return current
 
 
 def _releasing_on_failure(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
@@ -127,9 +90,13 @@ def _releasing_on_failure(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitabl
 class Inference:
     """Runs Infer calls."""
 
-    def __init__(self, registry: ModelRegistry, hooks: HookManager, *, limits: Limits | None = None) -> None:
+    def __init__(
+        self, registry: ModelRegistry, hooks: HookManager, *, engines: Engines, limits: Limits | None = None,
+    ) -> None:
         self._registry = registry
         self._hooks = hooks
+        #: Each model's engine and scheduler (shared with Generate and harvest jobs).
+        self._engines = engines
         self.limits = limits or Limits()
         self._queued: dict[str, int] = {}
         self._idle = asyncio.Event()
@@ -335,7 +302,8 @@ class Inference:
         seed = request.seed if request.HasField("seed") else None
         shape = None
         if not (train or backward is not None or seed is not None or chunked is not None or chunker is not None):
-            shape = batching.request_key(request, host.batching) if _plain(request) else None
+            # How it may share a pass is its engine's to say (the torch engine stacks and pads).
+            shape = self._engines.engine(host).infer_shape(request) if _plain(request) else None
         call = InferCall(p, request, records, train, backward, seed, chunked, shape)
         queued = self._queued.get(host.name, 0)
         if queued > self.limits.max_queued_infers:
@@ -352,15 +320,15 @@ class Inference:
                 session is not None and self._hooks.session_uses_slots(session)
             )
             work = Work(
-                run_infer_batch, call, key=shape.key if shape is not None else None,
-                rows=shape.rows if shape is not None else 1, kind="infer",
+                INFER, call, key=shape.key if shape is not None else None,
+                rows=shape.rows if shape is not None else 1,
                 avoid=shape.sizes if shape is not None else frozenset(),
                 group=request.session_id if slots else None, caller=(request.session_id, principal.name),
             )
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.limits.infer_timeout
             try:
-                response = await asyncio.wait_for(host.scheduler.submit(work), self.limits.infer_timeout)
+                response = await asyncio.wait_for(self._engines.submit(host, work), self.limits.infer_timeout)
             except HookwireServerError as exc:
                 # Failed (e.g. an output with no wire form): the events its pass kept for a full
                 # stream still go out before the error, as the others did; but a call that failed
@@ -393,51 +361,6 @@ class Inference:
             )
 
 
-def _decode_inputs(
-    request: model_service_pb2.InferRequest, chunked: Mapping[int, Any] | None, device: torch.device,
-) -> tuple[list[Any], dict[str, Any]]:
-    """The call's inputs as torch values, their tensors on ``device`` (the model's input
-    device: on the CPU nothing moves)."""
-    try:
-        args = [_codec.decode_value(v, where=f"args[{i}]", chunked=chunked) for i, v in enumerate(request.args)]
-        kwargs = {k: _codec.decode_value(v, where=f"kwargs[{k!r}]", chunked=chunked) for k, v in request.kwargs.items()}
-    except _codec.CodecError as exc:
-        raise InvalidArgument(str(exc)) from None
-    if device.type != "cpu":
-        args = [to_device(v, device) for v in args]
-        kwargs = {k: to_device(v, device) for k, v in kwargs.items()}
-    return args, kwargs
-
-
-def to_device(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor in it moved to ``device`` (lists, tuples and maps rebuilt)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if type(value) in (list, tuple):
-        return type(value)(to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    return value
-
-
-@dataclasses.dataclass
-class InferCall:
-    """One Infer call waiting for (or in) a pass: the payload of its scheduler Work."""
-
-    p: Pass
-    request: model_service_pb2.InferRequest
-    records: list[HookRecord]
-    train: bool
-    backward: BackwardPlan | None
-    seed: int | None
-    chunked: Mapping[int, Any] | None
-    #: How it joins other calls (None: it runs alone).
-    shape: batching.Shape | None
-    #: Done once the events its pass left in its backlog (a full stream that blocks for
-    #: it) are delivered and the call ended (see _deliver); None when nothing was left.
-    flushing: concurrent.futures.Future[None] | None = None
-
-
 async def _backlog_delivered(call: InferCall, timeout: float) -> None:
     """Waits (up to ``timeout``, then TimeoutError) until the call's backlog is delivered
     and its CallEnded marker queued; at once when it had none."""
@@ -445,237 +368,3 @@ async def _backlog_delivered(call: InferCall, timeout: float) -> None:
         await asyncio.wait_for(asyncio.wrap_future(call.flushing), timeout)
 
 
-def _deliver(call: InferCall) -> None:
-    """After the call's pass (worker thread): delivers its held events (a shared pass's)
-    and ends it; events a full stream cannot take now go out from a thread of their own,
-    which then ends the call (Pass.finish): ``call.flushing`` is done once it has. Raises
-    ResourceExhausted when the held events pass the principal's byte limit (the call
-    fails; what was delivered stays delivered, and it still ends)."""
-    p = call.p
-    try:
-        p.release()
-    finally:
-        call.flushing = p.finish()
-
-
-def run_infer_batch(host: ModelHost, calls: list[InferCall]) -> list[Any]:
-    """Runs Infer calls that the scheduler joined (worker thread): one pass over all
-    their rows, each call's output cut back to its rows; a call alone runs exactly as
-    before batching. Returns each call's InferResponse, or the exception it fails with.
-
-    When the shared pass fails (one call's failing hook or rule, a tensor that cannot be
-    split), every call runs again alone, so one caller's bad input fails only its call.
-    """
-    results: list[Any] = [None] * len(calls)
-    decoded: dict[int, tuple[list[Any], dict[str, Any]]] = {}
-    if len(calls) > 1:
-        for i, call in enumerate(calls):
-            try:
-                decoded[id(call)] = _decode_inputs(call.request, call.chunked, host.device)
-            except Exception as exc:  # its own bad tensor fails only it
-                results[i] = exc
-    joined = [call for i, call in enumerate(calls) if results[i] is None]
-    outcomes = iter(run_joined(
-        host, joined, lambda cs: _run_shared(host, cs, [decoded[id(c)] for c in cs]),
-        lambda call: _run_pass(host, call), what="batch", logger=log,
-    ))
-    return [result if result is not None else next(outcomes) for result in results]
-
-
-def _run_shared(
-    host: ModelHost, calls: list[InferCall], inputs: list[tuple[list[Any], dict[str, Any]]],
-) -> list[Any]:
-    """One pass over several calls' rows; each call's response (or failure). Raises
-    when the pass itself fails (the caller then runs the calls alone)."""
-    settings = host.batching
-    lengths = [c.shape.length if c.shape is not None else None for c in calls]
-    padded = None
-    if len(set(lengths)) > 1:
-        rows = sum(c.shape.rows for c in calls if c.shape is not None)
-        # Not the row count either: a [tokens, ...] tensor every row shares would be taken for rows.
-        padded = batching.padded_length(
-            [n for n in lengths if n is not None], host.dimensions | {rows}, host.positions
-        )
-        if padded is None:
-            raise InvalidArgument("the calls' token inputs cannot be padded to a common length within the model's positions")
-    args, kwargs = batching.join_inputs(
-        inputs, lengths, dim=settings.batch_dim, padded=padded, pad_token_id=settings.pad_token_id,
-    )
-    segments, start = [], 0
-    for call, length in zip(calls, lengths):
-        assert call.shape is not None
-        segments.append(batching.Segment(call.p, start, start + call.shape.rows, length if padded is not None else None))
-        start += call.shape.rows
-    batch = batching.Batch(segments, dim=settings.batch_dim, padded=padded)
-    model = host.module
-    with running(host, batch, [record for call in calls for record in call.records]):
-        with torch.no_grad():
-            output = _call(host, "forward", lambda: model(*args, **kwargs))
-        outputs = batch.split(output, f"the output of model {host.name!r}")  # Unsplittable: they run alone
-    del output, args, kwargs
-    results: list[Any] = []
-    for call, mine in zip(calls, outputs):
-        p = call.p
-        try:
-            try:
-                if p.splicer is not None:
-                    p.splicer.snapshot = False  # the pass is over: the output no longer changes
-                _codec.encode_value_into(mine, p.response.output, chunker=p.splicer, opaque_caches=True)
-            except (_codec.CodecError, RuntimeError, NotImplementedError, TypeError) as exc:
-                raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
-        except Exception as exc:
-            # As alone: its hooks' events are delivered (they fired), then it fails.
-            results.append(_delivered(call, exc))
-            continue
-        results.append(_delivered(call, p.response))
-    return results
-
-
-def _delivered(call: InferCall, result: Any) -> Any:
-    """``result`` once the call's held events are delivered (_deliver), or the error
-    delivering them failed it with."""
-    try:
-        _deliver(call)
-    except ResourceExhausted as exc:
-        return exc
-    return result
-
-
-def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferResponse:
-    """One call alone on the model's worker thread."""
-    p, request, records, train, backward, seed, chunked = (
-        call.p, call.request, call.records, call.train, call.backward, call.seed, call.chunked
-    )
-    args, kwargs = _decode_inputs(request, chunked, host.device)
-    model = host.module
-    if p.splicer is not None:
-        p.splicer.snapshot = True  # captures during the pass (see below for the output)
-    try:
-        with running(host, batching.Batch.alone(p), records):
-            if train:
-                model.train(True)
-            try:
-                with _seeded(seed), torch.set_grad_enabled(backward is not None):
-                    if backward is not None and backward.return_input_grads:
-                        for leaf in _tensors(args, kwargs):
-                            if leaf.is_floating_point():
-                                leaf.requires_grad_(True)
-                    output = _call(host, "forward", lambda: model(*args, **kwargs))
-                    if backward is not None:
-                        _backward(host, output, backward, chunked)
-                        if backward.return_input_grads:
-                            _encode_grads(p.response, args, kwargs, p.chunker or p.splicer)
-            finally:
-                if train:
-                    model.eval()
-        large = p.chunker or p.splicer
-        if large is not None:
-            large.snapshot = False  # the pass is over: the output no longer changes
-        try:
-            _codec.encode_value_into(output, p.response.output, chunker=large, opaque_caches=True)
-        except (_codec.CodecError, RuntimeError, NotImplementedError, TypeError) as exc:
-            # e.g. a type with no wire form, a sparse or meta tensor
-            raise Unimplemented(f"the output of model {host.name!r} cannot be sent: {exc}") from None
-    finally:
-        # CallEnded on the session streams that had its events, after the events a full
-        # stream could not take during the pass (delivered off this thread: the model goes on).
-        _deliver(call)
-    return p.response
-
-
-def _backward(host: ModelHost, output: Any, plan: BackwardPlan, chunked: Mapping[int, Any] | None) -> None:
-    target = select_output(output, plan.path)
-    where = ".".join(plan.path) or "the output"
-    if not isinstance(target, torch.Tensor) or not target.is_floating_point():
-        raise InvalidArgument(f"backward.output_path: {where!r} is not a floating-point tensor")
-    if not target.requires_grad:
-        raise InvalidArgument(f"backward.output_path: {where!r} does not depend on anything that requires grad")
-    if plan.grad is not None:
-        grad = _codec.decode_tensor(plan.grad.grad, where="backward.grad", chunked=chunked)
-        if tuple(grad.shape) != tuple(target.shape):
-            raise InvalidArgument(
-                f"backward.grad: shape {list(grad.shape)} does not match {where!r}'s shape {list(target.shape)}"
-            )
-        grad = grad.to(dtype=target.dtype, device=target.device)
-    else:
-        grad = torch.ones_like(target)
-    params = [param for param in host.module.parameters() if param.requires_grad]
-    # .grad belongs to no caller: every call starts and ends without it.
-    for param in params:
-        param.grad = None
-    try:
-        _call(host, "backward", lambda: torch.autograd.backward(target, grad_tensors=grad))
-    finally:
-        for param in params:
-            param.grad = None
-
-
-def _call(host: ModelHost, what: str, fn: Any) -> Any:
-    """Runs forward or backward, turning a model's exception into one naming the module."""
-    try:
-        return fn()
-    except HookwireServerError:
-        raise
-    except (torch.OutOfMemoryError, MemoryError) as exc:
-        raise ResourceExhausted(f"{what} of model {host.name!r} ran out of memory: {exc}") from None
-    except Exception as exc:
-        where = _failing_module(host, exc)
-        log.info("%s of %s failed in %r: %r", what, host.name, where, exc)
-        raise InvalidArgument(f"{what} failed in {where}: {type(exc).__name__}: {exc}") from None
-
-
-def _failing_module(host: ModelHost, exc: BaseException) -> str:
-    """The innermost module of ``host`` whose forward() is on the exception's traceback."""
-    found = None
-    for frame, _ in traceback.walk_tb(exc.__traceback__):
-        owner = frame.f_locals.get("self")
-        if owner is not None and frame.f_code.co_name == "forward":
-            path = host.path_of(owner)
-            if path is not None:
-                found = (path, type(owner).__name__)
-    if found is None:
-        return f"model {host.name!r}"
-    path, kind = found
-    return f"module {path!r} ({kind})" if path else f"the root module ({kind})"
-
-
-def _tensors(*values: Any) -> Iterator[torch.Tensor]:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (tuple, list)):
-            yield from _tensors(*value)
-        elif isinstance(value, Mapping):
-            yield from _tensors(*value.values())
-
-
-def _grads_of(value: Any) -> Any:
-    """``value`` with every tensor replaced by its gradient (None where it has none)."""
-    if isinstance(value, torch.Tensor):
-        return value.grad
-    if isinstance(value, (tuple, list)):
-        return type(value)(_grads_of(v) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _grads_of(v) for k, v in value.items()}
-    return None
-
-
-def _encode_grads(
-    response: model_service_pb2.InferResponse, args: list[Any], kwargs: dict[str, Any],
-    chunker: Chunker | Splicer | None,
-) -> None:
-    for arg in args:
-        _codec.encode_value_into(_grads_of(arg), response.input_grads.add(), chunker=chunker)
-    for key, value in kwargs.items():
-        _codec.encode_value_into(_grads_of(value), response.input_kwargs_grads[key], chunker=chunker)
-
-
-@contextlib.contextmanager
-def _seeded(seed: int | None) -> Iterator[None]:
-    if seed is None:
-        yield
-        return
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield

@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import torch
+
+from ..errors import HookwireServerError, InvalidArgument, ResourceExhausted
 from .batching import Batch
 
 log = logging.getLogger("hookwire.batching")
@@ -88,3 +92,32 @@ def run_joined(
         except Exception as exc:
             results.append(exc)
     return results
+
+
+def call_model(host: Any, what: str, fn: Callable[[], T]) -> T:
+    """Runs forward or backward, turning a model's exception into one naming the module."""
+    try:
+        return fn()
+    except HookwireServerError:
+        raise
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise ResourceExhausted(f"{what} of model {host.name!r} ran out of memory: {exc}") from None
+    except Exception as exc:
+        where = _failing_module(host, exc)
+        log.info("%s of %s failed in %r: %r", what, host.name, where, exc)
+        raise InvalidArgument(f"{what} failed in {where}: {type(exc).__name__}: {exc}") from None
+
+
+def _failing_module(host: Any, exc: BaseException) -> str:
+    """The innermost module of ``host`` whose forward() is on the exception's traceback."""
+    found = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        owner = frame.f_locals.get("self")
+        if owner is not None and frame.f_code.co_name == "forward":
+            path = host.path_of(owner)
+            if path is not None:
+                found = (path, type(owner).__name__)
+    if found is None:
+        return f"model {host.name!r}"
+    path, kind = found
+    return f"module {path!r} ({kind})" if path else f"the root module ({kind})"

@@ -10,12 +10,17 @@ became free, until that many rows wait (not while a work that cannot join it wai
 the model would idle in front of that work). Without that wait, closed-loop callers settle
 into alternating passes of one call and of all the others (measured with 8 MiniLM
 callers: 249 of 513 passes held one call). A model whose callers come one at a time
-never waits: its last pass held one row. Infer calls and
-Generate decoding steps are both ``Work``; what a batch of them runs is the work's
-``run`` function (inference.run_infer_batch, generation.run_step_batch), called once
-on the worker thread with the batch's payloads, returning one result (or exception)
-per work. Works join only when their ``run`` and ``key`` are equal; a work with key
-None always runs alone.
+never waits: its last pass held one row.
+
+Work is data: an Infer call, a Generate step and a harvest batch are each a ``Work``
+whose ``kind`` says which of the engine's executors runs it (seam.INFER, GENERATE,
+HARVEST) and whose ``key`` says what it may share a pass with (works join only when
+kind and key are equal; key None always runs alone). Each turn of a model's loop is
+three moves, as in vLLM's engine core: ``schedule`` decides and returns data (a Plan of
+works to run together, or how long to wait), the engine executes the plan on the
+model's worker thread (seam.Engine.execute: one result or exception per work), and the
+results settle the works' futures. The scheduler never calls model code; the engine
+never decides what runs.
 
 A call that a full stream would hold (its owner's BLOCK stream, an operator's BLOCK
 stream, its session's stream under the default policy: see event_bus.DeliveryGate)
@@ -35,30 +40,29 @@ import logging
 import threading
 import time
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..errors import Unavailable
-
-if TYPE_CHECKING:
-    from ..models.model_registry import ModelHost
+from ..hooks.event_bus import DeliveryGate
+from ..models.model_registry import ModelHost
+from .seam import Engine, Plan
 
 log = logging.getLogger("hookwire.batching")
-
-#: Runs a batch of payloads on the worker thread: one result or exception per payload.
-BatchRun = Callable[["ModelHost", list[Any]], list[Any]]
 
 
 @dataclasses.dataclass(eq=False)
 class Work:
-    """One call (or one Generate step) waiting for a pass."""
+    """One call (or one Generate step, or one harvest batch) waiting for a pass."""
 
-    run: BatchRun
+    #: Which executor of the engine runs it: seam.INFER, GENERATE or HARVEST (also the
+    #: metrics' label).
+    kind: str
+    #: The work item the engine executes (infer_pass.InferCall, decoding.StepCall,
+    #: harvest_pass.HarvestBatch).
     payload: Any
-    #: Works with equal (run, key) may share a pass; None: alone.
+    #: Works with equal (kind, key) may share a pass; None: alone.
     key: Hashable | None
     rows: int
-    #: "infer" or "generate" (the metrics' label).
-    kind: str
     future: asyncio.Future[Any] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
     queued_at: float = dataclasses.field(default_factory=time.perf_counter)
     #: Sizes the row total of a pass holding it must avoid (its inputs' other dimensions):
@@ -82,11 +86,27 @@ class Work:
     stalled_since: float | None = None
 
 
-class Scheduler:
-    """Joins the model's waiting calls into passes (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What ``Scheduler.schedule`` decided: run ``works`` together now (their Plan), or
+    run nothing before ``wait_until`` (time.perf_counter; None: until something changes)."""
 
-    def __init__(self, host: ModelHost) -> None:
+    works: list[Work] = dataclasses.field(default_factory=list)
+    wait_until: float | None = None
+
+    @property
+    def plan(self) -> Plan:
+        return Plan(self.works[0].kind, [work.payload for work in self.works])
+
+
+class Scheduler:
+    """Joins the model's waiting calls into passes and runs them on ``engine`` (see the
+    module docstring); ``gate`` says which calls a full stream holds back."""
+
+    def __init__(self, host: ModelHost, engine: Engine, gate: DeliveryGate | None = None) -> None:
         self._host = host
+        self._engine = engine
+        self._gate = gate
         self._queue: collections.deque[Work] = collections.deque()
         self._changed: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -173,7 +193,7 @@ class Scheduler:
 
     def _stalled(self, work: Work) -> bool:
         """Whether a full stream holds ``work`` back now (noting since when)."""
-        gate, caller = self._host.gate, work.caller
+        gate, caller = self._gate, work.caller
         if gate is None or caller is None or not gate.stalled(self._host.name, *caller):
             work.stalled_since = None
             return False
@@ -217,7 +237,7 @@ class Scheduler:
         for work in list(self._queue):
             if work is first or work.future.done() or (work.group is not None and work.group in groups):
                 continue
-            if work.run is first.run and work.key == first.key and rows + work.rows <= limit and not self._stalled(work):
+            if work.kind == first.kind and work.key == first.key and rows + work.rows <= limit and not self._stalled(work):
                 batch.append(work)
                 rows += work.rows
                 if work.group is not None:
@@ -237,55 +257,53 @@ class Scheduler:
         except asyncio.TimeoutError:
             pass
 
+    def schedule(self, now: float) -> Decision:
+        """Which works run together now, or until when nothing runs (see the module
+        docstring). Takes nothing out of the queue. Event loop."""
+        while self._queue and self._queue[0].future.done():  # cancelled while waiting
+            self._queue.popleft()
+        if not self._queue or self._held:
+            return Decision()
+        first = self._first()
+        if first is None:  # every waiting call is held back by a full stream: wait for room
+            return Decision()
+        settings = self._host.batching
+        delay = settings.max_batch_delay_ms / 1e3
+        expected = min(settings.max_batch_size, self._last_rows)
+        if (
+            delay > 0 and first.key is not None and not first.background and settings.enabled
+            and self._rows_for(first) < expected and not self._others_wait(first)
+        ):
+            # Company is expected: the last pass held more rows than wait now, and the callers
+            # it answered send again soon. Wait for them, up to the delay counted from when
+            # the model became free (or the call arrived), until as many rows wait; not while
+            # a work that cannot join waits too (the model would idle in front of it).
+            deadline = max(first.queued_at, self._free_since) + delay
+            if now < deadline:
+                return Decision(wait_until=deadline)
+        return Decision([w for w in self._compatible(first) if not w.future.done()])
+
     async def _loop(self) -> None:
+        """The model's engine loop: schedule, execute, settle (see the module docstring)."""
         loop = asyncio.get_running_loop()
         while not self._closed:
-            while self._queue and self._queue[0].future.done():  # cancelled while waiting
-                self._queue.popleft()
-            if not self._queue or self._held:
-                await self._wait_change(None)
-                continue
-            if self._last_works > 1:
+            if self._last_works > 1 and self._queue and not self._held:
                 # Let the calls whose results were just set queue their next work (a Generate call
                 # queues its next step as soon as it has its tokens): it joins this pass instead
                 # of trailing one pass behind the others for good. (A lone call skips this.)
                 for _ in range(4):
                     await asyncio.sleep(0)
-                while self._queue and self._queue[0].future.done():
-                    self._queue.popleft()
-                if not self._queue or self._held:
-                    continue
-            first = self._first()
-            if first is None:  # every waiting call is held back by a full stream: wait for room
-                await self._wait_change(None)
+            decision = self.schedule(time.perf_counter())
+            if not decision.works:
+                left = None if decision.wait_until is None else decision.wait_until - time.perf_counter()
+                await self._wait_change(left)
                 continue
-            settings = self._host.batching
-            delay = settings.max_batch_delay_ms / 1e3
-            expected = min(settings.max_batch_size, self._last_rows)
-            if (
-                delay > 0 and first.key is not None and not first.background and settings.enabled and self._rows_for(first) < expected
-                and not self._others_wait(first)
-            ):
-                # Company is expected: the last pass held more rows than wait now, and the callers
-                # it answered send again soon. Wait for them, up to the delay counted from when
-                # the model became free (or the call arrived), until as many rows wait; not while
-                # a work that cannot join waits too (the model would idle in front of it).
-                deadline = max(first.queued_at, self._free_since) + delay
-                while (
-                    not self._held and not first.future.done() and self._rows_for(first) < expected
-                    and not self._others_wait(first) and (left := deadline - time.perf_counter()) > 0
-                ):
-                    await self._wait_change(left)
-                if self._held or first.future.done():
-                    continue
-            batch = [w for w in self._compatible(first) if not w.future.done()]
-            if self._stalled(first):  # its stream filled up while it waited for company
-                continue
+            batch = decision.works
             for work in batch:
                 self._queue.remove(work)
             started = time.perf_counter()
             try:
-                results = await loop.run_in_executor(self._host._executor, _run, self._host, batch)
+                results = await loop.run_in_executor(self._host._executor, _execute, self._engine, batch)
             except BaseException as exc:  # the executor refused (shutdown) or the run itself broke
                 if isinstance(exc, asyncio.CancelledError):
                     for work in batch:
@@ -294,6 +312,7 @@ class Scheduler:
                     raise
                 log.exception("a batch on %s failed as a whole", self._host.name)
                 results = [exc] * len(batch)
+            first = batch[0]
             if not first.background:  # a harvest pass says nothing about the live callers' company
                 self._last_rows = sum(w.rows for w in batch)
                 self._last_works = len(batch)
@@ -305,17 +324,19 @@ class Scheduler:
                         [started - w.queued_at for w in batch])
             # Not kept while the loop waits for the next work: a failed call's exception
             # holds the frames (and tensors) of its pass (errors.release_failure).
-            del batch, results, first
+            del batch, results, first, decision
 
 
-def _run(host: ModelHost, batch: list[Work]) -> list[Any]:
-    """The batch on the model's worker thread, without the works withdrawn while it
-    waited there behind other work."""
-    live = [i for i, work in enumerate(batch) if not work.withdrawn]
+def _execute(engine: Engine, batch: list[Work]) -> list[Any]:
+    """The batch's plan, executed by the engine on the model's worker thread, without the
+    works withdrawn while it waited there behind other work."""
+    live = [work for work in batch if not work.withdrawn]
     results: list[Any] = [asyncio.CancelledError()] * len(batch)
     if live:
-        for i, result in zip(live, batch[live[0]].run(host, [batch[i].payload for i in live])):
-            results[i] = result
+        outcomes = iter(engine.execute(Plan(live[0].kind, [work.payload for work in live])))
+        for i, work in enumerate(batch):
+            if not work.withdrawn:
+                results[i] = next(outcomes)
     return results
 
 

@@ -35,10 +35,6 @@ from typing import Any, Callable
 
 import torch
 
-#: Model config values of async_captures.
-MODES = ("auto", "on", "off")
-
-
 @dataclasses.dataclass
 class _Pending:
     #: One event per device whose copies it waits for (empty: ready now).

@@ -105,7 +105,6 @@ class HookManager:
         self._background: set[asyncio.Future[None]] = set()
         #: The open streams, which the models' schedulers ask which calls must wait.
         self.gate = DeliveryGate()
-        registry.configure_delivery(self.gate)
         #: Event bytes calls keep for their full streams, per principal (passes.Pass).
         self.held_bytes = HeldBytes(self.limits.max_buffered_bytes_per_principal, self._stream_budget)
 

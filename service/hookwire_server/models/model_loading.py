@@ -24,9 +24,8 @@ import torch
 from torch import nn
 
 from ..demo_models import DEMO_MODELS
-from ..engine.batching import BatchSettings
-from ..hooks.deferred import MODES as ASYNC_CAPTURE_MODES
-from .model_registry import BatchConfig, DaemonWorker, ModelHost, ModelRegistry
+from .batch_settings import BatchSettings
+from .model_registry import ASYNC_CAPTURE_MODES, BatchConfig, DaemonWorker, ModelHost, ModelRegistry
 from ..calls.tokenization import prepare_tokenizer
 
 log = logging.getLogger("hookwire.models")

@@ -21,7 +21,7 @@ import inspect
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -29,14 +29,9 @@ from torch import nn
 from hookwire import _codec
 from hookwire.v1 import model_service_pb2
 
-from ..engine.batching import BatchSettings, model_dimensions
-from ..hooks.deferred import MODES as ASYNC_CAPTURE_MODES
+from .batch_settings import BatchSettings, model_dimensions
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from .module_patterns import PathIndex
-
-if TYPE_CHECKING:
-    from ..engine.batching import Batch
-    from ..engine.scheduler import Scheduler
 
 log = logging.getLogger("hookwire.models")
 T = TypeVar("T")
@@ -143,6 +138,11 @@ def _copy_or_none(tokenizer: Any) -> Any:
     except Exception as exc:  # a tokenizer that cannot be copied: texts are left empty
         log.warning("the tokenizer cannot be copied for decoding (%r); Generate's texts stay empty", exc)
         return None
+
+
+#: When captures copy to the host asynchronously (hooks/deferred.py), the model config's
+#: ``async_captures``.
+ASYNC_CAPTURE_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,32 +256,16 @@ class ModelHost:
         #: a plain counter only the worker thread adds to, as a metric increment per firing
         #: would cost as much as the firing itself.
         self.fires = 0
-        #: The calls of the pass running on the worker thread, read by hooks as they fire.
-        self.current_batch: Batch | None = None
+        #: The calls of the pass running on the worker thread (engine.batching.Batch), read
+        #: by hooks as they fire; set and cleared by the engine's pass runner.
+        self.current_batch: Any = None
         #: The model config's batching keys (unset ones take the server's defaults).
         self.batch_config = batching or BatchConfig()
         #: The batching settings in force (see ModelRegistry.configure_batching).
         self.batching = self.batch_config.resolve(BatchSettings(), self)
-        self._scheduler: Scheduler | None = None
         #: Where the scheduler reports each pass (model, kind, calls, rows, queue delays).
         self.observe_batch: Callable[[str, str, int, int, list[float]], None] | None = None
-        #: Which calls must wait for a stream's reader before they start; None: none do.
-        self.gate: CallGate | None = None
         self._dimensions: frozenset[int] | None = None
-
-    def poke_scheduler(self) -> None:
-        """Makes the scheduler look at its waiting calls again (event loop)."""
-        if self._scheduler is not None:
-            self._scheduler.poke()
-
-    @property
-    def scheduler(self) -> Scheduler:
-        """The model's call scheduler (joins calls into batches; see scheduler.py)."""
-        if self._scheduler is None:
-            from ..engine.scheduler import Scheduler
-
-            self._scheduler = Scheduler(self)
-        return self._scheduler
 
     @property
     def dimensions(self) -> frozenset[int]:
@@ -403,8 +387,6 @@ class ModelHost:
     def shutdown(self) -> None:
         """Stops the worker thread after the running pass; queued work is cancelled.
         Does not wait: the thread is a daemon and does not keep the process alive."""
-        if self._scheduler is not None:
-            self._scheduler.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._tokenizer_worker is not None:
             self._tokenizer_worker.shutdown(wait=False, cancel_futures=True)
@@ -452,16 +434,6 @@ class ModelEntry:
         return msg
 
 
-class CallGate(Protocol):
-    """Which calls must not start yet (event_bus.DeliveryGate)."""
-
-    def stalled(self, model: str, session_id: str, principal: str) -> bool:
-        """Whether a call on ``model`` made in ``session_id`` by ``principal`` waits for a reader."""
-
-    def listen(self, fn: Callable[[], None]) -> None:
-        """Calls ``fn`` whenever calls that waited may start."""
-
-
 class ModelRegistry:
     """Models by name, with the state of each configured one (loading, ready, failed)."""
 
@@ -469,7 +441,6 @@ class ModelRegistry:
         self._entries: dict[str, ModelEntry] = {}
         self._batch_defaults = BatchSettings()
         self._observe: Callable[[str, str, int, int, list[float]], None] | None = None
-        self._gate: CallGate | None = None
         for host in hosts:
             self.add(host)
 
@@ -484,23 +455,9 @@ class ModelRegistry:
         for host in self:
             self._configure(host)
 
-    def configure_delivery(self, gate: CallGate) -> None:
-        """What tells every model's scheduler (those loaded later too) which calls must
-        wait for a stream's reader before they start (event_bus.DeliveryGate)."""
-        self._gate = gate
-        gate.listen(self._room)
-        for host in self:
-            self._configure(host)
-
-    def _room(self) -> None:
-        """Calls held back by a full stream may start: every scheduler looks again."""
-        for host in self:
-            host.poke_scheduler()
-
     def _configure(self, host: ModelHost) -> None:
         host.batching = host.batch_config.resolve(self._batch_defaults, host)
         host.observe_batch = self._observe
-        host.gate = self._gate
 
     def expect(
         self, name: str, *, description: str = "", training_allowed: bool = True, parameters_readable: bool = False,
