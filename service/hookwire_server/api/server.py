@@ -23,6 +23,8 @@ from ..calls.generation import Generation
 from ..calls.harvest import HarvestConfig, HarvestManager, settings_from
 from ..calls.inference import Inference
 from ..engine.core import Engines
+from ..calls.admission import Admission
+from ..state import ServerState
 from ..limits import Limits
 from ..metrics import Metrics
 from ..models.model_loading import ConfigError, ModelConfig, build_host, check_names, load_models
@@ -185,15 +187,17 @@ class HookwireServer:
         self.metrics = Metrics()
         registry.configure_batching(self.settings.batch_defaults(), self.metrics.observe_batch)
         self.metrics.watch_fires(lambda: {host.name: host.fires for host in registry})
-        self.hooks = HookManager(
-            registry, allow_shared_rules=self.settings.allow_shared_rules, limits=self.settings, metrics=self.metrics,
-        )
+        #: The limits, metrics and draining flag every call and stream consults.
+        self.state = ServerState(limits=self.settings, metrics=self.metrics)
+        self.hooks = HookManager(registry, allow_shared_rules=self.settings.allow_shared_rules, state=self.state)
         #: Each model's engine and scheduler: Infer, Generate and harvest jobs share them.
         self.engines = Engines(registry, gate=self.hooks.gate)
-        self.inference = Inference(registry, self.hooks, engines=self.engines, limits=self.settings)
-        self.tokenization = Tokenization(registry, limits=self.settings)
-        self.generation = Generation(registry, self.hooks, engines=self.engines, limits=self.settings)
-        self.parameters = Parameters(registry, self.hooks, limits=self.settings)
+        #: The admission step every call goes through.
+        self.admission = Admission(registry, self.hooks, self.state)
+        self.inference = Inference(self.admission, self.hooks, engines=self.engines)
+        self.tokenization = Tokenization(self.admission)
+        self.generation = Generation(self.admission, self.hooks, engines=self.engines)
+        self.parameters = Parameters(self.admission)
         s = self.settings
         self.harvests = HarvestManager(registry, self.hooks, s.harvest_config(), limits=self.settings,
                                        engines=self.engines)
@@ -293,7 +297,7 @@ class HookwireServer:
         grace = self.settings.grace if grace is None else grace
         deadline = asyncio.get_running_loop().time() + grace
         await self.set_serving(False)
-        self.hooks.draining = True
+        self.state.draining = True
         # Generate calls end at their next step boundary, with finish_reason "shutdown".
         # Harvest jobs stop after their running batch, keeping what they committed (resumable).
         await asyncio.gather(

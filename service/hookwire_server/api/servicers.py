@@ -48,7 +48,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
     ) -> None:
         self._registry = registry
         self._inference = inference
-        self._tokenization = tokenization or Tokenization(registry, limits=inference.limits)
+        self._tokenization = tokenization
         self._generation = generation
         self._parameters = parameters
         self._tokens = tokens
@@ -94,6 +94,8 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
     @unary
     async def Tokenize(self, request: model_service_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> model_service_pb2.TokenizeResponse:
+        if self._tokenization is None:
+            raise Unavailable("this server does not run Tokenize")
         return await self._tokenization.tokenize(request, principal=principal_of(context, self._tokens))
 
     @paced("generate_idle_timeout", held="its generation slot and KV cache")

@@ -45,8 +45,9 @@ from hookwire import _codec
 from hookwire._framing import GENERATE_RESPONSE_CHUNK, Framing
 from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
-from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
+from ..auth import ANONYMOUS, Principal
 from ..engine.core import Engines
+from .admission import Admission
 from ..engine.seam import GENERATE
 from ..engine.decoding import (
     FINISHED, Decoder, GenerateOptions, StepCall, StepResult, finish_call, start_call,
@@ -57,7 +58,6 @@ from ..errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
-    Unavailable,
     Unimplemented,
     release_failure,
 )
@@ -72,8 +72,7 @@ from ..hooks.event_bus import (
 from ..hooks.hook_manager import HookManager, new_id
 from ..hooks.hook_record import HookRecord
 from .. import limits
-from ..limits import Limits
-from ..models.model_registry import ModelHost, ModelRegistry
+from ..models.model_registry import ModelHost
 from ..hooks.passes import Pass
 from .tokenization import check_texts, no_tokenizer_message, padding_side_for, tokenize_texts
 
@@ -214,14 +213,13 @@ def _event_run(events: list[hook_pb2.InterceptEvent]) -> model_service_pb2.Gener
 class Generation:
     """Runs Generate calls."""
 
-    def __init__(
-        self, registry: ModelRegistry, hooks: HookManager, *, engines: Engines, limits: Limits | None = None,
-    ) -> None:
-        self._registry = registry
+    def __init__(self, admission: Admission, hooks: HookManager, *, engines: Engines) -> None:
+        self._admission = admission
+        self._state = admission.state
         self._hooks = hooks
         #: Each model's engine and scheduler (shared with Infer and harvest jobs).
         self._engines = engines
-        self.limits = limits or Limits()
+        self.limits = admission.state.limits
         #: Running calls by model name, and by principal name.
         self._active: dict[str, int] = {}
         self._by_principal: dict[str, int] = {}
@@ -395,10 +393,7 @@ class Generation:
         went away) ends the call at once (a running step completes, a queued one never
         runs); once the server drains, the call ends at the next step boundary with
         finish_reason "shutdown"."""
-        principal.require(MINIMUM_ROLE["Generate"], "Generate")
-        if self._hooks.draining:
-            raise Unavailable("the server is shutting down")
-        host = self._registry.get(request.model)
+        host = self._admission.enter("Generate", principal, request.model)
         if not host.can_generate:
             raise Unimplemented(
                 f"model {host.name!r} cannot generate: Generate needs a causal language model "
@@ -411,12 +406,8 @@ class Generation:
         self._check_prompt_source(request, host)
         options = self._options(request, host)
         positions = _positions(host)
-        if len(request.hooks) > self.limits.max_request_hooks:
-            raise ResourceExhausted(
-                f"hooks: {len(request.hooks)} request-scoped hooks, over the limit of {self.limits.max_request_hooks} "
-                "(max_request_hooks)"
-            )
-        session = self._hooks.require_session(request.session_id, principal, owner_only=True) if request.session_id else None
+        self._admission.check_hook_count(len(request.hooks))
+        session = self._admission.session(request.session_id, principal)
         active = self._active.get(host.name, 0)
         limits.check(active, self.limits.max_active_generations,
                      f"model {host.name!r} has {active} Generate calls running", "max_active_generations")
@@ -447,17 +438,10 @@ class Generation:
             if options.stop:  # built on the tokenizer's thread: it reads the tokenizer's vocabulary
                 stop_criteria = await host.run_tokenizer(_stop_criteria, host.tokenizer, options.stop)
             request_id = new_id("req")
-            records: list[HookRecord] = []
-            if request.hooks:
-                records = await asyncio.to_thread(
-                    self._hooks.request_hooks, host, request.hooks, request_id, session, principal
-                )
-            slots = any(r.compiled.uses_slots for r in records) or (
-                session is not None and self._hooks.session_uses_slots(session)
-            )
+            records = await self._admission.request_hooks(host, request.hooks, request_id, session, principal)
             run = self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria,
                             session.stream if session is not None else None,
-                            group=request.session_id if slots else None)
+                            group=self._admission.slots_group(records, session))
             try:
                 async for message in run:
                     yield message
@@ -542,7 +526,7 @@ class Generation:
                 if p.backlog:  # a stream that blocks for the call was full: wait for its reader here, alone
                     await self._backlog_delivered(p, host)
                 final = result.finished or step == options.max_new_tokens - 1
-                stopping = not final and self._hooks.draining
+                stopping = not final and self._state.draining
                 if not final and not stopping:
                     # The next step runs while this one's tokens are decoded and sent: at most
                     # one step ahead of the reader, who still pauses the call (and only it).
@@ -594,7 +578,7 @@ class Generation:
             cleanup.add_done_callback(self._background.discard)
             cleanup.add_done_callback(_log_failure)
             elapsed = time.perf_counter() - started
-            metrics = self._hooks.metrics
+            metrics = self._state.metrics
             metrics.generate_seconds.labels(host.name).observe(elapsed)
             if decoder is not None:
                 metrics.generated_tokens.labels(host.name).inc(sum(len(t) for t in decoder.tokens))

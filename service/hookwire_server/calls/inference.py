@@ -27,19 +27,17 @@ from ..errors import (
     InvalidArgument,
     ResourceExhausted,
     release_failure,
-    Unavailable,
 )
 from ..hooks.event_bus import HeldBytesExceeded
 from ..hooks.hook_manager import HookManager, new_id
 from ..hooks.passes import Pass
 from ..engine.core import Engines
+from .admission import Admission
 from ..engine.infer_pass import BackwardPlan, InferCall
 from ..engine.seam import INFER
 from ..engine.scheduler import Work
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from .. import limits
-from ..limits import Limits
-from ..models.model_registry import ModelRegistry
 
 log = logging.getLogger("hookwire.infer")
 
@@ -90,14 +88,12 @@ def _releasing_on_failure(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitabl
 class Inference:
     """Runs Infer calls."""
 
-    def __init__(
-        self, registry: ModelRegistry, hooks: HookManager, *, engines: Engines, limits: Limits | None = None,
-    ) -> None:
-        self._registry = registry
+    def __init__(self, admission: Admission, hooks: HookManager, *, engines: Engines) -> None:
+        self._admission = admission
         self._hooks = hooks
         #: Each model's engine and scheduler (shared with Generate and harvest jobs).
         self._engines = engines
-        self.limits = limits or Limits()
+        self.limits = admission.state.limits
         self._queued: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -120,6 +116,7 @@ class Inference:
         anything: PermissionDenied below the user role, ResourceExhausted when the
         principal already has max_infer_streams_per_principal uploads open."""
         principal.require(MINIMUM_ROLE["InferStream"], "Infer")
+        self._admission.state.refuse_when_draining()
         name = principal.name
         count = self._streams.get(name, 0)
         limits.check(count, self.limits.max_infer_streams_per_principal,
@@ -254,15 +251,8 @@ class Inference:
         Validation that walks the request's Values, and compiling its request-scoped
         hooks, run on worker threads: a large request never stalls the event loop.
         """
-        principal.require(MINIMUM_ROLE["Infer"], "Infer")
-        if self._hooks.draining:
-            raise Unavailable("the server is shutting down")
-        host = self._registry.get(request.model)
-        if len(request.hooks) > self.limits.max_request_hooks:
-            raise ResourceExhausted(
-                f"hooks: {len(request.hooks)} request-scoped hooks, over the limit of {self.limits.max_request_hooks} "
-                "(max_request_hooks)"
-            )
+        host = self._admission.enter("Infer", principal, request.model)
+        self._admission.check_hook_count(len(request.hooks))
         if not checked and await self._checked(request) and chunked is None:
             raise InvalidArgument("a tensor has a chunk_id: chunked tensors travel over InferStream, not Infer")
         if request.mode not in model_service_pb2.Mode.values():
@@ -270,7 +260,7 @@ class Inference:
         train = request.mode == model_service_pb2.MODE_TRAIN
         if train and not host.training_allowed:
             raise FailedPrecondition(f"model {host.name!r} does not allow MODE_TRAIN")
-        session = self._hooks.require_session(request.session_id, principal, owner_only=True) if request.session_id else None
+        session = self._admission.session(request.session_id, principal)
         backward = None
         if request.HasField("backward"):
             backward = BackwardPlan(
@@ -284,12 +274,7 @@ class Inference:
                 except _codec.CodecError as exc:
                     raise InvalidArgument(str(exc)) from None
         request_id = new_id("req")
-        records = []
-        if request.hooks:
-            # Off the loop: each hook resolves its module glob against every module path.
-            records = await asyncio.to_thread(
-                self._hooks.request_hooks, host, request.hooks, request_id, session, principal
-            )
+        records = await self._admission.request_hooks(host, request.hooks, request_id, session, principal)
         p = Pass(
             request_id, request.session_id, frozenset(request.tags), principal=principal.name,
             max_events=self.limits.max_events_per_call, model=host.name,
@@ -316,14 +301,11 @@ class Inference:
         started = time.perf_counter()
         outcome = "error"
         try:
-            slots = any(r.compiled.uses_slots for r in records) or (
-                session is not None and self._hooks.session_uses_slots(session)
-            )
             work = Work(
                 INFER, call, key=shape.key if shape is not None else None,
                 rows=shape.rows if shape is not None else 1,
                 avoid=shape.sizes if shape is not None else frozenset(),
-                group=request.session_id if slots else None, caller=(request.session_id, principal.name),
+                group=self._admission.slots_group(records, session), caller=(request.session_id, principal.name),
             )
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.limits.infer_timeout
@@ -353,7 +335,7 @@ class Inference:
             if not any(self._queued.values()):
                 self._idle.set()
             elapsed = time.perf_counter() - started
-            self._hooks.metrics.infer_seconds.labels(host.name).observe(elapsed)
+            self._admission.state.metrics.infer_seconds.labels(host.name).observe(elapsed)
             log.info(
                 "infer %s", outcome,
                 extra={"request_id": request_id, "model": host.name, "session_id": request.session_id,

@@ -34,13 +34,12 @@ from hookwire._framing import GET_PARAMETERS_CHUNK, Framing
 from hookwire.v1 import model_service_pb2
 
 from .. import limits
-from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
+from ..auth import ANONYMOUS, Principal
 from ..hooks.capture import compile_cast
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, Unimplemented
 from ..hooks.event_bus import DEFAULT_MAX_MESSAGE_BYTES, MIN_MAX_MESSAGE_BYTES, chunk_bytes_for
-from ..hooks.hook_manager import HookManager
-from ..limits import Limits
-from ..models.model_registry import ModelHost, ModelRegistry
+from .admission import Admission
+from ..models.model_registry import ModelHost
 from ..models.module_patterns import MAX_PATTERN_LENGTH, is_glob
 
 #: Parameters copied in one trip to the model's worker thread, in bytes at most (a larger
@@ -165,10 +164,10 @@ def copy_parameters(host: ModelHost, names: list[str], cast: torch.dtype | None,
 class Parameters:
     """GetParameters calls: checks, limits, the copies on the model's thread, the stream."""
 
-    def __init__(self, registry: ModelRegistry, hooks: HookManager, *, limits: Limits | None = None) -> None:
-        self._registry = registry
-        self._hooks = hooks
-        self.limits = limits or Limits()
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._state = admission.state
+        self.limits = admission.state.limits
         #: Running calls by principal name.
         self._by_principal: dict[str, int] = {}
 
@@ -185,10 +184,7 @@ class Parameters:
         Unavailable (loading, shutting down), FailedPrecondition (failed to load; not
         readable), ResourceExhausted (a limit, named), Unimplemented (a dtype with no
         wire form). Unavailable later too, when the server starts shutting down."""
-        principal.require(MINIMUM_ROLE["GetParameters"], "GetParameters")
-        if self._hooks.draining:
-            raise Unavailable("the server is shutting down")
-        host = self._registry.get(request.model)
+        host = self._admission.enter("GetParameters", principal, request.model)
         if not host.parameters_readable:
             raise FailedPrecondition(not_readable_message(host.name))
         cast = compile_cast(request.dtype, "dtype")
@@ -220,9 +216,9 @@ class Parameters:
                 )
             chunk_bytes = chunk_bytes_for(max_message or DEFAULT_MAX_MESSAGE_BYTES)
             framing = Framing(GET_PARAMETERS_CHUNK, chunk_bytes)
-            sent = self._hooks.metrics.parameter_bytes.labels(host.name)
+            sent = self._state.metrics.parameter_bytes.labels(host.name)
             for group in selection.groups():
-                if self._hooks.draining:
+                if self._state.draining:
                     raise Unavailable("the server is shutting down")
                 try:
                     replies = await host.run(copy_parameters, host, group, cast, framing)

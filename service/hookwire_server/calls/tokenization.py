@@ -24,10 +24,11 @@ import torch
 from hookwire import _codec
 from hookwire.v1 import model_service_pb2
 
-from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
+from ..auth import ANONYMOUS, Principal
 from ..errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from ..limits import Limits
-from ..models.model_registry import ModelHost, ModelRegistry
+from .admission import Admission
+from ..models.model_registry import ModelHost
 
 log = logging.getLogger("hookwire.models")
 
@@ -155,9 +156,9 @@ def no_tokenizer_message(host: ModelHost) -> str:
 class Tokenization:
     """Tokenize calls: limits, the model's tokenizer thread, the response."""
 
-    def __init__(self, registry: ModelRegistry, *, limits: Limits | None = None) -> None:
-        self.registry = registry
-        self.limits = limits or Limits()
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self.limits = admission.state.limits
         #: Tokenize calls running or waiting, by model name.
         self._queued: dict[str, int] = {}
 
@@ -165,10 +166,9 @@ class Tokenization:
         self, request: model_service_pb2.TokenizeRequest, principal: Principal = ANONYMOUS,
     ) -> model_service_pb2.TokenizeResponse:
         """Runs one Tokenize call. Raises PermissionDenied (role), InvalidArgument,
-        NotFound, Unavailable (loading), FailedPrecondition (failed to load; no
+        NotFound, Unavailable (loading, shutting down), FailedPrecondition (failed to load; no
         tokenizer), ResourceExhausted (a limit, named)."""
-        principal.require(MINIMUM_ROLE["Tokenize"], "Tokenize")
-        host = self.registry.get(request.model)
+        host = self._admission.enter("Tokenize", principal, request.model)
         side = padding_side_for(host, request.padding_side)
         if host.tokenizer is None:
             raise FailedPrecondition(no_tokenizer_message(host))

@@ -19,18 +19,16 @@ from hookwire.v1 import hook_pb2, hook_service_pb2
 
 from .. import limits
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
-from ..errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
+from ..errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from .event_bus import DeliveryGate, DeliveryLimits, EventStream, HeldBytes
 from .hook_record import HookRecord, _notice
 from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
-from ..limits import Limits
-from ..metrics import Metrics
+from ..state import SHUTDOWN_REASON, ServerState
 from ..models.model_registry import ModelHost, ModelRegistry
 from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
 
 log = logging.getLogger("hookwire.hooks")
 
-SHUTDOWN_REASON = "the server is shutting down"
 #: Specs (and listings with operand data) up to this size are compiled (encoded) on the
 #: event loop; larger ones, whose rule operands take long to decode or encode, on a thread.
 OPERAND_BYTES_INLINE = 64 * 1024
@@ -82,14 +80,13 @@ class HookManager:
     """Sessions, registered hooks and subscriptions. Lives on the event loop."""
 
     def __init__(
-        self, registry: ModelRegistry, *, allow_shared_rules: bool = False, limits: Limits | None = None,
-        metrics: Metrics | None = None,
+        self, registry: ModelRegistry, *, allow_shared_rules: bool = False, state: ServerState | None = None,
     ) -> None:
         self._registry = registry
-        self.limits = limits or Limits()
-        #: True once the server is stopping: nothing new is accepted.
-        self.draining = False
-        self.metrics = metrics or Metrics()
+        #: The server's limits, metrics and draining flag (shared with every call).
+        self._state = state or ServerState()
+        self.limits = self._state.limits
+        self.metrics = self._state.metrics
         self._subscriptions: set[Subscription] = set()
         self.metrics.watch(
             sessions=lambda: len(self._sessions), hooks=lambda: len(self._hooks),
@@ -111,8 +108,7 @@ class HookManager:
     # ---------------------------------------------------------------- sessions
 
     def _refuse_when_draining(self) -> None:
-        if self.draining:
-            raise Unavailable(SHUTDOWN_REASON)
+        self._state.refuse_when_draining()
 
     def _admit_stream(self, principal: Principal, delivery: DeliveryLimits) -> None:
         """Limits on streams: per principal, and the server's total buffer budget."""
@@ -532,7 +528,7 @@ class HookManager:
     def begin_shutdown(self) -> None:
         """Refuses new sessions, subscriptions and hooks, and ends every event stream
         with the reason "server is shutting down" (their hooks are removed)."""
-        self.draining = True
+        self._state.draining = True
         for session in list(self._sessions.values()):
             session.stream.close(SHUTDOWN_REASON)
             self.close_session(session.session_id)

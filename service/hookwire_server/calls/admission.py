@@ -1,0 +1,70 @@
+"""One admission step, shared by every kind of call (Infer, InferStream, Generate,
+Tokenize, GetParameters, harvest jobs): who may make it, whether the server still takes
+calls, which model it is for; and for calls with request-scoped hooks (Infer, Generate)
+the hooks' count limit, the session the call is made in, the hooks compiled (off the
+event loop) and whether the call must keep its own pass (slots). Each check answers in
+the same words for every kind of call."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from hookwire.v1 import hook_pb2
+
+from ..auth import MINIMUM_ROLE, Principal
+from ..errors import ResourceExhausted
+from ..hooks.hook_manager import HookManager, Session
+from ..hooks.hook_record import HookRecord
+from ..models.model_registry import ModelHost, ModelRegistry
+from ..state import ServerState
+
+
+class Admission:
+    """The admission step (see the module docstring). Event loop."""
+
+    def __init__(self, registry: ModelRegistry, hooks: HookManager, state: ServerState) -> None:
+        self._registry = registry
+        self._hooks = hooks
+        self.state = state
+
+    def enter(self, rpc: str, principal: Principal, model: str, *, action: str | None = None) -> ModelHost:
+        """The model a call of ``rpc`` by ``principal`` is for: PermissionDenied unless the
+        principal holds the RPC's role (``action`` names what it is doing), Unavailable
+        while the server stops, NotFound/Unavailable for a model that is unknown or not ready."""
+        principal.require(MINIMUM_ROLE[rpc], action or rpc)
+        self.state.refuse_when_draining()
+        return self._registry.get(model)
+
+    def check_hook_count(self, count: int) -> None:
+        """ResourceExhausted past max_request_hooks request-scoped hooks."""
+        limit = self.state.limits.max_request_hooks
+        if count > limit:
+            raise ResourceExhausted(
+                f"hooks: {count} request-scoped hooks, over the limit of {limit} (max_request_hooks)"
+            )
+
+    def session(self, session_id: str, principal: Principal) -> Session | None:
+        """The caller's own open session a call is made in (None for none); NotFound for
+        another's or an ended one (hooks and calls in a session are its owner's alone)."""
+        return self._hooks.require_session(session_id, principal, owner_only=True) if session_id else None
+
+    async def request_hooks(
+        self, host: ModelHost, specs: Sequence[hook_pb2.HookSpec], request_id: str, session: Session | None,
+        principal: Principal,
+    ) -> list[HookRecord]:
+        """The call's request-scoped hooks, compiled off the event loop (each resolves its
+        module glob against every module path); InvalidArgument/PermissionDenied naming
+        the hook that is wrong."""
+        if not specs:
+            return []
+        return await asyncio.to_thread(self._hooks.request_hooks, host, specs, request_id, session, principal)
+
+    def slots_group(self, records: Sequence[HookRecord], session: Session | None) -> str | None:
+        """The session whose calls must never share a pass with each other (their hooks
+        save and patch slots: saves must be seen in call order), or None."""
+        if any(r.compiled.uses_slots for r in records) or (
+            session is not None and self._hooks.session_uses_slots(session)
+        ):
+            return session.session_id if session is not None else ""
+        return None
