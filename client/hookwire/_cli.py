@@ -15,12 +15,11 @@ from typing import Any
 from ._client import DEFAULT_TARGET, ConnectOptions, connect, resolve_target
 from ._errors import HookwireError, from_rpc_error
 from ._types import GeneratedTokens, InterceptEvent
+from .wire.ids import HOOK_ID
 
 #: Exit status when stdout closes early (``hookwire inspect m | head -2``): what a
 #: shell reports for a process ended by SIGPIPE (128 + 13).
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
-#: What the server's hook ids look like (``hk_`` and 128 random bits in hex).
-HOOK_ID = re.compile(r"hk_[0-9a-f]{32}")
 
 
 def _serve(ns: argparse.Namespace) -> int:

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Sequence, Union
 import grpc
 import numpy as np
 
-from . import _codec
+from .wire import codec
 from ._errors import CancelledError, HookwireError, from_rpc_error
-from ._framing import RawChunk
+from .wire.framing import RawChunk
 from ._session import EventAssembler, assembled, kind_of, notice_of, restored, uncut
 from ._specs import HookSpecLike, spec_proto
 from ._types import GeneratedTokens, GenerateResult, InterceptEvent, Notice
@@ -60,11 +60,11 @@ def generate_request(
     elif isinstance(prompt_or_ids, (list, tuple)) and not prompt_or_ids:
         raise ValueError("no prompt: give a string, a list of strings, or input_ids [batch, seq]")
     else:
-        _codec.encode_tensor_into(_ids_matrix(prompt_or_ids, "input_ids"), request.input_ids)
+        codec.encode_tensor_into(_ids_matrix(prompt_or_ids, "input_ids"), request.input_ids)
     if attention_mask is not None:
         if request.prompts:
             raise ValueError("attention_mask goes with input_ids: text prompts are tokenized and padded on the server")
-        _codec.encode_tensor_into(_ids_matrix(attention_mask, "attention_mask"), request.attention_mask)
+        codec.encode_tensor_into(_ids_matrix(attention_mask, "attention_mask"), request.attention_mask)
     for spec in hooks:
         request.hooks.append(spec_proto(spec, model))
     if do_sample is not None:
@@ -276,7 +276,7 @@ class GenerateStream:
                         continue  # a kind this SDK does not know yet
                     if complete is not None:
                         return self._keep(InterceptEvent.from_proto(complete[0], chunked=complete[1]))
-            except _codec.CodecError as exc:
+            except codec.CodecError as exc:
                 raise self._fail(HookwireError(f"Generate: {exc}", code="DATA_LOSS")) from None
             except HookwireError as exc:
                 if exc is not self._error:  # the assembler's DATA_LOSS

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from . import _harvest_sources as sources
+from .wire import harvest_sources as sources
 from ._errors import HookwireError, from_rpc_error
 from .v1 import harvest_service_pb2 as hv
 from .v1 import harvest_service_pb2_grpc as hv_grpc
@@ -116,7 +116,7 @@ def harvest_request(
 ) -> hv.StartHarvestRequest:
     """The StartHarvestRequest of ``Client.harvest``'s arguments (ValueError for unknown
     names of dtype, part, packing or format; the server checks the rest)."""
-    from ._codec import encode_tensor
+    from .wire.codec import encode_tensor
     from ._specs import spec_proto
 
     for name, value, table in (("dtype", dtype, _DTYPES), ("part", part, _PARTS), ("packing", packing, _PACKING),
@@ -317,9 +317,9 @@ async def harvest_local(
     import numpy as np
     import torch
 
-    from . import _harvest_format as fmt
+    from .wire import harvest_format as fmt
     from ._specs import spec_proto
-    from . import __version__
+    from .wire import __version__
 
     if dtype not in _DTYPES or part not in _PARTS or packing not in _PACKING:
         raise ValueError(f"dtype {dtype!r}, part {part!r} or packing {packing!r} is not known")

@@ -88,35 +88,35 @@ def test_tensors_decode_to_torch_importing_it_on_the_first_one() -> None:
     script = PRELUDE + textwrap.dedent(
         """
         import numpy as np
-        from hookwire import _codec
+        from hookwire.wire import codec
         from hookwire.v1 import tensor_pb2
 
-        assert _codec.torch_importable() and "torch" not in sys.modules
+        assert codec.torch_importable() and "torch" not in sys.modules
         values = np.arange(6, dtype="<f4").reshape(2, 3)
-        msg = _codec.encode_tensor(values)  # numpy needs no torch
-        value = _codec.encode_value({"x": values, "n": [1, 2.5, None]})
-        assert _codec.decode_tensor(msg, as_numpy=True).tolist() == values.tolist()
+        msg = codec.encode_tensor(values)  # numpy needs no torch
+        value = codec.encode_value({"x": values, "n": [1, 2.5, None]})
+        assert codec.decode_tensor(msg, as_numpy=True).tolist() == values.tolist()
         assert "torch" not in sys.modules
 
         # The first tensor to decode here is a chunked one: ChunkAssembler imports torch
         # and allocates torch tensors for the chunks to fill.
         big = np.random.default_rng(0).standard_normal((256, 512)).astype("<f4")  # 512 KiB: chunked
-        chunker = _codec.Chunker(snapshot=False)
+        chunker = codec.Chunker(snapshot=False)
         chunked = tensor_pb2.Value()
-        _codec.encode_value_into(big, chunked, chunker=chunker)
+        codec.encode_value_into(big, chunked, chunker=chunker)
         assert chunked.tensor.chunk_id and "torch" not in sys.modules
-        assembler = _codec.ChunkAssembler(chunked)
+        assembler = codec.ChunkAssembler(chunked)
         for chunk in chunker.chunks(64 * 1024):
             assembler.feed(chunk)
-        out = _codec.decode_value(chunked, chunked=assembler.result())
+        out = codec.decode_value(chunked, chunked=assembler.result())
         import torch
         assert isinstance(out, torch.Tensor) and torch.equal(out, torch.from_numpy(big)), type(out)
 
-        out = _codec.decode_tensor(msg)
+        out = codec.decode_tensor(msg)
         assert isinstance(out, torch.Tensor) and out.dtype == torch.float32, type(out)
         assert torch.equal(out, torch.from_numpy(values))
-        assert isinstance(_codec.decode_value(value)["x"], torch.Tensor)
-        assert _codec.TORCH_DTYPES[tensor_pb2.DTYPE_BFLOAT16] is torch.bfloat16
+        assert isinstance(codec.decode_value(value)["x"], torch.Tensor)
+        assert codec.TORCH_DTYPES[tensor_pb2.DTYPE_BFLOAT16] is torch.bfloat16
         print("OK")
         """
     )
@@ -128,17 +128,17 @@ def test_torch_imported_by_the_caller_is_used_for_encoding_before_any_decode() -
     # sys.modules (and fills the dtype tables then) without a decode having imported it.
     script = PRELUDE + textwrap.dedent(
         """
-        from hookwire import _codec
+        from hookwire.wire import codec
         from hookwire.v1 import tensor_pb2
         import torch
 
-        assert _codec.wire_dtype_of(torch.bfloat16) == tensor_pb2.DTYPE_BFLOAT16
+        assert codec.wire_dtype_of(torch.bfloat16) == tensor_pb2.DTYPE_BFLOAT16
         t = torch.arange(12, dtype=torch.int16).reshape(3, 4)
-        msg = _codec.encode_tensor(t)
+        msg = codec.encode_tensor(t)
         assert msg.dtype == tensor_pb2.DTYPE_INT16 and list(msg.shape) == [3, 4]
-        assert torch.equal(_codec.decode_tensor(msg), t)
-        value = _codec.encode_value((t.to(torch.bfloat16), {"m": t > 4}))
-        back = _codec.decode_value(value)
+        assert torch.equal(codec.decode_tensor(msg), t)
+        value = codec.encode_value((t.to(torch.bfloat16), {"m": t > 4}))
+        back = codec.decode_value(value)
         assert back[0].dtype == torch.bfloat16 and torch.equal(back[1]["m"], t > 4)
         print("OK")
         """

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import model_service_pb2
 
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
@@ -73,8 +73,8 @@ class TokenizedBatch:
     def to_proto(self) -> model_service_pb2.TokenizeResponse:
         """The TokenizeResponse carrying this batch."""
         response = model_service_pb2.TokenizeResponse()
-        _codec.encode_tensor_into(self.input_ids, response.input_ids)
-        _codec.encode_tensor_into(self.attention_mask, response.attention_mask)
+        codec.encode_tensor_into(self.input_ids, response.input_ids)
+        codec.encode_tensor_into(self.attention_mask, response.attention_mask)
         for row in self.pieces:
             response.tokens.add().pieces.extend(row)
         return response
