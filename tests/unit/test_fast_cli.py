@@ -167,3 +167,47 @@ def test_only_the_command_silences_grpc_core_logging() -> None:
             assert _cli_env.is_cli_process() is expected, argv
         finally:
             sys.orig_argv, sys.argv = saved
+
+
+def test_commands_of_other_packages_come_from_entry_points(tmp_path: pathlib.Path) -> None:
+    # The SDK's command imports no hookwire_server module (tests/unit/test_architecture.py):
+    # the server's serve and token come through the hookwire.commands entry points, which an
+    # installed distribution declares (here a fake one on the path, found by importlib.metadata),
+    # loaded for --help and for commands the SDK does not have, never for its own commands.
+    dist = tmp_path / "hookwire_extra-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hookwire-extra\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[hookwire.commands]\nhello = hookwire_extra:add_hello\n")
+    (tmp_path / "hookwire_extra.py").write_text(textwrap.dedent(
+        """
+        def add_hello(sub, name):
+            sub.add_parser(name, help="say hello").set_defaults(command_handler=lambda ns: print("hello") or 7)
+        """
+    ))
+    script = PRELUDE + textwrap.dedent(
+        f"""
+        sys.path.insert(0, {str(tmp_path)!r})
+        import hookwire._cli as cli
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["hello"]) == 7
+        assert out.getvalue() == "hello\\n", out.getvalue()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                cli.main(["--help"])
+            except SystemExit:
+                pass
+        assert "hello" in out.getvalue() and "say hello" in out.getvalue(), out.getvalue()
+        del sys.modules["hookwire_extra"]
+        parser_modules = set(sys.modules)
+        try:
+            cli.main(["models", "--target", "bad target"])  # the SDK's own command: exits 2 on the target
+        except SystemExit:
+            pass
+        assert "hookwire_extra" not in sys.modules and not any(m.startswith("hookwire_server") for m in set(sys.modules) - parser_modules)
+        assert heavy() == [], heavy()
+        print("OK")
+        """
+    )
+    assert _run(script).strip() == "OK"
