@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Sequence, Union
+from typing import Any, AsyncIterator, Generator, Sequence, Union
 
 import grpc
 import numpy as np
@@ -15,11 +15,10 @@ from ._errors import CancelledError, HookwireError, from_rpc_error
 from .wire.framing import RawChunk
 from ._session import EventAssembler, assembled, kind_of, notice_of, restored, uncut
 from ._specs import HookSpecLike, spec_proto
+from ._transport import Transport
 from ._types import GeneratedTokens, GenerateResult, InterceptEvent, Notice
 from .v1 import model_service_pb2
 
-if TYPE_CHECKING:
-    from ._client import Client
 
 #: What iterating a GenerateStream yields.
 GenerateItem = Union[GeneratedTokens, InterceptEvent]
@@ -130,7 +129,7 @@ class GenerateStream:
     ``async with``, when you are done with it.
     """
 
-    def __init__(self, client: Client, request: model_service_pb2.GenerateRequest, *, keep_events: bool = True) -> None:
+    def __init__(self, client: Transport, request: model_service_pb2.GenerateRequest, *, keep_events: bool = True) -> None:
         self._client = client
         #: The request (escape hatch).
         self.request = request

@@ -28,7 +28,7 @@ from hookwire.v1 import (
 )
 from hookwire_server import ModelConfig, ModelHost, ServerSettings, build_registry, demo_configs
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
-from hookwire_server.calls.tokenization import prepare_tokenizer
+from hookwire_server.models.tokenizers import prepare_tokenizer
 from support import CACHE, ServerThread, assert_same
 
 MB = 1 << 20

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from hookwire.wire import codec
 from hookwire.v1 import hook_pb2, model_service_pb2, model_service_pb2_grpc, rule_pb2
 from hookwire_server import ModelHost, ServerSettings, build_registry, demo_configs
-from hookwire_server.calls.tokenization import prepare_tokenizer
+from hookwire_server.models.tokenizers import prepare_tokenizer
 from support import CACHE, ServerThread
 
 GenerateRequest = model_service_pb2.GenerateRequest

@@ -1,4 +1,4 @@
-"""Tokenizers on the server: preparing a model's tokenizer, and tokenizing texts for it.
+"""Tokenizing texts for a model (its tokenizer is readied as it loads: models/tokenizers.py).
 
 ``tokenize_texts`` is what Tokenize runs, and what Generate's ``prompts`` will run
 with the default fields, so both see the same ids. It equals transformers'
@@ -16,7 +16,6 @@ forward pass. Nothing here imports grpc or transformers.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Sequence
 
 import torch
@@ -29,21 +28,8 @@ from ..errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from ..limits import Limits
 from ..models.model_registry import ModelHost, ModelRegistry
 
-log = logging.getLogger("hookwire.models")
-
 #: TokenizeRequest.padding_side values; "" picks the model's default (``padding_side_for``).
 PADDING_SIDES = ("", "left", "right")
-
-
-def prepare_tokenizer(tokenizer: Any, model_name: str) -> Any:
-    """Readies a tokenizer for batching, in place, and returns it: one without a pad
-    token pads with its EOS token, as transformers users set it for GPT-2-like models
-    (the attention mask marks the padding, so the id itself is never attended to)."""
-    if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-        log.info("model %r: its tokenizer has no pad token; padding with its EOS token %r",
-                 model_name, tokenizer.eos_token)
-    return tokenizer
 
 
 def padding_side_for(host: ModelHost, requested: str) -> str:

@@ -22,7 +22,7 @@ from .. import limits
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
 from ..errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from .event_bus import DeliveryGate, DeliveryLimits, EventStream, HeldBytes
-from .hook_record import HookRecord, _notice
+from .hook_record import HookRecord, Subscription, _notice
 from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
 from ..limits import Limits
 from ..metrics import Metrics
@@ -54,15 +54,6 @@ class Session:
         self.slots = SlotStore(max_slot_bytes)
         self.hook_ids: dict[str, None] = {}  # ordered set
         self.closed = False
-
-
-class Subscription:
-    """A further stream for the events of existing hooks."""
-
-    def __init__(self, stream: EventStream, hook_ids: Iterable[str], principal: Principal = ANONYMOUS) -> None:
-        self.stream = stream
-        self.principal = principal
-        self.hook_ids = dict.fromkeys(hook_ids)
 
 
 def _lacks(principal: Principal, role: str, what: str) -> str:

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -40,12 +40,21 @@ from .rules import RuleFailure, apply_rules, operand_tensors
 from .slots import SlotStore
 
 if TYPE_CHECKING:
-    from .hook_manager import Subscription
     from .passes import Pass
 
 log = logging.getLogger("hookwire.hooks")
 
 _NO_METRICS = Metrics()  # for records built without a server (unit tests)
+
+
+class Subscription:
+    """A further stream for the events of existing hooks (HookManager.subscribe); each
+    HookRecord lists the subscriptions that carry its events."""
+
+    def __init__(self, stream: EventStream, hook_ids: Iterable[str], principal: Principal = ANONYMOUS) -> None:
+        self.stream = stream
+        self.principal = principal
+        self.hook_ids = dict.fromkeys(hook_ids)
 
 
 class HookRecord:
