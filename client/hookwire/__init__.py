@@ -32,7 +32,7 @@ from ._client import (
     connect,
 )
 from ._cache import ActivationCache
-from ._codec import CodecError
+from .wire.codec import CodecError
 from ._fleet import FleetClient, FleetHookHandle, FleetModel, FleetNotice, connect_fleet
 from ._errors import (
     AlreadyExistsError,
@@ -80,7 +80,7 @@ from ._types import (
     Tokenized,
 )
 
-__version__ = "0.1.0"
+from .wire import __version__
 
 __all__ = [
     "ActivationCache",

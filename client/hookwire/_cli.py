@@ -5,97 +5,68 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import importlib
 import ipaddress
 import os
+import pathlib
 import re
 import signal
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from ._client import DEFAULT_TARGET, ConnectOptions, connect, resolve_target
 from ._errors import HookwireError, from_rpc_error
 from ._types import GeneratedTokens, InterceptEvent
+from .wire.ids import HOOK_ID
 
 #: Exit status when stdout closes early (``hookwire inspect m | head -2``): what a
 #: shell reports for a process ended by SIGPIPE (128 + 13).
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
-#: What the server's hook ids look like (``hk_`` and 128 random bits in hex).
-HOOK_ID = re.compile(r"hk_[0-9a-f]{32}")
 
 
-def _serve(ns: argparse.Namespace) -> int:
+#: The commands of the SDK itself. Other installed packages add commands through the
+#: COMMANDS_GROUP entry points (the server: ``serve`` and ``token``), looked for only for
+#: ``--help`` and for a command not in this set.
+SDK_COMMANDS = frozenset({"models", "inspect", "parameters", "generate", "tap", "health", "harvest", "hooks"})
+#: The entry point group of added commands: each entry point, named after its command, is
+#: an ``add_command(subparsers, name)`` function that adds the command's subparser and sets
+#: ``command_handler`` (``(argparse.Namespace) -> int``, the exit status) on it.
+COMMANDS_GROUP = "hookwire.commands"
+
+
+def _added_commands() -> list[tuple[str, Callable[[Any, str], None]]]:
+    """(name, add_command) of each command another package adds (COMMANDS_GROUP).
+
+    The hookwire distribution declares the server's in pyproject.toml. A source checkout
+    whose installed metadata predates them (an older editable install, or PYTHONPATH
+    pointing at the checkout) has none installed: the checkout's own pyproject.toml then
+    says them. A command whose module does not import is left out."""
+    from importlib.metadata import entry_points
+
+    found = [(ep.name, ep.value) for ep in entry_points(group=COMMANDS_GROUP)] or _checkout_commands()
+    commands = []
+    for name, value in found:
+        module_name, _, attr = value.partition(":")
+        try:
+            module = importlib.import_module(module_name.strip())
+        except ImportError:
+            continue
+        commands.append((name, getattr(module, attr.strip())))
+    return commands
+
+
+def _checkout_commands() -> list[tuple[str, str]]:
+    """COMMANDS_GROUP's entries in the pyproject.toml of the checkout this SDK runs from."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
     try:
-        from hookwire_server import serve
-        from hookwire_server.api.config import pick, resolve_settings
-        from hookwire_server.logging_setup import configure
-        from hookwire_server.models.model_loading import (
-            ConfigError, demo_configs, load_config_file, parse_model_flag,
-        )
-    except ImportError as exc:
-        print(f"hookwire serve needs the server extra (from a checkout of this repository: pip install '.[server]'): {exc}", file=sys.stderr)
-        return 2
-    env = os.environ
-    try:
-        config_path = pick("config", ns.config, env, {}, None)
-        server_table, models = load_config_file(config_path) if config_path else ({}, [])
-        cli_keys = {"log_format", "log_level", "models"}
-        log_format = pick("log_format", ns.log_format, env, server_table, "text")
-        log_level = pick("log_level", ns.log_level, env, server_table, "info")
-        flags = {"host": ns.host, "port": ns.port, "metrics_port": ns.metrics_port,
-                 "allow_shared_rules": True if ns.allow_shared_rules else None,
-                 "reflection": False if ns.no_reflection else None,
-                 "tokens_file": ns.tokens_file, "tls_cert": ns.tls_cert, "tls_key": ns.tls_key,
-                 "tls_client_ca": ns.tls_client_ca, "insecure": True if ns.insecure else None,
-                 "batching": False if ns.no_batching else None, "max_batch_size": ns.max_batch_size,
-                 "max_batch_delay_ms": ns.max_batch_delay_ms,
-                 "harvest_data_root": ns.harvest_data_root, "harvest_output_root": ns.harvest_output_root}
-        settings, sources = resolve_settings(flags, env, {k: v for k, v in server_table.items() if k not in cli_keys})
-        model_flags = ns.model or [m for m in env.get("HOOKWIRE_MODELS", "").split(",") if m.strip()]
-        if ns.parameters_readable and not model_flags:
-            # Config entries say it per model, and the demo models allow it already: a flag
-            # that changed nothing would let an operator believe otherwise.
-            raise ConfigError("--parameters-readable applies to the --model (or HOOKWIRE_MODELS) entries, and none "
-                              "is given; a --config model sets parameters_readable = true in its [[models]] entry")
-        models += [parse_model_flag(text, parameters_readable=ns.parameters_readable) for text in model_flags]
-        if ns.demo or not models:
-            models = demo_configs() + models
-        if log_format not in ("text", "json"):
-            raise ConfigError(f"log format {log_format!r} is not text or json")
-    except (ConfigError, ValueError) as exc:
-        print(f"hookwire serve: {exc}", file=sys.stderr)
-        return 2
-    configure(log_format, log_level)
+        import tomllib
 
-    def ready(server: Any) -> None:
-        # Called once the server serves (health SERVING): every model loaded or failed.
-        names = ", ".join(h.name for h in server.registry)
-        print(f"hookwire serving {names} on {server.target}", flush=True)
-        for entry in server.registry.entries():
-            if entry.host is None:
-                print(f"hookwire serve: model {entry.name!r} failed to load: {entry.reason}", file=sys.stderr, flush=True)
-        if server.metrics_port is not None:
-            print(f"metrics on http://{settings.host}:{server.metrics_port}/metrics", flush=True)
-        extras = ["grpc.health.v1.Health"] + (["reflection"] if settings.reflection else [])
-        print(f"also serving {', '.join(extras)}; logs: {log_format}", flush=True)
-        security = "TLS" if settings.tls_cert else "plaintext"
-        if settings.tls_client_ca:
-            security += ", client certificates required (mTLS)"
-        security += ", tokens required" if server.tokens.enabled else ", NO authentication"
-        print(f"security: {security}", flush=True)
-        secret = {"tokens"}
-        chosen = ", ".join(
-            f"{k}={'<set>' if k in secret else repr(getattr(settings, k))} ({v})" for k, v in sorted(sources.items())
-        )
-        # Every setting's source: the ones listed, else its default.
-        print(f"settings: {chosen + '; every other setting' if chosen else 'every setting'} has its default",
-              flush=True)
-
-    try:
-        asyncio.run(serve(settings, models, on_ready=ready))
-    except (ConfigError, ValueError, OSError) as exc:  # bad token files, refused binds, busy ports, no model loaded
-        print(f"hookwire serve: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        project = tomllib.loads(path.read_text()).get("project", {})
+    except (OSError, ValueError):
+        return []
+    if project.get("name") != "hookwire":
+        return []
+    return list(project.get("entry-points", {}).get(COMMANDS_GROUP, {}).items())
 
 
 #: gRPC target URI schemes the command passes on (after checking what it can).
@@ -165,18 +136,6 @@ def _address_problem(address: str) -> str | None:
 
 def _client_options(ns: argparse.Namespace) -> ConnectOptions:
     return ConnectOptions(token=ns.token, tls=ns.tls, tls_ca=ns.tls_ca, tls_cert=ns.tls_cert, tls_key=ns.tls_key)
-
-
-def _token(ns: argparse.Namespace) -> int:
-    from hookwire_server.auth import ROLES, hash_token, new_token
-
-    if ns.role not in ROLES:
-        print(f"hookwire token: role must be one of {', '.join(ROLES)}", file=sys.stderr)
-        return 2
-    token = new_token()
-    print(f"token (give it to {ns.name}; it is shown once): {token}")
-    print(f"token file line: {ns.name}:{ns.role}:{hash_token(token)}")
-    return 0
 
 
 async def _health(ns: argparse.Namespace) -> int:
@@ -627,51 +586,17 @@ def _harvest_command(ns: argparse.Namespace) -> int:
         return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``hookwire`` command."""
+def build_parser(added_commands: bool = True) -> argparse.ArgumentParser:
+    """The argument parser of the ``hookwire`` command; with ``added_commands`` (the
+    default), also the commands other installed packages add (see _added_commands)."""
     parser = argparse.ArgumentParser(prog="hookwire", description="Remote PyTorch model interception over gRPC.")
     sub = parser.add_subparsers(dest="command", required=True)
     target_default = os.environ.get("HOOKWIRE_TARGET", DEFAULT_TARGET)
     target_help = (f"server host:port (default {target_default}; env HOOKWIRE_TARGET); "
                    "http://host:port is the same, https://host:port means TLS")
 
-    serve = sub.add_parser(
-        "serve", help="host models (the demo models when none are given)",
-        description="Settings come from flags, then HOOKWIRE_* environment variables (HOOKWIRE_PORT, "
-                    "HOOKWIRE_METRICS_PORT, HOOKWIRE_CONFIG, HOOKWIRE_MODELS=a=pkg.mod:fn,..., ...), then the "
-                    "TOML config's [server] table.")
-    serve.add_argument("--host", help="listen address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="listen port (default 50051; 0 picks a free one)")
-    serve.add_argument("--model", action="append", default=[], metavar="NAME=package.module:factory",
-                       help="host the nn.Module a factory returns (repeatable); the module is looked for in the "
-                            "working directory first, then in the installed packages")
-    serve.add_argument("--parameters-readable", action="store_true",
-                       help="let users read the weights of the --model entries (GetParameters, hookwire parameters); "
-                            "off by default: production weights may be private. Config models say it per model")
-    serve.add_argument("--config", help="a TOML config file with [server] settings and [[models]]")
-    serve.add_argument("--demo", action="store_true", help="also host the demo models when --model/--config are given")
-    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
-    serve.add_argument("--log-format", choices=["text", "json"], help="log lines as text (default) or JSON")
-    serve.add_argument("--log-level", help="debug, info (default), warning, error")
-    serve.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
-    serve.add_argument("--no-batching", action="store_true",
-                       help="run calls alone by default (a model whose config says batching = true still joins them)")
-    serve.add_argument("--max-batch-size", type=int,
-                       help="most rows in one batched pass, for models whose config does not say (default 32)")
-    serve.add_argument("--max-batch-delay-ms", type=float,
-                       help="how long the first call of a pass may wait for others when the last pass held more "
-                            "(default 5; 0: only calls already waiting)")
-    serve.add_argument("--harvest-data-root",
-                       help="harvest jobs read text datasets from under this folder (docs/harvest.md)")
-    serve.add_argument("--harvest-output-root",
-                       help="harvest jobs write datasets under this folder; without it (or URL prefixes) they are refused")
-    serve.add_argument("--tokens-file", help="principals and token hashes (see docs/security.md); also HOOKWIRE_TOKENS")
-    serve.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
-    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    serve.add_argument("--tls-client-ca", help="PEM CA of client certificates: require them (mTLS)")
-    serve.add_argument("--insecure", action="store_true", help="allow a non-loopback address without authentication")
-    serve.add_argument("--allow-shared-rules", action="store_true",
-                       help="allow rules that change values on SCOPE_ALL/SCOPE_TAGGED hooks (other callers' results)")
+    for name, add_command in (_added_commands() if added_commands else []):
+        add_command(sub, name)
 
     models = sub.add_parser("models", help="list the hosted models: name, state (ready, loading, failed: why), modes, description")
     models.add_argument("--target", default=target_default, help=target_help)
@@ -804,11 +729,6 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--tls-cert", help="PEM client certificate, for mTLS")
         command.add_argument("--tls-key", help="PEM client key, for mTLS")
 
-    token = sub.add_parser("token", help="create an access token for a principal")
-    token_sub = token.add_subparsers(dest="token_command", required=True)
-    token_new = token_sub.add_parser("new", help="print a new random token and its token-file line")
-    token_new.add_argument("name", help="the principal")
-    token_new.add_argument("--role", default="user", help="viewer, user, observer or operator (default user)")
     return parser
 
 
@@ -820,7 +740,10 @@ def main(argv: list[str] | None = None) -> int:
     (``hookwire inspect m | head -2``) the command stops quietly with status 141,
     as a process ended by SIGPIPE does.
     """
-    ns = build_parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    word = next((a for a in args if not a.startswith("-")), None)
+    # The SDK's own commands start without looking for the others (entry points: tens of ms).
+    ns = build_parser(added_commands=word not in SDK_COMMANDS).parse_args(args)
     try:
         status = _run(ns)
         sys.stdout.flush()  # output that fit in the buffer meets a closed pipe here
@@ -837,10 +760,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    if ns.command == "serve":
-        return _serve(ns)
-    if ns.command == "token":
-        return _token(ns)
+    handler = getattr(ns, "command_handler", None)
+    if handler is not None:  # a command another package adds (the server's serve and token)
+        status: int = handler(ns)
+        return status
     problem = target_problem(ns.target, "target" if ns.command == "health" else "--target")
     if problem is not None:
         print(f"hookwire {ns.command}: {problem}", file=sys.stderr)

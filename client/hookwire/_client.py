@@ -14,12 +14,10 @@ from typing import Any, AsyncIterator, Generator, Iterable, Literal, Mapping, Pr
 
 import grpc
 
-from . import _codec
-from ._framing import (
-    GENERATE_RESPONSE_CHUNK, GET_PARAMETERS_CHUNK, INFER_STREAM_CHUNK, SESSION_MESSAGE_CHUNK, CutReply, RawChunk,
-    deserializer, serializer,
-)
+from .wire import codec
+from .wire.framing import INFER_STREAM_CHUNK, CutReply, RawChunk
 from ._credentials import bearer_token_interceptors, channel_credentials
+from ._transport import TensorCalls, unary
 from ._errors import FailedPreconditionError, HookwireError, NotFoundError, UnavailableError, from_rpc_error
 from . import _harvest
 from ._generation import GenerateStream, generate_request
@@ -53,8 +51,6 @@ UNARY_MIN_MESSAGE_BYTES = 64 * 1024 * 1024
 STREAM_REPLY_BYTES = 4 * 1024 * 1024
 #: How many kinds of call (see CallSizes) a client remembers.
 CALL_SIZES_KEPT = 1024
-#: Tensors of an Infer reply this large are read without protobuf (see TensorCalls).
-CUT_TENSOR_BYTES = 64 * 1024
 _MODES = {"eval": model_service_pb2.MODE_EVAL, "train": model_service_pb2.MODE_TRAIN}
 
 
@@ -89,55 +85,6 @@ class ConnectOptions:
     def stream_max_message_bytes(self) -> int:
         """The largest message streams send to this client (larger events come in chunks)."""
         return min(self.max_message_bytes, 2**31 - 1)
-
-
-class TensorCalls:
-    """The SDK's own callables for the RPCs that carry large tensors. They differ from
-    the generated stubs' only in how tensor bytes are read and written (see _framing):
-    a stream message that holds only a TensorChunk is read as a RawChunk, whose data
-    is a view of the received bytes (copied once, into its tensor); any other message
-    holding tensors of at least CUT_TENSOR_BYTES is parsed with their data cut out (a
-    CutReply: views of the received bytes, copied once each into their tensors);
-    InferStream sends its chunks as wire bytes built by hand. Everything else is
-    parsed and serialized by protobuf, as the stubs do."""
-
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.infer = channel.unary_unary(
-            "/hookwire.v1.ModelService/Infer",
-            request_serializer=model_service_pb2.InferRequest.SerializeToString,
-            response_deserializer=deserializer(model_service_pb2.InferResponse, None, CUT_TENSOR_BYTES),
-            _registered_method=True,
-        )
-        self.open_session = channel.unary_stream(
-            "/hookwire.v1.HookService/OpenSession",
-            request_serializer=hook_service_pb2.OpenSessionRequest.SerializeToString,
-            response_deserializer=deserializer(hook_service_pb2.SessionMessage, SESSION_MESSAGE_CHUNK, CUT_TENSOR_BYTES),
-            _registered_method=True,
-        )
-        self.subscribe = channel.unary_stream(
-            "/hookwire.v1.HookService/Subscribe",
-            request_serializer=hook_service_pb2.SubscribeRequest.SerializeToString,
-            response_deserializer=deserializer(hook_service_pb2.SessionMessage, SESSION_MESSAGE_CHUNK, CUT_TENSOR_BYTES),
-            _registered_method=True,
-        )
-        self.infer_stream = channel.stream_stream(
-            "/hookwire.v1.ModelService/InferStream",
-            request_serializer=serializer(model_service_pb2.InferStreamRequest),
-            response_deserializer=deserializer(model_service_pb2.InferStreamResponse, INFER_STREAM_CHUNK, CUT_TENSOR_BYTES),
-            _registered_method=True,
-        )
-        self.generate = channel.unary_stream(
-            "/hookwire.v1.ModelService/Generate",
-            request_serializer=model_service_pb2.GenerateRequest.SerializeToString,
-            response_deserializer=deserializer(model_service_pb2.GenerateResponse, GENERATE_RESPONSE_CHUNK, CUT_TENSOR_BYTES),
-            _registered_method=True,
-        )
-        self.get_parameters = channel.unary_stream(
-            "/hookwire.v1.ModelService/GetParameters",
-            request_serializer=model_service_pb2.GetParametersRequest.SerializeToString,
-            response_deserializer=deserializer(model_service_pb2.GetParametersResponse, GET_PARAMETERS_CHUNK, CUT_TENSOR_BYTES),
-            _registered_method=True,
-        )
 
 
 class CallSizes:
@@ -388,10 +335,7 @@ class Client:
         return self._streams
 
     async def _unary(self, method: Any, request: Any) -> Any:
-        try:
-            return await method(request, timeout=self.options.timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, target=self.target) from None
+        return await unary(self, method, request)
 
     async def __aenter__(self) -> Client:
         self._open()
@@ -535,7 +479,7 @@ class Client:
         reply = await self._unary(
             self.hook_stub.GetSlot, hook_service_pb2.GetSlotRequest(session_id=self.session_id, name=name)
         )
-        return _codec.decode_tensor(reply.tensor, where=f"slot {name!r}")
+        return codec.decode_tensor(reply.tensor, where=f"slot {name!r}")
 
     async def list_slots(self) -> list[SlotInfo]:
         """The slots of this client's session (names, dtypes, shapes, sizes)."""
@@ -843,10 +787,10 @@ def _cut_result(reply: CutReply) -> InferResult:
     """The InferResult of an Infer reply whose large tensors were cut out: each is copied
     once from the received bytes into its tensor. ``raw`` then holds chunk ids for them,
     as an InferStream reply does. CodecError when the data does not fit its tensor."""
-    assembler = _codec.ChunkAssembler(reply.msg)
+    assembler = codec.ChunkAssembler(reply.msg)
     assembler.take(reply.views)
     if not assembler.done:  # a chunk id the server set itself: its data never comes on a unary call
-        raise _codec.CodecError("a tensor of the reply has a chunk_id: its data did not arrive")
+        raise codec.CodecError("a tensor of the reply has a chunk_id: its data did not arrive")
     return InferResult.from_proto(reply.msg, chunked=assembler.result())
 
 
@@ -903,11 +847,11 @@ class RemoteModel:
         if mode not in _MODES:
             raise ValueError(f"mode must be 'eval' or 'train', not {mode!r}")
         request = model_service_pb2.InferRequest(model=self.name, mode=_MODES[mode])
-        chunker = _codec.Chunker(snapshot=False)  # the call is awaited: inputs do not change meanwhile
+        chunker = codec.Chunker(snapshot=False)  # the call is awaited: inputs do not change meanwhile
         for arg in args:
-            _codec.encode_value_into(arg, request.args.add(), chunker=chunker)
+            codec.encode_value_into(arg, request.args.add(), chunker=chunker)
         for key, value in {**(kwargs or {}), **model_kwargs}.items():
-            _codec.encode_value_into(value, request.kwargs[key], chunker=chunker)
+            codec.encode_value_into(value, request.kwargs[key], chunker=chunker)
         if use_session:
             request.session_id = self._client.session_id
         for spec in hooks:
@@ -989,7 +933,7 @@ class RemoteModel:
         return result.output, ActivationCache.from_result(result, parts, hooks=own)
 
     async def _infer_stream(
-        self, request: model_service_pb2.InferRequest, chunker: _codec.Chunker, progress: bool | None = False,
+        self, request: model_service_pb2.InferRequest, chunker: codec.Chunker, progress: bool | None = False,
     ) -> tuple[InferResult, int]:
         """InferStream: large tensors travel as chunks both ways, each message within the
         limit. Returns the result and the bytes of the reply (its tensors included)."""
@@ -1008,7 +952,7 @@ class RemoteModel:
             if first is grpc.aio.EOF or kind_of(first) != "response":
                 raise HookwireError("InferStream ended without a response", code="DATA_LOSS")
             first, views = uncut(first)
-            assembler = _codec.ChunkAssembler(first.response)
+            assembler = codec.ChunkAssembler(first.response)
             assembler.take(views)
             bar.update(assembler.received, assembler.nbytes)
             while not assembler.done:
@@ -1024,7 +968,7 @@ class RemoteModel:
             return InferResult.from_proto(first.response, chunked=assembler.result()), reply_bytes
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, target=self._client.target) from None
-        except _codec.CodecError as exc:
+        except codec.CodecError as exc:
             raise HookwireError(f"InferStream: {exc}", code="DATA_LOSS") from None
         finally:
             bar.close()

@@ -5,21 +5,20 @@ from __future__ import annotations
 import asyncio
 import collections
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Sequence, Union
+from typing import Any, AsyncIterator, Generator, Sequence, Union
 
 import grpc
 import numpy as np
 
-from . import _codec
+from .wire import codec
 from ._errors import CancelledError, HookwireError, from_rpc_error
-from ._framing import RawChunk
+from .wire.framing import RawChunk
 from ._session import EventAssembler, assembled, kind_of, notice_of, restored, uncut
 from ._specs import HookSpecLike, spec_proto
+from ._transport import Transport
 from ._types import GeneratedTokens, GenerateResult, InterceptEvent, Notice
 from .v1 import model_service_pb2
 
-if TYPE_CHECKING:
-    from ._client import Client
 
 #: What iterating a GenerateStream yields.
 GenerateItem = Union[GeneratedTokens, InterceptEvent]
@@ -60,11 +59,11 @@ def generate_request(
     elif isinstance(prompt_or_ids, (list, tuple)) and not prompt_or_ids:
         raise ValueError("no prompt: give a string, a list of strings, or input_ids [batch, seq]")
     else:
-        _codec.encode_tensor_into(_ids_matrix(prompt_or_ids, "input_ids"), request.input_ids)
+        codec.encode_tensor_into(_ids_matrix(prompt_or_ids, "input_ids"), request.input_ids)
     if attention_mask is not None:
         if request.prompts:
             raise ValueError("attention_mask goes with input_ids: text prompts are tokenized and padded on the server")
-        _codec.encode_tensor_into(_ids_matrix(attention_mask, "attention_mask"), request.attention_mask)
+        codec.encode_tensor_into(_ids_matrix(attention_mask, "attention_mask"), request.attention_mask)
     for spec in hooks:
         request.hooks.append(spec_proto(spec, model))
     if do_sample is not None:
@@ -130,7 +129,7 @@ class GenerateStream:
     ``async with``, when you are done with it.
     """
 
-    def __init__(self, client: Client, request: model_service_pb2.GenerateRequest, *, keep_events: bool = True) -> None:
+    def __init__(self, client: Transport, request: model_service_pb2.GenerateRequest, *, keep_events: bool = True) -> None:
         self._client = client
         #: The request (escape hatch).
         self.request = request
@@ -276,7 +275,7 @@ class GenerateStream:
                         continue  # a kind this SDK does not know yet
                     if complete is not None:
                         return self._keep(InterceptEvent.from_proto(complete[0], chunked=complete[1]))
-            except _codec.CodecError as exc:
+            except codec.CodecError as exc:
                 raise self._fail(HookwireError(f"Generate: {exc}", code="DATA_LOSS")) from None
             except HookwireError as exc:
                 if exc is not self._error:  # the assembler's DATA_LOSS

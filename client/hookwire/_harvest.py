@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from . import _harvest_sources as sources
+from .wire import harvest_sources as sources
 from ._errors import HookwireError, from_rpc_error
+from ._transport import Transport, unary
 from .v1 import harvest_service_pb2 as hv
 from .v1 import harvest_service_pb2_grpc as hv_grpc
 from .v1 import hook_pb2, tensor_pb2
 
 if TYPE_CHECKING:
-    from ._client import Client
     from ._specs import HookSpecLike
 
 _DTYPES = {None: tensor_pb2.DTYPE_UNSPECIFIED, "float16": tensor_pb2.DTYPE_FLOAT16,
@@ -116,7 +116,7 @@ def harvest_request(
 ) -> hv.StartHarvestRequest:
     """The StartHarvestRequest of ``Client.harvest``'s arguments (ValueError for unknown
     names of dtype, part, packing or format; the server checks the rest)."""
-    from ._codec import encode_tensor
+    from .wire.codec import encode_tensor
     from ._specs import spec_proto
 
     for name, value, table in (("dtype", dtype, _DTYPES), ("part", part, _PARTS), ("packing", packing, _PACKING),
@@ -150,7 +150,7 @@ def harvest_request(
 class HarvestJob:
     """A handle on a server-side harvest job. Nothing here stops the job but ``cancel``."""
 
-    def __init__(self, client: Client, job_id: str, last: HarvestProgress | None = None) -> None:
+    def __init__(self, client: Transport, job_id: str, last: HarvestProgress | None = None) -> None:
         self._client = client
         self.id = job_id
         #: The last state seen (``refresh``, ``watch`` and ``wait`` update it).
@@ -166,7 +166,7 @@ class HarvestJob:
 
     async def refresh(self) -> HarvestProgress:
         """The job's state now (one GetHarvest). NotFoundError for an unknown job."""
-        reply = await self._client._unary(self._stub.GetHarvest, hv.GetHarvestRequest(job_id=self.id))
+        reply = await unary(self._client, self._stub.GetHarvest, hv.GetHarvestRequest(job_id=self.id))
         self.last = HarvestProgress.from_proto(reply)
         return self.last
 
@@ -203,7 +203,7 @@ class HarvestJob:
     async def cancel(self) -> HarvestProgress:
         """Asks the job to stop after its running batch (its committed shards stay; the
         same request started again resumes). Returns its state."""
-        reply = await self._client._unary(self._stub.CancelHarvest, hv.CancelHarvestRequest(job_id=self.id))
+        reply = await unary(self._client, self._stub.CancelHarvest, hv.CancelHarvestRequest(job_id=self.id))
         self.last = HarvestProgress.from_proto(reply)
         return self.last
 
@@ -267,14 +267,14 @@ class _Bar:
             self._bar.close()
 
 
-async def start(client: Client, request: hv.StartHarvestRequest) -> HarvestJob:
-    reply = await client._unary(client.harvest_stub.StartHarvest, request)
+async def start(client: Transport, request: hv.StartHarvestRequest) -> HarvestJob:
+    reply = await unary(client, client.harvest_stub.StartHarvest, request)
     return HarvestJob(client, reply.job_id, HarvestProgress.from_proto(reply))
 
 
-async def list_jobs(client: Client, model: str | None, active_only: bool) -> list[HarvestProgress]:
-    reply = await client._unary(
-        client.harvest_stub.ListHarvests, hv.ListHarvestsRequest(model=model or "", active_only=active_only)
+async def list_jobs(client: Transport, model: str | None, active_only: bool) -> list[HarvestProgress]:
+    reply = await unary(
+        client, client.harvest_stub.ListHarvests, hv.ListHarvestsRequest(model=model or "", active_only=active_only)
     )
     return [HarvestProgress.from_proto(j) for j in reply.jobs]
 
@@ -283,7 +283,7 @@ async def list_jobs(client: Client, model: str | None, active_only: bool) -> lis
 
 
 async def harvest_local(
-    client: Client, model: str, modules: Sequence[str] | str, *, out: str, data: str | os.PathLike[str] | None = None,
+    client: Transport, model: str, modules: Sequence[str] | str, *, out: str, data: str | os.PathLike[str] | None = None,
     tokens: Any = None, pad_token_id: int | None = None, tokenizer: Any = None, text_field: str = "text",
     format: str | None = None, split: str | None = None, dtype: str | None = None, part: str = "output",
     select: str | None = None, rules: Sequence[HookSpecLike] = (), length: int = 128, batch_size: int = 8,
@@ -317,9 +317,9 @@ async def harvest_local(
     import numpy as np
     import torch
 
-    from . import _harvest_format as fmt
+    from .wire import harvest_format as fmt
     from ._specs import spec_proto
-    from . import __version__
+    from .wire import __version__
 
     if dtype not in _DTYPES or part not in _PARTS or packing not in _PACKING:
         raise ValueError(f"dtype {dtype!r}, part {part!r} or packing {packing!r} is not known")

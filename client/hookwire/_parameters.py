@@ -6,9 +6,9 @@ from typing import Any, Sequence
 
 import grpc
 
-from . import _codec
+from .wire import codec
 from ._errors import HookwireError, from_rpc_error
-from ._framing import RawChunk
+from .wire.framing import RawChunk
 from ._progress import TransferProgress
 from ._session import kind_of, uncut
 from ._specs import _CASTS, CastName
@@ -53,7 +53,7 @@ async def read_parameters(
                 continue  # a kind this SDK does not know yet
             msg, views = uncut(msg)
             parameter = msg.parameter
-            assembler = _codec.ChunkAssembler(parameter)
+            assembler = codec.ChunkAssembler(parameter)
             assembler.take(views)
             if progress is not None:
                 progress.update(before + assembler.received)
@@ -69,11 +69,11 @@ async def read_parameters(
                 if progress is not None:
                     progress.update(before + assembler.received)
             before += assembler.received
-            out[parameter.name] = _codec.decode_tensor(parameter.tensor, where=parameter.name,
+            out[parameter.name] = codec.decode_tensor(parameter.tensor, where=parameter.name,
                                                        chunked=assembler.result())
     except grpc.RpcError as exc:
         raise from_rpc_error(exc, target=target) from None
-    except _codec.CodecError as exc:
+    except codec.CodecError as exc:
         raise HookwireError(f"GetParameters: {exc}", code="DATA_LOSS") from None
     finally:
         call.cancel()  # a no-op once it has finished

@@ -10,9 +10,9 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Union
 
 import grpc
 
-from . import _codec
+from .wire import codec
 from ._errors import HookwireError, from_rpc_error
-from ._framing import CutReply, RawChunk
+from .wire.framing import CutReply, RawChunk
 from ._types import InterceptEvent, Notice
 from .v1 import hook_pb2, tensor_pb2
 
@@ -40,7 +40,7 @@ def kind_of(msg: Any) -> str | None:
 
 def uncut(msg: Any) -> tuple[Any, dict[int, Any]]:
     """A message read by Client.tensor_calls as (the message, the data of the tensors
-    cut out of it by chunk id; see _framing.CutReply)."""
+    cut out of it by chunk id; see hookwire.wire.framing.CutReply)."""
     if type(msg) is CutReply:
         return msg.msg, msg.views
     return msg, {}
@@ -50,7 +50,7 @@ def restored(msg: Any, views: dict[int, Any]) -> Any:
     """``msg`` with the data cut out of it put back in its tensors (one more copy each):
     for messages whose tensors are decoded without a chunk mapping."""
     if views:
-        for _, tensor in _codec.iter_tensors(msg):
+        for _, tensor in codec.iter_tensors(msg):
             data = views.get(tensor.chunk_id)
             if data is not None:
                 tensor.chunk_id = 0
@@ -63,10 +63,10 @@ def assembled(msg: Any, views: dict[int, Any]) -> dict[int, Any] | None:
     None when none was. CodecError when one does not fit."""
     if not views:
         return None
-    assembler = _codec.ChunkAssembler(msg)
+    assembler = codec.ChunkAssembler(msg)
     assembler.take(views)
     if not assembler.done:
-        raise _codec.CodecError("a tensor has a chunk_id, but no chunks may follow this message")
+        raise codec.CodecError("a tensor has a chunk_id, but no chunks may follow this message")
     return assembler.result()
 
 
@@ -82,7 +82,7 @@ class EventAssembler:
     """
 
     def __init__(self) -> None:
-        self._pending: tuple[hook_pb2.InterceptEvent, _codec.ChunkAssembler] | None = None
+        self._pending: tuple[hook_pb2.InterceptEvent, codec.ChunkAssembler] | None = None
 
     def event(
         self, event: hook_pb2.InterceptEvent, views: dict[int, Any] | None = None,
@@ -91,7 +91,7 @@ class EventAssembler:
         data of tensors cut out of its message (see uncut)."""
         if self._pending is not None:
             raise HookwireError("an event arrived before the chunks of the previous one", code="DATA_LOSS")
-        assembler = _codec.ChunkAssembler(event)
+        assembler = codec.ChunkAssembler(event)
         if views:
             assembler.take(views)
         if assembler.done:
@@ -327,7 +327,7 @@ async def pump(call: grpc.aio.UnaryStreamCall, router: EventRouter) -> None:
             error = from_rpc_error(exc)
     except HookwireError as exc:
         error = exc
-    except _codec.CodecError as exc:
+    except codec.CodecError as exc:
         error = HookwireError(str(exc), code="DATA_LOSS")
     except Exception as exc:  # a reader must never see a failed stream as a clean end
         log.exception("session stream reader failed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Mapping, Sequence, Union
 
-from . import _codec
+from .wire import codec
 from .rules import Rule
 from .v1 import hook_pb2, model_service_pb2, rule_pb2, tensor_pb2
 
@@ -260,11 +260,11 @@ class Backward:
     grad: Any = None
     return_input_grads: bool = False
 
-    def to_proto(self, chunker: _codec.Chunker | None = None) -> model_service_pb2.Backward:
+    def to_proto(self, chunker: codec.Chunker | None = None) -> model_service_pb2.Backward:
         """The wire form (a large ``grad`` goes to ``chunker`` when given)."""
         msg = model_service_pb2.Backward(output_path=self.output_path, return_input_grads=self.return_input_grads)
         if self.grad is not None:
-            _codec.encode_tensor_into(self.grad, msg.grad, chunker)
+            codec.encode_tensor_into(self.grad, msg.grad, chunker)
         return msg
 
 

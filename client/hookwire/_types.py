@@ -7,7 +7,7 @@ import datetime
 import functools
 from typing import Any, ClassVar, Mapping, Sequence
 
-from . import _codec
+from .wire import codec
 from .v1 import hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
 
 PHASE_NAMES = {
@@ -120,7 +120,7 @@ class ModelInfo:
                     path=m.path,
                     type=m.type,
                     parameters=tuple(
-                        ParameterInfo(p.name, tuple(p.shape), _codec.dtype_name(p.dtype).removeprefix("DTYPE_").lower(), p.requires_grad)
+                        ParameterInfo(p.name, tuple(p.shape), codec.dtype_name(p.dtype).removeprefix("DTYPE_").lower(), p.requires_grad)
                         for p in m.parameters
                     ),
                 )
@@ -172,7 +172,7 @@ class InterceptEvent:
     @classmethod
     def from_proto(cls, msg: hook_pb2.InterceptEvent, chunked: Mapping[int, Any] | None = None) -> InterceptEvent:
         """Decodes the wire message (tensors included; chunked ones from ``chunked``)."""
-        decode = functools.partial(_codec.decode_value, chunked=chunked, on_summary=TensorSummary.from_proto)
+        decode = functools.partial(codec.decode_value, chunked=chunked, on_summary=TensorSummary.from_proto)
         return cls(
             hook_id=msg.hook_id,
             model=msg.model,
@@ -219,7 +219,7 @@ class TensorSummary:
     def from_proto(cls, msg: tensor_pb2.TensorSummary) -> TensorSummary:
         """Builds it from the wire message."""
         return cls(
-            _codec.dtype_name(msg.dtype).removeprefix("DTYPE_").lower(), tuple(msg.shape), msg.numel, msg.min,
+            codec.dtype_name(msg.dtype).removeprefix("DTYPE_").lower(), tuple(msg.shape), msg.numel, msg.min,
             msg.max, msg.mean, msg.std, msg.l2_norm, msg.nan_count, msg.inf_count, tuple(msg.histogram),
             msg.histogram_min, msg.histogram_max,
         )
@@ -246,7 +246,7 @@ class InferResult:
     @classmethod
     def from_proto(cls, msg: model_service_pb2.InferResponse, chunked: Mapping[int, Any] | None = None) -> InferResult:
         """Decodes the wire message (chunked tensors from ``chunked``)."""
-        decode = functools.partial(_codec.decode_value, chunked=chunked, on_summary=TensorSummary.from_proto)
+        decode = functools.partial(codec.decode_value, chunked=chunked, on_summary=TensorSummary.from_proto)
         return cls(
             request_id=msg.request_id,
             output=decode(msg.output, where="output"),
@@ -278,8 +278,8 @@ class Tokenized:
     def from_proto(cls, msg: model_service_pb2.TokenizeResponse) -> Tokenized:
         """Decodes the wire message."""
         return cls(
-            input_ids=_codec.decode_tensor(msg.input_ids, where="input_ids"),
-            attention_mask=_codec.decode_tensor(msg.attention_mask, where="attention_mask"),
+            input_ids=codec.decode_tensor(msg.input_ids, where="input_ids"),
+            attention_mask=codec.decode_tensor(msg.attention_mask, where="attention_mask"),
             pieces=[list(t.pieces) for t in msg.tokens],
             raw=msg,
         )
@@ -335,7 +335,7 @@ class SlotInfo:
     @classmethod
     def from_proto(cls, msg: hook_service_pb2.Slot) -> SlotInfo:
         """Builds it from the wire message."""
-        return cls(msg.name, _codec.dtype_name(msg.dtype).removeprefix("DTYPE_").lower(), tuple(msg.shape), msg.nbytes)
+        return cls(msg.name, codec.dtype_name(msg.dtype).removeprefix("DTYPE_").lower(), tuple(msg.shape), msg.nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,8 +433,8 @@ class GenerateResult:
             seed=started.seed,
             do_sample=started.do_sample,
             hook_ids=tuple(started.hook_ids),
-            input_ids=_codec.decode_tensor(started.input_ids, where="input_ids"),
-            attention_mask=_codec.decode_tensor(started.attention_mask, where="attention_mask"),
+            input_ids=codec.decode_tensor(started.input_ids, where="input_ids"),
+            attention_mask=codec.decode_tensor(started.attention_mask, where="attention_mask"),
             texts=tuple(s.text for s in done.sequences),
             token_ids=tuple(tuple(s.token_ids) for s in done.sequences),
             finish_reasons=tuple(s.finish_reason for s in done.sequences),

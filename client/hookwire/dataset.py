@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ._harvest_format import (
+from .wire.harvest_format import (
     FORMAT, INDEX_KEYS, MANIFEST, VERSION, WORKER_KEYS, is_local, open_fs, read_json, read_worker_manifests,
 )
 

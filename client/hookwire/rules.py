@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import Any
 
-from . import _codec
+from .wire import codec
 from .v1 import rule_pb2
 
 
@@ -42,7 +42,7 @@ class Rule:
             if key == "value":
                 _operand_into(value, op.value)
             elif key == "direction":
-                _codec.encode_tensor_into(value, op.direction)
+                codec.encode_tensor_into(value, op.direction)
             else:
                 setattr(op, key, value)
         return msg
@@ -52,7 +52,7 @@ def _operand_into(value: Any, out: rule_pb2.Operand) -> None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         out.scalar = float(value)
     else:
-        _codec.encode_tensor_into(value, out.tensor)
+        codec.encode_tensor_into(value, out.tensor)
 
 
 def _rule(target: str, op: str, index: str | None, **params: Any) -> Rule:

@@ -50,7 +50,7 @@ import torch
 import transformers
 
 import hookwire
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import model_service_pb2, model_service_pb2_grpc
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
 from hookwire_server.models.module_patterns import match_paths
@@ -147,8 +147,8 @@ async def remote_generate(stub: model_service_pb2_grpc.ModelServiceStub, name: s
                           mask: torch.Tensor, new_tokens: int, pattern: str | None, server_pid: int) -> Run:
     """Generate over the raw stub, until GenerateDone; events decoded to torch."""
     request = model_service_pb2.GenerateRequest(model=name, max_new_tokens=new_tokens, do_sample=False)
-    _codec.encode_tensor_into(ids, request.input_ids)
-    _codec.encode_tensor_into(mask, request.attention_mask)
+    codec.encode_tensor_into(ids, request.input_ids)
+    codec.encode_tensor_into(mask, request.attention_mask)
     if pattern is not None:
         request.hooks.append(hookwire.HookSpec(pattern, posthook=hookwire.capture("output")).to_proto(name))
     captures: list[tuple[str, torch.Tensor]] = []

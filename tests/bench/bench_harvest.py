@@ -40,7 +40,7 @@ import torch
 import transformers
 
 import hookwire
-from hookwire import _harvest_sources as sources
+from hookwire.wire import harvest_sources as sources
 
 WORDS = ("the model reads tokens and writes hidden states for each layer of the network while "
          "researchers harvest activations to train sparse autoencoders and probes on real text data").split()

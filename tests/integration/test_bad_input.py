@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hookwire
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2, rule_pb2, tensor_pb2
 
 OUTPUT = hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT])
@@ -57,7 +57,7 @@ INFER_CASES = {
     ),
     "non-ascii digit in output_path": (
         model_service_pb2.InferRequest(
-            model="tiny-transformer", args=[_codec.encode_value(torch.zeros(1, 3, dtype=torch.int64))],
+            model="tiny-transformer", args=[codec.encode_value(torch.zeros(1, 3, dtype=torch.int64))],
             backward=model_service_pb2.Backward(output_path="logits.\u00b2")),
         grpc.StatusCode.INVALID_ARGUMENT, "goes inside a Tensor",
     ),
@@ -71,17 +71,17 @@ INFER_CASES = {
     ),
     "missing key": (
         model_service_pb2.InferRequest(
-            model="tiny-transformer", args=[_codec.encode_value(torch.zeros(1, 3, dtype=torch.int64))],
+            model="tiny-transformer", args=[codec.encode_value(torch.zeros(1, 3, dtype=torch.int64))],
             backward=model_service_pb2.Backward(output_path="hidden")),
         grpc.StatusCode.INVALID_ARGUMENT, "no key 'hidden'",
     ),
     "grad shape": (
         model_service_pb2.InferRequest(model="mlp", args=[GOOD], backward=model_service_pb2.Backward(
-            grad=_codec.encode_tensor(torch.ones(3)))),
+            grad=codec.encode_tensor(torch.ones(3)))),
         grpc.StatusCode.INVALID_ARGUMENT, r"backward.grad: shape \[3\] does not match",
     ),
     "integer output backward": (
-        model_service_pb2.InferRequest(model="scale", args=[_codec.encode_value(torch.ones(2, dtype=torch.int64))],
+        model_service_pb2.InferRequest(model="scale", args=[codec.encode_value(torch.ones(2, dtype=torch.int64))],
                                        backward=model_service_pb2.Backward()),
         grpc.StatusCode.INVALID_ARGUMENT, "not a floating-point tensor",
     ),

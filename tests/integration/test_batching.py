@@ -45,7 +45,8 @@ import torch
 from torch import nn
 
 import hookwire
-from hookwire import HookSpec, _codec, capture, rules
+from hookwire import HookSpec, capture, rules
+from hookwire.wire import codec
 from hookwire._session import CallEnded, stream_items
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ModelConfig, ModelHost, ModelRegistry, ServerSettings, build_registry
@@ -977,7 +978,7 @@ async def test_a_slow_reader_holds_only_its_own_call(server: ServerThread) -> No
         await hooks_stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
             model="wide", module="layers.*", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))))
         request = model_service_pb2.InferRequest(model="wide", session_id=session_id)
-        request.args.add().CopyFrom(_codec.encode_value(xs[0]))
+        request.args.add().CopyFrom(codec.encode_value(xs[0]))
         models_stub = model_service_pb2_grpc.ModelServiceStub(call_channel)
         others = [await stack.enter_async_context(hookwire.connect(server.target)) for _ in range(3)]
         handles = [await c.model("wide").hook("layers.11", posthook=capture("output", select="[:, :8]")) for c in others]
@@ -1014,7 +1015,7 @@ async def test_a_slow_reader_holds_only_its_own_call(server: ServerThread) -> No
     assert all(e.request_id == response.request_id and e.dropped == 0 for e in decoded)
     for event in decoded:
         assert_same(event.output, xs[0].repeat(1, 16384), f"A's event {event.module}")
-    assert_same(_codec.decode_value(response.output), wide(xs[0]), "A's output")
+    assert_same(codec.decode_value(response.output), wide(xs[0]), "A's output")
 
 
 # ---------------------------------------------------------------------------- settings

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 import hookwire
-from hookwire import HookSpec, Sampling, _codec, capture, rules
+from hookwire import HookSpec, Sampling, capture, rules
+from hookwire.wire import codec
 from hookwire._session import CallEnded, stream_items
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ModelHost, ModelRegistry, ServerSettings
@@ -287,7 +288,7 @@ async def test_a_call_cancelled_during_its_shared_pass_still_delivers_its_backlo
         await hooks_stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
             model="wide", module="layers.*", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))))
         request = model_service_pb2.InferRequest(model="wide", session_id=session_id)
-        request.args.add().CopyFrom(_codec.encode_value(xa))
+        request.args.add().CopyFrom(codec.encode_value(xa))
         models_stub = model_service_pb2_grpc.ModelServiceStub(call_channel)
         other = await stack.enter_async_context(hookwire.connect(server.target))
         queued = lambda: server.call(lambda: server.server.inference._queued.get("wide", 0))  # noqa: E731
@@ -431,7 +432,7 @@ async def test_a_call_whose_output_cannot_be_sent_still_delivers_its_events_in_a
 
         def infer(x: torch.Tensor) -> Callable[[], Awaitable[Any]]:
             request = model_service_pb2.InferRequest(model="unsendable", session_id=session_id)
-            request.args.add().CopyFrom(_codec.encode_value(x))
+            request.args.add().CopyFrom(codec.encode_value(x))
             return lambda: models_stub.Infer(request)
 
         with _one_pass(server, "unsendable", 2):

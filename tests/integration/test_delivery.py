@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hookwire
-from hookwire import _codec, _framing
+from hookwire.wire import codec, framing
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, tensor_pb2
 from support import assert_same, local_models
 
@@ -101,7 +101,7 @@ async def test_drop_policies_count_exactly_with_a_stalled_subscriber_and_memory_
                     continue
                 if msg.WhichOneof("kind") == "call_ended":
                     continue
-                assembler = _codec.ChunkAssembler(msg.event)
+                assembler = codec.ChunkAssembler(msg.event)
                 while not assembler.done:
                     assembler.feed((await queue.get()).chunk)
                 return msg
@@ -216,16 +216,16 @@ async def test_infer_stream_reads_chunks_in_any_valid_encoding(server) -> None:
     which protobuf merges) to protobuf; the results are the same."""
     x = torch.randn(300_000, generator=torch.Generator().manual_seed(5))  # 1.2 MB: two chunks
     request = model_service_pb2.InferRequest(model="scale")
-    chunker = _codec.Chunker(snapshot=False)
-    _codec.encode_value_into(x, request.args.add(), chunker=chunker)
-    canonical = list(chunker.frames(_framing.INFER_STREAM_CHUNK, 1 << 20))
+    chunker = codec.Chunker(snapshot=False)
+    codec.encode_value_into(x, request.args.add(), chunker=chunker)
+    canonical = list(chunker.frames(framing.INFER_STREAM_CHUNK, 1 << 20))
     assert len(canonical) == 2
 
     def reversed_fields(chunk: tensor_pb2.TensorChunk) -> bytes:
-        body = (b"\x1a" + _framing.varint(len(chunk.data)) + chunk.data
-                + (b"\x10" + _framing.varint(chunk.offset) if chunk.offset else b"")
-                + b"\x08" + _framing.varint(chunk.chunk_id))
-        return b"\x12" + _framing.varint(len(body)) + body
+        body = (b"\x1a" + framing.varint(len(chunk.data)) + chunk.data
+                + (b"\x10" + framing.varint(chunk.offset) if chunk.offset else b"")
+                + b"\x08" + framing.varint(chunk.chunk_id))
+        return b"\x12" + framing.varint(len(body)) + body
 
     def in_two_pieces(chunk: tensor_pb2.TensorChunk) -> bytes:
         header = tensor_pb2.TensorChunk(chunk_id=chunk.chunk_id, offset=chunk.offset)
@@ -237,7 +237,7 @@ async def test_infer_stream_reads_chunks_in_any_valid_encoding(server) -> None:
         for encode in (None, reversed_fields, in_two_pieces):
             chunks = canonical if encode is None else [encode(c) for c in chunker.chunks(1 << 20)]
             if encode is not None:
-                assert all(_framing.read_frame(c, _framing.INFER_STREAM_CHUNK) is None for c in chunks)
+                assert all(framing.read_frame(c, framing.INFER_STREAM_CHUNK) is None for c in chunks)
 
             async def messages():  # type: ignore[no-untyped-def]
                 yield model_service_pb2.InferStreamRequest(request=request).SerializeToString()
@@ -245,10 +245,10 @@ async def test_infer_stream_reads_chunks_in_any_valid_encoding(server) -> None:
                     yield c
 
             replies = [model_service_pb2.InferStreamResponse.FromString(m) async for m in call(messages())]
-            assembler = _codec.ChunkAssembler(replies[0].response)
+            assembler = codec.ChunkAssembler(replies[0].response)
             for reply in replies[1:]:
                 assembler.feed(reply.chunk)
-            assert_same(_codec.decode_value(replies[0].response.output, chunked=assembler.result()), x * 2)
+            assert_same(codec.decode_value(replies[0].response.output, chunked=assembler.result()), x * 2)
 
 
 async def _take(hook, n):
@@ -273,15 +273,15 @@ async def test_grpc_default_client_without_the_sdk_gets_chunks_not_errors(server
             from hookwire.v1 import model_service_pb2, model_service_pb2_grpc
             models = model_service_pb2_grpc.ModelServiceStub(sdk._channel or (sdk._open() or sdk._channel))
             await models.Infer(model_service_pb2.InferRequest(model="scale", session_id=session_id,
-                                                              args=[_codec.encode_value(request_x)]))
+                                                              args=[codec.encode_value(request_x)]))
         header = await session.read()
-        assembler = _codec.ChunkAssembler(header.event)
+        assembler = codec.ChunkAssembler(header.event)
         chunks = 0
         while not assembler.done:
             assembler.feed((await session.read()).chunk)
             chunks += 1
         assert chunks == math.ceil(12_000_000 / (1 << 20))
-        assert torch.equal(_codec.decode_value(header.event.output, chunked=assembler.result()), request_x * 2)
+        assert torch.equal(codec.decode_value(header.event.output, chunked=assembler.result()), request_x * 2)
         session.cancel()
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hookwire
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ServerSettings
 from hookwire_server.auth import ANONYMOUS, hash_token
@@ -82,7 +82,7 @@ async def test_block_is_lossless_for_a_users_own_calls_on_its_own_subscription(s
         session_queue: asyncio.Queue = asyncio.Queue()
         session_reader = asyncio.ensure_future(_pump(session, session_queue))
         request = model_service_pb2.InferRequest(model="scale", session_id=session_id)
-        request.args.add().CopyFrom(_codec.encode_value(x))
+        request.args.add().CopyFrom(codec.encode_value(x))
 
         async def call_all() -> None:
             for _ in range(calls):
@@ -150,7 +150,7 @@ def _slow_reader_channel(target: str) -> grpc.aio.Channel:
 def _mlp_request(rows: int, session_id: str = "", seed: int = 0) -> model_service_pb2.InferRequest:
     x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed))
     request = model_service_pb2.InferRequest(model="mlp", session_id=session_id)
-    request.args.add().CopyFrom(_codec.encode_value(x))
+    request.args.add().CopyFrom(codec.encode_value(x))
     return request
 
 
@@ -188,8 +188,8 @@ async def test_a_stalled_block_session_never_stalls_another_principals_calls(sec
         for i in range(12):
             request = _mlp_request(rows, seed=100 + i)
             reply = await asyncio.wait_for(models.Infer(request, metadata=_auth("bob")), LIVENESS)
-            expected = local(_codec.decode_value(request.args[0]))
-            assert torch.equal(_codec.decode_value(reply.output), expected)
+            expected = local(codec.decode_value(request.args[0]))
+            assert torch.equal(codec.decode_value(reply.output), expected)
         # Her first calls may have ended (gRPC's transport buffers took their events); not the rest.
         assert not all(call.done() for call in alice), "alice's calls went on while her stream was stalled"
         queue: asyncio.Queue = asyncio.Queue()
@@ -235,7 +235,7 @@ async def test_events_kept_for_a_full_stream_count_against_the_principals_byte_l
         reader = asyncio.ensure_future(_pump(session, queue))
         await _until(srv, lambda: srv.server.hooks.held_bytes.held(ANONYMOUS.name) == 0)
         reply = await asyncio.wait_for(models.Infer(_mlp_request(16, session_id)), LIVENESS)
-        assert list(_codec.decode_value(reply.output).shape) == [16, 4]
+        assert list(codec.decode_value(reply.output).shape) == [16, 4]
         session.cancel()
         await asyncio.gather(reader, return_exceptions=True)
 
@@ -254,7 +254,7 @@ async def test_a_full_session_stream_does_not_hold_calls_that_cannot_emit_into_i
         try:
             for i in range(3):
                 reply = await asyncio.wait_for(models.Infer(_mlp_request(4, seed=i)), LIVENESS)
-                assert list(_codec.decode_value(reply.output).shape) == [4, 4]
+                assert list(codec.decode_value(reply.output).shape) == [4, 4]
         finally:
             session.cancel()
             await asyncio.gather(*in_session, return_exceptions=True)
@@ -323,7 +323,7 @@ def _rss_bytes() -> int:
 def _add_spec(values: torch.Tensor) -> hook_pb2.HookSpec:
     from hookwire.v1 import rule_pb2
 
-    operand = rule_pb2.Operand(tensor=_codec.encode_tensor(values))
+    operand = rule_pb2.Operand(tensor=codec.encode_tensor(values))
     return hook_pb2.HookSpec(model="scale", posthook=hook_pb2.HookAction(
         rules=[rule_pb2.Rule(target="output", add=rule_pb2.AddOp(value=operand))]))
 
@@ -360,7 +360,7 @@ async def test_list_hooks_returns_the_operands_as_registered_when_asked(client) 
     from hookwire.v1 import rule_pb2
 
     spec = _add_spec(values)
-    spec.posthook.rules.add(target="output", project_out=rule_pb2.ProjectOutOp(direction=_codec.encode_tensor(direction)))
+    spec.posthook.rules.add(target="output", project_out=rule_pb2.ProjectOutOp(direction=codec.encode_tensor(direction)))
     session = await client.session()
     reply = await client.hook_stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session.session_id, spec=spec))
     assert reply.spec.posthook.rules[0].add.value.tensor.data == b""  # RegisterHook's echo is small too

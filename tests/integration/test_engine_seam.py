@@ -27,7 +27,7 @@ from hookwire_server.engine.seam import INFER, Plan
 from hookwire_server.engine.torch_engine import TorchEngine
 from hookwire_server.errors import InvalidArgument, Unimplemented
 from hookwire_server.hooks.hook_record import HookRecord
-from hookwire import _codec
+from hookwire.wire import codec as _codec
 from support import ServerThread
 
 LIVENESS = 60.0  # a bound on things that must happen, never a speed requirement

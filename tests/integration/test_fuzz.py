@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import (
     harvest_service_pb2,
     harvest_service_pb2_grpc,
@@ -80,7 +80,7 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     assert status == health_pb2.HealthCheckResponse.SERVING
     assert _rss() - rss_before < 400 * MB
     out = model_service_pb2_grpc.ModelServiceStub(channel).Infer(model_service_pb2.InferRequest(
-        model="mlp", args=[_codec.encode_value(torch.ones(1, 8))]), timeout=10)
+        model="mlp", args=[codec.encode_value(torch.ones(1, 8))]), timeout=10)
     assert list(out.output.tensor.shape) == [1, 4]
     session.cancel()
     channel.close()
@@ -110,7 +110,7 @@ def tensors(draw: Any) -> tensor_pb2.Tensor:
         for d in shape:
             count *= d
         if 0 <= count <= 64 and all(d >= 0 for d in shape):
-            data = draw(st.binary(min_size=count * _codec.ITEMSIZE[dtype], max_size=count * _codec.ITEMSIZE[dtype]))
+            data = draw(st.binary(min_size=count * codec.ITEMSIZE[dtype], max_size=count * codec.ITEMSIZE[dtype]))
             return tensor_pb2.Tensor(dtype=dtype, shape=shape, data=data)
     return tensor_pb2.Tensor(dtype=draw(dtypes), shape=shape, data=draw(st.binary(max_size=64)),
                              chunk_id=draw(st.sampled_from([0, 0, 0, 1, 9])))
@@ -268,7 +268,7 @@ def token_matrices(draw: Any, values: Any) -> tensor_pb2.Tensor:
     """A [batch, seq] int64 tensor (batch or seq sometimes 0) of ``values``."""
     batch, seq = draw(rarely(st.just(0), st.integers(1, 3))), draw(rarely(st.just(0), st.integers(1, 6)))
     items = draw(st.lists(values, min_size=batch * seq, max_size=batch * seq))
-    return _codec.encode_tensor(torch.tensor(items, dtype=torch.int64).reshape(batch, seq))
+    return codec.encode_tensor(torch.tensor(items, dtype=torch.int64).reshape(batch, seq))
 
 
 #: Token ids of tiny-lm's vocabulary (357 tokens), and rarely past it.
@@ -337,7 +337,7 @@ def generate_requests(draw: Any) -> model_service_pb2.GenerateRequest:
             shape = tuple(request.input_ids.shape) if len(request.input_ids.shape) == 2 else (1, 1)
             mask = draw(st.lists(rarely(st.sampled_from([0, 2, -1]), st.just(1)), min_size=math.prod(shape),
                                  max_size=math.prod(shape)))
-            request.attention_mask.CopyFrom(_codec.encode_tensor(torch.tensor(mask, dtype=torch.int64).reshape(shape)))
+            request.attention_mask.CopyFrom(codec.encode_tensor(torch.tensor(mask, dtype=torch.int64).reshape(shape)))
         else:
             request.attention_mask.CopyFrom(draw(rarely(tensors(), token_matrices(st.sampled_from([0, 1, 1, 1, 2])))))
     if draw(st.booleans()):
@@ -409,7 +409,7 @@ def test_register_and_deregister(fuzz_server, spec, use_session, junk) -> None:
     # A registered hook must survive a pass (its rules and captures fire) without INTERNAL.
     _check(lambda: fuzz_server["models"].Infer(model_service_pb2.InferRequest(
         model=spec.model, session_id=fuzz_server["session_id"],
-        args=[_codec.encode_value(torch.ones(1, 8) if spec.model in ("mlp", "scale") else torch.ones(1, 4, dtype=torch.int64))],
+        args=[codec.encode_value(torch.ones(1, 8) if spec.model in ("mlp", "scale") else torch.ones(1, 4, dtype=torch.int64))],
         backward=model_service_pb2.Backward() if spec.model == "mlp" else None), timeout=30))
     assert hooks.DeregisterHook(hook_service_pb2.DeregisterHookRequest(hook_id=hook.hook_id), timeout=30).removed
 
@@ -460,7 +460,7 @@ def test_tokenize(fuzz_server, model, texts, add_special_tokens, padding_side) -
     except grpc.RpcError as exc:
         assert exc.code() not in BAD, f"{exc.code()}: {exc.details()}"
         return
-    ids, mask = _codec.decode_tensor(reply.input_ids), _codec.decode_tensor(reply.attention_mask)
+    ids, mask = codec.decode_tensor(reply.input_ids), codec.decode_tensor(reply.attention_mask)
     assert ids.dtype == mask.dtype == torch.int64 and ids.shape == mask.shape and ids.shape[0] == len(texts)
     assert [len(t.pieces) for t in reply.tokens] == mask.sum(dim=1).tolist()
 
@@ -547,7 +547,7 @@ def test_many_request_hooks(fuzz_server, count, pattern, model) -> None:
     spec = hook_pb2.HookSpec(module=pattern, posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]),
                              prehook=hook_pb2.HookAction(capture=[hook_pb2.PART_ARGS]))
     x = torch.ones(1, 8) if model == "mlp" else torch.ones(1, 4, dtype=torch.int64)
-    request = model_service_pb2.InferRequest(model=model, args=[_codec.encode_value(x)], hooks=[spec] * count)
+    request = model_service_pb2.InferRequest(model=model, args=[codec.encode_value(x)], hooks=[spec] * count)
     _check(lambda: fuzz_server["models"].Infer(request, timeout=60))
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import (
     hook_pb2,
     hook_service_pb2,
@@ -28,7 +28,7 @@ from hookwire.v1 import (
 )
 from hookwire_server import ModelConfig, ModelHost, ServerSettings, build_registry, demo_configs
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
-from hookwire_server.calls.tokenization import prepare_tokenizer
+from hookwire_server.models.tokenizers import prepare_tokenizer
 from support import CACHE, ServerThread, assert_same
 
 MB = 1 << 20
@@ -65,11 +65,11 @@ class Event:
 
     def value(self, part: str = "output") -> Any:
         if part == "output":
-            return _codec.decode_value(self.raw.output, chunked=self.chunked)
+            return codec.decode_value(self.raw.output, chunked=self.chunked)
         if part == "args":
-            return tuple(_codec.decode_value(v, chunked=self.chunked) for v in self.raw.args)
+            return tuple(codec.decode_value(v, chunked=self.chunked) for v in self.raw.args)
         if part == "kwargs":
-            return {k: _codec.decode_value(v, chunked=self.chunked) for k, v in self.raw.kwargs.items()}
+            return {k: codec.decode_value(v, chunked=self.chunked) for k, v in self.raw.kwargs.items()}
         raise ValueError(part)
 
 
@@ -112,7 +112,7 @@ def read_stream(messages: Iterable[model_service_pb2.GenerateResponse]) -> Gener
     notices: list[hook_service_pb2.Notice] = []
     arrived_in: list[int] = []
     chunk_sizes: list[int] = []
-    assembler: _codec.ChunkAssembler | None = None
+    assembler: codec.ChunkAssembler | None = None
     for message in messages:
         kind = message.WhichOneof("kind")
         kinds.append(kind)
@@ -125,13 +125,13 @@ def read_stream(messages: Iterable[model_service_pb2.GenerateResponse]) -> Gener
             continue
         assert started is not None, f"{kind} before started"
         if kind == "event":
-            assembler = _codec.ChunkAssembler(message.event)
+            assembler = codec.ChunkAssembler(message.event)
             events.append(Event(message.event, assembler.tensors))
             arrived_in.append(len(tokens))
         elif kind == "batch":  # small events sent together: exactly as if sent one by one
             assert len(message.batch.events) > 1
             for event in message.batch.events:
-                assert _codec.ChunkAssembler(event).done, "a batched event has chunked tensors"
+                assert codec.ChunkAssembler(event).done, "a batched event has chunked tensors"
                 events.append(Event(event, {}))
                 arrived_in.append(len(tokens))
         elif kind == "chunk":
@@ -170,7 +170,7 @@ def _clone(value: Any) -> Any:
     """A deep copy of what a hook sees; transformers' KV caches become None (as on the wire)."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
-    if _codec.is_opaque_cache(value):
+    if codec.is_opaque_cache(value):
         return None
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(_clone(v) for v in value)
@@ -384,8 +384,8 @@ def test_greedy_tokens_and_every_step_capture_equal_in_process_generate(env: Env
     started = result.started
     assert started.request_id and list(started.hook_ids) and len(started.hook_ids) == 1
     assert started.seed == 5 and started.do_sample is False
-    assert_same(_codec.decode_tensor(started.input_ids), ids, "started.input_ids")
-    assert_same(_codec.decode_tensor(started.attention_mask), mask, "started.attention_mask")
+    assert_same(codec.decode_tensor(started.input_ids), ids, "started.input_ids")
+    assert_same(codec.decode_tensor(started.attention_mask), mask, "started.attention_mask")
     assert (mask[1] == 0).any(), "the prompts have different lengths: left padding is exercised"
 
     assert_tokens_match(result, oracle, pad=0)
@@ -412,7 +412,7 @@ def test_greedy_on_a_causal_lm_from_a_local_folder(env: Env) -> None:
                               hooks=[hook_pb2.HookSpec(module="transformer.h.*", posthook=_capture())])
     result = generate(env.models, request)
     ids, mask = batch_of(env.gpt_tokenizer, prompts)
-    assert_same(_codec.decode_tensor(result.started.input_ids), ids, "started.input_ids")
+    assert_same(codec.decode_tensor(result.started.input_ids), ids, "started.input_ids")
     oracle = run_oracle(env.gpt, ids, mask, 5, capture=["transformer.h.0", "transformer.h.1"], do_sample=False,
                         pad_token_id=env.gpt_tokenizer.eos_token_id)
     assert_tokens_match(result, oracle, pad=env.gpt_tokenizer.eos_token_id)
@@ -457,7 +457,7 @@ def test_a_steering_vector_on_the_new_tokens_changes_what_the_in_process_edit_ch
     steer = hook_pb2.HookSpec(
         module="model.layers.0", steps=_steps(1),
         posthook=hook_pb2.HookAction(rules=[rule_pb2.Rule(
-            target="output", add=rule_pb2.AddOp(value=rule_pb2.Operand(tensor=_codec.encode_tensor(vector))))]),
+            target="output", add=rule_pb2.AddOp(value=rule_pb2.Operand(tensor=codec.encode_tensor(vector))))]),
     )
     watch = hook_pb2.HookSpec(module="model.layers.1", posthook=_capture())
     result = generate(env.models, GenerateRequest(model="tiny-lm", prompts=PROMPTS, max_new_tokens=6, hooks=[steer, watch]))
@@ -561,7 +561,7 @@ def _rule_hook(module: str, rule: rule_pb2.Rule, steps: hook_pb2.StepRange | Non
 
 def _slot(env: Env, session_id: str, name: str) -> torch.Tensor:
     slot = env.hooks.GetSlot(hook_service_pb2.GetSlotRequest(session_id=session_id, name=name), timeout=CALL_TIMEOUT)
-    return _codec.decode_tensor(slot.tensor)
+    return codec.decode_tensor(slot.tensor)
 
 
 def test_save_and_patch_across_steps_and_a_save_keeps_its_latest_firing(env: Env, session) -> None:
@@ -674,14 +674,14 @@ def test_a_generation_ends_when_every_sequence_has_finished(env: Env) -> None:
 def test_input_ids_with_a_mask_and_no_tokenizer(env: Env) -> None:
     """A model without a tokenizer generates from input_ids: texts are empty."""
     ids, mask = batch_of(env.gpt_tokenizer, ["the cat", "hello world, the"])
-    request = GenerateRequest(model="gpt-notok", input_ids=_codec.encode_tensor(ids),
-                              attention_mask=_codec.encode_tensor(mask), max_new_tokens=4)
+    request = GenerateRequest(model="gpt-notok", input_ids=codec.encode_tensor(ids),
+                              attention_mask=codec.encode_tensor(mask), max_new_tokens=4)
     result = generate(env.models, request)
     oracle = run_oracle(env.gpt, ids, mask, 4, do_sample=False, pad_token_id=env.gpt_tokenizer.eos_token_id)
     assert_tokens_match(result, oracle, pad=env.gpt_tokenizer.eos_token_id)
     assert all(s.text == "" for s in result.done.sequences)
     assert all(t == "" for message in result.tokens for t in message.texts)
-    assert_same(_codec.decode_tensor(result.started.attention_mask), mask, "started.attention_mask")
+    assert_same(codec.decode_tensor(result.started.attention_mask), mask, "started.attention_mask")
 
 
 # --------------------------------------------------------------------------- large captures arrive in chunks
@@ -722,12 +722,12 @@ def _read_session_call(stream: Any, request_id: str) -> list[Event]:
     """A session stream's events up to the CallEnded naming ``request_id``; every event
     must belong to that call (the stream carries nothing else in these tests)."""
     events: list[Event] = []
-    assembler: _codec.ChunkAssembler | None = None
+    assembler: codec.ChunkAssembler | None = None
     for message in stream:
         kind = message.WhichOneof("kind")
         batch = list(message.batch.events) if kind == "batch" else [message.event] if kind == "event" else []
         for event in batch:
-            assembler = _codec.ChunkAssembler(event)
+            assembler = codec.ChunkAssembler(event)
             events.append(Event(event, assembler.tensors))
         if kind == "chunk":
             assert assembler is not None
@@ -758,7 +758,7 @@ def test_session_hooks_fire_on_generate_and_infer_and_each_call_ends_with_a_mark
 
     # An Infer call is one pass, step 0, and ends with its own marker too.
     infer = env.models.Infer(model_service_pb2.InferRequest(
-        model="tiny-lm", args=[_codec.encode_value(ids)], kwargs={"attention_mask": _codec.encode_value(mask)},
+        model="tiny-lm", args=[codec.encode_value(ids)], kwargs={"attention_mask": codec.encode_value(mask)},
         session_id=session_id), timeout=CALL_TIMEOUT)
     [event] = _read_session_call(stream, infer.request_id)
     assert event.raw.step == 0 and event.raw.seq == 5
@@ -782,7 +782,7 @@ def test_a_call_made_in_a_session_ends_with_a_marker_even_without_events(env: En
                                                   session_id=session_id))
     assert _read_session_call(stream, result.started.request_id) == []
     infer = env.models.Infer(model_service_pb2.InferRequest(
-        model="tiny-lm", args=[_codec.encode_value(torch.tensor([[1, 5, 6]]))], session_id=session_id),
+        model="tiny-lm", args=[codec.encode_value(torch.tensor([[1, 5, 6]]))], session_id=session_id),
         timeout=CALL_TIMEOUT)
     assert _read_session_call(stream, infer.request_id) == []
 
@@ -870,11 +870,11 @@ def test_infer_runs_while_a_generate_waits_for_its_reader(env: Env) -> None:
         assert first.WhichOneof("kind") == "started"
         ids, mask = batch_of(env.tokenizer, ["the cat", "hello world"])
         out = env.models.Infer(model_service_pb2.InferRequest(
-            model="tiny-lm", args=[_codec.encode_value(ids)], kwargs={"attention_mask": _codec.encode_value(mask)}),
+            model="tiny-lm", args=[codec.encode_value(ids)], kwargs={"attention_mask": codec.encode_value(mask)}),
             timeout=CALL_TIMEOUT)
         with torch.no_grad():
             want = env.lm(ids, attention_mask=mask).logits
-        assert_same(_codec.decode_value(out.output)["logits"], want, "Infer's logits")
+        assert_same(codec.decode_value(out.output)["logits"], want, "Infer's logits")
         # The generation could not have finished: it waits for its reader.
         assert env.srv.call(lambda: env.srv.server.generation._active.get("tiny-lm", 0)) == 1
         result = read_stream(_chain([first], stream))
@@ -896,7 +896,7 @@ def test_cancelling_a_generate_frees_the_model_and_removes_its_hooks(env: Env) -
     wait_for(lambda: _module_hooks(host.module) == 0, "earlier tests' hooks are gone")
     channel = _slow_reader_channel(env.srv.target)
     steer = hook_pb2.HookSpec(module="model.layers.0", posthook=hook_pb2.HookAction(rules=[rule_pb2.Rule(
-        target="output", add=rule_pb2.AddOp(value=rule_pb2.Operand(tensor=_codec.encode_tensor(_steering_vector())))),
+        target="output", add=rule_pb2.AddOp(value=rule_pb2.Operand(tensor=codec.encode_tensor(_steering_vector())))),
     ]))
     try:
         request = GenerateRequest(model="tiny-lm", prompts=HEAVY_PROMPTS, max_new_tokens=200, hooks=[steer, HEAVY_HOOK])
@@ -914,11 +914,11 @@ def test_cancelling_a_generate_frees_the_model_and_removes_its_hooks(env: Env) -
     still_works(env)
     ids, mask = batch_of(env.tokenizer, PROMPTS)
     out = env.models.Infer(model_service_pb2.InferRequest(
-        model="tiny-lm", args=[_codec.encode_value(ids)], kwargs={"attention_mask": _codec.encode_value(mask)}),
+        model="tiny-lm", args=[codec.encode_value(ids)], kwargs={"attention_mask": codec.encode_value(mask)}),
         timeout=CALL_TIMEOUT)
     with torch.no_grad():
         want = env.lm(ids, attention_mask=mask).logits
-    assert_same(_codec.decode_value(out.output)["logits"], want, "Infer's logits after the cancel")
+    assert_same(codec.decode_value(out.output)["logits"], want, "Infer's logits after the cancel")
 
 
 # --------------------------------------------------------------------------- shutdown
@@ -959,7 +959,7 @@ def test_a_server_stop_ends_a_running_generation_with_shutdown() -> None:
 
 
 def _ids(*rows: list[int], dtype: torch.dtype = torch.int64) -> Any:
-    return _codec.encode_tensor(torch.tensor(rows, dtype=dtype))
+    return codec.encode_tensor(torch.tensor(rows, dtype=dtype))
 
 
 def _hook_with(**fields: Any) -> hook_pb2.HookSpec:
@@ -1003,9 +1003,9 @@ def _bad_requests() -> list[tuple[str, GenerateRequest, grpc.StatusCode, str]]:
          INVALID, r"^attention_mask: sequence 1 has padding \(0\) after a token \(1\).*padded on the left"),
         ("float input_ids", GenerateRequest(input_ids=_ids([1.0, 5.0], dtype=torch.float32), **ok), INVALID,
          r"^input_ids: integer"),
-        ("1-D input_ids", GenerateRequest(input_ids=_codec.encode_tensor(torch.tensor([1, 5])), **ok), INVALID,
+        ("1-D input_ids", GenerateRequest(input_ids=codec.encode_tensor(torch.tensor([1, 5])), **ok), INVALID,
          r"^input_ids: expected .*\[batch, seq\]"),
-        ("empty input_ids", GenerateRequest(input_ids=_codec.encode_tensor(torch.zeros(1, 0, dtype=torch.int64)), **ok),
+        ("empty input_ids", GenerateRequest(input_ids=codec.encode_tensor(torch.zeros(1, 0, dtype=torch.int64)), **ok),
          INVALID, r"^input_ids: expected a non-empty"),
         ("input_ids whose bytes do not match", GenerateRequest(input_ids=bad_bytes, **ok), INVALID, r"input_ids"),
         ("a token id past the vocabulary", GenerateRequest(input_ids=_ids([1, 357]), **ok), INVALID,

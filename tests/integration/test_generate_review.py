@@ -17,10 +17,10 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import hook_pb2, model_service_pb2, model_service_pb2_grpc, rule_pb2
 from hookwire_server import ModelHost, ServerSettings, build_registry, demo_configs
-from hookwire_server.calls.tokenization import prepare_tokenizer
+from hookwire_server.models.tokenizers import prepare_tokenizer
 from support import CACHE, ServerThread
 
 GenerateRequest = model_service_pb2.GenerateRequest
@@ -140,7 +140,7 @@ def test_a_stop_string_the_vocabulary_cannot_spell_is_invalid_argument(stub) -> 
     """Bad input must never be INTERNAL: transformers' StopStringCriteria raises ValueError
     for a stop string no token can spell; _stop_criteria lets it through."""
     with pytest.raises(grpc.RpcError) as info:
-        for _ in stub.Generate(GenerateRequest(model="letters-60", input_ids=_codec.encode_tensor(torch.tensor([[5, 6]])),
+        for _ in stub.Generate(GenerateRequest(model="letters-60", input_ids=codec.encode_tensor(torch.tensor([[5, 6]])),
                                                max_new_tokens=2, stop=["é"]), timeout=CALL_TIMEOUT):
             pass
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{info.value.code()}: {info.value.details()}"
@@ -152,16 +152,16 @@ def test_input_ids_over_the_limits_are_refused_before_they_are_decoded(srv: Serv
     (a copy, then widened to int64: 8x for int8 ids) on the event loop before their shape is
     compared with the limits. The shape is in the message: check it first."""
     decoded: list[list[int]] = []
-    real = _codec.decode_tensor
+    real = codec.decode_tensor
 
     def spy(msg: Any, **kwargs: Any) -> Any:
         decoded.append(list(msg.shape))
         return real(msg, **kwargs)
 
-    monkeypatch.setattr(_codec, "decode_tensor", spy)
+    monkeypatch.setattr(codec, "decode_tensor", spy)
     n = 5_000_000
     request = GenerateRequest(model="tiny-lm", max_new_tokens=2)
-    request.input_ids.dtype = _codec.wire_dtype_of(torch.int8)
+    request.input_ids.dtype = codec.wire_dtype_of(torch.int8)
     request.input_ids.shape.extend([1, n])
     request.input_ids.data = bytes(n)
     with pytest.raises(grpc.RpcError) as info:
@@ -182,13 +182,13 @@ def test_stop_strings_at_the_limits_leave_no_table_behind(srv: ServerThread, stu
     limit = srv.server.settings.max_stop_chars
     at_limit = [chr(ord("a") + i) * (limit // 8) for i in range(8)]
     assert sum(map(len, at_limit)) == limit
-    for _ in stub.Generate(GenerateRequest(model="letters-4000", input_ids=_codec.encode_tensor(torch.tensor([[5, 6]])),
+    for _ in stub.Generate(GenerateRequest(model="letters-4000", input_ids=codec.encode_tensor(torch.tensor([[5, 6]])),
                                            max_new_tokens=1, stop=at_limit), timeout=CALL_TIMEOUT):
         pass
     assert not stopping_criteria.STOP_STRING_EMBEDDING_CACHE, "a stop-string table was left in transformers' cache"
     over = at_limit[:-1] + [at_limit[-1] + "x"]
     with pytest.raises(grpc.RpcError) as info:
-        for _ in stub.Generate(GenerateRequest(model="letters-4000", input_ids=_codec.encode_tensor(torch.tensor([[5, 6]])),
+        for _ in stub.Generate(GenerateRequest(model="letters-4000", input_ids=codec.encode_tensor(torch.tensor([[5, 6]])),
                                                max_new_tokens=1, stop=over), timeout=CALL_TIMEOUT):
             pass
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -235,7 +235,7 @@ def test_a_failed_infer_frees_its_activations(srv: ServerThread, stub) -> None:
     try:
         with pytest.raises(grpc.RpcError) as info:
             stub.Infer(model_service_pb2.InferRequest(
-                model="tiny-lm", args=[_codec.encode_value(torch.tensor([[1, 5, 6]]))], hooks=[failing]),
+                model="tiny-lm", args=[codec.encode_value(torch.tensor([[1, 5, 6]]))], hooks=[failing]),
                 timeout=CALL_TIMEOUT)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:

@@ -23,7 +23,7 @@ import safetensors
 import torch
 import transformers
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import harvest_service_pb2_grpc as hv_grpc
 from hookwire.v1 import hook_pb2, rule_pb2, tensor_pb2
@@ -346,7 +346,7 @@ BAD = [
     ("capturing rule", dict(rules=[hook_pb2.HookSpec(module="model.norm", posthook=hook_pb2.HookAction(
         capture=[hook_pb2.PART_OUTPUT]))]), grpc.StatusCode.INVALID_ARGUMENT, "rules[0]"),
     ("float tokens", dict(source=hv.HarvestSource(tokens=hv.TokenSource(
-        input_ids=_codec.encode_tensor(torch.zeros(2, 4))))), grpc.StatusCode.INVALID_ARGUMENT, "integer"),
+        input_ids=codec.encode_tensor(torch.zeros(2, 4))))), grpc.StatusCode.INVALID_ARGUMENT, "integer"),
     ("too many modules", dict(modules=["model.norm"] * 65), grpc.StatusCode.RESOURCE_EXHAUSTED, "modules"),
     ("long path", dict(output__path="x" * 5000), grpc.StatusCode.INVALID_ARGUMENT, "output"),
     ("output in the state folder", dict(output__path=".hookwire-jobs/acts"), grpc.StatusCode.INVALID_ARGUMENT,

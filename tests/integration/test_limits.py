@@ -189,7 +189,7 @@ def _request_hook(module: str) -> hook_pb2.HookSpec:
 
 async def test_request_hooks_per_call(tight) -> None:
     async with _small(tight) as c:
-        request = model_service_pb2.InferRequest(model="mlp", args=[hookwire._codec.encode_value(X)])
+        request = model_service_pb2.InferRequest(model="mlp", args=[hookwire.wire.codec.encode_value(X)])
         request.hooks.extend([_request_hook("fc1")] * 4)
         with pytest.raises(grpc.aio.AioRpcError, match="over the limit of 3 \\(max_request_hooks\\)") as info:
             await c.model_stub.Infer(request)
@@ -203,7 +203,7 @@ async def test_request_hooks_per_call(tight) -> None:
 async def test_events_per_call(tight) -> None:
     async with _small(tight) as c:
         # mlp has 6 modules (root, fc1, act, drop, fc2, out): a hook on ** makes 6 events, over 5.
-        request = model_service_pb2.InferRequest(model="mlp", args=[hookwire._codec.encode_value(X)],
+        request = model_service_pb2.InferRequest(model="mlp", args=[hookwire.wire.codec.encode_value(X)],
                                                  hooks=[_request_hook("**")])
         with pytest.raises(grpc.aio.AioRpcError, match="more than 5 events.*max_events_per_call") as info:
             await c.model_stub.Infer(request)
@@ -219,7 +219,7 @@ async def test_many_request_hooks_leave_other_calls_served(server) -> None:
     # The most request hooks allowed, on every module: health and other models are answered meanwhile.
     async with hookwire.connect(server.target) as c, grpc.aio.insecure_channel(server.target) as channel:
         request = model_service_pb2.InferRequest(
-            model="tiny-transformer", args=[hookwire._codec.encode_value(torch.zeros(1, 4, dtype=torch.int64))],
+            model="tiny-transformer", args=[hookwire.wire.codec.encode_value(torch.zeros(1, 4, dtype=torch.int64))],
             hooks=[_request_hook("**")] * 64,
         )
         busy = asyncio.ensure_future(c.model_stub.Infer(request))

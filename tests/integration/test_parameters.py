@@ -17,7 +17,7 @@ import transformers
 from torch import nn
 
 import hookwire
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ModelConfig, ServerSettings, demo_configs
 from hookwire_server.auth import hash_token
@@ -146,14 +146,14 @@ def test_large_parameters_come_in_chunks_within_the_clients_message_limit(server
     assert kinds[0] == "parameter" and kinds[-1] == "parameter" and set(kinds[1:-1]) == {"chunk"}
     head = messages[0].parameter
     assert head.name == EMBEDDINGS and head.tensor.chunk_id and not head.tensor.data
-    assert list(head.tensor.shape) == [30522, 384] and head.tensor.dtype == _codec.wire_dtype_of(torch.float32)
+    assert list(head.tensor.shape) == [30522, 384] and head.tensor.dtype == codec.wire_dtype_of(torch.float32)
     assert len(chunks) == -(-want.numel() * 4 // (MIB - 64 * 1024)) > 40
     assert all(c.chunk_id == head.tensor.chunk_id and len(c.data) <= MIB - 64 * 1024 for c in chunks)
     assert [c.offset for c in chunks] == [i * (MIB - 64 * 1024) for i in range(len(chunks))]
     data = b"".join(c.data for c in chunks)
     assert data == want.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     assert messages[-1].parameter.name == "pooler.dense.bias"  # small: inline
-    assert _same_bits(_codec.decode_tensor(messages[-1].parameter.tensor), local.pooler.dense.bias)
+    assert _same_bits(codec.decode_tensor(messages[-1].parameter.tensor), local.pooler.dense.bias)
 
 
 def _bearer(who: str) -> tuple[tuple[str, str], ...]:

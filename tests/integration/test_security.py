@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import hookwire
 from certs import make_pki
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import (
     harvest_service_pb2,
     harvest_service_pb2_grpc,
@@ -108,7 +108,7 @@ async def test_ownership(secured) -> None:
         from hookwire.v1 import hook_service_pb2, model_service_pb2
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Infer(model_service_pb2.InferRequest(model="mlp", session_id=alice.session_id,
-                                                           args=[hookwire._codec.encode_value(X)]))
+                                                           args=[hookwire.wire.codec.encode_value(X)]))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await bob.hook_stub.GetSlot(hook_service_pb2.GetSlotRequest(session_id=alice.session_id, name="s"))
@@ -310,10 +310,10 @@ def test_refused_and_idle_requests_cost_no_lasting_memory(tmp_path) -> None:
         options = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
         with grpc.insecure_channel(target, options=options) as channel:
             infer = channel.unary_unary("/hookwire.v1.ModelService/Infer")  # raw bytes: the client holds one copy
-            small = model_service_pb2.InferRequest(model="mlp", args=[_codec.encode_value(X)]).SerializeToString()
+            small = model_service_pb2.InferRequest(model="mlp", args=[codec.encode_value(X)]).SerializeToString()
             infer(small, metadata=_bearer("alice"), timeout=120)  # warm up before the baseline
             before = _memory_of(proc.pid)
-            big = model_service_pb2.InferRequest(model="mlp", args=[_codec.encode_value(torch.zeros(64 * MIB))])
+            big = model_service_pb2.InferRequest(model="mlp", args=[codec.encode_value(torch.zeros(64 * MIB))])
             body = big.SerializeToString()  # 256 MiB
             empty_value = model_service_pb2.InferRequest(args=[tensor_pb2.Value()]).SerializeToString()
             wide = empty_value * (19 * 1000 * 1000)  # 19M empty Values, 38 MB
@@ -340,8 +340,8 @@ def test_refused_and_idle_requests_cost_no_lasting_memory(tmp_path) -> None:
             assert refused["VmRSS"] - before["VmRSS"] < 128, (before, refused)
             # An authorized InferStream that sends 255 MiB of a 256 MiB tensor, then nothing, never closing.
             chunked = model_service_pb2.InferRequest(model="scale")
-            chunker = _codec.Chunker(snapshot=False)
-            _codec.encode_value_into(torch.ones(64 * MIB), chunked.args.add(), chunker=chunker)
+            chunker = codec.Chunker(snapshot=False)
+            codec.encode_value_into(torch.ones(64 * MIB), chunked.args.add(), chunker=chunker)
 
             def messages() -> Iterator[bytes]:
                 yield model_service_pb2.InferStreamRequest(request=chunked).SerializeToString()
@@ -367,7 +367,7 @@ def _calls(model: model_service_pb2_grpc.ModelServiceStub, hooks: hook_service_p
            harvests: harvest_service_pb2_grpc.HarvestServiceStub) -> dict[str, Any]:
     """Each RPC with a small request that passes every role check of a principal that
     holds the RPC's least role (it may still fail for other reasons, e.g. NOT_FOUND)."""
-    infer = model_service_pb2.InferRequest(model="mlp", args=[_codec.encode_value(X)])
+    infer = model_service_pb2.InferRequest(model="mlp", args=[codec.encode_value(X)])
 
     def first(call: Any) -> Any:
         try:
@@ -713,8 +713,8 @@ def _stalled_infer_stream(stub: model_service_pb2_grpc.ModelServiceStub, who: st
                           *, send_request: bool = True) -> Any:
     """An InferStream that sends its request and the first MiB of a 64 MiB tensor, then waits for ``release``."""
     request = model_service_pb2.InferRequest(model="scale")
-    chunker = _codec.Chunker(snapshot=False)
-    _codec.encode_value_into(torch.ones(16 * MIB), request.args.add(), chunker=chunker)
+    chunker = codec.Chunker(snapshot=False)
+    codec.encode_value_into(torch.ones(16 * MIB), request.args.add(), chunker=chunker)
 
     async def messages() -> AsyncIterator[model_service_pb2.InferStreamRequest]:
         if send_request:
@@ -745,7 +745,7 @@ def _refused_infer_stream(target: str, who: str) -> grpc.RpcError:
     """The error of an InferStream call that sends one request (a sync client: the
     asyncio one may report a call refused before it was read as INTERNAL, grpc/grpc#36066)."""
     request = model_service_pb2.InferStreamRequest(request=model_service_pb2.InferRequest(
-        model="mlp", args=[_codec.encode_value(X)]))
+        model="mlp", args=[codec.encode_value(X)]))
     with grpc.insecure_channel(target) as channel:
         with pytest.raises(grpc.RpcError) as info:
             list(model_service_pb2_grpc.ModelServiceStub(channel).InferStream(iter([request]), metadata=_bearer(who)))
@@ -783,7 +783,7 @@ async def test_an_infer_stream_counts_against_the_limit_only_while_it_uploads() 
     srv = ServerThread(build_test_registry(), settings).start()
     try:
         request = model_service_pb2.InferStreamRequest(request=model_service_pb2.InferRequest(
-            model="sleeper", args=[_codec.encode_value(torch.tensor(3.0))]))
+            model="sleeper", args=[codec.encode_value(torch.tensor(3.0))]))
 
         def slow_call() -> list:
             with grpc.insecure_channel(srv.target) as channel:
@@ -794,7 +794,7 @@ async def test_an_infer_stream_counts_against_the_limit_only_while_it_uploads() 
         await _until(lambda: srv.call(lambda: srv.server.inference._queued.get("sleeper", 0)) == 1, "running")
         assert srv.call(lambda: srv.server.inference.open_streams) == {}
         quick = model_service_pb2.InferStreamRequest(request=model_service_pb2.InferRequest(
-            model="mlp", args=[_codec.encode_value(X)]))
+            model="mlp", args=[codec.encode_value(X)]))
 
         def quick_call() -> list:
             with grpc.insecure_channel(srv.target) as channel:
@@ -815,8 +815,8 @@ async def test_an_infer_stream_that_drips_its_upload_is_ended_at_infer_timeout()
     srv = ServerThread(build_test_registry(), settings).start()
     try:
         request = model_service_pb2.InferRequest(model="scale")
-        chunker = _codec.Chunker(snapshot=False)
-        _codec.encode_value_into(torch.ones(16 * MIB), request.args.add(), chunker=chunker)
+        chunker = codec.Chunker(snapshot=False)
+        codec.encode_value_into(torch.ones(16 * MIB), request.args.add(), chunker=chunker)
         chunks = iter(chunker.chunks(MIB))
 
         ended, drained = threading.Event(), threading.Event()

@@ -188,7 +188,7 @@ async def test_block_delivery_waits_for_a_slow_reader_and_loses_nothing(server) 
         session_id = opened.opened.session_id
         hook = await hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
             model="scale", module="", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))))
-        x = hookwire._codec.encode_value(torch.ones(1 << 20))  # 4 MiB per event
+        x = hookwire.wire.codec.encode_value(torch.ones(1 << 20))  # 4 MiB per event
         calls = [asyncio.ensure_future(models.Infer(model_service_pb2.InferRequest(
             model="scale", session_id=session_id, args=[x]))) for _ in range(24)]
         await asyncio.sleep(1.5)
@@ -205,12 +205,12 @@ async def test_block_delivery_waits_for_a_slow_reader_and_loses_nothing(server) 
             assert msg.WhichOneof("kind") == "event" and msg.event.hook_id == hook.hook_id
             assert len(seqs) == len(ended), "a call's next event came before the previous call's CallEnded"
             # 4 MiB does not travel inline: the event is followed by its tensor's chunks.
-            assembler = hookwire._codec.ChunkAssembler(msg.event)
+            assembler = hookwire.wire.codec.ChunkAssembler(msg.event)
             while not assembler.done:
                 chunk = await asyncio.wait_for(stream.read(), 30)
                 assert chunk.WhichOneof("kind") == "chunk" and len(chunk.chunk.data) <= 1 << 20
                 assembler.feed(chunk.chunk)
-            output = hookwire._codec.decode_value(msg.event.output, chunked=assembler.result())
+            output = hookwire.wire.codec.decode_value(msg.event.output, chunked=assembler.result())
             assert torch.equal(output, torch.full((1 << 20,), 2.0))
             seqs.append(msg.event.seq)
         responses = await asyncio.wait_for(asyncio.gather(*calls), 30)

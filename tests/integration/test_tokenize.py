@@ -186,6 +186,6 @@ async def test_a_kv_cache_is_sent_as_null_with_a_marker(client: hookwire.Client)
     assert event.raw.kwargs[CACHE].opaque_type == "DynamicCache"
     assert all(v.opaque_type == "" for k, v in event.raw.kwargs.items() if k != CACHE)
     # A client never sends one: encoding a cache in a request is still an error.
-    from hookwire import _codec
-    with pytest.raises(_codec.CodecError, match="DynamicCache"):
-        _codec.encode_value(want[CACHE])
+    from hookwire.wire import codec
+    with pytest.raises(codec.CodecError, match="DynamicCache"):
+        codec.encode_value(want[CACHE])

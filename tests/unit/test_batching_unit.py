@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import hook_service_pb2, model_service_pb2
 from hookwire_server.engine import batching
 from hookwire_server.engine import decoding
@@ -22,9 +22,9 @@ from support import build_test_registry
 def _request(*args: object, **kwargs: object) -> model_service_pb2.InferRequest:
     request = model_service_pb2.InferRequest(model="m")
     for value in args:
-        request.args.append(_codec.encode_value(value))
+        request.args.append(codec.encode_value(value))
     for key, value in kwargs.items():
-        request.kwargs[key].CopyFrom(_codec.encode_value(value))
+        request.kwargs[key].CopyFrom(codec.encode_value(value))
     return request
 
 

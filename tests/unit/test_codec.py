@@ -1,4 +1,4 @@
-"""hookwire._codec: Values and Tensors between Python and the wire."""
+"""hookwire.wire.codec: Values and Tensors between Python and the wire."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import tensor_pb2
 
 # Every DType of the contract, with its torch and numpy counterparts (bfloat16
@@ -87,9 +87,9 @@ def assert_identical(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def roundtrip_tensor(t, **kw):
-    msg = _codec.encode_tensor(t)
+    msg = codec.encode_tensor(t)
     wire = tensor_pb2.Tensor.FromString(msg.SerializeToString())
-    return msg, _codec.decode_tensor(wire, **kw)
+    return msg, codec.decode_tensor(wire, **kw)
 
 
 def assert_writable_torch(t: torch.Tensor) -> None:
@@ -116,7 +116,7 @@ def assert_writable_numpy(a) -> None:
 def test_roundtrip_every_dtype(dtype):
     t = sample(dtype)
     msg, got = roundtrip_tensor(t)
-    assert msg.dtype == _codec.wire_dtype_of(dtype)
+    assert msg.dtype == codec.wire_dtype_of(dtype)
     assert list(msg.shape) == [3, 5]
     assert len(msg.data) == 15 * ITEMSIZES[dtype]
     assert msg.data == raw_bytes(t)
@@ -196,9 +196,9 @@ def test_requires_grad_tensor(dtype):
 @pytest.mark.parametrize("shape", [(4, 3), ()], ids=["matrix", "scalar"])
 def test_decoded_torch_tensor_is_writable_and_owns_its_memory(dtype, shape):
     t = sample(dtype, shape).clone()
-    msg = _codec.encode_tensor(t)
+    msg = codec.encode_tensor(t)
     data_before = bytes(msg.data)
-    got = _codec.decode_tensor(msg)
+    got = codec.decode_tensor(msg)
     assert_writable_torch(got)
     # Writing to the result changes neither the message nor the source.
     assert msg.data == data_before
@@ -206,9 +206,9 @@ def test_decoded_torch_tensor_is_writable_and_owns_its_memory(dtype, shape):
 
 
 def test_decode_tensor_twice_yields_independent_tensors():
-    msg = _codec.encode_tensor(torch.zeros(4))
-    a = _codec.decode_tensor(msg)
-    b = _codec.decode_tensor(msg)
+    msg = codec.encode_tensor(torch.zeros(4))
+    a = codec.decode_tensor(msg)
+    b = codec.decode_tensor(msg)
     a.fill_(7)
     assert torch.equal(b, torch.zeros(4))
 
@@ -223,8 +223,8 @@ def test_decode_tensor_twice_yields_independent_tensors():
 )
 def test_decode_as_numpy(code, tdtype, ndtype):
     t = sample(tdtype, (2, 7))
-    msg = _codec.encode_tensor(t)
-    arr = _codec.decode_tensor(msg, as_numpy=True)
+    msg = codec.encode_tensor(t)
+    arr = codec.decode_tensor(msg, as_numpy=True)
     assert isinstance(arr, np.ndarray)
     assert arr.dtype == np.dtype(ndtype)
     assert arr.shape == (2, 7)
@@ -241,19 +241,19 @@ def test_decode_as_numpy(code, tdtype, ndtype):
 def test_numpy_array_encodes_like_torch(code, tdtype, ndtype):
     t = sample(tdtype, (3, 4))
     arr = t.numpy()
-    from_np = _codec.encode_tensor(arr)
-    from_torch = _codec.encode_tensor(t)
+    from_np = codec.encode_tensor(arr)
+    from_torch = codec.encode_tensor(t)
     assert from_np == from_torch
     assert from_np.dtype == code
     # Non-contiguous numpy sources too.
-    assert _codec.encode_tensor(arr.T) == _codec.encode_tensor(t.t())
-    assert _codec.encode_tensor(arr[:, ::2]) == _codec.encode_tensor(t[:, ::2])
+    assert codec.encode_tensor(arr.T) == codec.encode_tensor(t.t())
+    assert codec.encode_tensor(arr[:, ::2]) == codec.encode_tensor(t[:, ::2])
 
 
 def test_decode_as_numpy_float_nan_payloads_exact():
     bits = np.array([0x7FC00001, 0x7F800001, 0xFFC0FFFF, 0x3F800000], dtype=np.uint32)
     msg = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[4], data=bits.tobytes())
-    arr = _codec.decode_tensor(msg, as_numpy=True)
+    arr = codec.decode_tensor(msg, as_numpy=True)
     assert arr.dtype == np.float32
     assert arr.view(np.uint32).tolist() == bits.tolist()
 
@@ -262,8 +262,8 @@ def test_bfloat16_as_numpy_widens_exactly_like_torch():
     # Every bf16 bit pattern: normals, subnormals, zeros, infinities, NaNs with payloads.
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     t = bits.view(torch.bfloat16).reshape(256, 256)
-    msg = _codec.encode_tensor(t)
-    arr = _codec.decode_tensor(msg, as_numpy=True)
+    msg = codec.encode_tensor(t)
+    arr = codec.decode_tensor(msg, as_numpy=True)
     assert isinstance(arr, np.ndarray)
     assert arr.dtype == np.float32
     assert arr.shape == (256, 256)
@@ -274,7 +274,7 @@ def test_bfloat16_as_numpy_widens_exactly_like_torch():
 
 def test_bfloat16_scalar_as_numpy_is_writable_array():
     t = torch.tensor(1.5, dtype=torch.bfloat16)
-    arr = _codec.decode_tensor(_codec.encode_tensor(t), as_numpy=True)
+    arr = codec.decode_tensor(codec.encode_tensor(t), as_numpy=True)
     assert isinstance(arr, np.ndarray)
     assert arr.shape == ()
     assert arr.dtype == np.float32
@@ -288,26 +288,26 @@ def test_bfloat16_scalar_as_numpy_is_writable_array():
     ids=[i for i, d in zip(DTYPE_IDS, DTYPES) if d[2] is not None],
 )
 def test_scalar_and_empty_as_numpy(code, tdtype, ndtype):
-    scalar = _codec.decode_tensor(_codec.encode_tensor(sample(tdtype, ()).clone()), as_numpy=True)
+    scalar = codec.decode_tensor(codec.encode_tensor(sample(tdtype, ()).clone()), as_numpy=True)
     assert isinstance(scalar, np.ndarray)
     assert scalar.shape == ()
     assert_writable_numpy(scalar)
-    empty = _codec.decode_tensor(_codec.encode_tensor(torch.empty(0, 3, dtype=tdtype)), as_numpy=True)
+    empty = codec.decode_tensor(codec.encode_tensor(torch.empty(0, 3, dtype=tdtype)), as_numpy=True)
     assert isinstance(empty, np.ndarray)
     assert empty.shape == (0, 3)
     assert empty.dtype == np.dtype(ndtype)
 
 
 def test_bfloat16_empty_as_numpy():
-    arr = _codec.decode_tensor(_codec.encode_tensor(torch.empty(2, 0, dtype=torch.bfloat16)), as_numpy=True)
+    arr = codec.decode_tensor(codec.encode_tensor(torch.empty(2, 0, dtype=torch.bfloat16)), as_numpy=True)
     assert isinstance(arr, np.ndarray)
     assert arr.shape == (2, 0)
     assert arr.dtype == np.float32
 
 
 def test_decode_value_as_numpy_propagates_into_containers():
-    value = _codec.encode_value({"a": [torch.ones(2)], "b": (torch.zeros((), dtype=torch.int64),)})
-    out = _codec.decode_value(value, as_numpy=True)
+    value = codec.encode_value({"a": [torch.ones(2)], "b": (torch.zeros((), dtype=torch.int64),)})
+    out = codec.decode_value(value, as_numpy=True)
     assert isinstance(out["a"][0], np.ndarray)
     assert isinstance(out["b"][0], np.ndarray)
     np.testing.assert_array_equal(out["a"][0], np.ones(2, dtype=np.float32))
@@ -317,8 +317,8 @@ def test_decode_value_as_numpy_propagates_into_containers():
 
 
 def roundtrip_value(obj, **kw):
-    wire = tensor_pb2.Value.FromString(_codec.encode_value(obj).SerializeToString())
-    return _codec.decode_value(wire, **kw)
+    wire = tensor_pb2.Value.FromString(codec.encode_value(obj).SerializeToString())
+    return codec.decode_value(wire, **kw)
 
 
 @pytest.mark.parametrize(
@@ -340,7 +340,7 @@ def roundtrip_value(obj, **kw):
     ],
 )
 def test_python_scalars(obj, kind):
-    msg = _codec.encode_value(obj)
+    msg = codec.encode_value(obj)
     assert msg.WhichOneof("kind") == kind
     got = roundtrip_value(obj)
     assert type(got) is type(obj)
@@ -355,8 +355,8 @@ def test_float_nan_value():
 
 
 def test_bool_is_not_encoded_as_int():
-    assert _codec.encode_value(True).WhichOneof("kind") == "bool_value"
-    assert _codec.encode_value(np.bool_(False)).WhichOneof("kind") == "bool_value"
+    assert codec.encode_value(True).WhichOneof("kind") == "bool_value"
+    assert codec.encode_value(np.bool_(False)).WhichOneof("kind") == "bool_value"
 
 
 def test_numpy_scalars_become_python_scalars():
@@ -367,20 +367,20 @@ def test_numpy_scalars_become_python_scalars():
 
 
 def test_empty_value_decodes_to_none():
-    assert _codec.decode_value(tensor_pb2.Value()) is None
+    assert codec.decode_value(tensor_pb2.Value()) is None
 
 
 @pytest.mark.parametrize("bad", [2**63, -(2**63) - 1, 10**30, -(10**30)])
 def test_int_out_of_int64_range_raises(bad):
-    with pytest.raises(_codec.CodecError, match="int64"):
-        _codec.encode_value(bad)
-    with pytest.raises(_codec.CodecError):
-        _codec.encode_value({"x": [1, (2, bad)]})
+    with pytest.raises(codec.CodecError, match="int64"):
+        codec.encode_value(bad)
+    with pytest.raises(codec.CodecError):
+        codec.encode_value({"x": [1, (2, bad)]})
 
 
 def test_list_and_tuple_are_distinguished():
     obj = ([1, 2], (3, 4), [], (), [(5,), [6]])
-    msg = _codec.encode_value(obj)
+    msg = codec.encode_value(obj)
     assert msg.list.is_list is False
     assert msg.list.items[0].list.is_list is True
     assert msg.list.items[1].list.is_list is False
@@ -396,18 +396,18 @@ def test_list_and_tuple_are_distinguished():
 
 
 def test_empty_list_and_tuple_keep_their_kind():
-    assert _codec.encode_value([]).WhichOneof("kind") == "list"
-    assert _codec.encode_value(()).WhichOneof("kind") == "list"
+    assert codec.encode_value([]).WhichOneof("kind") == "list"
+    assert codec.encode_value(()).WhichOneof("kind") == "list"
     assert roundtrip_value([]) == []
     assert roundtrip_value(()) == ()
-    assert _codec.encode_value({}).WhichOneof("kind") == "map"
+    assert codec.encode_value({}).WhichOneof("kind") == "map"
     assert roundtrip_value({}) == {}
 
 
 def test_map_preserves_insertion_order():
     keys = ["zeta", "alpha", "mid", "Alpha", "", "b", "a"]
     obj = {k: i for i, k in enumerate(keys)}
-    msg = _codec.encode_value(obj)
+    msg = codec.encode_value(obj)
     assert list(msg.map.keys) == keys
     got = roundtrip_value(obj)
     assert list(got) == keys
@@ -418,7 +418,7 @@ def test_map_without_keys_decodes_in_some_order():
     msg = tensor_pb2.Value()
     msg.map.entries["b"].int_value = 1
     msg.map.entries["a"].int_value = 2
-    assert _codec.decode_value(msg) == {"a": 2, "b": 1}
+    assert codec.decode_value(msg) == {"a": 2, "b": 1}
 
 
 def test_nested_containers_with_tensors():
@@ -429,8 +429,8 @@ def test_nested_containers_with_tensors():
         "meta": {"name": "layer.0", "n": 3, "scale": 0.5, "flag": False},
         "empty": [],
     }
-    msg = _codec.encode_value(obj)
-    nbytes = _codec.encode_value_into(obj, tensor_pb2.Value())
+    msg = codec.encode_value(obj)
+    nbytes = codec.encode_value_into(obj, tensor_pb2.Value())
     assert nbytes == t1.numel() * 4 + t2.numel()
     got = roundtrip_value(obj)
     assert list(got) == ["hidden", "meta", "empty"]
@@ -475,43 +475,43 @@ def test_mapping_that_is_not_a_dict_is_encoded():
     ids=lambda o: type(o).__name__ if not hasattr(o, "dtype") else f"{type(o).__name__}-{o.dtype}",
 )
 def test_unsupported_values_raise_codec_error(obj):
-    with pytest.raises(_codec.CodecError):
-        _codec.encode_value(obj)
+    with pytest.raises(codec.CodecError):
+        codec.encode_value(obj)
 
 
 def test_codec_error_is_value_error():
-    assert issubclass(_codec.CodecError, ValueError)
+    assert issubclass(codec.CodecError, ValueError)
 
 
 def test_non_string_map_key_raises():
-    with pytest.raises(_codec.CodecError, match="not a string"):
-        _codec.encode_value({1: "a"})
+    with pytest.raises(codec.CodecError, match="not a string"):
+        codec.encode_value({1: "a"})
 
 
 def test_encode_tensor_rejects_non_tensor():
-    with pytest.raises(_codec.CodecError):
-        _codec.encode_tensor([1.0, 2.0])
-    with pytest.raises(_codec.CodecError, match="complex"):
-        _codec.encode_tensor(torch.zeros(1, dtype=torch.complex64))
+    with pytest.raises(codec.CodecError):
+        codec.encode_tensor([1.0, 2.0])
+    with pytest.raises(codec.CodecError, match="complex"):
+        codec.encode_tensor(torch.zeros(1, dtype=torch.complex64))
 
 
 @pytest.mark.parametrize("code", [tensor_pb2.DTYPE_UNSPECIFIED, 11, 99, 12345])
 def test_decode_rejects_unknown_dtype(code):
     msg = tensor_pb2.Tensor(dtype=code, shape=[1], data=b"\x00" * 4)
-    with pytest.raises(_codec.CodecError, match="not a valid dtype"):
-        _codec.decode_tensor(msg)
-    with pytest.raises(_codec.CodecError):
-        _codec.decode_tensor(msg, as_numpy=True)
+    with pytest.raises(codec.CodecError, match="not a valid dtype"):
+        codec.decode_tensor(msg)
+    with pytest.raises(codec.CodecError):
+        codec.decode_tensor(msg, as_numpy=True)
 
 
 def test_decode_rejects_negative_dimension():
     msg = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2, -1], data=b"")
-    with pytest.raises(_codec.CodecError, match="negative"):
-        _codec.decode_tensor(msg)
+    with pytest.raises(codec.CodecError, match="negative"):
+        codec.decode_tensor(msg)
     # Two negatives whose product would be positive and match the data.
     msg = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[-1, -2], data=b"\x00\x00")
-    with pytest.raises(_codec.CodecError, match="negative"):
-        _codec.decode_tensor(msg, as_numpy=True)
+    with pytest.raises(codec.CodecError, match="negative"):
+        codec.decode_tensor(msg, as_numpy=True)
 
 
 @pytest.mark.parametrize(
@@ -528,8 +528,8 @@ def test_decode_rejects_negative_dimension():
 def test_decode_rejects_byte_length_mismatch(dtype, shape, nbytes, expected):
     msg = tensor_pb2.Tensor(dtype=dtype, shape=shape, data=b"\x01" * nbytes)
     for as_numpy in (False, True):
-        with pytest.raises(_codec.CodecError) as info:
-            _codec.decode_tensor(msg, where="args[0]", as_numpy=as_numpy)
+        with pytest.raises(codec.CodecError) as info:
+            codec.decode_tensor(msg, where="args[0]", as_numpy=as_numpy)
         text = str(info.value)
         assert f"{nbytes} bytes" in text
         assert f"needs {expected}" in text
@@ -543,8 +543,8 @@ def test_decode_value_error_names_the_location():
     bad.dtype = tensor_pb2.DTYPE_FLOAT32
     bad.shape.append(2)
     bad.data = b"\x00"
-    with pytest.raises(_codec.CodecError) as info:
-        _codec.decode_value(msg, where="output")
+    with pytest.raises(codec.CodecError) as info:
+        codec.decode_value(msg, where="output")
     assert "output['x'][0]" in str(info.value)
 
 
@@ -569,8 +569,8 @@ def nested_map_value(levels: int) -> tensor_pb2.Value:
 
 
 def test_decode_nesting_up_to_max_depth_is_accepted():
-    got = _codec.decode_value(nested_list_value(_codec.MAX_DEPTH))
-    for _ in range(_codec.MAX_DEPTH):
+    got = codec.decode_value(nested_list_value(codec.MAX_DEPTH))
+    for _ in range(codec.MAX_DEPTH):
         assert isinstance(got, tuple) and len(got) == 1
         got = got[0]
     assert got == 1
@@ -579,28 +579,28 @@ def test_decode_nesting_up_to_max_depth_is_accepted():
 @pytest.mark.parametrize("builder", [nested_list_value, nested_map_value])
 @pytest.mark.parametrize("extra", [1, 2, 40])
 def test_decode_nesting_deeper_than_max_depth_raises(builder, extra):
-    msg = builder(_codec.MAX_DEPTH + extra)
-    with pytest.raises(_codec.CodecError, match="deeper"):
-        _codec.decode_value(msg)
+    msg = builder(codec.MAX_DEPTH + extra)
+    with pytest.raises(codec.CodecError, match="deeper"):
+        codec.decode_value(msg)
 
 
 def test_encode_nesting_deeper_than_max_depth_raises():
     obj: object = 1
-    for _ in range(_codec.MAX_DEPTH + 1):
+    for _ in range(codec.MAX_DEPTH + 1):
         obj = [obj]
-    with pytest.raises(_codec.CodecError, match="deeper"):
-        _codec.encode_value(obj)
+    with pytest.raises(codec.CodecError, match="deeper"):
+        codec.encode_value(obj)
     ok: object = 1
-    for _ in range(_codec.MAX_DEPTH):
+    for _ in range(codec.MAX_DEPTH):
         ok = [ok]
     # In memory (no serialization): encode and decode agree on the limit.
-    assert _codec.decode_value(_codec.encode_value(ok)) == ok
+    assert codec.decode_value(codec.encode_value(ok)) == ok
 
 
 @pytest.mark.parametrize("wrap", [lambda o: [o], lambda o: {"k": o}], ids=["list", "map"])
 def test_every_encodable_nesting_survives_serialization(wrap):
     obj: object = 1
-    for _ in range(_codec.MAX_DEPTH):
+    for _ in range(codec.MAX_DEPTH):
         obj = wrap(obj)
     assert roundtrip_value(obj) == obj
 
@@ -608,8 +608,8 @@ def test_every_encodable_nesting_survives_serialization(wrap):
 def test_self_referencing_list_raises_codec_error():
     loop: list = []
     loop.append(loop)
-    with pytest.raises(_codec.CodecError):
-        _codec.encode_value(loop)
+    with pytest.raises(codec.CodecError):
+        codec.encode_value(loop)
 
 
 # --------------------------------------------------------------------------- dtype helpers
@@ -617,25 +617,25 @@ def test_self_referencing_list_raises_codec_error():
 
 @pytest.mark.parametrize("code,tdtype,ndtype", DTYPES, ids=DTYPE_IDS)
 def test_wire_dtype_of(code, tdtype, ndtype):
-    assert _codec.wire_dtype_of(tdtype) == code
-    assert _codec.TORCH_DTYPES[code] == tdtype
+    assert codec.wire_dtype_of(tdtype) == code
+    assert codec.TORCH_DTYPES[code] == tdtype
     if ndtype is not None:
-        assert _codec.wire_dtype_of(np.dtype(ndtype)) == code
-    assert _codec.ITEMSIZE[code] == ITEMSIZES[tdtype]
+        assert codec.wire_dtype_of(np.dtype(ndtype)) == code
+    assert codec.ITEMSIZE[code] == ITEMSIZES[tdtype]
 
 
 def test_dtype_enum_fully_covered():
     codes = {v.number for v in tensor_pb2.DType.DESCRIPTOR.values} - {tensor_pb2.DTYPE_UNSPECIFIED}
     assert codes == {code for code, _, _ in DTYPES}
-    assert set(_codec.ITEMSIZE) == codes
+    assert set(codec.ITEMSIZE) == codes
 
 
 def test_wire_dtype_of_unknown_raises():
     for bad in (torch.complex64, np.complex64, np.uint64, "not-a-dtype"):
-        with pytest.raises(_codec.CodecError):
-            _codec.wire_dtype_of(bad)
+        with pytest.raises(codec.CodecError):
+            codec.wire_dtype_of(bad)
 
 
 def test_dtype_name():
-    assert _codec.dtype_name(tensor_pb2.DTYPE_BFLOAT16) == "DTYPE_BFLOAT16"
-    assert "77" in _codec.dtype_name(77)
+    assert codec.dtype_name(tensor_pb2.DTYPE_BFLOAT16) == "DTYPE_BFLOAT16"
+    assert "77" in codec.dtype_name(77)

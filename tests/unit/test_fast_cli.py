@@ -88,35 +88,35 @@ def test_tensors_decode_to_torch_importing_it_on_the_first_one() -> None:
     script = PRELUDE + textwrap.dedent(
         """
         import numpy as np
-        from hookwire import _codec
+        from hookwire.wire import codec
         from hookwire.v1 import tensor_pb2
 
-        assert _codec.torch_importable() and "torch" not in sys.modules
+        assert codec.torch_importable() and "torch" not in sys.modules
         values = np.arange(6, dtype="<f4").reshape(2, 3)
-        msg = _codec.encode_tensor(values)  # numpy needs no torch
-        value = _codec.encode_value({"x": values, "n": [1, 2.5, None]})
-        assert _codec.decode_tensor(msg, as_numpy=True).tolist() == values.tolist()
+        msg = codec.encode_tensor(values)  # numpy needs no torch
+        value = codec.encode_value({"x": values, "n": [1, 2.5, None]})
+        assert codec.decode_tensor(msg, as_numpy=True).tolist() == values.tolist()
         assert "torch" not in sys.modules
 
         # The first tensor to decode here is a chunked one: ChunkAssembler imports torch
         # and allocates torch tensors for the chunks to fill.
         big = np.random.default_rng(0).standard_normal((256, 512)).astype("<f4")  # 512 KiB: chunked
-        chunker = _codec.Chunker(snapshot=False)
+        chunker = codec.Chunker(snapshot=False)
         chunked = tensor_pb2.Value()
-        _codec.encode_value_into(big, chunked, chunker=chunker)
+        codec.encode_value_into(big, chunked, chunker=chunker)
         assert chunked.tensor.chunk_id and "torch" not in sys.modules
-        assembler = _codec.ChunkAssembler(chunked)
+        assembler = codec.ChunkAssembler(chunked)
         for chunk in chunker.chunks(64 * 1024):
             assembler.feed(chunk)
-        out = _codec.decode_value(chunked, chunked=assembler.result())
+        out = codec.decode_value(chunked, chunked=assembler.result())
         import torch
         assert isinstance(out, torch.Tensor) and torch.equal(out, torch.from_numpy(big)), type(out)
 
-        out = _codec.decode_tensor(msg)
+        out = codec.decode_tensor(msg)
         assert isinstance(out, torch.Tensor) and out.dtype == torch.float32, type(out)
         assert torch.equal(out, torch.from_numpy(values))
-        assert isinstance(_codec.decode_value(value)["x"], torch.Tensor)
-        assert _codec.TORCH_DTYPES[tensor_pb2.DTYPE_BFLOAT16] is torch.bfloat16
+        assert isinstance(codec.decode_value(value)["x"], torch.Tensor)
+        assert codec.TORCH_DTYPES[tensor_pb2.DTYPE_BFLOAT16] is torch.bfloat16
         print("OK")
         """
     )
@@ -128,17 +128,17 @@ def test_torch_imported_by_the_caller_is_used_for_encoding_before_any_decode() -
     # sys.modules (and fills the dtype tables then) without a decode having imported it.
     script = PRELUDE + textwrap.dedent(
         """
-        from hookwire import _codec
+        from hookwire.wire import codec
         from hookwire.v1 import tensor_pb2
         import torch
 
-        assert _codec.wire_dtype_of(torch.bfloat16) == tensor_pb2.DTYPE_BFLOAT16
+        assert codec.wire_dtype_of(torch.bfloat16) == tensor_pb2.DTYPE_BFLOAT16
         t = torch.arange(12, dtype=torch.int16).reshape(3, 4)
-        msg = _codec.encode_tensor(t)
+        msg = codec.encode_tensor(t)
         assert msg.dtype == tensor_pb2.DTYPE_INT16 and list(msg.shape) == [3, 4]
-        assert torch.equal(_codec.decode_tensor(msg), t)
-        value = _codec.encode_value((t.to(torch.bfloat16), {"m": t > 4}))
-        back = _codec.decode_value(value)
+        assert torch.equal(codec.decode_tensor(msg), t)
+        value = codec.encode_value((t.to(torch.bfloat16), {"m": t > 4}))
+        back = codec.decode_value(value)
         assert back[0].dtype == torch.bfloat16 and torch.equal(back[1]["m"], t > 4)
         print("OK")
         """
@@ -167,3 +167,47 @@ def test_only_the_command_silences_grpc_core_logging() -> None:
             assert _cli_env.is_cli_process() is expected, argv
         finally:
             sys.orig_argv, sys.argv = saved
+
+
+def test_commands_of_other_packages_come_from_entry_points(tmp_path: pathlib.Path) -> None:
+    # The SDK's command imports no hookwire_server module (tests/unit/test_architecture.py):
+    # the server's serve and token come through the hookwire.commands entry points, which an
+    # installed distribution declares (here a fake one on the path, found by importlib.metadata),
+    # loaded for --help and for commands the SDK does not have, never for its own commands.
+    dist = tmp_path / "hookwire_extra-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hookwire-extra\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[hookwire.commands]\nhello = hookwire_extra:add_hello\n")
+    (tmp_path / "hookwire_extra.py").write_text(textwrap.dedent(
+        """
+        def add_hello(sub, name):
+            sub.add_parser(name, help="say hello").set_defaults(command_handler=lambda ns: print("hello") or 7)
+        """
+    ))
+    script = PRELUDE + textwrap.dedent(
+        f"""
+        sys.path.insert(0, {str(tmp_path)!r})
+        import hookwire._cli as cli
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["hello"]) == 7
+        assert out.getvalue() == "hello\\n", out.getvalue()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                cli.main(["--help"])
+            except SystemExit:
+                pass
+        assert "hello" in out.getvalue() and "say hello" in out.getvalue(), out.getvalue()
+        del sys.modules["hookwire_extra"]
+        parser_modules = set(sys.modules)
+        try:
+            cli.main(["models", "--target", "bad target"])  # the SDK's own command: exits 2 on the target
+        except SystemExit:
+            pass
+        assert "hookwire_extra" not in sys.modules and not any(m.startswith("hookwire_server") for m in set(sys.modules) - parser_modules)
+        assert heavy() == [], heavy()
+        print("OK")
+        """
+    )
+    assert _run(script).strip() == "OK"

@@ -1,4 +1,4 @@
-"""hookwire._framing: TensorChunk messages built and read by hand are protobuf's own bytes."""
+"""hookwire.wire.framing: TensorChunk messages built and read by hand are protobuf's own bytes."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import pytest
 import torch
 from google.protobuf import unknown_fields
 
-from hookwire import _codec, _framing
+from hookwire.wire import codec, framing
 from hookwire.v1 import hook_service_pb2, model_service_pb2, tensor_pb2
 
 # (message class, its TensorChunk field): every message of proto/ that carries chunks.
 CARRIERS = [
-    (hook_service_pb2.SessionMessage, _framing.SESSION_MESSAGE_CHUNK),
-    (model_service_pb2.InferStreamResponse, _framing.INFER_STREAM_CHUNK),
-    (model_service_pb2.InferStreamRequest, _framing.INFER_STREAM_CHUNK),
-    (model_service_pb2.GenerateResponse, _framing.GENERATE_RESPONSE_CHUNK),
-    (model_service_pb2.GetParametersResponse, _framing.GET_PARAMETERS_CHUNK),
+    (hook_service_pb2.SessionMessage, framing.SESSION_MESSAGE_CHUNK),
+    (model_service_pb2.InferStreamResponse, framing.INFER_STREAM_CHUNK),
+    (model_service_pb2.InferStreamRequest, framing.INFER_STREAM_CHUNK),
+    (model_service_pb2.GenerateResponse, framing.GENERATE_RESPONSE_CHUNK),
+    (model_service_pb2.GetParametersResponse, framing.GET_PARAMETERS_CHUNK),
 ]
 CARRIER_IDS = [cls.DESCRIPTOR.name for cls, _ in CARRIERS]
 SIZES = [0, 1, 2, 3, 127, 128, 129, 16383, 16384, 65535, 65537, (1 << 20) - 1, 1 << 20, (1 << 20) + 3]
@@ -36,7 +36,7 @@ def test_frame_is_protobufs_bytes_for_every_size(cls, field, size) -> None:  # t
     data = bytes(random.Random(size).randbytes(size))
     for chunk_id in (1, 300):
         for offset in (0, 1 << 20):
-            built = _framing.frame(field, chunk_id, offset, memoryview(data))
+            built = framing.frame(field, chunk_id, offset, memoryview(data))
             assert type(built) is bytes
             assert built == _protobuf(cls, chunk_id, offset, data)
 
@@ -46,12 +46,12 @@ def test_frame_is_protobufs_bytes_for_every_header_value(cls, field) -> None:  #
     for chunk_id in CHUNK_IDS:
         for offset in OFFSETS:
             for data in (b"", b"\x00", b"abc"):
-                assert _framing.frame(field, chunk_id, offset, data) == _protobuf(cls, chunk_id, offset, data)
+                assert framing.frame(field, chunk_id, offset, data) == _protobuf(cls, chunk_id, offset, data)
 
 
 def test_frame_takes_any_buffer_and_copies_it() -> None:
     arr = np.arange(1000, dtype=np.float32)
-    built = _framing.frame(6, 1, 0, memoryview(arr.view(np.uint8)))
+    built = framing.frame(6, 1, 0, memoryview(arr.view(np.uint8)))
     expected = _protobuf(hook_service_pb2.SessionMessage, 1, 0, arr.tobytes())
     assert built == expected
     arr[:] = 0  # the frame holds its own copy
@@ -65,20 +65,20 @@ def test_read_frame_reads_protobufs_bytes_without_copying(cls, field) -> None:  
         for chunk_id in CHUNK_IDS:
             for offset in OFFSETS:
                 wire = _protobuf(cls, chunk_id, offset, data)
-                raw = _framing.read_frame(wire, field)
+                raw = framing.read_frame(wire, field)
                 assert raw is not None
                 assert (raw.chunk_id, raw.offset, bytes(raw.data)) == (chunk_id, offset, data)
                 assert raw.data.obj is wire  # a view of the received bytes
-                parsed = _framing.deserializer(cls, field)(wire)
-                assert type(parsed) is _framing.RawChunk
+                parsed = framing.deserializer(cls, field)(wire)
+                assert type(parsed) is framing.RawChunk
 
 
 def _field(number: int, wire_type: int, payload: bytes) -> bytes:
-    return _framing.varint(number << 3 | wire_type) + payload
+    return framing.varint(number << 3 | wire_type) + payload
 
 
 def test_read_frame_leaves_everything_else_to_protobuf() -> None:
-    cls, field = hook_service_pb2.SessionMessage, _framing.SESSION_MESSAGE_CHUNK
+    cls, field = hook_service_pb2.SessionMessage, framing.SESSION_MESSAGE_CHUNK
     good = _protobuf(cls, 2, 5, b"xyz")
     inner = good[2:]
     others = {
@@ -86,22 +86,22 @@ def test_read_frame_leaves_everything_else_to_protobuf() -> None:
         "empty": b"",
         "the chunk field twice (merged)": good + good,
         "a field after the chunk": good + cls(notice=hook_service_pb2.Notice(message="m")).SerializeToString(),
-        "chunk_id twice (last wins)": _field(6, 2, _framing.varint(len(inner) + 2) + inner + b"\x08\x07"),
-        "fields out of order": _field(6, 2, _framing.varint(7) + b"\x10\x05\x08\x02\x1a\x01z"),
-        "an unknown field": _field(6, 2, _framing.varint(len(inner) + 2) + inner + b"\x20\x01"),
-        "chunk_id above uint32 (truncated)": _field(6, 2, _framing.varint(8) + b"\x08" + _framing.varint(1 << 33) + b"\x1a\x00"),
+        "chunk_id twice (last wins)": _field(6, 2, framing.varint(len(inner) + 2) + inner + b"\x08\x07"),
+        "fields out of order": _field(6, 2, framing.varint(7) + b"\x10\x05\x08\x02\x1a\x01z"),
+        "an unknown field": _field(6, 2, framing.varint(len(inner) + 2) + inner + b"\x20\x01"),
+        "chunk_id above uint32 (truncated)": _field(6, 2, framing.varint(8) + b"\x08" + framing.varint(1 << 33) + b"\x1a\x00"),
         "data as a varint": _field(6, 2, b"\x02\x18\x01"),
     }
     for name, wire in others.items():
-        assert _framing.read_frame(wire, field) is None, name
-        assert type(_framing.deserializer(cls, field)(wire)) is cls, name  # protobuf parsed it
+        assert framing.read_frame(wire, field) is None, name
+        assert type(framing.deserializer(cls, field)(wire)) is cls, name  # protobuf parsed it
     malformed = {
         "cut off": good[:-1],
-        "length past the end": _field(6, 2, _framing.varint(len(inner) + 5) + inner),
-        "data past the end": _field(6, 2, _framing.varint(4) + b"\x08\x02\x1a\x09"),
+        "length past the end": _field(6, 2, framing.varint(len(inner) + 5) + inner),
+        "data past the end": _field(6, 2, framing.varint(4) + b"\x08\x02\x1a\x09"),
     }
     for name, wire in malformed.items():
-        assert _framing.read_frame(wire, field) is None, name
+        assert framing.read_frame(wire, field) is None, name
         with pytest.raises(Exception):
             cls.FromString(wire)  # and protobuf refuses it (so does the deserializer)
 
@@ -109,7 +109,7 @@ def test_read_frame_leaves_everything_else_to_protobuf() -> None:
 def test_read_frame_agrees_with_protobuf_on_random_bytes() -> None:
     """Whenever read_frame takes a message, protobuf reads the same chunk from it, and
     nothing else: exactness, on random mutations of chunk messages."""
-    cls, field = hook_service_pb2.SessionMessage, _framing.SESSION_MESSAGE_CHUNK
+    cls, field = hook_service_pb2.SessionMessage, framing.SESSION_MESSAGE_CHUNK
     rng = random.Random(7)
     taken = 0
     for _ in range(20000):
@@ -124,7 +124,7 @@ def test_read_frame_agrees_with_protobuf_on_random_bytes() -> None:
             elif pos < len(wire):
                 del wire[pos]
         data = bytes(wire)
-        raw = _framing.read_frame(data, field)
+        raw = framing.read_frame(data, field)
         if raw is None:
             continue
         taken += 1
@@ -138,17 +138,17 @@ def test_read_frame_agrees_with_protobuf_on_random_bytes() -> None:
 
 def test_framing_rejects_fields_with_longer_tags() -> None:
     with pytest.raises(ValueError):
-        _framing.Framing(16, 1024)
+        framing.Framing(16, 1024)
     with pytest.raises(ValueError):
-        _framing.Framing(6, 0)
+        framing.Framing(6, 0)
 
 
 # ------------------------------------------------------------------ Chunker and ChunkAssembler
 
 
-def _captured(t: torch.Tensor, chunker: _codec.Chunker) -> tensor_pb2.Value:
+def _captured(t: torch.Tensor, chunker: codec.Chunker) -> tensor_pb2.Value:
     out = tensor_pb2.Value()
-    _codec.encode_value_into(t, out, chunker=chunker)
+    codec.encode_value_into(t, out, chunker=chunker)
     return out
 
 
@@ -156,77 +156,77 @@ def _captured(t: torch.Tensor, chunker: _codec.Chunker) -> tensor_pb2.Value:
 def test_framed_snapshot_chunks_are_protobufs_and_a_snapshot(numel: int) -> None:
     t = torch.randn(numel)
     expected = t.clone()
-    framed = _codec.Chunker(snapshot=True, framing=_framing.Framing(_framing.SESSION_MESSAGE_CHUNK, 100_000))
-    plain = _codec.Chunker(snapshot=True)
+    framed = codec.Chunker(snapshot=True, framing=framing.Framing(framing.SESSION_MESSAGE_CHUNK, 100_000))
+    plain = codec.Chunker(snapshot=True)
     header = _captured(t, framed)
     _captured(t, plain)
     t.mul_(2)  # the pass changes it after the capture
-    frames = list(framed.frames(_framing.SESSION_MESSAGE_CHUNK, 100_000))
+    frames = list(framed.frames(framing.SESSION_MESSAGE_CHUNK, 100_000))
     assert frames == [hook_service_pb2.SessionMessage(chunk=c).SerializeToString() for c in plain.chunks(100_000)]
     assert [c.SerializeToString() for c in framed.chunks(100_000)] == [c.SerializeToString() for c in plain.chunks(100_000)]
-    assembler = _codec.ChunkAssembler(header)
-    deserialize = _framing.deserializer(hook_service_pb2.SessionMessage, _framing.SESSION_MESSAGE_CHUNK)
+    assembler = codec.ChunkAssembler(header)
+    deserialize = framing.deserializer(hook_service_pb2.SessionMessage, framing.SESSION_MESSAGE_CHUNK)
     for wire in frames:
         assembler.feed(deserialize(wire))
     assert assembler.done
-    got = _codec.decode_value(header, chunked=assembler.result())
+    got = codec.decode_value(header, chunked=assembler.result())
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # bit-identical
 
 
 def test_framed_chunks_refuse_another_framing() -> None:
-    framed = _codec.Chunker(snapshot=True, framing=_framing.Framing(_framing.SESSION_MESSAGE_CHUNK, 1 << 20))
+    framed = codec.Chunker(snapshot=True, framing=framing.Framing(framing.SESSION_MESSAGE_CHUNK, 1 << 20))
     _captured(torch.zeros(1 << 20), framed)
     with pytest.raises(ValueError):
-        list(framed.frames(_framing.GENERATE_RESPONSE_CHUNK, 1 << 20))
+        list(framed.frames(framing.GENERATE_RESPONSE_CHUNK, 1 << 20))
     with pytest.raises(ValueError):
-        list(framed.frames(_framing.SESSION_MESSAGE_CHUNK, 1 << 19))  # larger than the stream allows
-    assert len(list(framed.frames(_framing.SESSION_MESSAGE_CHUNK, 4 << 20))) == 4  # smaller chunks fit
+        list(framed.frames(framing.SESSION_MESSAGE_CHUNK, 1 << 19))  # larger than the stream allows
+    assert len(list(framed.frames(framing.SESSION_MESSAGE_CHUNK, 4 << 20))) == 4  # smaller chunks fit
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8])
 def test_unframed_chunks_are_built_when_sent_and_read_back_exactly(dtype: torch.dtype) -> None:
     t = (torch.rand(3, 70001) * 100).to(dtype)  # an odd byte count for one-byte dtypes
-    chunker = _codec.Chunker(snapshot=False)
+    chunker = codec.Chunker(snapshot=False)
     header = _captured(t, chunker)
-    frames = list(chunker.frames(_framing.INFER_STREAM_CHUNK, 65536))
+    frames = list(chunker.frames(framing.INFER_STREAM_CHUNK, 65536))
     assert frames == [model_service_pb2.InferStreamRequest(chunk=c).SerializeToString() for c in chunker.chunks(65536)]
-    assembler = _codec.ChunkAssembler(header)
+    assembler = codec.ChunkAssembler(header)
     for wire in frames:
-        chunk = _framing.read_frame(wire, _framing.INFER_STREAM_CHUNK)
+        chunk = framing.read_frame(wire, framing.INFER_STREAM_CHUNK)
         assert chunk is not None
         assembler.feed(chunk)
-    got = _codec.decode_value(header, chunked=assembler.result())
+    got = codec.decode_value(header, chunked=assembler.result())
     assert got.dtype == dtype and torch.equal(got, t)
 
 
 def test_empty_tensors_are_never_chunked() -> None:
-    chunker = _codec.Chunker(snapshot=True, framing=_framing.Framing(_framing.SESSION_MESSAGE_CHUNK, 1 << 20))
+    chunker = codec.Chunker(snapshot=True, framing=framing.Framing(framing.SESSION_MESSAGE_CHUNK, 1 << 20))
     header = _captured(torch.zeros(0, 1 << 20), chunker)
     assert not chunker.tensors and header.tensor.chunk_id == 0
-    assert list(chunker.frames(_framing.SESSION_MESSAGE_CHUNK, 1 << 20)) == []
+    assert list(chunker.frames(framing.SESSION_MESSAGE_CHUNK, 1 << 20)) == []
 
 
 # ------------------------------------------------------------------ Splicer
 
 
-def _reply(splicer: _framing.Splicer | None) -> model_service_pb2.InferResponse:
+def _reply(splicer: framing.Splicer | None) -> model_service_pb2.InferResponse:
     """An InferResponse with tensors of many sizes at many depths (outputs, events, grads)."""
     g = torch.Generator().manual_seed(11)
     msg = model_service_pb2.InferResponse(request_id="req_1", hook_ids=["hk_1", "hk_2"])
     output = ({"logits": torch.randn(3, 700, generator=g), "small": torch.arange(5)},
               [torch.randn(0, 4), torch.randint(0, 9, (333,), generator=g, dtype=torch.uint8), 2.5, "text"])
-    _codec.encode_value_into(output, msg.output, chunker=splicer)
+    codec.encode_value_into(output, msg.output, chunker=splicer)
     for i in range(3):
         event = msg.events.add(hook_id=f"hk_{i}", module="layers.0", seq=i + 1)
-        _codec.encode_value_into(torch.randn(40 + 300 * i, generator=g), event.args.add(), chunker=splicer)
-        _codec.encode_value_into(torch.randn(2, 2, generator=g), event.kwargs["mask"], chunker=splicer)
-        _codec.encode_value_into(torch.randn(500, generator=g).to(torch.bfloat16), event.output, chunker=splicer)
-    _codec.encode_value_into(torch.randn(1000, generator=g), msg.input_grads.add(), chunker=splicer)
-    _codec.encode_value_into({"b": torch.randn(64, generator=g)}, msg.input_kwargs_grads["x"], chunker=splicer)
+        codec.encode_value_into(torch.randn(40 + 300 * i, generator=g), event.args.add(), chunker=splicer)
+        codec.encode_value_into(torch.randn(2, 2, generator=g), event.kwargs["mask"], chunker=splicer)
+        codec.encode_value_into(torch.randn(500, generator=g).to(torch.bfloat16), event.output, chunker=splicer)
+    codec.encode_value_into(torch.randn(1000, generator=g), msg.input_grads.add(), chunker=splicer)
+    codec.encode_value_into({"b": torch.randn(64, generator=g)}, msg.input_kwargs_grads["x"], chunker=splicer)
     return msg
 
 
-def _filled(splicer: _framing.Splicer, msg: model_service_pb2.InferResponse) -> bytes:
+def _filled(splicer: framing.Splicer, msg: model_service_pb2.InferResponse) -> bytes:
     """What protobuf writes for ``msg`` with the tensors' data set (the same message: same map order)."""
     for out, _, data in splicer.kept:
         out.data = memoryview(data).tobytes()
@@ -235,7 +235,7 @@ def _filled(splicer: _framing.Splicer, msg: model_service_pb2.InferResponse) -> 
 
 @pytest.mark.parametrize("min_bytes", [1, 100, 1000, 4000, 1 << 20])
 def test_spliced_bytes_are_protobufs(min_bytes: int) -> None:
-    splicer = _framing.Splicer(snapshot=False, min_bytes=min_bytes)
+    splicer = framing.Splicer(snapshot=False, min_bytes=min_bytes)
     msg = _reply(splicer)
     assert bool(splicer.kept) == (min_bytes < 1 << 20)
     spliced = splicer.serialize(msg)
@@ -244,32 +244,32 @@ def test_spliced_bytes_are_protobufs(min_bytes: int) -> None:
 
 
 def test_spliced_reply_decodes_bit_identically() -> None:
-    splicer = _framing.Splicer(snapshot=False, min_bytes=100)
+    splicer = framing.Splicer(snapshot=False, min_bytes=100)
     got = model_service_pb2.InferResponse.FromString(splicer.serialize(_reply(splicer)))
     want = _reply(None)
     assert got == want
 
 
 def test_splicer_snapshots_and_skips_removed_parts() -> None:
-    splicer = _framing.Splicer(snapshot=True, min_bytes=100)
+    splicer = framing.Splicer(snapshot=True, min_bytes=100)
     msg = model_service_pb2.InferResponse()
     t = torch.randn(1000)
     kept = t.clone()
-    _codec.encode_value_into(t, msg.events.add().output, chunker=splicer)
-    _codec.encode_value_into(t, msg.events.add().output, chunker=splicer)
+    codec.encode_value_into(t, msg.events.add().output, chunker=splicer)
+    codec.encode_value_into(t, msg.events.add().output, chunker=splicer)
     t.zero_()  # the pass changes it after the captures
     del msg.events[1:]  # a part removed after its tensor was placed (a rolled-back shared pass)
     spliced = model_service_pb2.InferResponse.FromString(splicer.serialize(msg))
     assert len(spliced.events) == 1
-    assert torch.equal(_codec.decode_value(spliced.events[0].output), kept)
+    assert torch.equal(codec.decode_value(spliced.events[0].output), kept)
 
 
 def test_a_marker_found_twice_falls_back_to_protobuf(monkeypatch: pytest.MonkeyPatch) -> None:
-    splicer = _framing.Splicer(snapshot=False, min_bytes=100)
+    splicer = framing.Splicer(snapshot=False, min_bytes=100)
     whole = []
-    monkeypatch.setattr(splicer, "_serialize_whole", lambda msg: whole.append(msg) or _framing.Splicer._serialize_whole(splicer, msg))
+    monkeypatch.setattr(splicer, "_serialize_whole", lambda msg: whole.append(msg) or framing.Splicer._serialize_whole(splicer, msg))
     msg = model_service_pb2.InferResponse()
-    _codec.encode_value_into(torch.randn(1000), msg.output, chunker=splicer)
+    codec.encode_value_into(torch.randn(1000), msg.output, chunker=splicer)
     marker = splicer.kept[0][1]
     msg.events.add().module = "x" + marker.decode("latin-1")  # the marker's bytes elsewhere too (UTF-8 differs) ...
     msg.events.add().output.tensor.data = marker  # ... and verbatim
@@ -284,13 +284,13 @@ def test_a_marker_found_twice_falls_back_to_protobuf(monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize("min_bytes", [1, 100, 1000, 4000])
 def test_cut_tensors_parse_like_protobuf_with_the_data_moved_out(min_bytes: int) -> None:
     wire = _reply(None).SerializeToString()
-    cut = _framing.cut_tensors(wire, model_service_pb2.InferResponse, min_bytes)
+    cut = framing.cut_tensors(wire, model_service_pb2.InferResponse, min_bytes)
     assert cut is not None
     msg, views = cut
     assert all(view.obj is wire for view in views.values())  # views, not copies
     # Putting each cut tensor's data back gives protobuf's own parse.
     expected = model_service_pb2.InferResponse.FromString(wire)
-    tensors = [t for _, t in _codec.iter_tensors(msg) if t.chunk_id]
+    tensors = [t for _, t in codec.iter_tensors(msg) if t.chunk_id]
     assert sorted(t.chunk_id for t in tensors) == sorted(views) == list(range(2**32 - len(views), 2**32))
     for t in tensors:
         assert len(views[t.chunk_id]) >= min_bytes
@@ -298,36 +298,36 @@ def test_cut_tensors_parse_like_protobuf_with_the_data_moved_out(min_bytes: int)
         t.chunk_id = 0
     assert msg == expected
     # And it decodes bit-identically through the chunk path.
-    msg2, views2 = _framing.cut_tensors(wire, model_service_pb2.InferResponse, min_bytes)  # type: ignore[misc]
-    assembler = _codec.ChunkAssembler(msg2)
+    msg2, views2 = framing.cut_tensors(wire, model_service_pb2.InferResponse, min_bytes)  # type: ignore[misc]
+    assembler = codec.ChunkAssembler(msg2)
     for chunk_id, view in views2.items():
-        assembler.feed(_framing.RawChunk(chunk_id, 0, view))
-    got = _codec.decode_value(msg2.output, chunked=assembler.result())
-    want = _codec.decode_value(expected.output)
+        assembler.feed(framing.RawChunk(chunk_id, 0, view))
+    got = codec.decode_value(msg2.output, chunked=assembler.result())
+    want = codec.decode_value(expected.output)
     assert torch.equal(got[0]["logits"], want[0]["logits"]) and torch.equal(got[1][1], want[1][1])
 
 
 def test_cut_tensors_leaves_small_and_odd_messages_to_protobuf() -> None:
     cls = model_service_pb2.InferResponse
-    assert _framing.cut_tensors(_reply(None).SerializeToString(), cls, 1 << 20) is None  # nothing that large
+    assert framing.cut_tensors(_reply(None).SerializeToString(), cls, 1 << 20) is None  # nothing that large
     big = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[5000], data=bytes(5000))
     one = cls(output=tensor_pb2.Value(tensor=big)).SerializeToString()
-    assert _framing.cut_tensors(one, cls, 100) is not None
+    assert framing.cut_tensors(one, cls, 100) is not None
     odd = {
         "the output twice (merged)": one + one,
         "a chunk_id": cls(output=tensor_pb2.Value(tensor=tensor_pb2.Tensor(
             dtype=tensor_pb2.DTYPE_UINT8, shape=[5000], data=bytes(5000), chunk_id=1))).SerializeToString(),
     }
     twice_data = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[5000], data=bytes(5000)).SerializeToString()
-    twice_data += b"\x1a" + _framing.varint(5000) + b"\x01" * 5000
-    value = b"\x0a" + _framing.varint(len(twice_data)) + twice_data
-    odd["Tensor.data twice (last wins)"] = b"\x12" + _framing.varint(len(value)) + value
+    twice_data += b"\x1a" + framing.varint(5000) + b"\x01" * 5000
+    value = b"\x0a" + framing.varint(len(twice_data)) + twice_data
+    odd["Tensor.data twice (last wins)"] = b"\x12" + framing.varint(len(value)) + value
     for name, wire in odd.items():
         cls.FromString(wire)  # valid protobuf ...
-        assert _framing.cut_tensors(wire, cls, 100) is None, name  # ... left to protobuf
+        assert framing.cut_tensors(wire, cls, 100) is None, name  # ... left to protobuf
     with pytest.raises(Exception):
         cls.FromString(one[:-1])
-    assert _framing.cut_tensors(one[:-1], cls, 100) is None  # malformed: protobuf raises
+    assert framing.cut_tensors(one[:-1], cls, 100) is None  # malformed: protobuf raises
 
 
 N_CUT = 5000
@@ -339,8 +339,8 @@ def test_cut_tensors_agrees_with_protobuf_on_random_bytes() -> None:
     cls = model_service_pb2.InferResponse
     msg = cls()
     g = torch.Generator().manual_seed(2)
-    _codec.encode_value_into((torch.randn(40, generator=g), [torch.randn(30, generator=g)]), msg.output)
-    _codec.encode_value_into(torch.randn(50, generator=g), msg.events.add(seq=1).kwargs["x"])
+    codec.encode_value_into((torch.randn(40, generator=g), [torch.randn(30, generator=g)]), msg.output)
+    codec.encode_value_into(torch.randn(50, generator=g), msg.events.add(seq=1).kwargs["x"])
     original = msg.SerializeToString()
     rng = random.Random(3)
     cut_count = 0
@@ -354,7 +354,7 @@ def test_cut_tensors_agrees_with_protobuf_on_random_bytes() -> None:
                 del wire[pos]
         data = bytes(wire)
         try:
-            cut = _framing.cut_tensors(data, cls, 100)
+            cut = framing.cut_tensors(data, cls, 100)
         except Exception:
             with pytest.raises(Exception):
                 cls.FromString(data)
@@ -363,7 +363,7 @@ def test_cut_tensors_agrees_with_protobuf_on_random_bytes() -> None:
             continue
         cut_count += 1
         got, views = cut
-        for _, t in _codec.iter_tensors(got):
+        for _, t in codec.iter_tensors(got):
             if t.chunk_id in views:
                 t.data = bytes(views[t.chunk_id])
                 t.chunk_id = 0

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hookwire import ActivationDataset
-from hookwire import _harvest_format as fmt
+from hookwire.wire import harvest_format as fmt
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

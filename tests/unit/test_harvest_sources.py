@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hookwire import _harvest_sources as src
+from hookwire.wire import harvest_sources as src
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -616,7 +616,7 @@ def test_the_module_needs_numpy_only() -> None:
     # is installed): the module itself imports numpy and the standard library only.
     code = (
         "import importlib.util, sys; "
-        f"spec = importlib.util.spec_from_file_location('sources', {str(ROOT / 'client/hookwire/_harvest_sources.py')!r}); "
+        f"spec = importlib.util.spec_from_file_location('sources', {str(ROOT / 'client/hookwire/wire/harvest_sources.py')!r}); "
         "module = sys.modules['sources'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
         "heavy = {'torch', 'pyarrow', 'datasets', 'transformers', 'tokenizers', 'grpc', 'hookwire'} & set(sys.modules); "
         "assert not heavy, heavy; assert 'numpy' in sys.modules"

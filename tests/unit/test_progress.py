@@ -17,7 +17,7 @@ import termios
 import numpy as np
 import pytest
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire._progress import PROGRESS_THRESHOLD, TransferProgress
 from hookwire.v1 import tensor_pb2
 
@@ -134,10 +134,10 @@ def test_bad_threshold_is_refused() -> None:
 def test_fed_from_a_chunk_assembler_as_the_sdk_would() -> None:
     # The wiring the SDK's chunk assembly uses: after each chunk, (received, nbytes).
     values = np.random.default_rng(1).standard_normal((3, 1024, 1024)).astype("<f4")  # 12 MiB
-    chunker = _codec.Chunker(snapshot=False)
+    chunker = codec.Chunker(snapshot=False)
     msg = tensor_pb2.Value()
-    _codec.encode_value_into(values, msg, chunker=chunker)
-    assembler = _codec.ChunkAssembler(msg, as_numpy=True)
+    codec.encode_value_into(values, msg, chunker=chunker)
+    assembler = codec.ChunkAssembler(msg, as_numpy=True)
     assert assembler.nbytes == values.nbytes and assembler.received == 0
     out = io.StringIO()
     with TransferProgress("capture", enabled=True, file=out) as bar:
@@ -145,5 +145,5 @@ def test_fed_from_a_chunk_assembler_as_the_sdk_would() -> None:
             assembler.feed(chunk)
             bar.update(assembler.received, assembler.nbytes)
     assert assembler.done and assembler.received == values.nbytes
-    assert np.array_equal(_codec.decode_value(msg, chunked=assembler.result(), as_numpy=True), values)
+    assert np.array_equal(codec.decode_value(msg, chunked=assembler.result(), as_numpy=True), values)
     assert "12.0MiB/12.0MiB" in _last_line(out.getvalue())

@@ -99,9 +99,9 @@ def test_every_public_name_is_importable():
 
 
 def test_codec_error_is_the_codec_modules():
-    from hookwire import _codec
+    from hookwire.wire import codec
 
-    assert hookwire.CodecError is _codec.CodecError
+    assert hookwire.CodecError is codec.CodecError
 
 
 def test_version():
@@ -136,16 +136,16 @@ NO_TORCH_SCRIPT = textwrap.dedent(
     import numpy as np
 
     import hookwire
-    from hookwire import _codec
+    from hookwire.wire import codec
     from hookwire.v1 import tensor_pb2
 
     assert "torch" not in sys.modules, "hookwire imported torch"
-    assert _codec.TORCH_DTYPES == {}
+    assert codec.TORCH_DTYPES == {}
 
     values = np.array([[1.5, -2.0, 3.25], [0.0, np.inf, -0.5]], dtype="<f4")
     msg = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[2, 3], data=values.tobytes())
     wire = tensor_pb2.Tensor.FromString(msg.SerializeToString())
-    out = _codec.decode_tensor(wire)
+    out = codec.decode_tensor(wire)
     assert isinstance(out, np.ndarray), type(out)
     assert out.dtype == np.float32 and out.shape == (2, 3)
     assert out.tobytes() == values.tobytes()
@@ -154,12 +154,12 @@ NO_TORCH_SCRIPT = textwrap.dedent(
 
     value = tensor_pb2.Value()
     value.tensor.CopyFrom(msg)
-    decoded = _codec.decode_value(value)
+    decoded = codec.decode_value(value)
     assert isinstance(decoded, np.ndarray)
     np.testing.assert_array_equal(decoded, values)
 
     # Encoding numpy works without torch too.
-    assert _codec.encode_tensor(values) == msg
+    assert codec.encode_tensor(values) == msg
     assert "torch" not in sys.modules
     print("OK", len(hookwire.__all__))
     """

@@ -33,6 +33,8 @@ from typing import Any, Optional
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from hookwire.wire.framing import read_varint
+
 from ..errors import InvalidArgument, ResourceExhausted
 
 #: protobuf's own parser refuses messages nested deeper than this; so does the scan.
@@ -199,23 +201,12 @@ class _Scan:
 
     def varint(self, i: int, end: int) -> tuple[int, int]:
         """The varint at data[i:] and the index after it."""
-        data = self.data
         if i >= end:
             raise _Malformed("truncated varint")
-        b = data[i]
-        if b < 0x80:
-            return b, i + 1
-        result, shift = b & 0x7F, 7
-        i += 1
-        while True:
-            if i >= end or shift > 63:
-                raise _Malformed("truncated or overlong varint")
-            b = data[i]
-            i += 1
-            result |= (b & 0x7F) << shift
-            if b < 0x80:
-                return result, i
-            shift += 7
+        value, i = read_varint(self.data, i, end)
+        if value < 0:
+            raise _Malformed("truncated or overlong varint")
+        return value, i
 
     def too_many_fields(self, where: Any) -> TooManyFields:
         return TooManyFields(

@@ -8,7 +8,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 
-from hookwire._framing import INFER_STREAM_CHUNK, RawChunk, Splicer, serializer
+from hookwire.wire.framing import INFER_STREAM_CHUNK, RawChunk, Splicer, serializer
 from hookwire.v1 import (
     harvest_service_pb2,
     harvest_service_pb2_grpc,
@@ -88,7 +88,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
                 first.request, _chunks(messages), principal, uploaded=uploaded, chunk_bytes=chunk_bytes
             )
             yield model_service_pb2.InferStreamResponse(response=response)
-            for chunk in chunker.frames(INFER_STREAM_CHUNK, chunk_bytes):  # wire bytes (see _framing)
+            for chunk in chunker.frames(INFER_STREAM_CHUNK, chunk_bytes):  # wire bytes (see hookwire.wire.framing)
                 yield chunk
 
 
@@ -110,7 +110,7 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         if self._parameters is None:
             raise Unavailable("this server does not run GetParameters")
         async for message in self._parameters.read(request, principal=principal_of(context, self._tokens)):
-            yield message  # chunk messages are wire bytes (see _framing)
+            yield message  # chunk messages are wire bytes (see hookwire.wire.framing)
 
 
 async def _chunks(
@@ -231,7 +231,7 @@ def add_to_server(servicer: Any, service: ServiceDescriptor, server: grpc.aio.Se
     """Registers a servicer like the generated add_*_to_server, but with request
     parsers that let malformed bytes become INVALID_ARGUMENT instead of INTERNAL, and
     that read a request message holding only a TensorChunk (InferStream's uploads) as
-    a RawChunk, a view of gRPC's bytes copied once into its tensor (hookwire._framing);
+    a RawChunk, a view of gRPC's bytes copied once into its tensor (hookwire.wire.framing);
     and with response serializers that send ``bytes`` as they are: the chunk messages
     that streams send are built by hand."""
     handlers = {}

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 
-from hookwire._framing import read_frame
+from hookwire.wire.framing import read_frame
 
 from .. import errors
 
@@ -98,7 +98,7 @@ def tolerant_parser(message_class: Any, *, chunk_field: int | None = None) -> Ca
     which the ``unary``/``streaming`` wrappers parse (so malformed bytes become
     INVALID_ARGUMENT, not gRPC's INTERNAL, and nothing large is parsed on the loop).
     With ``chunk_field`` (the message's TensorChunk field), a message holding only a
-    chunk is read at once as a RawChunk (see hookwire._framing; it has no field the
+    chunk is read at once as a RawChunk (see hookwire.wire.framing; it has no field the
     request bounds limit), without copying its data."""
 
     def parse(data: bytes) -> Any:

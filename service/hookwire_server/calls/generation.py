@@ -41,8 +41,9 @@ from typing import Any
 
 import torch
 
-from hookwire import _codec
-from hookwire._framing import GENERATE_RESPONSE_CHUNK, Framing
+from hookwire.wire import codec as _codec
+from hookwire.wire.framing import GENERATE_RESPONSE_CHUNK, Framing
+from hookwire.wire.ids import new_id
 from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
 from ..auth import ANONYMOUS, Principal
@@ -69,7 +70,7 @@ from ..hooks.event_bus import (
     MIN_MAX_MESSAGE_BYTES,
     chunk_bytes_for,
 )
-from ..hooks.hook_manager import HookManager, new_id
+from ..hooks.hook_manager import HookManager
 from ..hooks.hook_record import HookRecord
 from .. import limits
 from ..models.model_registry import ModelHost

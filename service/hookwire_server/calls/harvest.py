@@ -9,7 +9,7 @@ does not depend on the connection that started it. Its life:
    other settings FAILED_PRECONDITION, an unfinished one of the same settings is resumed)
    and returns the job, PENDING.
 2. The job plans on a thread of its own: it tokenizes its source once to count contexts
-   and tokens (``_harvest_sources.plan``), which fixes the batches, the token budget's
+   and tokens (``hookwire.wire.harvest_sources.plan``), which fixes the batches, the token budget's
    last batch and this worker's share.
 3. RUNNING: a producer thread tokenizes the source again and hands this worker's batches
    (past those already committed) to the job, which queues each as *background* work on
@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import pathlib
-import secrets
 import shlex
 import threading
 import time
@@ -51,10 +50,11 @@ import numpy as np
 import torch
 from google.protobuf import json_format, timestamp_pb2
 
-import hookwire
-from hookwire import _codec
-from hookwire import _harvest_format as fmt
-from hookwire import _harvest_sources as sources
+from hookwire.wire import __version__ as hookwire_version
+from hookwire.wire import codec
+from hookwire.wire import harvest_format as fmt
+from hookwire.wire import harvest_sources as sources
+from hookwire.wire import ids
 from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import hook_pb2, tensor_pb2
 
@@ -357,11 +357,11 @@ class HarvestManager:
         key = (settings.url, settings.worker_index)
         if key in self._outputs:
             raise AlreadyExists(f"output.path: job {self._outputs[key]} is writing {settings.output!r} (worker {key[1]})")
-        job_id = "hv-" + secrets.token_hex(8)
+        job_id = ids.new_harvest_job_id()
         records, capture_ids = self._records(host, settings, principal, job_id)
         header = {
             "model": settings.model, "modules": settings.modules, "settings": settings.describe(),
-            "source": settings.source, "hookwire_version": hookwire.__version__,
+            "source": settings.source, "hookwire_version": hookwire_version,
         }
         self._outputs[key] = "(starting)"
         try:
@@ -1058,9 +1058,9 @@ def _from_state(record: dict[str, Any]) -> hv.HarvestJob:
 
 def _token_source(tokens: hv.TokenSource, length: int) -> tuple[np.ndarray, int | None, dict[str, Any]]:
     try:
-        _codec.check_tensor(tokens.input_ids, "source.tokens.input_ids")
-        t = _codec.decode_tensor(tokens.input_ids)
-    except _codec.CodecError as exc:
+        codec.check_tensor(tokens.input_ids, "source.tokens.input_ids")
+        t = codec.decode_tensor(tokens.input_ids)
+    except codec.CodecError as exc:
         raise InvalidArgument(str(exc)) from None
     if t.dim() != 2 or t.shape[0] == 0 or t.shape[1] == 0:
         raise InvalidArgument(f"source.tokens.input_ids: shape {list(t.shape)} is not [contexts, length] with both > 0")

@@ -15,9 +15,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, ParamSpec, TypeVar
 
-from hookwire import _codec
-from hookwire._codec import Chunker
-from hookwire._framing import INFER_STREAM_CHUNK, Framing, RawChunk, Splicer
+from hookwire.wire import codec as _codec
+from hookwire.wire.codec import Chunker
+from hookwire.wire.framing import INFER_STREAM_CHUNK, Framing, RawChunk, Splicer
+from hookwire.wire.ids import new_id
 from hookwire.v1 import model_service_pb2, tensor_pb2
 
 from ..errors import (
@@ -29,7 +30,7 @@ from ..errors import (
     release_failure,
 )
 from ..hooks.event_bus import HeldBytesExceeded
-from ..hooks.hook_manager import HookManager, new_id
+from ..hooks.hook_manager import HookManager
 from ..hooks.passes import Pass
 from ..engine.core import Engines
 from .admission import Admission

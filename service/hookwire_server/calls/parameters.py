@@ -12,7 +12,7 @@ gradients they make; a model's own forward could, and the copy then sees the
 weights as they were between two passes.) Each parameter is copied once, straight
 into the wire bytes of the messages that carry it (a Chunker with a Framing, as
 Generate's captures are): small ones inline in their ``parameter`` message, large
-ones as TensorChunk messages after it (hookwire._framing). Parameters are copied in
+ones as TensorChunk messages after it (hookwire.wire.framing). Parameters are copied in
 groups of at most ``GROUP_BYTES`` (or one larger parameter), and the next group only
 once the previous one has been handed to gRPC, so a call holds at most one group's
 copy, whatever it asked for; gRPC's flow control holds a call whose client reads
@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from hookwire import _codec
-from hookwire._framing import GET_PARAMETERS_CHUNK, Framing
+from hookwire.wire import codec
+from hookwire.wire.framing import GET_PARAMETERS_CHUNK, Framing
 from hookwire.v1 import model_service_pb2
 
 from .. import limits
@@ -48,7 +48,7 @@ from ..models.module_patterns import MAX_PATTERN_LENGTH, is_glob
 GROUP_BYTES = 16 * 1024 * 1024
 
 #: A parameter message, the Chunker holding its chunk messages, and its tensor's bytes.
-Reply = tuple[model_service_pb2.GetParametersResponse, _codec.Chunker, int]
+Reply = tuple[model_service_pb2.GetParametersResponse, codec.Chunker, int]
 
 
 def not_readable_message(name: str) -> str:
@@ -114,10 +114,10 @@ def select_parameters(host: ModelHost, patterns: list[str], cast: torch.dtype | 
         param = host.parameters[name]
         dtype = cast if cast is not None and param.is_floating_point() else param.dtype
         try:
-            code = _codec.wire_dtype_of(dtype)
-        except _codec.CodecError:
+            code = codec.wire_dtype_of(dtype)
+        except codec.CodecError:
             raise Unimplemented(f"parameter {name!r} of model {host.name!r} is {param.dtype}, which has no wire form") from None
-        sizes.append(param.numel() * _codec.ITEMSIZE[code])
+        sizes.append(param.numel() * codec.ITEMSIZE[code])
     return Selection(names, sizes, matches)
 
 
@@ -155,8 +155,8 @@ def copy_parameters(host: ModelHost, names: list[str], cast: torch.dtype | None,
                 t = t.to(cast)
             msg = model_service_pb2.GetParametersResponse()
             msg.parameter.name = name
-            chunker = _codec.Chunker(snapshot=True, framing=framing)
-            nbytes = _codec.encode_tensor_into(t, msg.parameter.tensor, chunker)
+            chunker = codec.Chunker(snapshot=True, framing=framing)
+            nbytes = codec.encode_tensor_into(t, msg.parameter.tensor, chunker)
             out.append((msg, chunker, nbytes))
     return out
 
@@ -208,7 +208,7 @@ class Parameters:
             loop = asyncio.get_running_loop()
             selection = await loop.run_in_executor(None, select_parameters, host, patterns, cast)
             if selection.nbytes > self.limits.max_parameter_bytes:
-                as_cast = f" as {_codec.dtype_name(request.dtype)}" if cast is not None else ""
+                as_cast = f" as {codec.dtype_name(request.dtype)}" if cast is not None else ""
                 or_cast = "" if cast is not None else " or cast them (dtype)"
                 raise ResourceExhausted(
                     f"{describe_matches(patterns, selection)}, which take {selection.nbytes} bytes{as_cast}, over "
@@ -228,7 +228,7 @@ class Parameters:
                 while replies:
                     msg, chunker, nbytes = replies.pop()  # each copy goes once it is sent
                     yield msg
-                    for frame in chunker.frames(GET_PARAMETERS_CHUNK, chunk_bytes):  # wire bytes (see _framing)
+                    for frame in chunker.frames(GET_PARAMETERS_CHUNK, chunk_bytes):  # wire bytes (see hookwire.wire.framing)
                         yield frame
                     sent.inc(nbytes)
                     del msg, chunker

@@ -1,4 +1,4 @@
-"""Tokenizers on the server: preparing a model's tokenizer, and tokenizing texts for it.
+"""Tokenizing texts for a model (its tokenizer is readied as it loads: models/tokenizers.py).
 
 ``tokenize_texts`` is what Tokenize runs, and what Generate's ``prompts`` will run
 with the default fields, so both see the same ids. It equals transformers'
@@ -16,12 +16,11 @@ forward pass. Nothing here imports grpc or transformers.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Sequence
 
 import torch
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import model_service_pb2
 
 from ..auth import ANONYMOUS, Principal
@@ -30,21 +29,8 @@ from ..limits import Limits
 from .admission import Admission
 from ..models.model_registry import ModelHost
 
-log = logging.getLogger("hookwire.models")
-
 #: TokenizeRequest.padding_side values; "" picks the model's default (``padding_side_for``).
 PADDING_SIDES = ("", "left", "right")
-
-
-def prepare_tokenizer(tokenizer: Any, model_name: str) -> Any:
-    """Readies a tokenizer for batching, in place, and returns it: one without a pad
-    token pads with its EOS token, as transformers users set it for GPT-2-like models
-    (the attention mask marks the padding, so the id itself is never attended to)."""
-    if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-        log.info("model %r: its tokenizer has no pad token; padding with its EOS token %r",
-                 model_name, tokenizer.eos_token)
-    return tokenizer
 
 
 def padding_side_for(host: ModelHost, requested: str) -> str:
@@ -74,8 +60,8 @@ class TokenizedBatch:
     def to_proto(self) -> model_service_pb2.TokenizeResponse:
         """The TokenizeResponse carrying this batch."""
         response = model_service_pb2.TokenizeResponse()
-        _codec.encode_tensor_into(self.input_ids, response.input_ids)
-        _codec.encode_tensor_into(self.attention_mask, response.attention_mask)
+        codec.encode_tensor_into(self.input_ids, response.input_ids)
+        codec.encode_tensor_into(self.attention_mask, response.attention_mask)
         for row in self.pieces:
             response.tokens.add().pieces.extend(row)
         return response

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookwire import _harvest_sources as sources
+from hookwire.wire import harvest_sources as sources
 from hookwire.v1 import hook_pb2
 
 from ..errors import InvalidArgument

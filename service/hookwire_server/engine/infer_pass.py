@@ -14,9 +14,9 @@ from typing import Any, Iterator
 
 import torch
 
-from hookwire import _codec
-from hookwire._codec import Chunker
-from hookwire._framing import Splicer
+from hookwire.wire import codec as _codec
+from hookwire.wire.codec import Chunker
+from hookwire.wire.framing import Splicer
 from hookwire.v1 import model_service_pb2
 
 from ..errors import InvalidArgument, ResourceExhausted, Unimplemented

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import hook_pb2, tensor_pb2
 
 from ..errors import InvalidArgument
@@ -86,7 +86,7 @@ def compile_cast(dtype: int, field: str) -> torch.dtype | None:
     cast = _CASTS.get(dtype)  # type: ignore[call-overload]
     if cast is None:
         raise InvalidArgument(
-            f"{field}: {_codec.dtype_name(dtype)} is not one of DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_FLOAT32"
+            f"{field}: {codec.dtype_name(dtype)} is not one of DTYPE_FLOAT16, DTYPE_BFLOAT16, DTYPE_FLOAT32"
         )
     return cast
 
@@ -94,7 +94,7 @@ def compile_cast(dtype: int, field: str) -> torch.dtype | None:
 def summarize(t: torch.Tensor, bins: int = 0) -> tensor_pb2.TensorSummary:
     """Statistics of ``t``, computed by torch in float64 on the tensor's device."""
     msg = tensor_pb2.TensorSummary(
-        dtype=_codec.wire_dtype_of(t.dtype), shape=list(t.shape), numel=t.numel()
+        dtype=codec.wire_dtype_of(t.dtype), shape=list(t.shape), numel=t.numel()
     )
     x = t.detach().to(torch.float64)
     if x.numel() == 0:

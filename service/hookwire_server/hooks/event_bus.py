@@ -34,8 +34,8 @@ import dataclasses
 import threading
 from typing import AsyncIterator, Callable, Iterator
 
-from hookwire._codec import Chunker
-from hookwire._framing import SESSION_MESSAGE_CHUNK
+from hookwire.wire.codec import Chunker
+from hookwire.wire.framing import SESSION_MESSAGE_CHUNK
 from hookwire.v1 import hook_service_pb2
 
 from ..errors import InvalidArgument, ResourceExhausted

@@ -10,18 +10,19 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import secrets
 import threading
 import time
 from typing import Iterable
 
 from hookwire.v1 import hook_pb2, hook_service_pb2
+from hookwire.wire import ids
+from hookwire.wire.ids import new_id
 
 from .. import limits
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
 from ..errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from .event_bus import DeliveryGate, DeliveryLimits, EventStream, HeldBytes
-from .hook_record import HookRecord, _notice
+from .hook_record import HookRecord, Subscription, _notice
 from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
 from ..state import SHUTDOWN_REASON, ServerState
 from ..models.model_registry import ModelHost, ModelRegistry
@@ -53,15 +54,6 @@ class Session:
         self.closed = False
 
 
-class Subscription:
-    """A further stream for the events of existing hooks."""
-
-    def __init__(self, stream: EventStream, hook_ids: Iterable[str], principal: Principal = ANONYMOUS) -> None:
-        self.stream = stream
-        self.principal = principal
-        self.hook_ids = dict.fromkeys(hook_ids)
-
-
 def _lacks(principal: Principal, role: str, what: str) -> str:
     """Why ``principal`` may no longer hold ``what`` ("" when it may)."""
     try:
@@ -69,11 +61,6 @@ def _lacks(principal: Principal, role: str, what: str) -> str:
     except PermissionDenied as exc:
         return f"your role changed: {exc}"
     return ""
-
-
-def new_id(prefix: str) -> str:
-    """An unguessable id (128 random bits)."""
-    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 class HookManager:
@@ -147,7 +134,7 @@ class HookManager:
         limits.check(sessions, self.limits.max_sessions_per_principal,
                      f"{principal.name!r} has {sessions} open sessions", "max_sessions_per_principal")
         self._admit_stream(principal, delivery)
-        session_id = new_id("ses")
+        session_id = new_id(ids.SESSION)
         stream = EventStream(asyncio.get_running_loop(), delivery, owner_session_id=session_id, owner=principal.name,
                              on_sent=self._count_sent, blocks_others=principal.is_operator)
         session = Session(session_id, stream, self.limits.max_slot_bytes, principal)
@@ -220,7 +207,7 @@ class HookManager:
         limits.check(owned, self.limits.max_hooks_per_principal, f"{principal.name!r} has {owned} hooks",
                      "max_hooks_per_principal")
         record = HookRecord(
-            new_id("hk"), host, spec, compiled, session_id=session_id, slots=session.slots if session else None,
+            new_id(ids.HOOK), host, spec, compiled, session_id=session_id, slots=session.slots if session else None,
             metrics=self.metrics, owner=principal,
         )
         if session is not None:
@@ -350,7 +337,7 @@ class HookManager:
             if compiled.uses_slots and session is None:
                 raise InvalidArgument(f"hooks[{i}]: save and patch rules keep slots in a session: set session_id")
             records.append(HookRecord(
-                new_id("hk"), host, spec, compiled, request_id=request_id,
+                new_id(ids.HOOK), host, spec, compiled, request_id=request_id,
                 slots=session.slots if session is not None else None, metrics=self.metrics, owner=principal,
                 request_index=i + 1,
             ))

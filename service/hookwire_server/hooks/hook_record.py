@@ -16,16 +16,16 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from google.protobuf import timestamp_pb2
 from torch.utils.hooks import RemovableHandle
 
-from hookwire import _codec
-from hookwire._codec import Chunker
-from hookwire._framing import SESSION_MESSAGE_CHUNK, Framing, Splicer
+from hookwire.wire import codec
+from hookwire.wire.codec import Chunker
+from hookwire.wire.framing import SESSION_MESSAGE_CHUNK, Framing, Splicer
 from hookwire.v1 import hook_pb2, hook_service_pb2
 
 from ..auth import ANONYMOUS, Principal
@@ -40,12 +40,21 @@ from .rules import RuleFailure, apply_rules, operand_tensors
 from .slots import SlotStore
 
 if TYPE_CHECKING:
-    from .hook_manager import Subscription
     from .passes import Pass
 
 log = logging.getLogger("hookwire.hooks")
 
 _NO_METRICS = Metrics()  # for records built without a server (unit tests)
+
+
+class Subscription:
+    """A further stream for the events of existing hooks (HookManager.subscribe); each
+    HookRecord lists the subscriptions that carry its events."""
+
+    def __init__(self, stream: EventStream, hook_ids: Iterable[str], principal: Principal = ANONYMOUS) -> None:
+        self.stream = stream
+        self.principal = principal
+        self.hook_ids = dict.fromkeys(hook_ids)
 
 
 class HookRecord:
@@ -417,7 +426,7 @@ class HookRecord:
         else:
             items, devices, fired = prepared
             event.time.CopyFrom(fired)  # when the hook fired, not when the copies completed
-        encode = functools.partial(_codec.encode_value_into, opaque_caches=True)  # a KV cache in kwargs: null, marked
+        encode = functools.partial(codec.encode_value_into, opaque_caches=True)  # a KV cache in kwargs: null, marked
         nbytes = 0
         for part, field, key, value in items:
             if field == "output":
@@ -454,7 +463,7 @@ class HookRecord:
                     operand = rules[position].tensor
                     if operand is not None:
                         tensor_msg.Clear()  # dtype and shape are set again, with the data
-                        _codec.encode_tensor_into(operand, tensor_msg)
+                        codec.encode_tensor_into(operand, tensor_msg)
         return msg
 
 
@@ -537,7 +546,7 @@ def _capture_error(exc: BaseException, hook_id: str, path: str, part: int) -> Ba
     """What a capture that cannot be made raises: UNIMPLEMENTED for a value with no wire
     form, INVALID_ARGUMENT for a selection that does not fit and the like; anything else
     as it is."""
-    if isinstance(exc, _codec.CodecError):
+    if isinstance(exc, codec.CodecError):
         return Unimplemented(f"hook {hook_id} on module {path!r} cannot capture {_part_name(part)}: {exc}")
     if isinstance(exc, (IndexError, RuntimeError, ValueError, TypeError)):
         return InvalidArgument(

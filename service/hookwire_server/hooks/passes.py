@@ -17,8 +17,8 @@ import concurrent.futures
 import threading
 from typing import Any, Callable
 
-from hookwire._codec import Chunker
-from hookwire._framing import Framing, Splicer
+from hookwire.wire.codec import Chunker
+from hookwire.wire.framing import Framing, Splicer
 from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2
 
 from ..errors import ResourceExhausted

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import hook_pb2
 
 from ..errors import FailedPrecondition, HookwireServerError, InvalidArgument
@@ -313,8 +313,8 @@ def _finite(value: float, where: str) -> float:
 
 def _decode(msg: Any, where: str, device: torch.device) -> torch.Tensor:
     try:
-        return _codec.decode_tensor(msg, where=where).to(device)
-    except _codec.CodecError as exc:
+        return codec.decode_tensor(msg, where=where).to(device)
+    except codec.CodecError as exc:
         raise InvalidArgument(str(exc)) from None
 
 

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from hookwire import _codec
+from hookwire.wire import codec
 from hookwire.v1 import hook_service_pb2
 
 from ..errors import NotFound, ResourceExhausted
@@ -106,9 +106,9 @@ class SlotStore:
 def slot_to_proto(name: str, tensor: torch.Tensor, *, with_data: bool) -> hook_service_pb2.Slot:
     """A slot as the wire describes it (with its data for GetSlot)."""
     msg = hook_service_pb2.Slot(
-        name=name, dtype=_codec.wire_dtype_of(tensor.dtype), shape=list(tensor.shape),
+        name=name, dtype=codec.wire_dtype_of(tensor.dtype), shape=list(tensor.shape),
         nbytes=tensor.numel() * tensor.element_size(),
     )
     if with_data:
-        _codec.encode_tensor_into(tensor, msg.tensor)
+        codec.encode_tensor_into(tensor, msg.tensor)
     return msg

@@ -26,7 +26,7 @@ from torch import nn
 from ..demo_models import DEMO_MODELS
 from .batch_settings import BatchSettings
 from .model_registry import ASYNC_CAPTURE_MODES, BatchConfig, DaemonWorker, ModelHost, ModelRegistry
-from ..calls.tokenization import prepare_tokenizer
+from .tokenizers import prepare_tokenizer
 
 log = logging.getLogger("hookwire.models")
 
@@ -455,7 +455,7 @@ _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "vo
 
 
 def load_tokenizer(config: ModelConfig) -> tuple[Any, str]:
-    """The model's tokenizer, prepared (tokenization.prepare_tokenizer), and why there is
+    """The model's tokenizer, prepared (tokenizers.prepare_tokenizer), and why there is
     none when one was looked for and not found ("" otherwise).
 
     A ``tokenizer`` factory is called (ConfigError when it cannot be imported: the model

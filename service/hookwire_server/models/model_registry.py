@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import torch
 from torch import nn
 
-from hookwire import _codec
+from hookwire.wire import codec as _codec
 from hookwire.v1 import model_service_pb2
 
 from .batch_settings import BatchSettings, model_dimensions

@@ -18,7 +18,7 @@ from google.protobuf import struct_pb2
 
 from hookwire.v1 import tensor_pb2
 
-from ._framing import Framing, RawChunk, Splicer, frame, read_frame
+from .framing import Framing, RawChunk, Splicer, frame, read_frame
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
     raise ImportError("hookwire's tensor codec assumes a little-endian host")
@@ -177,7 +177,7 @@ class Chunker:
 
     A ``snapshot`` chunker copies each tensor as it is added, since the tensor may
     change before it is sent (a capture inside a pass). With a ``framing`` it copies
-    it straight into its chunk messages' wire bytes (see _framing), on the thread that
+    it straight into its chunk messages' wire bytes (see framing), on the thread that
     adds it: that copy is the snapshot, and the event loop that later sends the
     messages only hands them to gRPC. Without a snapshot, chunk messages are built one
     at a time as they are sent (memory: the tensors plus one chunk).
@@ -596,7 +596,7 @@ class ChunkAssembler:
 
     def take(self, views: Mapping[int, Any]) -> None:
         """Copies whole tensors' data into place: ``views`` maps chunk ids to their bytes
-        (the data _framing.cut_tensors cut out of a message). An id the message does not
+        (the data framing.cut_tensors cut out of a message). An id the message does not
         hold is skipped (its part was replaced by a later one of its oneof). CodecError
         when the bytes do not match the tensor's shape and dtype."""
         for chunk_id, data in views.items():
@@ -613,7 +613,7 @@ class ChunkAssembler:
         return not self._pending
 
     def feed(self, chunk: tensor_pb2.TensorChunk | RawChunk) -> None:
-        """Copies one chunk into place: a TensorChunk, or a RawChunk (see _framing),
+        """Copies one chunk into place: a TensorChunk, or a RawChunk (see framing),
         whose data is a view of the received bytes: then this is the only copy."""
         view = self._views.get(chunk.chunk_id)
         if view is None or chunk.chunk_id not in self._pending:

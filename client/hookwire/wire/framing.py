@@ -97,8 +97,10 @@ class RawChunk:
         return f"RawChunk(chunk_id={self.chunk_id}, offset={self.offset}, {len(self.data)} bytes)"
 
 
-def _read_varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
-    """(value, next position); (-1, pos) for a varint that is cut off or longer than 10 bytes."""
+def read_varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
+    """The base-128 varint at ``buf[pos:end]``: (value, next position); (-1, pos) for a
+    varint that is cut off or longer than 10 bytes. The one varint reader of hookwire
+    (chunk frames here, the request bounds check of raw request bytes on the server)."""
     value = 0
     shift = 0
     while pos < end and shift < 70:
@@ -120,7 +122,7 @@ def read_frame(buf: bytes, field: int) -> RawChunk | None:
     end = len(buf)
     if end < 2 or buf[0] != ((field << 3) | _LEN):
         return None
-    size, pos = _read_varint(buf, 1, end)
+    size, pos = read_varint(buf, 1, end)
     if size < 0 or pos + size != end:
         return None
     chunk_id = offset = 0
@@ -130,17 +132,17 @@ def read_frame(buf: bytes, field: int) -> RawChunk | None:
         tag = buf[pos]
         pos += 1
         if tag == 0x08 and last < 1:
-            chunk_id, pos = _read_varint(buf, pos, end)
+            chunk_id, pos = read_varint(buf, pos, end)
             if not 0 <= chunk_id <= _UINT32_MAX:
                 return None
             last = 1
         elif tag == 0x10 and last < 2:
-            offset, pos = _read_varint(buf, pos, end)
+            offset, pos = read_varint(buf, pos, end)
             if not 0 <= offset <= _UINT64_MAX:
                 return None
             last = 2
         elif tag == 0x1A and last < 3:
-            n, pos = _read_varint(buf, pos, end)
+            n, pos = read_varint(buf, pos, end)
             if n < 0 or pos + n > end:
                 return None
             start, stop = pos, pos + n
@@ -270,11 +272,11 @@ def _respliced(wire: memoryview, start: int, end: int, holes: list[tuple[int, in
     while h < len(holes) and holes[h][0] < end:
         at = holes[h][0]
         field_start = pos
-        tag, pos = _read_varint(wire, pos, end)
+        tag, pos = read_varint(wire, pos, end)
         tag_end = pos
         wire_type = tag & 7
         if wire_type == 0:
-            _, pos = _read_varint(wire, pos, end)
+            _, pos = read_varint(wire, pos, end)
             continue
         if wire_type == 1:
             pos += 8
@@ -284,7 +286,7 @@ def _respliced(wire: memoryview, start: int, end: int, holes: list[tuple[int, in
             continue
         if wire_type != _LEN or tag < 0:  # groups never occur in proto3; nor do bad tags in protobuf's output
             raise ValueError("unexpected wire type while splicing")
-        size, content = _read_varint(wire, pos, end)
+        size, content = read_varint(wire, pos, end)
         pos = content + size
         if pos <= at:
             continue  # the hole lies further on
@@ -414,7 +416,7 @@ def _cut(wire: memoryview, start: int, end: int, descriptor: Any, min_bytes: int
     pos = start
     while pos < end:
         field_start = pos
-        tag, pos = _read_varint(wire, pos, end)
+        tag, pos = read_varint(wire, pos, end)
         if tag < 0:
             raise _NotCanonical
         number, wire_type = tag >> 3, tag & 7
@@ -429,7 +431,7 @@ def _cut(wire: memoryview, start: int, end: int, descriptor: Any, min_bytes: int
                 raise _NotCanonical
             once.add(number)
         if wire_type == 0:
-            value, pos = _read_varint(wire, pos, end)
+            value, pos = read_varint(wire, pos, end)
             if value < 0:
                 raise _NotCanonical
             continue
@@ -438,7 +440,7 @@ def _cut(wire: memoryview, start: int, end: int, descriptor: Any, min_bytes: int
             continue
         if wire_type != _LEN:
             raise _NotCanonical
-        size, content = _read_varint(wire, pos, end)
+        size, content = read_varint(wire, pos, end)
         if size < 0 or content + size > end:
             raise _NotCanonical
         pos = content + size
