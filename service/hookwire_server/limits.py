@@ -1,11 +1,14 @@
-"""Resource limits. Each is configurable (ServerSettings field of the same name) and
-answers with RESOURCE_EXHAUSTED or INVALID_ARGUMENT naming the limit."""
+"""Resource limits, defined once. Each is configurable (a ServerSettings field of the same
+name: a ``[server]`` key and a ``HOOKWIRE_*`` variable) and answers with RESOURCE_EXHAUSTED
+or INVALID_ARGUMENT worded alike everywhere by ``exceeded``: "<what>: <count>, over the
+limit of <limit> (<setting>)". docs/security.md's limits table lists every field with its
+default (tests/unit/test_limits_doc.py checks it against this class)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from .errors import ResourceExhausted
+from .errors import HookwireServerError, InvalidArgument, ResourceExhausted
 
 # Delivery defaults, sized together: a principal can open max_streams_per_principal
 # streams with the default buffer before its byte budget runs out (so the stream limit,
@@ -15,12 +18,17 @@ from .errors import ResourceExhausted
 
 #: The buffer of one stream whose DeliveryOptions.max_bytes is 0.
 DEFAULT_STREAM_BYTES = 32 * 1024 * 1024
+#: gRPC's default of 4 MiB is too small for tensors.
+DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
 _DEFAULT_STREAMS_PER_PRINCIPAL = 128
 
 
 @dataclasses.dataclass
 class Limits:
     """Defaults sized for one server on one machine; raise them for big deployments."""
+
+    #: Largest gRPC message sent or received, either way (InferStream chunks larger tensors).
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     #: Bytes of slots each session may keep.
     max_slot_bytes: int = 256 * 1024 * 1024
@@ -124,8 +132,59 @@ class Limits:
     #: call whose client stops reading holds the copy of the parameter it is sending.
     max_parameter_calls_per_principal: int = 8
 
+    # --- harvest jobs (HarvestService, docs/harvest.md); HarvestConfig is built from these ---
+    #: Harvest jobs one principal may have running (or starting) at once.
+    harvest_max_jobs_per_principal: int = 2
+    #: Bytes of shards one principal's harvest jobs may write (per server process); 0: no limit.
+    harvest_max_bytes_per_principal: int = 0
+    #: Seconds of a running harvest job's lease: its server renews it (a heartbeat in the
+    #: job's state file) every third of it; a job not renewed for this long (its server was
+    #: killed) is INTERRUPTED. At least 1; longer than the replicas' clock skew.
+    harvest_lease_seconds: float = 30.0
+    #: Seconds finished harvest jobs' state files are kept before they are pruned; 0: forever.
+    harvest_retention_seconds: float = 7 * 86400.0
+    #: Modules one harvest job stores (StartHarvestRequest.modules, once their globs are expanded).
+    harvest_max_modules: int = 256
+    #: Tokens of one harvest context (contexts.length), also at most the model's positions.
+    harvest_max_context_length: int = 1 << 16
+    #: Entries of a harvest's positions.only.
+    harvest_max_positions: int = 4096
+    #: Workers of one harvest (num_workers).
+    harvest_max_workers: int = 1024
+    #: Tokens of one harvest shard (output.shard_tokens).
+    harvest_max_shard_tokens: int = 1 << 24
+    #: Shards a shuffling harvest job holds in memory (output.shuffle.buffer_shards).
+    harvest_max_buffer_shards: int = 64
+    #: Ended harvest jobs kept in memory (older ones are still found in the state folder).
+    harvest_max_ended_jobs: int = 256
+    #: Shortest interval (ms) between the states WatchHarvest sends (WatchHarvestRequest.interval_ms).
+    harvest_min_watch_ms: int = 50
 
-def check(count: int, limit: int, what: str, name: str) -> None:
-    """ResourceExhausted when ``count`` would go past ``limit``."""
+
+def exceeded(
+    what: str, count: object, limit: object, setting: str, hint: str = "",
+    *, error: type[HookwireServerError] = ResourceExhausted,
+) -> HookwireServerError:
+    """The error for a limit passed, worded alike everywhere:
+    "<what>: <count>, over the limit of <limit> (<setting>)[; <hint>]".
+
+    ``what`` names the field or the thing counted ("hooks", "'alice' has 3 open streams");
+    ``count`` says how much, with its unit ("65 request-scoped hooks", "257 or more names");
+    ``limit`` may carry a unit too ("600 s"); ``setting`` is the Limits field that sets it;
+    ``hint`` says what to do instead. ``error`` is ResourceExhausted (too much asked of the
+    server) or InvalidArgument (a request that could never be served as it is)."""
+    message = f"{what}: {count}, over the limit of {limit} ({setting})"
+    return error(f"{message}; {hint}" if hint else message)
+
+
+def below(what: str, value: object, minimum: object, setting: str) -> InvalidArgument:
+    """The error for a value under a minimum: "<what>: <value>, below the minimum of <minimum> (<setting>)"."""
+    return InvalidArgument(f"{what}: {value}, below the minimum of {minimum} ({setting})")
+
+
+def check(count: int, limit: int, what: str, setting: str, hint: str = "") -> None:
+    """ResourceExhausted (see ``exceeded``) when one more than ``count`` (the one being
+    admitted) would go past ``limit``: "<what>: <count + 1> with this one, over the limit
+    of <limit> (<setting>)". ``what`` says what there is ("'alice' has 64 open sessions")."""
     if count >= limit:
-        raise ResourceExhausted(f"{what}: the limit is {limit} ({name})")
+        raise exceeded(what, f"{count + 1} with this one", limit, setting, hint)

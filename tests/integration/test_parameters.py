@@ -190,7 +190,7 @@ async def test_refusals(server, local) -> None:
         with pytest.raises(hookwire.ResourceExhaustedError) as refused:
             await model.parameters("*" * 1024, "pooler.dense.bias")
         assert (f"the names match {count} parameters ({'*' * 48!r}... (1024 characters): {count}; "
-                f"'pooler.dense.bias': 1), which take {total} bytes, over the limit") in str(refused.value)
+                f"'pooler.dense.bias': 1): they take {total} bytes, over the limit") in str(refused.value)
         with pytest.raises(hookwire.ResourceExhaustedError, match=r"names: 257 or more names.*\(max_parameter_names\)"):
             await model.parameters(*["pooler.dense.bias"] * 257)
         with pytest.raises(hookwire.InvalidArgumentError, match=r"names: 1025 bytes.*\(max_path_length\)"):

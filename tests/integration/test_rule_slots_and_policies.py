@@ -101,7 +101,7 @@ async def test_slots_are_bounded_per_session_and_die_with_it(shared_server, shar
     model = shared.model("scale")
     await model.infer(torch.ones(1000), hooks=[hookwire.HookSpec("", posthook=[rules.save("output", "a")])])  # 4000 B
     await model.infer(torch.ones(1000), hooks=[hookwire.HookSpec("", posthook=[rules.save("output", "a")])])  # replaces
-    with pytest.raises(hookwire.ResourceExhaustedError, match=r"slot 'b'.*over its limit of 8192"):
+    with pytest.raises(hookwire.ResourceExhaustedError, match=r"slot 'b'.*over the limit of 8192 \(max_slot_bytes\)"):
         await model.infer(torch.ones(1500), hooks=[hookwire.HookSpec("", posthook=[rules.save("output", "b")])])
     assert [s.name for s in await shared.list_slots()] == ["a"]
     session_id = shared.session_id

@@ -139,7 +139,8 @@ def test_finished_jobs_are_pruned_after_the_retention(tmp_path: pathlib.Path) ->
 
 
 @pytest.mark.parametrize("setting,value", [("lease_seconds", 0.5), ("lease_seconds", float("nan")),
-                                           ("retention_seconds", -1.0), ("max_jobs_per_principal", -1)])
+                                           ("retention_seconds", -1.0), ("max_jobs_per_principal", -1),
+                                           ("max_workers", 0), ("min_watch_ms", -1)])
 def test_harvest_settings_are_validated(setting: str, value: float) -> None:
     from hookwire_server.models.model_loading import ConfigError
     from hookwire_server.api.server import ServerSettings

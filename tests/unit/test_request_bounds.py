@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
-from hookwire.v1 import harvest_service_pb2, hook_pb2, hook_service_pb2, model_service_pb2, tensor_pb2
+from hookwire.v1 import harvest_service_pb2, hook_pb2, hook_service_pb2, model_service_pb2, rule_pb2, tensor_pb2
 from hookwire_server.errors import InvalidArgument, ResourceExhausted
+from hookwire_server.limits import Limits
 from hookwire_server.api.request_bounds import (
     NAME_FIELDS,
     PATH_FIELDS,
@@ -46,9 +50,9 @@ def _list_request(n: int) -> bytes:
 
 
 def test_values_are_counted_with_early_exit() -> None:
-    bounds = RequestBounds(max_values=100)
+    bounds = RequestBounds(Limits(max_request_values=100))
     check(_list_request(99), model_service_pb2.InferRequest.DESCRIPTOR, bounds)  # 99 items + the argument
-    with pytest.raises(ResourceExhausted, match=r"more than 100 Values .*args.list.items.*\(max_request_values\)"):
+    with pytest.raises(ResourceExhausted, match=r"^args.list.items: 101 or more Values and map entries in the request, over the limit of 100 \(max_request_values\)$"):
         check(_list_request(100), model_service_pb2.InferRequest.DESCRIPTOR, bounds)
     # Map entries count too (an entry and its Value: two).
     request = model_service_pb2.InferRequest(model="m")
@@ -59,7 +63,7 @@ def test_values_are_counted_with_early_exit() -> None:
 
 
 def test_fields_bound_repeated_singular_and_packed_fields() -> None:
-    bounds = RequestBounds(max_fields=1000)
+    bounds = RequestBounds(Limits(max_request_fields=1000))
     repeated_int = b"\x0a\x01m\x12" + bytes([0x80 | (4000 & 0x7F), 4000 >> 7]) + b"\x28\x00" * 2000
     with pytest.raises(ResourceExhausted, match=r"\(max_request_fields\)"):
         check(repeated_int, model_service_pb2.InferRequest.DESCRIPTOR, bounds)
@@ -70,7 +74,7 @@ def test_fields_bound_repeated_singular_and_packed_fields() -> None:
 
 
 def test_strings_are_bounded_by_kind() -> None:
-    bounds = RequestBounds(max_name_length=8, max_path_length=16)
+    bounds = RequestBounds(Limits(max_name_length=8, max_path_length=16))
     ok = model_service_pb2.InferRequest(model="12345678")
     ok.args.add().string_value = "data is not bounded" * 100
     check(ok.SerializeToString(), model_service_pb2.InferRequest.DESCRIPTOR, bounds)
@@ -87,8 +91,8 @@ def test_request_hooks_and_rules_are_capped() -> None:
     request = model_service_pb2.InferRequest(model="m")
     request.hooks.add().posthook.rules.add().zero.SetInParent()
     request.hooks[0].posthook.rules.add().zero.SetInParent()
-    bounds = RequestBounds(max_request_hooks=1, max_rules_per_action=1)
-    with pytest.raises(InvalidArgument, match=r"hooks.posthook.rules: 2 or more rules, over the limit of 1"):
+    bounds = RequestBounds(Limits(max_request_hooks=1, max_rules_per_action=1))
+    with pytest.raises(InvalidArgument, match=r"^hooks.posthook.rules: 2 or more rules, over the limit of 1 \(max_rules_per_action\)$"):
         check(request.SerializeToString(), model_service_pb2.InferRequest.DESCRIPTOR, bounds)
     request.hooks.add()
     del request.hooks[0].posthook.rules[1]
@@ -122,7 +126,7 @@ def _len(b: bytes) -> bytes:
 
 
 def test_tokenize_texts_are_counted_before_the_parse() -> None:
-    bounds = RequestBounds(max_tokenize_texts=3, max_name_length=8)
+    bounds = RequestBounds(Limits(max_tokenize_texts=3, max_name_length=8))
     descriptor = model_service_pb2.TokenizeRequest.DESCRIPTOR
     long_text = "x" * 10_000  # texts are data: only their number is bounded here
     check(model_service_pb2.TokenizeRequest(model="m", texts=[long_text] * 3).SerializeToString(), descriptor, bounds)
@@ -133,8 +137,8 @@ def test_tokenize_texts_are_counted_before_the_parse() -> None:
 
 
 def test_generate_requests_are_bounded_before_the_parse() -> None:
-    bounds = RequestBounds(max_tokenize_texts=3, max_stop_strings=2, max_request_hooks=1, max_name_length=8,
-                           max_path_length=16)
+    bounds = RequestBounds(Limits(max_tokenize_texts=3, max_stop_strings=2, max_request_hooks=1, max_name_length=8,
+                           max_path_length=16))
     descriptor = model_service_pb2.GenerateRequest.DESCRIPTOR
 
     def request(**fields: object) -> bytes:
@@ -163,7 +167,7 @@ def test_generate_requests_are_bounded_before_the_parse() -> None:
 
 
 def test_get_parameters_requests_are_bounded_before_the_parse() -> None:
-    bounds = RequestBounds(max_parameter_names=3, max_name_length=8, max_path_length=16)
+    bounds = RequestBounds(Limits(max_parameter_names=3, max_name_length=8, max_path_length=16))
     descriptor = model_service_pb2.GetParametersRequest.DESCRIPTOR
 
     def request(**fields: object) -> bytes:
@@ -178,3 +182,43 @@ def test_get_parameters_requests_are_bounded_before_the_parse() -> None:
         check(request(names=["encoder.layer.*.w"]), descriptor, bounds)
     with pytest.raises(InvalidArgument, match=r"^model: 9 bytes, over the limit of 8 \(max_name_length\)$"):
         check(request(model="123456789"), descriptor, bounds)
+
+
+def test_the_bounds_are_the_limits_fields() -> None:
+    # RequestBounds repeats no default: each bound is read from the Limits it is given,
+    # so changing a Limits field changes the bound the scan applies (and its message).
+    from hookwire_server.api.request_bounds import SETTINGS
+
+    assert set(SETTINGS) <= {f.name for f in dataclasses.fields(Limits)}
+    assert RequestBounds().max_fields == Limits().max_request_fields
+    assert RequestBounds.of(Limits(max_request_fields=7)).max_fields == 7
+    assert RequestBounds.of(Limits(max_request_fields=7)).within(4096).max_fields == 7
+    assert RequestBounds.of(Limits(max_request_fields=10_000)).within(4096).max_fields == 4096
+    infer = model_service_pb2.InferRequest.DESCRIPTOR
+    hooks = model_service_pb2.InferRequest(model="m")
+    for _ in range(3):
+        hooks.hooks.add().posthook.rules.add().zero.SetInParent()
+    rules = model_service_pb2.InferRequest(model="m")
+    rules.hooks.add().posthook.rules.extend([rule_pb2.Rule()] * 3)
+    stops = model_service_pb2.GenerateRequest(model="m", stop=["a", "b", "c"])
+    select = model_service_pb2.InferRequest(model="m")
+    select.hooks.add().posthook.select = "[1:]"
+    # One request per setting that passes the bound of 2 (and none of the defaults).
+    cases: dict[str, tuple[bytes, Any]] = {
+        "max_request_fields": (model_service_pb2.InferRequest(model="m", tags=["a", "b"]).SerializeToString(), infer),
+        "max_request_values": (_list_request(2), infer),
+        "max_request_hooks": (hooks.SerializeToString(), infer),
+        "max_rules_per_action": (rules.SerializeToString(), infer),
+        "max_name_length": (model_service_pb2.InferRequest(model="abc").SerializeToString(), infer),
+        "max_path_length": (select.SerializeToString(), infer),
+        "max_tokenize_texts": (model_service_pb2.TokenizeRequest(texts=["a", "b", "c"]).SerializeToString(),
+                               model_service_pb2.TokenizeRequest.DESCRIPTOR),
+        "max_stop_strings": (stops.SerializeToString(), model_service_pb2.GenerateRequest.DESCRIPTOR),
+        "max_parameter_names": (model_service_pb2.GetParametersRequest(names=["a", "b", "c"]).SerializeToString(),
+                                model_service_pb2.GetParametersRequest.DESCRIPTOR),
+    }
+    assert set(cases) == set(SETTINGS)
+    for setting, (data, descriptor) in cases.items():
+        check(data, descriptor, RequestBounds.of(Limits()))  # within the defaults
+        with pytest.raises((InvalidArgument, ResourceExhausted), match=rf"over the limit of 2 \({setting}\)$"):
+            check(data, descriptor, RequestBounds.of(Limits(**{setting: 2})))

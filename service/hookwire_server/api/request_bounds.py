@@ -6,6 +6,9 @@ afterwards. So before a request is parsed, ``check`` walks its wire bytes
 (guided by the message's descriptor, reading tags and lengths, skipping tensor
 data) and stops at the first bound it passes:
 
+Every bound is a Limits field (RequestBounds reads them from the server's Limits), and
+every message names it (``limits.exceeded``):
+
 - the fields it holds (every tag on the wire, and every element of a packed
   repeated field): ``max_request_fields``; this also bounds the scan itself;
 - the Values and map entries it holds: ``max_request_values``;
@@ -35,7 +38,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from hookwire.wire.framing import read_varint
 
-from ..errors import InvalidArgument, ResourceExhausted
+from ..errors import HookwireServerError, InvalidArgument, ResourceExhausted
+from ..limits import Limits, exceeded
 
 #: protobuf's own parser refuses messages nested deeper than this; so does the scan.
 MAX_NESTING = 100
@@ -104,30 +108,36 @@ _PACKED_WIDTH = {
 }
 
 
+#: The Limits fields ``check`` reads (each named in its messages).
+SETTINGS = (
+    "max_request_fields", "max_request_values", "max_request_hooks", "max_rules_per_action", "max_name_length",
+    "max_path_length", "max_tokenize_texts", "max_stop_strings", "max_parameter_names",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestBounds:
-    """The bounds ``check`` applies; see Limits for each."""
+    """The bounds ``check`` applies: those of a Limits (or ServerSettings; see Limits for
+    each), read from it, never repeated here. ``max_fields`` may scan fewer fields than
+    ``limits.max_request_fields`` allows (``within``): a scan that passes it raises
+    TooManyFields, and the caller may scan again with the whole bound elsewhere."""
 
-    max_fields: int = 1 << 19
-    max_values: int = 65536
-    max_request_hooks: int = 64
-    max_rules_per_action: int = 64
-    max_name_length: int = 256
-    max_path_length: int = 1024
-    max_tokenize_texts: int = 256
-    max_stop_strings: int = 16
-    max_parameter_names: int = 256
+    limits: Limits = dataclasses.field(default_factory=Limits)
+    #: The fields this scan reads at most; -1: limits.max_request_fields.
+    max_fields: int = -1
+
+    def __post_init__(self) -> None:
+        if self.max_fields < 0:
+            object.__setattr__(self, "max_fields", self.limits.max_request_fields)
 
     @classmethod
-    def of(cls, limits: Any) -> RequestBounds:
+    def of(cls, limits: Limits) -> RequestBounds:
         """The bounds configured in a Limits (or ServerSettings)."""
-        return cls(
-            max_fields=limits.max_request_fields, max_values=limits.max_request_values,
-            max_request_hooks=limits.max_request_hooks, max_rules_per_action=limits.max_rules_per_action,
-            max_name_length=limits.max_name_length, max_path_length=limits.max_path_length,
-            max_tokenize_texts=limits.max_tokenize_texts, max_stop_strings=limits.max_stop_strings,
-            max_parameter_names=limits.max_parameter_names,
-        )
+        return cls(limits)
+
+    def within(self, max_fields: int) -> RequestBounds:
+        """These bounds, scanning at most ``max_fields`` fields (never more than the limit)."""
+        return dataclasses.replace(self, max_fields=min(self.max_fields, max_fields))
 
 
 class TooManyFields(ResourceExhausted):
@@ -145,7 +155,7 @@ class _Field:
     message: Optional[Descriptor] = None
     counts_as_value: bool = False
     #: (limit setting, error class) for a repeated field whose occurrences are capped.
-    cap: Optional[tuple[str, type]] = None
+    cap: Optional[tuple[str, type[HookwireServerError]]] = None
     string_bound: Optional[str] = None  # "max_name_length" or "max_path_length"
     packed_width: int = 1
 
@@ -209,10 +219,11 @@ class _Scan:
         return value, i
 
     def too_many_fields(self, where: Any) -> TooManyFields:
-        return TooManyFields(
-            f"the request holds more than {self.bounds.max_fields} protobuf fields (at {_path(where)}), over the limit of "
-            f"{self.bounds.max_fields} (max_request_fields)"
-        )
+        limit = self.bounds.max_fields
+        error = exceeded(_path(where), f"{limit + 1} or more protobuf fields in the request", limit, "max_request_fields",
+                         error=TooManyFields)
+        assert isinstance(error, TooManyFields)
+        return error
 
     def message(self, start: int, end: int, plan: dict[int, _Field], depth: int, where: Any) -> None:
         """Scans one message's fields in data[start:end]. ``where`` is a (parent, name)
@@ -220,7 +231,8 @@ class _Scan:
         if depth > MAX_NESTING:
             raise _Malformed(f"messages nest deeper than {MAX_NESTING} levels")
         data, bounds, varint = self.data, self.bounds, self.varint
-        max_fields = bounds.max_fields
+        limits = bounds.limits
+        max_fields, max_values = bounds.max_fields, limits.max_request_values
         caps: dict[int, int] | None = None
         i = start
         # The hot loop: single-byte tags and lengths are read inline.
@@ -264,26 +276,23 @@ class _Scan:
                 caps = caps if caps is not None else {}
                 seen = caps[key] = caps.get(key, 0) + 1
                 setting, error = field.cap
-                cap = getattr(bounds, setting)
+                cap = getattr(limits, setting)
                 if seen > cap:
-                    raise error(f"{_path(where, field.name)}: {seen} or more {field.name}, over the limit of {cap} ({setting})")
+                    raise exceeded(_path(where, field.name), f"{seen} or more {field.name}", cap, setting, error=error)
             if field.kind == "message":
                 if field.counts_as_value:
                     self.values += 1
-                    if self.values > bounds.max_values:
-                        raise ResourceExhausted(
-                            f"the request holds more than {bounds.max_values} Values and map entries "
-                            f"(at {_path(where, field.name)}), over the limit of {bounds.max_values} (max_request_values)"
-                        )
+                    if self.values > max_values:
+                        raise exceeded(_path(where, field.name), f"{self.values} or more Values and map entries in the "
+                                       "request", max_values, "max_request_values")
                 if length:
                     self.message(i, stop, field.plan(), depth + 1, (where, field.name))
             elif field.kind == "string":
                 if field.string_bound is not None:
-                    limit = getattr(bounds, field.string_bound)
+                    limit = getattr(limits, field.string_bound)
                     if length > limit:
-                        raise InvalidArgument(
-                            f"{_path(where, field.name)}: {length} bytes, over the limit of {limit} ({field.string_bound})"
-                        )
+                        raise exceeded(_path(where, field.name), f"{length} bytes", limit, field.string_bound,
+                                       error=InvalidArgument)
             else:  # a packed repeated scalar field: each element counts as a field
                 self.fields += length // field.packed_width
                 if self.fields > max_fields:

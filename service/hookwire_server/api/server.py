@@ -35,7 +35,6 @@ from ..calls.tokenization import Tokenization
 
 log = logging.getLogger("hookwire.server")
 
-DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
 SERVICES = (
     model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
     hook_service_pb2.DESCRIPTOR.services_by_name["HookService"].full_name,
@@ -50,8 +49,6 @@ class ServerSettings(Limits):
     host: str = "127.0.0.1"
     #: 0 picks a free port.
     port: int = 50051
-    #: Largest message sent or received (gRPC's default of 4 MiB is too small for tensors).
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     #: Seconds in-flight calls get to finish on stop; the process exits within it
     #: even when a pass is still running (its thread cannot be stopped, only left).
     grace: float = 5.0
@@ -100,16 +97,6 @@ class ServerSettings(Limits):
     #: Where job state is kept for lookups from other replicas; None:
     #: <harvest_output_root>/.hookwire-jobs (shared storage makes jobs visible everywhere).
     harvest_state_dir: str | None = None
-    #: Harvest jobs one principal may have running at once.
-    harvest_max_jobs_per_principal: int = 2
-    #: Bytes of shards one principal's harvest jobs may write (per server process); 0: no limit.
-    harvest_max_bytes_per_principal: int = 0
-    #: Seconds of a running harvest job's lease: its server renews it (a heartbeat in the
-    #: job's state file) every third of it; a job not renewed for this long (its server was
-    #: killed) is INTERRUPTED. At least 1; longer than the replicas' clock skew.
-    harvest_lease_seconds: float = 30.0
-    #: Seconds finished harvest jobs' state files are kept before they are pruned; 0: forever.
-    harvest_retention_seconds: float = 7 * 86400.0
 
     def __post_init__(self) -> None:
         try:
@@ -122,12 +109,11 @@ class ServerSettings(Limits):
             raise ConfigError(f"harvest settings: {exc}") from None
 
     def harvest_config(self) -> HarvestConfig:
-        """The harvest settings (ValueError naming one that is out of range)."""
+        """The harvest settings: the harvest_* folders here and the harvest_* limits
+        (ValueError naming one that is out of range)."""
         return settings_from(
             data_root=self.harvest_data_root, output_root=self.harvest_output_root,
-            url_prefixes=self.harvest_url_prefixes, state_dir=self.harvest_state_dir,
-            max_jobs=self.harvest_max_jobs_per_principal, max_bytes=self.harvest_max_bytes_per_principal,
-            lease_seconds=self.harvest_lease_seconds, retention_seconds=self.harvest_retention_seconds,
+            url_prefixes=self.harvest_url_prefixes, state_dir=self.harvest_state_dir, limits=self,
         )
 
     def batch_defaults(self) -> BatchSettings:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import secrets
@@ -127,7 +126,7 @@ async def parse_request(request: Any, servicer: Any) -> Any:
         return request
     bounds = RequestBounds.of(getattr(servicer, "limits", None) or Limits())
     try:
-        return request.parse(dataclasses.replace(bounds, max_fields=min(bounds.max_fields, INLINE_FIELDS)))
+        return request.parse(bounds.within(INLINE_FIELDS))
     except request_bounds.TooManyFields:
         if bounds.max_fields <= INLINE_FIELDS:
             raise

@@ -70,6 +70,8 @@ from ..errors import (
 from ..hooks.hook_record import HookRecord
 from ..engine.scheduler import Work
 from ..hooks.selection import Index
+from .. import limits
+from ..limits import Limits
 
 log = logging.getLogger("hookwire.harvest")
 
@@ -77,35 +79,37 @@ DEFAULT_LENGTH = 128
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_SHARD_TOKENS = 65536
 DEFAULT_BUFFER_SHARDS = 4
-MAX_BUFFER_SHARDS = 64
-MAX_SHARD_TOKENS = 1 << 24
-MAX_LENGTH = 1 << 16
-MAX_MODULES = 256
-MAX_POSITIONS = 4096
-MAX_WORKERS = 1024
-MIN_WATCH_MS, DEFAULT_WATCH_MS = 50, 500
+DEFAULT_WATCH_MS = 500
 #: How often the state file of a running job is rewritten (progress), at most.
 STATE_WRITE_SECONDS = 1.0
 #: Batches tokenized ahead of the model (the producer's queue).
 AHEAD = 2
-#: Ended jobs kept in memory (older ones are still found in the state folder).
-KEEP_ENDED = 256
 #: States a job does not leave (INTERRUPTED: until someone starts it again, as a new job).
 ENDED = (hv.HARVEST_STATE_SUCCEEDED, hv.HARVEST_STATE_FAILED, hv.HARVEST_STATE_CANCELLED,
          hv.HARVEST_STATE_INTERRUPTED)
 #: The shortest lease a server may give its jobs (harvest_lease_seconds): heartbeats come
 #: every third of it, and a state folder on network storage needs time to show them.
 MIN_LEASE_SECONDS = 1.0
-DEFAULT_LEASE_SECONDS = 30.0
-#: Finished jobs' state files are pruned this long after they end (harvest_retention_seconds).
-DEFAULT_RETENTION_SECONDS = 7 * 86400.0
 #: Seconds between looks for state files to prune (at most).
 PRUNE_EVERY_SECONDS = 60.0
 
 
+_LIMITS = Limits()
+
+#: HarvestConfig's limits: each is the Limits field "harvest_" + its name, which sets it
+#: (settings_from) and gives its default.
+LIMIT_FIELDS = (
+    "max_jobs_per_principal", "max_bytes_per_principal", "lease_seconds", "retention_seconds", "max_modules",
+    "max_context_length", "max_positions", "max_workers", "max_shard_tokens", "max_buffer_shards", "max_ended_jobs",
+    "min_watch_ms",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class HarvestConfig:
-    """The server's harvest settings (ServerSettings.harvest_*)."""
+    """The server's harvest settings (ServerSettings.harvest_*): its folders, and its
+    limits, each the Limits field of the same name with "harvest_" before it (see Limits
+    for what each bounds)."""
 
     #: Text sources are read from under this folder; None: text sources are refused.
     data_root: str | None = None
@@ -115,20 +119,30 @@ class HarvestConfig:
     url_prefixes: tuple[str, ...] = ()
     #: Where job state is kept for other replicas; None: <output_root>/.hookwire-jobs.
     state_dir: str | None = None
-    #: Jobs a principal may have pending or running at once (on this server).
-    max_jobs_per_principal: int = 2
-    #: Bytes of shards a principal's jobs may write (on this server, since it started); 0: no limit.
-    max_bytes_per_principal: int = 0
     #: Seconds between worker 0's looks at the other workers' manifests while it waits to merge.
     merge_poll_seconds: float = 2.0
-    #: A running job's lease: its server rewrites the job's state file (a heartbeat) every
-    #: third of it; a pending or running job whose state is older than this is INTERRUPTED.
-    lease_seconds: float = DEFAULT_LEASE_SECONDS
-    #: Finished jobs' state files are removed this long after they ended; 0 keeps them.
-    retention_seconds: float = DEFAULT_RETENTION_SECONDS
+    max_jobs_per_principal: int = _LIMITS.harvest_max_jobs_per_principal
+    max_bytes_per_principal: int = _LIMITS.harvest_max_bytes_per_principal
+    lease_seconds: float = _LIMITS.harvest_lease_seconds
+    retention_seconds: float = _LIMITS.harvest_retention_seconds
+    max_modules: int = _LIMITS.harvest_max_modules
+    max_context_length: int = _LIMITS.harvest_max_context_length
+    max_positions: int = _LIMITS.harvest_max_positions
+    max_workers: int = _LIMITS.harvest_max_workers
+    max_shard_tokens: int = _LIMITS.harvest_max_shard_tokens
+    max_buffer_shards: int = _LIMITS.harvest_max_buffer_shards
+    max_ended_jobs: int = _LIMITS.harvest_max_ended_jobs
+    min_watch_ms: int = _LIMITS.harvest_min_watch_ms
 
     def validate(self) -> None:
         """Raises ValueError naming the setting that is out of range."""
+        for name in ("max_modules", "max_context_length", "max_positions", "max_workers", "max_shard_tokens",
+                     "max_buffer_shards"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"harvest_{name}: {getattr(self, name)} is below the minimum of 1")
+        for name in ("max_ended_jobs", "min_watch_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"harvest_{name}: {getattr(self, name)} is negative")
         if not self.lease_seconds >= MIN_LEASE_SECONDS:  # NaN too
             raise ValueError(f"harvest_lease_seconds: {self.lease_seconds} is below the minimum of {MIN_LEASE_SECONDS}")
         if not self.retention_seconds >= 0:
@@ -336,21 +350,16 @@ class HarvestManager:
         """Takes a job slot of ``owner``'s quota (synchronously: no await between the
         check and the count), or raises RESOURCE_EXHAUSTED naming the setting."""
         active = sum(1 for j in self._jobs.values() if j.active and j.owner == owner) + self._starting.get(owner, 0)
-        if active >= self.config.max_jobs_per_principal:
-            raise ResourceExhausted(
-                f"{owner!r} has {active} harvest jobs running or starting, the limit is "
-                f"{self.config.max_jobs_per_principal} (harvest_max_jobs_per_principal)"
-            )
+        limits.check(active, self.config.max_jobs_per_principal, f"{owner!r} has {active} harvest jobs running or starting",
+                     "harvest_max_jobs_per_principal")
         self._check_bytes(owner)
         self._starting[owner] = self._starting.get(owner, 0) + 1
 
     def _check_bytes(self, owner: str) -> None:
         quota = self.config.max_bytes_per_principal
         if quota and self._bytes.get(owner, 0) >= quota:
-            raise ResourceExhausted(
-                f"{owner!r} has written {self._bytes[owner]} bytes of harvest shards, the limit is "
-                f"{quota} (harvest_max_bytes_per_principal)"
-            )
+            raise limits.exceeded(f"harvest shards of {owner!r}", f"{self._bytes[owner]} bytes written", quota,
+                                  "harvest_max_bytes_per_principal", "no more may be written on this server")
 
     async def _start_reserved(self, request: hv.StartHarvestRequest, principal: Principal, host: Any) -> Job:
         settings = await self._blocking(self._validate, request, host)
@@ -416,7 +425,7 @@ class HarvestManager:
 
     def _forget_old_jobs(self) -> None:
         ended = [job_id for job_id, job in self._jobs.items() if not job.active]
-        for job_id in ended[:max(0, len(ended) - KEEP_ENDED)]:
+        for job_id in ended[:max(0, len(ended) - self.config.max_ended_jobs)]:
             del self._jobs[job_id]
 
     def _validate(self, request: hv.StartHarvestRequest, host: Any) -> _Settings:
@@ -433,8 +442,9 @@ class HarvestManager:
             except (NotFound, InvalidArgument) as exc:
                 raise type(exc)(f"modules[{i}]: {exc}") from None
             paths.update(dict.fromkeys(found))
-        if len(paths) > MAX_MODULES:
-            raise InvalidArgument(f"modules: the patterns match {len(paths)} modules, over the limit of {MAX_MODULES}")
+        if len(paths) > self.config.max_modules:
+            raise limits.exceeded("modules", f"the patterns match {len(paths)} modules", self.config.max_modules,
+                                  "harvest_max_modules", error=InvalidArgument)
         order = {p: i for i, p in enumerate(host.paths)}
         modules = sorted(paths, key=order.__getitem__)
         part = request.part or hook_pb2.PART_OUTPUT
@@ -453,11 +463,11 @@ class HarvestManager:
                 raise InvalidArgument(f"rules[{i}]: a harvest runs no backward pass")
         c = request.contexts
         length = c.length or DEFAULT_LENGTH
-        if length > MAX_LENGTH or (host.positions is not None and length > host.positions):
-            raise InvalidArgument(
-                f"contexts.length: {length} is over the model's {host.positions} positions"
-                if host.positions is not None and length <= MAX_LENGTH else f"contexts.length: {length} is over {MAX_LENGTH}"
-            )
+        if length > self.config.max_context_length:
+            raise limits.exceeded("contexts.length", f"{length} tokens", self.config.max_context_length,
+                                  "harvest_max_context_length", error=InvalidArgument)
+        if host.positions is not None and length > host.positions:
+            raise InvalidArgument(f"contexts.length: {length} is over the model's {host.positions} positions")
         batch_size = c.batch_size or DEFAULT_BATCH_SIZE
         if batch_size > host.batching.max_batch_size:
             raise InvalidArgument(
@@ -466,25 +476,29 @@ class HarvestManager:
         if c.packing not in hv.Packing.values():
             raise InvalidArgument(f"contexts.packing: unknown value {c.packing}")
         positions = request.positions
-        if len(positions.only) > MAX_POSITIONS:
-            raise InvalidArgument(f"positions.only: {len(positions.only)} entries, over the limit of {MAX_POSITIONS}")
+        if len(positions.only) > self.config.max_positions:
+            raise limits.exceeded("positions.only", f"{len(positions.only)} entries", self.config.max_positions,
+                                  "harvest_max_positions", error=InvalidArgument)
         bad = [p for p in positions.only if p >= length]
         if bad:
             raise InvalidArgument(f"positions.only: {bad[:5]} not below contexts.length {length}")
         if positions.skip_first >= length:
             raise InvalidArgument(f"positions.skip_first: {positions.skip_first} leaves no position of {length}")
         workers = request.num_workers
-        if workers > MAX_WORKERS:
-            raise InvalidArgument(f"num_workers: {workers} is over the limit of {MAX_WORKERS}")
+        if workers > self.config.max_workers:
+            raise limits.exceeded("num_workers", f"{workers} workers", self.config.max_workers, "harvest_max_workers",
+                                  error=InvalidArgument)
         if request.worker_index >= max(1, workers):
             raise InvalidArgument(f"worker_index: {request.worker_index} is not below num_workers {max(1, workers)}")
         out = request.output
         shard_tokens = out.shard_tokens or DEFAULT_SHARD_TOKENS
-        if shard_tokens > MAX_SHARD_TOKENS:
-            raise InvalidArgument(f"output.shard_tokens: {shard_tokens} is over the limit of {MAX_SHARD_TOKENS}")
+        if shard_tokens > self.config.max_shard_tokens:
+            raise limits.exceeded("output.shard_tokens", f"{shard_tokens} tokens", self.config.max_shard_tokens,
+                                  "harvest_max_shard_tokens", error=InvalidArgument)
         buffer_shards = out.shuffle.buffer_shards or DEFAULT_BUFFER_SHARDS
-        if buffer_shards > MAX_BUFFER_SHARDS:
-            raise InvalidArgument(f"output.shuffle.buffer_shards: {buffer_shards} is over the limit of {MAX_BUFFER_SHARDS}")
+        if buffer_shards > self.config.max_buffer_shards:
+            raise limits.exceeded("output.shuffle.buffer_shards", f"{buffer_shards} shards", self.config.max_buffer_shards,
+                                  "harvest_max_buffer_shards", error=InvalidArgument)
         url = self._output_url(out.path)
         text = token_ids = spec = None
         token_pad = None
@@ -705,10 +719,8 @@ class HarvestManager:
             self._bytes[job.owner] = self._bytes.get(job.owner, 0) + grown
             quota = self.config.max_bytes_per_principal
             if quota and self._bytes[job.owner] > quota and job.active:
-                raise ResourceExhausted(
-                    f"{job.owner!r} wrote {self._bytes[job.owner]} bytes of harvest shards, over the limit of {quota} "
-                    "(harvest_max_bytes_per_principal); the shards written so far are kept"
-                )
+                raise limits.exceeded(f"harvest shards of {job.owner!r}", f"{self._bytes[job.owner]} bytes written",
+                                      quota, "harvest_max_bytes_per_principal", "the shards written so far are kept")
 
     def _check_cancel(self, job: Job) -> None:
         if not job.cancel_reason and self._cancel_marker(job.id) is not None:
@@ -783,8 +795,8 @@ class HarvestManager:
     async def watch(self, job_id: str, principal: Principal, interval_ms: int) -> AsyncIterator[hv.HarvestJob]:
         """The job's state, then each change (at most every interval), until it ends."""
         principal.require(MINIMUM_ROLE["WatchHarvest"], "watching harvest jobs")
-        if interval_ms and interval_ms < MIN_WATCH_MS:
-            raise InvalidArgument(f"interval_ms: {interval_ms} is below {MIN_WATCH_MS}")
+        if interval_ms and interval_ms < self.config.min_watch_ms:
+            raise limits.below("interval_ms", f"{interval_ms} ms", f"{self.config.min_watch_ms} ms", "harvest_min_watch_ms")
         interval = (interval_ms or DEFAULT_WATCH_MS) / 1e3
         found = self._visible(job_id, principal)
         if not isinstance(found, Job):  # another replica runs it: follow its state file
@@ -1110,16 +1122,14 @@ class _Writer:
 
 def settings_from(
     *, data_root: str | None, output_root: str | None, url_prefixes: str | None, state_dir: str | None,
-    max_jobs: int, max_bytes: int, merge_poll_seconds: float = 2.0, lease_seconds: float = DEFAULT_LEASE_SECONDS,
-    retention_seconds: float = DEFAULT_RETENTION_SECONDS,
+    limits: Limits, merge_poll_seconds: float = 2.0,
 ) -> HarvestConfig:
-    """A HarvestConfig from the server's flat settings (url_prefixes comma-separated);
-    ValueError naming the setting that is out of range."""
+    """A HarvestConfig from the server's flat settings (url_prefixes comma-separated) and
+    the harvest_* fields of ``limits``; ValueError naming the setting that is out of range."""
     prefixes = tuple(p.strip() for p in (url_prefixes or "").split(",") if p.strip())
     config = HarvestConfig(
         data_root=data_root or None, output_root=output_root or None, url_prefixes=prefixes, state_dir=state_dir or None,
-        max_jobs_per_principal=max_jobs, max_bytes_per_principal=max_bytes, merge_poll_seconds=merge_poll_seconds,
-        lease_seconds=lease_seconds, retention_seconds=retention_seconds,
+        merge_poll_seconds=merge_poll_seconds, **{name: getattr(limits, "harvest_" + name) for name in LIMIT_FIELDS},
     )
     config.validate()
     return config

@@ -36,7 +36,7 @@ from hookwire.v1 import model_service_pb2
 from .. import limits
 from ..auth import ANONYMOUS, Principal
 from ..hooks.capture import compile_cast
-from ..errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable, Unimplemented
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, Unimplemented
 from ..hooks.event_bus import DEFAULT_MAX_MESSAGE_BYTES, MIN_MAX_MESSAGE_BYTES, chunk_bytes_for
 from .admission import Admission
 from ..models.model_registry import ModelHost
@@ -192,16 +192,16 @@ class Parameters:
         if not patterns:
             raise InvalidArgument("names: no parameter named; give exact names or globs ('**' for every parameter)")
         if len(patterns) > self.limits.max_parameter_names:  # (the request bounds count them before the parse)
-            raise ResourceExhausted(f"names: {len(patterns)} names, over the limit of "
-                                    f"{self.limits.max_parameter_names} (max_parameter_names)")
+            raise limits.exceeded("names", f"{len(patterns)} names", self.limits.max_parameter_names,
+                                  "max_parameter_names")
         max_message = request.max_response_message_bytes
         if max_message and max_message < MIN_MAX_MESSAGE_BYTES:
             raise InvalidArgument(f"max_response_message_bytes: {max_message} is below the minimum "
                                   f"{MIN_MAX_MESSAGE_BYTES} (0 for 4 MiB)")
         mine = self.running(principal.name)
         limits.check(mine, self.limits.max_parameter_calls_per_principal,
-                     f"{principal.name!r} has {mine} GetParameters calls running; name several parameters in one "
-                     "call instead", "max_parameter_calls_per_principal")
+                     f"{principal.name!r} has {mine} GetParameters calls running", "max_parameter_calls_per_principal",
+                     "name several parameters in one call instead")
         # Counted from here: the awaits below let other calls in, which must see this one.
         self._by_principal[principal.name] = mine + 1
         try:
@@ -210,9 +210,9 @@ class Parameters:
             if selection.nbytes > self.limits.max_parameter_bytes:
                 as_cast = f" as {codec.dtype_name(request.dtype)}" if cast is not None else ""
                 or_cast = "" if cast is not None else " or cast them (dtype)"
-                raise ResourceExhausted(
-                    f"{describe_matches(patterns, selection)}, which take {selection.nbytes} bytes{as_cast}, over "
-                    f"the limit of {self.limits.max_parameter_bytes} (max_parameter_bytes); name fewer per call{or_cast}"
+                raise limits.exceeded(
+                    describe_matches(patterns, selection), f"they take {selection.nbytes} bytes{as_cast}",
+                    self.limits.max_parameter_bytes, "max_parameter_bytes", f"name fewer per call{or_cast}",
                 )
             chunk_bytes = chunk_bytes_for(max_message or DEFAULT_MAX_MESSAGE_BYTES)
             framing = Framing(GET_PARAMETERS_CHUNK, chunk_bytes)

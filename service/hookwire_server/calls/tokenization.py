@@ -24,8 +24,8 @@ from hookwire.wire import codec
 from hookwire.v1 import model_service_pb2
 
 from ..auth import ANONYMOUS, Principal
-from ..errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from ..limits import Limits
+from ..errors import FailedPrecondition, InvalidArgument
+from ..limits import Limits, exceeded
 from .admission import Admission
 from ..models.model_registry import ModelHost
 
@@ -74,14 +74,10 @@ def check_texts(texts: Sequence[str], limits: Limits, *, field: str = "texts") -
     if not texts:
         raise InvalidArgument(f"{field}: no texts to tokenize")
     if len(texts) > limits.max_tokenize_texts:
-        raise ResourceExhausted(
-            f"{field}: {len(texts)} texts, over the limit of {limits.max_tokenize_texts} (max_tokenize_texts)"
-        )
+        raise exceeded(field, f"{len(texts)} texts", limits.max_tokenize_texts, "max_tokenize_texts")
     chars = sum(len(text) for text in texts)
     if chars > limits.max_tokenize_chars:
-        raise ResourceExhausted(
-            f"{field}: {chars} characters in all, over the limit of {limits.max_tokenize_chars} (max_tokenize_chars)"
-        )
+        raise exceeded(field, f"{chars} characters in all", limits.max_tokenize_chars, "max_tokenize_chars")
 
 
 def tokenize_texts(
@@ -111,9 +107,7 @@ def tokenize_texts(
     longest = max(len(row) for row in rows)
     if longest > max_prompt_tokens:
         which = next(i for i, row in enumerate(rows) if len(row) == longest)
-        raise ResourceExhausted(
-            f"{field}[{which}]: {longest} tokens, over the limit of {max_prompt_tokens} (max_prompt_tokens)"
-        )
+        raise exceeded(f"{field}[{which}]", f"{longest} tokens", max_prompt_tokens, "max_prompt_tokens")
     pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None and any(len(row) != longest for row in rows):
         raise FailedPrecondition(
@@ -163,10 +157,8 @@ class Tokenization:
         add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else None
         queued = self._queued.get(host.name, 0)  # the running call and the waiting ones
         if queued > self.limits.max_queued_tokenizes:
-            raise ResourceExhausted(
-                f"model {host.name!r} has {queued - 1} Tokenize calls waiting, the limit is "
-                f"{self.limits.max_queued_tokenizes} (max_queued_tokenizes); retry later"
-            )
+            raise exceeded(f"model {host.name!r}'s Tokenize queue", f"{queued} calls waiting with this one",
+                           self.limits.max_queued_tokenizes, "max_queued_tokenizes", "retry later")
         self._queued[host.name] = queued + 1
         try:
             batch = await host.run_tokenizer(

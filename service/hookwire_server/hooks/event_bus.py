@@ -39,7 +39,7 @@ from hookwire.wire.framing import SESSION_MESSAGE_CHUNK
 from hookwire.v1 import hook_service_pb2
 
 from ..errors import InvalidArgument, ResourceExhausted
-from ..limits import DEFAULT_STREAM_BYTES
+from ..limits import DEFAULT_STREAM_BYTES, exceeded
 
 DEFAULT_MAX_EVENTS = 1024
 #: Sized with the per-principal stream limit and byte budget (see limits.py).
@@ -669,11 +669,12 @@ class HeldBytes:
         with self._lock:
             held = self._held.get(principal, 0) + nbytes
             if held + buffers > self.limit:
-                raise HeldBytesExceeded(
-                    f"{principal or 'the caller'!r}'s calls keep {held} bytes of events that full streams (its own, "
-                    f"or an operator's BLOCK stream) cannot take yet, which with its stream buffers ({buffers} bytes) "
-                    f"is over its limit of {self.limit} (max_buffered_bytes_per_principal): the streams' readers must "
-                    "read (or the calls capture less)"
+                raise exceeded(
+                    f"events the calls of {principal or 'the caller'!r} keep for full streams (its own, or an "
+                    "operator's BLOCK stream) that cannot take them yet",
+                    f"{held} bytes, {held + buffers} with its stream buffers",
+                    self.limit, "max_buffered_bytes_per_principal",
+                    "the streams' readers must read (or the calls capture less)", error=HeldBytesExceeded,
                 )
             self._held[principal] = held
 

@@ -20,7 +20,7 @@ from hookwire.wire.ids import new_id
 
 from .. import limits
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
-from ..errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from ..errors import InvalidArgument, NotFound, PermissionDenied
 from .event_bus import DeliveryGate, DeliveryLimits, EventStream, HeldBytes
 from .hook_record import HookRecord, Subscription, _notice
 from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
@@ -106,17 +106,16 @@ class HookManager:
                      "max_streams_per_principal")
         own = self._stream_budget(principal.name) + self.held_bytes.held(principal.name)
         if own + delivery.max_bytes > self.limits.max_buffered_bytes_per_principal:
-            raise ResourceExhausted(
-                f"{principal.name!r}'s stream buffers (and the events its calls keep for full streams) would take "
-                f"{own + delivery.max_bytes} bytes, over its limit of "
-                f"{self.limits.max_buffered_bytes_per_principal} (max_buffered_bytes_per_principal)"
+            raise limits.exceeded(
+                f"stream buffers of {principal.name!r} (and the events its calls keep for full streams)",
+                f"{own + delivery.max_bytes} bytes with this stream", self.limits.max_buffered_bytes_per_principal,
+                "max_buffered_bytes_per_principal",
             )
         budget = sum(s.limits.max_bytes for s in streams) + delivery.max_bytes
         if budget > self.limits.max_buffered_bytes:
-            raise ResourceExhausted(
-                f"opening a stream with a {delivery.max_bytes}-byte buffer would put the server's stream buffers at "
-                f"{budget} bytes, over its limit of {self.limits.max_buffered_bytes} (max_buffered_bytes); "
-                "ask for a smaller delivery.max_bytes"
+            raise limits.exceeded(
+                "the server's stream buffers", f"{budget} bytes with this stream's {delivery.max_bytes}",
+                self.limits.max_buffered_bytes, "max_buffered_bytes", "ask for a smaller delivery.max_bytes",
             )
 
     def _stream_budget(self, principal: str) -> int:

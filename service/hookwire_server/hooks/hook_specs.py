@@ -12,6 +12,7 @@ from hookwire.v1 import hook_pb2, rule_pb2
 from ..auth import MINIMUM_ROLE, Principal
 from .capture import CaptureOptions, Sampler
 from ..errors import InvalidArgument, PermissionDenied
+from ..limits import exceeded
 from ..models.model_registry import ModelHost
 from .rules import CompiledRule, compile_rules
 
@@ -133,7 +134,8 @@ def compile_spec(
             if part not in parts:
                 parts.append(part)
         if len(action_msg.rules) > max_rules:
-            raise InvalidArgument(f"{info.field}.rules: {len(action_msg.rules)} rules, over the limit of {max_rules}")
+            raise exceeded(f"{info.field}.rules", f"{len(action_msg.rules)} rules", max_rules, "max_rules_per_action",
+                           error=InvalidArgument)
         if action_msg.capture_stage not in rule_pb2.CaptureStage.values():
             raise InvalidArgument(f"{info.field}.capture_stage: unknown stage {action_msg.capture_stage}")
         actions.append(

@@ -9,8 +9,8 @@ import torch
 from hookwire.wire import codec
 from hookwire.v1 import hook_service_pb2
 
-from ..errors import NotFound, ResourceExhausted
-from ..limits import Limits
+from ..errors import NotFound
+from ..limits import Limits, exceeded
 
 DEFAULT_MAX_SLOT_BYTES = Limits.max_slot_bytes  # one default, in limits.py
 
@@ -38,9 +38,9 @@ class SlotStore:
             old = self._slots.get(name)
             total = self._bytes - (self._size(old) if old is not None else 0) + size
             if total > self.max_bytes:
-                raise ResourceExhausted(
-                    f"slot {name!r}: saving {size} bytes would put the session's slots at {total} bytes, "
-                    f"over its limit of {self.max_bytes}"
+                raise exceeded(
+                    f"slot {name!r}", f"saving {size} bytes would put the session's slots at {total} bytes",
+                    self.max_bytes, "max_slot_bytes",
                 )
             self._slots[name] = tensor.detach().clone()
             self._bytes = total
