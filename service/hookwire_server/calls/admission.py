@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from hookwire.v1 import hook_pb2
 
 from ..auth import MINIMUM_ROLE, Principal
-from ..errors import ResourceExhausted
+from ..limits import exceeded
 from ..hooks.hook_manager import HookManager, Session
 from ..hooks.hook_record import HookRecord
 from ..models.model_registry import ModelHost, ModelRegistry
@@ -40,9 +40,7 @@ class Admission:
         """ResourceExhausted past max_request_hooks request-scoped hooks."""
         limit = self.state.limits.max_request_hooks
         if count > limit:
-            raise ResourceExhausted(
-                f"hooks: {count} request-scoped hooks, over the limit of {limit} (max_request_hooks)"
-            )
+            raise exceeded("hooks", f"{count} request-scoped hooks", limit, "max_request_hooks")
 
     def session(self, session_id: str, principal: Principal) -> Session | None:
         """The caller's own open session a call is made in (None for none); NotFound for

@@ -246,9 +246,8 @@ class Generation:
         if request.max_new_tokens == 0:
             raise InvalidArgument("max_new_tokens: required, and must be > 0")
         if request.max_new_tokens > limit:
-            raise InvalidArgument(
-                f"max_new_tokens: {request.max_new_tokens} is over the server's limit of {limit} (max_new_tokens)"
-            )
+            raise limits.exceeded("max_new_tokens", f"{request.max_new_tokens} new tokens", limit, "max_new_tokens",
+                                  error=InvalidArgument)
         overrides: dict[str, Any] = {}
         if request.HasField("do_sample"):
             overrides["do_sample"] = request.do_sample
@@ -264,16 +263,14 @@ class Generation:
             overrides["top_p"] = request.top_p
         stop = tuple(request.stop)
         if len(stop) > self.limits.max_stop_strings:
-            raise InvalidArgument(
-                f"stop: {len(stop)} stop strings, over the limit of {self.limits.max_stop_strings} (max_stop_strings)"
-            )
+            raise limits.exceeded("stop", f"{len(stop)} stop strings", self.limits.max_stop_strings, "max_stop_strings",
+                                  error=InvalidArgument)
         if any(not s for s in stop):
             raise InvalidArgument(f"stop[{stop.index('')}]: a stop string cannot be empty")
         chars = sum(len(s) for s in stop)
         if chars > self.limits.max_stop_chars:
-            raise InvalidArgument(
-                f"stop: {chars} characters in all, over the limit of {self.limits.max_stop_chars} (max_stop_chars)"
-            )
+            raise limits.exceeded("stop", f"{chars} characters in all", self.limits.max_stop_chars, "max_stop_chars",
+                                  error=InvalidArgument)
         if stop and host.tokenizer is None:
             raise FailedPrecondition(f"stop: stop strings need a tokenizer: {no_tokenizer_message(host)}")
         configured = getattr(getattr(host.module, "generation_config", None), "stop_strings", None)
@@ -320,14 +317,10 @@ class Generation:
                 )
         # The limits hold before anything is decoded: the ids may take up to a message's size.
         if batch > self.limits.max_tokenize_texts:
-            raise ResourceExhausted(
-                f"input_ids: {batch} sequences, over the limit of {self.limits.max_tokenize_texts} (max_tokenize_texts)"
-            )
+            raise limits.exceeded("input_ids", f"{batch} sequences", self.limits.max_tokenize_texts, "max_tokenize_texts")
         if length > self.limits.max_prompt_tokens:
-            raise ResourceExhausted(
-                f"input_ids: {length} tokens per sequence, over the limit of {self.limits.max_prompt_tokens} "
-                "(max_prompt_tokens)"
-            )
+            raise limits.exceeded("input_ids", f"{length} tokens per sequence", self.limits.max_prompt_tokens,
+                                  "max_prompt_tokens")
         ids = self._decode_int_matrix(request.input_ids, "input_ids")
         vocab = _vocab_size(host)
         if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):

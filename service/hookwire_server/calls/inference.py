@@ -231,10 +231,8 @@ class Inference:
         except _codec.CodecError as exc:
             raise InvalidArgument(str(exc)) from None
         if elements > self.limits.max_infer_elements:
-            raise ResourceExhausted(
-                f"the request's tensors hold {elements} elements, over the limit of {self.limits.max_infer_elements} "
-                "(max_infer_elements)"
-            )
+            raise limits.exceeded("the request's tensors", f"{elements} elements", self.limits.max_infer_elements,
+                                  "max_infer_elements")
         return chunked
 
     @_releasing_on_failure
@@ -293,10 +291,8 @@ class Inference:
         call = InferCall(p, request, records, train, backward, seed, chunked, shape)
         queued = self._queued.get(host.name, 0)
         if queued > self.limits.max_queued_infers:
-            raise ResourceExhausted(
-                f"model {host.name!r} has {queued - 1} calls waiting, the limit is {self.limits.max_queued_infers} "
-                "(max_queued_infers); retry later"
-            )
+            raise limits.exceeded(f"model {host.name!r}", f"{queued - 1} calls waiting", self.limits.max_queued_infers,
+                                  "max_queued_infers", "retry later")
         self._queued[host.name] = queued + 1
         self._idle.clear()
         started = time.perf_counter()

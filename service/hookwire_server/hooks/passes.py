@@ -21,7 +21,7 @@ from hookwire.wire.codec import Chunker
 from hookwire.wire.framing import Framing, Splicer
 from hookwire.v1 import hook_pb2, hook_service_pb2, model_service_pb2
 
-from ..errors import ResourceExhausted
+from ..limits import exceeded
 from .event_bus import HeldBytes
 
 #: Where the request-scoped hooks' events of a streaming call (Generate) go, as they
@@ -111,10 +111,8 @@ class Pass:
         pass stops where it would have), and is filled later (``request_event(counted=True)``)."""
         if self.max_events is not None and self._events_in_step >= self.max_events:
             per = "pass (Generate step)" if self.sink is not None else "call"
-            raise ResourceExhausted(
-                f"the call's request-scoped hooks produced more than {self.max_events} events in one {per}, over the "
-                f"limit of {self.max_events} (max_events_per_call); hook fewer modules or use sampling"
-            )
+            raise exceeded("the call's request-scoped hooks", f"more than {self.max_events} events in one {per}",
+                           self.max_events, "max_events_per_call", "hook fewer modules or use sampling")
         self._events_in_step += 1
 
     def request_event(self, *, counted: bool = False) -> tuple[hook_pb2.InterceptEvent, Chunker | Splicer | None]:
