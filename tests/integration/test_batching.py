@@ -48,7 +48,8 @@ import hookwire
 from hookwire import HookSpec, _codec, capture, rules
 from hookwire._session import CallEnded, stream_items
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
-from hookwire_server import ModelConfig, ModelHost, ModelRegistry, ServerSettings, batching, build_registry
+from hookwire_server import ModelConfig, ModelHost, ModelRegistry, ServerSettings, build_registry
+from hookwire_server.engine import batching
 from hookwire_server.demo_models import tiny_lm, tiny_transformer
 from hookwire_server.models.model_loading import ConfigError, build_host, load_config_file
 from hookwire_server.models.model_registry import BatchConfig
