@@ -36,7 +36,7 @@ from hookwire_server import build_registry
 from hookwire_server import demo_configs
 from hookwire_server.calls import generation
 from hookwire_server.engine.batching import model_dimensions, padded_length
-from support import CACHE, ServerThread, assert_same
+from support import CACHE, ServerThread, assert_same, until
 
 MARGIN_BOUND = 1e-5
 """The smallest top-2 logit margin (of the alone run, at a step) at which a batched greedy
@@ -47,7 +47,6 @@ past each other, i.e. the margin to be under twice that; 1e-5 leaves a factor 20
 the alone run's margin at a step is below it, only the steps before are compared."""
 
 #: A liveness bound for waits that end on a condition, never a speed test.
-LIVENESS = 60.0
 EOS, PAD = oracle.EOS, oracle.PAD
 MODEL = "tiny-lm"
 
@@ -171,14 +170,6 @@ def lab() -> Iterator[Lab]:
 async def client(lab: Lab) -> Any:
     async with hookwire.connect(lab.srv.target) as c:
         yield c
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + LIVENESS
-    while not condition():
-        assert loop.time() < deadline, f"still waiting for {what} after {LIVENESS} s"
-        await asyncio.sleep(0.01)
 
 
 async def started(lab: Lab, streams: list[hookwire.GenerateStream]) -> list[asyncio.Future[hookwire.GenerateResult]]:
