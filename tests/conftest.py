@@ -1,37 +1,34 @@
 from __future__ import annotations
 
+import contextlib
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import pytest
 import torch
 
 import hookwire
-from hookwire_server import ServerSettings
-from support import ServerThread, build_test_registry
+from hookwire_server import ModelRegistry
+from support import ServerThread, serving, token_batch
 
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerThread]:
     """One real server for the session, on a free loopback port."""
-    srv = ServerThread(build_test_registry()).start()
-    yield srv
-    srv.stop()
+    with serving() as srv:
+        yield srv
 
 
 @pytest.fixture
 def make_server() -> Iterator[Callable[..., ServerThread]]:
-    """Starts a real server on the test registry, on a free loopback port, with the given
-    ServerSettings fields (e.g. a tight limit); each is stopped after the test."""
-    started: list[ServerThread] = []
+    """Starts a real server on a free loopback port: on ``registry`` (the test registry
+    where none is given), with the given ServerSettings fields (e.g. a tight limit); each
+    is stopped after the test."""
+    with contextlib.ExitStack() as stack:
 
-    def start(**settings: Any) -> ServerThread:
-        srv = ServerThread(build_test_registry(), ServerSettings(port=0, **settings)).start()
-        started.append(srv)
-        return srv
+        def start(registry: ModelRegistry | None = None, **settings: Any) -> ServerThread:
+            return stack.enter_context(serving(registry, **settings))
 
-    yield start
-    for srv in started:
-        srv.stop()
+        yield start
 
 
 @pytest.fixture
@@ -51,8 +48,4 @@ async def other_client(server: ServerThread) -> AsyncIterator[hookwire.Client]:
 @pytest.fixture
 def tokens() -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded transformer inputs: input_ids (2, 6) and an attention mask with padding."""
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, 64, (2, 6), generator=g)
-    mask = torch.ones(2, 6, dtype=torch.bool)
-    mask[1, 4:] = False
-    return ids, mask
+    return token_batch(7, 6, padded_from=4)

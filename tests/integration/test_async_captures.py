@@ -8,12 +8,12 @@ its call in a shared pass, and fails as before. The CUDA test runs where a GPU i
 
 from __future__ import annotations
 
-import asyncio
 import copy
+import datetime
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -21,13 +21,13 @@ from torch import nn
 
 import hookwire
 from hookwire import rules
+from hookwire._generation import generate_request
+from hookwire_server.hooks import deferred
 from hookwire_server.hooks.deferred import DeferredCaptures, HostCopies, wants_deferral
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer, tiny_transformer
 from hookwire_server.models.model_loading import ConfigError, ModelConfig, build_host
 from hookwire_server.models.model_registry import ModelHost, ModelRegistry
-from support import ServerThread
-
-LIVENESS = 120.0
+from support import LIVENESS, ServerThread, held, serving
 
 
 class InPlace(nn.Module):
@@ -61,9 +61,8 @@ def server() -> Iterator[ServerThread]:
         ModelHost("inplace-async", copy.deepcopy(inplace), async_captures="on"),
         ModelHost("inplace-auto", copy.deepcopy(inplace)),  # on the CPU, "auto" captures inside the hook
     ])
-    srv = ServerThread(registry).start()
-    yield srv
-    srv.stop()
+    with serving(registry) as srv:
+        yield srv
 
 
 def _deferred(srv: ServerThread, model: str) -> int:
@@ -167,30 +166,13 @@ async def test_session_events_keep_order_numbering_and_precede_call_ended(server
     _assert_same_events(got["tt-async"], got["tt-sync"])
 
 
-async def _held(srv: ServerThread, model: str, calls: list[Callable[[], Awaitable[Any]]]) -> list[Any]:
-    """Runs ``calls`` in one pass: the model's scheduler is held while they queue."""
-    scheduler = srv.call(lambda: srv.server.engines.scheduler(srv.server.registry.get(model)))
-    srv.call(scheduler.hold)
-    tasks = []
-    try:
-        for i, call in enumerate(calls):
-            tasks.append(asyncio.ensure_future(call()))
-            deadline = time.monotonic() + LIVENESS
-            while not (tasks[-1].done() or srv.call(lambda: scheduler.queued) > i):
-                assert time.monotonic() < deadline, f"call {i} not queued"
-                await asyncio.sleep(0.005)
-    finally:
-        srv.call(scheduler.release)
-    return list(await asyncio.gather(*tasks, return_exceptions=True))
-
-
 async def test_calls_sharing_a_pass_get_their_own_rows_and_a_bad_capture_fails_alone(server: ServerThread) -> None:
     ids = [_ids(10 + i, rows=1 + i) for i in range(3)]
     spec = hookwire.HookSpec("encoder.layers.1", posthook=hookwire.capture("output"))
     bad = hookwire.HookSpec("encoder.layers.1", posthook=hookwire.capture("output", select="[:, :, 999]"))
     async with hookwire.connect(server.target) as client:
         model, alone = client.model("tt-async"), client.model("tt-sync")
-        results = await _held(server, "tt-async", [
+        results = await held(server, "tt-async", [
             lambda: model.infer(ids[0], hooks=[spec]), lambda: model.infer(ids[1], hooks=[bad]),
             lambda: model.infer(ids[2], hooks=[spec]),
         ])
@@ -297,3 +279,245 @@ async def test_on_a_gpu_asynchronous_captures_equal_in_process_hooks() -> None:
         assert torch.equal(edited.events[0].output, inner[0])
     finally:
         srv.stop()
+
+
+# ------------------------------------------------ "on" equals "off": outputs, failures, order, time
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class PairInner(nn.Module):
+    """Returns a NamedTuple (as torch.return_types and many user modules do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Pair:
+        y = self.lin(x)
+        return Pair(y, y + 1.0)
+
+
+class PairModel(nn.Module):
+    """``inner``'s output is doubled in place after its hooks ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = PairInner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.inner(x)
+        p.a.mul_(2.0)
+        return p.a + p.b
+
+
+class Nothing(nn.Module):
+    """A module whose output holds no tensor (a probe, a logger, a counter)."""
+
+    def forward(self, x: torch.Tensor) -> None:
+        return None
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+        self.probe = Nothing()
+        self.fc2 = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.fc1(x))
+        self.probe(y)
+        return self.fc2(y)
+
+
+#: time.time_ns() when each Stamped model's middle ran (server side, in-process).
+STAMPS: list[int] = []
+
+
+class Stamp(nn.Module):
+    """Records when it ran, then lets the clock move on by a millisecond."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        now = time.time_ns()
+        STAMPS.append(now)
+        while time.time_ns() < now + 1_000_000:
+            pass
+        return x
+
+
+class Stamped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.stamp = Stamp()
+        self.fc2 = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.stamp(self.fc1(x)))
+
+
+def _seeded(factory: Any, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return factory().eval()
+
+
+def _hosts(name: str, model: nn.Module, **kwargs: Any) -> list[ModelHost]:
+    return [ModelHost(f"{name}-async", copy.deepcopy(model), async_captures="on", **kwargs),
+            ModelHost(f"{name}-sync", copy.deepcopy(model), async_captures="off", **kwargs)]
+
+
+@pytest.fixture(scope="module")
+def paired() -> Iterator[ServerThread]:
+    """Each model twice, as NAME-async (``async_captures = "on"``) and NAME-sync (``"off"``,
+    captures made inside the hook): the tests below compare the two."""
+    lm = tiny_lm()
+    registry = ModelRegistry(
+        _hosts("pair", _seeded(PairModel, 3)) + _hosts("chain", _seeded(Chain, 4))
+        + _hosts("lm", lm, tokenizer=tiny_lm_tokenizer()) + _hosts("stamped", _seeded(Stamped, 5))
+    )
+    # At most 4 request-scoped events per call (max_events_per_call).
+    with serving(registry, max_events_per_call=4) as srv:
+        yield srv
+
+
+X = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+
+
+class _InFlight:
+    """A CUDA event whose copies have not completed yet (until someone waits for it)."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        return None
+
+
+@pytest.fixture
+def copies_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deferred.HostCopies, "events", lambda self: [_InFlight()])
+
+
+# --------------------------------------------------------------------------- 1. aliasing
+
+
+async def test_a_namedtuple_output_is_captured_as_it_was_when_the_hook_ran(paired: ServerThread) -> None:
+    """A NamedTuple output (as torch.return_types) is copied when the hook fires, as an
+    exact tuple is: the model's later in-place change to it is not what is sent ("off"
+    snapshots it inside the hook; "on" must send the same)."""
+    model = _seeded(PairModel, 3)
+    seen: list[torch.Tensor] = []
+    model.inner.register_forward_hook(lambda m, a, o: seen.append(o.a.detach().clone()))
+    with torch.no_grad():
+        model(X)
+    spec = hookwire.HookSpec("inner", posthook=hookwire.capture("args", "output"))
+    async with hookwire.connect(paired.target) as client:
+        inline = await client.model("pair-sync").infer(X, hooks=[spec])
+        deferred_ = await client.model("pair-async").infer(X, hooks=[spec])
+    assert torch.equal(inline.events[0].output[0], seen[0])  # "off": the value the hook saw
+    assert torch.equal(deferred_.events[0].output[0], seen[0]), "deferred capture read the tensor after mul_"
+
+
+async def test_events_name_the_device_of_a_namedtuple_output(paired: ServerThread) -> None:
+    """An output that is a NamedTuple of tensors names their device in
+    InterceptEvent.devices, as a plain tuple does."""
+    spec = hookwire.HookSpec("inner", posthook=hookwire.capture("output"))
+    async with hookwire.connect(paired.target) as client:
+        result = await client.model("pair-sync").infer(X, hooks=[spec])
+    assert result.events[0].devices == ("cpu",)
+
+
+# --------------------------------------------------------------------------- 2. failure point
+
+
+async def test_a_request_capture_over_the_event_limit_stops_the_pass_where_it_did(paired: ServerThread) -> None:
+    """A request-scoped capture that cannot be sent (over max_events_per_call) fails the
+    call inside its hook, before the hook's rules run, in both modes: a deferred capture
+    must not let that firing's save rule run, so the failed call leaves no slot saved."""
+    specs = [
+        *[hookwire.HookSpec(m, posthook=hookwire.capture("output")) for m in ("fc1", "act", "probe", "fc2")],
+        hookwire.HookSpec("fc2", posthook=hookwire.edit(rules.save("output", slot="after"), capture=("output",),
+                                                        capture_before_rules=True)),
+    ]
+    slots: dict[str, list[str]] = {}
+    for name in ("chain-sync", "chain-async"):
+        async with hookwire.connect(paired.target) as client:
+            await client.session()
+            with pytest.raises(hookwire.HookwireError, match="max_events_per_call"):
+                await client.model(name).infer(X, hooks=specs)
+            slots[name] = [s.name for s in await client.list_slots()]
+    assert slots["chain-sync"] == []  # the fifth capture failed before its save rule ran
+    assert slots["chain-async"] == slots["chain-sync"]
+
+
+# --------------------------------------------------------------------------- 3. notice order
+
+
+async def _generate_kinds(client: hookwire.Client, model: str, spec: hookwire.HookSpec) -> list[str]:
+    request = generate_request(
+        model, "Once upon a time", 3, attention_mask=None, hooks=[spec], do_sample=False, temperature=None,
+        top_k=None, top_p=None, seed=None, stop=(), tags=(), session_id="", max_response_message_bytes=1 << 24,
+    )
+    kinds = []
+    async for message in client.model_stub.Generate(request):
+        kind = message.WhichOneof("kind")
+        if kind == "batch":
+            kinds.extend(["event"] * len(message.batch.events))
+        elif kind != "chunk":
+            kinds.append(kind)
+    return kinds
+
+
+async def test_a_capture_before_a_failing_rule_precedes_its_disable_notice(paired: ServerThread) -> None:
+    """capture_before_rules with a rule that fails at step 1 (on_error disable_hook): the
+    hook's event comes first, then the notice that disables it, in both modes (a deferred
+    event must not arrive after the notice that says its hook was disabled)."""
+    spec = hookwire.HookSpec("model.layers.0", on_error="disable_hook", posthook=hookwire.edit(
+        rules.zero("output", index="[:, 1]"), capture=("output",), capture_before_rules=True))
+    async with hookwire.connect(paired.target) as client:
+        inline = await _generate_kinds(client, "lm-sync", spec)
+        deferred_ = await _generate_kinds(client, "lm-async", spec)
+    assert inline.index("notice") == inline.index("event", inline.index("tokens")) + 1  # step 1: event, notice
+    assert deferred_ == inline
+
+
+# --------------------------------------------------------------------------- 4. overtaking
+
+
+async def test_a_capture_made_at_once_does_not_overtake_captures_in_flight(
+    paired: ServerThread, copies_in_flight: None,
+) -> None:
+    """A capture with no tensor to copy (here a None output) is ready at once, while
+    earlier captures of the pass still wait for their copies: it must not overtake them,
+    the response keeps the events in firing order."""
+    specs = [hookwire.HookSpec(m, posthook=hookwire.capture("output")) for m in ("fc1", "probe", "fc2")]
+    async with hookwire.connect(paired.target) as client:
+        inline = await client.model("chain-sync").infer(X, hooks=specs)
+        deferred_ = await client.model("chain-async").infer(X, hooks=specs)
+    assert [e.module for e in inline.events] == ["fc1", "probe", "fc2"]  # firing order
+    assert [e.module for e in deferred_.events] == ["fc1", "probe", "fc2"]
+
+
+# --------------------------------------------------------------------------- 5. event time
+
+
+async def test_an_event_is_stamped_when_the_hook_fired(paired: ServerThread) -> None:
+    """InterceptEvent.time is "when the hook fired (server clock)" (hook.proto), not when a
+    deferred capture was encoded or delivered: fc1's hook fires before ``stamp`` runs, so
+    its event's time must not be after it, in either mode."""
+    spec = hookwire.HookSpec("fc*", posthook=hookwire.capture("output"))
+    times: dict[str, int] = {}
+    async with hookwire.connect(paired.target) as client:
+        for name in ("stamped-sync", "stamped-async"):
+            result = await client.model(name).infer(X, hooks=[spec])
+            fc1 = [e for e in result.events if e.module == "fc1"][0]
+            fired = (fc1.time - datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)) // datetime.timedelta(
+                microseconds=1)
+            times[name] = fired - STAMPS[-1] // 1000  # µs from fc1's event time to when stamp ran
+    assert times["stamped-sync"] <= 0
+    assert times["stamped-async"] <= 0, f"the deferred event is stamped {times['stamped-async']} µs after stamp ran"

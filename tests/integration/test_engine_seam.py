@@ -27,10 +27,10 @@ from hookwire_server.engine.seam import INFER, Plan
 from hookwire_server.engine.torch_engine import TorchEngine
 from hookwire_server.errors import InvalidArgument, Unimplemented
 from hookwire_server.hooks.hook_record import HookRecord
-from hookwire.wire import codec as _codec
-from support import ServerThread
+from hookwire.wire import codec
+from support import LIVENESS, ServerThread
 
-LIVENESS = 60.0  # a bound on things that must happen, never a speed requirement
+
 VOCAB, HIDDEN = 40, 16
 
 
@@ -119,14 +119,14 @@ class PackedEngine:
             mine = batch.split(logits, "the logits") if batch.shared else [logits]
         results: list[Any] = []
         for call, out in zip(calls, mine):
-            _codec.encode_value_into(out.contiguous(), call.p.response.output)
+            codec.encode_value_into(out.contiguous(), call.p.response.output)
             results.append(infer_pass.delivered(call, call.p.response))
         return results
 
     def _tokens(self, call: infer_pass.InferCall) -> torch.Tensor:
         if call.backward is not None or call.train or len(call.request.args) != 1:
             raise Unimplemented(f"the {self.name} engine runs eval-mode calls with one [1, L] token matrix only")
-        ids = _codec.decode_value(call.request.args[0])
+        ids = codec.decode_value(call.request.args[0])
         return ids.reshape(-1).to(torch.long)
 
 

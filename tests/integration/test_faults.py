@@ -7,7 +7,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -47,10 +46,8 @@ async def test_sigterm_under_load_finishes_or_refuses_cleanly_and_leaves_nothing
         workers = [asyncio.ensure_future(worker()) for _ in range(4)]
         await asyncio.sleep(1.5)
         proc.send_signal(signal.SIGTERM)
-        stopped = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*workers), 30)
-        assert proc.wait(30) == 0
-        assert time.monotonic() - stopped < 60  # grace 5 s: a liveness guard; the exact bound is test_operations'
+        assert proc.wait(30) == 0  # within its grace (5 s); the exact bound is test_operations'
     finally:
         proc.kill()
     errors = [o for o in outcomes if o != "ok"]

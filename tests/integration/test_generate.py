@@ -5,17 +5,23 @@ Everything a call running alone returns is compared bit for bit (torch.equal).""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import gc
 import math
+import random
 import re
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import grpc
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers import models as tokenizer_models
 
 from hookwire.wire import codec
 from hookwire.v1 import (
@@ -29,7 +35,7 @@ from hookwire.v1 import (
 from hookwire_server import ModelConfig, ModelHost, ServerSettings, build_registry, demo_configs
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
 from hookwire_server.models.tokenizers import prepare_tokenizer
-from support import CACHE, ServerThread, assert_same
+from support import CACHE, ServerThread, assert_same, bearer, slow_reader_channel, wait_for
 
 MB = 1 << 20
 GenerateRequest = model_service_pb2.GenerateRequest
@@ -305,6 +311,31 @@ def _eos_lm(eos: int) -> torch.nn.Module:
     return model
 
 
+def _letters_lm(vocab_size: int = 60) -> ModelHost:
+    """A GPT-2 whose tokenizer is a WordPiece over lowercase letters (no byte-level
+    alphabet, as BERT-style and some SentencePiece vocabularies): "é" cannot be spelled."""
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = {"<unk>": 0, "<eos>": 1}
+    for c in letters:
+        vocab[c] = len(vocab)
+        vocab["##" + c] = len(vocab)
+    while len(vocab) < vocab_size:
+        word = "".join(rng.choice(letters) for _ in range(rng.randint(2, 8)))
+        vocab[word if rng.random() < 0.5 else "##" + word] = len(vocab)
+    backend = Tokenizer(tokenizer_models.WordPiece(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+    config = transformers.GPT2Config(vocab_size=len(vocab), n_embd=16, n_layer=1, n_head=2, n_positions=512,
+                                     eos_token_id=1, bos_token_id=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).eval()
+    name = f"letters-{vocab_size}"
+    return ModelHost(name, model, tokenizer=prepare_tokenizer(tokenizer, name))
+
+
 @dataclasses.dataclass
 class Env:
     srv: ServerThread
@@ -326,7 +357,8 @@ class Env:
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """One server for the module: tiny-lm and mlp (demo models), "gpt" (a GPT-2 from a
     local folder with its tokenizer), "gpt-notok" (the same without a tokenizer) and
-    "lm-eos" (tiny-lm whose generation_config EOS is a token greedy decoding picks)."""
+    "lm-eos" (tiny-lm whose generation_config EOS is a token greedy decoding picks), and
+    "letters-60", "letters-4000" (GPT-2s whose WordPiece vocabulary cannot spell "é")."""
     folder = tmp_path_factory.mktemp("generate")
     tokenizer = _no_pad_tokenizer()
     gpt = _gpt2(len(tokenizer))
@@ -339,6 +371,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         + [ModelConfig(name=name, transformers=str(folder / name)) for name in ("gpt", "gpt-notok")]
     )
     registry.add(ModelHost("lm-eos", _eos_lm(eos), tokenizer=prepare_tokenizer(tiny_lm_tokenizer(), "lm-eos")))
+    registry.add(_letters_lm())
+    registry.add(_letters_lm(4000))
     srv = ServerThread(registry).start()
     channel = grpc.insecure_channel(srv.target, options=[("grpc.max_receive_message_length", 64 * MB)])
     oracle_tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder / "gpt"), local_files_only=True)
@@ -351,15 +385,6 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 
 def _module_hooks(module: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    """Waits for a condition (the bound is a hang guard, not a speed test)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout} s")
-        time.sleep(0.02)
 
 
 def still_works(env: Env) -> None:
@@ -845,13 +870,6 @@ def test_a_kv_cache_in_kwargs_and_outputs_is_null_with_a_marker(env: Env) -> Non
 # --------------------------------------------------------------------------- other calls, cancellation
 
 
-def _slow_reader_channel(target: str) -> grpc.Channel:
-    """A channel whose flow-control window stays small (no BDP probing): a stream that
-    is not read fills it after about 64 KiB, and the server must wait for the client."""
-    return grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 * MB),
-                                                  ("grpc.http2.bdp_probe", 0)])
-
-
 #: Captures of every module's inputs and outputs: ~1 MB over 16 steps of 3 prompts of 10
 #: tokens, far more than a flow-control window, so a call nobody reads waits.
 EVERYTHING = hook_pb2.HookSpec(module="**", posthook=_capture(), prehook=_capture(hook_pb2.PART_ARGS))
@@ -862,7 +880,7 @@ HEAVY_HOOK = hook_pb2.HookSpec(module="lm_head", posthook=_capture())
 
 
 def test_infer_runs_while_a_generate_waits_for_its_reader(env: Env) -> None:
-    channel = _slow_reader_channel(env.srv.target)
+    channel = slow_reader_channel(env.srv.target, aio=False)
     try:
         request = GenerateRequest(model="tiny-lm", prompts=HEAVY_PROMPTS, max_new_tokens=64, hooks=[HEAVY_HOOK])
         stream = model_service_pb2_grpc.ModelServiceStub(channel).Generate(request, timeout=CALL_TIMEOUT)
@@ -894,7 +912,7 @@ def _chain(*parts: Iterable[Any]) -> Iterator[Any]:
 def test_cancelling_a_generate_frees_the_model_and_removes_its_hooks(env: Env) -> None:
     host = env.tiny_lm_host
     wait_for(lambda: _module_hooks(host.module) == 0, "earlier tests' hooks are gone")
-    channel = _slow_reader_channel(env.srv.target)
+    channel = slow_reader_channel(env.srv.target, aio=False)
     steer = hook_pb2.HookSpec(module="model.layers.0", posthook=hook_pb2.HookAction(rules=[rule_pb2.Rule(
         target="output", add=rule_pb2.AddOp(value=rule_pb2.Operand(tensor=codec.encode_tensor(_steering_vector())))),
     ]))
@@ -927,7 +945,7 @@ def test_cancelling_a_generate_frees_the_model_and_removes_its_hooks(env: Env) -
 def test_a_server_stop_ends_a_running_generation_with_shutdown() -> None:
     srv = ServerThread(build_registry([c for c in demo_configs() if c.name == "tiny-lm"])).start()
     stopping: threading.Thread | None = None
-    channel = _slow_reader_channel(srv.target)
+    channel = slow_reader_channel(srv.target, aio=False)
     try:
         request = GenerateRequest(model="tiny-lm", prompts=HEAVY_PROMPTS, max_new_tokens=400, hooks=[HEAVY_HOOK])
         stream = model_service_pb2_grpc.ModelServiceStub(channel).Generate(request, timeout=CALL_TIMEOUT)
@@ -1102,7 +1120,7 @@ def test_limits_on_prompts_and_new_tokens(small_limits, name, request_, code, pa
 
 def test_max_active_generations_counts_a_call_that_waits_for_its_reader(small_limits) -> None:
     srv, stub = small_limits
-    slow = _slow_reader_channel(srv.target)
+    slow = slow_reader_channel(srv.target, aio=False)
     try:
         waiting = model_service_pb2_grpc.ModelServiceStub(slow).Generate(
             GenerateRequest(model="tiny-lm", prompts=["a" * 9] * 3, max_new_tokens=16,
@@ -1124,7 +1142,7 @@ def test_max_active_generations_counts_a_call_that_waits_for_its_reader(small_li
 
 def test_max_active_generations_holds_for_calls_arriving_together(small_limits) -> None:
     srv, _ = small_limits
-    slow = _slow_reader_channel(srv.target)
+    slow = slow_reader_channel(srv.target, aio=False)
     stub = model_service_pb2_grpc.ModelServiceStub(slow)
     # Calls whose readers never read: the one admitted stays running while the others arrive.
     request = GenerateRequest(model="tiny-lm", prompts=["a" * 9] * 3, max_new_tokens=16,
@@ -1176,7 +1194,7 @@ def test_a_generate_whose_reader_stops_reading_ends_after_generate_idle_timeout(
     the call ends with DEADLINE_EXCEEDED naming the setting, and its slot and KV cache are
     freed (on main it held them until the client read, cancelled or disconnected)."""
     srv = make_server(generate_idle_timeout=IDLE)
-    slow = _slow_reader_channel(srv.target)
+    slow = slow_reader_channel(srv.target, aio=False)
     try:
         request = GenerateRequest(model="tiny-lm", prompts=HEAVY_PROMPTS, max_new_tokens=200, hooks=[HEAVY_HOOK])
         stream = model_service_pb2_grpc.ModelServiceStub(slow).Generate(request, timeout=CALL_TIMEOUT)
@@ -1198,7 +1216,7 @@ def test_a_generate_whose_own_block_stream_is_not_read_ends_after_generate_idle_
     whose events the stream cannot take, and ends with DEADLINE_EXCEEDED after
     generate_idle_timeout, freeing its slot; meanwhile the model serves other calls."""
     srv = make_server(generate_idle_timeout=IDLE)
-    slow = _slow_reader_channel(srv.target)
+    slow = slow_reader_channel(srv.target, aio=False)
     fast = grpc.insecure_channel(srv.target)
     try:
         hooks = hook_service_pb2_grpc.HookServiceStub(slow)
@@ -1230,7 +1248,7 @@ def test_a_generate_failing_over_its_byte_limit_gives_its_kept_bytes_back(make_s
     from hookwire_server.auth import ANONYMOUS
 
     srv = make_server(max_buffered_bytes_per_principal=96 * 1024, generate_idle_timeout=30.0)
-    with _slow_reader_channel(srv.target) as slow, grpc.insecure_channel(srv.target) as fast:
+    with slow_reader_channel(srv.target, aio=False) as slow, grpc.insecure_channel(srv.target) as fast:
         hooks = hook_service_pb2_grpc.HookServiceStub(slow)
         session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
             policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_bytes=64 * 1024)), timeout=CALL_TIMEOUT)
@@ -1264,9 +1282,9 @@ def test_max_generations_per_principal_leaves_the_model_to_others() -> None:
     tokens = f"alice:user:{hash_token('alice-token')}\nbob:user:{hash_token('bob-token')}"
     settings = ServerSettings(port=0, tokens=tokens, max_generations_per_principal=1)
     srv = ServerThread(build_registry([c for c in demo_configs() if c.name == "tiny-lm"]), settings).start()
-    slow = _slow_reader_channel(srv.target)
+    slow = slow_reader_channel(srv.target, aio=False)
     fast = grpc.insecure_channel(srv.target)
-    alice, bob = [("authorization", "Bearer alice-token")], [("authorization", "Bearer bob-token")]
+    alice, bob = bearer("alice-token"), bearer("bob-token")
     try:
         waiting = model_service_pb2_grpc.ModelServiceStub(slow).Generate(
             GenerateRequest(model="tiny-lm", prompts=["a" * 9] * 3, max_new_tokens=16, hooks=[EVERYTHING]),
@@ -1284,3 +1302,181 @@ def test_max_generations_per_principal_leaves_the_model_to_others() -> None:
         slow.close()
         fast.close()
         srv.stop()
+
+
+# --------------------------------------------------------------------------- what a failed or cancelled call leaves, and bounds on a request's work
+
+
+def _on_loop(srv: ServerThread, coro: Any) -> Any:
+    """Runs ``coro`` on the server's event loop; its result."""
+    return asyncio.run_coroutine_threadsafe(coro, srv._loop).result(CALL_TIMEOUT)
+
+
+def test_a_cancel_while_the_next_step_waits_for_the_model_runs_no_more_passes(env: Env) -> None:
+    """protocol §4b: cancelling "frees the model for others at once" and only "a step that
+    is running completes". A step still waiting in the model's queue must not run."""
+    host = env.srv.server.registry.get("tiny-lm")
+    passes: list[float] = []
+    handle = host.module.register_forward_pre_hook(lambda m, a: passes.append(time.monotonic()))
+
+    gate = threading.Event()
+
+    async def scenario() -> int:
+        call = env.srv.server.generation.generate(GenerateRequest(model="tiny-lm", prompts=HEAVY_PROMPTS, max_new_tokens=50))
+        assert (await call.__anext__()).WhichOneof("kind") == "started"
+        other = asyncio.ensure_future(host.run(gate.wait, 60))  # another call's pass holds the model
+        await asyncio.sleep(0)  # it is queued first
+        following = asyncio.ensure_future(call.__anext__())  # queues step 0 (the prefill) behind it
+        await asyncio.sleep(0.1)
+        following.cancel()  # the client goes away while step 0 waits
+        with pytest.raises(asyncio.CancelledError):
+            await following
+        await call.aclose()
+        cancelled_at = time.monotonic()
+        gate.set()
+        await other
+        await host.run(lambda: None)  # after whatever was queued behind the other pass
+        return sum(t > cancelled_at for t in passes)
+
+    try:
+        ran = _on_loop(env.srv, scenario())
+    finally:
+        handle.remove()
+    assert ran == 0, f"{ran} forward pass(es) of the cancelled call ran after the cancel"
+
+
+def test_a_failed_generate_frees_its_kv_cache(env: Env) -> None:
+    """A step that fails (here a request hook's rule, on_error FAIL_CALL) must not leave the
+    call's KV cache (and the step's activations) alive: the exception's traceback holds
+    Decoder.step's frames, and gRPC keeps the aborted call's exception chain."""
+    host = env.srv.server.registry.get("tiny-lm")
+    caches: list[weakref.ref] = []
+
+    def watch(module: Any, args: Any, kwargs: Any) -> None:
+        cache = kwargs.get(CACHE)
+        if cache is not None:
+            caches.append(weakref.ref(cache))
+
+    handle = host.module.model.layers[0].register_forward_pre_hook(watch, with_kwargs=True)
+    failing = hook_pb2.HookSpec(module="model.layers.0", on_error=rule_pb2.ON_ERROR_FAIL_CALL, posthook=hook_pb2.HookAction(
+        rules=[rule_pb2.Rule(target="output", index="[:, 1]", zero=rule_pb2.ZeroOp())]))  # fits step 0, not step 1
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in env.models.Generate(GenerateRequest(model="tiny-lm", prompts=HEAVY_PROMPTS, max_new_tokens=5, hooks=[failing]),
+                                   timeout=CALL_TIMEOUT):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        handle.remove()
+    time.sleep(0.5)
+    env.srv.call(gc.collect)
+    alive = {id(c()) for c in caches if c() is not None}
+    assert not alive, f"{len(alive)} KV cache(s) of the failed call still alive after the call ended and gc"
+
+
+def test_a_stop_string_the_vocabulary_cannot_spell_is_invalid_argument(env: Env) -> None:
+    """Bad input is never INTERNAL: a stop string no token can spell (transformers'
+    StopStringCriteria raises ValueError for it) is INVALID_ARGUMENT naming the stop."""
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in env.models.Generate(GenerateRequest(model="letters-60", input_ids=codec.encode_tensor(torch.tensor([[5, 6]])),
+                                               max_new_tokens=2, stop=["é"]), timeout=CALL_TIMEOUT):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{info.value.code()}: {info.value.details()}"
+    assert info.value.details().startswith("stop"), info.value.details()
+
+
+def test_input_ids_over_the_limits_are_refused_before_they_are_decoded(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_prompt_tokens bounds the work done on a request: the shape of input_ids is in
+    the message, and is compared with the limits before the ids are decoded (a copy,
+    then widened to int64: 8x for int8 ids, on the event loop)."""
+    decoded: list[list[int]] = []
+    real = codec.decode_tensor
+
+    def spy(msg: Any, **kwargs: Any) -> Any:
+        decoded.append(list(msg.shape))
+        return real(msg, **kwargs)
+
+    monkeypatch.setattr(codec, "decode_tensor", spy)
+    n = 5_000_000
+    request = GenerateRequest(model="tiny-lm", max_new_tokens=2)
+    request.input_ids.dtype = codec.wire_dtype_of(torch.int8)
+    request.input_ids.shape.extend([1, n])
+    request.input_ids.data = bytes(n)
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in env.models.Generate(request, timeout=CALL_TIMEOUT):
+            pass
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    assert [1, n] not in decoded, "the oversized input_ids were decoded before the limit refused them"
+
+
+def test_stop_strings_at_the_limits_leave_no_table_behind(env: Env) -> None:
+    """Building the stop-string matcher costs the vocabulary size times the stop strings'
+    characters (a Python loop on the model's tokenizer thread, stalling its Tokenize calls):
+    their characters in all are bounded (max_stop_chars), and the [vocab, chars] table that
+    transformers keeps in its process-wide cache (9 entries) is not left behind."""
+    from transformers.generation import stopping_criteria
+
+    stopping_criteria.STOP_STRING_EMBEDDING_CACHE.clear()
+    limit = env.srv.server.settings.max_stop_chars
+    at_limit = [chr(ord("a") + i) * (limit // 8) for i in range(8)]
+    assert sum(map(len, at_limit)) == limit
+    for _ in env.models.Generate(GenerateRequest(model="letters-4000", input_ids=codec.encode_tensor(torch.tensor([[5, 6]])),
+                                           max_new_tokens=1, stop=at_limit), timeout=CALL_TIMEOUT):
+        pass
+    assert not stopping_criteria.STOP_STRING_EMBEDDING_CACHE, "a stop-string table was left in transformers' cache"
+    over = at_limit[:-1] + [at_limit[-1] + "x"]
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in env.models.Generate(GenerateRequest(model="letters-4000", input_ids=codec.encode_tensor(torch.tensor([[5, 6]])),
+                                               max_new_tokens=1, stop=over), timeout=CALL_TIMEOUT):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{limit + 1} characters in all, over the limit of {limit} (max_stop_chars)" in info.value.details()
+
+
+def test_text_held_back_for_an_incomplete_character_does_not_grow_without_bound() -> None:
+    """TextDeltas holds text back while it ends in U+FFFD and re-decodes everything from its
+    prefix offset each step. A UTF-8 character is at most 4 bytes: text still ending in
+    U+FFFD after that will never complete, so the window must stop growing there (else
+    decoding is quadratic, on the event loop, for a generation steered onto a lone
+    continuation byte)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from hookwire_server.demo_models import tiny_lm_tokenizer
+    from hookwire_server.calls.generation import TextDeltas
+
+    tokenizer = tiny_lm_tokenizer()
+    continuation = tokenizer.convert_tokens_to_ids(bytes_to_unicode()[0x80])
+    windows: list[int] = []
+
+    class Counting:
+        def decode(self, ids: list[int], **kwargs: Any) -> str:
+            windows.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    deltas = TextDeltas()
+    tokens: list[int] = []
+    for _ in range(300):
+        tokens.append(continuation)
+        deltas.add(Counting(), tokens)
+    assert max(windows) <= 8, f"decoded windows grew to {max(windows)} tokens (one decode per step)"
+
+
+def test_a_failed_infer_frees_its_activations(env: Env) -> None:
+    """The same for Infer: a call whose request-scoped rule fails must not keep the
+    tensors its pass made alive through the exception gRPC keeps."""
+    host = env.srv.server.registry.get("tiny-lm")
+    outputs: list[weakref.ref] = []
+    handle = host.module.model.layers[0].register_forward_hook(
+        lambda m, a, o: outputs.append(weakref.ref(o if isinstance(o, torch.Tensor) else o[0])))
+    failing = hook_pb2.HookSpec(module="model.layers.1", posthook=hook_pb2.HookAction(
+        rules=[rule_pb2.Rule(target="output", index="[:, 99]", zero=rule_pb2.ZeroOp())]))  # out of range
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            env.models.Infer(model_service_pb2.InferRequest(
+                model="tiny-lm", args=[codec.encode_value(torch.tensor([[1, 5, 6]]))], hooks=[failing]),
+                timeout=CALL_TIMEOUT)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        handle.remove()
+    env.srv.call(gc.collect)
+    assert outputs and not [r for r in outputs if r() is not None], "the failed Infer's activations are still alive"

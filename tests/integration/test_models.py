@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
+from typing import Any
 
 import pytest
 import torch
 
 import hookwire
-from support import assert_same, local_models
+from support import ServerThread, assert_same, local_models
 
 
 async def test_list_models(client: hookwire.Client) -> None:
@@ -97,7 +97,24 @@ async def test_slow_model_blocks_neither_other_models_nor_other_rpcs(client: hoo
     await slow
 
 
-async def test_passes_of_one_model_run_one_at_a_time(client: hookwire.Client) -> None:
-    started = time.monotonic()
-    await asyncio.gather(*(client.model("sleeper")(torch.tensor(0.3)) for _ in range(3)))
-    assert time.monotonic() - started >= 0.85
+async def test_passes_of_one_model_run_one_at_a_time(client: hookwire.Client, server: ServerThread) -> None:
+    """Three calls at once: the server's model runs their passes one after the other
+    (counted in-process: never two forwards at the same time)."""
+    module = server.server.registry.get("sleeper").module
+    running, most, passes = [0], [0], [0]
+
+    def enter(m: Any, args: Any) -> None:
+        running[0] += 1
+        passes[0] += 1
+        most[0] = max(most[0], running[0])
+
+    def leave(m: Any, args: Any, out: Any) -> None:
+        running[0] -= 1
+
+    handles = [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        await asyncio.gather(*(client.model("sleeper")(torch.tensor(0.3)) for _ in range(3)))
+    finally:
+        for h in handles:
+            h.remove()
+    assert passes[0] == 3 and most[0] == 1, f"{passes[0]} passes, at most {most[0]} at once"

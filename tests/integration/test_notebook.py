@@ -16,16 +16,15 @@ import nbformat
 import pytest
 
 from hookwire_server.models.model_loading import build_registry, demo_configs
-from support import ServerThread
+from support import ServerThread, serving
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[2] / "docs" / "notebooks" / "quickstart.ipynb"
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    srv = ServerThread(build_registry(demo_configs())).start()
-    yield srv
-    srv.stop()
+    with serving(build_registry(demo_configs())) as srv:
+        yield srv
 
 
 def _text(cell: Any) -> str:

@@ -14,15 +14,13 @@ import pytest
 import torch
 
 import hookwire
-from hookwire_server import ServerSettings
-from support import ServerThread, build_test_registry
+from support import ServerThread, serving
 
 
 @pytest.fixture(scope="module")
 def metered() -> Iterator[ServerThread]:
-    srv = ServerThread(build_test_registry(), ServerSettings(port=0, metrics_port=0)).start()
-    yield srv
-    srv.stop()
+    with serving(metrics_port=0) as srv:
+        yield srv
 
 
 def _scrape(srv: ServerThread) -> str:

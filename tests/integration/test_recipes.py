@@ -17,8 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import lm_oracle as oracle
-from hookwire_server import ServerSettings
-from support import ServerThread, build_test_registry
+from support import ServerThread, serving
 
 RECIPES = pathlib.Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 #: Each recipe's title and its Python block, in document order.
@@ -31,9 +30,8 @@ Run = Callable[[str], "tuple[subprocess.CompletedProcess[str], pathlib.Path]"]
 
 @pytest.fixture(scope="module")
 def recipe_server() -> Iterator[ServerThread]:
-    srv = ServerThread(build_test_registry(), ServerSettings(port=0, allow_shared_rules=True)).start()
-    yield srv
-    srv.stop()
+    with serving(allow_shared_rules=True) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

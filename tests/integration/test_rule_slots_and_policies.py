@@ -14,8 +14,7 @@ import torch
 import hookwire
 from hookwire import rules
 from hookwire.v1 import hook_pb2, hook_service_pb2, rule_pb2
-from hookwire_server import ServerSettings
-from support import ServerThread, assert_same, build_test_registry, local_models
+from support import ServerThread, assert_same, local_models, serving, take
 
 X = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
 VEC = torch.randn(32, generator=torch.Generator().manual_seed(4))
@@ -24,9 +23,8 @@ VEC = torch.randn(32, generator=torch.Generator().manual_seed(4))
 @pytest.fixture(scope="module")
 def shared_server() -> Iterator[ServerThread]:
     """A server that allows shared rules, with a small slot budget (8 KiB per session)."""
-    srv = ServerThread(build_test_registry(), ServerSettings(port=0, allow_shared_rules=True, max_slot_bytes=8192)).start()
-    yield srv
-    srv.stop()
+    with serving(allow_shared_rules=True, max_slot_bytes=8192) as srv:
+        yield srv
 
 
 @pytest.fixture
@@ -140,20 +138,11 @@ async def test_tagged_steering_changes_only_tagged_calls(shared, shared_other) -
         a = await model.infer(X, tags=["variant-a"])
         b = await model.infer(X, tags=["variant-b", "x"])
         untagged = await model.infer(X)
-        (event,) = [e async for e in _take(hook, 1)]
+        (event,) = [e async for e in take(hook, 1)]
     assert_same(a.output, plain)
     assert_same(untagged.output, plain)
     assert_same(b.output, expected)
     assert event.request_id == b.request_id
-
-
-async def _take(hook, n):
-    got = 0
-    async for event in hook.events():
-        yield event
-        got += 1
-        if got == n:
-            return
 
 
 async def test_shared_hook_failing_at_run_time_is_disabled_with_a_notice(shared, shared_other) -> None:

@@ -34,7 +34,7 @@ from hookwire_server import HookwireServer, ServerSettings
 from hookwire_server.auth import MINIMUM_ROLE, ROLES, hash_token
 from hookwire_server.api.security import AuthInterceptor
 from hookwire_server.api.servicers import HarvestServicer, HookServicer, ModelServicer, add_to_server
-from support import ServerThread, build_test_registry, collect
+from support import LIVENESS, ServerThread, bearer, build_test_registry, collect, serving, until
 
 TOKENS = {name: f"hwt_test_{name}" for name in ("viewer", "alice", "bob", "observer", "operator")}
 ROLE = {"viewer": "viewer", "alice": "user", "bob": "user", "observer": "observer", "operator": "operator"}
@@ -44,9 +44,8 @@ X = torch.randn(1, 8)
 
 @pytest.fixture(scope="module")
 def secured() -> Iterator[ServerThread]:
-    srv = ServerThread(build_test_registry(), ServerSettings(port=0, tokens=LINES, allow_shared_rules=True)).start()
-    yield srv
-    srv.stop()
+    with serving(tokens=LINES, allow_shared_rules=True) as srv:
+        yield srv
 
 
 def _connect(srv: ServerThread, who: str | None) -> hookwire.Client:
@@ -197,9 +196,8 @@ async def test_tls_and_mtls_with_certificate_principals(tmp_path) -> None:
 @pytest.fixture
 def budgeted() -> Iterator[ServerThread]:
     settings = ServerSettings(port=0, tokens=LINES, max_buffered_bytes_per_principal=50 * 1024 * 1024)
-    srv = ServerThread(build_test_registry(), settings).start()
-    yield srv
-    srv.stop()
+    with serving(settings=settings) as srv:
+        yield srv
 
 
 async def test_one_principal_cannot_take_every_stream_buffer(budgeted) -> None:
@@ -210,22 +208,32 @@ async def test_one_principal_cannot_take_every_stream_buffer(budgeted) -> None:
         await bob.session()  # others are not affected
 
 
-async def test_an_observer_that_stops_reading_cannot_stall_other_callers(secured) -> None:
-    from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc
+async def _unread_block_capture(stub: hook_service_pb2_grpc.HookServiceStub, metadata: Any) -> tuple[Any, str]:
+    """A BLOCK session of one event that nobody reads, with a hook capturing every call of
+    "scale" (scope all): the session stream and its id."""
+    stream = stub.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
+        policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=1)), metadata=metadata)
+    session_id = (await stream.read()).opened.session_id
+    await stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
+        model="scale", module="", scope=hook_pb2.SCOPE_ALL,
+        posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=metadata)
+    return stream, session_id
 
-    metadata = (("authorization", f"Bearer {TOKENS['observer']}"),)
+
+async def test_an_observer_that_stops_reading_cannot_stall_other_callers(secured) -> None:
+    metadata = bearer(TOKENS["observer"])
     async with grpc.aio.insecure_channel(secured.target) as channel:
         stub = hook_service_pb2_grpc.HookServiceStub(channel)
-        stream = stub.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
-            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=1)), metadata=metadata)
-        session_id = (await stream.read()).opened.session_id
-        await stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
-            model="scale", module="", scope=hook_pb2.SCOPE_ALL,
-            posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=metadata)
+        stream, session_id = await _unread_block_capture(stub, metadata)
+        observed = secured.call(lambda: secured.server.hooks._sessions[session_id].stream)
         async with _connect(secured, "alice") as alice:
             x = torch.ones(1 << 20)  # 4 MiB events: they would fill any buffer quickly
             for _ in range(30):
-                await asyncio.wait_for(alice.model("scale")(x), 10)  # never held by the stalled observer
+                out = await asyncio.wait_for(alice.model("scale")(x), LIVENESS)  # a hang guard: never held
+                assert torch.equal(out, x * 2)
+        # The observer's stream filled up and dropped alice's events rather than hold her passes.
+        assert secured.call(lambda: observed.dropped) > 0
+        assert secured.call(lambda: observed.waiting_producers) == 0
         stream.cancel()
 
 
@@ -289,10 +297,6 @@ def _memory_of(pid: int) -> dict[str, int]:
     return out
 
 
-def _bearer(who: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {TOKENS[who]}"),)
-
-
 def test_refused_and_idle_requests_cost_no_lasting_memory(tmp_path) -> None:
     """Bodies of calls refused for credentials or roles are never read, and an
     InferStream left idle is ended and freed (a server subprocess, so its memory is its own).
@@ -311,7 +315,7 @@ def test_refused_and_idle_requests_cost_no_lasting_memory(tmp_path) -> None:
         with grpc.insecure_channel(target, options=options) as channel:
             infer = channel.unary_unary("/hookwire.v1.ModelService/Infer")  # raw bytes: the client holds one copy
             small = model_service_pb2.InferRequest(model="mlp", args=[codec.encode_value(X)]).SerializeToString()
-            infer(small, metadata=_bearer("alice"), timeout=120)  # warm up before the baseline
+            infer(small, metadata=bearer(TOKENS["alice"]), timeout=120)  # warm up before the baseline
             before = _memory_of(proc.pid)
             big = model_service_pb2.InferRequest(model="mlp", args=[codec.encode_value(torch.zeros(64 * MIB))])
             body = big.SerializeToString()  # 256 MiB
@@ -320,11 +324,11 @@ def test_refused_and_idle_requests_cost_no_lasting_memory(tmp_path) -> None:
             stream = channel.stream_stream("/hookwire.v1.ModelService/InferStream")
             streamed = model_service_pb2.InferStreamRequest(request=big).SerializeToString()
             refusals = [(infer, body, (), grpc.StatusCode.UNAUTHENTICATED)] * 4 + [
-                (infer, body, (("authorization", "Bearer wrong"),), grpc.StatusCode.UNAUTHENTICATED),
-                (infer, body, _bearer("viewer"), grpc.StatusCode.PERMISSION_DENIED),
+                (infer, body, bearer("wrong"), grpc.StatusCode.UNAUTHENTICATED),
+                (infer, body, bearer(TOKENS["viewer"]), grpc.StatusCode.PERMISSION_DENIED),
                 (infer, wide, (), grpc.StatusCode.UNAUTHENTICATED),
                 (stream, streamed, (), grpc.StatusCode.UNAUTHENTICATED),
-                (stream, streamed, _bearer("viewer"), grpc.StatusCode.PERMISSION_DENIED),
+                (stream, streamed, bearer(TOKENS["viewer"]), grpc.StatusCode.PERMISSION_DENIED),
             ]
             for method, payload, metadata, code in refusals:
                 with pytest.raises(grpc.RpcError) as info:
@@ -351,10 +355,10 @@ def test_refused_and_idle_requests_cost_no_lasting_memory(tmp_path) -> None:
                 release.wait()
 
             with pytest.raises(grpc.RpcError) as info:
-                list(stream(messages(), metadata=_bearer("alice"), timeout=120))
+                list(stream(messages(), metadata=bearer(TOKENS["alice"]), timeout=120))
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "infer_stream_idle_timeout" in info.value.details()
-            infer(small, metadata=_bearer("alice"), timeout=120)  # still serving
+            infer(small, metadata=bearer(TOKENS["alice"]), timeout=120)  # still serving
             after = _memory_of(proc.pid)
         assert after["VmRSS"] - before["VmRSS"] < 128, (before, after)  # the idle stream's 255 MiB are freed
     finally:
@@ -419,7 +423,7 @@ def _denials(target: str) -> dict[str, set[str]]:
             denied[rpc] = set()
             for role, who in WHO_HAS.items():
                 try:
-                    call(_bearer(who))
+                    call(bearer(TOKENS[who]))
                 except grpc.RpcError as exc:
                     assert exc.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL), (rpc, exc)
                     if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
@@ -463,7 +467,7 @@ def test_fuzz_refused_callers_get_a_clear_status_whatever_they_send(fuzz_secured
                                          "GetParameters")
                else "HarvestService" if rpc in HARVEST_RPCS else "HookService")
     path = f"/hookwire.v1.{service}/{rpc}"
-    metadata = () if who is None else (("authorization", f"Bearer {TOKENS.get(who, 'hwt_wrong')}"),)
+    metadata = () if who is None else bearer(TOKENS.get(who, "hwt_wrong"))
     channel = fuzz_secured
     streaming_in = rpc == "InferStream"
     streaming_out = rpc in ("InferStream", "OpenSession", "Subscribe", "Generate", "WatchHarvest", "GetParameters")
@@ -503,15 +507,6 @@ def _reload(srv: ServerThread) -> int:
     return srv.call(lambda: (srv.server.tokens.reload(), srv.server.hooks.reauthorize(srv.server.tokens)))[1]
 
 
-async def _until(condition: Any, what: str) -> None:
-    """Waits (generously) for ``condition()`` to hold."""
-    for _ in range(600):
-        if condition():
-            return
-        await asyncio.sleep(0.1)
-    pytest.fail(f"{what}: not within 60 s")
-
-
 def _token_lines(**roles_and_tokens: tuple[str, str]) -> str:
     return "\n".join(f"{name}:{role}:{hash_token(token)}" for name, (role, token) in roles_and_tokens.items())
 
@@ -520,9 +515,8 @@ def _token_lines(**roles_and_tokens: tuple[str, str]) -> str:
 def reloadable(tmp_path) -> Iterator[tuple[ServerThread, Any]]:
     tokens = tmp_path / "tokens"
     tokens.write_text(_token_lines(alice=("user", "a1"), ops=("operator", "o1"), obs=("observer", "s1")))
-    srv = ServerThread(build_test_registry(), ServerSettings(port=0, tokens_file=str(tokens))).start()
-    yield srv, tokens
-    srv.stop()
+    with serving(tokens_file=str(tokens)) as srv:
+        yield srv, tokens
 
 
 async def test_a_rotated_token_ends_the_streams_it_opened(reloadable) -> None:
@@ -538,7 +532,7 @@ async def test_a_rotated_token_ends_the_streams_it_opened(reloadable) -> None:
         # alice's and ops's tokens change; obs's stays.
         tokens.write_text(_token_lines(alice=("user", "a2"), ops=("operator", "o2"), obs=("observer", "s1")))
         assert _reload(srv) >= 2
-        await _until(lambda: session.ended, "alice's session ends")
+        await until(lambda: session.ended, "alice's session ends")
         assert isinstance(session.router.error, hookwire.UnavailableError)
         assert "your credentials were rotated or revoked" in str(session.router.error)
         with pytest.raises(hookwire.UnavailableError, match="rotated or revoked"):
@@ -569,7 +563,7 @@ async def test_a_removed_certificate_subject_ends_the_streams_it_opened(tmp_path
             session = await svc.session()
             principals.write_text(entry + f'token_sha256 = "{hash_token("svc-token")}"\n')  # the certificate no longer
             assert _reload(srv) >= 1
-            await _until(lambda: session.ended, "the certificate's session ends")
+            await until(lambda: session.ended, "the certificate's session ends")
             assert "rotated or revoked" in str(session.router.error)
             with pytest.raises(hookwire.UnauthenticatedError):
                 await svc.model("mlp")(X)
@@ -620,7 +614,7 @@ async def test_a_demoted_observer_loses_its_shared_hooks(reloadable) -> None:
         assert (await collect(watching, 1))[0].module == "fc1"  # another caller's traffic
         tokens.write_text(_token_lines(alice=("user", "a1"), ops=("observer", "o1"), obs=("user", "s1")))
         assert _reload(srv) >= 2
-        await _until(lambda: any(n.hook_id == watching.id for n in session.router.notices), "the removal notice")
+        await until(lambda: any(n.hook_id == watching.id for n in session.router.notices), "the removal notice")
         notice = next(n for n in session.router.notices if n.hook_id == watching.id)
         assert notice.kind == "hook_removed"
         assert "role changed" in notice.message and "needs the observer role; 'obs' has user" in notice.message
@@ -643,13 +637,8 @@ async def test_a_demoted_operator_no_longer_blocks_other_callers(reloadable) -> 
     srv, tokens = reloadable
     async with grpc.aio.insecure_channel(srv.target) as channel:
         stub = hook_service_pb2_grpc.HookServiceStub(channel)
-        metadata = (("authorization", "Bearer o1"),)
-        stream = stub.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
-            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=1)), metadata=metadata)
-        session_id = (await stream.read()).opened.session_id
-        await stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
-            model="scale", module="", scope=hook_pb2.SCOPE_ALL,
-            posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=metadata)
+        metadata = bearer("o1")
+        stream, session_id = await _unread_block_capture(stub, metadata)
         tokens.write_text(_token_lines(alice=("user", "a1"), ops=("observer", "o1"), obs=("observer", "s1")))
         _reload(srv)
         assert srv.call(lambda: [h.hook_id for h in srv.server.hooks.list_hooks()]), "an observer may keep the capture"
@@ -667,13 +656,8 @@ async def test_a_demotion_releases_a_pass_the_stream_already_holds(reloadable) -
     srv, tokens = reloadable
     async with grpc.aio.insecure_channel(srv.target) as channel:
         stub = hook_service_pb2_grpc.HookServiceStub(channel)
-        metadata = (("authorization", "Bearer o1"),)
-        stream = stub.OpenSession(hook_service_pb2.OpenSessionRequest(delivery=hook_service_pb2.DeliveryOptions(
-            policy=hook_service_pb2.DELIVERY_POLICY_BLOCK, max_events=1)), metadata=metadata)
-        session_id = (await stream.read()).opened.session_id
-        await stub.RegisterHook(hook_service_pb2.RegisterHookRequest(session_id=session_id, spec=hook_pb2.HookSpec(
-            model="scale", module="", scope=hook_pb2.SCOPE_ALL,
-            posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))), metadata=metadata)
+        metadata = bearer("o1")
+        stream, session_id = await _unread_block_capture(stub, metadata)
         session_stream = srv.call(lambda: srv.server.hooks._sessions[session_id].stream)
         async with hookwire.connect(srv.target, options=hookwire.ConnectOptions(token="a1")) as alice:
             x = torch.ones(1 << 20)  # 4 MiB events: the buffer and gRPC's windows fill after a few calls
@@ -689,7 +673,7 @@ async def test_a_demotion_releases_a_pass_the_stream_already_holds(reloadable) -
             caller = asyncio.ensure_future(calls())
             scheduler = srv.call(lambda: srv.server.engines.scheduler(srv.server.registry.get("scale")))
             # Held after its pass (its event waits for room) or before it (the stream is full).
-            await _until(lambda: session_stream.waiting_producers == 1
+            await until(lambda: session_stream.waiting_producers == 1
                          or any(w.stalled_since is not None for w in scheduler._queue), "alice's call is held")
             tokens.write_text(_token_lines(alice=("user", "a1"), ops=("observer", "o1"), obs=("observer", "s1")))
             _reload(srv)
@@ -704,9 +688,8 @@ async def test_a_demotion_releases_a_pass_the_stream_already_holds(reloadable) -
 @pytest.fixture
 def streams_limited() -> Iterator[ServerThread]:
     settings = ServerSettings(port=0, tokens=LINES, max_infer_streams_per_principal=1, infer_stream_idle_timeout=1.0)
-    srv = ServerThread(build_test_registry(), settings).start()
-    yield srv
-    srv.stop()
+    with serving(settings=settings) as srv:
+        yield srv
 
 
 def _stalled_infer_stream(stub: model_service_pb2_grpc.ModelServiceStub, who: str, release: asyncio.Event,
@@ -722,7 +705,7 @@ def _stalled_infer_stream(stub: model_service_pb2_grpc.ModelServiceStub, who: st
             yield model_service_pb2.InferStreamRequest(chunk=next(iter(chunker.chunks(MIB))))
         await release.wait()
 
-    return stub.InferStream(messages(), metadata=_bearer(who))
+    return stub.InferStream(messages(), metadata=bearer(TOKENS[who]))
 
 
 async def test_an_idle_infer_stream_is_ended_and_freed(streams_limited) -> None:
@@ -736,7 +719,7 @@ async def test_an_idle_infer_stream_is_ended_and_freed(streams_limited) -> None:
                 await asyncio.wait_for(call.read(), 60)
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "no message from the client for 1 s (infer_stream_idle_timeout)" in info.value.details()
-            await _until(lambda: srv.call(lambda: srv.server.inference.open_streams) == {}, "the stream is released")
+            await until(lambda: srv.call(lambda: srv.server.inference.open_streams) == {}, "the stream is released")
     async with _connect(srv, "alice") as alice:
         assert (await alice.model("mlp")(X)).shape == (1, 4)
 
@@ -748,7 +731,7 @@ def _refused_infer_stream(target: str, who: str) -> grpc.RpcError:
         model="mlp", args=[codec.encode_value(X)]))
     with grpc.insecure_channel(target) as channel:
         with pytest.raises(grpc.RpcError) as info:
-            list(model_service_pb2_grpc.ModelServiceStub(channel).InferStream(iter([request]), metadata=_bearer(who)))
+            list(model_service_pb2_grpc.ModelServiceStub(channel).InferStream(iter([request]), metadata=bearer(TOKENS[who])))
     return info.value
 
 
@@ -760,7 +743,7 @@ async def test_open_infer_streams_are_limited_per_principal(tmp_path) -> None:
             stub = model_service_pb2_grpc.ModelServiceStub(channel)
             release = asyncio.Event()
             held = _stalled_infer_stream(stub, "alice", release)
-            await _until(lambda: srv.call(lambda: srv.server.inference.open_streams) == {"alice": 1}, "admitted")
+            await until(lambda: srv.call(lambda: srv.server.inference.open_streams) == {"alice": 1}, "admitted")
             refused = await asyncio.to_thread(_refused_infer_stream, srv.target, "alice")
             assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "'alice' has 1 InferStream uploads open" in refused.details()
@@ -769,7 +752,7 @@ async def test_open_infer_streams_are_limited_per_principal(tmp_path) -> None:
             async with hookwire.connect(srv.target, options=small) as bob:
                 assert (await bob.model("mlp")(X)).shape == (1, 4)  # others are not affected
             held.cancel()
-            await _until(lambda: srv.call(lambda: srv.server.inference.open_streams) == {}, "the stream is released")
+            await until(lambda: srv.call(lambda: srv.server.inference.open_streams) == {}, "the stream is released")
             async with hookwire.connect(srv.target, options=dataclasses.replace(small, token=TOKENS["alice"])) as alice:
                 assert (await alice.model("mlp")(X)).shape == (1, 4)
     finally:
@@ -788,10 +771,10 @@ async def test_an_infer_stream_counts_against_the_limit_only_while_it_uploads() 
         def slow_call() -> list:
             with grpc.insecure_channel(srv.target) as channel:
                 stub = model_service_pb2_grpc.ModelServiceStub(channel)
-                return list(stub.InferStream(iter([request]), metadata=_bearer("alice")))
+                return list(stub.InferStream(iter([request]), metadata=bearer(TOKENS["alice"])))
 
         running = asyncio.ensure_future(asyncio.to_thread(slow_call))
-        await _until(lambda: srv.call(lambda: srv.server.inference._queued.get("sleeper", 0)) == 1, "running")
+        await until(lambda: srv.call(lambda: srv.server.inference._queued.get("sleeper", 0)) == 1, "running")
         assert srv.call(lambda: srv.server.inference.open_streams) == {}
         quick = model_service_pb2.InferStreamRequest(request=model_service_pb2.InferRequest(
             model="mlp", args=[codec.encode_value(X)]))
@@ -799,7 +782,7 @@ async def test_an_infer_stream_counts_against_the_limit_only_while_it_uploads() 
         def quick_call() -> list:
             with grpc.insecure_channel(srv.target) as channel:
                 stub = model_service_pb2_grpc.ModelServiceStub(channel)
-                return list(stub.InferStream(iter([quick]), metadata=_bearer("alice")))
+                return list(stub.InferStream(iter([quick]), metadata=bearer(TOKENS["alice"])))
 
         answer = await asyncio.to_thread(quick_call)  # on main: RESOURCE_EXHAUSTED (the sleeping call counted)
         assert answer[0].WhichOneof("kind") == "response"
@@ -836,7 +819,7 @@ async def test_an_infer_stream_that_drips_its_upload_is_ended_at_infer_timeout()
             with grpc.insecure_channel(srv.target) as channel:
                 with pytest.raises(grpc.RpcError) as info:
                     list(model_service_pb2_grpc.ModelServiceStub(channel).InferStream(
-                        messages(), metadata=_bearer("alice")))
+                        messages(), metadata=bearer(TOKENS["alice"])))
                 ended.set()
                 drained.wait(60)  # gRPC's sending thread is done with the generator before the channel closes
             return info.value
@@ -844,6 +827,6 @@ async def test_an_infer_stream_that_drips_its_upload_is_ended_at_infer_timeout()
         error = await asyncio.wait_for(asyncio.to_thread(drip), 120)
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
         assert "still sending after 1 s (infer_timeout)" in error.details()
-        await _until(lambda: srv.call(lambda: srv.server.inference.open_streams) == {}, "the stream is released")
+        await until(lambda: srv.call(lambda: srv.server.inference.open_streams) == {}, "the stream is released")
     finally:
         srv.stop()

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import grpc
 import pytest
@@ -16,15 +15,7 @@ import torch
 
 import hookwire
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, model_service_pb2_grpc
-from support import collect
-
-
-async def _wait_for(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            pytest.fail("condition not met in time")
-        await asyncio.sleep(0.02)
+from support import LIVENESS, collect, until
 
 
 async def test_session_scope_fires_only_for_own_calls(client, other_client) -> None:
@@ -68,9 +59,9 @@ async def test_session_end_removes_its_hooks_at_once(server, other_client) -> No
         handle = await c.model("mlp").hook("fc*", posthook=hookwire.capture("output"))
         session_id = c.session_id
         assert [h.hook_id for h in await other_client.list_hooks(session_id=session_id)] == [handle.id]
-    await _wait_for(lambda: _no_hooks(other_client, session_id))
+    await until(lambda: _no_hooks(other_client, session_id), "the closed session's hooks are gone")
     module = server.server.registry.get("mlp").module
-    await _wait_for(lambda: _true(not module.fc1._forward_hooks))
+    await until(lambda: not module.fc1._forward_hooks, "the torch hooks are removed")
     # The closed session is gone: using it is NOT_FOUND.
     stub = hook_service_pb2_grpc.HookServiceStub(other_client._channel)
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -84,10 +75,6 @@ async def test_session_end_removes_its_hooks_at_once(server, other_client) -> No
 
 async def _no_hooks(client, session_id: str) -> bool:
     return not await client.list_hooks(session_id=session_id)
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def test_unknown_session_is_not_found(client) -> None:
@@ -115,7 +102,7 @@ async def test_killed_client_process_loses_its_hooks_within_a_second(server, cli
         assert len(await client.list_hooks(session_id=session_id)) == 1
         os.kill(proc.pid, signal.SIGKILL)
         # The dead process's socket closes at once, so the hooks go at once; the bound is a generous liveness guard.
-        await _wait_for(lambda: _no_hooks(client, session_id), timeout=60.0)
+        await until(lambda: _no_hooks(client, session_id), "the session's hooks are gone")
     finally:
         proc.kill()
         proc.wait(10)
@@ -262,8 +249,7 @@ async def test_removal_notice_is_the_hooks_last_message_under_concurrent_calls(s
 @pytest.mark.parametrize("stalled", [False, True], ids=["idle", "stalled-under-block"])
 async def test_frozen_client_process_loses_its_hooks_within_the_keepalive_bound(stalled: bool) -> None:
     """A SIGSTOPped client answers no keepalive ping: its session and hooks end within about
-    keepalive_time + keepalive_timeout, also when its BLOCK session's stream is stalled (which
-    holds its own calls, not the model)."""
+    keepalive_time + keepalive_timeout, also when its full BLOCK session holds its calls back."""
     from hookwire_server import ServerSettings
     from support import ServerThread, build_test_registry
 
@@ -292,12 +278,21 @@ async def test_frozen_client_process_loses_its_hooks_within_the_keepalive_bound(
             assert len(await observer.list_hooks(session_id=session_id)) == 1
             os.kill(proc.pid, signal.SIGSTOP)
             if stalled:
-                # The frozen client's BLOCK session holds only its own calls (issue 22): another
-                # caller's call runs at once, while the frozen one's calls still wait.
-                other = await asyncio.wait_for(observer.model("scale")(torch.ones(2)), 30)
+                # The frozen client's full BLOCK session holds back its own calls' passes
+                # (they wait in the scheduler, stalled); calls of other sessions, which
+                # emit nothing into that stream, are not held (#22).
+                scheduler = srv.call(lambda: srv.server.engines.scheduler(srv.server.registry.get("scale")))
+
+                def held_back() -> bool:
+                    return srv.call(lambda: any(w.stalled_since is not None for w in scheduler._queue))
+
+                await until(held_back, "the frozen client's calls are held back by its full BLOCK stream")
+                other = await asyncio.wait_for(observer.model("scale")(torch.ones(2)), LIVENESS)
                 assert torch.equal(other, torch.full((2,), 2.0))
             # Generous against keepalive 1 s + 1 s (the default, 10 s + 5 s, took 60-70 s before).
-            await _wait_for(lambda: _no_hooks(observer, session_id), timeout=30)
+            await until(lambda: _no_hooks(observer, session_id), "the session's hooks are gone", timeout=30)
+            if stalled:
+                await until(lambda: not held_back(), "the ended session no longer holds its calls back")
             assert (await observer.model("scale")(torch.ones(2))).shape == (2,)
     finally:
         os.kill(proc.pid, signal.SIGCONT)

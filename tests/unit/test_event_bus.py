@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-import time
 
 import pytest
 
@@ -13,6 +12,7 @@ from hookwire.v1 import hook_service_pb2
 from hookwire_server import errors
 from hookwire_server.hooks import event_bus
 from hookwire_server.hooks.event_bus import DeliveryLimits, EventStream
+from support import until
 
 TIMEOUT = 60.0  # hang guard for anything that should happen "soon" (generous: a loaded machine is slow)
 SETTLE = 0.15  # how long to wait before concluding that a thread is blocked
@@ -66,13 +66,6 @@ async def join(thread: threading.Thread, timeout: float = TIMEOUT) -> None:
     """Joins without blocking the loop; fails if the thread does not end in time."""
     await asyncio.to_thread(thread.join, timeout)
     assert not thread.is_alive(), "producer thread did not finish"
-
-
-async def wait_until(cond, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
 
 
 async def assert_stays_blocked(producer: Producer, done: int) -> None:
@@ -169,13 +162,13 @@ async def test_block_policy_producer_waits_when_full_and_resumes_on_read():
     stream = make_stream(max_events=2)
     producer = Producer(stream, [("h", 0)] * 5)
     producer.start()
-    await wait_until(lambda: len(producer.results) == 2)
+    await until(lambda: len(producer.results) == 2, "the producer moves on")
     await assert_stays_blocked(producer, 2)
     assert stream.occupancy()[0] == 2
 
     first = await get(stream)
     assert first.event.seq == 1
-    await wait_until(lambda: len(producer.results) == 3)
+    await until(lambda: len(producer.results) == 3, "the producer moves on")
     await assert_stays_blocked(producer, 3)
     assert stream.occupancy()[0] == 2
 
@@ -190,7 +183,7 @@ async def test_block_on_bytes():
     stream = make_stream(max_events=100, max_bytes=100)
     producer = Producer(stream, [("h", 60), ("h", 60), ("h", 40)])
     producer.start()
-    await wait_until(lambda: len(producer.results) == 1)
+    await until(lambda: len(producer.results) == 1, "the producer moves on")
     # 60 + 60 > 100: the second event waits.
     await assert_stays_blocked(producer, 1)
     assert stream.occupancy() == (1, 60)
@@ -207,7 +200,7 @@ async def test_event_larger_than_max_bytes_goes_through_alone():
     # Into an empty buffer it goes at once, without blocking.
     producer = Producer(stream, [("big", 1000), ("small", 1)])
     producer.start()
-    await wait_until(lambda: len(producer.results) == 1)
+    await until(lambda: len(producer.results) == 1, "the producer moves on")
     assert producer.results == [True]
     assert stream.occupancy() == (1, 1000)
     # Nothing else joins it while it is buffered.
@@ -251,7 +244,7 @@ async def test_close_releases_blocked_producer():
     stream = make_stream(max_events=1)
     producer = Producer(stream, [("h", 0)] * 3)
     producer.start()
-    await wait_until(lambda: len(producer.results) == 1)
+    await until(lambda: len(producer.results) == 1, "the producer moves on")
     await assert_stays_blocked(producer, 1)
     stream.close()
     await join(producer)
@@ -306,7 +299,7 @@ async def test_end_releases_blocked_producer():
     stream = make_stream(max_events=1)
     producer = Producer(stream, [("h", 0)] * 2)
     producer.start()
-    await wait_until(lambda: len(producer.results) == 1)
+    await until(lambda: len(producer.results) == 1, "the producer moves on")
     await assert_stays_blocked(producer, 1)
     stream.end()
     await join(producer)
@@ -664,7 +657,7 @@ async def test_block_holds_its_owners_calls_and_only_an_operators_stream_holds_e
     assert users.put_event(event("h"), "h", 1, principal="alice")
     waiter = threading.Thread(target=lambda: users.put_event(event("h"), "h", 1, principal="alice"), daemon=True)
     waiter.start()
-    await wait_until(lambda: users.waiting_producers == 1)
+    await until(lambda: users.waiting_producers == 1, "a producer waits for room")
     assert users.dropped == 0
     assert (await get(users)).event.seq == 1
     await join(waiter)

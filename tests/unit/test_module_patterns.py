@@ -173,14 +173,32 @@ def test_match_is_full_match_only():
     assert match_paths("*.layers", ["encoder.layers.0"]) == []
 
 
-def test_adversarial_patterns_match_in_linear_time():
-    import time
+def test_adversarial_patterns_match_in_linear_time(monkeypatch):
+    """Patterns that make a backtracking matcher take exponential time: the automaton's work
+    is counted, not timed. Each pattern's walk steps the automaton at most once per edge
+    of the paths' trie (a step it has seen is a DFA lookup), and a step examines at most
+    one state per pattern token: len(pattern) * len(paths) in all, whatever the pattern."""
+    from hookwire_server.models import module_patterns
 
     paths = [f"encoder.layers.{i}.attention.self.query.weight{i}" for i in range(200)]
-    started = time.perf_counter()
+    edges = len(module_patterns.PathIndex(paths)._children) - 1  # one per trie node but the root
+    work = {"steps": 0, "states": 0}
+    real_step = module_patterns._step
+
+    def counting_step(tokens, states, ch):
+        assert len(states) <= len(tokens) + 1
+        work["steps"] += 1
+        work["states"] += len(states)
+        return real_step(tokens, states, ch)
+
+    monkeypatch.setattr(module_patterns, "_step", counting_step)
     for pattern in ("**" * 50 + "X", "*.*." * 100 + "?", ("**.a" * 60), "*?" * 300 + "X"):
+        before = dict(work)
         assert match_paths(pattern, paths) == []
-    assert time.perf_counter() - started < 2.0
+        steps, states = work["steps"] - before["steps"], work["states"] - before["states"]
+        tokens = len(module_patterns._tokens(pattern))
+        assert 0 < steps <= edges, f"{pattern[:12]}...: {steps} automaton steps for {edges} trie edges"
+        assert states <= (tokens + 1) * steps, f"{pattern[:12]}...: {states} states examined in {steps} steps"
 
 
 def test_runs_of_wildcards_collapse():
