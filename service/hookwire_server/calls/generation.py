@@ -58,7 +58,6 @@ from ..errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
-    ResourceExhausted,
     Unimplemented,
     release_failure,
 )
