@@ -1313,7 +1313,7 @@ def _on_loop(srv: ServerThread, coro: Any) -> Any:
 
 
 def test_a_cancel_while_the_next_step_waits_for_the_model_runs_no_more_passes(env: Env) -> None:
-    """protocol §4b: cancelling "frees the model for others at once" and only "a step that
+    """protocol §6: cancelling "frees the model for others at once" and only "a step that
     is running completes". A step still waiting in the model's queue must not run."""
     host = env.srv.server.registry.get("tiny-lm")
     passes: list[float] = []

@@ -15,7 +15,7 @@ DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
 
 def _blocks() -> list[str]:
-    section = DOC.read_text().split("## 9. Walkthrough", 1)[1]
+    section = DOC.read_text().split("## 16. Walkthrough", 1)[1]
     return re.findall(r"```sh\n(.*?)```", section, flags=re.S)
 
 

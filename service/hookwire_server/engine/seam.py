@@ -28,7 +28,7 @@ An engine provides:
 
 What an engine may do differently inside: lay a batch out as it likes (the torch
 engine stacks calls along a batch dimension; a paged-KV engine packs every call's
-tokens into one ``[tokens, hidden]`` tensor — tests/unit/test_engine_seam.py runs such
+tokens into one ``[tokens, hidden]`` tensor — tests/integration/test_engine_seam.py runs such
 an engine behind this seam), keep its own KV cache, run the model in other processes.
 What it must keep: each call sees exactly its own rows in every hook, in the layout a
 call alone would have; a rule edits only its call's rows.

@@ -6,9 +6,11 @@ hooks' events go, and which session streams received its events (they get a
 
 An Infer call is one pass, step 0. A Generate call runs passes 0, 1, 2, ... (step 0 over
 the prompt, step s over the s-th new token); ``begin_step`` starts each, restarting the
-call indices. Hooks read the call from ``ModelHost.current_pass`` on the model's worker
-thread; everything here is touched by that thread while a pass runs and by the event
-loop only between passes.
+call indices. Hooks read the calls of the running pass from ``ModelHost.current_batch``
+(engine.batching.Batch: each call's Pass and its rows) on the model's worker thread;
+everything here is touched by that thread while a pass runs and by the event loop only
+between passes (events a full stream could not take are delivered after the pass by a
+thread of their own: ``finish``/``flush_backlog``).
 """
 
 from __future__ import annotations
