@@ -46,42 +46,23 @@ MAX_NESTING = 100
 
 VALUE_TYPE = "hookwire.v1.Value"
 
-#: String fields holding names: looked up, compared, or used as keys.
+#: Request string fields named as the contract names its identifiers are names, whatever
+#: message they are in (a new RPC's ``model`` needs no entry below).
+NAME_FIELD_NAMES = frozenset({"model", "session_id", "hook_id", "hook_ids", "job_id", "tags"})
+#: Other string fields holding names: looked up, compared, or used as keys.
 NAME_FIELDS = frozenset({
     "hookwire.v1.GetModelRequest.name",
-    "hookwire.v1.InferRequest.model",
-    "hookwire.v1.InferRequest.session_id",
-    "hookwire.v1.InferRequest.tags",
     "hookwire.v1.InferRequest.KwargsEntry.key",
     "hookwire.v1.ValueMap.EntriesEntry.key",
     "hookwire.v1.ValueMap.keys",
-    "hookwire.v1.HookSpec.model",
-    "hookwire.v1.HookSpec.tags",
     "hookwire.v1.PatchOp.slot",
     "hookwire.v1.SaveOp.slot",
-    "hookwire.v1.RegisterHookRequest.session_id",
-    "hookwire.v1.DeregisterHookRequest.hook_id",
-    "hookwire.v1.ListHooksRequest.model",
-    "hookwire.v1.ListHooksRequest.session_id",
-    "hookwire.v1.SubscribeRequest.hook_ids",
-    "hookwire.v1.GetSlotRequest.session_id",
     "hookwire.v1.GetSlotRequest.name",
-    "hookwire.v1.ListSlotsRequest.session_id",
-    "hookwire.v1.TokenizeRequest.model",
     "hookwire.v1.TokenizeRequest.padding_side",
-    "hookwire.v1.GenerateRequest.model",
-    "hookwire.v1.GenerateRequest.session_id",
-    "hookwire.v1.GenerateRequest.tags",
     "hookwire.v1.GenerateRequest.stop",
     "hookwire.v1.Value.opaque_type",
-    "hookwire.v1.StartHarvestRequest.model",
     "hookwire.v1.TextSource.text_field",
     "hookwire.v1.TextSource.split",
-    "hookwire.v1.GetHarvestRequest.job_id",
-    "hookwire.v1.WatchHarvestRequest.job_id",
-    "hookwire.v1.CancelHarvestRequest.job_id",
-    "hookwire.v1.ListHarvestsRequest.model",
-    "hookwire.v1.GetParametersRequest.model",
 })
 #: String fields the server parses: globs, dotted paths, selections.
 PATH_FIELDS = frozenset({

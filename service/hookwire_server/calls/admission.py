@@ -28,19 +28,20 @@ class Admission:
         self._hooks = hooks
         self.state = state
 
-    def enter(self, rpc: str, principal: Principal, model: str, *, action: str | None = None) -> ModelHost:
+    def enter(
+        self, rpc: str, principal: Principal, model: str, *, action: str | None = None, hooks: int = 0,
+    ) -> ModelHost:
         """The model a call of ``rpc`` by ``principal`` is for: PermissionDenied unless the
         principal holds the RPC's role (``action`` names what it is doing), Unavailable
-        while the server stops, NotFound/Unavailable for a model that is unknown or not ready."""
+        while the server stops, NotFound/Unavailable for a model that is unknown or not
+        ready, ResourceExhausted for more than max_request_hooks request-scoped ``hooks``."""
         principal.require(MINIMUM_ROLE[rpc], action or rpc)
         self.state.refuse_when_draining()
-        return self._registry.get(model)
-
-    def check_hook_count(self, count: int) -> None:
-        """ResourceExhausted past max_request_hooks request-scoped hooks."""
+        host = self._registry.get(model)
         limit = self.state.limits.max_request_hooks
-        if count > limit:
-            raise exceeded("hooks", f"{count} request-scoped hooks", limit, "max_request_hooks")
+        if hooks > limit:
+            raise exceeded("hooks", f"{hooks} request-scoped hooks", limit, "max_request_hooks")
+        return host
 
     def session(self, session_id: str, principal: Principal) -> Session | None:
         """The caller's own open session a call is made in (None for none); NotFound for
@@ -50,19 +51,16 @@ class Admission:
     async def request_hooks(
         self, host: ModelHost, specs: Sequence[hook_pb2.HookSpec], request_id: str, session: Session | None,
         principal: Principal,
-    ) -> list[HookRecord]:
+    ) -> tuple[list[HookRecord], str | None]:
         """The call's request-scoped hooks, compiled off the event loop (each resolves its
-        module glob against every module path); InvalidArgument/PermissionDenied naming
-        the hook that is wrong."""
-        if not specs:
-            return []
-        return await asyncio.to_thread(self._hooks.request_hooks, host, specs, request_id, session, principal)
-
-    def slots_group(self, records: Sequence[HookRecord], session: Session | None) -> str | None:
-        """The session whose calls must never share a pass with each other (their hooks
-        save and patch slots: saves must be seen in call order), or None."""
-        if any(r.compiled.uses_slots for r in records) or (
+        module glob against every module path; InvalidArgument/PermissionDenied naming the
+        hook that is wrong), and the group its passes belong to: the session whose calls
+        must never share a pass with each other (their hooks save and patch slots, whose
+        saves must be seen in call order), or None."""
+        records: list[HookRecord] = []
+        if specs:
+            records = await asyncio.to_thread(self._hooks.request_hooks, host, specs, request_id, session, principal)
+        slots = any(r.compiled.uses_slots for r in records) or (
             session is not None and self._hooks.session_uses_slots(session)
-        ):
-            return session.session_id if session is not None else ""
-        return None
+        )
+        return records, (session.session_id if session is not None else "") if slots else None

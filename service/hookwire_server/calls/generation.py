@@ -386,7 +386,7 @@ class Generation:
         went away) ends the call at once (a running step completes, a queued one never
         runs); once the server drains, the call ends at the next step boundary with
         finish_reason "shutdown"."""
-        host = self._admission.enter("Generate", principal, request.model)
+        host = self._admission.enter("Generate", principal, request.model, hooks=len(request.hooks))
         if not host.can_generate:
             raise Unimplemented(
                 f"model {host.name!r} cannot generate: Generate needs a causal language model "
@@ -399,7 +399,6 @@ class Generation:
         self._check_prompt_source(request, host)
         options = self._options(request, host)
         positions = _positions(host)
-        self._admission.check_hook_count(len(request.hooks))
         session = self._admission.session(request.session_id, principal)
         active = self._active.get(host.name, 0)
         limits.check(active, self.limits.max_active_generations,
@@ -431,10 +430,10 @@ class Generation:
             if options.stop:  # built on the tokenizer's thread: it reads the tokenizer's vocabulary
                 stop_criteria = await host.run_tokenizer(_stop_criteria, host.tokenizer, options.stop)
             request_id = new_id("req")
-            records = await self._admission.request_hooks(host, request.hooks, request_id, session, principal)
+            records, group = await self._admission.request_hooks(host, request.hooks, request_id, session, principal)
             run = self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria,
                             session.stream if session is not None else None,
-                            group=self._admission.slots_group(records, session))
+                            group=group)
             try:
                 async for message in run:
                     yield message

@@ -250,8 +250,7 @@ class Inference:
         Validation that walks the request's Values, and compiling its request-scoped
         hooks, run on worker threads: a large request never stalls the event loop.
         """
-        host = self._admission.enter("Infer", principal, request.model)
-        self._admission.check_hook_count(len(request.hooks))
+        host = self._admission.enter("Infer", principal, request.model, hooks=len(request.hooks))
         if not checked and await self._checked(request) and chunked is None:
             raise InvalidArgument("a tensor has a chunk_id: chunked tensors travel over InferStream, not Infer")
         if request.mode not in model_service_pb2.Mode.values():
@@ -273,7 +272,7 @@ class Inference:
                 except _codec.CodecError as exc:
                     raise InvalidArgument(str(exc)) from None
         request_id = new_id("req")
-        records = await self._admission.request_hooks(host, request.hooks, request_id, session, principal)
+        records, group = await self._admission.request_hooks(host, request.hooks, request_id, session, principal)
         p = Pass(
             request_id, request.session_id, frozenset(request.tags), principal=principal.name,
             max_events=self.limits.max_events_per_call, model=host.name,
@@ -302,7 +301,7 @@ class Inference:
                 INFER, call, key=shape.key if shape is not None else None,
                 rows=shape.rows if shape is not None else 1,
                 avoid=shape.sizes if shape is not None else frozenset(),
-                group=self._admission.slots_group(records, session), caller=(request.session_id, principal.name),
+                group=group, caller=(request.session_id, principal.name),
             )
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.limits.infer_timeout
