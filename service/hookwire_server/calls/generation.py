@@ -1,30 +1,21 @@
-"""Generate calls: a causal language model decoding token by token, one pass per step,
-with the call's hooks firing in every step and what they capture streamed as it fires.
+"""Generate calls, the call side: validate a GenerateRequest (prompts or ids, decoding
+options, stop strings, limits), admit it, prepare it on the model's worker thread
+(engine.decoding.start_call: transformers' own ``generate()`` prepares the call through
+its ``custom_generate`` hook), submit one Work of kind "generate" per step to the
+model's scheduler, and stream what each step produced: the events its hooks captured
+(through a per-call mailbox, batched), the new tokens with their text deltas, and at the
+end a GenerateDone. The decoding itself (one step alone or joined with other calls'
+steps) is the engine's (engine/decoding.py).
 
-How a call runs
----------------
-``transformers``' own ``generate()`` prepares the call — the generation config with the
-call's overrides, the attention mask, position ids, the KV cache, the logits processors
-(temperature, top-k, top-p, repetition penalty, ... from the model's
-``generation_config``) and the stopping criteria (max length, EOS, stop strings) —
-through its documented ``custom_generate`` hook, which hands the prepared state to a
-callable instead of its own decoding loop. ``Decoder`` then runs the loop of
-transformers' ``_sample`` one step at a time: step 0 is the prefill over the prompt, each
-later step one cached pass over the tokens chosen last, each step a separate job on the
-model's worker thread. So a call running alone computes exactly what in-process
-``generate()`` computes (the same passes, the same processors, the same tokens), while
-other calls on the model (Infer, other generations) run between its steps, a client
-that reads slowly holds only its own call (the server runs at most one step ahead of
-what the stream has taken), and cancellation and shutdown take effect at step
-boundaries.
+The server runs at most one step ahead of what the stream has taken, so a client that
+reads slowly pauses its own call, and only it; a reader that takes nothing for
+generate_idle_timeout (the response stream, or a stream of the call's own events that a
+step's kept events wait for) ends the call with DEADLINE_EXCEEDED. Cancellation and
+shutdown take effect at step boundaries.
 
 Sampling draws from a generator of the call's own, seeded from ``seed`` (or a fresh
 random seed, reported): the same draws as ``torch.manual_seed(seed)`` before an
 in-process ``generate()``, and no other call's randomness in between can change them.
-
-The step is the unit a batching scheduler (issue #9) will join across calls: each call
-keeps its own ``Pass`` (hooks, call indices, seq and step numbers) and its own decoding
-state.
 """
 
 from __future__ import annotations

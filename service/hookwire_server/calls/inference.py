@@ -1,8 +1,9 @@
-"""One Infer call: decode inputs, run forward (and backward) on the model's worker
-thread with the call's hooks, encode the output.
-
-Everything that touches the model runs in ``_run_pass`` on the worker thread;
-the event loop only validates what is cheap to validate and waits.
+"""Infer and InferStream calls, the call side: validate the request (cheap checks on
+the loop, walks of large requests on threads), admit it (calls/admission.py), make its
+Pass and its work item (engine.infer_pass.InferCall), submit it to the model's scheduler
+and wait for its response, then for the events its pass kept for a full stream. Running
+the model (forward, backward, the hooks) is the engine's: engine/infer_pass.py on the
+model's worker thread; the event loop only validates what is cheap and waits.
 """
 
 from __future__ import annotations
