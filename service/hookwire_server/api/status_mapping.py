@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import secrets
@@ -174,6 +175,40 @@ def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -
     return wrapper
 
 
+class _Stream:
+    """The bookkeeping of one streaming RPC (see ``_stream_status``): the servicer
+    method's iterator, closed when the RPC ends."""
+
+    def __init__(self) -> None:
+        self.inner: Any = None
+
+
+@contextlib.asynccontextmanager
+async def _stream_status(servicer: Any, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[_Stream]:
+    """The status mapping and RPC metrics of a streaming servicer method: a domain error
+    becomes its status (the method's iterator is closed first, so that its cleanup frees
+    what the call held before the status goes out); the iterator is closed when the RPC
+    ends for any reason, not whenever it is collected (ending a session and removing its
+    hooks, freeing a generation's KV cache, must run then)."""
+    stream = _Stream()
+    code = "OK"
+    try:
+        yield stream
+    except grpc.aio.AbortError:
+        raise
+    except BaseException as exc:
+        code = _code_of(exc)
+        if not isinstance(exc, Exception):
+            raise
+        if stream.inner is not None:
+            await stream.inner.aclose()
+        await _abort(context, method, exc)
+    finally:
+        _count(servicer, method, code)
+        if stream.inner is not None:
+            await stream.inner.aclose()
+
+
 def streaming(
     fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]],
 ) -> Callable[..., AsyncIterator[Resp]]:
@@ -184,26 +219,11 @@ def streaming(
         incoming: Any = request
         if hasattr(incoming, "__aiter__"):  # client streaming: each message is parsed as it is read
             incoming = _parsed_stream(incoming, self)
-        inner = None
-        code = "OK"
-        try:
+        async with _stream_status(self, fn.__name__, context) as stream:
             parsed = await parse_request(incoming, self)
-            inner = fn(self, parsed, context)
-            async for item in inner:
+            stream.inner = fn(self, parsed, context)
+            async for item in stream.inner:
                 yield item
-        except grpc.aio.AbortError:
-            raise
-        except BaseException as exc:
-            code = _code_of(exc)
-            if not isinstance(exc, Exception):
-                raise
-            await _abort(context, fn.__name__, exc)
-        finally:
-            _count(self, fn.__name__, code)
-            # Closed now, not whenever it is collected: its cleanup (ending a
-            # session and removing its hooks) must run when the stream ends.
-            if inner is not None:
-                await inner.aclose()  # type: ignore[attr-defined]
 
     return wrapper
 
@@ -221,13 +241,11 @@ def paced(setting: str, held: str) -> Callable[[Callable[[Any, Req, grpc.aio.Ser
     ) -> Callable[..., Awaitable[None]]:
         @functools.wraps(fn)
         async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> None:
-            inner = None
-            code = "OK"
-            try:
+            async with _stream_status(self, fn.__name__, context) as stream:
                 parsed = await parse_request(request, self)
-                inner = fn(self, parsed, context)
+                stream.inner = fn(self, parsed, context)
                 idle = getattr(self.limits, setting)
-                async for item in inner:
+                async for item in stream.inner:
                     try:
                         async with asyncio.timeout(idle):
                             await context.write(item)
@@ -236,19 +254,6 @@ def paced(setting: str, held: str) -> Callable[[Callable[[Any, Req, grpc.aio.Ser
                             f"{fn.__name__}: the client read nothing for {idle:g} s ({setting}); the call ended and "
                             f"freed {held}"
                         ) from None
-            except grpc.aio.AbortError:
-                raise
-            except BaseException as exc:
-                code = _code_of(exc)
-                if not isinstance(exc, Exception):
-                    raise
-                if inner is not None:
-                    await inner.aclose()  # type: ignore[attr-defined]  # free the call's resources before the status goes out
-                await _abort(context, fn.__name__, exc)
-            finally:
-                _count(self, fn.__name__, code)
-                if inner is not None:
-                    await inner.aclose()  # type: ignore[attr-defined]
 
         return wrapper
 
