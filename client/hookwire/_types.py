@@ -97,6 +97,13 @@ class ModelInfo:
     #: Where its modules live when the server loaded it with a device map (module path to
     #: "cpu", "disk" or an accelerator such as "cuda:1"); {} for a model on one device.
     device_map: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: The engine that runs it: "torch" (any PyTorch module) or another engine's name;
+    #: "" until it is ready.
+    engine: str = ""
+    #: What that engine does not run: feature ("backward", "train", "generate",
+    #: "harvest", "attention_probabilities") -> why; {} when it refuses nothing. Calls
+    #: and hooks that need one raise UnimplementedError.
+    refused_features: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, msg: model_service_pb2.Model) -> ModelInfo:
@@ -111,6 +118,8 @@ class ModelInfo:
             has_tokenizer=msg.has_tokenizer,
             parameters_readable=msg.parameters_readable,
             device_map=dict(msg.device_map),
+            engine=msg.engine,
+            refused_features={f.feature: f.reason for f in msg.refused_features},
             batching=BatchingInfo(
                 enabled=b.enabled, max_batch_size=b.max_batch_size, max_batch_delay_ms=b.max_batch_delay_ms,
                 batch_dim=b.batch_dim, reducing_inputs=tuple(b.reducing_inputs), pads_tokens=b.pads_tokens,

@@ -65,7 +65,7 @@ class GetModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer", "batching", "parameters_readable", "device_map", "tokenizer_ids")
+    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer", "batching", "parameters_readable", "device_map", "tokenizer_ids", "engine", "refused_features")
     class DeviceMapEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,8 @@ class Model(_message.Message):
     PARAMETERS_READABLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MAP_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FEATURES_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     training_allowed: bool
@@ -97,7 +99,17 @@ class Model(_message.Message):
     parameters_readable: bool
     device_map: _containers.ScalarMap[str, str]
     tokenizer_ids: TokenizerIds
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ..., parameters_readable: _Optional[bool] = ..., device_map: _Optional[_Mapping[str, str]] = ..., tokenizer_ids: _Optional[_Union[TokenizerIds, _Mapping]] = ...) -> None: ...
+    engine: str
+    refused_features: _containers.RepeatedCompositeFieldContainer[RefusedFeature]
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ..., parameters_readable: _Optional[bool] = ..., device_map: _Optional[_Mapping[str, str]] = ..., tokenizer_ids: _Optional[_Union[TokenizerIds, _Mapping]] = ..., engine: _Optional[str] = ..., refused_features: _Optional[_Iterable[_Union[RefusedFeature, _Mapping]]] = ...) -> None: ...
+
+class RefusedFeature(_message.Message):
+    __slots__ = ("feature", "reason")
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    feature: str
+    reason: str
+    def __init__(self, feature: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TokenizerIds(_message.Message):
     __slots__ = ("bos_token_id", "eos_token_id", "pad_token_id", "cls_token_id", "sep_token_id")

@@ -27,7 +27,8 @@ from ..calls.admission import Admission
 from ..state import ServerState
 from ..limits import Limits
 from ..metrics import Metrics
-from ..models.model_loading import ConfigError, ModelConfig, build_host, check_names, load_models
+from ..engine.core import build_host
+from ..models.model_loading import ConfigError, ModelConfig, check_names, load_models
 from ..models.model_registry import ModelHost, ModelRegistry, ModelState
 from ..calls.parameters import Parameters
 from .servicers import HarvestServicer, HookServicer, ModelServicer, add_to_server
@@ -186,7 +187,7 @@ class HookwireServer:
         self.parameters = Parameters(self.admission)
         s = self.settings
         self.harvests = HarvestManager(registry, self.hooks, s.harvest_config(), limits=self.settings,
-                                       engines=self.engines)
+                                       engines=self.engines, admission=self.admission)
         self.tokens = TokenStore(self.settings.tokens_file, self.settings.tokens)
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None

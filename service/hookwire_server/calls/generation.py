@@ -41,9 +41,8 @@ from ..auth import ANONYMOUS, Principal
 from ..engine.core import Engines
 from .admission import Admission
 from ..engine.seam import GENERATE
-from ..engine.decoding import (
-    FINISHED, Decoder, GenerateOptions, StepCall, StepResult, finish_call, start_call,
-)
+from ..engine.decoding import FINISHED, GenerateOptions, StepCall, StepResult
+from ..engine.seam import DecodingState
 from ..engine.scheduler import Work, in_own_thread
 from ..errors import (
     DeadlineExceeded,
@@ -378,14 +377,11 @@ class Generation:
         runs); once the server drains, the call ends at the next step boundary with
         finish_reason "shutdown"."""
         host = self._admission.enter("Generate", principal, request.model, hooks=len(request.hooks))
+        host.refuse("generate", "Generate")
         if not host.can_generate:
             raise Unimplemented(
                 f"model {host.name!r} cannot generate: Generate needs a causal language model "
                 "(a transformers *ForCausalLM); use Infer"
-            )
-        if not callable(getattr(host.module, "_prefill", None)):
-            raise Unimplemented(
-                f"model {host.name!r}: Generate needs transformers 5 (the installed version lacks its decoding steps)"
             )
         self._check_prompt_source(request, host)
         options = self._options(request, host)
@@ -483,11 +479,12 @@ class Generation:
         p.framing = Framing(GENERATE_RESPONSE_CHUNK, chunk_bytes)
         detokenizer = host.detokenizer
         started = time.perf_counter()
-        decoder: Decoder | None = None
+        decoder: DecodingState | None = None
         future: asyncio.Future[StepResult] | None = None
         outcome = "error"
         try:
-            decoder = await host.run(start_call, host, records, ids, mask, options, stop_criteria)
+            engine = self._engines.engine(host)
+            decoder = await host.run(engine.start_generate, records, ids, mask, options, stop_criteria)
             msg = model_service_pb2.GenerateResponse()
             msg.started.request_id = request_id
             _codec.encode_tensor_into(ids, msg.started.input_ids)
@@ -556,7 +553,7 @@ class Generation:
             # After the step in flight (if any): detach the call's hooks, mark the end of
             # its events on session streams, free its KV cache. Not awaited when the call
             # was cancelled: the client is gone, and the model is free for others at once.
-            cleanup = asyncio.ensure_future(host.run(finish_call, host, p, records, decoder))
+            cleanup = asyncio.ensure_future(host.run(self._engines.engine(host).finish_generate, p, records, decoder))
             self._background.add(cleanup)
             cleanup.add_done_callback(self._background.discard)
             cleanup.add_done_callback(_log_failure)

@@ -58,6 +58,7 @@ from hookwire.wire import ids
 from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import hook_pb2, tensor_pb2
 
+from .admission import Admission
 from ..engine.core import Engines
 from ..engine.harvest_pass import HarvestBatch, HarvestResult
 from ..engine.seam import HARVEST
@@ -293,8 +294,11 @@ class HarvestManager:
 
     def __init__(
         self, registry: Any, hooks: Any, config: HarvestConfig, *, limits: Any, engines: Engines | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._registry = registry
+        #: The admission step every call goes through (None: a manager that starts no job).
+        self._admission = admission
         self._hooks = hooks
         #: Each model's engine and scheduler (shared with live calls); None: runs no job.
         self._engines = engines
@@ -324,15 +328,19 @@ class HarvestManager:
     async def start(self, request: hv.StartHarvestRequest, principal: Principal) -> Job:
         """Validates the request, opens its output and starts the job (see the module
         docstring); raises a HookwireServerError naming what is wrong."""
-        principal.require(MINIMUM_ROLE["StartHarvest"], "starting a harvest")
+        if self._admission is None:
+            raise Unavailable("this harvest manager starts no jobs")
+        # Who may start one, whether the server still takes calls, which model: the same
+        # admission step, in the same words, as every other call.
+        host = self._admission.enter("StartHarvest", principal, request.model, action="starting a harvest")
         if self._closing:
             raise Unavailable("the server is shutting down")
+        host.refuse("harvest", "StartHarvest")
         if not self.config.enabled:
             raise FailedPrecondition(
                 "this server has no harvest storage: its operator sets harvest_output_root (or harvest_url_prefixes); "
                 "without it, `hookwire harvest --sink client` writes the dataset on the client"
             )
-        host = self._registry.get(request.model)
         # The quota counts a start from its check on: the slot is reserved here, before
         # the first await (validation and opening the output are awaits, and concurrent
         # starts of one principal would all pass a check that counted registered jobs

@@ -70,6 +70,10 @@ class Batch:
         self.rows = segments[-1].stop if segments else 0
         #: Whether several calls share the pass (a single call is never sliced).
         self.shared = len(segments) > 1
+        #: Whether hooks see the pass's tensors as they are (one call in the model's own
+        #: layout); False: each call's rows are taken and put back (take/put), as in a
+        #: shared pass or a packed layout (packed.py).
+        self.direct = not self.shared
         #: The hooks that fired in this shared pass, with their state before it (see undo).
         self._ledger: dict[int, tuple[Any, Any]] = {}
         #: Its asynchronous captures whose copies are in flight (deferred.py).

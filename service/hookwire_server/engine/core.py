@@ -7,10 +7,30 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..hooks.event_bus import DeliveryGate
+from ..models.model_loading import ModelConfig
+from ..models.model_loading import build_host as load_torch_host
 from ..models.model_registry import ModelHost, ModelRegistry
 from .scheduler import Scheduler, Work
 from .seam import Engine
 from .torch_engine import TorchEngine
+
+
+def default_engine(host: ModelHost) -> Engine:
+    """The engine of ``host``: the one that loaded it (vLLM), else the torch engine."""
+    loaded = host.loaded_engine
+    return loaded if loaded is not None else TorchEngine(host)
+
+
+def build_host(config: ModelConfig) -> ModelHost:
+    """Builds one configured model with the engine its config names (blocks while it
+    loads): the torch engine's loader (models.model_loading.build_host), or vLLM's
+    (vllm_engine.build_host, imported only for such a model)."""
+    if config.engine == "vllm":
+        config.check()
+        from .vllm_engine import build_host as build_vllm_host
+
+        return build_vllm_host(config)
+    return load_torch_host(config)
 
 
 class Engines:
@@ -18,7 +38,7 @@ class Engines:
 
     def __init__(
         self, registry: ModelRegistry, gate: DeliveryGate | None = None,
-        factory: Callable[[ModelHost], Engine] = TorchEngine,
+        factory: Callable[[ModelHost], Engine] = default_engine,
     ) -> None:
         self._registry = registry
         #: Makes the engine of a model (the torch engine for every model so far).
@@ -36,6 +56,7 @@ class Engines:
         engine = self._engines.get(host.name)
         if engine is None or engine.host is not host:
             engine = self._engines[host.name] = self._factory(host)
+            host.engine, host.refused = engine.name, engine.refused  # what clients are told (Model)
         return engine
 
     def use(self, factory: Callable[[ModelHost], Engine]) -> None:
@@ -43,6 +64,8 @@ class Engines:
         behind the seam, or the next engine). Event loop, before the models' first calls."""
         self._factory = factory
         self._engines = {name: e for name, e in self._engines.items() if name in self._schedulers}
+        for host in self._registry:  # made now: ListModels names each model's engine at once
+            self.engine(host)
 
     def scheduler(self, host: ModelHost) -> Scheduler:
         """``host``'s scheduler (made on first use)."""

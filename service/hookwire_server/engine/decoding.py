@@ -28,6 +28,7 @@ from ..hooks.passes import Pass
 from ..models.model_registry import ModelHost, forward_parameters
 from .batching import Batch, Segment, padded_length
 from .pass_runner import call_model, run_joined, running
+from .seam import DecodingState
 
 log = logging.getLogger("hookwire.generate")
 
@@ -277,7 +278,8 @@ class StepCall:
     scheduler Work."""
 
     p: Pass
-    decoder: Decoder
+    #: Its decoding state: a Decoder on the torch engine, the engine's own on another.
+    decoder: DecodingState
     step: int
     put: Callable[[tuple[Any, ...]], None]
     #: Its session when the session's hooks use slots: steps of one group never share a pass.
@@ -295,6 +297,7 @@ def _run_step(host: ModelHost, call: StepCall) -> StepResult:
     """One step of a Generate call alone (worker thread); signals the stream when it is over.
     The call's hooks stay attached between its steps (attached by _start)."""
     p, decoder = call.p, call.decoder
+    assert isinstance(decoder, Decoder)
     p.begin_step(call.step)
     try:
         with running(host, Batch.alone(p)):
@@ -319,8 +322,11 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
     from transformers import DynamicCache
 
     model: Any = host.module
-    inputs = [call.decoder.step_inputs() for call in calls]
-    own = [call.decoder.cache_length() + 1 for call in calls]  # keys each call's step attends to
+    decoders = [call.decoder for call in calls]
+    assert all(isinstance(d, Decoder) for d in decoders)
+    torch_decoders: list[Decoder] = decoders  # type: ignore[assignment]  # checked above
+    inputs = [d.step_inputs() for d in torch_decoders]
+    own = [d.cache_length() + 1 for d in torch_decoders]  # keys each call's step attends to
     rows = [int(i["input_ids"].shape[0]) for i in inputs]
     keys = padded_length(own, host.dimensions | {sum(rows)}, None)
     assert keys is not None
@@ -330,7 +336,7 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
         segments.append(Segment(call.p, start, start + n, length))
         start += n
     first = inputs[0]
-    cache_key = calls[0].decoder.cache_key
+    cache_key = torch_decoders[0].cache_key
     joined = ("input_ids", "position_ids", "attention_mask", cache_key)
     merged: dict[str, Any] = {k: v for k, v in first.items() if k not in joined}
     for i in inputs[1:]:  # the others must be equal plain values (a tensor would need stacking)
@@ -368,18 +374,18 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
             outputs = call_model(host, "forward", lambda: model(**merged, return_dict=True))
     cache = getattr(outputs, cache_key)
     results: list[Any] = []
-    for call, seg, length in zip(calls, segments, own):
+    for call, decoder, seg, length in zip(calls, torch_decoders, segments, own):
         mine = DynamicCache(ddp_cache_data=[
             (layer.keys[seg.start:seg.stop, :, keys - length:], layer.values[seg.start:seg.stop, :, keys - length:])
             for layer in cache.layers
         ])
         result: Any
         try:
-            tokens = call.decoder.advance(type(outputs)(logits=outputs.logits[seg.start:seg.stop], **{cache_key: mine}))
+            tokens = decoder.advance(type(outputs)(logits=outputs.logits[seg.start:seg.stop], **{cache_key: mine}))
         except Exception as exc:  # e.g. its sampling settings leave no distribution: only it fails
             result = exc
         else:
-            result = StepResult(tokens, tuple(call.decoder.reasons), call.decoder.finished)
+            result = StepResult(tokens, tuple(decoder.reasons), decoder.finished)
         try:
             call.p.release()  # its events of the pass go out (also when it failed, as a step alone delivers them)
         except ResourceExhausted as exc:  # it kept more for a full stream than its principal may: only it fails

@@ -21,6 +21,9 @@ An engine provides:
 - ``execute(plan)``: runs one plan, with hookwire's hooks firing for each call
   on that call's rows only (``host.current_batch`` names the calls and their rows:
   batching.Batch), and returns a result or exception per item, in order;
+- ``start_generate`` / ``finish_generate``: a Generate call's decoding state, made
+  before its first step and freed after its last (the torch engine: transformers'
+  generate() prepares it; decoding.py); engines that refuse "generate" need neither;
 - ``refused``: the features it does not support, each with the reason a client is told
   (UNIMPLEMENTED naming the engine and the feature). The torch engine refuses nothing;
   an engine that runs in inference mode (vLLM) refuses backward hooks, gradients and
@@ -46,6 +49,11 @@ GENERATE = "generate"
 HARVEST = "harvest"
 KINDS = (INFER, GENERATE, HARVEST)
 
+#: Features an engine may refuse (Engine.refused keys; the wire's RefusedFeature.feature):
+#: backward hooks and InferRequest.backward; MODE_TRAIN; Infer; Generate; harvest jobs;
+#: attention modules' probabilities (fused kernels never form them).
+FEATURES = ("backward", "train", "infer", "generate", "harvest", "attention_probabilities")
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -54,6 +62,28 @@ class Plan:
 
     kind: str
     items: list[Any]
+
+
+class DecodingState(Protocol):
+    """A Generate call's decoding state, as the call side reads it (Engine.start_generate
+    makes it; decoding.Decoder on the torch engine)."""
+
+    #: Whether the call samples.
+    do_sample: bool
+    #: Each sequence's new tokens, up to the one that ended it.
+    tokens: list[list[int]]
+    #: Why each sequence ended ("" while it runs).
+    reasons: list[str]
+    #: Steps run so far.
+    step_index: int
+    #: The prompt ids, [sequences, length] (its rows count the call's rows in a pass).
+    input_ids: Any
+
+    def end(self, reason: str) -> None:
+        """Ends the sequences still running with ``reason``."""
+
+    def join_key(self) -> Any:
+        """Whether its next step may share a pass (equal keys join), or None: alone."""
 
 
 class Engine(Protocol):
@@ -74,3 +104,14 @@ class Engine(Protocol):
 
     def execute(self, plan: Plan) -> list[Any]:
         """Runs ``plan`` on the model's worker thread: one result or exception per item."""
+
+    def start_generate(self, records: list[Any], ids: Any, mask: Any, options: Any, stop_criteria: Any) -> DecodingState:
+        """Prepares a Generate call on the worker thread (prompt ``ids`` left-padded, with
+        ``mask``; decoding.GenerateOptions; the request-scoped hook ``records`` to attach
+        for the call's lifetime) and returns its decoding state: the payload of its steps
+        (decoding.StepCall.decoder), which reports ``do_sample``, ``tokens``, ``reasons``,
+        ``step_index``, ``end(reason)`` and ``join_key()`` as decoding.Decoder does."""
+
+    def finish_generate(self, p: Any, records: list[Any], decoder: Any) -> None:
+        """Ends a Generate call on the worker thread, after its last step: detaches its
+        hooks, ends its events (Pass.finish), frees its state (``decoder`` may be None)."""

@@ -13,7 +13,11 @@ from typing import Any
 
 from hookwire.v1 import model_service_pb2
 
-from ..errors import InvalidArgument
+import torch
+
+from ..errors import InvalidArgument, Unimplemented
+from ..hooks.hook_record import HookRecord
+from ..hooks.passes import Pass
 from ..models.model_registry import ModelHost
 from . import batching, decoding, harvest_pass, infer_pass
 from .seam import GENERATE, HARVEST, INFER, Plan
@@ -37,6 +41,22 @@ class TorchEngine:
         model's batch dimension (token inputs padded to a common length where the model
         has a pad token); see batching.request_key."""
         return batching.request_key(request, self._host.batching)
+
+    def start_generate(
+        self, records: list[HookRecord], ids: torch.Tensor, mask: torch.Tensor, options: decoding.GenerateOptions,
+        stop_criteria: Any,
+    ) -> decoding.Decoder:
+        """Prepares a Generate call (worker thread): transformers' own generate() prepares
+        it (decoding.start_call); Unimplemented for a transformers without decoding steps."""
+        if not callable(getattr(self._host.module, "_prefill", None)):
+            raise Unimplemented(
+                f"model {self._host.name!r}: Generate needs transformers 5 (the installed version lacks its decoding steps)"
+            )
+        return decoding.start_call(self._host, records, ids, mask, options, stop_criteria)
+
+    def finish_generate(self, p: Pass, records: list[HookRecord], decoder: decoding.Decoder | None) -> None:
+        """Ends a Generate call after its last step (worker thread): decoding.finish_call."""
+        decoding.finish_call(self._host, p, records, decoder)
 
     def execute(self, plan: Plan) -> list[Any]:
         """Runs ``plan`` on the model's worker thread (see seam.Engine.execute). The

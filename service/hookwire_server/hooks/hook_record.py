@@ -169,15 +169,21 @@ class HookRecord:
                 return None if new is None else new["args"]
             return pre
         if phase == hook_pb2.PHASE_FORWARD:
+            # An engine may show a module's output as the transformers module returns it
+            # (ModelHost.output_views: vLLM's decoder layer returns (hidden, residual), its
+            # output projections (out, bias)); a rule's edit goes back through the view.
+            view = self.host.output_views.get(path)
             if action.with_kwargs:
                 def post_kw(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
-                    new = fire(action, path, module, {"args": args, "kwargs": kwargs, "output": output})
-                    return None if new is None else new["output"]
+                    shown = output if view is None else view.show(output)
+                    new = fire(action, path, module, {"args": args, "kwargs": kwargs, "output": shown})
+                    return None if new is None else new["output"] if view is None else view.put(output, new["output"])
                 return post_kw
 
             def post(module: Any, args: Any, output: Any) -> Any:
-                new = fire(action, path, module, {"args": args, "output": output})
-                return None if new is None else new["output"]
+                shown = output if view is None else view.show(output)
+                new = fire(action, path, module, {"args": args, "output": shown})
+                return None if new is None else new["output"] if view is None else view.put(output, new["output"])
             return post
         if phase == hook_pb2.PHASE_BACKWARD_PRE:
             def backward_pre(module: Any, grad_output: Any) -> Any:
@@ -223,7 +229,7 @@ class HookRecord:
             return None
         if batch.deferred:
             batch.deferred.poll()  # earlier asynchronous captures whose copies are done go out
-        if not batch.shared:
+        if batch.direct:
             return self._fire_call(action, path, module, parts, batch.segments[0].p)
         batch.note(self)
         where = f"hook {self.hook_id} on module {path!r} of {self.host.name!r}"

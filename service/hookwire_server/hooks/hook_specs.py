@@ -117,6 +117,8 @@ def compile_spec(
         if not spec.HasField(info.field):  # type: ignore[arg-type]
             continue
         action_msg: hook_pb2.HookAction = getattr(spec, info.field)
+        if info.phase in (hook_pb2.PHASE_BACKWARD_PRE, hook_pb2.PHASE_BACKWARD):
+            host.refuse("backward", info.field)  # an engine that runs no backward pass never fires it
         options = getattr(spec, info.options_field)
         with_kwargs = bool(getattr(options, "with_kwargs", False))
         parts: list[hook_pb2.Part] = []

