@@ -8,6 +8,7 @@ tiny-lm's tokenizer) saved as a transformers folder, built in code, nothing down
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 from typing import Any, Iterator
@@ -61,14 +62,38 @@ def oracle(llama_folder: pathlib.Path) -> Any:
     return model
 
 
+#: Texts of the harvest tests' source (harvest_data_root/docs.jsonl).
+DOCS = [
+    "The cat sat on the mat.",
+    "Hooks see every layer of the model, and the data is written to shards.",
+    "Hello world",
+    "Interpretability researchers harvest activations by the billions of tokens.",
+    "A short one.",
+    "the of and to in is it that was for on are with as at be this have from or one by not",
+]
+
+
 @pytest.fixture(scope="session")
-def vllm_server(llama_folder: pathlib.Path) -> Iterator[ServerThread]:
-    """A real server whose model "llama" runs on the vLLM engine (in-process vLLM)."""
+def harvest_roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
+    data, out = tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("out")
+    with open(data / "docs.jsonl", "w") as f:
+        for doc in DOCS:
+            f.write(json.dumps({"text": doc}) + "\n")
+    return data, out
+
+
+@pytest.fixture(scope="session")
+def vllm_server(llama_folder: pathlib.Path, harvest_roots: tuple[pathlib.Path, pathlib.Path]) -> Iterator[ServerThread]:
+    """A real server whose model "llama" runs on the vLLM engine (in-process vLLM), beside
+    "llama-torch", the same folder on the torch engine; harvest jobs enabled."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     host = build_host(ModelConfig(
         name="llama", transformers=str(llama_folder), engine="vllm",
         vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": KV_CACHE_BYTES},
     ))
-    srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
+    torch_host = build_host(ModelConfig(name="llama-torch", transformers=str(llama_folder), attn_implementation="eager"))
+    data, out = harvest_roots
+    settings = ServerSettings(port=0, harvest_data_root=str(data), harvest_output_root=str(out))
+    srv = ServerThread(ModelRegistry([host, torch_host]), settings).start()
     yield srv
     srv.stop()

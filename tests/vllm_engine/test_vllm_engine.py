@@ -56,7 +56,9 @@ def _greedy(oracle: Any, ids: list[int], n: int, edits: dict[str, torch.Tensor] 
 
 async def test_the_model_says_it_runs_on_vllm_and_what_it_refuses(vllm_server) -> None:
     async with hookwire.connect(vllm_server.target) as client:
-        (info,) = await client.list_models()
+        listed = {m.name: m for m in await client.list_models()}
+        info = listed["llama"]
+        assert listed["llama-torch"].engine == "torch" and not listed["llama-torch"].refused_features
         assert info.engine == "vllm" and info.can_generate and info.has_tokenizer
         assert {"backward", "train", "attention_probabilities"} <= set(info.refused_features)
         full = await client.model("llama").info()
@@ -201,8 +203,12 @@ async def test_what_vllm_cannot_do_answers_unimplemented_naming_the_engine(vllm_
         model = client.model("llama")
         with pytest.raises(hookwire.UnimplementedError, match="vllm engine, which does not support backward"):
             await model.hook("model.layers.0", backward_hook=capture("grad_output"))
-        with pytest.raises(hookwire.UnimplementedError, match="Infer: .*vllm engine"):
-            await model.infer(torch.tensor([[1, 2, 3]]))
+        with pytest.raises(hookwire.UnimplementedError, match="mode: MODE_TRAIN: .*vllm engine"):
+            await model.infer(torch.tensor([[1, 2, 3]]), mode="train")
+        with pytest.raises(hookwire.UnimplementedError, match="Infer on the vllm engine takes input_ids"):
+            await model.infer(torch.tensor([[1, 2, 3]]), inputs_embeds=torch.zeros(1, 3, 128))
+        with pytest.raises(hookwire.UnimplementedError, match="padded on the right only"):
+            await model.infer(torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[0, 1, 1]]))
         with pytest.raises(hookwire.InvalidArgumentError, match=r"max_new_tokens: .* max_model_len 128 \(vllm.max_model_len\)"):
             await model.generate(["hello"], 200)
         # The server stays healthy: a call after the refusals runs.
@@ -218,3 +224,87 @@ def test_a_setting_vllm_refuses_fails_the_model_with_vllms_reason(llama_folder) 
     with pytest.raises(ConfigError, match="model 'big': vLLM did not start: .*max_model_len"):
         build_host(ModelConfig(name="big", transformers=str(llama_folder), engine="vllm",
                                vllm={"max_model_len": 100000, "kv_cache_bytes": 16 << 20}))
+
+
+async def test_infer_is_a_prompt_pass_whose_captures_and_last_logits_equal_transformers(vllm_server, oracle) -> None:
+    """Infer of two right-padded sequences: every decoder layer's capture is
+    [2, length, hidden] with the padding zeros and each row equal to transformers on that
+    sequence alone; the output's logits are each sequence's last position (vLLM computes
+    no others): [2, 1, vocabulary]."""
+    tokenizer = oracle_tokenizer()
+    rows = [_ids(tokenizer, "the model sees"), _ids(tokenizer, "a")]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    async with hookwire.connect(vllm_server.target) as client:
+        result = await client.model("llama").infer(
+            ids, attention_mask=mask, hooks=[HookSpec("model.layers.*", posthook=capture("output"))])
+    logits = torch.as_tensor(result.output["logits"])
+    assert list(logits.shape) == [2, 1, oracle.config.vocab_size]
+    for i, r in enumerate(rows):
+        with torch.no_grad():
+            want = oracle(torch.tensor([r]), output_hidden_states=True)
+        torch.testing.assert_close(logits[i, 0], want.logits[0, -1], **TOL)
+        event = {e.module: torch.as_tensor(e.output) for e in result.events}["model.layers.0"]
+        assert list(event.shape) == [2, width, 128] and bool((event[i, len(r):] == 0).all())
+        torch.testing.assert_close(event[i, :len(r)], want.hidden_states[1][0], **TOL)
+
+
+async def test_run_with_cache_on_vllm_equals_the_torch_engine(vllm_server) -> None:
+    """The SDK's run_with_cache over the decoder layers on the vLLM model equals the same
+    call on the torch engine's copy of the folder."""
+    ids = torch.tensor([[1, 40, 50, 60, 70]])
+    async with hookwire.connect(vllm_server.target) as client:
+        _, on_vllm = await client.model("llama").run_with_cache(ids, modules="model.layers.*")
+        _, on_torch = await client.model("llama-torch").run_with_cache(ids, modules="model.layers.*")
+    assert sorted(on_vllm) == sorted(on_torch) == ["model.layers.0", "model.layers.1"]
+    for key in on_vllm:
+        torch.testing.assert_close(torch.as_tensor(on_vllm[key]), torch.as_tensor(on_torch[key]), **TOL)
+
+
+async def test_a_harvest_job_on_vllm_writes_the_torch_engines_dataset(vllm_server, harvest_roots) -> None:
+    """The same harvest job (packed contexts, two modules) on the vLLM model and on the
+    torch engine's copy: the same tokens, sequences and positions, values within the
+    tolerance."""
+    import json
+
+    import grpc
+    import safetensors
+
+    from hookwire.v1 import harvest_service_pb2 as hv
+    from hookwire.v1 import harvest_service_pb2_grpc as hv_grpc
+
+    _, out = harvest_roots
+
+    def request(model: str, path: str) -> hv.StartHarvestRequest:
+        return hv.StartHarvestRequest(
+            model=model, modules=["model.layers.1", "model.norm"],
+            source=hv.HarvestSource(text=hv.TextSource(path="docs.jsonl")),
+            contexts=hv.HarvestContexts(length=12, batch_size=3, packing=hv.PACKING_PACK),
+            output=hv.HarvestOutput(path=path, shard_tokens=64),
+        )
+
+    def read(folder: Any) -> dict[str, torch.Tensor]:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        parts: dict[str, list[torch.Tensor]] = {}
+        for shard in manifest["shards"]:
+            with safetensors.safe_open(str(folder / shard["file"]), framework="pt") as f:
+                for key in f.keys():
+                    parts.setdefault(key, []).append(f.get_tensor(key))
+        return {k: torch.cat(v) for k, v in parts.items()}
+
+    async with grpc.aio.insecure_channel(vllm_server.target) as channel:
+        stub = hv_grpc.HarvestServiceStub(channel)
+        for model, path in (("llama", "on-vllm"), ("llama-torch", "on-torch")):
+            job = await stub.StartHarvest(request(model, path))
+            last = job
+            async for last in stub.WatchHarvest(hv.WatchHarvestRequest(job_id=job.job_id, interval_ms=50)):
+                pass
+            assert last.state == hv.HARVEST_STATE_SUCCEEDED, last.error
+    got, want = read(out / "on-vllm"), read(out / "on-torch")
+    assert sorted(got) == sorted(want) and got["token_ids"].numel() > 20
+    for key in want:
+        if want[key].is_floating_point():
+            torch.testing.assert_close(got[key], want[key], **TOL)
+        else:
+            assert torch.equal(got[key], want[key]), key

@@ -5,7 +5,7 @@ the host without waiting) for the job to store."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -64,7 +64,19 @@ def run_harvest_batch(host: Any, works: list[HarvestBatch]) -> list[Any]:
     return results
 
 
-def _harvest_pass(host: Any, work: HarvestBatch) -> HarvestResult:
+#: Runs a harvest batch's forward pass for an engine that runs it its own way (the vLLM
+#: engine: a prompt pass through vLLM): (the batch's Pass, input_ids, attention_mask, the
+#: job's hook records to attach for the pass).
+Forward = Callable[[Pass, torch.Tensor, torch.Tensor, list[HookRecord]], None]
+
+
+def harvest_pass(host: Any, work: HarvestBatch, forward: Forward | None = None) -> HarvestResult:
+    """One harvest batch: its pass (the model's forward, or ``forward``), what the job's
+    capture hooks kept, gathered to the kept rows. Raises what the batch fails with."""
+    return _harvest_pass(host, work, forward)
+
+
+def _harvest_pass(host: Any, work: HarvestBatch, forward: Forward | None = None) -> HarvestResult:
     s = work.settings
     batch = work.batch
     ids = torch.from_numpy(batch.input_ids)
@@ -113,15 +125,18 @@ def _harvest_pass(host: Any, work: HarvestBatch) -> HarvestResult:
     p = Pass(work.job_id, "", principal=work.owner, model=host.name)
     p.held_bytes = work.held_bytes
     p.tap = tap
-    inputs: dict[str, Any] = {"input_ids": ids.to(host.device)}
-    params = forward_parameters(host.module)
-    if "attention_mask" in params:
-        inputs["attention_mask"] = mask.to(host.device)
-    if "use_cache" in params:
-        inputs["use_cache"] = False  # a KV cache nobody reads: no values change, less memory
     try:
-        with running(host, batching.Batch.alone(p), work.records), torch.no_grad():
-            host.module(**inputs)
+        if forward is not None:
+            forward(p, ids, mask, work.records)
+        else:
+            inputs: dict[str, Any] = {"input_ids": ids.to(host.device)}
+            params = forward_parameters(host.module)
+            if "attention_mask" in params:
+                inputs["attention_mask"] = mask.to(host.device)
+            if "use_cache" in params:
+                inputs["use_cache"] = False  # a KV cache nobody reads: no values change, less memory
+            with running(host, batching.Batch.alone(p), work.records), torch.no_grad():
+                host.module(**inputs)
     finally:
         # Other hooks' events (e.g. an operator's SCOPE_ALL capture) that a full stream
         # could not take during the pass go out from a thread of their own: the model goes on.

@@ -6,8 +6,9 @@ A ``PackedBatch`` is a ``batching.Batch`` whose calls' rows are token ranges of 
 packed dimension (``PackedSegment.spans``: one ``(start, stop)`` per sequence of the
 call). Whatever the engine packed, a hook of a call sees that call's rows in the layout
 the call alone has on the torch engine: ``[sequences, tokens, ...]``, each sequence
-padded on the left with zeros to the call's longest (a prompt step of a call whose
-prompts differ in length; later decoding steps have one token per sequence). A rule's
+padded with zeros to the call's longest, on the left for a Generate prompt step (later
+decoding steps have one token per sequence), on the right for an Infer or harvest
+prompt pass, as their inputs are padded. A rule's
 ``index`` counts positions in that layout; what it writes goes back to the packed
 tensor at the call's own token positions only, so pad positions are never edited and a
 rule never reaches another call's tokens. Even a call alone in a pass is translated
@@ -32,28 +33,48 @@ if TYPE_CHECKING:
     from ..hooks.passes import Pass
 
 
+class _Hidden(Exception):
+    """A tensor of a shared pass that cannot rerun, not laid out by tokens: hidden."""
+
+
 @dataclasses.dataclass
 class PackedSegment(Segment):
     """One call's token ranges in a packed pass: ``spans[i]`` is sequence i's tokens
     along the packed dimension (``start``/``stop`` bound them all)."""
 
     spans: tuple[tuple[int, int], ...] = ()
+    #: Where a shorter sequence's padding goes in the call's layout: "left" (a prompt
+    #: step of Generate: each sequence ends at the last position) or "right" (a prompt
+    #: pass of Infer or harvest, whose inputs are padded on the right).
+    side: str = "left"
 
     @classmethod
-    def of(cls, p: Pass, spans: list[tuple[int, int]]) -> PackedSegment:
-        return cls(p, spans[0][0], spans[-1][1], None, tuple(spans))
+    def of(cls, p: Pass, spans: list[tuple[int, int]], side: str = "left", width: int | None = None) -> PackedSegment:
+        """``width``: the call's layout length when it is longer than its longest sequence
+        (an Infer call's inputs padded past it); None: the longest sequence's."""
+        return cls(p, spans[0][0], spans[-1][1], width, tuple(spans), side)
+
+    def at(self, i: int, width: int) -> slice:
+        """Where sequence i's tokens are in the call's layout of ``width`` positions."""
+        a, b = self.spans[i]
+        return slice(width - (b - a), width) if self.side == "left" else slice(0, b - a)
 
     @property
     def width(self) -> int:
-        """The call's layout length: its longest sequence here."""
-        return max(b - a for a, b in self.spans)
+        """The call's layout length: its longest sequence here (or the width it was given)."""
+        return max([b - a for a, b in self.spans] + [self.length or 0])
 
 
 class PackedBatch(Batch):
     """The calls of one packed pass (see the module docstring)."""
 
-    def __init__(self, segments: list[PackedSegment], *, dim: int, tokens: int) -> None:
+    def __init__(self, segments: list[PackedSegment], *, dim: int, tokens: int, rerun: bool = True) -> None:
         super().__init__(list(segments), dim=dim)
+        #: Whether a shared pass that fails can run again call by call (the test engine's
+        #: passes can; a vLLM step cannot): if not, a tensor that is not laid out by tokens
+        #: (vLLM's logits: one row per request) is hidden from each call (None), never
+        #: shown whole, so no call sees another's rows.
+        self.rerun = rerun
         #: Tokens along the packed dimension (a tensor of another size there is not the
         #: call's rows: Unsplittable in a shared pass, left as it is for a call alone).
         self.tokens = tokens
@@ -66,6 +87,8 @@ class PackedBatch(Batch):
         if x.dim() <= dim or x.shape[dim] != self.tokens or any(n != 1 for n in x.shape[:dim]):
             if not self.shared:
                 return False  # a call alone: a tensor not by tokens is the call's own (e.g. a cache)
+            if not self.rerun:
+                raise _Hidden
             size = "no token dimension" if x.dim() <= dim else f"{x.shape[dim]} along dimension {dim}"
             raise Unsplittable(
                 f"{where}: a tensor of shape {list(x.shape)} has {size}, but the packed pass has {self.tokens} tokens: "
@@ -81,19 +104,27 @@ class PackedBatch(Batch):
             return flat[a0:a0 + len(spans) * width].view(len(spans), width, *flat.shape[1:])  # no copy
         out = flat.new_zeros((len(spans), width, *flat.shape[1:]))
         for i, (a, b) in enumerate(spans):
-            out[i, width - (b - a):] = flat[a:b]
+            out[i, seg.at(i, width)] = flat[a:b]
         return out
 
     def take(self, value: Any, seg: Segment, where: str) -> Any:
         """``value`` with each packed tensor laid out as ``[sequences, tokens, ...]`` for the
         call (a view when its sequences are equally long, else a zero-padded copy)."""
         assert isinstance(seg, PackedSegment)
-        return _map(value, lambda x: self._view(x, seg) if self._check(x, where) else x)
+
+        def view(x: torch.Tensor) -> Any:
+            try:
+                return self._view(x, seg) if self._check(x, where) else x
+            except _Hidden:
+                return None
+        return _map(value, view)
 
     def put(self, full: Any, before: Any, after: Any, seg: Segment, where: str, cloned: set[int]) -> Any:
         """``full`` with the call's own token positions replaced where the rules changed
         them (pad positions of the call's layout are dropped)."""
         assert isinstance(seg, PackedSegment)
+        if isinstance(full, torch.Tensor) and before is None:
+            return full  # hidden from the call (see rerun): nothing of it is the call's to edit
         if isinstance(full, torch.Tensor) and isinstance(after, torch.Tensor) and after is not before:
             if not self._check(full, where):
                 return after  # a call alone's own tensor, not laid out by tokens
@@ -107,6 +138,6 @@ class PackedBatch(Batch):
             cloned.add(id(target))
             flat = target.view(target.shape[self.dim:])
             for i, (a, b) in enumerate(seg.spans):
-                flat[a:b] = after[i, width - (b - a):]
+                flat[a:b] = after[i, seg.at(i, width)]
             return target
         return super().put(full, before, after, seg, where, cloned)

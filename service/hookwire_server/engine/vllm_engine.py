@@ -29,10 +29,12 @@ What hookwire keeps vLLM from doing, for correctness:
 
 What it refuses (UNIMPLEMENTED naming the engine and the feature): backward hooks and
 gradients, MODE_TRAIN (vLLM runs in inference mode), attention probabilities (fused
-kernels never form them), Infer and harvest jobs (not yet on this engine: Generate,
-Tokenize and GetParameters are).
+kernels never form them).
 
-A Generate call is one vLLM request per prompt. The call's steps come as work items
+An Infer call (token ids, padded on the right) and a harvest batch are prompt passes:
+one request per sequence, one token each; their hooks fire once, over the call's rows
+padded on the right as its inputs were; Infer's output is each sequence's last-position
+logits (vLLM computes no others). A Generate call is one vLLM request per prompt. The call's steps come as work items
 (seam.Plan of kind "generate"): an item's request is added to vLLM at its first step;
 ``execute`` runs vLLM steps until every item has its next token. vLLM advances every
 request it holds in each step, so a call whose stream reads slowly may run ahead of
@@ -57,10 +59,14 @@ from ..hooks.hook_record import HookRecord
 from ..hooks.passes import Pass
 from ..models.model_loading import ConfigError, ModelConfig, load_tokenizer
 from ..models.model_registry import BatchConfig, ModelHost, OutputView
+from hookwire.wire import codec
+
+from . import harvest_pass, infer_pass
+from .batching import Shape
 from .decoding import FINISHED, GenerateOptions, StepCall, StepResult
 from .packed import PackedBatch, PackedSegment
 from .pass_runner import call_model, running
-from .seam import GENERATE, Plan
+from .seam import GENERATE, HARVEST, INFER, Plan
 
 log = logging.getLogger("hookwire.vllm")
 
@@ -70,8 +76,6 @@ REFUSED: Mapping[str, str] = {
     "backward": "vLLM runs the model in inference mode: no backward pass, no gradients",
     "train": "vLLM runs the model in inference mode",
     "attention_probabilities": "vLLM's fused attention kernels never form the probabilities",
-    "infer": "Infer is not yet served on the vLLM engine (Generate is)",
-    "harvest": "harvest jobs are not yet served on the vLLM engine",
 }
 
 #: Defaults that start on a 2-core, 24 GiB machine (vLLM's own defaults want ~92% of
@@ -152,9 +156,37 @@ def _stream(output: Any) -> Any:
     return output[0]
 
 
+class PromptCall:
+    """A prompt pass on vLLM (an Infer call, a harvest batch): one request per sequence,
+    one token each; its hooks fire once, at step 0, over its rows padded on the right as
+    its inputs were. Worker thread."""
+
+    side = "right"
+
+    def __init__(self, engine: VllmEngine, p: Pass, records: list[HookRecord], prompts: list[list[int]],
+                 width: int) -> None:
+        self.p = p
+        self.records = records
+        self.prompts = prompts
+        self.width = width
+        self.request_ids = [engine.next_id() for _ in prompts]
+        self.added = False
+        self.done = [False] * len(prompts)
+        #: Each sequence's logits at its last position (vLLM computes no others).
+        self.logits: list[torch.Tensor | None] = [None] * len(prompts)
+        self.failure: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(self.done)
+
+    def step_of(self) -> int:
+        return 0
+
+
 @dataclasses.dataclass
 class _Row:
-    call: VllmCall
+    call: VllmCall | PromptCall
     index: int
 
 
@@ -162,9 +194,11 @@ class VllmCall:
     """The decoding state of one Generate call on vLLM (seam.Engine.start_generate):
     one vLLM request per prompt. Worker thread."""
 
+    side = "left"
+    width = None
+
     def __init__(self, engine: VllmEngine, p: Pass | None, records: list[HookRecord], prompts: list[list[int]],
                  params: list[Any], ids: torch.Tensor, do_sample: bool) -> None:
-        self.engine = engine
         self.p = p
         self.records = records
         self.prompts = prompts
@@ -172,13 +206,13 @@ class VllmCall:
         self.input_ids = ids
         self.do_sample = do_sample
         batch = len(prompts)
-        self.request_ids = [f"{engine.next_id()}" for _ in range(batch)]
+        self.request_ids = [engine.next_id() for _ in range(batch)]
         self.added = False
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.reasons = [""] * batch
         #: Steps completed (every running sequence has its token of the step).
         self.step_index = 0
-        #: StepResult of each completed step, in order; and the "done" signal of each.
+        #: StepResult of each completed step, in order.
         self.results: list[StepResult] = []
         self.put: Any = None
         self.failure: BaseException | None = None
@@ -186,6 +220,9 @@ class VllmCall:
     @property
     def finished(self) -> bool:
         return all(self.reasons)
+
+    def step_of(self) -> int:
+        return len(self.results)
 
     def join_key(self) -> Any:
         """Every vLLM step joins: vLLM packs whatever it schedules."""
@@ -196,7 +233,7 @@ class VllmCall:
 
 
 class VllmEngine:
-    """Runs one vLLM-served model's Generate calls (see the module docstring)."""
+    """Runs one vLLM-served model's calls (see the module docstring)."""
 
     name = NAME
     refused = REFUSED
@@ -213,8 +250,16 @@ class VllmEngine:
         self._rows: dict[str, _Row] = {}
         #: The pass being laid out by the root pre-hook (set around each vLLM step).
         self._batch: PackedBatch | None = None
+        #: The rows of the step's requests, in vLLM's order (None: not hookwire's).
+        self._order: list[_Row | None] = []
+        self._logits: torch.Tensor | None = None
+        vocab = getattr(getattr(host.module, "config", None), "vocab_size", None)
+        self._vocab = vocab if isinstance(vocab, int) else None
         self._install_views()
         host.module.register_forward_pre_hook(self._lay_out)
+        head = host.modules.get("logits_processor")
+        if head is not None:
+            head.register_forward_hook(self._keep_logits)
 
     @property
     def host(self) -> ModelHost:
@@ -240,31 +285,34 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ the seam
 
-    def infer_shape(self, request: Any) -> None:
-        return None
+    def infer_shape(self, request: Any) -> Shape | None:
+        """Infer calls of token ids join: vLLM packs whatever it schedules."""
+        ids = request.kwargs["input_ids"] if "input_ids" in request.kwargs else (request.args[0] if request.args else None)
+        if ids is None or ids.WhichOneof("kind") != "tensor" or len(ids.tensor.shape) != 2:
+            return None
+        return Shape(("vllm-prompt",), int(ids.tensor.shape[0]), None, frozenset())
 
     def execute(self, plan: Plan) -> list[Any]:
-        """Runs vLLM steps until every item of ``plan`` has its step's tokens."""
-        if plan.kind != GENERATE:
-            return [Unimplemented(f"the {NAME} engine does not run {plan.kind} work")] * len(plan.items)
-        items: list[StepCall] = plan.items
+        """Runs vLLM steps until every item of ``plan`` has what it waits for: a Generate
+        step's tokens, an Infer call's or harvest batch's prompt pass."""
+        if plan.kind == GENERATE:
+            return self._generate(plan.items)
+        if plan.kind == INFER:
+            return [self._infer_result(call, state) if not isinstance(state, BaseException) else state
+                    for call, state in zip(plan.items, self._prompt_passes(plan.items))]
+        if plan.kind == HARVEST:
+            return [self._harvest(work) for work in plan.items]
+        return [Unimplemented(f"the {NAME} engine does not run {plan.kind} work")] * len(plan.items)
+
+    def _generate(self, items: list[StepCall]) -> list[Any]:
         for item in items:
-            state = item.decoder
-            assert isinstance(state, VllmCall)
+            state = _state(item)
             state.put = item.put
             if state.p is None:
                 state.p = item.p
             if not state.added:
                 self._add(state)
-        while True:
-            pending = [i for i in items if _state(i).failure is None and len(_state(i).results) <= i.step]
-            if not pending:
-                break
-            if not self._engine.has_unfinished_requests():
-                for i in pending:
-                    _state(i).failure = FailedPrecondition(f"vLLM holds no request of this call at step {i.step}")
-                break
-            self._step()
+        self._run_until(lambda: [i for i in items if _state(i).failure is None and len(_state(i).results) <= i.step])
         out: list[Any] = []
         for item in items:
             state = _state(item)
@@ -273,6 +321,120 @@ class VllmEngine:
             else:
                 out.append(state.results[item.step])
         return out
+
+    def _run_until(self, pending: Any) -> None:
+        """vLLM steps until ``pending()`` is empty."""
+        while True:
+            waiting = pending()
+            if not waiting:
+                return
+            if not self._engine.has_unfinished_requests():
+                for item in waiting:
+                    state = item if isinstance(item, PromptCall) else _state(item)
+                    state.failure = FailedPrecondition("vLLM holds no request of this call any more")
+                return
+            self._step()
+
+    # ------------------------------------------------------------------ prompt passes
+
+    def _prompt_passes(self, calls: list[infer_pass.InferCall]) -> list[PromptCall | BaseException]:
+        """Infer calls as prompt passes (their hooks attached for the pass)."""
+        from vllm import SamplingParams
+
+        states: list[PromptCall | BaseException] = []
+        for call in calls:
+            try:
+                prompts, width = self._token_rows(call)
+            except Exception as exc:  # its own bad input fails only it
+                states.append(exc)
+                continue
+            states.append(PromptCall(self, call.p, call.records, prompts, width))
+        live = [s for s in states if isinstance(s, PromptCall)]
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        for state in live:
+            for record in state.records:
+                record.attach()
+        try:
+            for state in live:
+                self._add_prompt(state, params)
+            self._run_until(lambda: [s for s in live if s.failure is None and not s.finished])
+        finally:
+            for state in live:
+                for record in state.records:
+                    record.detach()
+                for rid in state.request_ids:
+                    self._rows.pop(rid, None)
+        return states
+
+    def _token_rows(self, call: infer_pass.InferCall) -> tuple[list[list[int]], int]:
+        request = call.request
+        names = set(request.kwargs) - {"input_ids", "attention_mask"}
+        if names or len(request.args) > 1 or (len(request.args) == 1) == ("input_ids" in request.kwargs):
+            raise Unimplemented(
+                f"Infer on the {NAME} engine takes input_ids (and an attention_mask) only, not {sorted(names) or 'these arguments'}"
+            )
+        ids = codec.decode_value(request.args[0] if request.args else request.kwargs["input_ids"])
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+            raise InvalidArgument("input_ids: an integer [sequences, length] matrix")
+        mask = torch.ones_like(ids)
+        if "attention_mask" in request.kwargs:
+            mask = codec.decode_value(request.kwargs["attention_mask"])
+            if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+                raise InvalidArgument(f"attention_mask: shape must be input_ids' {list(ids.shape)}")
+        prompts = []
+        for i, (row, keep) in enumerate(zip(ids.tolist(), mask.tolist())):
+            n = sum(1 for k in keep if k)
+            if keep[:n] != [1] * n or any(keep[n:]):
+                raise Unimplemented(f"attention_mask[{i}]: the {NAME} engine takes sequences padded on the right only")
+            if n == 0:
+                raise InvalidArgument(f"attention_mask[{i}]: the sequence has no token")
+            prompts.append([int(t) for t in row[:n]])
+        if ids.shape[1] >= self.max_model_len:
+            raise InvalidArgument(
+                f"input_ids: {ids.shape[1]} positions reach model {self._host.name!r}'s max_model_len {self.max_model_len}"
+            )
+        return prompts, int(ids.shape[1])
+
+    def _add_prompt(self, state: PromptCall, params: Any) -> None:
+        for row, rid in enumerate(state.request_ids):
+            self._rows[rid] = _Row(state, row)
+            self._engine.add_request(rid, {"prompt_token_ids": state.prompts[row]}, params)
+        state.added = True
+
+    def _infer_result(self, call: infer_pass.InferCall, state: PromptCall) -> Any:
+        if state.failure is not None:
+            return state.failure
+        rows = [t if t is not None else torch.zeros(self._vocab or 1) for t in state.logits]
+        logits = torch.stack(rows)[:, None]
+        codec.encode_value_into({"logits": logits}, call.p.response.output)
+        return infer_pass.delivered(call, call.p.response)
+
+    def _harvest(self, work: harvest_pass.HarvestBatch) -> Any:
+        """A harvest batch: its prompt pass through vLLM (harvest_pass does the rest)."""
+        from vllm import SamplingParams
+
+        def forward(p: Pass, ids: torch.Tensor, mask: torch.Tensor, records: list[HookRecord]) -> None:
+            prompts = [[int(t) for t, k in zip(row, keep) if k] for row, keep in zip(ids.tolist(), mask.tolist())]
+            state = PromptCall(self, p, records, prompts, int(ids.shape[1]))
+            for record in records:
+                record.attach()
+            try:
+                self._add_prompt(state, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
+                self._run_until(lambda: [state] if state.failure is None and not state.finished else [])
+            finally:
+                for record in records:
+                    record.detach()
+                for rid in state.request_ids:
+                    self._rows.pop(rid, None)
+            if state.failure is not None:
+                raise state.failure
+
+        try:
+            return harvest_pass.harvest_pass(self._host, work, forward)
+        except Exception as exc:
+            return exc
+
+    # ------------------------------------------------------------------ steps
 
     def _add(self, state: VllmCall) -> None:
         for row, rid in enumerate(state.request_ids):
@@ -283,19 +445,29 @@ class VllmEngine:
     def _step(self) -> None:
         """One vLLM step: hooks fire per call (the root pre-hook lays the pass out), then
         each call whose every running sequence got its token completes a step."""
-        batch = PackedBatch([], dim=0, tokens=0)
+        batch = PackedBatch([], dim=0, tokens=0, rerun=False)
         self._batch = batch
+        self._logits = None
         try:
             with running(self._host, batch):
                 outputs = call_model(self._host, "forward", self._engine.step)
         finally:
             self._batch = None
+        logits, order = self._logits, self._order
+        self._logits, self._order = None, []
+        if logits is not None:
+            for i, row in enumerate(order):
+                if row is not None and isinstance(row.call, PromptCall) and i < logits.shape[0]:
+                    row.call.logits[row.index] = logits[i, : self._vocab]
         advanced: dict[int, VllmCall] = {}
         for output in outputs:
             row = self._rows.get(output.request_id)
             if row is None:
                 continue
             state = row.call
+            if isinstance(state, PromptCall):
+                state.done[row.index] = state.done[row.index] or bool(output.finished)
+                continue
             completion = output.outputs[0]
             new = list(completion.token_ids)[len(state.tokens[row.index]):]
             state.tokens[row.index].extend(int(t) for t in new)
@@ -337,20 +509,23 @@ class VllmEngine:
         n = ib.num_reqs
         starts = self._runner.query_start_loc.cpu[: n + 1].tolist()
         spans: dict[int, dict[int, tuple[int, int]]] = {}
-        calls: dict[int, VllmCall] = {}
+        calls: dict[int, VllmCall | PromptCall] = {}
+        order: list[_Row | None] = []
         for i, rid in enumerate(ib.req_ids[:n]):
             # vLLM's runner knows a request by the id it was added with plus "-" and a
             # suffix of its own (hookwire's ids have no "-").
             row = self._rows.get(rid.partition("-")[0])
+            order.append(row)
             if row is None:
                 continue
             calls[id(row.call)] = row.call
             spans.setdefault(id(row.call), {})[row.index] = (starts[i], starts[i + 1])
+        self._order = order
         segments = []
         end = starts[n] if n else 0
         for key, state in calls.items():
             mine = spans[key]
-            step = len(state.results)
+            step = state.step_of()
             if step == 0 and len(mine) != len(state.prompts):
                 raise ResourceExhausted(
                     f"vLLM split the prompts of one call across steps (its KV cache or max_num_seqs is too small for "
@@ -358,10 +533,16 @@ class VllmEngine:
                 )
             assert state.p is not None
             state.p.begin_step(step)
-            segments.append(PackedSegment.of(state.p, [mine.get(r, (end, end)) for r in range(len(state.prompts))]))
+            rows = [mine.get(r, (end, end)) for r in range(len(state.prompts))]
+            segments.append(PackedSegment.of(state.p, rows, state.side, state.width if step == 0 else None))
         batch.segments = list(segments)
         batch.tokens = batch.rows = end
         batch.shared = len(segments) > 1
+
+    def _keep_logits(self, module: Any, args: Any, output: Any) -> None:
+        """The step's logits (one row per request, at its last position), for prompt passes."""
+        if self._batch is not None and any(r is not None and isinstance(r.call, PromptCall) for r in self._order):
+            self._logits = output.detach().to("cpu", copy=True)
 
     # ------------------------------------------------------------------ calls
 
@@ -414,7 +595,7 @@ class VllmEngine:
         p.finish()
 
 
-def _state(item: StepCall) -> VllmCall:
+def _state(item: Any) -> VllmCall:
     state = item.decoder
     assert isinstance(state, VllmCall)
     return state
