@@ -11,8 +11,15 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
 from support import ServerThread, build_test_registry
 
 state = {"on": False, "entries": collections.Counter()}
+#: Code flags of frames that resume (generators, coroutines, async generators): a
+#: resumption is the same visit going on, not a new entry.
+_RESUMING = 0x20 | 0x80 | 0x200
+
+
 def prof(frame, event, arg):
     if event != "call" or not state["on"]:
+        return
+    if frame.f_code.co_flags & _RESUMING and frame.f_lasti > 0:
         return
     mod = frame.f_globals.get("__name__", "")
     if not mod.startswith("hookwire_server"):

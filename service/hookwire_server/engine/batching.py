@@ -79,6 +79,13 @@ class Batch:
         #: Its asynchronous captures whose copies are in flight (deferred.py).
         self.deferred = DeferredCaptures()
 
+    def fail_call(self, p: Pass, exc: BaseException) -> bool:
+        """A hook failed for one call of this pass: True when the batch keeps the failure
+        for that call alone and the pass goes on (a pass that cannot run again, e.g. a
+        vLLM step: packed.PackedBatch); False (here): the hook raises, and the pass fails
+        (a shared pass then runs its calls again alone)."""
+        return False
+
     def note(self, record: Any) -> None:
         """Remembers a hook's state before its first firing in this pass. Worker thread."""
         if id(record) not in self._ledger:

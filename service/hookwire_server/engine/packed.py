@@ -75,11 +75,22 @@ class PackedBatch(Batch):
         #: (vLLM's logits: one row per request) is hidden from each call (None), never
         #: shown whole, so no call sees another's rows.
         self.rerun = rerun
+        #: Calls a hook failed for in a pass that cannot rerun: id(Pass) -> (Pass, error).
+        self.failures: dict[int, tuple[Pass, BaseException]] = {}
         #: Tokens along the packed dimension (a tensor of another size there is not the
         #: call's rows: Unsplittable in a shared pass, left as it is for a call alone).
         self.tokens = tokens
         self.rows = tokens
         self.direct = False
+
+    def fail_call(self, p: Pass, exc: BaseException) -> bool:
+        """In a pass that cannot rerun, a hook's failure is kept for its call (which the
+        engine fails after the step) and the pass goes on for the others: an exception
+        out of a vLLM step would leave every request of the step stuck."""
+        if self.rerun:
+            return False
+        self.failures.setdefault(id(p), (p, exc))
+        return True
 
     def _check(self, x: torch.Tensor, where: str) -> bool:
         """Whether ``x`` is laid out by tokens (else: not the calls' rows)."""

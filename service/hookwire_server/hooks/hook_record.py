@@ -242,14 +242,19 @@ class HookRecord:
                 continue
             # Views of the call's rows (and own token length); Unsplittable fails the shared
             # pass, whose calls then run again alone.
-            mine = {**parts, **{root: batch.take(parts[root], seg, where) for root in action.roots if root in parts}}
-            new = self._fire_call(action, path, module, mine, seg.p)
-            if new is None:
-                continue
-            parts = {**parts, **{
-                root: batch.put(parts[root], mine[root], new[root], seg, where, cloned)
-                for root in action.roots if root in parts
-            }}
+            try:
+                mine = {**parts, **{root: batch.take(parts[root], seg, where) for root in action.roots if root in parts}}
+                new = self._fire_call(action, path, module, mine, seg.p)
+                if new is None:
+                    continue
+                parts = {**parts, **{
+                    root: batch.put(parts[root], mine[root], new[root], seg, where, cloned)
+                    for root in action.roots if root in parts
+                }}
+            except Exception as exc:
+                if batch.fail_call(seg.p, exc):  # kept for this call alone (a pass that cannot rerun)
+                    continue
+                raise
             changed = True
         return parts if changed else None
 
