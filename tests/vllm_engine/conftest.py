@@ -85,13 +85,15 @@ def harvest_roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Pat
 @pytest.fixture(scope="session")
 def vllm_server(llama_folder: pathlib.Path, harvest_roots: tuple[pathlib.Path, pathlib.Path]) -> Iterator[ServerThread]:
     """A real server whose model "llama" runs on the vLLM engine (in-process vLLM), beside
-    "llama-torch", the same folder on the torch engine; harvest jobs enabled."""
+    "llama-torch", the same folder on the torch engine; harvest jobs enabled; both with
+    readable parameters."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     host = build_host(ModelConfig(
         name="llama", transformers=str(llama_folder), engine="vllm",
-        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": KV_CACHE_BYTES},
+        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": KV_CACHE_BYTES}, parameters_readable=True,
     ))
-    torch_host = build_host(ModelConfig(name="llama-torch", transformers=str(llama_folder), attn_implementation="eager"))
+    torch_host = build_host(ModelConfig(name="llama-torch", transformers=str(llama_folder), attn_implementation="eager",
+                                        parameters_readable=True))
     data, out = harvest_roots
     settings = ServerSettings(port=0, harvest_data_root=str(data), harvest_output_root=str(out))
     srv = ServerThread(ModelRegistry([host, torch_host]), settings).start()

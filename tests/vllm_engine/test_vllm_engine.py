@@ -308,3 +308,60 @@ async def test_a_harvest_job_on_vllm_writes_the_torch_engines_dataset(vllm_serve
             torch.testing.assert_close(got[key], want[key], **TOL)
         else:
             assert torch.equal(got[key], want[key]), key
+
+
+async def test_a_hook_that_fails_its_call_inside_a_vllm_step_fails_only_that_call(vllm_server) -> None:
+    """A rule that cannot apply (a vector of the wrong size) with on_error="fail_call"
+    fails its own Generate call with the rule's error; a call in the same vLLM steps
+    finishes with its tokens; the engine serves the next call (an exception out of a
+    vLLM step would leave every request of the step stuck)."""
+    bad = HookSpec("model.layers.0", posthook=[rules.add("output", torch.ones(7))], on_error="fail_call")
+    async with hookwire.connect(vllm_server.target) as a, hookwire.connect(vllm_server.target) as b:
+        failed, fine = await asyncio.gather(
+            a.model("llama").generate(["hello world"], 5, hooks=[bad]),
+            b.model("llama").generate(["the model sees"], 5),
+            return_exceptions=True,
+        )
+        assert isinstance(failed, hookwire.HookwireError) and "model.layers.0" in str(failed), failed
+        assert not isinstance(fine, BaseException), fine
+        assert len(fine.token_ids[0]) == 5
+        assert (await b.model("llama").generate(["hello"], 3)).steps == 3
+
+
+def _same_bits(got: Any, want: torch.Tensor) -> bool:
+    want = want.detach().contiguous()
+    return (isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+            and torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)))
+
+
+async def test_get_parameters_answers_to_the_transformers_names_bit_for_bit(vllm_server, oracle) -> None:
+    """GetParameters on the vLLM model answers to transformers' names: q_proj, k_proj and
+    v_proj (rows of vLLM's fused qkv_proj), gate_proj and up_proj (of gate_up_proj), and
+    the embeddings trimmed to the vocabulary (vLLM pads them to 384 rows), each with
+    transformers' shape and bits; every transformers name is answered, by exact name and
+    by glob; vLLM's own fused names keep answering with vLLM's shapes (the parts stacked)."""
+    named = dict(oracle.named_parameters(remove_duplicate=False))
+    split = [f"model.layers.{i}.{part}.weight" for i in range(2)
+             for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")]
+    async with hookwire.connect(vllm_server.target) as client:
+        model = client.model("llama")
+        got = await model.parameters(*split, "model.embed_tokens.weight", "lm_head.weight")
+        assert sorted(got) == sorted([*split, "model.embed_tokens.weight", "lm_head.weight"])
+        for name, tensor in got.items():
+            assert _same_bits(tensor, named[name]), (name, getattr(tensor, "shape", None), named[name].shape)
+        assert list(got["model.embed_tokens.weight"].shape) == [oracle.config.vocab_size, 128]
+        # Every transformers name, by glob too (vLLM's fused names come along with theirs).
+        everything = await model.parameters("**")
+        assert set(named) <= set(everything)
+        assert all(_same_bits(everything[name], want) for name, want in named.items())
+        assert list(await model.parameters("model.layers.*.self_attn.k_proj.weight")) == [
+            "model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.k_proj.weight"]
+        fused = await model.parameters("model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight")
+        layer = "model.layers.1"
+        assert _same_bits(fused[f"{layer}.self_attn.qkv_proj.weight"], torch.cat(
+            [named[f"{layer}.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]))
+        assert _same_bits(fused[f"{layer}.mlp.gate_up_proj.weight"], torch.cat(
+            [named[f"{layer}.mlp.{p}.weight"] for p in ("gate_proj", "up_proj")]))
+        # GetModel lists the embedding with the shape GetParameters reads.
+        info = {m.path: m for m in (await model.info()).modules}
+        assert [list(p.shape) for p in info["model.embed_tokens"].parameters] == [[oracle.config.vocab_size, 128]]

@@ -89,8 +89,10 @@ class Selection:
 
 def select_parameters(host: ModelHost, patterns: list[str], cast: torch.dtype | None) -> Selection:
     """The parameters ``patterns`` (exact names or globs) name, each once, in the model's
-    named_parameters(remove_duplicate=False) order. NotFound naming the first pattern that
-    matches nothing; InvalidArgument for a glob over the matcher's length;
+    named_parameters(remove_duplicate=False) order (the names an engine adds as views of
+    them after their source: ModelHost.parameter_names). NotFound naming the first pattern
+    that matches nothing (and why, for a name the engine knows it cannot answer to:
+    ModelHost.parameter_gaps); InvalidArgument for a glob over the matcher's length;
     Unimplemented for a parameter whose dtype has no wire form. Costs one walk of the
     parameter names per glob: run it off the event loop."""
     index = host.parameter_index
@@ -104,6 +106,9 @@ def select_parameters(host: ModelHost, patterns: list[str], cast: torch.dtype | 
         if not found:
             if is_glob(pattern):
                 raise NotFound(f"names[{i}]: pattern {pattern!r} matches no parameter of model {host.name!r}")
+            gap = host.parameter_gaps.get(pattern)
+            if gap is not None:
+                raise NotFound(f"names[{i}]: model {host.name!r} cannot answer to parameter {pattern!r}: {gap}")
             raise NotFound(f"names[{i}]: model {host.name!r} has no parameter {pattern!r} (GetModel lists them "
                            "per module; a glob such as '**' matches several)")
         chosen.update(order[name] for name in found)
@@ -111,7 +116,7 @@ def select_parameters(host: ModelHost, patterns: list[str], cast: torch.dtype | 
     names = [index.paths[i] for i in sorted(chosen)]
     sizes = []
     for name in names:
-        param = host.parameters[name]
+        param = host.parameter(name)
         dtype = cast if cast is not None and param.is_floating_point() else param.dtype
         try:
             code = codec.wire_dtype_of(dtype)

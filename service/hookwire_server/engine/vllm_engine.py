@@ -61,7 +61,7 @@ from ..models.model_loading import ConfigError, ModelConfig, load_tokenizer
 from ..models.model_registry import BatchConfig, ModelHost, OutputView
 from hookwire.wire import codec
 
-from . import harvest_pass, infer_pass
+from . import harvest_pass, infer_pass, vllm_names
 from .batching import Shape
 from .decoding import FINISHED, GenerateOptions, StepCall, StepResult
 from .packed import PackedBatch, PackedSegment
@@ -121,6 +121,7 @@ def build_host(config: ModelConfig) -> ModelHost:
         dtype = folder_dtype(folder)
     max_len = settings.get("max_model_len", DEFAULT_MAX_MODEL_LEN)
     seqs = settings.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+    vllm_names.keep_cpu_linear_weights(config.parameters_readable)  # GetParameters reads them
     try:
         llm = LLM(
             model=str(folder), tokenizer=str(folder), dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
@@ -142,6 +143,7 @@ def build_host(config: ModelConfig) -> ModelHost:
                      tokenizer=tokenizer, tokenizer_problem=problem,
                      batching=BatchConfig(max_batch_size=seqs, max_batch_delay_ms=0.0),
                      parameters_readable=config.parameters_readable, async_captures="off")
+    vllm_names.add_transformers_names(host, tensor_parallel_size=tp)  # q_proj, gate_proj, ... as views
     host.can_generate = True
     try:  # the folder's generation defaults (do_sample, temperature, ...), as transformers reads them
         host._generation_defaults = json.loads((folder / "generation_config.json").read_text())  # type: ignore[attr-defined]
@@ -253,6 +255,8 @@ class VllmEngine:
         #: The rows of the step's requests, in vLLM's order (None: not hookwire's).
         self._order: list[_Row | None] = []
         self._logits: torch.Tensor | None = None
+        #: Why the engine serves no more calls ("" while it does): vLLM failed in a step.
+        self._broken = ""
         vocab = getattr(getattr(host.module, "config", None), "vocab_size", None)
         self._vocab = vocab if isinstance(vocab, int) else None
         self._install_views()
@@ -445,20 +449,35 @@ class VllmEngine:
     def _step(self) -> None:
         """One vLLM step: hooks fire per call (the root pre-hook lays the pass out), then
         each call whose every running sequence got its token completes a step."""
+        if self._broken:
+            raise FailedPrecondition(self._broken)
         batch = PackedBatch([], dim=0, tokens=0, rerun=False)
         self._batch = batch
         self._logits = None
         try:
             with running(self._host, batch):
                 outputs = call_model(self._host, "forward", self._engine.step)
+        except Exception as exc:
+            # Hooks never raise out of a step (their failures are kept per call), so this is
+            # vLLM's own failure: its requests are stuck in its scheduler. Every call on the
+            # model fails now and later ones are refused, naming why.
+            self._broken = (f"the vLLM engine of model {self._host.name!r} failed in a step and serves no more calls "
+                            f"(restart the server): {type(exc).__name__}: {exc}")
+            log.error("%s", self._broken)
+            for stuck in list(self._rows.values()):
+                if stuck.call.failure is None and stuck.call.p is not None:
+                    self._fail(stuck.call.p, FailedPrecondition(self._broken), abort=False)
+            raise FailedPrecondition(self._broken) from None
         finally:
             self._batch = None
+        for p, failure in batch.failures.values():  # a hook failed for these calls alone
+            self._fail(p, failure)
         logits, order = self._logits, self._order
         self._logits, self._order = None, []
         if logits is not None:
-            for i, row in enumerate(order):
-                if row is not None and isinstance(row.call, PromptCall) and i < logits.shape[0]:
-                    row.call.logits[row.index] = logits[i, : self._vocab]
+            for i, entry in enumerate(order):
+                if entry is not None and isinstance(entry.call, PromptCall) and i < logits.shape[0]:
+                    entry.call.logits[entry.index] = logits[i, : self._vocab]
         advanced: dict[int, VllmCall] = {}
         for output in outputs:
             row = self._rows.get(output.request_id)
@@ -476,6 +495,23 @@ class VllmEngine:
             advanced[id(state)] = state
         for state in advanced.values():
             self._complete_steps(state)
+
+    def _fail(self, p: Pass, exc: BaseException, *, abort: bool = True) -> None:
+        """Fails the call of ``p`` (its hook failed in a step): its requests leave vLLM,
+        the others of the step go on."""
+        states = {id(r.call): r.call for r in self._rows.values() if r.call.p is p}
+        for state in states.values():
+            state.failure = exc
+            ids = [rid for rid in state.request_ids if rid in self._rows]
+            for rid in ids:
+                del self._rows[rid]
+            if abort:  # not into a vLLM that failed: its state is unknown
+                try:
+                    self._engine.abort_request(ids)
+                except Exception as refused:  # already finished in vLLM: nothing to abort
+                    log.debug("abort after a failed hook: %r", refused)
+            if isinstance(state, VllmCall) and state.put is not None:
+                state.put(("done",))  # the step it waits for is over (it failed)
 
     def _complete_steps(self, state: VllmCall) -> None:
         """Records each step of ``state`` that every sequence has a token for."""
@@ -501,10 +537,22 @@ class VllmEngine:
 
     def _lay_out(self, module: Any, args: Any) -> None:
         """Root pre-hook: the step's layout from vLLM's scheduler state (request order,
-        query start offsets), one packed segment per hookwire call."""
+        query start offsets), one packed segment per hookwire call. Never raises (an
+        exception out of a vLLM step leaves its requests stuck): if laying out fails,
+        every hookwire call of the step fails and no hook fires for it."""
         batch = self._batch
         if batch is None:
             return
+        try:
+            self._lay_out_step(batch)
+        except Exception as exc:
+            log.exception("laying out a vLLM step failed")
+            for row in self._rows.values():
+                if row.call.p is not None:
+                    batch.fail_call(row.call.p, InvalidArgument(f"hookwire could not lay out a vLLM step: {exc}"))
+            batch.segments, batch.shared = [], False
+
+    def _lay_out_step(self, batch: PackedBatch) -> None:
         ib = self._runner.input_batch
         n = ib.num_reqs
         starts = self._runner.query_start_loc.cpu[: n + 1].tolist()
@@ -526,12 +574,14 @@ class VllmEngine:
         for key, state in calls.items():
             mine = spans[key]
             step = state.step_of()
+            assert state.p is not None
             if step == 0 and len(mine) != len(state.prompts):
-                raise ResourceExhausted(
+                # Never raised here: an exception out of a vLLM step leaves its requests stuck.
+                batch.fail_call(state.p, ResourceExhausted(
                     f"vLLM split the prompts of one call across steps (its KV cache or max_num_seqs is too small for "
                     f"{len(state.prompts)} prompts at once)"
-                )
-            assert state.p is not None
+                ))
+                continue
             state.p.begin_step(step)
             rows = [mine.get(r, (end, end)) for r in range(len(state.prompts))]
             segments.append(PackedSegment.of(state.p, rows, state.side, state.width if step == 0 else None))
@@ -582,11 +632,10 @@ class VllmEngine:
     def finish_generate(self, p: Pass, records: list[HookRecord], state: VllmCall | None) -> None:
         """Ends a call: aborts its requests still in vLLM, detaches its hooks, ends its events."""
         if state is not None:
-            running_ids = [rid for rid, r in zip(state.request_ids, state.reasons) if not r or state.added]
-            if state.added:
+            if state.added and not self._broken:  # vLLM ignores requests that already finished
                 try:
-                    self._engine.abort_request(running_ids)
-                except Exception as exc:  # already finished requests: nothing to abort
+                    self._engine.abort_request(list(state.request_ids))
+                except Exception as exc:
                     log.debug("abort: %r", exc)
             for rid in state.request_ids:
                 self._rows.pop(rid, None)

@@ -200,6 +200,24 @@ class OutputView:
     put: Callable[[Any, Any], Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class ParameterView:
+    """A parameter name that answers with part of another parameter (ModelHost.parameter_views):
+    ``length`` entries of parameter ``source`` from ``start`` along ``dim``, a view of its
+    tensor (``narrow``), never a copy. An engine that fuses or pads weights names the
+    parts by the names the transformers model has (vLLM's ``qkv_proj.weight`` holds
+    ``q_proj.weight``'s rows, engine/vllm_names.py)."""
+
+    source: str
+    dim: int
+    start: int
+    length: int
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This part of ``tensor`` (the source's value), as a view."""
+        return tensor.narrow(self.dim, self.start, self.length)
+
+
 class ModelHost:
     """One hosted model, the thread that runs it, and its tokenizer if it has one."""
 
@@ -227,6 +245,13 @@ class ModelHost:
         #: a tied weight, e.g. GPT-2's lm_head.weight, answers to each of its names), in
         #: that order; GetParameters' glob index over them is built when first needed.
         self.parameters: dict[str, nn.Parameter] = dict(module.named_parameters(remove_duplicate=False))
+        #: Names GetParameters also answers to, each a part of one of ``parameters``
+        #: (ParameterView); a view whose name is a parameter's own answers for it (e.g. an
+        #: embedding's rows past the vocabulary trimmed). Set with add_parameter_views.
+        self.parameter_views: dict[str, ParameterView] = {}
+        #: Names the engine knows the model's own framework has but it cannot answer to,
+        #: and why (GetParameters' NotFound says it). Set with add_parameter_views.
+        self.parameter_gaps: dict[str, str] = {}
         self._parameter_index: PathIndex | None = None
         #: The model's tokenizer (a transformers tokenizer, prepared by
         #: tokenization.prepare_tokenizer), or None: callers then send input_ids.
@@ -344,19 +369,69 @@ class ModelHost:
             raise NotFound(f"model {self.name!r} has no module {pattern!r}")
         return list(found)
 
+    def add_parameter_views(self, views: Mapping[str, ParameterView], gaps: Mapping[str, str] | None = None) -> None:
+        """Adds names GetParameters answers to with a part of a parameter (see
+        ``parameter_views``), and names it cannot answer to with why (``parameter_gaps``).
+        ValueError for a view of no parameter or past its source's shape. Before the
+        model serves (the glob index is rebuilt)."""
+        for name, view in views.items():
+            source = self.parameters.get(view.source)
+            if source is None:
+                raise ValueError(f"parameter view {name!r}: model {self.name!r} has no parameter {view.source!r}")
+            if not (0 <= view.dim < source.dim() and view.start >= 0 and view.length >= 0
+                    and view.start + view.length <= source.shape[view.dim]):
+                raise ValueError(f"parameter view {name!r}: [{view.start}, {view.start + view.length}) along dim "
+                                 f"{view.dim} is past {view.source!r}'s shape {list(source.shape)}")
+        self.parameter_views.update(views)
+        for name in views:
+            self.parameter_gaps.pop(name, None)
+        self.parameter_gaps.update({k: v for k, v in (gaps or {}).items() if k not in self.parameter_views})
+        self._parameter_index = None
+
+    @property
+    def parameter_names(self) -> list[str]:
+        """Every name GetParameters answers to: ``parameters``' in their order, each
+        followed by the views of it that have names of their own, in the order added."""
+        parts: dict[str, list[str]] = {}
+        for name, view in self.parameter_views.items():
+            if name not in self.parameters:
+                parts.setdefault(view.source, []).append(name)
+        out: list[str] = []
+        for name in self.parameters:
+            out.append(name)
+            out.extend(parts.get(name, ()))
+        return out
+
     @property
     def parameter_index(self) -> PathIndex:
-        """The parameter names (see ``parameters``) in a PathIndex, for globs. Any thread:
-        two threads that build it at once build equal ones."""
-        if self._parameter_index is None:
-            self._parameter_index = PathIndex(list(self.parameters))
-        return self._parameter_index
+        """The parameter names (see ``parameter_names``) in a PathIndex, for globs. Any
+        thread: two threads that build it at once build equal ones."""
+        index = self._parameter_index
+        if index is None:
+            index = self._parameter_index = PathIndex(self.parameter_names)
+        return index
+
+    def parameter(self, name: str) -> torch.Tensor:
+        """What name ``name`` answers with, for its shape and dtype: the parameter, or the
+        view of it (on the meta device when a device map offloaded it: see
+        ``parameter_value``). KeyError for a name GetParameters does not answer to."""
+        view = self.parameter_views.get(name)
+        if view is not None:
+            return view.of(self.parameters[view.source])
+        return self.parameters[name]
 
     def parameter_value(self, name: str) -> torch.Tensor:
-        """Parameter ``name``'s value, also when a device map offloaded it (accelerate then
-        leaves a tensor on the meta device in the module and keeps the weight on the CPU
-        or on disk, loading it around each forward): read from accelerate's weights map.
-        Worker thread (between passes: a pass swaps offloaded weights in and out)."""
+        """Parameter ``name``'s value (a view's: that part of its source's), also when a
+        device map offloaded it (accelerate then leaves a tensor on the meta device in the
+        module and keeps the weight on the CPU or on disk, loading it around each forward):
+        read from accelerate's weights map. Worker thread (between passes: a pass swaps
+        offloaded weights in and out)."""
+        view = self.parameter_views.get(name)
+        if view is not None:
+            return view.of(self._own_value(view.source))
+        return self._own_value(name)
+
+    def _own_value(self, name: str) -> torch.Tensor:
         param = self.parameters[name]
         if param.device.type != "meta":
             return param.detach()
@@ -401,9 +476,11 @@ class ModelHost:
             for path, mod in self.modules.items():
                 info = msg.modules.add(path=path, type=type(mod).__name__)
                 for pname, param in mod.named_parameters(recurse=False):
+                    full = f"{path}.{pname}" if path else pname
                     info.parameters.add(
                         name=pname,
-                        shape=list(param.shape),
+                        # A view under the parameter's own name (a padded embedding trimmed) is what GetParameters reads.
+                        shape=list(self.parameter(full).shape if full in self.parameter_views else param.shape),
                         dtype=_wire_dtype_or_unspecified(param.dtype),
                         requires_grad=param.requires_grad,
                     )
