@@ -365,3 +365,26 @@ async def test_get_parameters_answers_to_the_transformers_names_bit_for_bit(vllm
         # GetModel lists the embedding with the shape GetParameters reads.
         info = {m.path: m for m in (await model.info()).modules}
         assert [list(p.shape) for p in info["model.embed_tokens"].parameters] == [[oracle.config.vocab_size, 128]]
+
+
+async def test_a_slow_reader_on_vllm_gets_every_event_of_every_step_in_order(vllm_server) -> None:
+    """vLLM advances every request it holds in each step, so the steps of a call whose
+    reader is slow end before its stream took the earlier ones' messages (another call's
+    steps drive vLLM meanwhile). Every event still arrives, in step order, with its
+    step's tokens after it: nothing queued behind a step's end is lost."""
+    hooks = [HookSpec("model.layers.*", posthook=capture("output", select="[:, -1]"))]
+    async with hookwire.connect(vllm_server.target) as a, hookwire.connect(vllm_server.target) as b:
+        async def slow() -> list[Any]:
+            items = []
+            async for item in a.model("llama").generate(["hello world"], 8, hooks=hooks):
+                items.append(item)
+                await asyncio.sleep(0.05)  # the reader lags: b's steps run its call ahead
+            return items
+
+        items, _ = await asyncio.gather(slow(), b.model("llama").generate(["the model sees"], 8))
+    order = [(type(i).__name__, getattr(i, "step", None), getattr(i, "module", None)) for i in items]
+    expected = []
+    for step in range(8):
+        expected += [("InterceptEvent", step, "model.layers.0"), ("InterceptEvent", step, "model.layers.1")]
+        expected.append(("GeneratedTokens", step, None))
+    assert order == expected, order

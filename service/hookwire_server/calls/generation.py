@@ -139,15 +139,24 @@ class _Mailbox:
                 pass
 
     async def take(self) -> list[tuple[Any, ...]]:
-        """The messages queued when the stream was woken, and since (event loop)."""
+        """The messages queued when the stream was woken, and since, up to the end of the
+        first step among them (event loop). What follows that end stays queued for the
+        next take: on an engine that advances every request in each step (vLLM) a call's
+        next step can end before the stream took this one's messages."""
         while True:
             await self._ready.wait()
             with self._lock:
-                items = list(self._items)
-                self._items.clear()
-                self._small_bytes = 0
-                self._woken = False
-                self._ready.clear()
+                items: list[tuple[Any, ...]] = []
+                while self._items:
+                    item = self._items.popleft()
+                    items.append(item)
+                    if item[0] == "done":
+                        break
+                rest = bool(self._items)
+                self._small_bytes = sum(i[3] for i in self._items if i[0] == "event" and i[2] is None)
+                self._woken = rest
+                if not rest:
+                    self._ready.clear()
             if items:
                 return items
 

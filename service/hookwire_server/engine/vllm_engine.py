@@ -316,14 +316,17 @@ class VllmEngine:
                 state.p = item.p
             if not state.added:
                 self._add(state)
-        self._run_until(lambda: [i for i in items if _state(i).failure is None and len(_state(i).results) <= i.step])
+        self._run_until(lambda: [i for i in items if _state(i).failure is None and not _state(i).finished
+                                 and len(_state(i).results) <= i.step])
         out: list[Any] = []
         for item in items:
             state = _state(item)
-            if state.failure is not None and len(state.results) <= item.step:
-                out.append(state.failure)
-            else:
+            if len(state.results) > item.step:
                 out.append(state.results[item.step])
+            elif state.failure is not None:
+                out.append(state.failure)
+            else:  # a step submitted ahead, past the call's end: nothing left to run
+                out.append(StepResult([FINISHED] * len(state.prompts), tuple(state.reasons), True))
         return out
 
     def _run_until(self, pending: Any) -> None:
