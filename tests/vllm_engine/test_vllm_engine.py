@@ -388,3 +388,91 @@ async def test_a_slow_reader_on_vllm_gets_every_event_of_every_step_in_order(vll
         expected += [("InterceptEvent", step, "model.layers.0"), ("InterceptEvent", step, "model.layers.1")]
         expected.append(("GeneratedTokens", step, None))
     assert order == expected, order
+
+
+async def test_eight_callers_with_their_own_rules_each_change_only_their_own_tokens(vllm_server, oracle) -> None:
+    """8 callers at once, one prompt each (lengths 2 to 9): callers 0-5 steer layer 0's
+    residual stream with vectors of their own (callers 4 and 5 only at their last
+    position, by index), 6 and 7 do not; each also captures layer 1's last position.
+    Every caller's tokens equal transformers' generate() with that caller's own edit
+    (or none), and its captures equal that run's layer-1 output: no edit and no row
+    crossed between the requests vLLM batched together."""
+    tokenizer = oracle_tokenizer()
+    words = "one two three four five six seven eight nine".split()
+    prompts = [" ".join(words[: 1 + c]) for c in range(8)]
+    g = torch.Generator().manual_seed(11)
+    vectors = [torch.randn(128, generator=g) * 1.5 for _ in range(6)]
+    async with contextlib_stack(8, vllm_server.target) as clients:
+        calls = []
+        for c, (client, prompt) in enumerate(zip(clients, prompts)):
+            hooks = [HookSpec("model.layers.1", posthook=capture("output", select="[:, -1]"))]
+            if c < 6:
+                index = "[:, -1]" if c in (4, 5) else None
+                hooks.append(HookSpec("model.layers.0", posthook=[rules.add("output", vectors[c], index=index)]))
+            calls.append(client.model("llama").generate([prompt], 5, hooks=hooks))
+        results = await asyncio.gather(*calls)
+    changed = 0
+    for c, (prompt, result) in enumerate(zip(prompts, results)):
+        ids = _ids(tokenizer, prompt)
+        edits = None
+        if c < 6:
+            if c in (4, 5):
+                seen_steps: list[int] = []
+
+                def last_only(module: Any, args: Any, output: Any, v: torch.Tensor = vectors[c]) -> Any:
+                    out = output[0] if isinstance(output, tuple) else output
+                    edit = torch.zeros_like(out)
+                    edit[:, -1] = v
+                    seen_steps.append(1)
+                    return (out + edit, *output[1:]) if isinstance(output, tuple) else out + edit
+                handle = oracle.model.layers[0].register_forward_hook(last_only)
+                try:
+                    want, seen = _greedy(oracle, ids, 5)
+                finally:
+                    handle.remove()
+            else:
+                want, seen = _greedy(oracle, ids, 5, {"model.layers.0": vectors[c]})
+        else:
+            want, seen = _greedy(oracle, ids, 5, edits)
+        assert list(result.token_ids[0]) == want, f"caller {c}"
+        if c < 6:
+            changed += want != _greedy(oracle, ids, 5)[0]
+        layer1 = [e for e in result.events if e.module == "model.layers.1"]
+        assert [e.step for e in layer1] == [0, 1, 2, 3, 4]
+        for step, event in enumerate(layer1):
+            torch.testing.assert_close(torch.as_tensor(event.output)[0], seen["model.layers.1"][step][0, -1], **TOL)
+    assert changed >= 3, "the vectors must change most steered callers' tokens for this test to mean anything"
+
+
+def test_vllm_finish_reasons_map_to_hookwires() -> None:
+    """vLLM says "stop" for both the end-of-sequence token (stop_reason None, or the
+    token id) and a stop string (stop_reason the string): hookwire says "eos" and
+    "stop", as the torch engine does; "length" stays "length"."""
+    from vllm.outputs import CompletionOutput
+
+    from hookwire_server.engine.vllm_engine import _reason
+
+    def out(reason: str, stop: Any) -> CompletionOutput:
+        return CompletionOutput(index=0, text="", token_ids=[1], cumulative_logprob=None, logprobs=None,
+                                finish_reason=reason, stop_reason=stop)
+
+    assert _reason(out("stop", None)) == "eos"
+    assert _reason(out("stop", 2)) == "eos"
+    assert _reason(out("stop", "the")) == "stop"
+    assert _reason(out("length", None)) == "length"
+
+
+async def test_a_long_prompt_is_one_step_0_event_and_too_many_prompts_are_refused(vllm_server) -> None:
+    """A prompt of 100 tokens runs in one vLLM step (no chunked prefill): one step-0 event
+    per hook over the whole prompt. A call of more prompts than vllm.max_num_seqs (8) is
+    refused before anything runs, naming the setting."""
+    ids = torch.randint(3, 300, (1, 100), generator=torch.Generator().manual_seed(2))
+    async with hookwire.connect(vllm_server.target) as client:
+        model = client.model("llama")
+        result = await model.generate(ids, 2, hooks=[HookSpec("model.layers.0", posthook=capture("output"))])
+        step0 = [e for e in result.events if e.step == 0]
+        assert len(step0) == 1 and list(torch.as_tensor(step0[0].output).shape) == [1, 100, 128]
+        with pytest.raises(hookwire.InvalidArgumentError, match=r"prompts: 9 sequences .* vllm.max_num_seqs 8"):
+            await model.generate(["hi"] * 9, 2)
+        with pytest.raises(hookwire.InvalidArgumentError, match=r"input_ids: 9 sequences .* vllm.max_num_seqs 8"):
+            await model.infer(torch.ones(9, 3, dtype=torch.long))

@@ -150,7 +150,7 @@ def build_host(config: ModelConfig) -> ModelHost:
     except (OSError, ValueError):
         host._generation_defaults = {}  # type: ignore[attr-defined]
     host.engine, host.refused = NAME, REFUSED
-    host.loaded_engine = VllmEngine(host, llm, runner, max_len)
+    host.loaded_engine = VllmEngine(host, llm, runner, max_len, seqs)
     return host
 
 
@@ -240,12 +240,14 @@ class VllmEngine:
     name = NAME
     refused = REFUSED
 
-    def __init__(self, host: ModelHost, llm: Any, runner: Any, max_model_len: int) -> None:
+    def __init__(self, host: ModelHost, llm: Any, runner: Any, max_model_len: int, max_num_seqs: int) -> None:
         self._host = host
         self.llm = llm
         self._engine = llm.llm_engine
         self._runner = runner
         self.max_model_len = max_model_len
+        #: Sequences vLLM runs at once: a call's prompts must fit one step together.
+        self.max_num_seqs = max_num_seqs
         self._ids = 0
         self._ids_lock = threading.Lock()
         #: vLLM request id -> its call's row.
@@ -396,11 +398,21 @@ class VllmEngine:
             if n == 0:
                 raise InvalidArgument(f"attention_mask[{i}]: the sequence has no token")
             prompts.append([int(t) for t in row[:n]])
+        self._check_sequences(int(ids.shape[0]), "input_ids")
         if ids.shape[1] >= self.max_model_len:
             raise InvalidArgument(
                 f"input_ids: {ids.shape[1]} positions reach model {self._host.name!r}'s max_model_len {self.max_model_len}"
             )
         return prompts, int(ids.shape[1])
+
+    def _check_sequences(self, n: int, field: str) -> None:
+        """InvalidArgument for a call of more sequences than vLLM runs at once: its prompts
+        would be split across steps (and each hook fire once per part)."""
+        if n > self.max_num_seqs:
+            raise InvalidArgument(
+                f"{field}: {n} sequences in one call pass model {self._host.name!r}'s vllm.max_num_seqs "
+                f"{self.max_num_seqs} (a call's prompts run in one vLLM step)"
+            )
 
     def _add_prompt(self, state: PromptCall, params: Any) -> None:
         for row, rid in enumerate(state.request_ids):
@@ -422,6 +434,7 @@ class VllmEngine:
 
         def forward(p: Pass, ids: torch.Tensor, mask: torch.Tensor, records: list[HookRecord]) -> None:
             prompts = [[int(t) for t, k in zip(row, keep) if k] for row, keep in zip(ids.tolist(), mask.tolist())]
+            self._check_sequences(len(prompts), "contexts.batch_size")
             state = PromptCall(self, p, records, prompts, int(ids.shape[1]))
             for record in records:
                 record.attach()
@@ -610,6 +623,7 @@ class VllmEngine:
         prompts = [[int(t) for t, m in zip(row.tolist(), keep.tolist()) if m] for row, keep in zip(ids, mask)]
         if any(not p for p in prompts):
             raise InvalidArgument("input_ids: a prompt has no token the attention_mask keeps")
+        self._check_sequences(len(prompts), "prompts")
         longest = max(len(p) for p in prompts)
         if longest + options.max_new_tokens > self.max_model_len:
             raise InvalidArgument(
