@@ -14,6 +14,13 @@ on both sides (vLLM binds its own; transformers gets the same count).
 - V1: the same 8 callers with every decoder layer captured every step vs in-process vLLM
   (the same LLM object, LLM.generate) with torch hooks on every decoder layer copying
   each step's output to host memory.
+- V3: the same 8 callers, each with a steering rule (add a vector to layer 2's residual
+  stream) on every step, vs in-process vLLM without hooks (LLM.generate), both eager.
+- V4: a harvest job (2 decoder layers, packed contexts of 64 tokens) on the vLLM model
+  vs the same job on the torch engine's copy of the folder: recorded.
+
+The clients run in this process (as a notebook's would); vLLM's start-up time and the
+process's peak RSS are printed.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -33,7 +41,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import hookwire  # noqa: E402
-from hookwire import HookSpec, capture  # noqa: E402
+from hookwire import HookSpec, capture, rules  # noqa: E402
 from hookwire_server import ModelRegistry, ServerSettings  # noqa: E402
 from hookwire_server.demo_models import tiny_lm_tokenizer  # noqa: E402
 from hookwire_server.engine.core import build_host  # noqa: E402
@@ -56,10 +64,37 @@ def save_model(folder: pathlib.Path) -> None:
     tok.save_pretrained(str(folder))
 
 
+def compiled_run(folder: pathlib.Path, n: int) -> str:
+    """LLM.generate of the 8 prompts in vLLM's default (compiled) mode, in a process of
+    its own (a second engine here would compete for memory): the median of 3."""
+    import subprocess
+
+    code = f"""
+import os, statistics, time
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+llm = LLM(model={str(folder)!r}, dtype="float32", max_model_len=256, max_num_seqs=8,
+          kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
+p = SamplingParams(max_tokens={n}, min_tokens={n}, temperature=0)
+llm.generate({PROMPTS!r}, p, use_tqdm=False)
+times = []
+for _ in range(3):
+    t = time.perf_counter(); llm.generate({PROMPTS!r}, p, use_tqdm=False); times.append(time.perf_counter() - t)
+print(statistics.median(times))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        return f"failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+    seconds = float(out.stdout.strip().splitlines()[-1])
+    return f"{len(PROMPTS) * n / seconds:.1f} tokens/s (median of 3: {seconds:.3f} s)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time LLM.generate in vLLM's compiled mode (its own process: minutes to compile)")
     args = ap.parse_args()
     folder = pathlib.Path(tempfile.mkdtemp())
     save_model(folder)
@@ -73,7 +108,13 @@ def main() -> None:
     hf = transformers.LlamaForCausalLM.from_pretrained(str(folder)).eval()
     tok = tiny_lm_tokenizer()
     batch = tok(PROMPTS, return_tensors="pt", padding=True)
-    srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
+    torch_host = build_host(ModelConfig(name="llama-torch", transformers=str(folder)))
+    data, out = pathlib.Path(tempfile.mkdtemp()), pathlib.Path(tempfile.mkdtemp())
+    (data / "corpus.txt").write_text("\n".join(
+        f"document {i}: the model reads tokens and writes hidden states for each of them, layer by layer"
+        for i in range(200)))
+    srv = ServerThread(ModelRegistry([host, torch_host]), ServerSettings(
+        port=0, harvest_data_root=str(data), harvest_output_root=str(out))).start()
     llm = host.loaded_engine.llm
     layers = [host.modules[f"model.layers.{i}"] for i in range(6)]
     n = args.tokens
@@ -106,12 +147,53 @@ def main() -> None:
             for h in handles:
                 h.remove()
 
+    def vllm_plain_run() -> float:
+        from vllm import SamplingParams
+
+        t = time.perf_counter()
+        llm.generate(PROMPTS, SamplingParams(max_tokens=n, min_tokens=n, temperature=0), use_tqdm=False)
+        return time.perf_counter() - t
+
+    jobs = {"n": 0}
+
+    async def harvest(model: str) -> float:
+        import grpc
+
+        from hookwire.v1 import harvest_service_pb2 as hv
+        from hookwire.v1 import harvest_service_pb2_grpc as hv_grpc
+
+        jobs["n"] += 1
+        async with grpc.aio.insecure_channel(srv.target) as channel:
+            stub = hv_grpc.HarvestServiceStub(channel)
+            t = time.perf_counter()
+            job = await stub.StartHarvest(hv.StartHarvestRequest(
+                model=model, modules=["model.layers.2", "model.layers.5"],
+                source=hv.HarvestSource(text=hv.TextSource(path="corpus.txt")),
+                contexts=hv.HarvestContexts(length=64, batch_size=8, packing=hv.PACKING_PACK),
+                output=hv.HarvestOutput(path=f"job{jobs['n']}", shard_tokens=4096)))
+            last = job
+            async for last in stub.WatchHarvest(hv.WatchHarvestRequest(job_id=job.job_id, interval_ms=50)):
+                pass
+            assert last.state == hv.HARVEST_STATE_SUCCEEDED, last.error
+            return time.perf_counter() - t
+
+    def on_worker(fn: Any) -> Any:
+        """Runs an in-process vLLM baseline on the model's worker thread: the LLM object is
+        the server's, and vLLM is not to be driven from two threads."""
+        return lambda: host._executor.submit(fn).result()
+
     every_layer = [HookSpec("model.layers.*", posthook=capture("output"))]
+    vector = torch.randn(512, generator=torch.Generator().manual_seed(1))
+    steer = [HookSpec("model.layers.2", posthook=[rules.add("output", vector)])]
     variants = {
         "V2 hookwire+vLLM, no hooks": lambda: asyncio.run(hookwire_run([])),
         "V2 transformers generate()": transformers_run,
         "V1 hookwire+vLLM, 6 layers captured": lambda: asyncio.run(hookwire_run(every_layer)),
-        "V1 in-process vLLM, 6 torch hooks": vllm_hooked_run,
+        "V1 in-process vLLM, 6 torch hooks": on_worker(vllm_hooked_run),
+        "V3 hookwire+vLLM, steering every step": lambda: asyncio.run(hookwire_run(steer)),
+        "V3 in-process vLLM, no hooks": on_worker(vllm_plain_run),
+        "V4 harvest job, vLLM engine": lambda: asyncio.run(harvest("llama")),
+        "V4 harvest job, torch engine": lambda: asyncio.run(harvest("llama-torch")),
     }
     for fn in variants.values():  # warm up
         fn()
@@ -120,15 +202,27 @@ def main() -> None:
         for name, fn in variants.items():
             times[name].append(fn())
     srv.stop()
+    if args.compiled:
+        print("compiled mode (V3's other side): " + compiled_run(folder, n))
     print(f"vLLM start-up {startup:.1f} s; torch threads {threads}; {len(PROMPTS)} callers x {n} tokens; "
           f"{args.repeats} repeats, interleaved")
     rate = {k: total / statistics.median(v) for k, v in times.items()}
     for name, v in times.items():
-        print(f"  {name:40s} {rate[name]:8.1f} tokens/s  (median {statistics.median(v):.3f} s, "
-              f"spread {min(v):.3f}-{max(v):.3f} s)")
-    print(f"V2 ratio (hookwire+vLLM / transformers generate): {rate['V2 hookwire+vLLM, no hooks'] / rate['V2 transformers generate()']:.2f}x")
-    print(f"V1 ratio (hookwire+vLLM capturing / in-process vLLM hooks): "
+        what = "" if name.startswith("V4") else f"{rate[name]:8.1f} tokens/s  "
+        print(f"  {name:40s} {what}(median {statistics.median(v):.3f} s, spread {min(v):.3f}-{max(v):.3f} s)")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"V2 ratio (hookwire+vLLM / transformers generate, tokens/s): "
+          f"{rate['V2 hookwire+vLLM, no hooks'] / rate['V2 transformers generate()']:.2f}x")
+    print(f"V1 ratio (hookwire+vLLM capturing / in-process vLLM hooks, tokens/s): "
           f"{rate['V1 hookwire+vLLM, 6 layers captured'] / rate['V1 in-process vLLM, 6 torch hooks']:.2f}x")
+    print(f"V3 ratio (hookwire+vLLM steering / in-process vLLM, time): "
+          f"{med['V3 hookwire+vLLM, steering every step'] / med['V3 in-process vLLM, no hooks']:.2f}x")
+    print(f"V4 ratio (harvest on vLLM / on torch, time): "
+          f"{med['V4 harvest job, vLLM engine'] / med['V4 harvest job, torch engine']:.2f}x")
+    import resource
+
+    print(f"peak RSS of this process (server, clients, both engines): "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 
 if __name__ == "__main__":
