@@ -476,3 +476,44 @@ async def test_a_long_prompt_is_one_step_0_event_and_too_many_prompts_are_refuse
             await model.generate(["hi"] * 9, 2)
         with pytest.raises(hookwire.InvalidArgumentError, match=r"input_ids: 9 sequences .* vllm.max_num_seqs 8"):
             await model.infer(torch.ones(9, 3, dtype=torch.long))
+
+
+async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_failed(llama_folder) -> None:
+    """A second engine (fault injection: vLLM's own step raises, as when its worker
+    dies): the calls in flight fail at once with FAILED_PRECONDITION naming the failure
+    (none is left waiting), the model is listed as failed with the reason, and later
+    calls are refused with it; the server stays up. (It does not restart: docs/vllm.md.)"""
+    from hookwire_server import ModelRegistry, ServerSettings
+    from hookwire_server.engine.core import build_host
+    from hookwire_server.models.model_loading import ModelConfig
+    from support import ServerThread
+
+    host = build_host(ModelConfig(name="fragile", transformers=str(llama_folder), engine="vllm",
+                                  vllm={"max_model_len": 64, "max_num_seqs": 4, "kv_cache_bytes": 16 << 20}))
+    srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
+    engine = host.loaded_engine
+    real_step = engine._engine.step
+    steps = {"n": 0}
+
+    def dying_step() -> Any:
+        steps["n"] += 1
+        if steps["n"] > 3:
+            raise RuntimeError("the engine core died")
+        return real_step()
+
+    engine._engine.step = dying_step
+    try:
+        async with hookwire.connect(srv.target) as client:
+            model = client.model("fragile")
+            outcomes = await asyncio.wait_for(asyncio.gather(
+                model.generate(["hello"], 20), model.generate(["the cat"], 20), return_exceptions=True), 60)
+            for outcome in outcomes:
+                assert isinstance(outcome, hookwire.FailedPreconditionError), outcome
+                assert "vLLM engine of model 'fragile' failed in a step" in str(outcome)
+                assert "the engine core died" in str(outcome)
+            (info,) = await client.list_models()
+            assert info.state == "failed" and "the engine core died" in info.state_message
+            with pytest.raises(hookwire.FailedPreconditionError, match="model 'fragile' failed while serving"):
+                await model.generate(["hello"], 2)
+    finally:
+        srv.stop()

@@ -480,6 +480,7 @@ class VllmEngine:
             self._broken = (f"the vLLM engine of model {self._host.name!r} failed in a step and serves no more calls "
                             f"(restart the server): {type(exc).__name__}: {exc}")
             log.error("%s", self._broken)
+            self._host.failed(f"its vLLM engine failed in a step (restart the server): {type(exc).__name__}: {exc}")
             for stuck in list(self._rows.values()):
                 if stuck.call.failure is None and stuck.call.p is not None:
                     self._fail(stuck.call.p, FailedPrecondition(self._broken), abort=False)

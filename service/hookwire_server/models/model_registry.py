@@ -292,6 +292,9 @@ class ModelHost:
         #: Module path -> how hooks see its output when the engine's module returns it
         #: otherwise than the transformers module does (OutputView); {}: as it is.
         self.output_views: dict[str, OutputView] = {}
+        #: Called (with why) when the model's engine can serve no more calls: the registry
+        #: marks it FAILED (set by ModelRegistry.add; None: nobody is told).
+        self.on_failure: Callable[[str], None] | None = None
         #: The engine that loaded the model, when one did (engine/vllm_engine.py); None:
         #: the engine layer makes the torch engine on first use.
         self.loaded_engine: Any = None
@@ -443,6 +446,12 @@ class ModelHost:
                                      "and no offload map holds its value")
         return torch.as_tensor(weights[local]).detach()
 
+    def failed(self, reason: str) -> None:
+        """The model's engine can serve no more calls (e.g. vLLM failed inside a step):
+        the model is marked FAILED with ``reason`` (on_failure). Any thread."""
+        if self.on_failure is not None:
+            self.on_failure(reason)
+
     def refuse(self, feature: str, what: str) -> None:
         """Unimplemented when the model's engine refuses ``feature`` (engine/seam.py
         FEATURES); ``what`` names what the caller asked for, in its words."""
@@ -583,10 +592,17 @@ class ModelRegistry:
         if entry is not None and entry.state is not ModelState.LOADING:
             raise ValueError(f"two models are named {host.name!r}")
         self._configure(host)
-        self._entries[host.name] = ModelEntry(
+        entry = self._entries[host.name] = ModelEntry(
             host.name, host.description, host.training_allowed, ModelState.READY, host=host,
             parameters_readable=host.parameters_readable,
         )
+        host.on_failure = lambda reason: self._failed_while_serving(entry, reason)
+
+    def _failed_while_serving(self, entry: ModelEntry, reason: str) -> None:
+        """A ready model whose engine can serve no more (ModelHost.failed): FAILED with the
+        reason; calls are refused from now on (FailedPrecondition naming it). Any thread:
+        two plain attribute writes, read by the event loop."""
+        entry.reason, entry.state = reason, ModelState.FAILED
 
     def fail(self, name: str, reason: str) -> None:
         """Marks a model that expect() announced as FAILED to load, with the reason."""
@@ -605,6 +621,8 @@ class ModelRegistry:
         if entry.state is ModelState.LOADING:
             raise Unavailable(f"model {name!r} is loading")
         if entry.state is ModelState.FAILED:
+            if entry.host is not None:  # it was ready: its engine failed while serving
+                raise FailedPrecondition(f"model {name!r} failed while serving: {entry.reason}")
             raise FailedPrecondition(f"model {name!r} failed to load: {entry.reason}")
         assert entry.host is not None
         return entry.host
