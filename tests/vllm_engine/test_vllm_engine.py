@@ -517,3 +517,30 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
                 await model.generate(["hello"], 2)
     finally:
         srv.stop()
+
+
+async def test_lm_head_hooks_see_and_steer_the_logits_vllm_samples_from(vllm_server, oracle) -> None:
+    """vLLM's lm_head runs inside its logits processor, for each sequence's last position
+    only: a hook on "lm_head" fires there and sees [sequences, 1, vocabulary] logits
+    (vLLM's padding cut), equal to transformers' logits of the same positions; a rule on
+    them changes what vLLM samples (a large bonus on one token makes greedy decoding pick
+    it every step)."""
+    tokenizer = oracle_tokenizer()
+    prompts = PROMPTS[:2]
+    async with hookwire.connect(vllm_server.target) as client:
+        model = client.model("llama")
+        seen = await model.generate(prompts, 3, hooks=[HookSpec("lm_head", posthook=capture("output"))])
+        bonus = torch.zeros(oracle.config.vocab_size)
+        bonus[42] = 1000.0
+        forced = await model.generate(prompts, 4, hooks=[HookSpec("lm_head", posthook=[rules.add("output", bonus)])])
+    assert forced.token_ids == ((42, 42, 42, 42), (42, 42, 42, 42))
+    events = [torch.as_tensor(e.output) for e in seen.events]
+    assert [e.step for e in seen.events] == [0, 1, 2]
+    assert all(list(e.shape) == [2, 1, oracle.config.vocab_size] for e in events)
+    for row, prompt in enumerate(prompts):
+        ids = _ids(tokenizer, prompt) + list(seen.token_ids[row])
+        with torch.no_grad():
+            logits = oracle(torch.tensor([ids])).logits[0]
+        start = len(_ids(tokenizer, prompt)) - 1
+        for step in range(3):
+            torch.testing.assert_close(events[step][row, 0], logits[start + step], **TOL)

@@ -43,16 +43,22 @@ class PackedSegment(Segment):
     along the packed dimension (``start``/``stop`` bound them all)."""
 
     spans: tuple[tuple[int, int], ...] = ()
+    #: Each sequence's row in a tensor laid out by sequence (one row per sequence of the
+    #: pass: vLLM's logits, of each sequence's last position), or -1 where the sequence
+    #: is not in the pass (it finished).
+    rows: tuple[int, ...] = ()
     #: Where a shorter sequence's padding goes in the call's layout: "left" (a prompt
     #: step of Generate: each sequence ends at the last position) or "right" (a prompt
     #: pass of Infer or harvest, whose inputs are padded on the right).
     side: str = "left"
 
     @classmethod
-    def of(cls, p: Pass, spans: list[tuple[int, int]], side: str = "left", width: int | None = None) -> PackedSegment:
+    def of(cls, p: Pass, spans: list[tuple[int, int]], side: str = "left", width: int | None = None,
+           rows: list[int] | None = None) -> PackedSegment:
         """``width``: the call's layout length when it is longer than its longest sequence
-        (an Infer call's inputs padded past it); None: the longest sequence's."""
-        return cls(p, spans[0][0], spans[-1][1], width, tuple(spans), side)
+        (an Infer call's inputs padded past it); None: the longest sequence's. ``rows``:
+        each sequence's row in tensors laid out by sequence (see ``rows``)."""
+        return cls(p, spans[0][0], spans[-1][1], width, spans=tuple(spans), side=side, rows=tuple(rows or ()))
 
     def at(self, i: int, width: int) -> slice:
         """Where sequence i's tokens are in the call's layout of ``width`` positions."""
@@ -75,6 +81,9 @@ class PackedBatch(Batch):
         #: (vLLM's logits: one row per request) is hidden from each call (None), never
         #: shown whole, so no call sees another's rows.
         self.rerun = rerun
+        #: Sequences in the pass: a tensor with this many rows (and not ``tokens``) is laid
+        #: out by sequence, one row each (0: none is).
+        self.sequences = 0
         #: Calls a hook failed for in a pass that cannot rerun: id(Pass) -> (Pass, error).
         self.failures: dict[int, tuple[Pass, BaseException]] = {}
         #: Tokens along the packed dimension (a tensor of another size there is not the
@@ -91,6 +100,12 @@ class PackedBatch(Batch):
             return False
         self.failures.setdefault(id(p), (p, exc))
         return True
+
+    def _by_sequence(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` has one row per sequence of the pass (and is not by tokens)."""
+        dim = self.dim
+        return (bool(self.sequences) and x.dim() > dim and x.shape[dim] == self.sequences
+                and x.shape[dim] != self.tokens and all(n == 1 for n in x.shape[:dim]))
 
     def _check(self, x: torch.Tensor, where: str) -> bool:
         """Whether ``x`` is laid out by tokens (else: not the calls' rows)."""
@@ -124,6 +139,13 @@ class PackedBatch(Batch):
         assert isinstance(seg, PackedSegment)
 
         def view(x: torch.Tensor) -> Any:
+            if seg.rows and self._by_sequence(x):  # [sequences, 1, ...]: each sequence's row
+                flat = x.reshape(x.shape[self.dim:])
+                out = flat.new_zeros((len(seg.rows), 1, *flat.shape[1:]))
+                for i, row in enumerate(seg.rows):
+                    if row >= 0:
+                        out[i, 0] = flat[row]
+                return out
             try:
                 return self._view(x, seg) if self._check(x, where) else x
             except _Hidden:
@@ -136,6 +158,15 @@ class PackedBatch(Batch):
         assert isinstance(seg, PackedSegment)
         if isinstance(full, torch.Tensor) and before is None:
             return full  # hidden from the call (see rerun): nothing of it is the call's to edit
+        if (isinstance(full, torch.Tensor) and isinstance(after, torch.Tensor) and after is not before
+                and seg.rows and self._by_sequence(full)):
+            target = full if id(full) in cloned else full.clone()
+            cloned.add(id(target))
+            flat = target.view(target.shape[self.dim:])
+            for i, row in enumerate(seg.rows):
+                if row >= 0:
+                    flat[row] = after[i, 0]
+            return target
         if isinstance(full, torch.Tensor) and isinstance(after, torch.Tensor) and after is not before:
             if not self._check(full, where):
                 return after  # a call alone's own tensor, not laid out by tokens

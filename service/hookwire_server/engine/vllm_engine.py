@@ -288,6 +288,17 @@ class VllmEngine:
                 self._host.output_views[path] = OutputView(_stream, lambda out, new: (new, out[1]))
             elif kind == "RowParallelLinear":
                 self._host.output_views[path] = OutputView(_stream, lambda out, new: (new, *out[1:]))
+        # vLLM's lm_head never runs its own forward: the logits processor applies its weight
+        # to the sampled positions. Hooks on lm_head go there, and see the vocabulary's
+        # logits (without vLLM's padding) of each sequence's last position.
+        head = self._host.modules.get("logits_processor")
+        if head is not None and "lm_head" in self._host.modules:
+            vocab = self._vocab
+            self._host.hook_targets["lm_head"] = head
+            self._host.output_views["lm_head"] = OutputView(
+                lambda out: out[..., :vocab] if vocab else out,
+                lambda out, new: torch.cat([new, out[..., new.shape[-1]:]], dim=-1) if vocab else new,
+            )
 
     # ------------------------------------------------------------------ the seam
 
@@ -574,6 +585,7 @@ class VllmEngine:
         n = ib.num_reqs
         starts = self._runner.query_start_loc.cpu[: n + 1].tolist()
         spans: dict[int, dict[int, tuple[int, int]]] = {}
+        seq_rows: dict[int, dict[int, int]] = {}
         calls: dict[int, VllmCall | PromptCall] = {}
         order: list[_Row | None] = []
         for i, rid in enumerate(ib.req_ids[:n]):
@@ -585,6 +597,7 @@ class VllmEngine:
                 continue
             calls[id(row.call)] = row.call
             spans.setdefault(id(row.call), {})[row.index] = (starts[i], starts[i + 1])
+            seq_rows.setdefault(id(row.call), {})[row.index] = i  # its row of the step's logits
         self._order = order
         segments = []
         end = starts[n] if n else 0
@@ -601,8 +614,11 @@ class VllmEngine:
                 continue
             state.p.begin_step(step)
             rows = [mine.get(r, (end, end)) for r in range(len(state.prompts))]
-            segments.append(PackedSegment.of(state.p, rows, state.side, state.width if step == 0 else None))
+            order_of = seq_rows.get(key, {})
+            segments.append(PackedSegment.of(state.p, rows, state.side, state.width if step == 0 else None,
+                                             [order_of.get(r, -1) for r in range(len(state.prompts))]))
         batch.segments = list(segments)
+        batch.sequences = n
         batch.tokens = batch.rows = end
         batch.shared = len(segments) > 1
 

@@ -132,7 +132,9 @@ class HookRecord:
         if self.active and self._needed:
             if not self._handles:
                 for path in self.compiled.modules:
-                    module = self.host.modules[path]
+                    # An engine may run a module's work inside another module (vLLM's lm_head
+                    # inside its logits processor): its torch hooks go there.
+                    module = self.host.hook_targets.get(path) or self.host.modules[path]
                     for action in self.compiled.actions:
                         self._handles.append(_install(module, action, self._make_hook(action, path)))
         else:

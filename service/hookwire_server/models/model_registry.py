@@ -292,6 +292,9 @@ class ModelHost:
         #: Module path -> how hooks see its output when the engine's module returns it
         #: otherwise than the transformers module does (OutputView); {}: as it is.
         self.output_views: dict[str, OutputView] = {}
+        #: Module path -> the module whose torch hooks stand for it, where the engine runs
+        #: that module's work inside another (vLLM: lm_head inside logits_processor); {}.
+        self.hook_targets: dict[str, nn.Module] = {}
         #: Called (with why) when the model's engine can serve no more calls: the registry
         #: marks it FAILED (set by ModelRegistry.add; None: nobody is told).
         self.on_failure: Callable[[str], None] | None = None
