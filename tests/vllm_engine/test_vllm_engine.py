@@ -544,3 +544,39 @@ async def test_lm_head_hooks_see_and_steer_the_logits_vllm_samples_from(vllm_ser
         start = len(_ids(tokenizer, prompt)) - 1
         for step in range(3):
             torch.testing.assert_close(events[step][row, 0], logits[start + step], **TOL)
+
+
+async def test_a_calls_own_save_and_patch_slots_work_within_its_vllm_steps(vllm_server, oracle) -> None:
+    """A call that saves layer 0's residual stream into a slot, scaled, and patches it
+    into layer 1's output at the last position, every step: its tokens equal
+    transformers' generate() with the same edits (the save and the patch of each step
+    are the call's own, in firing order). Tokenize answers with the folder's tokenizer."""
+    tokenizer = oracle_tokenizer()
+    prompt = "the model sees"
+    kept: dict[str, torch.Tensor] = {}
+
+    def save(module: Any, args: Any, output: Any) -> Any:
+        out = (output[0] if isinstance(output, tuple) else output) * 3.0
+        kept["s"] = out.clone()
+        return (out, *output[1:]) if isinstance(output, tuple) else out
+
+    def patch(module: Any, args: Any, output: Any) -> Any:
+        out = (output[0] if isinstance(output, tuple) else output).clone()
+        out[:, -1] = kept["s"][:, -1]
+        return (out, *output[1:]) if isinstance(output, tuple) else out
+
+    handles = [oracle.model.layers[0].register_forward_hook(save), oracle.model.layers[1].register_forward_hook(patch)]
+    try:
+        want, _ = _greedy(oracle, _ids(tokenizer, prompt), 5)
+    finally:
+        for h in handles:
+            h.remove()
+    async with hookwire.connect(vllm_server.target) as client:
+        model = client.model("llama")
+        # Slots live in the session: session hooks, then a call in that session.
+        await model.hook("model.layers.0", posthook=[rules.scale("output", 3.0), rules.save("output", slot="s")])
+        await model.hook("model.layers.1", posthook=[rules.patch("output", slot="s", index="[:, -1]")])
+        result = await model.generate([prompt], 5)
+        (ids,) = (await model.tokenize([prompt])).input_ids
+    assert list(result.token_ids[0]) == want
+    assert list(ids) == _ids(tokenizer, prompt)
