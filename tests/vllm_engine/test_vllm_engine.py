@@ -488,10 +488,28 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
     from hookwire_server.models.model_loading import ModelConfig
     from support import ServerThread
 
+    # 1 MiB of KV cache: 8 blocks of 128 tokens (1 KiB a token here), one of them vLLM's.
     host = build_host(ModelConfig(name="fragile", transformers=str(llama_folder), engine="vllm",
-                                  vllm={"max_model_len": 64, "max_num_seqs": 4, "kv_cache_bytes": 16 << 20}))
+                                  vllm={"max_model_len": 64, "max_num_seqs": 8, "kv_cache_bytes": 1 << 20}))
     srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
     engine = host.loaded_engine
+    assert engine.capacity_blocks == 7
+    # First, while vLLM is healthy: two calls of 4 sequences each (4 blocks each) cannot
+    # run at once; the second waits for room instead of being preempted or split, and
+    # both stream one event per hook and step, equal to each call alone.
+    async with hookwire.connect(srv.target) as client:
+        model = client.model("fragile")
+        hooks = [HookSpec("model.layers.1", posthook=capture("output", select="[:, -1]"))]
+        prompts = [["one", "two words", "a", "three words here"], ["b", "c d", "e f g", "h"]]
+        together = await asyncio.gather(*(model.generate(p, 6, hooks=hooks) for p in prompts))
+        alone = [await model.generate(p, 6, hooks=hooks) for p in prompts]
+        for both, one in zip(together, alone):
+            assert both.token_ids == one.token_ids
+            assert [e.step for e in both.events] == list(range(6))
+            for a, b in zip(both.events, one.events):
+                torch.testing.assert_close(torch.as_tensor(a.output), torch.as_tensor(b.output), **TOL)
+        with pytest.raises(hookwire.ResourceExhaustedError, match=r"prompts: .* KV cache; model 'fragile' has 896"):
+            await model.generate(["x"] * 8, 6)
     real_step = engine._engine.step
     steps = {"n": 0}
 
@@ -580,3 +598,28 @@ async def test_a_calls_own_save_and_patch_slots_work_within_its_vllm_steps(vllm_
         (ids,) = (await model.tokenize([prompt])).input_ids
     assert list(result.token_ids[0]) == want
     assert list(ids) == _ids(tokenizer, prompt)
+
+
+
+async def test_bad_input_fails_its_own_call_and_the_model_keeps_serving(vllm_server) -> None:
+    """A token id outside the vocabulary (Infer and Generate), an Infer whose request
+    rule fails with on_error="fail_call", and two Generate calls whose sequences together
+    pass vllm.max_num_seqs (8): each bad call fails alone with a clear status, the
+    crowded calls both finish (the second waits for room), and the model answers after
+    every one of them."""
+    bad_rule = HookSpec("model.layers.0", posthook=[rules.add("output", torch.ones(7))], on_error="fail_call")
+    async with hookwire.connect(vllm_server.target) as client:
+        model = client.model("llama")
+        with pytest.raises(hookwire.InvalidArgumentError, match="input_ids: token id 1000000 is outside"):
+            await model.infer(torch.tensor([[1, 40, 10**6]]))
+        with pytest.raises(hookwire.InvalidArgumentError, match="token id"):
+            await model.generate(torch.tensor([[1, 40, 50], [1, 40, 10**6]]), 3)
+        for _ in range(2):
+            with pytest.raises(hookwire.HookwireError, match="model.layers.0"):
+                await model.infer(torch.tensor([[1, 40, 50]]), hooks=[bad_rule])
+        ok = await model.infer(torch.tensor([[1, 40, 50]]))
+        assert list(torch.as_tensor(ok.output["logits"]).shape)[:2] == [1, 1]
+        crowd = [["one"] * 6, ["two", "three", "four", "five"]]
+        results = await asyncio.wait_for(asyncio.gather(*(model.generate(p, 4) for p in crowd)), 120)
+        alone = [await model.generate(p, 4) for p in crowd]
+        assert [r.token_ids for r in results] == [r.token_ids for r in alone]

@@ -489,6 +489,8 @@ class Generation:
         detokenizer = host.detokenizer
         started = time.perf_counter()
         decoder: DecodingState | None = None
+        tokens: list[list[int]] = []
+        streamed = 0  # steps whose tokens the stream sent
         future: asyncio.Future[StepResult] | None = None
         outcome = "error"
         try:
@@ -504,7 +506,10 @@ class Generation:
             yield msg
             batch = int(ids.shape[0])
             texts = [TextDeltas() for _ in range(batch)]
-            tokens: list[list[int]] = [[] for _ in range(batch)]  # the loop's own copy (the decoder runs ahead)
+            # What the stream sent: the call's tokens and why each sequence ended, as of the
+            # last step streamed (GenerateDone reports these: an engine may have run ahead).
+            tokens = [[] for _ in range(batch)]
+            reasons = [""] * batch
             step = 0
             work = _step_work(StepCall(p, decoder, step, put, group))
             future = asyncio.ensure_future(self._engines.submit(host, work))
@@ -524,6 +529,8 @@ class Generation:
                 for i, token in enumerate(result.tokens):
                     if token != FINISHED:
                         tokens[i].append(token)
+                reasons = list(result.reasons)
+                streamed = step + 1
                 deltas = [""] * batch
                 if detokenizer is not None:  # a sequence that ended now flushes its held-back text
                     deltas = [
@@ -536,12 +543,13 @@ class Generation:
                 )
                 if final or stopping:
                     decoder.end("length" if final else "shutdown")
+                    reasons = [r or ("length" if final else "shutdown") for r in reasons]
                     break
                 step += 1
-            done = model_service_pb2.GenerateDone(steps=decoder.step_index)
-            for i, reason in enumerate(decoder.reasons):
-                done.sequences.add(token_ids=decoder.tokens[i], text=texts[i].sent, finish_reason=reason or "length")
-            outcome = "ok" if "shutdown" not in decoder.reasons else "shutdown"
+            done = model_service_pb2.GenerateDone(steps=streamed)
+            for i, reason in enumerate(reasons):
+                done.sequences.add(token_ids=tokens[i], text=texts[i].sent, finish_reason=reason or "length")
+            outcome = "ok" if "shutdown" not in reasons else "shutdown"
             yield model_service_pb2.GenerateResponse(done=done)
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
@@ -570,12 +578,12 @@ class Generation:
             metrics = self._state.metrics
             metrics.generate_seconds.labels(host.name).observe(elapsed)
             if decoder is not None:
-                metrics.generated_tokens.labels(host.name).inc(sum(len(t) for t in decoder.tokens))
+                metrics.generated_tokens.labels(host.name).inc(sum(len(t) for t in tokens))
             log.info(
                 "generate %s", outcome,
                 extra={"request_id": request_id, "model": host.name, "session_id": request.session_id,
                        "duration_ms": round(elapsed * 1e3, 3), "hooks": len(records),
-                       "steps": decoder.step_index if decoder is not None else 0},
+                       "steps": streamed},
             )
 
 

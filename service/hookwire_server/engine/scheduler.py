@@ -311,7 +311,10 @@ class Scheduler:
                             work.future.set_exception(Unavailable(f"model {self._host.name!r} is shutting down"))
                     raise
                 log.exception("a batch on %s failed as a whole", self._host.name)
-                results = [exc] * len(batch)
+                # Without its traceback: it holds this loop's own (suspended) frame, and a
+                # caller that clears the frames of its failure (errors.release_failure)
+                # would finalize this coroutine and stop the model's scheduler for good.
+                results = [exc.with_traceback(None)] * len(batch)
             first = batch[0]
             if not first.background:  # a harvest pass says nothing about the live callers' company
                 self._last_rows = sum(w.rows for w in batch)

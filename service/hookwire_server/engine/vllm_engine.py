@@ -14,10 +14,11 @@ sequence; a finished sequence's row zeros).
 
 Module outputs are what the transformers module returns where vLLM's differs
 (``ModelHost.output_views``): a decoder layer's output is the residual stream (vLLM's
-layer returns ``(hidden, residual)`` and adds them in the next layer's fused norm:
-this engine adds them at the layer's end, which computes the same sums, so a hook
-sees and a rule edits the stream itself); the attention and MLP output projections'
-output is the tensor without vLLM's ``(out, bias)`` tuple.
+layer returns ``(hidden, residual)`` and adds them in the next layer's fused norm: a
+hook sees their sum, and a rule's edit goes back as ``(stream, 0)``, which the next
+norm turns into the same stream; layers that return one tensor are shown as they are);
+the attention and MLP output projections' output is the tensor without vLLM's
+``(out, bias)`` tuple.
 
 What hookwire keeps vLLM from doing, for correctness:
 
@@ -154,11 +155,68 @@ def build_host(config: ModelConfig) -> ModelHost:
     return host
 
 
-def _stream(output: Any) -> Any:
-    return output[0]
+def _pair(output: Any) -> bool:
+    return (isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor)
+            and isinstance(output[1], torch.Tensor))
 
 
-class PromptCall:
+def _show_stream(output: Any) -> Any:
+    """A decoder layer's output as transformers' layer returns it: vLLM's layer returns
+    ``(hidden, residual)`` and the next layer's fused norm adds them first."""
+    return output[0] + output[1] if _pair(output) else output
+
+
+def _put_stream(output: Any, new: Any) -> Any:
+    """The layer's output once a rule edited the stream: ``(stream, 0)``, which the next
+    layer's fused norm turns back into the same stream (it adds the residual first)."""
+    return (new, torch.zeros_like(output[1])) if _pair(output) else new
+
+
+def _show_first(output: Any) -> Any:
+    """An output projection's output without vLLM's ``(out, bias)`` tuple."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _put_first(output: Any, new: Any) -> Any:
+    return (new, *output[1:]) if isinstance(output, tuple) else new
+
+
+class _Call:
+    """What every call on vLLM has: one request per sequence, added all at once when the
+    engine admits the call, and released (from vLLM and from the engine's budget) once.
+    Worker thread."""
+
+    side = "left"
+    width: int | None = None
+
+    def __init__(self, engine: VllmEngine, p: Pass | None, records: list[HookRecord], prompts: list[list[int]],
+                 params: list[Any], new_tokens: int) -> None:
+        self.p = p
+        self.records = records
+        self.prompts = prompts
+        self.params = params
+        self.request_ids = [engine.next_id() for _ in prompts]
+        #: The ids vLLM holds (added and not yet aborted by the engine).
+        self.added_ids: list[str] = []
+        self.added = False
+        #: KV-cache blocks reserved for it while admitted (its every sequence at full length).
+        self.blocks = sum(engine.blocks_for(len(prompt) + new_tokens) for prompt in prompts)
+        self.admitted = False
+        self.failure: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        raise NotImplementedError
+
+    def running_rows(self) -> set[int]:
+        """The sequences vLLM still runs for it."""
+        raise NotImplementedError
+
+    def step_of(self) -> int:
+        raise NotImplementedError
+
+
+class PromptCall(_Call):
     """A prompt pass on vLLM (an Infer call, a harvest batch): one request per sequence,
     one token each; its hooks fire once, at step 0, over its rows padded on the right as
     its inputs were. Worker thread."""
@@ -166,21 +224,19 @@ class PromptCall:
     side = "right"
 
     def __init__(self, engine: VllmEngine, p: Pass, records: list[HookRecord], prompts: list[list[int]],
-                 width: int) -> None:
-        self.p = p
-        self.records = records
-        self.prompts = prompts
+                 width: int, params: Any) -> None:
+        super().__init__(engine, p, records, prompts, [params] * len(prompts), 1)
         self.width = width
-        self.request_ids = [engine.next_id() for _ in prompts]
-        self.added = False
         self.done = [False] * len(prompts)
         #: Each sequence's logits at its last position (vLLM computes no others).
         self.logits: list[torch.Tensor | None] = [None] * len(prompts)
-        self.failure: BaseException | None = None
 
     @property
     def finished(self) -> bool:
         return all(self.done)
+
+    def running_rows(self) -> set[int]:
+        return {i for i, d in enumerate(self.done) if not d}
 
     def step_of(self) -> int:
         return 0
@@ -188,40 +244,37 @@ class PromptCall:
 
 @dataclasses.dataclass
 class _Row:
-    call: VllmCall | PromptCall
+    call: _Call
     index: int
 
 
-class VllmCall:
+class VllmCall(_Call):
     """The decoding state of one Generate call on vLLM (seam.Engine.start_generate):
-    one vLLM request per prompt. Worker thread."""
+    one vLLM request per prompt. Worker thread, but for ``do_sample``, ``input_ids``,
+    ``end`` and ``join_key``, which the call side reads."""
 
-    side = "left"
-    width = None
-
-    def __init__(self, engine: VllmEngine, p: Pass | None, records: list[HookRecord], prompts: list[list[int]],
-                 params: list[Any], ids: torch.Tensor, do_sample: bool) -> None:
-        self.p = p
-        self.records = records
-        self.prompts = prompts
-        self.params = params
+    def __init__(self, engine: VllmEngine, records: list[HookRecord], prompts: list[list[int]],
+                 params: list[Any], ids: torch.Tensor, do_sample: bool, new_tokens: int) -> None:
+        super().__init__(engine, None, records, prompts, params, new_tokens)
         self.input_ids = ids
         self.do_sample = do_sample
         batch = len(prompts)
-        self.request_ids = [engine.next_id() for _ in range(batch)]
-        self.added = False
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.reasons = [""] * batch
         #: Steps completed (every running sequence has its token of the step).
         self.step_index = 0
         #: StepResult of each completed step, in order.
         self.results: list[StepResult] = []
+        #: The stream's signal: ("done",) once per step that ended (or failed).
         self.put: Any = None
-        self.failure: BaseException | None = None
+        self.dones = 0
 
     @property
     def finished(self) -> bool:
         return all(self.reasons)
+
+    def running_rows(self) -> set[int]:
+        return {i for i, r in enumerate(self.reasons) if not r}
 
     def step_of(self) -> int:
         return len(self.results)
@@ -231,7 +284,15 @@ class VllmCall:
         return ("vllm",)
 
     def end(self, reason: str) -> None:
-        self.reasons = [r or reason for r in self.reasons]
+        """The call side's end (length, shutdown, cancelled): what vLLM still runs for it
+        is aborted by finish_generate."""
+
+    def signal(self, step: int) -> None:
+        """Puts the stream's ("done",) for every step up to ``step`` not yet signalled: the
+        stream reads a step's messages up to it before it takes the step's result."""
+        while self.dones <= step and self.put is not None:
+            self.put(("done",))
+            self.dones += 1
 
 
 class VllmEngine:
@@ -248,10 +309,19 @@ class VllmEngine:
         self.max_model_len = max_model_len
         #: Sequences vLLM runs at once: a call's prompts must fit one step together.
         self.max_num_seqs = max_num_seqs
+        cache = self._engine.vllm_config.cache_config
+        self._block_size = int(cache.block_size)
+        #: KV-cache blocks calls may reserve (one is vLLM's null block).
+        self.capacity_blocks = max(0, int(cache.num_gpu_blocks or 0) - 1)
         self._ids = 0
         self._ids_lock = threading.Lock()
         #: vLLM request id -> its call's row.
         self._rows: dict[str, _Row] = {}
+        #: Calls waiting for room (sequences, KV blocks), in arrival order, and what the
+        #: admitted ones hold.
+        self._waiting: list[_Call] = []
+        self._held_rows = 0
+        self._held_blocks = 0
         #: The pass being laid out by the root pre-hook (set around each vLLM step).
         self._batch: PackedBatch | None = None
         #: The rows of the step's requests, in vLLM's order (None: not hookwire's).
@@ -276,18 +346,20 @@ class VllmEngine:
             self._ids += 1
             return f"hw{self._ids}"
 
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self._block_size)
+
     # ------------------------------------------------------------------ module views
 
     def _install_views(self) -> None:
-        """Decoder layers show the residual stream; output projections their tensor
-        (see the module docstring)."""
+        """Decoder layers show the residual stream; output projections their tensor;
+        lm_head hooks fire in the logits processor (see the module docstring)."""
         for path, module in self._host.modules.items():
             kind = type(module).__name__
-            if kind.endswith("DecoderLayer"):
-                module.register_forward_hook(_add_residual)
-                self._host.output_views[path] = OutputView(_stream, lambda out, new: (new, out[1]))
-            elif kind == "RowParallelLinear":
-                self._host.output_views[path] = OutputView(_stream, lambda out, new: (new, *out[1:]))
+            if kind.endswith("DecoderLayer"):  # layers that return a tensor are shown as they are
+                self._host.output_views[path] = OutputView(_show_stream, _put_stream)
+            elif kind == "RowParallelLinear":  # (out, bias), or out alone with return_bias=False
+                self._host.output_views[path] = OutputView(_show_first, _put_first)
         # vLLM's lm_head never runs its own forward: the logits processor applies its weight
         # to the sampled positions. Hooks on lm_head go there, and see the vocabulary's
         # logits (without vLLM's padding) of each sequence's last position.
@@ -311,15 +383,24 @@ class VllmEngine:
 
     def execute(self, plan: Plan) -> list[Any]:
         """Runs vLLM steps until every item of ``plan`` has what it waits for: a Generate
-        step's tokens, an Infer call's or harvest batch's prompt pass."""
+        step's tokens, an Infer call's or harvest batch's prompt pass. Never raises: one
+        result or exception per item (a failure of vLLM itself fails every item)."""
+        try:
+            if plan.kind == GENERATE:
+                results = self._generate(plan.items)
+            elif plan.kind == INFER:
+                results = [self._infer_result(call, state) if not isinstance(state, BaseException) else state
+                           for call, state in zip(plan.items, self._prompt_passes(plan.items))]
+            elif plan.kind == HARVEST:
+                results = [self._harvest(work) for work in plan.items]
+            else:
+                results = [Unimplemented(f"the {NAME} engine does not run {plan.kind} work")] * len(plan.items)
+        except Exception as exc:  # vLLM's own failure (see _step): every item fails with it
+            results = [exc.with_traceback(None)] * len(plan.items)
         if plan.kind == GENERATE:
-            return self._generate(plan.items)
-        if plan.kind == INFER:
-            return [self._infer_result(call, state) if not isinstance(state, BaseException) else state
-                    for call, state in zip(plan.items, self._prompt_passes(plan.items))]
-        if plan.kind == HARVEST:
-            return [self._harvest(work) for work in plan.items]
-        return [Unimplemented(f"the {NAME} engine does not run {plan.kind} work")] * len(plan.items)
+            for item in plan.items:  # the stream reads a step up to its end, also when it failed
+                _state(item).signal(item.step)
+        return results
 
     def _generate(self, items: list[StepCall]) -> list[Any]:
         for item in items:
@@ -327,8 +408,8 @@ class VllmEngine:
             state.put = item.put
             if state.p is None:
                 state.p = item.p
-            if not state.added:
-                self._add(state)
+            if not state.added and not state.admitted and state not in self._waiting and state.failure is None:
+                self._waiting.append(state)
         self._run_until(lambda: [i for i in items if _state(i).failure is None and not _state(i).finished
                                  and len(_state(i).results) <= i.step])
         out: list[Any] = []
@@ -338,52 +419,134 @@ class VllmEngine:
                 out.append(state.results[item.step])
             elif state.failure is not None:
                 out.append(state.failure)
-            else:  # a step submitted ahead, past the call's end: nothing left to run
+            else:  # a step past the call's end (it finished): nothing left to run
                 out.append(StepResult([FINISHED] * len(state.prompts), tuple(state.reasons), True))
         return out
 
     def _run_until(self, pending: Any) -> None:
-        """vLLM steps until ``pending()`` is empty."""
+        """Admits waiting calls as room frees up and runs vLLM steps until ``pending()``
+        is empty."""
         while True:
+            self._admit_waiting()
             waiting = pending()
             if not waiting:
                 return
             if not self._engine.has_unfinished_requests():
+                why = FailedPrecondition("vLLM holds no request of this call any more")
                 for item in waiting:
-                    state = item if isinstance(item, PromptCall) else _state(item)
-                    state.failure = FailedPrecondition("vLLM holds no request of this call any more")
+                    state = item if isinstance(item, _Call) else _state(item)
+                    self._fail_call(state, why)
                 return
             self._step()
 
+    # ------------------------------------------------------------------ admission
+
+    def _check_fits(self, state: _Call, field: str) -> None:
+        """InvalidArgument / ResourceExhausted for a call that could never run at once:
+        more sequences than vLLM runs together, or more KV cache than it has."""
+        n = len(state.prompts)
+        if n > self.max_num_seqs:
+            raise InvalidArgument(
+                f"{field}: {n} sequences in one call pass model {self._host.name!r}'s vllm.max_num_seqs "
+                f"{self.max_num_seqs} (a call's prompts run in one vLLM step)"
+            )
+        if self.capacity_blocks and state.blocks > self.capacity_blocks:
+            raise ResourceExhausted(
+                f"{field}: the call's sequences at full length need {state.blocks * self._block_size} tokens of KV "
+                f"cache; model {self._host.name!r} has {self.capacity_blocks * self._block_size} (vllm.kv_cache_bytes)"
+            )
+
+    def _admit_waiting(self) -> None:
+        """Adds waiting calls to vLLM, in arrival order, while their sequences and their
+        KV cache at full length fit beside the admitted ones: vLLM then never runs part of
+        a call's prompts in a step, nor preempts a request (either would fire its hooks
+        out of step)."""
+        while self._waiting:
+            state = self._waiting[0]
+            if state.failure is not None:
+                self._waiting.pop(0)
+                continue
+            rows, blocks = len(state.prompts), state.blocks
+            if self._held_rows + rows > self.max_num_seqs or (
+                    self.capacity_blocks and self._held_blocks + blocks > self.capacity_blocks):
+                return
+            self._waiting.pop(0)
+            self._held_rows += rows
+            self._held_blocks += blocks
+            state.admitted = True
+            try:
+                for row, rid in enumerate(state.request_ids):
+                    self._rows[rid] = _Row(state, row)
+                    self._engine.add_request(rid, {"prompt_token_ids": state.prompts[row]}, state.params[row])
+                    state.added_ids.append(rid)
+                state.added = True
+            except Exception as exc:  # vLLM refused one of its requests: the call fails alone
+                self._fail_call(state, InvalidArgument(f"vLLM refused the call's prompts: {type(exc).__name__}: {exc}"))
+
+    def _release(self, state: _Call) -> None:
+        """Gives back what an admitted call held (once)."""
+        if state.admitted:
+            state.admitted = False
+            self._held_rows -= len(state.prompts)
+            self._held_blocks -= state.blocks
+
+    def _drop(self, state: _Call, *, abort: bool = True) -> None:
+        """Takes the call's requests out of vLLM (unless vLLM failed) and out of the engine."""
+        if state in self._waiting:
+            self._waiting.remove(state)
+        ids, state.added_ids = state.added_ids, []
+        if ids and abort and not self._broken:
+            try:
+                self._engine.abort_request(ids)  # vLLM ignores requests that already finished
+            except Exception as exc:
+                log.debug("abort: %r", exc)
+        for rid in state.request_ids:
+            self._rows.pop(rid, None)
+        self._release(state)
+
+    def _fail_call(self, state: _Call, exc: BaseException, *, abort: bool = True) -> None:
+        if state.failure is None:
+            state.failure = exc
+        self._drop(state, abort=abort)
+
+    def _fail(self, p: Pass, exc: BaseException, *, abort: bool = True) -> None:
+        """Fails the calls of ``p`` (a hook failed for them in a step): their requests
+        leave vLLM, the others of the step go on."""
+        for state in {id(r.call): r.call for r in self._rows.values() if r.call.p is p}.values():
+            self._fail_call(state, exc, abort=abort)
+
     # ------------------------------------------------------------------ prompt passes
+
+    def _prompt_params(self) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
     def _prompt_passes(self, calls: list[infer_pass.InferCall]) -> list[PromptCall | BaseException]:
         """Infer calls as prompt passes (their hooks attached for the pass)."""
-        from vllm import SamplingParams
-
         states: list[PromptCall | BaseException] = []
+        params = self._prompt_params()
         for call in calls:
             try:
                 prompts, width = self._token_rows(call)
+                state = PromptCall(self, call.p, call.records, prompts, width, params)
+                self._check_fits(state, "input_ids")
             except Exception as exc:  # its own bad input fails only it
                 states.append(exc)
                 continue
-            states.append(PromptCall(self, call.p, call.records, prompts, width))
+            states.append(state)
         live = [s for s in states if isinstance(s, PromptCall)]
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         for state in live:
             for record in state.records:
                 record.attach()
         try:
-            for state in live:
-                self._add_prompt(state, params)
+            self._waiting.extend(live)
             self._run_until(lambda: [s for s in live if s.failure is None and not s.finished])
         finally:
             for state in live:
                 for record in state.records:
                     record.detach()
-                for rid in state.request_ids:
-                    self._rows.pop(rid, None)
+                self._drop(state)
         return states
 
     def _token_rows(self, call: infer_pass.InferCall) -> tuple[list[list[int]], int]:
@@ -401,6 +564,7 @@ class VllmEngine:
             mask = codec.decode_value(request.kwargs["attention_mask"])
             if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
                 raise InvalidArgument(f"attention_mask: shape must be input_ids' {list(ids.shape)}")
+        self._check_ids(ids, "input_ids")
         prompts = []
         for i, (row, keep) in enumerate(zip(ids.tolist(), mask.tolist())):
             n = sum(1 for k in keep if k)
@@ -409,54 +573,48 @@ class VllmEngine:
             if n == 0:
                 raise InvalidArgument(f"attention_mask[{i}]: the sequence has no token")
             prompts.append([int(t) for t in row[:n]])
-        self._check_sequences(int(ids.shape[0]), "input_ids")
         if ids.shape[1] >= self.max_model_len:
             raise InvalidArgument(
                 f"input_ids: {ids.shape[1]} positions reach model {self._host.name!r}'s max_model_len {self.max_model_len}"
             )
         return prompts, int(ids.shape[1])
 
-    def _check_sequences(self, n: int, field: str) -> None:
-        """InvalidArgument for a call of more sequences than vLLM runs at once: its prompts
-        would be split across steps (and each hook fire once per part)."""
-        if n > self.max_num_seqs:
-            raise InvalidArgument(
-                f"{field}: {n} sequences in one call pass model {self._host.name!r}'s vllm.max_num_seqs "
-                f"{self.max_num_seqs} (a call's prompts run in one vLLM step)"
-            )
-
-    def _add_prompt(self, state: PromptCall, params: Any) -> None:
-        for row, rid in enumerate(state.request_ids):
-            self._rows[rid] = _Row(state, row)
-            self._engine.add_request(rid, {"prompt_token_ids": state.prompts[row]}, params)
-        state.added = True
+    def _check_ids(self, ids: torch.Tensor, field: str) -> None:
+        """InvalidArgument for a token id outside the model's vocabulary (vLLM would fail
+        the request, or index its embedding out of range)."""
+        if ids.numel() and self._vocab is not None:
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self._vocab:
+                bad = low if low < 0 else high
+                raise InvalidArgument(f"{field}: token id {bad} is outside model {self._host.name!r}'s vocabulary "
+                                      f"of {self._vocab}")
 
     def _infer_result(self, call: infer_pass.InferCall, state: PromptCall) -> Any:
         if state.failure is not None:
             return state.failure
-        rows = [t if t is not None else torch.zeros(self._vocab or 1) for t in state.logits]
-        logits = torch.stack(rows)[:, None]
+        if any(t is None for t in state.logits):
+            return Unimplemented(f"model {self._host.name!r}: vLLM gave no logits for this call's sequences")
+        logits = torch.stack([t for t in state.logits if t is not None])[:, None]
         codec.encode_value_into({"logits": logits}, call.p.response.output)
         return infer_pass.delivered(call, call.p.response)
 
     def _harvest(self, work: harvest_pass.HarvestBatch) -> Any:
         """A harvest batch: its prompt pass through vLLM (harvest_pass does the rest)."""
-        from vllm import SamplingParams
 
         def forward(p: Pass, ids: torch.Tensor, mask: torch.Tensor, records: list[HookRecord]) -> None:
+            self._check_ids(ids, "contexts")
             prompts = [[int(t) for t, k in zip(row, keep) if k] for row, keep in zip(ids.tolist(), mask.tolist())]
-            self._check_sequences(len(prompts), "contexts.batch_size")
-            state = PromptCall(self, p, records, prompts, int(ids.shape[1]))
+            state = PromptCall(self, p, records, prompts, int(ids.shape[1]), self._prompt_params())
+            self._check_fits(state, "contexts.batch_size")
             for record in records:
                 record.attach()
             try:
-                self._add_prompt(state, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
+                self._waiting.append(state)
                 self._run_until(lambda: [state] if state.failure is None and not state.finished else [])
             finally:
                 for record in records:
                     record.detach()
-                for rid in state.request_ids:
-                    self._rows.pop(rid, None)
+                self._drop(state)
             if state.failure is not None:
                 raise state.failure
 
@@ -466,12 +624,6 @@ class VllmEngine:
             return exc
 
     # ------------------------------------------------------------------ steps
-
-    def _add(self, state: VllmCall) -> None:
-        for row, rid in enumerate(state.request_ids):
-            self._rows[rid] = _Row(state, row)
-            self._engine.add_request(rid, {"prompt_token_ids": state.prompts[row]}, state.params[row])
-        state.added = True
 
     def _step(self) -> None:
         """One vLLM step: hooks fire per call (the root pre-hook lays the pass out), then
@@ -492,9 +644,10 @@ class VllmEngine:
                             f"(restart the server): {type(exc).__name__}: {exc}")
             log.error("%s", self._broken)
             self._host.failed(f"its vLLM engine failed in a step (restart the server): {type(exc).__name__}: {exc}")
-            for stuck in list(self._rows.values()):
-                if stuck.call.failure is None and stuck.call.p is not None:
-                    self._fail(stuck.call.p, FailedPrecondition(self._broken), abort=False)
+            for stuck in {id(r.call): r.call for r in self._rows.values()}.values():
+                self._fail_call(stuck, FailedPrecondition(self._broken), abort=False)
+            for waiting in list(self._waiting):
+                self._fail_call(waiting, FailedPrecondition(self._broken), abort=False)
             raise FailedPrecondition(self._broken) from None
         finally:
             self._batch = None
@@ -514,7 +667,10 @@ class VllmEngine:
             state = row.call
             if isinstance(state, PromptCall):
                 state.done[row.index] = state.done[row.index] or bool(output.finished)
+                if state.finished:
+                    self._release(state)
                 continue
+            assert isinstance(state, VllmCall)
             completion = output.outputs[0]
             new = list(completion.token_ids)[len(state.tokens[row.index]):]
             state.tokens[row.index].extend(int(t) for t in new)
@@ -523,23 +679,8 @@ class VllmEngine:
             advanced[id(state)] = state
         for state in advanced.values():
             self._complete_steps(state)
-
-    def _fail(self, p: Pass, exc: BaseException, *, abort: bool = True) -> None:
-        """Fails the call of ``p`` (its hook failed in a step): its requests leave vLLM,
-        the others of the step go on."""
-        states = {id(r.call): r.call for r in self._rows.values() if r.call.p is p}
-        for state in states.values():
-            state.failure = exc
-            ids = [rid for rid in state.request_ids if rid in self._rows]
-            for rid in ids:
-                del self._rows[rid]
-            if abort:  # not into a vLLM that failed: its state is unknown
-                try:
-                    self._engine.abort_request(ids)
-                except Exception as refused:  # already finished in vLLM: nothing to abort
-                    log.debug("abort after a failed hook: %r", refused)
-            if isinstance(state, VllmCall) and state.put is not None:
-                state.put(("done",))  # the step it waits for is over (it failed)
+            if state.finished:
+                self._release(state)
 
     def _complete_steps(self, state: VllmCall) -> None:
         """Records each step of ``state`` that every sequence has a token for."""
@@ -560,8 +701,7 @@ class VllmEngine:
             reasons = tuple(r if len(state.tokens[i]) <= step + 1 else "" for i, r in enumerate(state.reasons))
             state.results.append(StepResult(tokens, reasons, all(reasons)))
             state.step_index = len(state.results)
-            if state.put is not None:
-                state.put(("done",))
+            state.signal(step)
 
     def _lay_out(self, module: Any, args: Any) -> None:
         """Root pre-hook: the step's layout from vLLM's scheduler state (request order,
@@ -586,7 +726,7 @@ class VllmEngine:
         starts = self._runner.query_start_loc.cpu[: n + 1].tolist()
         spans: dict[int, dict[int, tuple[int, int]]] = {}
         seq_rows: dict[int, dict[int, int]] = {}
-        calls: dict[int, VllmCall | PromptCall] = {}
+        calls: dict[int, _Call] = {}
         order: list[_Row | None] = []
         for i, rid in enumerate(ib.req_ids[:n]):
             # vLLM's runner knows a request by the id it was added with plus "-" and a
@@ -605,12 +745,11 @@ class VllmEngine:
             mine = spans[key]
             step = state.step_of()
             assert state.p is not None
-            if step == 0 and len(mine) != len(state.prompts):
+            wrong = self._out_of_step(state, mine, step)
+            if wrong:
                 # Never raised here: an exception out of a vLLM step leaves its requests stuck.
-                batch.fail_call(state.p, ResourceExhausted(
-                    f"vLLM split the prompts of one call across steps (its KV cache or max_num_seqs is too small for "
-                    f"{len(state.prompts)} prompts at once)"
-                ))
+                batch.fail_call(state.p, ResourceExhausted(f"vLLM ran the call out of step ({wrong}); "
+                                                           "its hooks would have fired out of step"))
                 continue
             state.p.begin_step(step)
             rows = [mine.get(r, (end, end)) for r in range(len(state.prompts))]
@@ -621,6 +760,18 @@ class VllmEngine:
         batch.sequences = n
         batch.tokens = batch.rows = end
         batch.shared = len(segments) > 1
+
+    def _out_of_step(self, state: _Call, mine: dict[int, tuple[int, int]], step: int) -> str:
+        """Why vLLM's step does not run ``state``'s sequences in step ("" when it does):
+        all its running sequences, each over its whole prompt at step 0 and one token
+        after. (Admission keeps this from happening; a preempted or split call fails.)"""
+        if set(mine) != state.running_rows():
+            return f"{len(mine)} of its {len(state.running_rows())} running sequences in one step"
+        for r, (a, b) in mine.items():
+            want = len(state.prompts[r]) if step == 0 else 1
+            if b - a != want:
+                return f"sequence {r} ran {b - a} tokens at step {step}, not {want}"
+        return ""
 
     def _keep_logits(self, module: Any, args: Any, output: Any) -> None:
         """The step's logits (one row per request, at its last position), for prompt passes."""
@@ -633,14 +784,15 @@ class VllmEngine:
         self, records: list[HookRecord], ids: torch.Tensor, mask: torch.Tensor, options: GenerateOptions,
         stop_criteria: Any,
     ) -> VllmCall:
-        """A Generate call's vLLM requests, one per prompt (added at its first step);
-        attaches its request-scoped hooks for the call's lifetime."""
+        """A Generate call's vLLM requests, one per prompt (added when the engine admits
+        the call, at its first step); attaches its request-scoped hooks for the call's
+        lifetime. InvalidArgument / ResourceExhausted for a call that cannot run."""
         from vllm import SamplingParams
 
+        self._check_ids(ids[mask.bool()], "input_ids")
         prompts = [[int(t) for t, m in zip(row.tolist(), keep.tolist()) if m] for row, keep in zip(ids, mask)]
         if any(not p for p in prompts):
             raise InvalidArgument("input_ids: a prompt has no token the attention_mask keeps")
-        self._check_sequences(len(prompts), "prompts")
         longest = max(len(p) for p in prompts)
         if longest + options.max_new_tokens > self.max_model_len:
             raise InvalidArgument(
@@ -652,27 +804,27 @@ class VllmEngine:
         do_sample = bool(over.get("do_sample", generation.get("do_sample", False)))
         kwargs: dict[str, Any] = {"max_tokens": options.max_new_tokens, "stop": list(options.stop) or None,
                                   "detokenize": True}
-        if do_sample:
+        for name, vllm_name in (("repetition_penalty", "repetition_penalty"), ("min_new_tokens", "min_tokens")):
+            value = generation.get(name)
+            if value is not None:
+                kwargs[vllm_name] = value
+        if do_sample:  # transformers' defaults where neither the call nor the folder sets one
             kwargs["temperature"] = float(over.get("temperature", generation.get("temperature", 1.0)))
-            kwargs["top_k"] = int(over.get("top_k", generation.get("top_k", 0)) or 0) or -1
+            kwargs["top_k"] = int(over.get("top_k", generation.get("top_k", 50)) or 0) or -1
             kwargs["top_p"] = float(over.get("top_p", generation.get("top_p", 1.0)))
         else:
             kwargs["temperature"] = 0.0
         params = [SamplingParams(seed=(options.seed + i) % (1 << 63), **kwargs) for i in range(len(prompts))]
+        state = VllmCall(self, records, prompts, params, ids, do_sample, options.max_new_tokens)
+        self._check_fits(state, "prompts")
         for record in records:
             record.attach()
-        return VllmCall(self, None, records, prompts, params, ids, do_sample)
+        return state
 
     def finish_generate(self, p: Pass, records: list[HookRecord], state: VllmCall | None) -> None:
-        """Ends a call: aborts its requests still in vLLM, detaches its hooks, ends its events."""
+        """Ends a call: takes its requests out of vLLM, detaches its hooks, ends its events."""
         if state is not None:
-            if state.added and not self._broken:  # vLLM ignores requests that already finished
-                try:
-                    self._engine.abort_request(list(state.request_ids))
-                except Exception as exc:
-                    log.debug("abort: %r", exc)
-            for rid in state.request_ids:
-                self._rows.pop(rid, None)
+            self._drop(state)
         for record in records:
             record.detach()
         p.finish()
@@ -682,15 +834,6 @@ def _state(item: Any) -> VllmCall:
     state = item.decoder
     assert isinstance(state, VllmCall)
     return state
-
-
-def _add_residual(module: Any, args: Any, output: Any) -> Any:
-    """A decoder layer's output as the residual stream: (hidden + residual, 0). The next
-    layer's fused norm adds its residual input first, so it computes the same sum."""
-    hidden, residual = output
-    if residual is None:
-        return None
-    return hidden + residual, torch.zeros_like(residual)
 
 
 def _reason(completion: Any) -> str:
