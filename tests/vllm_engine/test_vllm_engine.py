@@ -623,3 +623,42 @@ async def test_bad_input_fails_its_own_call_and_the_model_keeps_serving(vllm_ser
         results = await asyncio.wait_for(asyncio.gather(*(model.generate(p, 4) for p in crowd)), 120)
         alone = [await model.generate(p, 4) for p in crowd]
         assert [r.token_ids for r in results] == [r.token_ids for r in alone]
+
+
+async def test_steps_kept_ahead_of_a_stalled_reader_count_against_the_principals_held_bytes(vllm_server) -> None:
+    """On vLLM a call whose reader stalls runs ahead (vLLM steps every request it holds,
+    here for another caller's call): once the stream's transport is full, the events of
+    steps it has not taken count against max_buffered_bytes_per_principal, and past it
+    the call fails with RESOURCE_EXHAUSTED naming the setting instead of holding more
+    memory; the other caller's call finishes, and nothing stays counted afterwards."""
+    import grpc
+
+    from hookwire._generation import generate_request
+    from hookwire.v1 import model_service_pb2_grpc
+    from hookwire_server.auth import ANONYMOUS
+    from support import slow_reader_channel
+
+    held = vllm_server.server.hooks.held_bytes
+    old = held.limit
+    held.limit = held._buffers(ANONYMOUS.name) + 64 * 1024  # 64 KiB ahead of the stream
+    hooks = [HookSpec("**", posthook=capture("output"))]
+    request = generate_request("llama", ["hello world"], 60, stop=[], attention_mask=None, hooks=hooks,
+                               do_sample=None, temperature=None, top_k=None, top_p=None, seed=None, tags=(),
+                               session_id="", max_response_message_bytes=0)
+    try:
+        async with slow_reader_channel(vllm_server.target) as channel, hookwire.connect(vllm_server.target) as b:
+            call = model_service_pb2_grpc.ModelServiceStub(channel).Generate(request)
+            await call.read()  # started; then the reader stalls while b's call drives vLLM
+            fine = await b.model("llama").generate(["the model sees"], 60)
+            status = None
+            try:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                status = exc
+        assert status is not None and status.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, status
+        assert "max_buffered_bytes_per_principal" in (status.details() or "")
+        assert len(fine.token_ids[0]) == 60
+        assert held.held(ANONYMOUS.name) == 0
+    finally:
+        held.limit = old

@@ -112,13 +112,24 @@ class _Mailbox:
     hooks that way (see docs/benchmarks.md).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, held: Any = None, principal: str = "") -> None:
         self._loop = loop
         self._lock = threading.Lock()
         self._items: collections.deque[tuple[Any, ...]] = collections.deque()
         self._small_bytes = 0
         self._woken = False
         self._ready = asyncio.Event()
+        #: Step ends queued and not yet taken: events that come after one belong to a step
+        #: that ran ahead of the stream (an engine that advances every request in each
+        #: step, vLLM), and count against the principal's held bytes (HeldBytes) until the
+        #: stream takes them.
+        self._ends = 0
+        self._held = held
+        self._principal = principal
+        #: Bytes counted so far; the failure once counting more was refused (the call ends
+        #: with it at its next step, and keeps nothing more).
+        self._counted = 0
+        self.failure: BaseException | None = None
 
     def put(self, item: tuple[Any, ...]) -> None:
         """Adds a message; any thread, never waits."""
@@ -126,6 +137,19 @@ class _Mailbox:
         if small:  # its serialized size, computed once: _messages batches by it
             item = (*item, item[1].ByteSize())
         with self._lock:
+            if item[0] == "event" and self._ends and self._held is not None:
+                if self.failure is not None:
+                    return  # a step ahead of the stream, past the principal's limit: dropped
+                nbytes = item[3] if small else item[1].ByteSize() + item[2].nbytes
+                try:
+                    self._held.take(self._principal, nbytes)
+                except Exception as exc:
+                    self.failure = exc
+                    return
+                self._counted += nbytes
+                item = (*item[:3], item[3] if small else 0, nbytes)
+            if item[0] == "done":
+                self._ends += 1
             self._items.append(item)
             if small:
                 self._small_bytes += item[3]
@@ -147,11 +171,18 @@ class _Mailbox:
             await self._ready.wait()
             with self._lock:
                 items: list[tuple[Any, ...]] = []
+                given = 0
                 while self._items:
                     item = self._items.popleft()
                     items.append(item)
+                    if item[0] == "event" and len(item) > 4:
+                        given += item[4]  # counted while it waited ahead of the stream
                     if item[0] == "done":
+                        self._ends -= 1
                         break
+                if given and self._held is not None:
+                    self._held.give(self._principal, given)
+                    self._counted -= given
                 rest = bool(self._items)
                 self._small_bytes = sum(i[3] for i in self._items if i[0] == "event" and i[2] is None)
                 self._woken = rest
@@ -159,6 +190,14 @@ class _Mailbox:
                     self._ready.clear()
             if items:
                 return items
+
+    def release(self) -> None:
+        """Gives back what is still counted (the call ended). Any thread."""
+        with self._lock:
+            counted, self._counted = self._counted, 0
+            self._items.clear()
+        if counted and self._held is not None:
+            self._held.give(self._principal, counted)
 
 
 async def _messages(mailbox: _Mailbox, chunk_bytes: int) -> AsyncIterator[model_service_pb2.GenerateResponse | bytes]:
@@ -475,7 +514,7 @@ class Generation:
         options: GenerateOptions, ids: torch.Tensor, mask: torch.Tensor, request_id: str, records: list[HookRecord],
         stop_criteria: Any, session_stream: Any, *, group: str | None = None,
     ) -> AsyncGenerator[model_service_pb2.GenerateResponse | bytes, None]:
-        mailbox = _Mailbox(asyncio.get_running_loop())
+        mailbox = _Mailbox(asyncio.get_running_loop(), self._hooks.held_bytes, principal.name)
         put = mailbox.put
         p = Pass(
             request_id, request.session_id, frozenset(request.tags), principal=principal.name,
@@ -517,6 +556,8 @@ class Generation:
                 async for out in _messages(mailbox, chunk_bytes):
                     yield out
                 result = await self._step_done(future, work, host)
+                if mailbox.failure is not None:  # steps ahead of the stream kept more than the principal may
+                    raise mailbox.failure
                 if p.backlog:  # a stream that blocks for the call was full: wait for its reader here, alone
                     await self._backlog_delivered(p, host)
                 final = result.finished or step == options.max_new_tokens - 1
@@ -567,6 +608,7 @@ class Generation:
             # The frames of the failing step hold the KV cache and its activations.
             raise release_failure(exc)
         finally:
+            mailbox.release()
             # After the step in flight (if any): detach the call's hooks, mark the end of
             # its events on session streams, free its KV cache. Not awaited when the call
             # was cancelled: the client is gone, and the model is free for others at once.
