@@ -175,6 +175,9 @@ async def _inspect(ns: argparse.Namespace) -> int:
     async with connect(ns.target, options=_client_options(ns)) as client:
         info = await client.model(ns.model).info()
     print(f"{info.name}: {info.description}")
+    if info.engine:  # which engine runs it, and what that engine does not do (docs/vllm.md)
+        refused = "; refuses " + ", ".join(sorted(info.refused_features)) if info.refused_features else ""
+        print(f"engine: {info.engine}{refused}")
     placement = info.device_map
     if placement:
         counts = collections.Counter(placement.values())

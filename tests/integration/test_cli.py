@@ -105,6 +105,7 @@ def test_inspect_command(demo: Served) -> None:
     out = demo.run("inspect", "tiny-transformer")
     assert out.returncode == 0, out.stderr
     assert "qkv (Linear)  weight [96, 32] float32, bias [96] float32    [encoder.layers.0.attn.qkv]" in out.stdout
+    assert "\nengine: torch\n" in out.stdout  # the torch engine refuses nothing
     missing = demo.run("inspect", "nope")
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
 

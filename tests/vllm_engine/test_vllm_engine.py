@@ -662,3 +662,16 @@ async def test_steps_kept_ahead_of_a_stalled_reader_count_against_the_principals
         assert held.held(ANONYMOUS.name) == 0
     finally:
         held.limit = old
+
+
+def test_hookwire_inspect_names_the_engine_and_what_it_refuses(vllm_server) -> None:
+    """The CLI's inspect says which engine runs a model and what it refuses."""
+    import pathlib
+    import subprocess
+    import sys
+
+    hookwire_cli = pathlib.Path(sys.executable).with_name("hookwire")  # the installed command
+    out = subprocess.run([str(hookwire_cli), "inspect", "llama", "--target", vllm_server.target],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "engine: vllm; refuses attention_probabilities, backward, train" in out.stdout
