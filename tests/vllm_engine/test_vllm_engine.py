@@ -675,3 +675,31 @@ def test_hookwire_inspect_names_the_engine_and_what_it_refuses(vllm_server) -> N
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "engine: vllm; refuses attention_probabilities, backward, train" in out.stdout
+
+
+async def test_a_cancelled_call_that_ran_ahead_leaves_nothing_counted(vllm_server) -> None:
+    """A stalled reader's call that ran ahead (events counted against its principal's
+    held bytes) is cancelled while another call still drives vLLM: once both ended,
+    nothing stays counted, round after round (steps still in flight when the call
+    ended must not count again)."""
+    import grpc
+
+    from hookwire._generation import generate_request
+    from hookwire.v1 import model_service_pb2_grpc
+    from hookwire_server.auth import ANONYMOUS
+    from support import slow_reader_channel, until
+
+    held = vllm_server.server.hooks.held_bytes
+    hooks = [HookSpec("**", posthook=capture("output"))]
+    request = generate_request("llama", ["hello world"], 100, stop=[], attention_mask=None, hooks=hooks,
+                               do_sample=None, temperature=None, top_k=None, top_p=None, seed=None, tags=(),
+                               session_id="", max_response_message_bytes=0)
+    for round_ in range(3):
+        async with slow_reader_channel(vllm_server.target) as channel, hookwire.connect(vllm_server.target) as b:
+            call = model_service_pb2_grpc.ModelServiceStub(channel).Generate(request)
+            await call.read()
+            other = asyncio.ensure_future(b.model("llama").generate(["the model sees"], 100))
+            await until(lambda: held.held(ANONYMOUS.name) > 0, "the stalled call's steps ran ahead and were counted")
+            call.cancel()
+            await other
+        await until(lambda: held.held(ANONYMOUS.name) == 0, f"nothing counted after round {round_}")

@@ -130,6 +130,9 @@ class _Mailbox:
         #: with it at its next step, and keeps nothing more).
         self._counted = 0
         self.failure: BaseException | None = None
+        #: Set once the call ended (release): later messages (an engine's steps still in
+        #: flight) are dropped, and nothing more is counted.
+        self._closed = False
 
     def put(self, item: tuple[Any, ...]) -> None:
         """Adds a message; any thread, never waits."""
@@ -137,6 +140,8 @@ class _Mailbox:
         if small:  # its serialized size, computed once: _messages batches by it
             item = (*item, item[1].ByteSize())
         with self._lock:
+            if self._closed:
+                return
             if item[0] == "event" and self._ends and self._held is not None:
                 if self.failure is not None:
                     return  # a step ahead of the stream, past the principal's limit: dropped
@@ -192,10 +197,13 @@ class _Mailbox:
                 return items
 
     def release(self) -> None:
-        """Gives back what is still counted (the call ended). Any thread."""
+        """Gives back what is still counted and takes no more messages (the call ended).
+        Any thread."""
         with self._lock:
             counted, self._counted = self._counted, 0
             self._items.clear()
+            self._closed = True
+            self._ends = 0
         if counted and self._held is not None:
             self._held.give(self._principal, counted)
 
