@@ -349,3 +349,19 @@ def slow_reader_channel(target: str, *, aio: bool = True) -> Any:
     machine's speed. ``aio``: a grpc.aio channel, else a blocking one."""
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.http2.bdp_probe", 0)]
     return grpc.aio.insecure_channel(target, options=options) if aio else grpc.insecure_channel(target, options=options)
+
+
+def read_dataset(folder: pathlib.Path) -> dict[str, torch.Tensor]:
+    """A harvest dataset's tensors: every shard of its merged manifest, concatenated, read
+    with safetensors alone (as a consumer without hookwire would)."""
+    import json
+
+    import safetensors
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    parts: dict[str, list[torch.Tensor]] = {}
+    for shard in manifest["shards"]:
+        with safetensors.safe_open(str(folder / shard["file"]), framework="pt") as f:
+            for key in f.keys():
+                parts.setdefault(key, []).append(f.get_tensor(key))
+    return {k: torch.cat(v) for k, v in parts.items()}

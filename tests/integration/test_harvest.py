@@ -18,7 +18,6 @@ from typing import Any
 
 import grpc
 import pytest
-import safetensors
 import torch
 import transformers
 
@@ -30,7 +29,7 @@ from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
 from hookwire_server.models.model_loading import ModelConfig, build_host
 from hookwire_server.models.model_registry import ModelHost, ModelRegistry
 from hookwire_server.api.server import ServerSettings
-from support import PROCESS_LIVENESS, ServerThread, minilm_folder, serving
+from support import PROCESS_LIVENESS, ServerThread, minilm_folder, read_dataset, serving
 
 pytestmark = pytest.mark.asyncio
 
@@ -96,15 +95,7 @@ async def _finish(stub: hv_grpc.HarvestServiceStub, job: hv.HarvestJob) -> hv.Ha
     return last
 
 
-def _read(folder: pathlib.Path) -> dict[str, torch.Tensor]:
-    """Every shard of the merged manifest, concatenated, with safetensors alone."""
-    manifest = json.loads((folder / "manifest.json").read_text())
-    parts: dict[str, list[torch.Tensor]] = {}
-    for shard in manifest["shards"]:
-        with safetensors.safe_open(str(folder / shard["file"]), framework="pt") as f:
-            for key in f.keys():
-                parts.setdefault(key, []).append(f.get_tensor(key))
-    return {k: torch.cat(v) for k, v in parts.items()}
+_read = read_dataset
 
 
 def _by_token(tensors: dict[str, torch.Tensor]) -> dict[tuple[int, int], dict[str, torch.Tensor]]:

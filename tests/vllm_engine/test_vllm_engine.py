@@ -266,10 +266,7 @@ async def test_a_harvest_job_on_vllm_writes_the_torch_engines_dataset(vllm_serve
     """The same harvest job (packed contexts, two modules) on the vLLM model and on the
     torch engine's copy: the same tokens, sequences and positions, values within the
     tolerance."""
-    import json
-
     import grpc
-    import safetensors
 
     from hookwire.v1 import harvest_service_pb2 as hv
     from hookwire.v1 import harvest_service_pb2_grpc as hv_grpc
@@ -284,14 +281,7 @@ async def test_a_harvest_job_on_vllm_writes_the_torch_engines_dataset(vllm_serve
             output=hv.HarvestOutput(path=path, shard_tokens=64),
         )
 
-    def read(folder: Any) -> dict[str, torch.Tensor]:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        parts: dict[str, list[torch.Tensor]] = {}
-        for shard in manifest["shards"]:
-            with safetensors.safe_open(str(folder / shard["file"]), framework="pt") as f:
-                for key in f.keys():
-                    parts.setdefault(key, []).append(f.get_tensor(key))
-        return {k: torch.cat(v) for k, v in parts.items()}
+    from support import read_dataset as read
 
     async with grpc.aio.insecure_channel(vllm_server.target) as channel:
         stub = hv_grpc.HarvestServiceStub(channel)
