@@ -89,9 +89,10 @@ class Passes:
     def wrap_batch(self, original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
         def run_step_batch(host: Any, calls: list[Any]) -> list[Any]:
             alone_before = self._alone
+            steps = tuple((c.p.request_id, c.step) for c in calls)  # before: a step run counts on
             results = original(host, calls)
             self.runs.append(Run(
-                tuple((c.p.request_id, c.step) for c in calls), len(calls) > 1 and self._alone == alone_before,
+                steps, len(calls) > 1 and self._alone == alone_before,
                 tuple(type(r).__name__ for r in results if isinstance(r, BaseException)),
             ))
             return results
@@ -174,14 +175,15 @@ async def client(lab: Lab) -> Any:
 
 
 async def started(lab: Lab, streams: list[hookwire.GenerateStream]) -> list[asyncio.Future[hookwire.GenerateResult]]:
-    """Starts the calls one after the other while the scheduler is held (each call's
-    prefill queued before the next call starts) and returns the tasks awaiting their results."""
+    """Sends the calls one after the other while the scheduler is held (each call queued,
+    to be started by its first pass, before the next call is sent) and returns the tasks
+    awaiting their results. (A call's ``started`` comes from the engine when that pass
+    runs: the held scheduler holds it too.)"""
     tasks: list[asyncio.Future[hookwire.GenerateResult]] = []
     for stream in streams:
         before = lab.queued()
-        await stream.start()
         tasks.append(asyncio.ensure_future(stream.result()))
-        await until(lambda: lab.queued() == before + 1, "the call's prefill to be queued")
+        await until(lambda: lab.queued() == before + 1, "the call to be queued")
     return tasks
 
 
@@ -492,8 +494,8 @@ async def test_joined_steps_equal_an_in_process_replay_bit_for_bit(
     joined_before = lab.joined_passes()
     streams = {name: model.generate(prompts, n, do_sample=False, hooks=CAPTURES) for name, (prompts, n) in plan.items()}
     tasks = await started(lab, [streams["a"], streams["b"], streams["c"]])
-    a_id = streams["a"].request_id
-    await lockstep(lab, tasks, stop=lambda: lab.passes.ran(a_id, 2))
+    # Read when asked: a call's request id comes with its `started`, after its first pass.
+    await lockstep(lab, tasks, stop=lambda: lab.passes.ran(streams["a"].request_id, 2))
     tasks += await started(lab, [streams["late"]])
     await lockstep(lab, tasks)
     results = dict(zip(plan, await asyncio.gather(*tasks)))
@@ -576,8 +578,7 @@ async def test_rules_sessions_and_step_ranges_stay_with_their_own_call(lab: Lab,
                     hookwire.HookSpec("model.layers.1", posthook=hookwire.capture("output"), steps=(0, 0))]),
             }
             tasks = await started(lab, [streams["steered"], streams["session"]])
-            first = streams["steered"].request_id
-            await lockstep(lab, tasks, stop=lambda: lab.passes.ran(first, 2))
+            await lockstep(lab, tasks, stop=lambda: lab.passes.ran(streams["steered"].request_id, 2))
             tasks += await started(lab, [streams["gated"]])
             await lockstep(lab, tasks)
             results = dict(zip(streams, await asyncio.gather(*tasks)))
@@ -644,10 +645,10 @@ async def test_cancelling_one_call_leaves_the_calls_it_was_batched_with_undistur
     model = client.model(MODEL)
     streams = {name: model.generate(p, n, do_sample=False) for name, (p, n) in plan.items()}
     tasks = await started(lab, list(streams.values()))
+    ended = lab.ended_calls()
+    await lockstep(lab, tasks, stop=lambda: lab.passes.ran(streams["cancelled"].request_id, 3))
     gone = streams["cancelled"].request_id
     everyone = {stream.request_id for stream in streams.values()}
-    ended = lab.ended_calls()
-    await lockstep(lab, tasks, stop=lambda: lab.passes.ran(gone, 3))
     tasks[0].cancel()  # the task awaiting its result: the RPC is cancelled
     with pytest.raises(asyncio.CancelledError):
         await tasks[0]

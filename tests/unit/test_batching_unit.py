@@ -13,6 +13,7 @@ from hookwire.v1 import hook_service_pb2, model_service_pb2
 from hookwire_server.engine import batching
 from hookwire_server.engine import decoding
 from hookwire_server.engine.batching import Batch, Segment, Unsplittable
+from hookwire_server.engine.seam import GenerateCall, GenerateOptions, Running, StepResult
 from hookwire_server.models.batch_settings import BatchSettings
 from hookwire_server.hooks.event_bus import HeldBytes
 from hookwire_server.hooks.passes import Pass
@@ -140,25 +141,49 @@ class _KeepsTooMuch(Pass):
         self._held.append(("stream", _FullStream(), hook_service_pb2.SessionMessage(), "h1", 1000, {}))
 
 
-def _decoder(host: Any) -> Any:
+def _call(p: Pass) -> GenerateCall:
+    """A new Generate call of one prompt (started by its first step)."""
     ids = torch.tensor([[1, 5, 6, 7]])
-    options = decoding.GenerateOptions(max_new_tokens=8, overrides={}, seed=0, stop=())
-    return decoding.start_call(host, [], ids, torch.ones_like(ids), options, None)
+    options = GenerateOptions(max_new_tokens=8, overrides={}, seed=0, stop=())
+    return GenerateCall(p, [], ids, torch.ones_like(ids), options, None, put=lambda item: None)
 
 
 def test_a_call_over_its_byte_limit_in_a_shared_step_fails_alone() -> None:
     """Delivering a shared Generate step's held events puts one call over its principal's
     byte limit: only that call fails; the others' steps ran once (not again alone)."""
     host = build_test_registry().get("tiny-lm")
-    put = lambda item: None  # noqa: E731
-    bob = decoding.StepCall(Pass("bob", "", principal="bob", model="tiny-lm"), _decoder(host), 0, put)
+    bob = _call(Pass("bob", "", principal="bob", model="tiny-lm"))
     alice_p = _KeepsTooMuch("alice", "", principal="alice", model="tiny-lm")
     alice_p.held_bytes = HeldBytes(limit=10, buffers=lambda principal: 0)
-    alice = decoding.StepCall(alice_p, _decoder(host), 0, put)
-    for call in (bob, alice):  # the prefills, alone
+    alice = _call(alice_p)
+    for call in (bob, alice):  # the starts and prefills, alone
         decoding._run_step(host, call)
-    bob.step = alice.step = 1
+    assert bob.step == alice.step == 1
     results = decoding.run_step_batch(host, [bob, alice])  # one shared step
     assert bob.decoder.step_index == 2 and len(bob.decoder.tokens[0]) == 2, bob.decoder.tokens
-    assert isinstance(results[0], decoding.StepResult), results[0]
+    assert bob.step == 2 and alice.step == 1, "a failed step is not counted"
+    assert isinstance(results[0], StepResult), results[0]
     assert isinstance(results[1], Exception) and "max_buffered_bytes_per_principal" in str(results[1])
+
+
+class _FinishFails(Pass):
+    """A call whose end fails (delivering its CallEnded markers raises)."""
+
+    def finish(self, *, end: bool = True) -> None:
+        raise RuntimeError("delivering the CallEnded markers failed")
+
+
+def test_a_call_whose_end_fails_leaves_the_other_calls_of_its_plan_running() -> None:
+    """One call's finish failing in a plan must not fail the plan: the other call's step
+    is reported (it goes on), and the failing call's KV cache is freed all the same."""
+    host = build_test_registry().get("tiny-lm")
+    a = _call(_FinishFails("a", "", principal="a", model="tiny-lm"))
+    b = _call(Pass("b", "", principal="b", model="tiny-lm"))
+    for call in (a, b):
+        decoding._run_step(host, call)
+    a.ended = "cancelled"
+    results = decoding.run_calls(host, [a, b])
+    assert results[0] is None, results
+    assert isinstance(results[1], Running), results
+    assert b.step == 2 and b.decoder.model_kwargs is not None
+    assert a.decoder.model_kwargs is None, "the ended call's KV cache was freed"

@@ -1,17 +1,18 @@
 """Generate calls, the call side: validate a GenerateRequest (prompts or ids, decoding
-options, stop strings, limits), admit it, prepare it on the model's worker thread
-(engine.decoding.start_call: transformers' own ``generate()`` prepares the call through
-its ``custom_generate`` hook), submit one Work of kind "generate" per step to the
-model's scheduler, and stream what each step produced: the events its hooks captured
-(through a per-call mailbox, batched), the new tokens with their text deltas, and at the
-end a GenerateDone. The decoding itself (one step alone or joined with other calls'
-steps) is the engine's (engine/decoding.py).
+options, stop strings, limits), admit it, submit it once to the model's scheduler as
+one Work of kind "generate" for its whole life (seam.GenerateCall), and stream what the
+engine puts in the call's mailbox: the start, the events its hooks captured (batched),
+each step's new tokens with their text deltas, and at the end a GenerateDone. Starting
+the call (on the torch engine transformers' own ``generate()`` prepares it through its
+``custom_generate`` hook), its steps (alone or joined with other calls') and its end are
+the engine's (engine/decoding.py, engine/vllm_engine.py).
 
-The server runs at most one step ahead of what the stream has taken, so a client that
-reads slowly pauses its own call, and only it; a reader that takes nothing for
-generate_idle_timeout (the response stream, or a stream of the call's own events that a
-step's kept events wait for) ends the call with DEADLINE_EXCEEDED. Cancellation and
-shutdown take effect at step boundaries.
+The server runs at most one step ahead of what the stream has taken (the call allows
+its next step once it took the last one), so a client that reads slowly pauses its own
+call, and only it; a reader that takes nothing for generate_idle_timeout (the response
+stream, or a stream of the call's own events that a step's kept events wait for) ends
+the call with DEADLINE_EXCEEDED. Cancellation and shutdown take effect at step
+boundaries.
 
 Sampling draws from a generator of the call's own, seeded from ``seed`` (or a fresh
 random seed, reported): the same draws as ``torch.manual_seed(seed)`` before an
@@ -27,7 +28,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import torch
@@ -40,14 +41,13 @@ from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 from ..auth import ANONYMOUS, Principal
 from ..engine.core import Engines
 from .admission import Admission
-from ..engine.seam import GENERATE
-from ..engine.decoding import FINISHED, GenerateOptions, StepCall, StepResult
-from ..engine.seam import DecodingState
+from ..engine.seam import FINISHED, GENERATE, GenerateCall, GenerateOptions, StepResult
 from ..engine.scheduler import Work, in_own_thread
 from ..errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    Unavailable,
     Unimplemented,
     release_failure,
 )
@@ -101,7 +101,10 @@ class TextDeltas:
 
 
 class _Mailbox:
-    """Messages of one call from the model's worker thread to its stream, in order.
+    """Messages of one call from the model's worker thread to its stream, in order:
+    ("started", do_sample), ("event", event, chunker), ("notice", notice), ("step",
+    StepResult) at the end of each step, and ("ended",) once the engine ended the call
+    (its Work's future is done: after its last step, or with its failure).
 
     Small events wait in the mailbox until the step ends (or until BATCH_MAX_BYTES of
     them are waiting) and then go out together; an event with large (chunked) tensors,
@@ -119,7 +122,7 @@ class _Mailbox:
         self._small_bytes = 0
         self._woken = False
         self._ready = asyncio.Event()
-        #: Step ends queued and not yet taken: events that come after one belong to a step
+        #: Step ends ("step") queued and not yet taken: events that come after one belong to a step
         #: that ran ahead of the stream (an engine that advances every request in each
         #: step, vLLM), and count against the principal's held bytes (HeldBytes) until the
         #: stream takes them.
@@ -153,7 +156,7 @@ class _Mailbox:
                     return
                 self._counted += nbytes
                 item = (*item[:3], item[3] if small else 0, nbytes)
-            if item[0] == "done":
+            if item[0] == "step":
                 self._ends += 1
             self._items.append(item)
             if small:
@@ -167,13 +170,18 @@ class _Mailbox:
             except RuntimeError:  # the loop has closed: nobody reads any more
                 pass
 
-    async def take(self) -> list[tuple[Any, ...]]:
+    async def take(self, timeout: float | None = None) -> list[tuple[Any, ...]]:
         """The messages queued when the stream was woken, and since, up to the end of the
-        first step among them (event loop). What follows that end stays queued for the
-        next take: on an engine that advances every request in each step (vLLM) a call's
-        next step can end before the stream took this one's messages."""
+        first step among them or the call's end (event loop); [] when nothing came for
+        ``timeout`` s. What follows that end stays queued for the next take: on an engine
+        that advances every request in each step (vLLM) a call's next step can end before
+        the stream took this one's messages."""
         while True:
-            await self._ready.wait()
+            if not self._ready.is_set():
+                try:
+                    await asyncio.wait_for(self._ready.wait(), timeout)
+                except asyncio.TimeoutError:
+                    return []
             with self._lock:
                 items: list[tuple[Any, ...]] = []
                 given = 0
@@ -182,8 +190,10 @@ class _Mailbox:
                     items.append(item)
                     if item[0] == "event" and len(item) > 4:
                         given += item[4]  # counted while it waited ahead of the stream
-                    if item[0] == "done":
+                    if item[0] == "step":
                         self._ends -= 1
+                        break
+                    if item[0] == "ended":
                         break
                 if given and self._held is not None:
                     self._held.give(self._principal, given)
@@ -195,6 +205,14 @@ class _Mailbox:
                     self._ready.clear()
             if items:
                 return items
+
+    def end(self, future: asyncio.Future[Any]) -> None:
+        """The engine ended the call (``future``, its Work's, is done): puts ("ended",)
+        after everything the engine put. A failure nobody reads any more (the stream
+        ended first) is logged here, not left unretrieved. Event loop."""
+        if not future.cancelled() and future.exception() is not None and self._closed:
+            log.debug("a Generate call ended after its stream: %r", future.exception())
+        self.put(("ended",))
 
     def release(self) -> None:
         """Gives back what is still counted and takes no more messages (the call ended).
@@ -208,42 +226,40 @@ class _Mailbox:
             self._held.give(self._principal, counted)
 
 
-async def _messages(mailbox: _Mailbox, chunk_bytes: int) -> AsyncIterator[model_service_pb2.GenerateResponse | bytes]:
-    """The stream messages of one step's events and notices, until the step is over.
+def _messages(items: list[tuple[Any, ...]], chunk_bytes: int) -> Iterator[model_service_pb2.GenerateResponse | bytes]:
+    """The stream messages of the events and notices a take gave (up to its step's end:
+    "started", "step" and "ended" are the caller's).
 
     Small events waiting together go out as one EventBatch (gRPC's cost per message,
     on both ends, is far above that of a small event), as on session streams; an
     event with chunked tensors goes out alone, followed by its chunks.
     """
-    while True:
-        run: list[hook_pb2.InterceptEvent] = []
-        size = 0
-        for item in await mailbox.take():
-            kind = item[0]
-            if kind == "event" and item[2] is None:
-                wire = item[3]
-                if wire <= BATCH_EVENT_MAX_BYTES:
-                    if run and (len(run) >= BATCH_MAX_EVENTS or size + wire > BATCH_MAX_BYTES):
-                        yield _event_run(run)
-                        run, size = [], 0
-                    run.append(item[1])
-                    size += wire
-                    continue
-            if run:
-                yield _event_run(run)
-                run, size = [], 0
-            if kind == "done":
-                return
-            if kind == "notice":
-                yield model_service_pb2.GenerateResponse(notice=item[1])
+    run: list[hook_pb2.InterceptEvent] = []
+    size = 0
+    for item in items:
+        kind = item[0]
+        if kind == "event" and item[2] is None:
+            wire = item[3]
+            if wire <= BATCH_EVENT_MAX_BYTES:
+                if run and (len(run) >= BATCH_MAX_EVENTS or size + wire > BATCH_MAX_BYTES):
+                    yield _event_run(run)
+                    run, size = [], 0
+                run.append(item[1])
+                size += wire
                 continue
+        if run:
+            yield _event_run(run)
+            run, size = [], 0
+        if kind == "notice":
+            yield model_service_pb2.GenerateResponse(notice=item[1])
+        elif kind == "event":
             event, chunker = item[1], item[2]
             yield model_service_pb2.GenerateResponse(event=event)
             if chunker is not None:  # wire bytes, built as the event was captured (Pass.framing)
                 for chunk in chunker.frames(GENERATE_RESPONSE_CHUNK, chunk_bytes):
                     yield chunk
-        if run:
-            yield _event_run(run)
+    if run:
+        yield _event_run(run)
 
 
 def _event_run(events: list[hook_pb2.InterceptEvent]) -> model_service_pb2.GenerateResponse:
@@ -271,8 +287,6 @@ class Generation:
         self._by_principal: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        #: Cleanups (hook detaches, CallEnded markers) queued on model threads.
-        self._background: set[asyncio.Future[Any]] = set()
 
     async def drained(self, timeout: float) -> bool:
         """Waits until no Generate call runs (at most ``timeout`` s); True if none does.
@@ -492,17 +506,18 @@ class Generation:
             if not any(self._active.values()):
                 self._idle.set()
 
-    async def _step_done(self, future: asyncio.Future[StepResult], work: Work, host: ModelHost) -> StepResult:
-        """The step's result. A step that a full stream of the call's holds back (its
-        reader stalled: see scheduler.py) for generate_idle_timeout fails the call with
-        DEADLINE_EXCEEDED; a step that waits for a busy model waits as long as it takes."""
+    async def _take(self, mailbox: _Mailbox, work: Work, host: ModelHost) -> list[tuple[Any, ...]]:
+        """The mailbox's next messages, up to a step's end or the call's. A call whose next
+        step a full stream of the call's holds back (its reader stalled: see scheduler.py)
+        for generate_idle_timeout fails with DEADLINE_EXCEEDED; a call that waits for a
+        busy model waits as long as it takes."""
         idle = self.limits.generate_idle_timeout
         while True:
             since = work.stalled_since
             wait = idle if since is None else max(0.0, since + idle - time.perf_counter())
-            done, _ = await asyncio.wait((future,), timeout=wait)
-            if done:
-                return future.result()
+            items = await mailbox.take(wait)
+            if items:
+                return items
             since = work.stalled_since
             if since is not None and time.perf_counter() - since >= idle:
                 raise _idle_error(host, "one of its event streams stayed full (its reader took too little)", idle)
@@ -535,35 +550,48 @@ class Generation:
         p.framing = Framing(GENERATE_RESPONSE_CHUNK, chunk_bytes)
         detokenizer = host.detokenizer
         started = time.perf_counter()
-        decoder: DecodingState | None = None
-        tokens: list[list[int]] = []
+        batch = int(ids.shape[0])
+        # What the stream sent: the call's tokens and why each sequence ended, as of the
+        # last step streamed (GenerateDone reports these: an engine may have run ahead).
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        reasons = [""] * batch
+        texts = [TextDeltas() for _ in range(batch)]
         streamed = 0  # steps whose tokens the stream sent
-        future: asyncio.Future[StepResult] | None = None
+        began = False  # the engine started the call (its "started" was taken)
         outcome = "error"
+        call = GenerateCall(p, records, ids, mask, options, stop_criteria, put, group)
+        work = Work(GENERATE, call, key=None, rows=batch, group=group, caller=(request.session_id, principal.name),
+                    running=True)
+        # Submitted once: the engine starts the call, runs its steps as the stream allows
+        # them and ends it; the future settles when the engine ended it (None, or the
+        # failure that ended it), and its ("ended",) message follows everything the engine put.
+        future = asyncio.ensure_future(self._engines.submit(host, work))
+        future.add_done_callback(mailbox.end)
+        items: list[tuple[Any, ...]] = []
+        last: tuple[Any, ...] = ()
         try:
-            engine = self._engines.engine(host)
-            decoder = await host.run(engine.start_generate, records, ids, mask, options, stop_criteria)
-            msg = model_service_pb2.GenerateResponse()
-            msg.started.request_id = request_id
-            _codec.encode_tensor_into(ids, msg.started.input_ids)
-            _codec.encode_tensor_into(mask, msg.started.attention_mask)
-            msg.started.hook_ids.extend(r.hook_id for r in records)
-            msg.started.seed = options.seed
-            msg.started.do_sample = decoder.do_sample
-            yield msg
-            batch = int(ids.shape[0])
-            texts = [TextDeltas() for _ in range(batch)]
-            # What the stream sent: the call's tokens and why each sequence ended, as of the
-            # last step streamed (GenerateDone reports these: an engine may have run ahead).
-            tokens = [[] for _ in range(batch)]
-            reasons = [""] * batch
             step = 0
-            work = _step_work(StepCall(p, decoder, step, put, group))
-            future = asyncio.ensure_future(self._engines.submit(host, work))
             while True:
-                async for out in _messages(mailbox, chunk_bytes):
+                items = await self._take(mailbox, work, host)
+                if items[0][0] == "started":
+                    began = True
+                    msg = model_service_pb2.GenerateResponse()
+                    msg.started.request_id = request_id
+                    _codec.encode_tensor_into(ids, msg.started.input_ids)
+                    _codec.encode_tensor_into(mask, msg.started.attention_mask)
+                    msg.started.hook_ids.extend(r.hook_id for r in records)
+                    msg.started.seed = options.seed
+                    msg.started.do_sample = bool(items[0][1])
+                    yield msg
+                for out in _messages(items, chunk_bytes):
                     yield out
-                result = await self._step_done(future, work, host)
+                last = items[-1]
+                if last[0] == "ended":  # ended without its last step: the failure that ended it
+                    raise (future.exception() if future.done() and not future.cancelled() else None) or Unavailable(
+                        f"model {host.name!r} ended the Generate call")
+                if last[0] != "step":
+                    continue
+                result: StepResult = last[1]
                 if mailbox.failure is not None:  # steps ahead of the stream kept more than the principal may
                     raise mailbox.failure
                 if p.backlog:  # a stream that blocks for the call was full: wait for its reader here, alone
@@ -573,8 +601,9 @@ class Generation:
                 if not final and not stopping:
                     # The next step runs while this one's tokens are decoded and sent: at most
                     # one step ahead of the reader, who still pauses the call (and only it).
-                    work = _step_work(StepCall(p, decoder, step + 1, put, group))
-                    future = asyncio.ensure_future(self._engines.submit(host, work))
+                    call.allowed = step + 1
+                    work.queued_at = time.perf_counter()  # its wait for the model starts now
+                    call.wake()
                 for i, token in enumerate(result.tokens):
                     if token != FINISHED:
                         tokens[i].append(token)
@@ -591,8 +620,8 @@ class Generation:
                     tokens=model_service_pb2.GeneratedTokens(step=step, token_ids=result.tokens, texts=deltas)
                 )
                 if final or stopping:
-                    decoder.end("length" if final else "shutdown")
-                    reasons = [r or ("length" if final else "shutdown") for r in reasons]
+                    call.ended = "length" if final else "shutdown"
+                    reasons = [r or call.ended for r in reasons]
                     break
                 step += 1
             done = model_service_pb2.GenerateDone(steps=streamed)
@@ -601,33 +630,28 @@ class Generation:
             outcome = "ok" if "shutdown" not in reasons else "shutdown"
             yield model_service_pb2.GenerateResponse(done=done)
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
-            if future is not None:
-                future.cancel()  # a step still waiting for the model never runs
-            if decoder is not None:
-                decoder.end("cancelled")
+            outcome = call.ended = "cancelled"
             raise
         except BaseException as exc:
-            if future is not None:
-                future.cancel()  # e.g. the reader timed out: a step still waiting never runs
+            call.ended = "error"
             if isinstance(exc, DeadlineExceeded):
-                outcome = "timeout"
+                outcome = call.ended = "timeout"
                 p.abandon()  # events kept for a stalled reader are dropped with the call
             # The frames of the failing step hold the KV cache and its activations.
             raise release_failure(exc)
         finally:
             mailbox.release()
-            # After the step in flight (if any): detach the call's hooks, mark the end of
-            # its events on session streams, free its KV cache. Not awaited when the call
-            # was cancelled: the client is gone, and the model is free for others at once.
-            cleanup = asyncio.ensure_future(host.run(self._engines.engine(host).finish_generate, p, records, decoder))
-            self._background.add(cleanup)
-            cleanup.add_done_callback(self._background.discard)
-            cleanup.add_done_callback(_log_failure)
+            if not future.done():
+                # The engine ends it in its next plan, after the step in flight (if any): a
+                # step still waiting never runs; its hooks detach, its events end (CallEnded
+                # markers on session streams), its KV cache is freed. Not awaited: the client
+                # may be gone, and the model is free for others at once.
+                call.ended = call.ended or "cancelled"
+                call.wake()
             elapsed = time.perf_counter() - started
             metrics = self._state.metrics
             metrics.generate_seconds.labels(host.name).observe(elapsed)
-            if decoder is not None:
+            if began:
                 metrics.generated_tokens.labels(host.name).inc(sum(len(t) for t in tokens))
             log.info(
                 "generate %s", outcome,
@@ -635,6 +659,10 @@ class Generation:
                        "duration_ms": round(elapsed * 1e3, 3), "hooks": len(records),
                        "steps": streamed},
             )
+            # Not kept with this frame, which a failure's traceback (held by gRPC for a while)
+            # keeps: the futures hold the failure's own traceback, whose frames hold the
+            # step's tensors and the KV cache (errors.release_failure).
+            del future, work, call, items, last
 
 
 def _idle_error(host: ModelHost, what: str, idle: float) -> DeadlineExceeded:
@@ -642,11 +670,6 @@ def _idle_error(host: ModelHost, what: str, idle: float) -> DeadlineExceeded:
         f"Generate on {host.name!r}: {what} for {idle:g} s (generate_idle_timeout); the call ended and its "
         "generation slot and KV cache were freed"
     )
-
-
-def _log_failure(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("cleaning up a Generate call failed: %r", future.exception())
 
 
 def _positions(host: ModelHost) -> int | None:
@@ -699,11 +722,3 @@ def _stop_criteria(tokenizer: Any, stop: tuple[str, ...]) -> Any:
     finally:
         for key in set(cache) - before:
             cache.pop(key, None)
-
-
-def _step_work(call: StepCall) -> Work:
-    key = call.decoder.join_key()
-    return Work(GENERATE, call, key=key, rows=int(call.decoder.input_ids.shape[0]),
-                group=call.group, caller=(call.p.session_id, call.p.principal))
-
-

@@ -1,6 +1,6 @@
-"""Generate steps on a transformers causal LM (worker thread): a call's decoding state,
-one step alone or several calls' steps joined into one pass (each call's KV cache
-stacked, padded on the left and masked), and the end of a call.
+"""Generate calls on a transformers causal LM (worker thread): a call's start (its
+decoding state), one step alone or several calls' steps joined into one pass (each
+call's KV cache stacked, padded on the left and masked), and its end.
 
 How a call decodes
 ------------------
@@ -10,31 +10,27 @@ and the stopping criteria — through its documented ``custom_generate`` hook, w
 the prepared state to a callable instead of its own decoding loop (``_start``).
 ``Decoder`` then runs the loop of transformers' ``_sample`` one step at a time: step 0 is
 the prefill over the prompt, each later step one cached pass over the tokens chosen last,
-each step a separate work item the scheduler hands to the model's worker thread. So a
-call running alone computes exactly what in-process ``generate()`` computes.
+one step per plan the scheduler puts the call in (``run_calls``; the call is one work
+item for its whole life: seam.GenerateCall). So a call running alone computes exactly
+what in-process ``generate()`` computes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..errors import InvalidArgument, ResourceExhausted, Unimplemented
 from ..hooks.hook_record import HookRecord
-from ..hooks.passes import Pass
 from ..models.model_registry import ModelHost, forward_parameters
 from .batching import Batch, Segment, padded_length
-from .pass_runner import call_model, run_joined, running
-from .seam import DecodingState
+from .pass_runner import model_errors, run_joined, running
+from .seam import FINISHED, GenerateCall, GenerateOptions, Running, StepResult
 
 log = logging.getLogger("hookwire.generate")
-
-
-#: GeneratedTokens.token_ids entry of a sequence that has already finished.
-FINISHED = -1
 
 
 #: finish_reason of a sequence that a stopping criterion ended, by criterion class name
@@ -44,17 +40,6 @@ _REASONS = {"EosTokenCriteria": "eos", "StopStringCriteria": "stop", "MaxLengthC
 
 #: When several criteria end a sequence in the same step, the first of these wins.
 _PRECEDENCE = ("eos", "stop", "length")
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateOptions:
-    """A validated GenerateRequest's decoding settings."""
-
-    max_new_tokens: int
-    #: Overrides of the model's generation_config (only the fields the request set).
-    overrides: dict[str, Any]
-    seed: int
-    stop: tuple[str, ...]
 
 
 @dataclasses.dataclass
@@ -217,34 +202,23 @@ class Decoder:
         self.step_index += 1
         return out
 
-    def end(self, reason: str) -> None:
-        """Ends the sequences still running with ``reason`` (e.g. "cancelled")."""
-        self.reasons = [r or reason for r in self.reasons]
-
     def release(self) -> None:
         """Frees the KV cache and the other tensors the call holds."""
         self.model_kwargs = None
         self.logits_processor = None
 
 
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """What one step chose, as it stood at the end of that step."""
-
-    #: The new token per sequence (FINISHED for one that had already ended).
-    tokens: list[int]
-    #: Why each sequence has ended so far ("" while it runs).
-    reasons: tuple[str, ...]
-    #: Whether every sequence has ended.
-    finished: bool
-
-
 def start_call(
     host: ModelHost, records: list[HookRecord], ids: torch.Tensor, mask: torch.Tensor, options: GenerateOptions,
     stop_criteria: Any,
 ) -> Decoder:
-    """Attaches the call's hooks and lets generate() prepare the call (worker thread)."""
+    """Attaches the call's hooks and lets generate() prepare the call (worker thread);
+    Unimplemented for a transformers without decoding steps."""
     model: Any = host.module
+    if not callable(getattr(model, "_prefill", None)):
+        raise Unimplemented(
+            f"model {host.name!r}: Generate needs transformers 5 (the installed version lacks its decoding steps)"
+        )
     for record in records:
         record.attach()
     # One sequence per prompt, decoded greedily or by sampling: beam search and several
@@ -272,20 +246,6 @@ def start_call(
     return Decoder(model, prepared, generator)
 
 
-@dataclasses.dataclass
-class StepCall:
-    """One Generate call's next step, waiting for (or in) a pass: the payload of its
-    scheduler Work."""
-
-    p: Pass
-    #: Its decoding state: a Decoder on the torch engine, the engine's own on another.
-    decoder: DecodingState
-    step: int
-    put: Callable[[tuple[Any, ...]], None]
-    #: Its session when the session's hooks use slots: steps of one group never share a pass.
-    group: str | None = None
-
-
 def cache_argument(model: Any) -> str:
     """The name a transformers model's forward takes its KV cache by, and its outputs
     return it under: "cache" from transformers 5.24 on, "past_key_values" before."""
@@ -293,32 +253,71 @@ def cache_argument(model: Any) -> str:
     return "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"
 
 
-def _run_step(host: ModelHost, call: StepCall) -> StepResult:
-    """One step of a Generate call alone (worker thread); signals the stream when it is over.
-    The call's hooks stay attached between its steps (attached by _start)."""
-    p, decoder = call.p, call.decoder
+def run_calls(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
+    """Runs a plan of Generate calls (worker thread): finishes the calls their callers
+    ended, runs the next step of the others (run_step_batch: a new call starts and runs
+    its prefill alone), and finishes each call that ended now (its last step, or a
+    failure). Per call: seam.Running with its next step's join key while it goes on,
+    None once finished, or the exception that ended it."""
+    # Read once: the call side may end a call (event loop) while its step runs here.
+    ended = [call.ended is not None for call in calls]
+    stepping = [call for call, end in zip(calls, ended) if not end]
+    stepped = iter(run_step_batch(host, stepping) if stepping else [])
+    results: list[Any] = []
+    for call, end in zip(calls, ended):
+        if end:
+            finish_call(call)
+            results.append(None)
+            continue
+        result = next(stepped)
+        if isinstance(result, BaseException):
+            finish_call(call)
+            results.append(result)
+        elif result.finished or call.step >= call.options.max_new_tokens:
+            finish_call(call)
+            results.append(None)
+        else:
+            assert isinstance(call.decoder, Decoder)
+            results.append(Running(call.decoder.join_key()))
+    return results
+
+
+def _run_step(host: ModelHost, call: GenerateCall) -> StepResult:
+    """One step of a Generate call alone (worker thread), started first if it is new;
+    puts the step's result in its mailbox. The call's hooks stay attached between its
+    steps (attached by start_call)."""
+    p = call.p
+    if call.decoder is None:
+        call.decoder = start_call(host, call.records, call.ids, call.mask, call.options, call.stop_criteria)
+        call.put(("started", call.decoder.do_sample))
+    decoder = call.decoder
     assert isinstance(decoder, Decoder)
     p.begin_step(call.step)
-    try:
-        with running(host, Batch.alone(p)):
-            tokens = call_model(host, "forward", decoder.step)
-        return StepResult(tokens, tuple(decoder.reasons), decoder.finished)
-    finally:
-        call.put(("done",))
+    with running(host, Batch.alone(p)), model_errors(host, "forward"):
+        tokens = decoder.step()
+    result = StepResult(tokens, tuple(decoder.reasons), decoder.finished)
+    call.step += 1
+    call.put(("step", result))
+    return result
 
 
-def run_step_batch(host: ModelHost, calls: list[StepCall]) -> list[Any]:
+def run_step_batch(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     """Runs the next step of Generate calls that the scheduler joined (worker thread):
     one decoding pass over all their rows, each call's KV cache stacked into one cache
     padded on the left (masked), its logits and cache rows cut back after. Each call
     keeps its own step number, hooks, processors, sampling generator and stopping
     criteria; a step alone runs exactly as before batching. When the shared pass
     fails, each call's step runs again alone. Returns a StepResult or exception per call."""
-    return run_joined(host, calls, lambda cs: _run_shared_step(host, cs), lambda call: _run_step(host, call),
-                      what="batched step", logger=log)
+    if len(calls) > 1:
+        return run_joined(host, calls, lambda cs: _run_shared_step(host, cs), lambda call: _run_step(host, call),
+                          what="batched step", logger=log)
+    try:  # a lone call's step, without the pass runner's call-back into this module
+        return [_run_step(host, calls[0])]
+    except Exception as exc:
+        return [exc]
 
 
-def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
+def _run_shared_step(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     from transformers import DynamicCache
 
     model: Any = host.module
@@ -369,9 +368,8 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
     batch = Batch(segments, padded=keys, side="left")
     for call in calls:
         call.p.begin_step(call.step)
-    with running(host, batch):
-        with torch.no_grad():
-            outputs = call_model(host, "forward", lambda: model(**merged, return_dict=True))
+    with running(host, batch), model_errors(host, "forward"), torch.no_grad():
+        outputs = model(**merged, return_dict=True)
     cache = getattr(outputs, cache_key)
     results: list[Any] = []
     for call, decoder, seg, length in zip(calls, torch_decoders, segments, own):
@@ -390,17 +388,24 @@ def _run_shared_step(host: ModelHost, calls: list[StepCall]) -> list[Any]:
             call.p.release()  # its events of the pass go out (also when it failed, as a step alone delivers them)
         except ResourceExhausted as exc:  # it kept more for a full stream than its principal may: only it fails
             result = exc
+        if not isinstance(result, BaseException):
+            call.step += 1
+            call.put(("step", result))
         results.append(result)
-        call.put(("done",))
     return results
 
 
-def finish_call(host: ModelHost, p: Pass, records: list[HookRecord], decoder: Decoder | None) -> None:
-    """The end of a Generate call (worker thread, after its last step)."""
-    for record in records:
-        record.detach()
-    # Its CallEnded markers, after any events a failed or cancelled step kept for a full
-    # stream (delivered from a thread of their own; an abandoned call kept none).
-    p.finish()
-    if decoder is not None:
-        decoder.release()
+def finish_call(call: GenerateCall) -> None:
+    """The end of a Generate call (worker thread, after its last step, or in the plan
+    after its caller ended it): detaches its hooks, ends its events, frees its KV cache."""
+    try:
+        for record in call.records:
+            record.detach()
+        # Its CallEnded markers, after any events a failed or cancelled step kept for a full
+        # stream (delivered from a thread of their own; an abandoned call kept none).
+        call.p.finish()
+    except Exception:  # never the plan's failure: the other calls of the plan go on
+        log.exception("finishing Generate call %s failed", call.p.request_id)
+    finally:
+        if isinstance(call.decoder, Decoder):
+            call.decoder.release()

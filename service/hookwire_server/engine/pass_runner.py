@@ -9,7 +9,9 @@ One pass, on the model's worker thread:
 2. the hooks of the work attach (per pass: Infer's request-scoped hooks, a harvest
    batch's; a Generate call attaches its own once, for all its steps, and passes none);
 3. ``host.current_batch`` names the calls and their rows, which every hook reads;
-4. the body runs the model;
+4. the body runs the model (inside ``model_errors``, or through ``call_model``: an
+   exception out of the model, other than hookwire's own, becomes one naming the
+   failing module);
 5. asynchronous captures still in flight are finished (their events delivered in
    firing order, before the calls' results);
 6. on failure, a shared pass is undone (held events dropped, hooks' counters and
@@ -94,18 +96,43 @@ def run_joined(
     return results
 
 
+@contextlib.contextmanager
+def model_errors(host: Any, what: str) -> Iterator[None]:
+    """Runs the body (forward or backward, ``what``) turning a model's exception into one
+    naming the module (``model_error``): ``call_model`` as a ``with`` block, so that the
+    model's caller needs no call-back."""
+    try:
+        yield
+    except Exception as exc:
+        error = model_error(host, what, exc)
+        if error is exc:
+            raise
+        raise error from None
+
+
 def call_model(host: Any, what: str, fn: Callable[[], T]) -> T:
-    """Runs forward or backward, turning a model's exception into one naming the module."""
+    """Runs forward or backward, turning a model's exception into one naming the module
+    (``model_error``)."""
     try:
         return fn()
-    except HookwireServerError:
-        raise
-    except (torch.OutOfMemoryError, MemoryError) as exc:
-        raise ResourceExhausted(f"{what} of model {host.name!r} ran out of memory: {exc}") from None
     except Exception as exc:
-        where = _failing_module(host, exc)
-        log.info("%s of %s failed in %r: %r", what, host.name, where, exc)
-        raise InvalidArgument(f"{what} failed in {where}: {type(exc).__name__}: {exc}") from None
+        error = model_error(host, what, exc)
+        if error is exc:
+            raise
+        raise error from None
+
+
+def model_error(host: Any, what: str, exc: Exception) -> Exception:
+    """The exception a failed forward or backward (``what``) of ``host`` raises: hookwire's
+    own as it is, running out of memory as ResourceExhausted, anything else as
+    InvalidArgument naming the innermost module of the model it failed in."""
+    if isinstance(exc, HookwireServerError):
+        return exc
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return ResourceExhausted(f"{what} of model {host.name!r} ran out of memory: {exc}")
+    where = _failing_module(host, exc)
+    log.info("%s of %s failed in %r: %r", what, host.name, where, exc)
+    return InvalidArgument(f"{what} failed in {where}: {type(exc).__name__}: {exc}")
 
 
 def _failing_module(host: Any, exc: BaseException) -> str:

@@ -12,10 +12,13 @@ into alternating passes of one call and of all the others (measured with 8 MiniL
 callers: 249 of 513 passes held one call). A model whose callers come one at a time
 never waits: its last pass held one row.
 
-Work is data: an Infer call, a Generate step and a harvest batch are each a ``Work``
+Work is data: an Infer call, a Generate call and a harvest batch are each a ``Work``
 whose ``kind`` says which of the engine's executors runs it (seam.INFER, GENERATE,
 HARVEST) and whose ``key`` says what it may share a pass with (works join only when
-kind and key are equal; key None always runs alone). Each turn of a model's loop is
+kind and key are equal; key None always runs alone). A Generate call is submitted once
+(``Work.running``): the scheduler keeps it while the engine answers ``seam.Running``
+for it, back in the queue after each pass with the key the engine gave, and it wants a
+pass only while its reader has kept up or its caller ended it (seam.GenerateCall). Each turn of a model's loop is
 three moves, as in vLLM's engine core: ``schedule`` decides and returns data (a Plan of
 works to run together, or how long to wait), the engine executes the plan on the
 model's worker thread (seam.Engine.execute: one result or exception per work), and the
@@ -45,19 +48,20 @@ from typing import Any, Callable
 from ..errors import Unavailable
 from ..hooks.event_bus import DeliveryGate
 from ..models.model_registry import ModelHost
-from .seam import Engine, Plan
+from .seam import Engine, Plan, Running
 
 log = logging.getLogger("hookwire.batching")
 
 
 @dataclasses.dataclass(eq=False)
 class Work:
-    """One call (or one Generate step, or one harvest batch) waiting for a pass."""
+    """One call (an Infer call, a Generate call for all its steps, a harvest batch)
+    waiting for a pass."""
 
     #: Which executor of the engine runs it: seam.INFER, GENERATE or HARVEST (also the
     #: metrics' label).
     kind: str
-    #: The work item the engine executes (infer_pass.InferCall, decoding.StepCall,
+    #: The work item the engine executes (infer_pass.InferCall, seam.GenerateCall,
     #: harvest_pass.HarvestBatch).
     payload: Any
     #: Works with equal (kind, key) may share a pass; None: alone.
@@ -84,6 +88,21 @@ class Work:
     caller: tuple[str, str] | None = None
     #: Since when (time.perf_counter) a full stream holds it back; None while none does.
     stalled_since: float | None = None
+    #: A call the scheduler keeps for several passes (a seam.GenerateCall payload): after
+    #: each pass whose result is seam.Running it goes back in the queue, and it wants a
+    #: pass only while its payload asks for one (_wants).
+    running: bool = False
+
+
+def _wants(work: Work) -> bool:
+    """Whether ``work`` waits for a pass: still wanted and, for a running call, its caller
+    wants its next step (its stream took the last one) or ended it (it must be finished)."""
+    if work.future.done():
+        return False
+    if not work.running:
+        return True
+    call = work.payload
+    return call.ended is not None or call.step <= call.allowed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +138,9 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        """Works waiting for a pass now."""
-        return len(self._queue)
+        """Works waiting for a pass now (a running Generate call only while it wants its
+        next step or its end)."""
+        return sum(1 for work in self._queue if _wants(work))
 
     def hold(self) -> None:
         """Lets calls queue up without running until ``release`` (tests form batches with
@@ -153,12 +173,28 @@ class Scheduler:
                 pass
 
     def _fail_waiting(self) -> None:
-        while self._queue:
-            work = self._queue.popleft()
+        works = list(self._queue)
+        self._queue.clear()
+        self._finish_running(works)
+        for work in works:
             if not work.future.done():
                 work.future.set_exception(Unavailable(f"model {self._host.name!r} is shutting down"))
         if self._task is not None:
             self._task.cancel()
+
+    def _finish_running(self, works: list[Work]) -> None:
+        """Running calls that will get no more passes (the model shuts down): ended, and
+        handed to the engine one last time on the worker thread, which finishes them (their
+        hooks detach, their events end, their state is freed). Event loop."""
+        running = [w for w in works if w.running and not w.future.done()]
+        if not running:
+            return
+        for work in running:
+            work.payload.ended = work.payload.ended or "shutdown"
+        try:
+            self._host._executor.submit(_execute, self._engine, running)
+        except RuntimeError:  # the worker is gone already: nothing runs on it any more
+            log.debug("model %s: %d Generate calls could not be finished", self._host.name, len(running))
 
     def poke(self) -> None:
         """Looks at the waiting works again (a stream that held some back has room). Event loop."""
@@ -177,6 +213,8 @@ class Scheduler:
             self._changed = asyncio.Event()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"scheduler:{self._host.name}")
+        if work.running:
+            work.payload.wake = self._poke
         self._queue.append(work)
         self._poke()
         # A cancelled wait cancels the future: a work still queued never runs (the loop
@@ -194,6 +232,9 @@ class Scheduler:
     def _stalled(self, work: Work) -> bool:
         """Whether a full stream holds ``work`` back now (noting since when)."""
         gate, caller = self._gate, work.caller
+        if work.running and work.payload.ended is not None:  # its end must run: nothing to hold back
+            work.stalled_since = None
+            return False
         if gate is None or caller is None or not gate.stalled(self._host.name, *caller):
             work.stalled_since = None
             return False
@@ -203,7 +244,7 @@ class Scheduler:
 
     def _ready(self, work: Work) -> bool:
         """Whether ``work`` may run now: still wanted, and held back by no full stream."""
-        return not work.future.done() and not self._stalled(work)
+        return _wants(work) and not self._stalled(work)
 
     def _others_wait(self, first: Work) -> bool:
         """Whether a waiting work cannot share ``first``'s pass: waiting for ``first``'s
@@ -215,8 +256,12 @@ class Scheduler:
         """The work whose pass runs next: the oldest live work that may run, else the
         oldest such background one; None when every waiting work is held back."""
         background = None
+        for work in self._queue:  # a call its caller ended first: its end frees the model's room
+            if work.running and work.payload.ended is not None and not work.future.done():
+                return work
         for work in self._queue:
-            if work.future.done():
+            if not _wants(work):
+                work.stalled_since = None  # not waiting for a pass: no stall to count
                 continue
             if not work.background:
                 if not self._stalled(work):
@@ -235,7 +280,7 @@ class Scheduler:
         rows, limit = first.rows, self._host.batching.max_batch_size
         groups = {first.group} - {None}
         for work in list(self._queue):
-            if work is first or work.future.done() or (work.group is not None and work.group in groups):
+            if work is first or not _wants(work) or (work.group is not None and work.group in groups):
                 continue
             if work.kind == first.kind and work.key == first.key and rows + work.rows <= limit and not self._stalled(work):
                 batch.append(work)
@@ -306,6 +351,7 @@ class Scheduler:
                 results = await loop.run_in_executor(self._host._executor, _execute, self._engine, batch)
             except BaseException as exc:  # the executor refused (shutdown) or the run itself broke
                 if isinstance(exc, asyncio.CancelledError):
+                    self._finish_running(batch)  # after the plan in flight, on the worker thread
                     for work in batch:
                         if not work.future.done():
                             work.future.set_exception(Unavailable(f"model {self._host.name!r} is shutting down"))
@@ -320,7 +366,7 @@ class Scheduler:
                 self._last_rows = sum(w.rows for w in batch)
                 self._last_works = len(batch)
             self._free_since = time.perf_counter()
-            _settle(batch, results)
+            self._requeue(_settle(batch, results))  # running calls that go on: back in the queue
             observe = self._host.observe_batch
             if observe is not None:
                 observe(self._host.name, first.kind, len(batch), sum(w.rows for w in batch),
@@ -328,6 +374,18 @@ class Scheduler:
             # Not kept while the loop waits for the next work: a failed call's exception
             # holds the frames (and tensors) of its pass (errors.release_failure).
             del batch, results, first, decision
+
+
+    def _requeue(self, works: list[Work]) -> None:
+        """Puts running calls that go on back in the queue (a method of its own, so that no
+        loop variable of _loop keeps the last one, and the failure its future may hold
+        later, alive)."""
+        if self._closed:
+            self._finish_running(works)
+            for work in works:
+                work.future.set_exception(Unavailable(f"model {self._host.name!r} is shutting down"))
+            return
+        self._queue.extend(works)
 
 
 def _execute(engine: Engine, batch: list[Work]) -> list[Any]:
@@ -343,16 +401,22 @@ def _execute(engine: Engine, batch: list[Work]) -> list[Any]:
     return results
 
 
-def _settle(batch: list[Work], results: list[Any]) -> None:
+def _settle(batch: list[Work], results: list[Any]) -> list[Work]:
     """Hands each work its result or exception (a function of its own, so that no loop
-    variable keeps the last one alive)."""
+    variable keeps the last one alive); returns the running calls that go on (result
+    seam.Running), their key updated."""
+    going_on = []
     for work, result in zip(batch, results):
         if work.future.done():
             continue
-        if isinstance(result, BaseException):
+        if isinstance(result, Running):
+            work.key = result.key
+            going_on.append(work)
+        elif isinstance(result, BaseException):
             work.future.set_exception(result)
         else:
             work.future.set_result(result)
+    return going_on
 
 
 async def in_own_thread(fn: Callable[[], None], name: str) -> None:

@@ -2,12 +2,22 @@
 
 Calls (Infer, Generate, harvest jobs), hooks, rules, delivery and the contract do not
 know which engine runs a model. They hand the engine *work items* — plain data: an
-Infer call (infer_pass.InferCall), one step of a Generate call (decoding.StepCall), a
-harvest batch (harvest_pass.HarvestBatch) — and the model's scheduler decides which
-items run together (scheduler.Scheduler.schedule returns a Plan: data, never code). The
-engine executes a plan on the model's worker thread and returns one result (or
-exception) per item; one pass runner (pass_runner.py) owns the pass protocol that every
-engine's passes go through.
+Infer call (infer_pass.InferCall), a Generate call (GenerateCall, below: submitted once,
+for all its steps), a harvest batch (harvest_pass.HarvestBatch) — and the model's
+scheduler decides which items run together (scheduler.Scheduler.schedule returns a
+Plan: data, never code). The engine executes a plan on the model's worker thread and
+returns one result (or exception) per item; one pass runner (pass_runner.py) owns the
+pass protocol that every engine's passes go through.
+
+A Generate call is one work item for its whole life, as a request is in vLLM's v1
+engine core: the scheduler keeps it while the engine returns ``Running`` for it and
+puts it in a plan whenever its stream has taken the step before (``GenerateCall.step``
+<= ``allowed``: the reader's back-pressure, a flag the scheduler reads) or its caller
+ended it (``ended``). The engine starts the call in its first plan (prepares its
+decoding state, attaches its hooks), runs a step in each plan after, pushes what each
+step produced into the call's mailbox (``put``: "started", the events, "step" with a
+StepResult), and finishes the call (detaches its hooks, ends its events, frees its
+state) in the plan that ends it; the call side only reads the mailbox.
 
 An engine provides:
 
@@ -21,9 +31,11 @@ An engine provides:
 - ``execute(plan)``: runs one plan, with hookwire's hooks firing for each call
   on that call's rows only (``host.current_batch`` names the calls and their rows:
   batching.Batch), and returns a result or exception per item, in order;
-- ``start_generate`` / ``finish_generate``: a Generate call's decoding state, made
-  before its first step and freed after its last (the torch engine: transformers'
-  generate() prepares it; decoding.py); engines that refuse "generate" need neither;
+- for a plan of Generate calls (GenerateCall), per call: ``Running(key)`` while it goes
+  on (``key``: whether its next step may share a pass), or None once the engine ended
+  it (after its last step, or when its caller ended it), or the exception that ended it
+  (the engine finished it first: hooks detached, events ended); engines that refuse
+  "generate" never see one;
 - ``refused``: the features it does not support, each with the reason a client is told
   (UNIMPLEMENTED naming the engine and the feature). The torch engine refuses nothing;
   an engine that runs in inference mode (vLLM) refuses backward hooks, gradients and
@@ -40,7 +52,7 @@ call alone would have; a rule edits only its call's rows.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Protocol
 
 #: Kinds of work item, one executor each (and the scheduler's metrics label).
@@ -65,8 +77,8 @@ class Plan:
 
 
 class DecodingState(Protocol):
-    """A Generate call's decoding state, as the call side reads it (Engine.start_generate
-    makes it; decoding.Decoder on the torch engine)."""
+    """A Generate call's decoding state (GenerateCall.decoder: the engine makes it when it
+    starts the call; decoding.Decoder on the torch engine, vllm_engine.VllmCall on vLLM)."""
 
     #: Whether the call samples.
     do_sample: bool
@@ -105,13 +117,74 @@ class Engine(Protocol):
     def execute(self, plan: Plan) -> list[Any]:
         """Runs ``plan`` on the model's worker thread: one result or exception per item."""
 
-    def start_generate(self, records: list[Any], ids: Any, mask: Any, options: Any, stop_criteria: Any) -> DecodingState:
-        """Prepares a Generate call on the worker thread (prompt ``ids`` left-padded, with
-        ``mask``; decoding.GenerateOptions; the request-scoped hook ``records`` to attach
-        for the call's lifetime) and returns its decoding state: the payload of its steps
-        (decoding.StepCall.decoder), which reports ``do_sample``, ``tokens``, ``reasons``,
-        ``step_index``, ``end(reason)`` and ``join_key()`` as decoding.Decoder does."""
 
-    def finish_generate(self, p: Any, records: list[Any], decoder: Any) -> None:
-        """Ends a Generate call on the worker thread, after its last step: detaches its
-        hooks, ends its events (Pass.finish), frees its state (``decoder`` may be None)."""
+#: GeneratedTokens.token_ids entry of a sequence that has already finished.
+FINISHED = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """A validated GenerateRequest's decoding settings."""
+
+    max_new_tokens: int
+    #: Overrides of the model's generation_config (only the fields the request set).
+    overrides: dict[str, Any]
+    seed: int
+    stop: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one step chose, as it stood at the end of that step (the "step" message an
+    engine puts in a Generate call's mailbox)."""
+
+    #: The new token per sequence (FINISHED for one that had already ended).
+    tokens: list[int]
+    #: Why each sequence has ended so far ("" while it runs).
+    reasons: tuple[str, ...]
+    #: Whether every sequence has ended.
+    finished: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Running:
+    """An engine's result for a Generate call that goes on: the scheduler keeps it, and
+    its next step may share a pass with works of an equal ``key`` (None: alone)."""
+
+    key: Hashable | None
+
+
+@dataclasses.dataclass(eq=False)
+class GenerateCall:
+    """One Generate call as the engine runs it: the payload of its one scheduler Work.
+    The call side makes it and then only sets ``allowed`` and ``ended`` (event loop);
+    the engine sets ``decoder`` and ``step`` (worker thread); the scheduler reads both."""
+
+    #: Its Pass (events, delivery, step numbers).
+    p: Any
+    #: Its request-scoped hooks (attached by the engine when it starts the call, detached
+    #: when it finishes it).
+    records: list[Any]
+    #: Prompt ids, left-padded, [sequences, length], and their attention mask.
+    ids: Any
+    mask: Any
+    options: GenerateOptions
+    #: transformers stopping criteria for its stop strings (built by the call side), or None.
+    stop_criteria: Any
+    #: Its mailbox: ("started", do_sample), ("event", ...), ("notice", ...), ("step",
+    #: StepResult), in order; any thread, never waits.
+    put: Callable[[tuple[Any, ...]], None]
+    #: Its session when the session's hooks use slots: calls of one group never share a pass.
+    group: str | None = None
+    #: Its decoding state, once the engine started it (DecodingState).
+    decoder: Any = None
+    #: The next step the engine runs: steps whose "step" message it has put.
+    step: int = 0
+    #: The last step its caller wants run now: its stream took the step before (the
+    #: engine runs at most one step ahead of the reader).
+    allowed: int = 0
+    #: Why its caller ended it ("cancelled", "shutdown", "timeout", "error"), or None:
+    #: the engine finishes it in its next plan, without another step.
+    ended: str | None = None
+    #: Wakes the scheduler after ``allowed`` or ``ended`` changed (set by Scheduler.submit).
+    wake: Callable[[], None] = lambda: None

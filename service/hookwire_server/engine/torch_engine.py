@@ -1,7 +1,8 @@
 """The torch engine: today's torch/transformers code behind the engine seam (seam.py).
 
 Any ``nn.Module`` runs here, eagerly, on the model's worker thread: Infer calls
-(infer_pass), Generate steps of transformers causal LMs (decoding) and harvest batches
+(infer_pass), Generate calls of transformers causal LMs (decoding: started, stepped
+and finished in the plans the scheduler puts them in) and harvest batches
 (harvest_pass), each through the one pass runner. It refuses no feature: backward hooks,
 gradients, MODE_TRAIN and attention probabilities all work.
 """
@@ -13,11 +14,7 @@ from typing import Any
 
 from hookwire.v1 import model_service_pb2
 
-import torch
-
-from ..errors import InvalidArgument, Unimplemented
-from ..hooks.hook_record import HookRecord
-from ..hooks.passes import Pass
+from ..errors import InvalidArgument
 from ..models.model_registry import ModelHost
 from . import batching, decoding, harvest_pass, infer_pass
 from .seam import GENERATE, HARVEST, INFER, Plan
@@ -42,22 +39,6 @@ class TorchEngine:
         has a pad token); see batching.request_key."""
         return batching.request_key(request, self._host.batching)
 
-    def start_generate(
-        self, records: list[HookRecord], ids: torch.Tensor, mask: torch.Tensor, options: decoding.GenerateOptions,
-        stop_criteria: Any,
-    ) -> decoding.Decoder:
-        """Prepares a Generate call (worker thread): transformers' own generate() prepares
-        it (decoding.start_call); Unimplemented for a transformers without decoding steps."""
-        if not callable(getattr(self._host.module, "_prefill", None)):
-            raise Unimplemented(
-                f"model {self._host.name!r}: Generate needs transformers 5 (the installed version lacks its decoding steps)"
-            )
-        return decoding.start_call(self._host, records, ids, mask, options, stop_criteria)
-
-    def finish_generate(self, p: Pass, records: list[HookRecord], decoder: decoding.Decoder | None) -> None:
-        """Ends a Generate call after its last step (worker thread): decoding.finish_call."""
-        decoding.finish_call(self._host, p, records, decoder)
-
     def execute(self, plan: Plan) -> list[Any]:
         """Runs ``plan`` on the model's worker thread (see seam.Engine.execute). The
         executors are looked up when a plan runs, not bound once, so that tests can wrap
@@ -65,7 +46,7 @@ class TorchEngine:
         if plan.kind == INFER:
             return infer_pass.run_infer_batch(self._host, plan.items)
         if plan.kind == GENERATE:
-            return decoding.run_step_batch(self._host, plan.items)
+            return decoding.run_calls(self._host, plan.items)
         if plan.kind == HARVEST:
             return harvest_pass.run_harvest_batch(self._host, plan.items)
         raise InvalidArgument(f"the torch engine runs no work of kind {plan.kind!r}")

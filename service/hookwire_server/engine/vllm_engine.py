@@ -35,11 +35,14 @@ kernels never form them).
 An Infer call (token ids, padded on the right) and a harvest batch are prompt passes:
 one request per sequence, one token each; their hooks fire once, over the call's rows
 padded on the right as its inputs were; Infer's output is each sequence's last-position
-logits (vLLM computes no others). A Generate call is one vLLM request per prompt. The call's steps come as work items
-(seam.Plan of kind "generate"): an item's request is added to vLLM at its first step;
-``execute`` runs vLLM steps until every item has its next token. vLLM advances every
-request it holds in each step, so a call whose stream reads slowly may run ahead of
-its reader by the steps other calls need; its tokens and events wait in its mailbox.
+logits (vLLM computes no others). A Generate call is one vLLM request per prompt, and
+one work item (seam.GenerateCall) for its whole life: in its first plan the engine
+checks it, attaches its hooks and queues it for admission (its requests are added to
+vLLM once it fits); each plan it is in runs vLLM steps until it has its next step's
+tokens; the plan after its caller ended it (or its own last step) takes its requests
+out of vLLM and detaches its hooks. vLLM advances every request it holds in each step,
+so a call whose stream reads slowly may run ahead of its reader by the steps other
+calls need; its tokens and events wait in its mailbox.
 """
 
 from __future__ import annotations
@@ -64,9 +67,9 @@ from hookwire.wire import codec
 
 from . import harvest_pass, infer_pass, vllm_names
 from .batching import Shape
-from .decoding import FINISHED, GenerateOptions, StepCall, StepResult
+from .seam import FINISHED, GenerateCall, Running, StepResult
 from .packed import PackedBatch, PackedSegment
-from .pass_runner import call_model, running
+from .pass_runner import model_errors, running
 from .seam import GENERATE, HARVEST, INFER, Plan
 
 log = logging.getLogger("hookwire.vllm")
@@ -249,14 +252,15 @@ class _Row:
 
 
 class VllmCall(_Call):
-    """The decoding state of one Generate call on vLLM (seam.Engine.start_generate):
-    one vLLM request per prompt. Worker thread, but for ``do_sample``, ``input_ids``,
-    ``end`` and ``join_key``, which the call side reads."""
+    """The decoding state of one Generate call on vLLM (seam.GenerateCall.decoder): one
+    vLLM request per prompt. Worker thread."""
 
-    def __init__(self, engine: VllmEngine, records: list[HookRecord], prompts: list[list[int]],
-                 params: list[Any], ids: torch.Tensor, do_sample: bool, new_tokens: int) -> None:
-        super().__init__(engine, None, records, prompts, params, new_tokens)
-        self.input_ids = ids
+    def __init__(self, engine: VllmEngine, call: GenerateCall, prompts: list[list[int]],
+                 params: list[Any], do_sample: bool) -> None:
+        super().__init__(engine, call.p, call.records, prompts, params, call.options.max_new_tokens)
+        #: The work item it decodes for: its mailbox (put) and step count.
+        self.call = call
+        self.input_ids = call.ids
         self.do_sample = do_sample
         batch = len(prompts)
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -265,9 +269,6 @@ class VllmCall(_Call):
         self.step_index = 0
         #: StepResult of each completed step, in order.
         self.results: list[StepResult] = []
-        #: The stream's signal: ("done",) once per step that ended (or failed).
-        self.put: Any = None
-        self.dones = 0
 
     @property
     def finished(self) -> bool:
@@ -281,18 +282,7 @@ class VllmCall(_Call):
 
     def join_key(self) -> Any:
         """Every vLLM step joins: vLLM packs whatever it schedules."""
-        return ("vllm",)
-
-    def end(self, reason: str) -> None:
-        """The call side's end (length, shutdown, cancelled): what vLLM still runs for it
-        is aborted by finish_generate."""
-
-    def signal(self, step: int) -> None:
-        """Puts the stream's ("done",) for every step up to ``step`` not yet signalled: the
-        stream reads a step's messages up to it before it takes the step's result."""
-        while self.dones <= step and self.put is not None:
-            self.put(("done",))
-            self.dones += 1
+        return _JOINS
 
 
 class VllmEngine:
@@ -397,30 +387,57 @@ class VllmEngine:
                 results = [Unimplemented(f"the {NAME} engine does not run {plan.kind} work")] * len(plan.items)
         except Exception as exc:  # vLLM's own failure (see _step): every item fails with it
             results = [exc.with_traceback(None)] * len(plan.items)
-        if plan.kind == GENERATE:
-            for item in plan.items:  # the stream reads a step up to its end, also when it failed
-                _state(item).signal(item.step)
+            if plan.kind == GENERATE:
+                for call in plan.items:  # their requests are stuck in vLLM: the calls end here
+                    self._finish(call)
         return results
 
-    def _generate(self, items: list[StepCall]) -> list[Any]:
-        for item in items:
-            state = _state(item)
-            state.put = item.put
-            if state.p is None:
-                state.p = item.p
-            if not state.added and not state.admitted and state not in self._waiting and state.failure is None:
-                self._waiting.append(state)
-        self._run_until(lambda: [i for i in items if _state(i).failure is None and not _state(i).finished
-                                 and len(_state(i).results) <= i.step])
+    def _generate(self, calls: list[GenerateCall]) -> list[Any]:
+        """A plan of Generate calls: starts the new ones, runs vLLM steps until each call
+        that goes on has its next step's tokens, and finishes the calls that ended (their
+        caller ended them, their last step came, or they failed)."""
+        # Read once: the call side may end a call (event loop) while vLLM steps here.
+        ended = [call.ended is not None for call in calls]
+        for call, end in zip(calls, ended):
+            if end:  # first: vLLM steps below must not run its requests any more
+                self._finish(call)
+        started: dict[int, BaseException | None] = {}
+        for call, end in zip(calls, ended):
+            if not end and call.decoder is None:
+                try:
+                    call.decoder = self._start(call)
+                except Exception as exc:  # it cannot run: it alone fails
+                    started[id(call)] = exc
+                    continue
+                call.put(("started", call.decoder.do_sample))
+                self._waiting.append(call.decoder)
+        wanted = {id(call): call.step for call, end in zip(calls, ended) if not end and id(call) not in started}
+        self._run_until(lambda: [
+            call for call in calls if id(call) in wanted and _state(call).failure is None
+            and not _state(call).finished and len(_state(call).results) <= wanted[id(call)]
+        ])
         out: list[Any] = []
-        for item in items:
-            state = _state(item)
-            if len(state.results) > item.step:
-                out.append(state.results[item.step])
-            elif state.failure is not None:
-                out.append(state.failure)
-            else:  # a step past the call's end (it finished): nothing left to run
-                out.append(StepResult([FINISHED] * len(state.prompts), tuple(state.reasons), True))
+        for call, end in zip(calls, ended):
+            if end:
+                out.append(None)
+                continue
+            failure = started.get(id(call))
+            state = call.decoder
+            if failure is None and isinstance(state, VllmCall):
+                failure = state.failure
+                if failure is None and not state.finished and len(state.results) < call.options.max_new_tokens:
+                    out.append(Running(_JOINS))
+                    continue
+                if failure is None and not (state.results and state.results[-1].finished) and (
+                        len(state.results) < call.options.max_new_tokens):
+                    # vLLM ended it in a step that gave it no token: its stream still gets a
+                    # last step that says so (its GenerateDone follows).
+                    last = StepResult([FINISHED] * len(state.prompts), tuple(r or "length" for r in state.reasons), True)
+                    state.results.append(last)
+                    state.step_index = call.step = len(state.results)
+                    call.put(("step", last))
+            self._finish(call)
+            out.append(failure)
         return out
 
     def _run_until(self, pending: Any) -> None:
@@ -634,8 +651,8 @@ class VllmEngine:
         self._batch = batch
         self._logits = None
         try:
-            with running(self._host, batch):
-                outputs = call_model(self._host, "forward", self._engine.step)
+            with running(self._host, batch), model_errors(self._host, "forward"):
+                outputs = self._engine.step()
         except Exception as exc:
             # Hooks never raise out of a step (their failures are kept per call), so this is
             # vLLM's own failure: its requests are stuck in its scheduler. Every call on the
@@ -699,9 +716,10 @@ class VllmEngine:
             if not ready or all(t == FINISHED for t in tokens):
                 return
             reasons = tuple(r if len(state.tokens[i]) <= step + 1 else "" for i, r in enumerate(state.reasons))
-            state.results.append(StepResult(tokens, reasons, all(reasons)))
-            state.step_index = len(state.results)
-            state.signal(step)
+            result = StepResult(tokens, reasons, all(reasons))
+            state.results.append(result)
+            state.step_index = state.call.step = len(state.results)
+            state.call.put(("step", result))
 
     def _lay_out(self, module: Any, args: Any) -> None:
         """Root pre-hook: the step's layout from vLLM's scheduler state (request order,
@@ -780,15 +798,13 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ calls
 
-    def start_generate(
-        self, records: list[HookRecord], ids: torch.Tensor, mask: torch.Tensor, options: GenerateOptions,
-        stop_criteria: Any,
-    ) -> VllmCall:
+    def _start(self, call: GenerateCall) -> VllmCall:
         """A Generate call's vLLM requests, one per prompt (added when the engine admits
-        the call, at its first step); attaches its request-scoped hooks for the call's
-        lifetime. InvalidArgument / ResourceExhausted for a call that cannot run."""
+        the call); attaches its request-scoped hooks for the call's lifetime.
+        InvalidArgument / ResourceExhausted for a call that cannot run."""
         from vllm import SamplingParams
 
+        ids, mask, options = call.ids, call.mask, call.options
         self._check_ids(ids[mask.bool()], "input_ids")
         prompts = [[int(t) for t, m in zip(row.tolist(), keep.tolist()) if m] for row, keep in zip(ids, mask)]
         if any(not p for p in prompts):
@@ -815,25 +831,33 @@ class VllmEngine:
         else:
             kwargs["temperature"] = 0.0
         params = [SamplingParams(seed=(options.seed + i) % (1 << 63), **kwargs) for i in range(len(prompts))]
-        state = VllmCall(self, records, prompts, params, ids, do_sample, options.max_new_tokens)
+        state = VllmCall(self, call, prompts, params, do_sample)
         self._check_fits(state, "prompts")
-        for record in records:
+        for record in call.records:
             record.attach()
         return state
 
-    def finish_generate(self, p: Pass, records: list[HookRecord], state: VllmCall | None) -> None:
-        """Ends a call: takes its requests out of vLLM, detaches its hooks, ends its events."""
-        if state is not None:
-            self._drop(state)
-        for record in records:
-            record.detach()
-        p.finish()
+    def _finish(self, call: GenerateCall) -> None:
+        """Ends a call: takes its requests out of vLLM, detaches its hooks, ends its events.
+        Never raises (the other calls of the plan go on)."""
+        try:
+            if isinstance(call.decoder, VllmCall):
+                self._drop(call.decoder)
+            for record in call.records:
+                record.detach()
+            call.p.finish()
+        except Exception:
+            log.exception("finishing Generate call %s failed", call.p.request_id)
 
 
-def _state(item: Any) -> VllmCall:
-    state = item.decoder
+def _state(call: GenerateCall) -> VllmCall:
+    state = call.decoder
     assert isinstance(state, VllmCall)
     return state
+
+
+#: The join key of every vLLM Generate call: vLLM packs whatever it schedules.
+_JOINS = ("vllm",)
 
 
 def _reason(completion: Any) -> str:
