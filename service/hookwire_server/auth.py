@@ -178,6 +178,8 @@ class TokenStore:
         self.reload()
         #: Fixed at start: a reload can change the principals, never turn authentication off.
         self.required = bool(self._entries)
+        #: Whether authentication is on (principals were configured at start).
+        self.enabled = self.required
 
     def reload(self) -> int:
         """Reads the file and variable again; returns the number of principals."""
@@ -204,11 +206,6 @@ class TokenStore:
         """The configured principals by name."""
         with self._lock:
             return {e.principal.name: e.principal for e in self._entries}
-
-    @property
-    def enabled(self) -> bool:
-        """Whether authentication is on (principals were configured at start)."""
-        return self.required
 
     def authenticate(self, token: str | None, cert_subjects: Iterable[str] = ()) -> Principal:
         """The principal a bearer token or a verified client certificate names.

@@ -13,14 +13,14 @@ from hookwire_server import ServerSettings
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 from support import ServerThread, build_test_registry
 
-state = {"on": False, "entries": collections.Counter(), "seen": set()}
+state = {"on": False, "tracking": False, "entries": collections.Counter(), "seen": set()}
 #: Code flags of frames that resume (generators, coroutines, async generators): a
 #: resumption is the same visit going on, not a new entry; only its first run counts.
 _RESUMING = 0x20 | 0x80 | 0x200
 
 
 def prof(frame, event, arg):
-    if event != "call" or not state["on"]:
+    if event != "call" or not state["tracking"]:
         return
     code = frame.f_code
     if code.co_filename.startswith("<"):
@@ -28,7 +28,9 @@ def prof(frame, event, arg):
     if code.co_flags & _RESUMING:
         if frame in state["seen"]:
             return
-        state["seen"].add(frame)
+        state["seen"].add(frame)  # (seen in the warm-up too: a long-lived loop resuming is no entry)
+    if not state["on"]:
+        return
     mod = frame.f_globals.get("__name__", "")
     if not mod.startswith("hookwire_server"):
         return
@@ -41,12 +43,13 @@ srv = ServerThread(build_test_registry(), ServerSettings(port=0)).start()
 def trace(kind, make):
     async def run():
         async with hookwire.connect(srv.target) as c:
-            await make(c)  # warm up
-            state["entries"] = collections.Counter(); state["seen"] = set(); state["on"] = True
+            state["seen"] = set(); state["tracking"] = True
             try:
+                await make(c)  # warm up
+                state["entries"] = collections.Counter(); state["on"] = True
                 await make(c)
             finally:
-                state["on"] = False
+                state["on"] = state["tracking"] = False
                 state["seen"] = set()
     asyncio.run(run())
     per = collections.Counter()

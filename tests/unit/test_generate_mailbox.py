@@ -37,8 +37,9 @@ async def test_messages_of_a_step_that_ended_ahead_wait_for_the_next_take() -> N
 async def test_the_end_of_a_call_ends_a_take() -> None:
     """The engine ended the call (its failure, after the events it put): a take stops there."""
     mailbox = _Mailbox(asyncio.get_running_loop())
-    mailbox.put(("started", False))
+    failure = RuntimeError("the step failed")
     mailbox.put(("event", _event(0, 1), None))
-    mailbox.put(("ended",))
+    mailbox.put(("ended", failure))
+    mailbox.put(("event", _event(1, 1), None))  # (nothing follows an end; a take stops there all the same)
     items = await mailbox.take()
-    assert [item[0] for item in items] == ["started", "event", "ended"]
+    assert [item[0] for item in items] == ["event", "ended"] and items[-1][1] is failure

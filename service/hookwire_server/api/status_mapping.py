@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import secrets
@@ -125,13 +124,13 @@ async def parse_request(request: Any, servicer: Any) -> Any:
     checks, other calls)."""
     if not isinstance(request, RawRequest):
         return request
-    bounds = RequestBounds.of(getattr(servicer, "limits", None) or Limits())
+    limits: Limits = getattr(servicer, "limits", None) or Limits()
     try:
-        return request.parse(bounds.within(INLINE_FIELDS))
+        return request.parse(RequestBounds(limits, min(limits.max_request_fields, INLINE_FIELDS)))
     except request_bounds.TooManyFields:
-        if bounds.max_fields <= INLINE_FIELDS:
+        if limits.max_request_fields <= INLINE_FIELDS:
             raise
-    return await asyncio.get_running_loop().run_in_executor(PARSERS, request.parse, bounds)
+    return await asyncio.get_running_loop().run_in_executor(PARSERS, request.parse, RequestBounds(limits))
 
 
 async def _parsed_stream(requests: AsyncIterator[Any], servicer: Any) -> AsyncIterator[Any]:
@@ -175,38 +174,43 @@ def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -
     return wrapper
 
 
-class _Stream:
-    """The bookkeeping of one streaming RPC (see ``_stream_status``): the servicer
-    method's iterator, closed when the RPC ends."""
+class _stream_status:  # noqa: N801 - used as a function, in `async with`
+    """The status mapping and RPC metrics of a streaming servicer method, as ``async
+    with _stream_status(servicer, method, context) as stream``: a domain error becomes
+    its status (the method's iterator, ``stream.inner``, is closed first, so that its
+    cleanup frees what the call held before the status goes out); the iterator is closed
+    when the RPC ends for any reason, not whenever it is collected (ending a session and
+    removing its hooks, freeing a generation's KV cache, must run then). A class, not a
+    generator: the RPC's wrapper enters and leaves it without a frame of its own."""
 
-    def __init__(self) -> None:
+    __slots__ = ("servicer", "method", "context", "inner")
+
+    def __init__(self, servicer: Any, method: str, context: grpc.aio.ServicerContext) -> None:
+        self.servicer = servicer
+        self.method = method
+        self.context = context
+        #: The servicer method's iterator, once the wrapper made it.
         self.inner: Any = None
 
+    async def __aenter__(self) -> _stream_status:
+        return self
 
-@contextlib.asynccontextmanager
-async def _stream_status(servicer: Any, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[_Stream]:
-    """The status mapping and RPC metrics of a streaming servicer method: a domain error
-    becomes its status (the method's iterator is closed first, so that its cleanup frees
-    what the call held before the status goes out); the iterator is closed when the RPC
-    ends for any reason, not whenever it is collected (ending a session and removing its
-    hooks, freeing a generation's KV cache, must run then)."""
-    stream = _Stream()
-    code = "OK"
-    try:
-        yield stream
-    except grpc.aio.AbortError:
-        raise
-    except BaseException as exc:
-        code = _code_of(exc)
-        if not isinstance(exc, Exception):
-            raise
-        if stream.inner is not None:
-            await stream.inner.aclose()
-        await _abort(context, method, exc)
-    finally:
-        _count(servicer, method, code)
-        if stream.inner is not None:
-            await stream.inner.aclose()
+    async def __aexit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        code = "OK"
+        try:
+            if exc is None or isinstance(exc, grpc.aio.AbortError):
+                return False
+            code = _code_of(exc)
+            if not isinstance(exc, Exception):
+                return False
+            if self.inner is not None:
+                await self.inner.aclose()
+            await _abort(self.context, self.method, exc)
+            return False
+        finally:
+            _count(self.servicer, self.method, code)
+            if self.inner is not None:
+                await self.inner.aclose()
 
 
 def streaming(

@@ -30,23 +30,32 @@ class Admission:
 
     def enter(
         self, rpc: str, principal: Principal, model: str, *, action: str | None = None, hooks: int = 0,
+        refuse: Sequence[tuple[str, str]] = (),
     ) -> ModelHost:
         """The model a call of ``rpc`` by ``principal`` is for: PermissionDenied unless the
         principal holds the RPC's role (``action`` names what it is doing), Unavailable
         while the server stops, NotFound/Unavailable for a model that is unknown or not
-        ready, ResourceExhausted for more than max_request_hooks request-scoped ``hooks``."""
+        ready, Unimplemented when its engine refuses a feature of ``refuse`` ((feature,
+        what the caller asked for) pairs), ResourceExhausted for more than
+        max_request_hooks request-scoped ``hooks``."""
         principal.require(MINIMUM_ROLE[rpc], action or rpc)
         self.state.refuse_when_draining()
-        host = self._registry.get(model)
+        host = self._registry.get(model, refuse)
         limit = self.state.limits.max_request_hooks
         if hooks > limit:
             raise exceeded("hooks", f"{hooks} request-scoped hooks", limit, "max_request_hooks")
         return host
 
-    def session(self, session_id: str, principal: Principal) -> Session | None:
-        """The caller's own open session a call is made in (None for none); NotFound for
-        another's or an ended one (hooks and calls in a session are its owner's alone)."""
-        return self._hooks.require_session(session_id, principal, owner_only=True) if session_id else None
+    def enter_call(
+        self, rpc: str, principal: Principal, model: str, *, hooks: int, session_id: str,
+        refuse: Sequence[tuple[str, str]] = (),
+    ) -> tuple[ModelHost, Session | None]:
+        """``enter`` for a call with request-scoped hooks (Infer, Generate), and the
+        caller's own open session it is made in (None for none): NotFound for another's
+        or an ended one (hooks and calls in a session are its owner's alone)."""
+        host = self.enter(rpc, principal, model, hooks=hooks, refuse=refuse)
+        session = self._hooks.require_session(session_id, principal, owner_only=True) if session_id else None
+        return host, session
 
     async def request_hooks(
         self, host: ModelHost, specs: Sequence[hook_pb2.HookSpec], request_id: str, session: Session | None,

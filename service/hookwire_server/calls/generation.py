@@ -64,7 +64,7 @@ from ..hooks.hook_record import HookRecord
 from .. import limits
 from ..models.model_registry import ModelHost
 from ..hooks.passes import Pass
-from .tokenization import check_texts, no_tokenizer_message, padding_side_for, tokenize_texts
+from .tokenization import check_texts, no_tokenizer_message, tokenize_texts
 
 log = logging.getLogger("hookwire.generate")
 
@@ -102,9 +102,9 @@ class TextDeltas:
 
 class _Mailbox:
     """Messages of one call from the model's worker thread to its stream, in order:
-    ("started", do_sample), ("event", event, chunker), ("notice", notice), ("step",
-    StepResult) at the end of each step, and ("ended",) once the engine ended the call
-    (its Work's future is done: after its last step, or with its failure).
+    ("event", event, chunker), ("notice", notice), ("step", StepResult) at the end of
+    each step, and ("ended", exception or None) when the engine ended the call other than
+    by its last step (seam.GenerateCall.put).
 
     Small events wait in the mailbox until the step ends (or until BATCH_MAX_BYTES of
     them are waiting) and then go out together; an event with large (chunked) tensors,
@@ -206,14 +206,6 @@ class _Mailbox:
             if items:
                 return items
 
-    def end(self, future: asyncio.Future[Any]) -> None:
-        """The engine ended the call (``future``, its Work's, is done): puts ("ended",)
-        after everything the engine put. A failure nobody reads any more (the stream
-        ended first) is logged here, not left unretrieved. Event loop."""
-        if not future.cancelled() and future.exception() is not None and self._closed:
-            log.debug("a Generate call ended after its stream: %r", future.exception())
-        self.put(("ended",))
-
     def release(self) -> None:
         """Gives back what is still counted and takes no more messages (the call ended).
         Any thread."""
@@ -228,7 +220,7 @@ class _Mailbox:
 
 def _messages(items: list[tuple[Any, ...]], chunk_bytes: int) -> Iterator[model_service_pb2.GenerateResponse | bytes]:
     """The stream messages of the events and notices a take gave (up to its step's end:
-    "started", "step" and "ended" are the caller's).
+    "step" and "ended" are the caller's).
 
     Small events waiting together go out as one EventBatch (gRPC's cost per message,
     on both ends, is far above that of a small event), as on session streams; an
@@ -446,8 +438,10 @@ class Generation:
         went away) ends the call at once (a running step completes, a queued one never
         runs); once the server drains, the call ends at the next step boundary with
         finish_reason "shutdown"."""
-        host = self._admission.enter("Generate", principal, request.model, hooks=len(request.hooks))
-        host.refuse("generate", "Generate")
+        host, session = self._admission.enter_call(
+            "Generate", principal, request.model, hooks=len(request.hooks), session_id=request.session_id,
+            refuse=(("generate", "Generate"),),
+        )
         if not host.can_generate:
             raise Unimplemented(
                 f"model {host.name!r} cannot generate: Generate needs a causal language model "
@@ -456,7 +450,6 @@ class Generation:
         self._check_prompt_source(request, host)
         options = self._options(request, host)
         positions = _positions(host)
-        session = self._admission.session(request.session_id, principal)
         active = self._active.get(host.name, 0)
         limits.check(active, self.limits.max_active_generations,
                      f"model {host.name!r} has {active} Generate calls running", "max_active_generations")
@@ -470,10 +463,11 @@ class Generation:
         self._idle.clear()
         try:
             if request.prompts:
+                # Padded on the left: a causal LM continues after the last position (it can
+                # generate: checked above).
                 batch = await host.run_tokenizer(
                     tokenize_texts, host, list(request.prompts), add_special_tokens=None,
-                    padding_side=padding_side_for(host, ""), max_prompt_tokens=self.limits.max_prompt_tokens,
-                    field="prompts",
+                    padding_side="left", max_prompt_tokens=self.limits.max_prompt_tokens, field="prompts",
                 )
                 ids, mask = batch.input_ids, batch.attention_mask
             else:
@@ -557,23 +551,24 @@ class Generation:
         reasons = [""] * batch
         texts = [TextDeltas() for _ in range(batch)]
         streamed = 0  # steps whose tokens the stream sent
-        began = False  # the engine started the call (its "started" was taken)
+        began = False  # the engine started the call (its `started` went out)
         outcome = "error"
         call = GenerateCall(p, records, ids, mask, options, stop_criteria, put, group)
         work = Work(GENERATE, call, key=None, rows=batch, group=group, caller=(request.session_id, principal.name),
                     running=True)
         # Submitted once: the engine starts the call, runs its steps as the stream allows
-        # them and ends it; the future settles when the engine ended it (None, or the
-        # failure that ended it), and its ("ended",) message follows everything the engine put.
-        future = asyncio.ensure_future(self._engines.submit(host, work))
-        future.add_done_callback(mailbox.end)
+        # them and ends it; what it produced, and how the call ended if not by its last
+        # step ("ended"), come through the mailbox.
         items: list[tuple[Any, ...]] = []
         last: tuple[Any, ...] = ()
         try:
+            self._engines.start(host, work)
             step = 0
             while True:
                 items = await self._take(mailbox, work, host)
-                if items[0][0] == "started":
+                if not began and call.decoder is not None:
+                    # The engine started the call (its decoding state is set before anything
+                    # of the call reaches the mailbox): `started` goes before the rest.
                     began = True
                     msg = model_service_pb2.GenerateResponse()
                     msg.started.request_id = request_id
@@ -581,14 +576,13 @@ class Generation:
                     _codec.encode_tensor_into(mask, msg.started.attention_mask)
                     msg.started.hook_ids.extend(r.hook_id for r in records)
                     msg.started.seed = options.seed
-                    msg.started.do_sample = bool(items[0][1])
+                    msg.started.do_sample = bool(call.decoder.do_sample)
                     yield msg
                 for out in _messages(items, chunk_bytes):
                     yield out
                 last = items[-1]
                 if last[0] == "ended":  # ended without its last step: the failure that ended it
-                    raise (future.exception() if future.done() and not future.cancelled() else None) or Unavailable(
-                        f"model {host.name!r} ended the Generate call")
+                    raise last[1] or Unavailable(f"model {host.name!r} ended the Generate call (it is shutting down)")
                 if last[0] != "step":
                     continue
                 result: StepResult = last[1]
@@ -641,7 +635,7 @@ class Generation:
             raise release_failure(exc)
         finally:
             mailbox.release()
-            if not future.done():
+            if not work.future.done():
                 # The engine ends it in its next plan, after the step in flight (if any): a
                 # step still waiting never runs; its hooks detach, its events end (CallEnded
                 # markers on session streams), its KV cache is freed. Not awaited: the client
@@ -662,7 +656,7 @@ class Generation:
             # Not kept with this frame, which a failure's traceback (held by gRPC for a while)
             # keeps: the futures hold the failure's own traceback, whose frames hold the
             # step's tensors and the KV cache (errors.release_failure).
-            del future, work, call, items, last
+            del work, call, items, last
 
 
 def _idle_error(host: ModelHost, what: str, idle: float) -> DeadlineExceeded:

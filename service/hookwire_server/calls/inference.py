@@ -251,20 +251,21 @@ class Inference:
         Validation that walks the request's Values, and compiling its request-scoped
         hooks, run on worker threads: a large request never stalls the event loop.
         """
-        host = self._admission.enter("Infer", principal, request.model, hooks=len(request.hooks))
-        host.refuse("infer", "Infer")
+        train = request.mode == model_service_pb2.MODE_TRAIN
+        refuse = [("infer", "Infer")]
+        if train:
+            refuse.append(("train", "mode: MODE_TRAIN"))
+        if request.HasField("backward"):
+            refuse.append(("backward", "backward"))
+        host, session = self._admission.enter_call(
+            "Infer", principal, request.model, hooks=len(request.hooks), session_id=request.session_id, refuse=refuse,
+        )
         if not checked and await self._checked(request) and chunked is None:
             raise InvalidArgument("a tensor has a chunk_id: chunked tensors travel over InferStream, not Infer")
         if request.mode not in model_service_pb2.Mode.values():
             raise InvalidArgument(f"mode: unknown mode {request.mode}")
-        train = request.mode == model_service_pb2.MODE_TRAIN
-        if train:
-            host.refuse("train", "mode: MODE_TRAIN")
-        if request.HasField("backward"):
-            host.refuse("backward", "backward")
         if train and not host.training_allowed:
             raise FailedPrecondition(f"model {host.name!r} does not allow MODE_TRAIN")
-        session = self._admission.session(request.session_id, principal)
         backward = None
         if request.HasField("backward"):
             backward = BackwardPlan(

@@ -78,6 +78,10 @@ class Engines:
         """Queues ``work`` on ``host``'s scheduler and waits for its result (Scheduler.submit)."""
         return await self.scheduler(host).submit(work)
 
+    def start(self, host: ModelHost, work: Work) -> None:
+        """Queues a running call on ``host``'s scheduler without waiting (Scheduler.enqueue)."""
+        self.scheduler(host).enqueue(work)
+
     def _room(self) -> None:
         """Calls held back by a full stream may start: every scheduler looks again."""
         for scheduler in list(self._schedulers.values()):

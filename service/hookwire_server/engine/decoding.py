@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -248,9 +249,17 @@ def start_call(
 
 def cache_argument(model: Any) -> str:
     """The name a transformers model's forward takes its KV cache by, and its outputs
-    return it under: "cache" from transformers 5.24 on, "past_key_values" before."""
-    names = forward_parameters(model)
-    return "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"
+    return it under: "cache" from transformers 5.24 on, "past_key_values" before. Read
+    from its forward's signature once per model."""
+    name = _CACHE_ARGUMENTS.get(model)
+    if name is None:
+        names = forward_parameters(model)
+        name = _CACHE_ARGUMENTS[model] = "cache" if "cache" in names and "past_key_values" not in names else "past_key_values"
+    return name
+
+
+#: cache_argument of each model seen (dropped with the model).
+_CACHE_ARGUMENTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def run_calls(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
@@ -266,12 +275,12 @@ def run_calls(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     results: list[Any] = []
     for call, end in zip(calls, ended):
         if end:
-            finish_call(call)
+            finish_call(call, ended=True)
             results.append(None)
             continue
         result = next(stepped)
         if isinstance(result, BaseException):
-            finish_call(call)
+            finish_call(call, ended=True, failure=result)
             results.append(result)
         elif result.finished or call.step >= call.options.max_new_tokens:
             finish_call(call)
@@ -289,10 +298,10 @@ def _run_step(host: ModelHost, call: GenerateCall) -> StepResult:
     p = call.p
     if call.decoder is None:
         call.decoder = start_call(host, call.records, call.ids, call.mask, call.options, call.stop_criteria)
-        call.put(("started", call.decoder.do_sample))
     decoder = call.decoder
     assert isinstance(decoder, Decoder)
-    p.begin_step(call.step)
+    if call.step:  # step 0 runs on the Pass as it was made
+        p.begin_step(call.step)
     with running(host, Batch.alone(p)), model_errors(host, "forward"):
         tokens = decoder.step()
     result = StepResult(tokens, tuple(decoder.reasons), decoder.finished)
@@ -395,9 +404,14 @@ def _run_shared_step(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     return results
 
 
-def finish_call(call: GenerateCall) -> None:
+def finish_call(call: GenerateCall, *, ended: bool = False, failure: BaseException | None = None) -> None:
     """The end of a Generate call (worker thread, after its last step, or in the plan
-    after its caller ended it): detaches its hooks, ends its events, frees its KV cache."""
+    after its caller ended it): detaches its hooks, ends its events, frees its KV cache.
+    ``ended``: it ended other than by its last step; its mailbox gets ("ended",
+    ``failure``) last. Runs once."""
+    if call.finished:
+        return
+    call.finished = True
     try:
         for record in call.records:
             record.detach()
@@ -409,3 +423,5 @@ def finish_call(call: GenerateCall) -> None:
     finally:
         if isinstance(call.decoder, Decoder):
             call.decoder.release()
+        if ended:
+            call.put(("ended", failure))

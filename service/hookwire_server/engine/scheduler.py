@@ -177,15 +177,15 @@ class Scheduler:
         self._queue.clear()
         self._finish_running(works)
         for work in works:
-            if not work.future.done():
-                work.future.set_exception(Unavailable(f"model {self._host.name!r} is shutting down"))
+            _fail(work, Unavailable(f"model {self._host.name!r} is shutting down"))
         if self._task is not None:
             self._task.cancel()
 
     def _finish_running(self, works: list[Work]) -> None:
-        """Running calls that will get no more passes (the model shuts down): ended, and
-        handed to the engine one last time on the worker thread, which finishes them (their
-        hooks detach, their events end, their state is freed). Event loop."""
+        """Running calls that will get no more passes (the model shuts down, or a plan
+        failed as a whole): ended, and handed to the engine one last time on the worker
+        thread, which finishes them (their hooks detach, their events end, their state is
+        freed, their mailbox gets its end). Event loop."""
         running = [w for w in works if w.running and not w.future.done()]
         if not running:
             return
@@ -194,7 +194,8 @@ class Scheduler:
         try:
             self._host._executor.submit(_execute, self._engine, running)
         except RuntimeError:  # the worker is gone already: nothing runs on it any more
-            log.debug("model %s: %d Generate calls could not be finished", self._host.name, len(running))
+            for work in running:
+                work.payload.put(("ended", Unavailable(f"model {self._host.name!r} is shutting down")))
 
     def poke(self) -> None:
         """Looks at the waiting works again (a stream that held some back has room). Event loop."""
@@ -207,6 +208,21 @@ class Scheduler:
     async def submit(self, work: Work) -> Any:
         """Queues ``work`` and waits for its result (raises what its run raised). A
         cancelled wait takes the work out of the queue if it has not started."""
+        self.enqueue(work)
+        # A cancelled wait cancels the future: a work still queued never runs (the loop
+        # skips it), nor does one whose batch waits behind other work on the model's
+        # thread (_run skips it); a running one's result is dropped.
+        try:
+            return await work.future
+        except asyncio.CancelledError:
+            work.withdrawn = True
+            raise
+
+    def enqueue(self, work: Work) -> None:
+        """Queues ``work`` without waiting for it: a running call (``Work.running``), whose
+        engine tells the call itself how each step and its end went (its mailbox), and
+        whose future only says that it ended. Unavailable once the model shuts down.
+        Event loop."""
         if self._closed:
             raise Unavailable(f"model {self._host.name!r} is shutting down")
         if self._changed is None:
@@ -217,14 +233,6 @@ class Scheduler:
             work.payload.wake = self._poke
         self._queue.append(work)
         self._poke()
-        # A cancelled wait cancels the future: a work still queued never runs (the loop
-        # skips it), nor does one whose batch waits behind other work on the model's
-        # thread (_run skips it); a running one's result is dropped.
-        try:
-            return await work.future
-        except asyncio.CancelledError:
-            work.withdrawn = True
-            raise
 
     def _rows_for(self, first: Work) -> int:
         return sum(w.rows for w in self._compatible(first))
@@ -353,10 +361,10 @@ class Scheduler:
                 if isinstance(exc, asyncio.CancelledError):
                     self._finish_running(batch)  # after the plan in flight, on the worker thread
                     for work in batch:
-                        if not work.future.done():
-                            work.future.set_exception(Unavailable(f"model {self._host.name!r} is shutting down"))
+                        _fail(work, Unavailable(f"model {self._host.name!r} is shutting down"))
                     raise
                 log.exception("a batch on %s failed as a whole", self._host.name)
+                self._finish_running(batch)
                 # Without its traceback: it holds this loop's own (suspended) frame, and a
                 # caller that clears the frames of its failure (errors.release_failure)
                 # would finalize this coroutine and stop the model's scheduler for good.
@@ -383,9 +391,20 @@ class Scheduler:
         if self._closed:
             self._finish_running(works)
             for work in works:
-                work.future.set_exception(Unavailable(f"model {self._host.name!r} is shutting down"))
+                _fail(work, Unavailable(f"model {self._host.name!r} is shutting down"))
             return
         self._queue.extend(works)
+
+
+def _fail(work: Work, exc: BaseException) -> None:
+    """Ends a work that will not run: its waiter gets ``exc``; a running call's future only
+    says it ended (its engine, or _finish_running, told the call why)."""
+    if work.future.done():
+        return
+    if work.running:
+        work.future.set_result(None)
+    else:
+        work.future.set_exception(exc)
 
 
 def _execute(engine: Engine, batch: list[Work]) -> list[Any]:
@@ -412,6 +431,8 @@ def _settle(batch: list[Work], results: list[Any]) -> list[Work]:
         if isinstance(result, Running):
             work.key = result.key
             going_on.append(work)
+        elif work.running:  # it ended: its engine told the call how (its mailbox)
+            work.future.set_result(None)
         elif isinstance(result, BaseException):
             work.future.set_exception(result)
         else:

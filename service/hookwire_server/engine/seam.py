@@ -15,9 +15,10 @@ puts it in a plan whenever its stream has taken the step before (``GenerateCall.
 <= ``allowed``: the reader's back-pressure, a flag the scheduler reads) or its caller
 ended it (``ended``). The engine starts the call in its first plan (prepares its
 decoding state, attaches its hooks), runs a step in each plan after, pushes what each
-step produced into the call's mailbox (``put``: "started", the events, "step" with a
-StepResult), and finishes the call (detaches its hooks, ends its events, frees its
-state) in the plan that ends it; the call side only reads the mailbox.
+step produced into the call's mailbox (``put``: the events, "step" with a StepResult),
+and finishes the call (detaches its hooks, ends its events, frees its state) in the
+plan that ends it, telling the mailbox why ("ended") unless its last step did; the call
+side only reads the mailbox.
 
 An engine provides:
 
@@ -171,12 +172,15 @@ class GenerateCall:
     options: GenerateOptions
     #: transformers stopping criteria for its stop strings (built by the call side), or None.
     stop_criteria: Any
-    #: Its mailbox: ("started", do_sample), ("event", ...), ("notice", ...), ("step",
-    #: StepResult), in order; any thread, never waits.
+    #: Its mailbox: ("event", ...), ("notice", ...), ("step", StepResult) at the end of
+    #: each step, and ("ended", exception or None) when the engine ends it other than by
+    #: its last step (a failure; its caller ended it; the model shut down), in order; any
+    #: thread, never waits.
     put: Callable[[tuple[Any, ...]], None]
     #: Its session when the session's hooks use slots: calls of one group never share a pass.
     group: str | None = None
-    #: Its decoding state, once the engine started it (DecodingState).
+    #: Its decoding state, once the engine started it (DecodingState): set before anything
+    #: of the call reaches its mailbox (the call side reads ``do_sample`` from it).
     decoder: Any = None
     #: The next step the engine runs: steps whose "step" message it has put.
     step: int = 0
@@ -186,5 +190,8 @@ class GenerateCall:
     #: Why its caller ended it ("cancelled", "shutdown", "timeout", "error"), or None:
     #: the engine finishes it in its next plan, without another step.
     ended: str | None = None
-    #: Wakes the scheduler after ``allowed`` or ``ended`` changed (set by Scheduler.submit).
+    #: Set by the engine once it finished the call (its hooks detached, its events
+    #: ended): a finish runs once.
+    finished: bool = False
+    #: Wakes the scheduler after ``allowed`` or ``ended`` changed (set by Scheduler.enqueue).
     wake: Callable[[], None] = lambda: None

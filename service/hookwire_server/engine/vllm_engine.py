@@ -389,7 +389,7 @@ class VllmEngine:
             results = [exc.with_traceback(None)] * len(plan.items)
             if plan.kind == GENERATE:
                 for call in plan.items:  # their requests are stuck in vLLM: the calls end here
-                    self._finish(call)
+                    self._finish(call, ended=True, failure=results[0])
         return results
 
     def _generate(self, calls: list[GenerateCall]) -> list[Any]:
@@ -400,7 +400,7 @@ class VllmEngine:
         ended = [call.ended is not None for call in calls]
         for call, end in zip(calls, ended):
             if end:  # first: vLLM steps below must not run its requests any more
-                self._finish(call)
+                self._finish(call, ended=True)
         started: dict[int, BaseException | None] = {}
         for call, end in zip(calls, ended):
             if not end and call.decoder is None:
@@ -409,7 +409,6 @@ class VllmEngine:
                 except Exception as exc:  # it cannot run: it alone fails
                     started[id(call)] = exc
                     continue
-                call.put(("started", call.decoder.do_sample))
                 self._waiting.append(call.decoder)
         wanted = {id(call): call.step for call, end in zip(calls, ended) if not end and id(call) not in started}
         self._run_until(lambda: [
@@ -436,7 +435,7 @@ class VllmEngine:
                     state.results.append(last)
                     state.step_index = call.step = len(state.results)
                     call.put(("step", last))
-            self._finish(call)
+            self._finish(call, ended=failure is not None, failure=failure)
             out.append(failure)
         return out
 
@@ -837,9 +836,13 @@ class VllmEngine:
             record.attach()
         return state
 
-    def _finish(self, call: GenerateCall) -> None:
-        """Ends a call: takes its requests out of vLLM, detaches its hooks, ends its events.
-        Never raises (the other calls of the plan go on)."""
+    def _finish(self, call: GenerateCall, *, ended: bool = False, failure: BaseException | None = None) -> None:
+        """Ends a call: takes its requests out of vLLM, detaches its hooks, ends its events;
+        ``ended``: other than by its last step, and its mailbox gets ("ended", ``failure``)
+        last. Never raises (the other calls of the plan go on); runs once."""
+        if call.finished:
+            return
+        call.finished = True
         try:
             if isinstance(call.decoder, VllmCall):
                 self._drop(call.decoder)
@@ -848,6 +851,9 @@ class VllmEngine:
             call.p.finish()
         except Exception:
             log.exception("finishing Generate call %s failed", call.p.request_id)
+        finally:
+            if ended:
+                call.put(("ended", failure))
 
 
 def _state(call: GenerateCall) -> VllmCall:

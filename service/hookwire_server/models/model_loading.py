@@ -25,7 +25,8 @@ from torch import nn
 
 from ..demo_models import DEMO_MODELS
 from .batch_settings import BatchSettings
-from .model_registry import ASYNC_CAPTURE_MODES, BatchConfig, DaemonWorker, ModelHost, ModelRegistry
+from .model_registry import ASYNC_CAPTURE_MODES, BatchConfig, ModelHost, ModelRegistry
+from .worker import DaemonWorker
 from .tokenizers import prepare_tokenizer
 
 log = logging.getLogger("hookwire.models")

@@ -19,9 +19,8 @@ import enum
 import functools
 import inspect
 import logging
-import queue
 import threading
-from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -32,6 +31,7 @@ from hookwire.v1 import model_service_pb2
 from .batch_settings import BatchSettings, model_dimensions
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, Unimplemented
 from .module_patterns import PathIndex
+from .worker import DaemonWorker
 
 log = logging.getLogger("hookwire.models")
 T = TypeVar("T")
@@ -44,75 +44,6 @@ def _wire_dtype_or_unspecified(dtype: Any) -> int:
         return _codec.wire_dtype_of(dtype)
     except _codec.CodecError:
         return 0  # DTYPE_UNSPECIFIED: a parameter dtype the wire cannot carry (e.g. complex)
-
-
-class DaemonWorker(concurrent.futures.Executor):
-    """A one-thread executor whose thread is a daemon.
-
-    ThreadPoolExecutor's threads are joined when the interpreter exits, so a
-    forward pass that runs for minutes would hold the process past its grace
-    period on SIGTERM; a thread in the middle of a pass cannot be killed, so the
-    process must be able to exit without waiting for it.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._work: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        #: True while a submitted function runs.
-        self.busy = False
-
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
-        """Queues ``fn(*args, **kwargs)``; RuntimeError after shutdown."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{self._name}: cannot schedule new work after shutdown")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
-            self._work.put((future, functools.partial(fn, *args, **kwargs)))
-        return future
-
-    def _loop(self) -> None:
-        while True:
-            item = self._work.get()
-            if item is None:
-                return
-            future, fn = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            self.busy = True
-            try:
-                result = fn()
-            except BaseException as exc:  # handed to the awaiting caller, as ThreadPoolExecutor does
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-            finally:
-                self.busy = False
-                # Not kept until the next job arrives: the job holds its call (request, response).
-                item = future = fn = result = None  # type: ignore[assignment]
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stops the thread after the running function (queued ones are cancelled
-        when ``cancel_futures``); ``wait`` joins it."""
-        with self._lock:
-            self._closed = True
-            if cancel_futures:
-                while True:
-                    try:
-                        item = self._work.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is not None:
-                        item[0].cancel()
-            self._work.put(None)
-            thread = self._thread
-        if wait and thread is not None:
-            thread.join()
 
 
 def is_causal_lm(module: nn.Module) -> bool:
@@ -612,10 +543,12 @@ class ModelRegistry:
         entry = self._entries[name]
         entry.state, entry.reason = ModelState.FAILED, reason
 
-    def get(self, name: str) -> ModelHost:
+    def get(self, name: str, refuse: Sequence[tuple[str, str]] = ()) -> ModelHost:
         """The ready model named ``name``. InvalidArgument for an empty name, NotFound
         for an unknown one, Unavailable while it loads (retry later),
-        FailedPrecondition when it failed to load (it will not become ready)."""
+        FailedPrecondition when it failed to load (it will not become ready);
+        Unimplemented when its engine refuses one of the features of ``refuse``
+        ((feature, what the caller asked for) pairs: ModelHost.refuse)."""
         if not name:
             raise InvalidArgument("no model named: the model field is empty")
         entry = self._entries.get(name)
@@ -628,6 +561,8 @@ class ModelRegistry:
                 raise FailedPrecondition(f"model {name!r} failed while serving: {entry.reason}")
             raise FailedPrecondition(f"model {name!r} failed to load: {entry.reason}")
         assert entry.host is not None
+        for feature, what in refuse:
+            entry.host.refuse(feature, what)
         return entry.host
 
     def entry(self, name: str) -> ModelEntry:
