@@ -1346,6 +1346,45 @@ def test_a_cancel_while_the_next_step_waits_for_the_model_runs_no_more_passes(en
     assert ran == 0, f"{ran} forward pass(es) of the cancelled call ran after the cancel"
 
 
+def test_a_plan_that_fails_as_a_whole_ends_its_calls_with_their_status_and_detaches_their_hooks(
+    env: Env, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine's plan that raises as a whole (a bug, not a call's own failure) ends its
+    Generate calls with INTERNAL at once (not UNAVAILABLE, which invites retries, and not
+    a stream that waits for an end that never comes), and their hooks detach; the same
+    when the engine also fails the plan that would finish them."""
+    from hookwire_server.engine import decoding
+
+    host = env.srv.server.registry.get("tiny-lm")
+    capture_all = hook_pb2.HookSpec(module="*", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))
+    real = decoding.run_calls
+
+    def failing_steps(h: Any, calls: list[Any]) -> list[Any]:  # a step's plan raises; a finish runs
+        if any(c.step >= 1 and c.ended is None for c in calls):
+            raise RuntimeError("a bug in the plan")
+        return real(h, calls)
+
+    def failing_all(h: Any, calls: list[Any]) -> list[Any]:  # every plan past step 0, its finish too
+        if any(c.step >= 1 for c in calls):
+            raise RuntimeError("the engine is broken")
+        return real(h, calls)
+
+    for name, broken in (("a step's plan", failing_steps), ("every plan past step 0", failing_all)):
+        monkeypatch.setattr(decoding, "run_calls", broken)
+        kinds: list[str] = []
+        with pytest.raises(grpc.RpcError) as info:
+            for message in env.models.Generate(
+                    GenerateRequest(model="tiny-lm", prompts=["the cat"], max_new_tokens=5, hooks=[capture_all]),
+                    timeout=CALL_TIMEOUT):
+                kinds.append(message.WhichOneof("kind"))
+        assert info.value.code() == grpc.StatusCode.INTERNAL, (name, info.value.details())
+        assert kinds[0] == "started" and "tokens" in kinds, (name, kinds)
+        monkeypatch.setattr(decoding, "run_calls", real)
+        if name == "a step's plan":
+            wait_for(lambda: env.srv.call(lambda: sum(len(m._forward_hooks) for m in host.module.modules())) == 0,
+                     "the failed call's hooks to detach")
+
+
 def test_a_failed_generate_frees_its_kv_cache(env: Env) -> None:
     """A step that fails (here a request hook's rule, on_error FAIL_CALL) must not leave the
     call's KV cache (and the step's activations) alive: the exception's traceback holds

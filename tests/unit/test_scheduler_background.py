@@ -62,9 +62,9 @@ async def test_a_background_pass_does_not_make_live_calls_wait_for_company() -> 
     # (there is none), so its pass runs as soon as it can; here we only check that the
     # scheduler's expectation did not change.
     await sched.submit(Work("harvest", "bg", key=None, rows=8, background=True))
-    assert sched._last_rows == 0 and sched._last_works == 0
+    assert sched._company == 0 and sched._last_works == 0
     await sched.submit(Work("infer", "live", key="k", rows=1))
-    assert [item for plan in engine.plans for item in plan.items] == ["bg", "live"] and sched._last_rows == 1
+    assert [item for plan in engine.plans for item in plan.items] == ["bg", "live"] and sched._company == 1
 
 
 async def test_schedule_returns_data_and_runs_nothing() -> None:
@@ -84,3 +84,65 @@ async def test_schedule_returns_data_and_runs_nothing() -> None:
     assert sched.queued == len(works) and engine.plans == []
     sched.release()
     assert await asyncio.gather(*tasks) == ["A", "B", "C", "D"]
+
+
+class _Gated(_Recording):
+    """A recording engine whose first pass waits until the test opens the gate."""
+
+    def __init__(self, host: ModelHost) -> None:
+        super().__init__(host)
+        import threading
+
+        self.gate = threading.Event()
+
+    def execute(self, plan: Plan) -> list[Any]:
+        if not self.plans:
+            self.gate.wait(60)
+        return super().execute(plan)
+
+
+async def test_company_is_every_caller_seen_lately_not_only_the_last_pass() -> None:
+    """Closed-loop callers in two groups (one group's calls arrive while the other's pass
+    runs) must not settle into alternating passes of 4: when a pass of 4 ends with 4 more
+    waiting, 8 callers were seen, and the next pass waits (within max_batch_delay_ms,
+    its longest here, so that nothing depends on timing) until the first group sent again."""
+    import dataclasses
+
+    from hookwire_server.models.batch_settings import LIMIT_MAX_BATCH_DELAY_MS
+
+    engine = _Gated(ModelHost("lin", torch.nn.Linear(2, 2)))
+    engine.host.batching = dataclasses.replace(engine.host.batching, max_batch_delay_ms=LIMIT_MAX_BATCH_DELAY_MS, max_batch_size=8)
+    sched = Scheduler(engine.host, engine)
+    sched.hold()
+    first = [asyncio.ensure_future(sched.submit(Work("infer", f"a{i}", key="k", rows=1))) for i in range(4)]
+    while sched.queued < 4:
+        await asyncio.sleep(0)
+    sched.release()  # the pass of a0..a3 starts and waits at the gate
+    while sched.queued:
+        await asyncio.sleep(0)
+    second = [asyncio.ensure_future(sched.submit(Work("infer", f"b{i}", key="k", rows=1))) for i in range(4)]
+    while sched.queued < 4:
+        await asyncio.sleep(0)
+    engine.gate.set()
+    assert await asyncio.gather(*first) == ["A0", "A1", "A2", "A3"]
+    assert sched._company == 8  # a0..a3 answered, b0..b3 waiting
+    again = [asyncio.ensure_future(sched.submit(Work("infer", f"c{i}", key="k", rows=1))) for i in range(4)]
+    assert await asyncio.gather(*second, *again) == ["B0", "B1", "B2", "B3", "C0", "C1", "C2", "C3"]
+    assert [len(plan.items) for plan in engine.plans] == [4, 8], engine.plans
+
+
+async def test_a_wait_for_company_that_runs_out_expects_fewer_next_time() -> None:
+    """Company that does not come (the callers left): the pass runs when the delay runs
+    out, and the next pass expects only the rows that came."""
+    sched, engine = _scheduler()
+    sched._company = 8
+    work = Work("infer", "x", key="k", rows=1)
+    sched._queue.append(work)
+    deadline = sched.schedule(0.0).wait_until
+    assert deadline is not None  # 1 row waits, 8 expected: wait for company
+    decision = sched.schedule(deadline)  # the delay ran out
+    assert decision.works == [work] and sched._short
+    sched._queue.clear()
+    sched.release()
+    await sched.submit(Work("infer", "y", key="k", rows=1))
+    assert sched._company == 1

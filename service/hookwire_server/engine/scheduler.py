@@ -3,14 +3,18 @@ thread runs takes the first waiting call with the calls behind it that can share
 pass (equal join key, rows up to max_batch_size).
 
 A pass starts when the worker is free: calls that arrive while a pass runs wait
-together and join the next one, so under load passes grow by themselves. When fewer
-rows wait than the last pass held, company is expected (the callers that pass answered
-send again soon): the first call then waits up to max_batch_delay_ms after the model
+together and join the next one, so under load passes grow by themselves. Company is
+expected from the callers recently seen: those the last pass answered (they send again
+soon) and those that were already waiting for a compatible pass when it ended. When
+fewer rows wait than that, the first call waits up to max_batch_delay_ms after the model
 became free, until that many rows wait (not while a work that cannot join it waits too:
-the model would idle in front of that work). Without that wait, closed-loop callers settle
-into alternating passes of one call and of all the others (measured with 8 MiniLM
-callers: 249 of 513 passes held one call). A model whose callers come one at a time
-never waits: its last pass held one row.
+the model would idle in front of that work); a wait that ran out before its company
+came lowers the next expectation to the rows that did come. Without that wait,
+closed-loop callers settle into alternating passes of one call and of all the others
+(measured with 8 MiniLM callers: 249 of 513 passes held one call); expecting only the
+last pass's rows, they settle into two groups that alternate (8 callers: passes of 4).
+A model whose callers come one at a time never waits: its last pass held one row and
+nothing else waited.
 
 Work is data: an Infer call, a Generate call and a harvest batch are each a ``Work``
 whose ``kind`` says which of the engine's executors runs it (seam.INFER, GENERATE,
@@ -37,6 +41,7 @@ until ``release``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import collections
 import dataclasses
 import logging
@@ -131,8 +136,10 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._held = False
         self._closed = False
-        #: Rows of the last pass, and when it ended (see the wait for company in _loop).
-        self._last_rows = 0
+        #: Rows of company expected for the next pass (see the module docstring), and whether
+        #: the last pass ran short of what was expected (its wait ran out).
+        self._company = 0
+        self._short = False
         self._last_works = 0
         self._free_since = 0.0
 
@@ -181,21 +188,25 @@ class Scheduler:
         if self._task is not None:
             self._task.cancel()
 
-    def _finish_running(self, works: list[Work]) -> None:
+    def _finish_running(self, works: list[Work], failure: BaseException | None = None) -> None:
         """Running calls that will get no more passes (the model shuts down, or a plan
-        failed as a whole): ended, and handed to the engine one last time on the worker
-        thread, which finishes them (their hooks detach, their events end, their state is
-        freed, their mailbox gets its end). Event loop."""
+        failed as a whole: ``failure``): ended, told so in their mailbox, and handed to the
+        engine one last time on the worker thread, which finishes them (their hooks
+        detach, their events end, their state is freed). A mailbox reads only its first
+        "ended"; one that the engine puts later is never read. Event loop."""
         running = [w for w in works if w.running and not w.future.done()]
         if not running:
             return
+        gone = Unavailable(f"model {self._host.name!r} is shutting down")
         for work in running:
             work.payload.ended = work.payload.ended or "shutdown"
+            work.payload.put(("ended", failure or gone))
+
         try:
-            self._host._executor.submit(_execute, self._engine, running)
+            self._host._executor.submit(_execute, self._engine, running).add_done_callback(_log_finish)
         except RuntimeError:  # the worker is gone already: nothing runs on it any more
-            for work in running:
-                work.payload.put(("ended", Unavailable(f"model {self._host.name!r} is shutting down")))
+            log.debug("model %s: the worker is gone; %d Generate calls were not finished", self._host.name,
+                      len(running))
 
     def poke(self) -> None:
         """Looks at the waiting works again (a stream that held some back has room). Event loop."""
@@ -322,18 +333,19 @@ class Scheduler:
             return Decision()
         settings = self._host.batching
         delay = settings.max_batch_delay_ms / 1e3
-        expected = min(settings.max_batch_size, self._last_rows)
+        expected = min(settings.max_batch_size, self._company)
         if (
             delay > 0 and first.key is not None and not first.background and settings.enabled
             and self._rows_for(first) < expected and not self._others_wait(first)
         ):
-            # Company is expected: the last pass held more rows than wait now, and the callers
-            # it answered send again soon. Wait for them, up to the delay counted from when
-            # the model became free (or the call arrived), until as many rows wait; not while
-            # a work that cannot join waits too (the model would idle in front of it).
+            # Company is expected: more callers were seen lately than wait now, and those the
+            # last pass answered send again soon. Wait for them, up to the delay counted from
+            # when the model became free (or the call arrived), until as many rows wait; not
+            # while a work that cannot join waits too (the model would idle in front of it).
             deadline = max(first.queued_at, self._free_since) + delay
             if now < deadline:
                 return Decision(wait_until=deadline)
+            self._short = True  # they did not all come: expect fewer next time
         return Decision([w for w in self._compatible(first) if not w.future.done()])
 
     async def _loop(self) -> None:
@@ -364,14 +376,21 @@ class Scheduler:
                         _fail(work, Unavailable(f"model {self._host.name!r} is shutting down"))
                     raise
                 log.exception("a batch on %s failed as a whole", self._host.name)
-                self._finish_running(batch)
+                self._finish_running(batch, exc.with_traceback(None))
                 # Without its traceback: it holds this loop's own (suspended) frame, and a
                 # caller that clears the frames of its failure (errors.release_failure)
                 # would finalize this coroutine and stop the model's scheduler for good.
                 results = [exc.with_traceback(None)] * len(batch)
             first = batch[0]
             if not first.background:  # a harvest pass says nothing about the live callers' company
-                self._last_rows = sum(w.rows for w in batch)
+                rows = sum(w.rows for w in batch)
+                # The callers recently seen: this pass's, and those already waiting for a pass it
+                # could have been (they came while it ran); only this pass's after a wait ran out.
+                waiting = 0 if self._short else sum(
+                    w.rows for w in self._queue
+                    if w.kind == first.kind and w.key == first.key and not w.background and _wants(w)
+                )
+                self._company, self._short = rows + waiting, False
                 self._last_works = len(batch)
             self._free_since = time.perf_counter()
             self._requeue(_settle(batch, results))  # running calls that go on: back in the queue
@@ -394,6 +413,13 @@ class Scheduler:
                 _fail(work, Unavailable(f"model {self._host.name!r} is shutting down"))
             return
         self._queue.extend(works)
+
+
+def _log_finish(future: concurrent.futures.Future[Any]) -> None:
+    """The outcome of a plan that only finishes running calls (any thread): cancelled when
+    the worker shut down first, its failure logged."""
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("finishing Generate calls failed: %r", future.exception())
 
 
 def _fail(work: Work, exc: BaseException) -> None:
@@ -432,6 +458,8 @@ def _settle(batch: list[Work], results: list[Any]) -> list[Work]:
             work.key = result.key
             going_on.append(work)
         elif work.running:  # it ended: its engine told the call how (its mailbox)
+            if isinstance(result, BaseException):
+                work.payload.put(("ended", result))  # (already there if the engine finished it: never read)
             work.future.set_result(None)
         elif isinstance(result, BaseException):
             work.future.set_exception(result)
