@@ -24,7 +24,7 @@ from ..hooks.hook_record import HookRecord
 from ..hooks.passes import Pass
 from ..models.model_registry import ModelHost
 from . import batching
-from .pass_runner import call_model, run_joined, running
+from .pass_runner import model_errors, run_joined, running
 
 log = logging.getLogger("hookwire.infer")
 
@@ -133,10 +133,17 @@ def run_infer_batch(host: ModelHost, calls: list[InferCall]) -> list[Any]:
             except Exception as exc:  # its own bad tensor fails only it
                 results[i] = exc
     joined = [call for i, call in enumerate(calls) if results[i] is None]
-    outcomes = iter(run_joined(
-        host, joined, lambda cs: _run_shared(host, cs, [decoded[id(c)] for c in cs]),
-        lambda call: _run_pass(host, call), what="batch", logger=log,
-    ))
+    if len(joined) == 1:  # a lone call, without the pass runner's call-back into this module
+        try:
+            lone: list[Any] = [_run_pass(host, joined[0])]
+        except Exception as exc:
+            lone = [exc]
+        outcomes = iter(lone)
+    else:
+        outcomes = iter(run_joined(
+            host, joined, lambda cs: _run_shared(host, cs, [decoded[id(c)] for c in cs]),
+            lambda call: _run_pass(host, call), what="batch", logger=log,
+        ))
     return [result if result is not None else next(outcomes) for result in results]
 
 
@@ -167,8 +174,8 @@ def _run_shared(
     batch = batching.Batch(segments, dim=settings.batch_dim, padded=padded)
     model = host.module
     with running(host, batch, [record for call in calls for record in call.records]):
-        with torch.no_grad():
-            output = call_model(host, "forward", lambda: model(*args, **kwargs))
+        with torch.no_grad(), model_errors(host, "forward"):
+            output = model(*args, **kwargs)
         outputs = batch.split(output, f"the output of model {host.name!r}")  # Unsplittable: they run alone
     del output, args, kwargs
     results: list[Any] = []
@@ -213,12 +220,16 @@ def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferRespon
             if train:
                 model.train(True)
             try:
-                with _seeded(seed), torch.set_grad_enabled(backward is not None):
+                rng = contextlib.nullcontext() if seed is None else torch.random.fork_rng(devices=_rng_devices())
+                with rng, torch.set_grad_enabled(backward is not None):
+                    if seed is not None:
+                        torch.manual_seed(seed)
                     if backward is not None and backward.return_input_grads:
                         for leaf in _tensors(args, kwargs):
                             if leaf.is_floating_point():
                                 leaf.requires_grad_(True)
-                    output = call_model(host, "forward", lambda: model(*args, **kwargs))
+                    with model_errors(host, "forward"):
+                        output = model(*args, **kwargs)
                     if backward is not None:
                         _backward(host, output, backward, chunked)
                         if backward.return_input_grads:
@@ -262,7 +273,8 @@ def _backward(host: ModelHost, output: Any, plan: BackwardPlan, chunked: Mapping
     for param in params:
         param.grad = None
     try:
-        call_model(host, "backward", lambda: torch.autograd.backward(target, grad_tensors=grad))
+        with model_errors(host, "backward"):
+            torch.autograd.backward(target, grad_tensors=grad)
     finally:
         for param in params:
             param.grad = None
@@ -299,12 +311,6 @@ def _encode_grads(
         _codec.encode_value_into(_grads_of(value), response.input_kwargs_grads[key], chunker=chunker)
 
 
-@contextlib.contextmanager
-def _seeded(seed: int | None) -> Iterator[None]:
-    if seed is None:
-        yield
-        return
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
+def _rng_devices() -> list[int]:
+    """The devices whose random state a seeded call forks (and puts back after)."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []

@@ -27,11 +27,9 @@ class TorchEngine:
     refused: Mapping[str, str] = {}
 
     def __init__(self, host: ModelHost) -> None:
+        #: The model it runs (a plain attribute: read on every call's way in).
+        self.host = host
         self._host = host
-
-    @property
-    def host(self) -> ModelHost:
-        return self._host
 
     def infer_shape(self, request: model_service_pb2.InferRequest) -> batching.Shape | None:
         """How an Infer request may share a pass: calls whose tensors stack along the
