@@ -1347,7 +1347,7 @@ def test_a_cancel_while_the_next_step_waits_for_the_model_runs_no_more_passes(en
 
 
 def test_a_plan_that_fails_as_a_whole_ends_its_calls_with_their_status_and_detaches_their_hooks(
-    env: Env, monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An engine's plan that raises as a whole (a bug, not a call's own failure) ends its
     Generate calls with INTERNAL at once (not UNAVAILABLE, which invites retries, and not
@@ -1355,7 +1355,11 @@ def test_a_plan_that_fails_as_a_whole_ends_its_calls_with_their_status_and_detac
     when the engine also fails the plan that would finish them."""
     from hookwire_server.engine import decoding
 
-    host = env.srv.server.registry.get("tiny-lm")
+    # A server of its own: the second case's hooks stay attached (its finish failed too).
+    srv = ServerThread(build_registry([c for c in demo_configs() if c.name == "tiny-lm"])).start()
+    channel = grpc.insecure_channel(srv.target)
+    models = model_service_pb2_grpc.ModelServiceStub(channel)
+    host = srv.server.registry.get("tiny-lm")
     capture_all = hook_pb2.HookSpec(module="*", posthook=hook_pb2.HookAction(capture=[hook_pb2.PART_OUTPUT]))
     real = decoding.run_calls
 
@@ -1369,20 +1373,24 @@ def test_a_plan_that_fails_as_a_whole_ends_its_calls_with_their_status_and_detac
             raise RuntimeError("the engine is broken")
         return real(h, calls)
 
-    for name, broken in (("a step's plan", failing_steps), ("every plan past step 0", failing_all)):
-        monkeypatch.setattr(decoding, "run_calls", broken)
-        kinds: list[str] = []
-        with pytest.raises(grpc.RpcError) as info:
-            for message in env.models.Generate(
-                    GenerateRequest(model="tiny-lm", prompts=["the cat"], max_new_tokens=5, hooks=[capture_all]),
-                    timeout=CALL_TIMEOUT):
-                kinds.append(message.WhichOneof("kind"))
-        assert info.value.code() == grpc.StatusCode.INTERNAL, (name, info.value.details())
-        assert kinds[0] == "started" and "tokens" in kinds, (name, kinds)
-        monkeypatch.setattr(decoding, "run_calls", real)
-        if name == "a step's plan":
-            wait_for(lambda: env.srv.call(lambda: sum(len(m._forward_hooks) for m in host.module.modules())) == 0,
-                     "the failed call's hooks to detach")
+    try:
+        for name, broken in (("a step's plan", failing_steps), ("every plan past step 0", failing_all)):
+            monkeypatch.setattr(decoding, "run_calls", broken)
+            kinds: list[str] = []
+            with pytest.raises(grpc.RpcError) as info:
+                for message in models.Generate(
+                        GenerateRequest(model="tiny-lm", prompts=["the cat"], max_new_tokens=5, hooks=[capture_all]),
+                        timeout=CALL_TIMEOUT):
+                    kinds.append(message.WhichOneof("kind"))
+            assert info.value.code() == grpc.StatusCode.INTERNAL, (name, info.value.details())
+            assert kinds[0] == "started" and "tokens" in kinds, (name, kinds)
+            monkeypatch.setattr(decoding, "run_calls", real)
+            if name == "a step's plan":
+                wait_for(lambda: srv.call(lambda: sum(len(m._forward_hooks) for m in host.module.modules())) == 0,
+                         "the failed call's hooks to detach")
+    finally:
+        channel.close()
+        srv.stop()
 
 
 def test_a_failed_generate_frees_its_kv_cache(env: Env) -> None:

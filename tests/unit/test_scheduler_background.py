@@ -125,15 +125,21 @@ async def test_company_is_every_caller_seen_lately_not_only_the_last_pass() -> N
         await asyncio.sleep(0)
     engine.gate.set()
     assert await asyncio.gather(*first) == ["A0", "A1", "A2", "A3"]
-    assert sched._company == 8  # a0..a3 answered, b0..b3 waiting
+    for _ in range(50):  # the loop's turns: b0..b3 must wait for company, not run as a pass of 4
+        await asyncio.sleep(0)
+    assert sched.queued == 4 and len(engine.plans) == 1, engine.plans
     again = [asyncio.ensure_future(sched.submit(Work("infer", f"c{i}", key="k", rows=1))) for i in range(4)]
     assert await asyncio.gather(*second, *again) == ["B0", "B1", "B2", "B3", "C0", "C1", "C2", "C3"]
     assert [len(plan.items) for plan in engine.plans] == [4, 8], engine.plans
 
 
-async def test_a_wait_for_company_that_runs_out_expects_fewer_next_time() -> None:
-    """Company that does not come (the callers left): the pass runs when the delay runs
-    out, and the next pass expects only the rows that came."""
+async def test_a_wait_for_company_that_runs_out_expects_fewer_for_a_while() -> None:
+    """Company that does not come (an open-loop stream: callers that do not send again):
+    the pass runs when the delay runs out, and for the next SHORT_PASSES passes the
+    callers already waiting are not counted as company, so such a stream does not wait
+    on every other pass."""
+    from hookwire_server.engine.scheduler import SHORT_PASSES
+
     sched, engine = _scheduler()
     sched._company = 8
     work = Work("infer", "x", key="k", rows=1)
@@ -141,8 +147,23 @@ async def test_a_wait_for_company_that_runs_out_expects_fewer_next_time() -> Non
     deadline = sched.schedule(0.0).wait_until
     assert deadline is not None  # 1 row waits, 8 expected: wait for company
     decision = sched.schedule(deadline)  # the delay ran out
-    assert decision.works == [work] and sched._short
+    assert decision.works == [work] and decision.short
     sched._queue.clear()
-    sched.release()
-    await sched.submit(Work("infer", "y", key="k", rows=1))
-    assert sched._company == 1
+    # Through the loop: a pass that waited and ran short, with another call waiting when it ends.
+    sched._company = 8
+    gate = asyncio.Event()
+    original = engine.execute
+
+    def execute(plan: Plan) -> list[Any]:
+        if plan.items == ["short"]:  # another call arrives while the short pass runs
+            sched._loop_ref.call_soon_threadsafe(gate.set)
+        return original(plan)
+
+    engine.execute = execute  # type: ignore[method-assign]
+    sched._loop_ref = asyncio.get_running_loop()  # type: ignore[attr-defined]
+    short = asyncio.ensure_future(sched.submit(Work("infer", "short", key="k", rows=1)))
+    await gate.wait()
+    waiting = asyncio.ensure_future(sched.submit(Work("infer", "next", key="k", rows=1)))
+    assert await short == "SHORT"
+    assert sched._company == 1 and sched._short == SHORT_PASSES - 1  # the waiting call is not counted
+    assert await waiting == "NEXT"

@@ -83,9 +83,9 @@ class ServerSettings(Limits):
     batching: bool = True
     #: Most rows in one batched pass, for models whose config does not say.
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
-    #: How long (ms) the first call of a pass may wait for others to join when the model's
-    #: last pass held more rows than wait now, for models whose config does not say; 0 joins
-    #: only calls that are already waiting.
+    #: How long (ms) the first call of a pass may wait for others to join when more callers
+    #: were seen lately than wait now (engine/scheduler.py), for models whose config does not
+    #: say; 0 joins only calls that are already waiting.
     max_batch_delay_ms: float = DEFAULT_MAX_BATCH_DELAY_MS
     #: Harvest jobs (HarvestService; docs/harvest.md) read text sources from under this
     #: folder; None: text sources are refused.

@@ -9,7 +9,8 @@ soon) and those that were already waiting for a compatible pass when it ended. W
 fewer rows wait than that, the first call waits up to max_batch_delay_ms after the model
 became free, until that many rows wait (not while a work that cannot join it waits too:
 the model would idle in front of that work); a wait that ran out before its company
-came lowers the next expectation to the rows that did come. Without that wait,
+came lowers the expectation to the rows that did come for the next SHORT_PASSES passes
+(callers already waiting are not counted then). Without that wait,
 closed-loop callers settle into alternating passes of one call and of all the others
 (measured with 8 MiniLM callers: 249 of 513 passes held one call); expecting only the
 last pass's rows, they settle into two groups that alternate (8 callers: passes of 4).
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import collections
 import dataclasses
 import logging
@@ -56,6 +58,11 @@ from ..models.model_registry import ModelHost
 from .seam import Engine, Plan, Running
 
 log = logging.getLogger("hookwire.batching")
+
+#: Passes after a wait for company ran out during which callers already waiting are not
+#: counted as company (see the module docstring): an open-loop stream of calls, whose
+#: callers do not send again, waits at most once in so many passes.
+SHORT_PASSES = 8
 
 
 @dataclasses.dataclass(eq=False)
@@ -117,6 +124,10 @@ class Decision:
 
     works: list[Work] = dataclasses.field(default_factory=list)
     wait_until: float | None = None
+    #: Whether the works run with fewer rows than the company expected, its deadline past.
+    short: bool = False
+    #: The work whose company a wait (``wait_until``) is for.
+    waiting_for: Work | None = None
 
     @property
     def plan(self) -> Plan:
@@ -136,10 +147,10 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._held = False
         self._closed = False
-        #: Rows of company expected for the next pass (see the module docstring), and whether
-        #: the last pass ran short of what was expected (its wait ran out).
+        #: Rows of company expected for the next pass (see the module docstring), and for how
+        #: many more passes waiting callers are not counted in it (a wait for company ran out).
         self._company = 0
-        self._short = False
+        self._short = 0
         self._last_works = 0
         self._free_since = 0.0
 
@@ -200,7 +211,8 @@ class Scheduler:
         gone = Unavailable(f"model {self._host.name!r} is shutting down")
         for work in running:
             work.payload.ended = work.payload.ended or "shutdown"
-            work.payload.put(("ended", failure or gone))
+            # Each its own exception: a stream that raises it clears its frames (errors.release_failure).
+            work.payload.put(("ended", _own(failure) if failure is not None else gone))
 
         try:
             self._host._executor.submit(_execute, self._engine, running).add_done_callback(_log_finish)
@@ -344,13 +356,14 @@ class Scheduler:
             # while a work that cannot join waits too (the model would idle in front of it).
             deadline = max(first.queued_at, self._free_since) + delay
             if now < deadline:
-                return Decision(wait_until=deadline)
-            self._short = True  # they did not all come: expect fewer next time
+                return Decision(wait_until=deadline, waiting_for=first)
+            return Decision([w for w in self._compatible(first) if not w.future.done()], short=True)
         return Decision([w for w in self._compatible(first) if not w.future.done()])
 
     async def _loop(self) -> None:
         """The model's engine loop: schedule, execute, settle (see the module docstring)."""
         loop = asyncio.get_running_loop()
+        waited_for: Work | None = None  # the work the last wait for company was for
         while not self._closed:
             if self._last_works > 1 and self._queue and not self._held:
                 # Let the calls whose results were just set queue their next work (a Generate call
@@ -360,10 +373,14 @@ class Scheduler:
                     await asyncio.sleep(0)
             decision = self.schedule(time.perf_counter())
             if not decision.works:
+                waited_for = decision.waiting_for
                 left = None if decision.wait_until is None else decision.wait_until - time.perf_counter()
                 await self._wait_change(left)
                 continue
             batch = decision.works
+            # Short of the company this loop waited for (not of company a held scheduler, a full
+            # stream or a busy model kept it from waiting for).
+            short, waited_for = decision.short and waited_for is batch[0], None
             for work in batch:
                 self._queue.remove(work)
             started = time.perf_counter()
@@ -376,7 +393,8 @@ class Scheduler:
                         _fail(work, Unavailable(f"model {self._host.name!r} is shutting down"))
                     raise
                 log.exception("a batch on %s failed as a whole", self._host.name)
-                self._finish_running(batch, exc.with_traceback(None))
+                # (The executor refusing work means the model shuts down: Unavailable then.)
+                self._finish_running(batch, None if self._closed else exc.with_traceback(None))
                 # Without its traceback: it holds this loop's own (suspended) frame, and a
                 # caller that clears the frames of its failure (errors.release_failure)
                 # would finalize this coroutine and stop the model's scheduler for good.
@@ -384,13 +402,13 @@ class Scheduler:
             first = batch[0]
             if not first.background:  # a harvest pass says nothing about the live callers' company
                 rows = sum(w.rows for w in batch)
-                # The callers recently seen: this pass's, and those already waiting for a pass it
-                # could have been (they came while it ran); only this pass's after a wait ran out.
-                waiting = 0 if self._short else sum(
-                    w.rows for w in self._queue
-                    if w.kind == first.kind and w.key == first.key and not w.background and _wants(w)
-                )
-                self._company, self._short = rows + waiting, False
+                if short:  # the company did not come: callers left, or they do not send again
+                    self._short = SHORT_PASSES
+                # The callers recently seen: this pass's, and those already waiting that could
+                # have shared it (they came while it ran); only this pass's for a while after a
+                # wait ran out (an open-loop stream of calls, whose callers do not send again).
+                self._company = rows + (0 if self._short else self._could_have_joined(batch))
+                self._short = max(0, self._short - 1)
                 self._last_works = len(batch)
             self._free_since = time.perf_counter()
             self._requeue(_settle(batch, results))  # running calls that go on: back in the queue
@@ -403,6 +421,25 @@ class Scheduler:
             del batch, results, first, decision
 
 
+    def _could_have_joined(self, batch: list[Work]) -> int:
+        """Rows of the waiting works that could have shared ``batch``'s pass: same kind and
+        key, still wanted, held back by no full stream, of no slots group the pass held,
+        within max_batch_size."""
+        first = batch[0]
+        groups = {w.group for w in batch} - {None}
+        room = self._host.batching.max_batch_size - sum(w.rows for w in batch)
+        rows = 0
+        for work in self._queue:
+            if (work.kind != first.kind or work.key != first.key or work.background or not _wants(work)
+                    or (work.group is not None and work.group in groups) or self._stalled(work)):
+                continue
+            if rows + work.rows > room:
+                break
+            rows += work.rows
+            if work.group is not None:
+                groups.add(work.group)
+        return rows
+
     def _requeue(self, works: list[Work]) -> None:
         """Puts running calls that go on back in the queue (a method of its own, so that no
         loop variable of _loop keeps the last one, and the failure its future may hold
@@ -413,6 +450,16 @@ class Scheduler:
                 _fail(work, Unavailable(f"model {self._host.name!r} is shutting down"))
             return
         self._queue.extend(works)
+
+
+def _own(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` for one of the calls that share its failure (without its
+    traceback), or ``exc`` itself when it cannot be copied."""
+    try:
+        mine = copy.copy(exc)
+    except Exception:
+        return exc
+    return mine.with_traceback(None) if isinstance(mine, BaseException) else exc
 
 
 def _log_finish(future: concurrent.futures.Future[Any]) -> None:
@@ -439,7 +486,10 @@ def _execute(engine: Engine, batch: list[Work]) -> list[Any]:
     live = [work for work in batch if not work.withdrawn]
     results: list[Any] = [asyncio.CancelledError()] * len(batch)
     if live:
-        outcomes = iter(engine.execute(Plan(live[0].kind, [work.payload for work in live])))
+        answers = list(engine.execute(Plan(live[0].kind, [work.payload for work in live])))
+        if len(answers) != len(live):  # (StopIteration below would never settle the loop's future)
+            raise RuntimeError(f"the engine answered {len(answers)} results for a plan of {len(live)} items")
+        outcomes = iter(answers)
         for i, work in enumerate(batch):
             if not work.withdrawn:
                 results[i] = next(outcomes)

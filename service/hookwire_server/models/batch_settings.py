@@ -45,8 +45,8 @@ class BatchSettings:
     enabled: bool = True
     #: Most rows (summed over the joined calls) in one pass.
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
-    #: How long the first call of a pass may wait for company when the model's last pass
-    #: held more rows than wait now (see scheduler.py); 0: only what is already queued.
+    #: How long the first call of a pass may wait for company when more callers were seen
+    #: lately than wait now (see engine/scheduler.py); 0: only what is already queued.
     max_batch_delay_ms: float = DEFAULT_MAX_BATCH_DELAY_MS
     #: The dimension along which calls' rows are stacked and sliced.
     batch_dim: int = 0
