@@ -654,8 +654,7 @@ class Generation:
                        "steps": streamed},
             )
             # Not kept with this frame, which a failure's traceback (held by gRPC for a while)
-            # keeps: the futures hold the failure's own traceback, whose frames hold the
-            # step's tensors and the KV cache (errors.release_failure).
+            # keeps: the mailbox's items hold the failure, and the call its decoding state.
             del work, call, items, last
 
 
