@@ -79,24 +79,11 @@ class Plan:
 
 class DecodingState(Protocol):
     """A Generate call's decoding state (GenerateCall.decoder: the engine makes it when it
-    starts the call; decoding.Decoder on the torch engine, vllm_engine.VllmCall on vLLM)."""
+    starts the call; decoding.Decoder on the torch engine, vllm_engine.VllmCall on vLLM).
+    Everything else in it is the engine's own: the call side reads only ``do_sample``."""
 
-    #: Whether the call samples.
+    #: Whether the call samples (GenerateStarted.do_sample).
     do_sample: bool
-    #: Each sequence's new tokens, up to the one that ended it.
-    tokens: list[list[int]]
-    #: Why each sequence ended ("" while it runs).
-    reasons: list[str]
-    #: Steps run so far.
-    step_index: int
-    #: The prompt ids, [sequences, length] (its rows count the call's rows in a pass).
-    input_ids: Any
-
-    def end(self, reason: str) -> None:
-        """Ends the sequences still running with ``reason``."""
-
-    def join_key(self) -> Any:
-        """Whether its next step may share a pass (equal keys join), or None: alone."""
 
 
 class Engine(Protocol):

@@ -280,10 +280,6 @@ class VllmCall(_Call):
     def step_of(self) -> int:
         return len(self.results)
 
-    def join_key(self) -> Any:
-        """Every vLLM step joins: vLLM packs whatever it schedules."""
-        return _JOINS
-
 
 class VllmEngine:
     """Runs one vLLM-served model's calls (see the module docstring)."""
