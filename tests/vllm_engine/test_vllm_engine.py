@@ -238,7 +238,8 @@ async def test_infer_is_a_prompt_pass_whose_captures_and_last_logits_equal_trans
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     async with hookwire.connect(vllm_server.target) as client:
         result = await client.model("llama").infer(
-            ids, attention_mask=mask, hooks=[HookSpec("model.layers.*", posthook=capture("output"))])
+            ids, attention_mask=mask, hooks=[HookSpec("model.layers.*", posthook=capture("output")),
+                                             HookSpec("model.norm", posthook=capture("output"))])
     logits = torch.as_tensor(result.output["logits"])
     assert list(logits.shape) == [2, 1, oracle.config.vocab_size]
     for i, r in enumerate(rows):
@@ -248,6 +249,9 @@ async def test_infer_is_a_prompt_pass_whose_captures_and_last_logits_equal_trans
         event = {e.module: torch.as_tensor(e.output) for e in result.events}["model.layers.0"]
         assert list(event.shape) == [2, width, 128] and bool((event[i, len(r):] == 0).all())
         torch.testing.assert_close(event[i, :len(r)], want.hidden_states[1][0], **TOL)
+        # The final norm shows the normed tensor (vLLM's fused norm returns it with the stream).
+        norm = {e.module: torch.as_tensor(e.output) for e in result.events}["model.norm"]
+        torch.testing.assert_close(norm[i, :len(r)], want.hidden_states[-1][0], **TOL)
 
 
 async def test_run_with_cache_on_vllm_equals_the_torch_engine(vllm_server) -> None:

@@ -18,7 +18,8 @@ layer returns ``(hidden, residual)`` and adds them in the next layer's fused nor
 hook sees their sum, and a rule's edit goes back as ``(stream, 0)``, which the next
 norm turns into the same stream; layers that return one tensor are shown as they are);
 the attention and MLP output projections' output is the tensor without vLLM's
-``(out, bias)`` tuple.
+``(out, bias)`` tuple; a norm given the residual (vLLM fuses the residual add into it)
+shows the normed tensor, not ``(normed, stream)``.
 
 What hookwire keeps vLLM from doing, for correctness:
 
@@ -47,7 +48,9 @@ calls need; its tokens and events wait in its mailbox.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -70,6 +73,7 @@ from .batching import Shape
 from .seam import FINISHED, GenerateCall, Running, StepResult
 from .packed import PackedBatch, PackedSegment
 from .pass_runner import model_errors, running
+from .vllm_link import WorkerLink, proxy_model, run_post, run_pre, taps_of
 from .seam import GENERATE, HARVEST, INFER, Plan
 
 log = logging.getLogger("hookwire.vllm")
@@ -105,7 +109,6 @@ def build_host(config: ModelConfig) -> ModelHost:
     naming the model when vLLM is not installed or refuses the settings."""
     settings = config.vllm_settings()
     folder = pathlib.Path(str(config.transformers))
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         from vllm import LLM
     except ImportError as exc:
@@ -115,17 +118,27 @@ def build_host(config: ModelConfig) -> ModelHost:
         ) from None
     tp = settings.get("tensor_parallel_size", 1)
     pp = settings.get("pipeline_parallel_size", 1)
-    if tp * pp > 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+    if pp > 1:
         raise ConfigError(
-            f"model {config.name!r}: tensor_parallel_size x pipeline_parallel_size = {tp * pp} needs vLLM's worker "
-            "processes, which this version of hookwire does not run yet (docs/vllm.md)"
+            f"model {config.name!r}: vllm.pipeline_parallel_size {pp}: hookwire does not run vLLM's pipeline "
+            "parallel yet (its stages run different steps at once); tensor parallel works (docs/scaling.md)"
         )
+    processes = bool(settings.get("worker_processes", False)) or tp > 1
+    # vLLM reads these when the engine is made: each model sets its own.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if processes else "0"
+    if processes:
+        # Forking a server that runs gRPC's and the models' threads is not safe: spawn.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        _bind_cpu_threads(tp)
+        # The worker loads the model: it keeps linear weights for GetParameters (vllm_worker).
+        os.environ["HOOKWIRE_VLLM_KEEP_WEIGHTS"] = "1" if config.parameters_readable else "0"
     dtype = settings.get("dtype", "auto")
     if dtype == "auto":
         dtype = folder_dtype(folder)
     max_len = settings.get("max_model_len", DEFAULT_MAX_MODEL_LEN)
     seqs = settings.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
     vllm_names.keep_cpu_linear_weights(config.parameters_readable)  # GetParameters reads them
+    extra: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION} if processes else {}
     try:
         llm = LLM(
             model=str(folder), tokenizer=str(folder), dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
@@ -135,13 +148,18 @@ def build_host(config: ModelConfig) -> ModelHost:
             enable_prefix_caching=False,  # cached prompts skip hooks and carry other requests' edits
             # Every prompt in one step: a chunked prompt would fire each hook once per chunk.
             max_num_batched_tokens=max_len * seqs,
-            seed=0,
+            seed=0, **extra,
         )
     except Exception as exc:  # vLLM's own validation and start-up failures
         why = " ".join(str(exc).split())  # one line: it becomes the model's FAILED reason
         raise ConfigError(f"model {config.name!r}: vLLM did not start: {type(exc).__name__}: {why}") from None
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    model = runner.model
+    link: WorkerLink | None = None
+    if processes:
+        link, model = _connect_workers(config.name, llm, folder)
+        runner = None
+    else:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        model = runner.model
     tokenizer, problem = load_tokenizer(config)
     host = ModelHost(config.name, model, description=config.description, training_allowed=False,
                      tokenizer=tokenizer, tokenizer_problem=problem,
@@ -154,8 +172,73 @@ def build_host(config: ModelConfig) -> ModelHost:
     except (OSError, ValueError):
         host._generation_defaults = {}  # type: ignore[attr-defined]
     host.engine, host.refused = NAME, REFUSED
-    host.loaded_engine = VllmEngine(host, llm, runner, max_len, seqs)
+    engine = VllmEngine(host, llm, runner, max_len, seqs, link=link)
+    host.loaded_engine = engine
+    if link is not None:
+        host.device = torch.device("cpu")  # rule operands: the server's hooks run on the host
+        host.parameter_source = functools.partial(_worker_parameter, llm)
+        host.closers.append(engine.close)
+        if tp > 1:
+            log.warning("model %r: tensor_parallel_size %d: hooks on modules whose output is one rank's shard see "
+                        "rank 0's shard, and rules may not edit them (docs/scaling.md)", config.name, tp)
     return host
+
+
+#: The class vLLM mixes into its workers when the model runs in worker processes.
+WORKER_EXTENSION = "hookwire_server.engine.vllm_worker.HookwireWorker"
+
+
+def _bind_cpu_threads(ranks: int) -> None:
+    """On vLLM's CPU build, binds each rank's threads to its share of this process's
+    cores (vLLM's own binding wants a NUMA node per rank and leaves one thread to a lone
+    worker), unless the operator set VLLM_CPU_OMP_THREADS_BIND."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or torch.cuda.is_available():
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // ranks)
+    parts = []
+    for rank in range(ranks):
+        mine = cores[rank * share:(rank + 1) * share] or [cores[rank % len(cores)]]
+        parts.append(f"{mine[0]}-{mine[-1]}" if len(mine) > 1 else str(mine[0]))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(parts)
+
+
+def _connect_workers(name: str, llm: Any, folder: pathlib.Path) -> tuple[WorkerLink, Any]:
+    """Links the workers to this server (vllm_link) and returns the link and the model's
+    stand-in module tree (with the folder's transformers config). ConfigError if they
+    cannot be linked."""
+    import transformers
+
+    link = WorkerLink(name)
+    try:
+        link.start(1)  # the first rank of the tensor-parallel group talks (pipeline parallel is refused)
+        linked = llm.collective_rpc("hookwire_connect", args=(link.address, link.authkey.hex()))
+        link.pids = [int(info["pid"]) for info in linked]
+        description = llm.collective_rpc("hookwire_describe")[0]
+        model = proxy_model(description)
+        model.config = transformers.AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:
+        link.close()
+        _shut_down(llm)
+        raise ConfigError(f"model {name!r}: hookwire could not link to vLLM's workers: {type(exc).__name__}: {exc}") from None
+    return link, model
+
+
+def _worker_parameter(llm: Any, name: str) -> torch.Tensor:
+    """Parameter ``name``'s value from the first worker (one rank's shard under tensor parallel)."""
+    data, shape, dtype = llm.collective_rpc("hookwire_parameter", args=(name,))[0]
+    kind = getattr(torch, str(dtype))
+    if not data:
+        return torch.empty([int(n) for n in shape], dtype=kind)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).reshape([int(n) for n in shape])
+
+
+def _shut_down(llm: Any) -> None:
+    """Stops vLLM's engine and worker processes (nothing to do in-process)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:
+        log.debug("vLLM shutdown: %r", exc)
 
 
 def _pair(output: Any) -> bool:
@@ -206,6 +289,8 @@ class _Call:
         self.blocks = sum(engine.blocks_for(len(prompt) + new_tokens) for prompt in prompts)
         self.admitted = False
         self.failure: BaseException | None = None
+        #: vLLM steps its sequences ran in (laid out by the engine).
+        self.laid_out = 0
 
     @property
     def finished(self) -> bool:
@@ -278,7 +363,9 @@ class VllmCall(_Call):
         return {i for i, r in enumerate(self.reasons) if not r}
 
     def step_of(self) -> int:
-        return len(self.results)
+        # The steps vLLM ran it in (in worker processes, a step may run before the server
+        # took the last one's tokens).
+        return self.laid_out
 
 
 class VllmEngine:
@@ -287,7 +374,8 @@ class VllmEngine:
     name = NAME
     refused = REFUSED
 
-    def __init__(self, host: ModelHost, llm: Any, runner: Any, max_model_len: int, max_num_seqs: int) -> None:
+    def __init__(self, host: ModelHost, llm: Any, runner: Any, max_model_len: int, max_num_seqs: int,
+                 *, link: WorkerLink | None = None) -> None:
         self._host = host
         self.llm = llm
         self._engine = llm.llm_engine
@@ -317,15 +405,34 @@ class VllmEngine:
         self._broken = ""
         vocab = getattr(getattr(host.module, "config", None), "vocab_size", None)
         self._vocab = vocab if isinstance(vocab, int) else None
+        #: Held by whoever touches the calls: the model's worker thread, except while it
+        #: waits in a vLLM step, and, in worker processes, the link's thread from a step's
+        #: layout to its end (it runs the step's hooks then).
+        self._lock = threading.Lock()
+        #: The link to vLLM's worker processes (vllm_link.py), or None: vLLM runs in this process.
+        self._link = link
+        #: In worker processes: the step the link is in (its batch and pass), the link
+        #: thread's id while it is, the requests to abort once the worker thread may
+        #: (vLLM's client is the worker thread's), and why a worker went away ("").
+        self._open: tuple[PackedBatch, contextlib.ExitStack] | None = None
+        self._link_thread: int | None = None
+        self._aborts: list[str] = []
+        self._lost = ""
         self._install_views()
-        host.module.register_forward_pre_hook(self._lay_out)
-        head = host.modules.get("logits_processor")
-        if head is not None:
-            head.register_forward_hook(self._keep_logits)
+        self._head = host.modules.get("logits_processor")
+        if link is None:
+            host.module.register_forward_pre_hook(self._lay_out)
+        else:
+            link.engine = self
 
     @property
     def host(self) -> ModelHost:
         return self._host
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The pids of vLLM's worker processes, by rank ([] in this process)."""
+        return list(self._link.pids) if self._link is not None else []
 
     def next_id(self) -> str:
         with self._ids_lock:
@@ -345,6 +452,10 @@ class VllmEngine:
             if kind.endswith("DecoderLayer"):  # layers that return a tensor are shown as they are
                 self._host.output_views[path] = OutputView(_show_stream, _put_stream)
             elif kind == "RowParallelLinear":  # (out, bias), or out alone with return_bias=False
+                self._host.output_views[path] = OutputView(_show_first, _put_first)
+            elif kind.endswith("RMSNorm"):
+                # A norm given the residual too adds it first and returns (normed, stream):
+                # transformers' norm returns the normed tensor (the stream goes on untouched).
                 self._host.output_views[path] = OutputView(_show_first, _put_first)
         # vLLM's lm_head never runs its own forward: the logits processor applies its weight
         # to the sampled positions. Hooks on lm_head go there, and see the vocabulary's
@@ -371,6 +482,11 @@ class VllmEngine:
         """Runs vLLM steps until every item of ``plan`` has what it waits for: a Generate
         step's tokens, an Infer call's or harvest batch's prompt pass. Never raises: one
         result or exception per item (a failure of vLLM itself fails every item)."""
+        with self._lock:
+            self._flush_aborts()
+            return self._execute(plan)
+
+    def _execute(self, plan: Plan) -> list[Any]:
         try:
             if plan.kind == GENERATE:
                 results = self._generate(plan.items)
@@ -508,13 +624,22 @@ class VllmEngine:
             self._waiting.remove(state)
         ids, state.added_ids = state.added_ids, []
         if ids and abort and not self._broken:
+            self._aborts.extend(ids)
+            if self._link_thread != threading.get_ident():
+                self._flush_aborts()
+        for rid in state.request_ids:
+            self._rows.pop(rid, None)
+        self._release(state)
+
+    def _flush_aborts(self) -> None:
+        """Takes the requests of dropped calls out of vLLM. The worker thread only: vLLM's
+        client is not safe across threads (the link thread queues its aborts here)."""
+        ids, self._aborts = self._aborts, []
+        if ids and not self._broken:
             try:
                 self._engine.abort_request(ids)  # vLLM ignores requests that already finished
             except Exception as exc:
                 log.debug("abort: %r", exc)
-        for rid in state.request_ids:
-            self._rows.pop(rid, None)
-        self._release(state)
 
     def _fail_call(self, state: _Call, exc: BaseException, *, abort: bool = True) -> None:
         if state.failure is None:
@@ -638,31 +763,61 @@ class VllmEngine:
     # ------------------------------------------------------------------ steps
 
     def _step(self) -> None:
-        """One vLLM step: hooks fire per call (the root pre-hook lays the pass out), then
-        each call whose every running sequence got its token completes a step."""
+        """One vLLM step: hooks fire per call (laid out by the root pre-hook, or by the
+        link for worker processes), then each call whose every running sequence got its
+        token completes a step."""
         if self._broken:
             raise FailedPrecondition(self._broken)
-        batch = PackedBatch([], dim=0, tokens=0, rerun=False)
-        self._batch = batch
-        self._logits = None
         try:
-            with running(self._host, batch), model_errors(self._host, "forward"):
-                outputs = self._engine.step()
+            outputs = self._run_step() if self._link is None else self._wait_step()
         except Exception as exc:
             # Hooks never raise out of a step (their failures are kept per call), so this is
             # vLLM's own failure: its requests are stuck in its scheduler. Every call on the
             # model fails now and later ones are refused, naming why.
+            why = self._lost or f"{type(exc).__name__}: {exc}"
             self._broken = (f"the vLLM engine of model {self._host.name!r} failed in a step and serves no more calls "
-                            f"(restart the server): {type(exc).__name__}: {exc}")
+                            f"(restart the server): {why}")
             log.error("%s", self._broken)
-            self._host.failed(f"its vLLM engine failed in a step (restart the server): {type(exc).__name__}: {exc}")
+            self._host.failed(f"its vLLM engine failed in a step (restart the server): {why}")
             for stuck in {id(r.call): r.call for r in self._rows.values()}.values():
                 self._fail_call(stuck, FailedPrecondition(self._broken), abort=False)
             for waiting in list(self._waiting):
                 self._fail_call(waiting, FailedPrecondition(self._broken), abort=False)
             raise FailedPrecondition(self._broken) from None
+        self._flush_aborts()
+        self._take_outputs(outputs)
+
+    def _run_step(self) -> list[Any]:
+        """A vLLM step in this process: its hooks fire on this thread."""
+        batch = PackedBatch([], dim=0, tokens=0, rerun=False)
+        self._batch = batch
+        self._logits = None
+        # The step's logits for prompt passes, as the hooks on lm_head left them: this hook
+        # goes last, after theirs.
+        keep = (self._head.register_forward_hook(self._keep_logits) if self._head is not None and any(
+            isinstance(r.call, PromptCall) for r in self._rows.values()) else None)
+        try:
+            with running(self._host, batch), model_errors(self._host, "forward"):
+                outputs = self._engine.step()
         finally:
             self._batch = None
+            if keep is not None:
+                keep.remove()
+        self._after_pass(batch)
+        return list(outputs)
+
+    def _wait_step(self) -> list[Any]:
+        """The next outputs of vLLM's engine process: the worker thread waits without the
+        lock, while the link runs the steps' hooks."""
+        self._lock.release()
+        try:
+            return list(self._engine.step())
+        finally:
+            self._lock.acquire()
+
+    def _after_pass(self, batch: PackedBatch) -> None:
+        """After a step's forward: the calls a hook failed for fail; prompt passes take
+        their logits."""
         for p, failure in batch.failures.values():  # a hook failed for these calls alone
             self._fail(p, failure)
         logits, order = self._logits, self._order
@@ -671,6 +826,9 @@ class VllmEngine:
             for i, entry in enumerate(order):
                 if entry is not None and isinstance(entry.call, PromptCall) and i < logits.shape[0]:
                     entry.call.logits[entry.index] = logits[i, : self._vocab]
+
+    def _take_outputs(self, outputs: list[Any]) -> None:
+        """A step's outputs: tokens, finished sequences and completed steps per call."""
         advanced: dict[int, VllmCall] = {}
         for output in outputs:
             row = self._rows.get(output.request_id)
@@ -725,23 +883,37 @@ class VllmEngine:
         if batch is None:
             return
         try:
-            self._lay_out_step(batch)
+            ib = self._runner.input_batch
+            n = ib.num_reqs
+            self._lay_out_safely(batch, list(ib.req_ids[:n]), self._runner.query_start_loc.cpu[: n + 1].tolist())
+        except Exception as exc:
+            log.exception("reading a vLLM step's scheduler state failed")
+            self._fail_step(batch, InvalidArgument(f"hookwire could not lay out a vLLM step: {exc}"))
+
+    def _fail_step(self, batch: PackedBatch, exc: BaseException) -> None:
+        """Every hookwire call of the step fails with ``exc``; no more hooks fire in it."""
+        for row in self._rows.values():
+            if row.call.p is not None:
+                batch.fail_call(row.call.p, exc)
+        batch.segments, batch.shared = [], False
+
+    def _lay_out_safely(self, batch: PackedBatch, req_ids: list[str], starts: list[int]) -> None:
+        """``_lay_out_step``, failing the step's calls if it fails (never raises)."""
+        try:
+            self._lay_out_step(batch, req_ids, starts)
         except Exception as exc:
             log.exception("laying out a vLLM step failed")
-            for row in self._rows.values():
-                if row.call.p is not None:
-                    batch.fail_call(row.call.p, InvalidArgument(f"hookwire could not lay out a vLLM step: {exc}"))
-            batch.segments, batch.shared = [], False
+            self._fail_step(batch, InvalidArgument(f"hookwire could not lay out a vLLM step: {exc}"))
 
-    def _lay_out_step(self, batch: PackedBatch) -> None:
-        ib = self._runner.input_batch
-        n = ib.num_reqs
-        starts = self._runner.query_start_loc.cpu[: n + 1].tolist()
+    def _lay_out_step(self, batch: PackedBatch, req_ids: list[str], starts: list[int]) -> None:
+        """The step's packed segments from its requests in vLLM's order and their query
+        start offsets (``starts``: one more than the requests)."""
+        n = len(req_ids)
         spans: dict[int, dict[int, tuple[int, int]]] = {}
         seq_rows: dict[int, dict[int, int]] = {}
         calls: dict[int, _Call] = {}
         order: list[_Row | None] = []
-        for i, rid in enumerate(ib.req_ids[:n]):
+        for i, rid in enumerate(req_ids):
             # vLLM's runner knows a request by the id it was added with plus "-" and a
             # suffix of its own (hookwire's ids have no "-").
             row = self._rows.get(rid.partition("-")[0])
@@ -759,6 +931,7 @@ class VllmEngine:
             step = state.step_of()
             assert state.p is not None
             wrong = self._out_of_step(state, mine, step)
+            state.laid_out += 1
             if wrong:
                 # Never raised here: an exception out of a vLLM step leaves its requests stuck.
                 batch.fail_call(state.p, ResourceExhausted(f"vLLM ran the call out of step ({wrong}); "
@@ -778,7 +951,9 @@ class VllmEngine:
         """Why vLLM's step does not run ``state``'s sequences in step ("" when it does):
         all its running sequences, each over its whole prompt at step 0 and one token
         after. (Admission keeps this from happening; a preempted or split call fails.)"""
-        if set(mine) != state.running_rows():
+        # Later steps may lack a sequence that just finished: in worker processes a step
+        # may run before the server took the last one's outputs.
+        if set(mine) != state.running_rows() if step == 0 else not set(mine) <= state.running_rows():
             return f"{len(mine)} of its {len(state.running_rows())} running sequences in one step"
         for r, (a, b) in mine.items():
             want = len(state.prompts[r]) if step == 0 else 1
@@ -790,6 +965,78 @@ class VllmEngine:
         """The step's logits (one row per request, at its last position), for prompt passes."""
         if self._batch is not None and any(r is not None and isinstance(r.call, PromptCall) for r in self._order):
             self._logits = output.detach().to("cpu", copy=True)
+
+    # ------------------------------------------------------------------ worker processes (vllm_link)
+
+    def link_step(self, ids: list[str], starts: list[int]) -> dict[str, Any]:
+        """A worker's step begins: lays it out and says what to tap. Link thread; holds
+        the lock until ``link_end``."""
+        self._lock.acquire()
+        self._link_thread = threading.get_ident()
+        batch = PackedBatch([], dim=0, tokens=0, rerun=False)
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(running(self._host, batch))
+            self._open = (batch, stack)
+            self._logits = None
+            self._lay_out_safely(batch, ids, starts)
+            prompts = any(r is not None and isinstance(r.call, PromptCall) for r in self._order)
+            return {"taps": taps_of(self._host.modules) if batch.segments else [], "logits": prompts}
+        except BaseException:
+            self.link_end()  # the lock goes back: the link then reports the failure (lost)
+            raise
+
+    def link_tap(self, path: str, phase: str, parts: dict[str, Any]) -> dict[str, Any] | None:
+        """What a tapped module saw: its hooks fire here, per call; returns the parts they
+        changed (None: none). Link thread, inside a step."""
+        module = self._host.modules.get(path)
+        if module is None or self._open is None:
+            return None
+        batch = self._open[0]
+        try:
+            with model_errors(self._host, "forward"):
+                return run_pre(module, parts) if phase == "pre" else run_post(module, parts)
+        except Exception as exc:  # not one call's hook (those are kept per call): the step's calls fail
+            self._fail_step(batch, exc)
+            return None
+
+    def link_logits(self, logits: torch.Tensor) -> None:
+        """The step's logits (one row per request), for prompt passes. Link thread."""
+        self._logits = logits
+
+    def link_end(self) -> None:
+        """The worker's step ends: its captures go out, failed calls fail, prompt passes
+        take their logits; the lock goes back. Link thread."""
+        opened, self._open = self._open, None
+        if opened is None:
+            return
+        batch, stack = opened
+        try:
+            stack.close()
+        except Exception as exc:
+            log.exception("finishing a vLLM step failed")
+            self._fail_step(batch, exc)
+        finally:
+            try:
+                self._after_pass(batch)
+            finally:
+                self._link_thread = None
+                self._lock.release()
+
+    def lost(self, why: str) -> None:
+        """A worker process went away: the model is FAILED with ``why``; its calls fail in
+        the step vLLM's client then fails. Link thread."""
+        self._lost = why
+        log.error("model %r: %s", self._host.name, why)
+        if self._open is not None and self._link_thread == threading.get_ident():
+            self.link_end()
+        self._host.failed(f"{why} (restart the server)")
+
+    def close(self) -> None:
+        """Stops vLLM's engine and worker processes (the server shuts down)."""
+        if self._link is not None:
+            self._link.close()
+        _shut_down(self.llm)
 
     # ------------------------------------------------------------------ calls
 

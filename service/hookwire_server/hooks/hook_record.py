@@ -156,7 +156,15 @@ class HookRecord:
             handle.remove()
 
     def _make_hook(self, action: Action, path: str) -> Callable[..., Any]:
-        """The torch hook: its signature and return value are torch's for the phase."""
+        """The torch hook: its signature and return value are torch's for the phase. It
+        says what it reads and whether it may edit (``hookwire_roots``, ``hookwire_edits``):
+        an engine that taps the module elsewhere (vLLM's worker processes) sends only that."""
+        hook = self._make_torch_hook(action, path)
+        setattr(hook, "hookwire_roots", tuple(action.roots))
+        setattr(hook, "hookwire_edits", bool(action.rules))
+        return hook
+
+    def _make_torch_hook(self, action: Action, path: str) -> Callable[..., Any]:
         fire = self._fire
         phase = action.phase
         if phase == hook_pb2.PHASE_FORWARD_PRE:

@@ -42,10 +42,11 @@ ENGINES = ("torch", "vllm")
 #: The [models.vllm] settings and their types (docs/vllm.md): the dtype the weights are
 #: served in ("auto": the folder's own, not vLLM's "auto", which turns float32 into
 #: bfloat16 on CPUs), the longest sequence, concurrent sequences, the KV cache's bytes,
-#: and tensor and pipeline parallel sizes.
+#: tensor and pipeline parallel sizes, and whether the model runs in vLLM's engine and
+#: worker processes (``worker_processes``; tensor parallel always does).
 VLLM_SETTINGS: dict[str, type] = {
     "dtype": str, "max_model_len": int, "max_num_seqs": int, "kv_cache_bytes": int,
-    "tensor_parallel_size": int, "pipeline_parallel_size": int,
+    "tensor_parallel_size": int, "pipeline_parallel_size": int, "worker_processes": bool,
 }
 VLLM_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -162,6 +163,9 @@ class ModelConfig:
             if kind is str:
                 if value not in VLLM_DTYPES:
                     raise ConfigError(f"model {name!r}: vllm.{key} must be one of {', '.join(VLLM_DTYPES)}, not {value!r}")
+            elif kind is bool:
+                if not isinstance(value, bool):
+                    raise ConfigError(f"model {name!r}: vllm.{key} must be true or false, not {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"model {name!r}: vllm.{key} must be a positive integer, not {value!r}")
             out[key] = value

@@ -232,6 +232,11 @@ class ModelHost:
         #: The engine that loaded the model, when one did (engine/vllm_engine.py); None:
         #: the engine layer makes the torch engine on first use.
         self.loaded_engine: Any = None
+        #: Where a parameter on the meta device gets its value when the model's weights
+        #: live in other processes (vLLM's workers): name -> tensor; None: none do.
+        self.parameter_source: Callable[[str], torch.Tensor] | None = None
+        #: Called once at shutdown (an engine's processes stop).
+        self.closers: list[Callable[[], None]] = []
         self._executor = DaemonWorker(f"model:{name}")
         #: Hook firings on this model that passed scope and gating (the hook_fires metric):
         #: a plain counter only the worker thread adds to, as a metric increment per firing
@@ -372,6 +377,8 @@ class ModelHost:
         param = self.parameters[name]
         if param.device.type != "meta":
             return param.detach()
+        if self.parameter_source is not None:
+            return self.parameter_source(name)
         module_path, _, local = name.rpartition(".")
         hook = getattr(self.modules.get(module_path), "_hf_hook", None)
         weights = getattr(hook, "weights_map", None)
@@ -438,6 +445,12 @@ class ModelHost:
         """Stops the worker thread after the running pass; queued work is cancelled.
         Does not wait: the thread is a daemon and does not keep the process alive."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        closers, self.closers = self.closers, []
+        for close in closers:
+            try:
+                close()
+            except Exception:
+                log.exception("closing model %r failed", self.name)
         if self._tokenizer_worker is not None:
             self._tokenizer_worker.shutdown(wait=False, cancel_futures=True)
 

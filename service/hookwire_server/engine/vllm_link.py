@@ -1,0 +1,242 @@
+"""The server's side of the link to vLLM's worker processes (vllm_worker.py has the
+worker's side and the protocol): the model as the server sees it when its modules live
+in workers, and the thread that runs the server's hooks on what the workers tap.
+
+The server holds a stand-in module per vLLM module (``ProxyModule``: the same path and
+class name, parameters on the meta device with vLLM's shapes and dtypes), so hooks,
+rules, module patterns, output views, the module tree and GetParameters' names work
+unchanged. Hooks register on the stand-ins as on any module; per step the workers tap
+the module phases that have hooks (``taps_of``), and the link runs those hooks on what
+the workers saw (``run_pre``/``run_post``, in torch's order and with torch's return
+conventions), sending back what a rule changed.
+
+One thread per worker connection reads its messages in order and calls the engine
+(``LinkEngine``): a step's layout, its taps, its logits, its end. A connection that
+closes (the worker died) is reported once (``lost``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import tempfile
+import threading
+from multiprocessing.connection import Connection, Listener
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from hookwire.v1 import tensor_pb2
+from hookwire.wire import codec
+
+from .vllm_worker import plain
+
+log = logging.getLogger("hookwire.vllm")
+
+
+class ProxyModule(nn.Module):
+    """Stands for one of vLLM's modules in a worker process (never runs)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - never called
+        raise RuntimeError("a vLLM module in a worker process runs there, not in the server")
+
+
+_classes: dict[str, type[ProxyModule]] = {}
+
+
+def _proxy_class(name: str) -> type[ProxyModule]:
+    """A ProxyModule subclass named as vLLM's class (the module tree lists it; output
+    views are chosen by it)."""
+    cls = _classes.get(name)
+    if cls is None:
+        cls = _classes[name] = type(name, (ProxyModule,), {"__module__": __name__})
+    return cls
+
+
+def proxy_model(description: dict[str, Any]) -> nn.Module:
+    """The stand-in module tree of a worker's ``hookwire_describe`` answer."""
+    modules: dict[str, nn.Module] = {}
+    for path, kind in description["modules"]:
+        module = _proxy_class(str(kind))()
+        modules[path] = module
+        if path:
+            parent, _, name = path.rpartition(".")
+            modules[parent].add_module(name, module)
+    for name, shape, dtype in description["parameters"]:
+        owner, _, local = name.rpartition(".")
+        module = modules.get(owner)
+        if module is None or local in module._parameters:
+            continue  # a tied name: the module already holds it under its first name
+        value = torch.empty([int(n) for n in shape], dtype=getattr(torch, str(dtype)), device="meta")
+        module.register_parameter(local, nn.Parameter(value, requires_grad=False))
+    root = modules[""]
+    setattr(root, "packed_modules_mapping", {k: list(v) for k, v in description.get("packed", {}).items()})
+    return root
+
+
+def _reads(hooks: Any) -> tuple[list[str], bool]:
+    """What a module phase's hooks read (roots) and whether any may edit."""
+    roots: set[str] = set()
+    edits = False
+    for hook in hooks.values():
+        roots.update(getattr(hook, "hookwire_roots", ("args", "kwargs", "output")))
+        edits = edits or getattr(hook, "hookwire_edits", True)
+    return sorted(roots), edits
+
+
+def taps_of(modules: dict[str, nn.Module]) -> list[list[Any]]:
+    """The module phases the workers tap for a step: those with hooks, as
+    [path, "pre"/"post", roots, edits] (lm_head's hooks are on the logits processor:
+    ModelHost.hook_targets)."""
+    taps: list[list[Any]] = []
+    for path, module in modules.items():
+        if module._forward_pre_hooks:
+            roots, edits = _reads(module._forward_pre_hooks)
+            taps.append([path, "pre", roots, edits])
+        if module._forward_hooks:
+            roots, edits = _reads(module._forward_hooks)
+            taps.append([path, "post", roots, edits])
+    return taps
+
+
+def run_pre(module: nn.Module, parts: dict[str, Any]) -> dict[str, Any] | None:
+    """``module``'s forward pre-hooks on ``parts`` (args, kwargs) as torch runs them;
+    the parts they left, or None when none changed anything."""
+    args = parts.get("args", ())
+    kwargs = parts.get("kwargs", {})
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    changed = False
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+                changed = True
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+                changed = True
+    return {"args": args, "kwargs": kwargs} if changed else None
+
+
+def run_post(module: nn.Module, parts: dict[str, Any]) -> dict[str, Any] | None:
+    """``module``'s forward hooks on ``parts`` (args, kwargs, output) as torch runs them;
+    the parts with the output they left, or None when none changed it."""
+    args = parts.get("args", ())
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    kwargs = parts.get("kwargs", {})
+    output = parts["output"]
+    changed = False
+    for hook_id, hook in list(module._forward_hooks.items()):
+        if hook_id in module._forward_hooks_with_kwargs:
+            result = hook(module, args, kwargs, output)
+        else:
+            result = hook(module, args, output)
+        if result is not None:
+            output = result
+            changed = True
+    return {"output": output} if changed else None
+
+
+class LinkEngine(Protocol):
+    """What the link calls in the engine (vllm_engine.VllmEngine), on a connection's thread."""
+
+    def link_step(self, ids: list[str], starts: list[int]) -> dict[str, Any]: ...
+    def link_tap(self, path: str, phase: str, parts: dict[str, Any]) -> dict[str, Any] | None: ...
+    def link_logits(self, logits: torch.Tensor) -> None: ...
+    def link_end(self) -> None: ...
+    def lost(self, why: str) -> None: ...
+
+
+class WorkerLink:
+    """Listens for the workers' connections and serves each on a thread of its own."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._folder = tempfile.TemporaryDirectory(prefix="hookwire-vllm-")
+        self.address = os.path.join(self._folder.name, "link")
+        self.authkey = secrets.token_bytes(32)
+        self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        #: What the workers' messages go to (set before their first step).
+        self.engine: LinkEngine | None = None
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        #: The worker processes' pids, by rank (set once they are linked).
+        self.pids: list[int] = []
+
+    def start(self, connections: int) -> None:
+        """Accepts ``connections`` workers' connections, each served on a thread of its
+        own (started now: the caller then makes the workers connect). Set ``engine``
+        before the workers run a step."""
+        for i in range(connections):
+            thread = threading.Thread(target=self._accept, name=f"vllm-link:{self.name}:{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _accept(self) -> None:
+        try:
+            conn = self._listener.accept()
+        except Exception as exc:  # closed before a worker connected
+            if not self._closed:
+                log.error("model %r: a vLLM worker could not connect: %r", self.name, exc)
+            return
+        with conn:
+            self._serve(conn)
+
+    def _serve(self, conn: Connection) -> None:
+        engine: LinkEngine | None = None
+        try:
+            while True:
+                header = json.loads(conn.recv_bytes())
+                engine = self.engine  # set before the workers' first step
+                if engine is None:
+                    raise ValueError("a worker ran a step before the model was ready")
+                kind = header.get("t")
+                if kind == "step":
+                    conn.send_bytes(json.dumps(engine.link_step(list(header["ids"]), list(header["starts"]))).encode())
+                elif kind == "tap":
+                    parts = _receive_value(conn)
+                    new = engine.link_tap(str(header["path"]), str(header["phase"]), parts)
+                    if header.get("edits"):
+                        _answer(conn, new)
+                elif kind == "logits":
+                    engine.link_logits(_receive_value(conn))
+                elif kind == "end":
+                    engine.link_end()
+                    conn.send_bytes(b"{}")
+                else:
+                    raise ValueError(f"unknown message {kind!r}")
+        except (EOFError, OSError) as exc:
+            engine = self.engine
+            if not self._closed and engine is not None:
+                engine.lost(f"a vLLM worker process of model {self.name!r} went away ({type(exc).__name__})")
+        except Exception as exc:  # a protocol error: the model cannot go on
+            log.exception("model %r: the link to a vLLM worker failed", self.name)
+            engine = self.engine
+            if engine is not None:
+                engine.lost(f"the link to a vLLM worker of model {self.name!r} failed: {type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.close()
+        finally:
+            self._folder.cleanup()
+
+
+def _receive_value(conn: Connection) -> Any:
+    msg = tensor_pb2.Value()
+    msg.ParseFromString(conn.recv_bytes())
+    return codec.decode_value(msg, where="tap")
+
+
+def _answer(conn: Connection, new: dict[str, Any] | None) -> None:
+    if new is None:
+        conn.send_bytes(b'{"value": false}')
+        return
+    conn.send_bytes(b'{"value": true}')
+    conn.send_bytes(codec.encode_value(plain(new)).SerializeToString())

@@ -1,0 +1,288 @@
+"""hookwire's part of a vLLM worker process (vLLM's ``worker_extension_cls``): when vLLM
+runs the model in worker processes (``worker_processes = true``, or tensor parallel),
+the model's modules are there, not in the server, and this class, mixed into vLLM's
+worker, is what hookwire has there. It runs no hook of a client: it taps the modules the
+server says, sends what they see to the server and puts back what the server's hooks
+changed. The hooks, rules, slots and events stay in the server (vllm_link.py), so every
+hook feature works the same as in the server's own process.
+
+The link is a socket of ``multiprocessing.connection`` (a Unix socket, authenticated
+with a key the server made), carrying only bytes: a JSON header, and the values as
+hookwire's wire ``Value`` protobuf (tensors as raw bytes). Nothing is pickled either
+way. Per vLLM step (one forward of the model and its logits):
+
+- ``step`` (worker -> server): the step's requests in vLLM's order and their query start
+  offsets; the server lays the step out per call and answers which module phases to tap
+  (``taps``: path, "pre"/"post", the parts its hooks read, whether they may edit) and
+  whether it wants the step's logits;
+- ``tap``: what a tapped module saw (the parts asked for); for a tap that may edit, the
+  server answers with the parts its hooks changed (or none) before the module goes on;
+  other taps are not answered (their captures need no answer);
+- ``logits``: the step's logits (one row per request), when asked for;
+- ``end`` (after the logits): the server finishes the step (its events, failed calls) and
+  answers, so a step's outputs never reach the server before its captures.
+
+Under tensor parallel only the first rank of the tensor-parallel group talks to the
+server; it broadcasts the step's taps and each edit to the other ranks (torch.distributed
+on vLLM's groups), which apply the same edits. A module whose output is one rank's shard
+is tapped on the first rank only (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from multiprocessing.connection import Client
+from typing import Any
+
+import torch
+
+if os.environ.get("HOOKWIRE_VLLM_KEEP_WEIGHTS") == "1":
+    # Before the worker loads the model (vLLM imports this class first): GetParameters
+    # reads the linear layers' weights, which vLLM's CPU build would otherwise drop.
+    from .vllm_names import keep_cpu_linear_weights
+
+    keep_cpu_linear_weights(True)
+
+#: Module classes whose forward output (or, for the row-parallel layers, input) is one
+#: rank's shard under tensor parallel (docs/scaling.md): their taps never edit there.
+SHARDED_OUTPUT = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear", "Attention",
+                  "SiluAndMul", "MLPAttention")
+SHARDED_INPUT = ("RowParallelLinear",)
+
+
+def plain(value: Any) -> Any:
+    """``value`` with what hookwire's wire form cannot carry (vLLM's attention metadata,
+    a layer object) as None: the server's hooks see it as null."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(plain(v) for v in value) if type(value) in (tuple, list) else tuple(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return None
+
+
+def merge(original: Any, new: Any) -> Any:
+    """``new`` (what the server's hooks left) with ``original``'s leaves where the wire
+    could not carry them, and each tensor back on its original's device and dtype."""
+    if isinstance(original, torch.Tensor):
+        if not isinstance(new, torch.Tensor):
+            return original
+        return new.to(device=original.device, dtype=original.dtype)
+    if isinstance(original, (tuple, list)) and isinstance(new, (tuple, list)) and len(original) == len(new):
+        items = [merge(o, n) for o, n in zip(original, new)]
+        return type(original)(items) if type(original) in (tuple, list) else type(original)(*items)
+    if isinstance(original, dict) and isinstance(new, dict):
+        return {k: merge(v, new.get(str(k), v)) for k, v in original.items()}
+    if new is None:
+        return original
+    return new
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_of(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_of(v)]
+    return []
+
+
+def with_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with its tensors replaced, in order, by ``tensors`` (consumed)."""
+    if isinstance(value, torch.Tensor):
+        return tensors.pop(0)
+    if isinstance(value, (tuple, list)):
+        items = [with_tensors(v, tensors) for v in value]
+        return type(value)(items) if type(value) in (tuple, list) else type(value)(*items)
+    if isinstance(value, dict):
+        return {k: with_tensors(v, tensors) for k, v in value.items()}
+    return value
+
+
+class HookwireWorker:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); its methods are called
+    by the server through ``collective_rpc`` (their arguments and results are plain
+    data: vLLM's msgpack). ``self`` is vLLM's worker (``model_runner``, ``rank``)."""
+
+    def hookwire_connect(self, address: str, authkey: str) -> dict[str, Any]:
+        """Connects the first rank of the tensor-parallel group to the server's link at
+        ``address`` and installs the step taps on every rank. Returns this process's pid
+        and ranks (the server watches the pids)."""
+        tap = _Taps(self.model_runner, address, bytes.fromhex(authkey))  # type: ignore[attr-defined]
+        self._hookwire = tap  # type: ignore[attr-defined]
+        return {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)), "leader": tap.leader}
+
+    def hookwire_describe(self) -> dict[str, Any]:
+        """The model's module tree (path, class name), parameters (name, shape, dtype)
+        and vLLM's fused-module mapping, as this rank holds them."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        modules = [[path, type(m).__name__] for path, m in model.named_modules()]
+        params = [[name, list(p.shape), str(p.dtype).removeprefix("torch.")]
+                  for name, p in model.named_parameters(remove_duplicate=False)]
+        packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
+        return {"modules": modules, "parameters": params, "packed": packed}
+
+    def hookwire_parameter(self, name: str) -> list[Any]:
+        """Parameter ``name``'s value on this rank: [bytes, shape, dtype]."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        param = dict(model.named_parameters(remove_duplicate=False))[name].detach().to("cpu").contiguous()
+        return [param.view(torch.uint8).numpy().tobytes() if param.numel() else b"", list(param.shape),
+                str(param.dtype).removeprefix("torch.")]
+
+
+class _Taps:
+    """The taps of one worker (see the module docstring)."""
+
+    def __init__(self, runner: Any, address: str, authkey: bytes) -> None:
+        from vllm.distributed import parallel_state
+
+        self.runner = runner
+        self.group = parallel_state.get_tp_group()
+        self.parallel = self.group.world_size > 1
+        self.leader = self.group.rank_in_group == 0
+        self.conn = Client(address, authkey=authkey) if self.leader else None
+        model = runner.model
+        self.modules = dict(model.named_modules())
+        self.head = self.modules.get("logits_processor")
+        #: (path, phase) -> [roots, edits, handle]
+        self.taps: dict[tuple[str, str], list[Any]] = {}
+        self.logits = False
+        self._end_handle: Any = None
+        model.register_forward_pre_hook(self._begin)
+
+    # -------------------------------------------------------------- the link
+
+    def _send(self, header: dict[str, Any], value: Any = None, *, has_value: bool = False) -> None:
+        from hookwire.wire import codec
+
+        assert self.conn is not None
+        self.conn.send_bytes(json.dumps(header).encode())
+        if has_value:
+            msg = codec.encode_value(plain(value))
+            self.conn.send_bytes(msg.SerializeToString())
+
+    def _receive(self) -> tuple[dict[str, Any], Any]:
+        from hookwire.v1 import tensor_pb2
+        from hookwire.wire import codec
+
+        assert self.conn is not None
+        header = json.loads(self.conn.recv_bytes())
+        value = None
+        if header.get("value"):
+            msg = tensor_pb2.Value()
+            msg.ParseFromString(self.conn.recv_bytes())
+            value = codec.decode_value(msg, where="edit")
+        return header, value
+
+    def _broadcast_bytes(self, data: bytes | None) -> bytes:
+        """The first rank's ``data``, on every rank of the group."""
+        import torch.distributed as dist
+
+        group = self.group.cpu_group
+        src = self.group.ranks[0]
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=src, group=group)
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+        if int(size):
+            dist.broadcast(buffer, src=src, group=group)
+        return bytes(buffer.numpy().tobytes())
+
+    def _broadcast_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """The first rank's ``tensors`` into the other ranks' (same shapes), in place."""
+        import torch.distributed as dist
+
+        for t in tensors:
+            if t.is_cuda:
+                self.group.broadcast(t, src=0)
+            else:
+                dist.broadcast(t, src=self.group.ranks[0], group=self.group.cpu_group)
+
+    # -------------------------------------------------------------- per step
+
+    def _begin(self, module: Any, args: Any) -> None:
+        """Root pre-hook: tells the server the step's requests, installs its taps."""
+        config = b""
+        if self.leader:
+            batch = self.runner.input_batch
+            n = batch.num_reqs
+            starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
+            self._send({"t": "step", "ids": list(batch.req_ids[:n]), "starts": starts})
+            header, _ = self._receive()
+            config = json.dumps(header).encode()
+        if self.parallel:
+            config = self._broadcast_bytes(config if self.leader else None)
+        header = json.loads(config)
+        self._sync(header.get("taps", []))
+        self.logits = bool(header.get("logits"))
+        # The end of the step goes last among the logits processor's hooks (after a tap there).
+        if self._end_handle is not None:
+            self._end_handle.remove()
+        self._end_handle = self.head.register_forward_hook(self._end) if self.head is not None else None
+
+    def _sync(self, taps: list[list[Any]]) -> None:
+        wanted = {(path, phase): (roots, bool(edits)) for path, phase, roots, edits in taps
+                  if path in self.modules}
+        for key in [k for k in self.taps if k not in wanted or self.taps[k][:2] != list(wanted[k])]:
+            self.taps.pop(key)[2].remove()
+        for (path, phase), (roots, edits) in wanted.items():
+            if (path, phase) in self.taps or (not edits and not self.leader):
+                continue  # a tap that only captures runs on the first rank alone
+            module = self.modules[path]
+            if phase == "pre":
+                handle = module.register_forward_pre_hook(self._pre(path, roots, edits), with_kwargs=True)
+            else:
+                handle = module.register_forward_hook(self._post(path, roots, edits), with_kwargs=True)
+            self.taps[(path, phase)] = [roots, edits, handle]
+
+    def _tap(self, path: str, phase: str, parts: dict[str, Any], edits: bool) -> dict[str, Any] | None:
+        """Sends ``parts`` to the server; for a tap that may edit, the parts as its hooks
+        left them (every rank: the first rank broadcasts them), or None when unchanged."""
+        new = None
+        if self.leader:
+            self._send({"t": "tap", "path": path, "phase": phase, "edits": edits}, parts, has_value=True)
+            if edits:
+                header, value = self._receive()
+                if header.get("value"):
+                    new = {k: merge(parts[k], value.get(k)) for k in parts}
+        if not (edits and self.parallel):
+            return new
+        changed = self._broadcast_bytes(b"1" if new is not None else b"0" if self.leader else None) == b"1"
+        if not changed:
+            return None
+        if not self.leader:
+            new = {k: with_tensors(v, [t.clone() for t in tensors_of(v)]) for k, v in parts.items()}
+        assert new is not None
+        self._broadcast_tensors([t for k in sorted(new) for t in tensors_of(new[k])])
+        return new
+
+    def _pre(self, path: str, roots: list[str], edits: bool) -> Any:
+        def pre(module: Any, args: Any, kwargs: Any) -> Any:
+            parts = {k: v for k, v in (("args", args), ("kwargs", kwargs)) if k in roots or edits}
+            new = self._tap(path, "pre", parts, edits)
+            if new is None:
+                return None
+            return new.get("args", args), new.get("kwargs", kwargs)
+        return pre
+
+    def _post(self, path: str, roots: list[str], edits: bool) -> Any:
+        def post(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+            parts = {k: v for k, v in (("args", args), ("kwargs", kwargs), ("output", output)) if k in roots}
+            parts["output"] = output
+            new = self._tap(path, "post", parts, edits)
+            return None if new is None else new["output"]
+        return post
+
+    def _end(self, module: Any, args: Any, output: Any) -> None:
+        """After the step's logits: the server finishes the step."""
+        if not self.leader:
+            return
+        if self.logits:
+            self._send({"t": "logits"}, output, has_value=True)
+        self._send({"t": "end"})
+        self._receive()
