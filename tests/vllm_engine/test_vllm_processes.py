@@ -89,6 +89,41 @@ async def test_captures_rules_and_concurrent_callers_across_worker_processes(tp_
                 torch.testing.assert_close(events[(layer, step)][row], seen[layer][step][0], **TOL)
 
 
+async def test_a_call_whose_prompts_vllm_took_in_two_steps_runs_again_together(tp_server, oracle, caplog) -> None:
+    """vLLM's engine process takes requests one message at a time and steps on its own:
+    made to start a step between a call's two requests (the first request's add is held
+    back), the call's first step is not run by halves: its requests are added again and
+    its captures and tokens equal transformers' as if nothing happened."""
+    tokenizer = oracle_tokenizer()
+    engine = tp_server.host.loaded_engine
+    client_add = engine._engine.add_request
+    added = {"n": 0}
+
+    def slow_second(*args: Any, **kwargs: Any) -> Any:
+        added["n"] += 1
+        if added["n"] == 2:  # the engine process runs the first request alone meanwhile
+            import time
+            time.sleep(0.5)
+        return client_add(*args, **kwargs)
+
+    engine._engine.add_request = slow_second
+    try:
+        caplog.set_level("INFO", logger="hookwire.vllm")
+        async with hookwire.connect(tp_server.target) as client:
+            result = await client.model("llama-tp").generate(
+                PROMPTS[:2], 3, hooks=[HookSpec("model.layers.1", posthook=capture("output"))])
+    finally:
+        engine._engine.add_request = client_add
+    assert "they run again together" in caplog.text
+    ids = [_ids(tokenizer, p) for p in PROMPTS[:2]]
+    step0 = torch.as_tensor(next(e.output for e in result.events if e.step == 0))
+    assert [e.step for e in result.events] == [0, 1, 2]
+    for row, prompt_ids in enumerate(ids):
+        tokens, seen = _greedy(oracle, prompt_ids, 3)
+        assert list(result.token_ids[row]) == tokens
+        torch.testing.assert_close(step0[row, step0.shape[1] - len(prompt_ids):], seen["model.layers.1"][0][0], **TOL)
+
+
 async def test_infer_and_parameters_from_worker_processes(tp_server, oracle) -> None:
     """Infer (a prompt pass) captures the final norm over every position and returns the
     last position's logits, as transformers computes them; GetParameters reads a weight
@@ -108,6 +143,15 @@ async def test_infer_and_parameters_from_worker_processes(tp_server, oracle) -> 
         assert torch.equal(torch.as_tensor(got["model.norm.weight"]), oracle.model.norm.weight.detach())
         with pytest.raises(hookwire.NotFoundError, match="tensor_parallel_size 2"):
             await model.parameters("model.layers.0.self_attn.q_proj.weight")
+        # A module whose output is one rank's shard: captured on the first rank (its q
+        # head, 64 rows, and the one k and v head every rank holds: 192 of qkv's 256),
+        # never edited (the other rank's shard differs).
+        sharded = await model.infer(torch.tensor([ids]), hooks=[
+            HookSpec("model.layers.0.self_attn.qkv_proj", posthook=capture("output"))])
+        assert list(torch.as_tensor(sharded.events[0].output).shape) == [1, len(ids), 192]
+        with pytest.raises(hookwire.FailedPreconditionError, match="qkv_proj.* tensor_parallel_size 2 each rank"):
+            await model.infer(torch.tensor([ids]), hooks=[
+                HookSpec("model.layers.0.self_attn.qkv_proj", posthook=[rules.scale("output", 2.0)])])
 
 
 async def test_a_worker_process_that_dies_fails_its_calls_and_the_model(tp_server) -> None:

@@ -17,8 +17,8 @@ Module outputs are what the transformers module returns where vLLM's differs
 layer returns ``(hidden, residual)`` and adds them in the next layer's fused norm: a
 hook sees their sum, and a rule's edit goes back as ``(stream, 0)``, which the next
 norm turns into the same stream; layers that return one tensor are shown as they are);
-the attention and MLP output projections' output is the tensor without vLLM's
-``(out, bias)`` tuple; a norm given the residual (vLLM fuses the residual add into it)
+a linear layer's output (the attention and MLP output projections', the fused
+``qkv_proj``/``gate_up_proj``) is the tensor without vLLM's ``(out, bias)`` tuple; a norm given the residual (vLLM fuses the residual add into it)
 shows the normed tensor, not ``(normed, stream)``.
 
 What hookwire keeps vLLM from doing, for correctness:
@@ -73,7 +73,7 @@ from .batching import Shape
 from .seam import FINISHED, GenerateCall, Running, StepResult
 from .packed import PackedBatch, PackedSegment
 from .pass_runner import model_errors, running
-from .vllm_link import WorkerLink, proxy_model, run_post, run_pre, taps_of
+from .vllm_link import WorkerLink, proxy_model, run_post, run_pre, sharded_modules, taps_of
 from .seam import GENERATE, HARVEST, INFER, Plan
 
 log = logging.getLogger("hookwire.vllm")
@@ -132,6 +132,7 @@ def build_host(config: ModelConfig) -> ModelHost:
         _bind_cpu_threads(tp)
         # The worker loads the model: it keeps linear weights for GetParameters (vllm_worker).
         os.environ["HOOKWIRE_VLLM_KEEP_WEIGHTS"] = "1" if config.parameters_readable else "0"
+    _forget_cached_environment()
     dtype = settings.get("dtype", "auto")
     if dtype == "auto":
         dtype = folder_dtype(folder)
@@ -179,6 +180,7 @@ def build_host(config: ModelConfig) -> ModelHost:
         host.parameter_source = functools.partial(_worker_parameter, llm)
         host.closers.append(engine.close)
         if tp > 1:
+            host.unedited.update(sharded_modules(host.modules, tp))
             log.warning("model %r: tensor_parallel_size %d: hooks on modules whose output is one rank's shard see "
                         "rank 0's shard, and rules may not edit them (docs/scaling.md)", config.name, tp)
     return host
@@ -186,6 +188,18 @@ def build_host(config: ModelConfig) -> ModelHost:
 
 #: The class vLLM mixes into its workers when the model runs in worker processes.
 WORKER_EXTENSION = "hookwire_server.engine.vllm_worker.HookwireWorker"
+
+
+def _forget_cached_environment() -> None:
+    """vLLM caches its environment variables once an engine has started: a second model
+    would start with the first one's (in-process or not, its thread binding)."""
+    try:
+        from vllm import envs
+    except ImportError:
+        return
+    disable = getattr(envs, "disable_envs_cache", None)
+    if disable is not None:
+        disable()
 
 
 def _bind_cpu_threads(ranks: int) -> None:
@@ -291,6 +305,8 @@ class _Call:
         self.failure: BaseException | None = None
         #: vLLM steps its sequences ran in (laid out by the engine).
         self.laid_out = 0
+        #: Times its requests were added again after vLLM split its first step.
+        self.resubmits = 0
 
     @property
     def finished(self) -> bool:
@@ -418,6 +434,10 @@ class VllmEngine:
         self._link_thread: int | None = None
         self._aborts: list[str] = []
         self._lost = ""
+        #: Calls whose first step vLLM split (laid out this step), and those whose requests
+        #: the worker thread adds again (see _split_admission).
+        self._split: list[_Call] = []
+        self._readd: list[_Call] = []
         self._install_views()
         self._head = host.modules.get("logits_processor")
         if link is None:
@@ -451,7 +471,7 @@ class VllmEngine:
             kind = type(module).__name__
             if kind.endswith("DecoderLayer"):  # layers that return a tensor are shown as they are
                 self._host.output_views[path] = OutputView(_show_stream, _put_stream)
-            elif kind == "RowParallelLinear":  # (out, bias), or out alone with return_bias=False
+            elif kind.endswith("ParallelLinear") or kind == "ReplicatedLinear":  # (out, bias), or out alone
                 self._host.output_views[path] = OutputView(_show_first, _put_first)
             elif kind.endswith("RMSNorm"):
                 # A norm given the residual too adds it first and returns (normed, stream):
@@ -602,14 +622,18 @@ class VllmEngine:
             self._held_rows += rows
             self._held_blocks += blocks
             state.admitted = True
-            try:
-                for row, rid in enumerate(state.request_ids):
-                    self._rows[rid] = _Row(state, row)
-                    self._engine.add_request(rid, {"prompt_token_ids": state.prompts[row]}, state.params[row])
-                    state.added_ids.append(rid)
-                state.added = True
-            except Exception as exc:  # vLLM refused one of its requests: the call fails alone
-                self._fail_call(state, InvalidArgument(f"vLLM refused the call's prompts: {type(exc).__name__}: {exc}"))
+            self._add_requests(state)
+
+    def _add_requests(self, state: _Call) -> None:
+        """Adds an admitted call's requests to vLLM (the worker thread: vLLM's client)."""
+        try:
+            for row, rid in enumerate(state.request_ids):
+                self._rows[rid] = _Row(state, row)
+                self._engine.add_request(rid, {"prompt_token_ids": state.prompts[row]}, state.params[row])
+                state.added_ids.append(rid)
+            state.added = True
+        except Exception as exc:  # vLLM refused one of its requests: the call fails alone
+            self._fail_call(state, InvalidArgument(f"vLLM refused the call's prompts: {type(exc).__name__}: {exc}"))
 
     def _release(self, state: _Call) -> None:
         """Gives back what an admitted call held (once)."""
@@ -640,6 +664,10 @@ class VllmEngine:
                 self._engine.abort_request(ids)  # vLLM ignores requests that already finished
             except Exception as exc:
                 log.debug("abort: %r", exc)
+        readd, self._readd = self._readd, []
+        for state in readd:
+            if state.failure is None and state.admitted:
+                self._add_requests(state)
 
     def _fail_call(self, state: _Call, exc: BaseException, *, abort: bool = True) -> None:
         if state.failure is None:
@@ -822,10 +850,14 @@ class VllmEngine:
             self._fail(p, failure)
         logits, order = self._logits, self._order
         self._logits, self._order = None, []
+        split, self._split = self._split, []
         if logits is not None:
             for i, entry in enumerate(order):
                 if entry is not None and isinstance(entry.call, PromptCall) and i < logits.shape[0]:
                     entry.call.logits[entry.index] = logits[i, : self._vocab]
+        for state in split:
+            if state.failure is None:
+                self._resubmit(state)
 
     def _take_outputs(self, outputs: list[Any]) -> None:
         """A step's outputs: tokens, finished sequences and completed steps per call."""
@@ -931,6 +963,12 @@ class VllmEngine:
             step = state.step_of()
             assert state.p is not None
             wrong = self._out_of_step(state, mine, step)
+            if wrong and self._split_admission(state, mine, step):
+                # vLLM's engine process began stepping between the call's requests (they
+                # reach it one message each): none of its hooks fire now; it runs again
+                # from its prompt with new requests (``_after_pass``).
+                self._split.append(state)
+                continue
             state.laid_out += 1
             if wrong:
                 # Never raised here: an exception out of a vLLM step leaves its requests stuck.
@@ -946,6 +984,27 @@ class VllmEngine:
         batch.sequences = n
         batch.tokens = batch.rows = end
         batch.shared = len(segments) > 1
+
+    def _split_admission(self, state: _Call, mine: dict[int, tuple[int, int]], step: int) -> bool:
+        """Whether ``state``'s first step has some of its prompts, whole, and not the others:
+        in worker processes, vLLM's engine process took the call's requests in two steps."""
+        return (self._link is not None and step == 0 and state.resubmits < MAX_RESUBMITS
+                and set(mine) < set(range(len(state.prompts)))
+                and all(b - a == len(state.prompts[r]) for r, (a, b) in mine.items()))
+
+    def _resubmit(self, state: _Call) -> None:
+        """Takes a split call's requests out of vLLM and queues new ones for its prompts
+        (the worker thread adds them: ``_flush_aborts``). Its old requests' outputs are
+        nobody's."""
+        state.resubmits += 1
+        log.info("model %r: vLLM took call %s's %d prompts in two steps; they run again together",
+                 self._host.name, state.p.request_id if state.p is not None else "?", len(state.prompts))
+        self._aborts.extend(state.added_ids)
+        for rid in state.request_ids:
+            self._rows.pop(rid, None)
+        state.request_ids = [self.next_id() for _ in state.prompts]
+        state.added_ids, state.added = [], False
+        self._readd.append(state)
 
     def _out_of_step(self, state: _Call, mine: dict[int, tuple[int, int]], step: int) -> str:
         """Why vLLM's step does not run ``state``'s sequences in step ("" when it does):
@@ -1104,6 +1163,10 @@ def _state(call: GenerateCall) -> VllmCall:
     assert isinstance(state, VllmCall)
     return state
 
+
+#: Times a call's requests are added again after vLLM's engine process split its first
+#: step (it runs on its own in worker processes); then the call fails as out of step.
+MAX_RESUBMITS = 8
 
 #: The join key of every vLLM Generate call: vLLM packs whatever it schedules.
 _JOINS = ("vllm",)

@@ -29,10 +29,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from hookwire.v1 import tensor_pb2
+from hookwire.v1 import hook_pb2, tensor_pb2
 from hookwire.wire import codec
 
-from .vllm_worker import plain
+from .vllm_worker import SHARDED_INPUT, SHARDED_OUTPUT, plain
 
 log = logging.getLogger("hookwire.vllm")
 
@@ -75,6 +75,25 @@ def proxy_model(description: dict[str, Any]) -> nn.Module:
     root = modules[""]
     setattr(root, "packed_modules_mapping", {k: list(v) for k, v in description.get("packed", {}).items()})
     return root
+
+
+def sharded_modules(modules: dict[str, nn.Module], ranks: int) -> dict[tuple[str, int], str]:
+    """(path, hook phase) -> why, for the module phases whose values are one rank's shard
+    under tensor parallel over ``ranks`` (a rule's edit on the first rank's shard cannot
+    be applied to the others'): the outputs of the column-parallel projections, the
+    attention, its rotary embedding and the MLP's activation, and the inputs of the
+    row-parallel projections and of those. Their hooks capture the first rank's shard."""
+    shard = f"under tensor_parallel_size {ranks} each rank holds a shard of it"
+    out: dict[tuple[str, int], str] = {}
+    for path, module in modules.items():
+        kind = type(module).__name__
+        if kind in SHARDED_OUTPUT or "Rotary" in kind:
+            out[(path, hook_pb2.PHASE_FORWARD)] = f"its output: {shard}"
+            if kind not in ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear"):
+                out[(path, hook_pb2.PHASE_FORWARD_PRE)] = f"its input: {shard}"
+        elif kind in SHARDED_INPUT:
+            out[(path, hook_pb2.PHASE_FORWARD_PRE)] = f"its input: {shard}"
+    return out
 
 
 def _reads(hooks: Any) -> tuple[list[str], bool]:

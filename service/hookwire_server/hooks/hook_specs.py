@@ -11,7 +11,7 @@ from hookwire.v1 import hook_pb2, rule_pb2
 
 from ..auth import MINIMUM_ROLE, Principal
 from .capture import CaptureOptions, Sampler
-from ..errors import InvalidArgument, PermissionDenied
+from ..errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from ..limits import exceeded
 from ..models.model_registry import ModelHost
 from .rules import CompiledRule, compile_rules
@@ -203,6 +203,15 @@ def compile_spec(
             )
         steps = (spec.steps.first, last)
     modules = tuple(host.resolve(spec.module))
+    for action in actions:
+        if not action.modifies:
+            continue
+        for path in modules:  # where the engine cannot apply an edit (vLLM's shards under tensor parallel)
+            why = host.unedited.get((path, action.phase))
+            if why:
+                field = next(info.field for info in PHASES if info.phase == action.phase)
+                raise FailedPrecondition(f"{field}.rules: model {host.name!r} runs on the {host.engine} engine, whose "
+                                         f"module {path!r} cannot be edited: {why}")
     return CompiledSpec(
         modules=modules,
         actions=tuple(actions),

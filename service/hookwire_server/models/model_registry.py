@@ -235,6 +235,9 @@ class ModelHost:
         #: Where a parameter on the meta device gets its value when the model's weights
         #: live in other processes (vLLM's workers): name -> tensor; None: none do.
         self.parameter_source: Callable[[str], torch.Tensor] | None = None
+        #: (module path, hook phase) -> why rules may not edit there on this engine (vLLM's
+        #: modules whose values are one rank's shard under tensor parallel); {}: anywhere.
+        self.unedited: dict[tuple[str, int], str] = {}
         #: Called once at shutdown (an engine's processes stop).
         self.closers: list[Callable[[], None]] = []
         self._executor = DaemonWorker(f"model:{name}")
