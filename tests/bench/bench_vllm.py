@@ -2,7 +2,7 @@
 
 Run in .venv-vllm (make test builds it), from the repository root:
 
-    .venv-vllm/bin/python tests/bench/bench_vllm.py [--repeats 5] [--tokens 32]
+    .venv-vllm/bin/python tests/bench/bench_vllm.py [--repeats 5] [--tokens 32] [--processes]
 
 Model: a seeded Llama with hidden 512 and 6 layers (float32), tiny-lm's tokenizer (its
 vocabulary is 357 tokens, not the issue's 32k: hookwire decodes every generated token to
@@ -18,6 +18,11 @@ on both sides (vLLM binds its own; transformers gets the same count).
   stream) on every step, vs in-process vLLM without hooks (LLM.generate), both eager.
 - V4: a harvest job (2 decoder layers, packed contexts of 64 tokens) on the vLLM model
   vs the same job on the torch engine's copy of the folder: recorded.
+- ``--processes``: V1-V3's hookwire side again on a second vLLM engine of the same folder
+  in worker processes (``worker_processes = true``), against the same in-process
+  baselines; every variant then waits 1.5 s before it is timed (vLLM's engine process
+  busy-polls for a second after its last message, which would take a core from the next
+  variant).
 
 The clients run in this process (as a notebook's would); vLLM's start-up time and the
 process's peak RSS are printed.
@@ -95,6 +100,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--compiled", action="store_true",
                     help="also time LLM.generate in vLLM's compiled mode (its own process: minutes to compile)")
+    ap.add_argument("--processes", action="store_true",
+                    help="also run V1-V3 through hookwire on vLLM in worker processes (worker_processes = true)")
     args = ap.parse_args()
     folder = pathlib.Path(tempfile.mkdtemp())
     save_model(folder)
@@ -113,16 +120,23 @@ def main() -> None:
     (data / "corpus.txt").write_text("\n".join(
         f"document {i}: the model reads tokens and writes hidden states for each of them, layer by layer"
         for i in range(200)))
-    srv = ServerThread(ModelRegistry([host, torch_host]), ServerSettings(
+    hosts = [host, torch_host]
+    if args.processes:
+        started = time.perf_counter()
+        hosts.append(build_host(ModelConfig(
+            name="llama-mp", transformers=str(folder), engine="vllm",
+            vllm={"max_model_len": 256, "max_num_seqs": 8, "kv_cache_bytes": 256 << 20, "worker_processes": True})))
+        print(f"vLLM start-up in worker processes: {time.perf_counter() - started:.1f} s")
+    srv = ServerThread(ModelRegistry(hosts), ServerSettings(
         port=0, harvest_data_root=str(data), harvest_output_root=str(out))).start()
     llm = host.loaded_engine.llm
     layers = [host.modules[f"model.layers.{i}"] for i in range(6)]
     n = args.tokens
     total = n * len(PROMPTS)
 
-    async def hookwire_run(hooks: list[HookSpec]) -> float:
+    async def hookwire_run(hooks: list[HookSpec], name: str = "llama") -> float:
         async with hookwire.connect(srv.target) as client:
-            model = client.model("llama")
+            model = client.model(name)
             t = time.perf_counter()
             await asyncio.gather(*(model.generate([p], n, hooks=hooks) for p in PROMPTS))
             return time.perf_counter() - t
@@ -195,11 +209,19 @@ def main() -> None:
         "V4 harvest job, vLLM engine": lambda: asyncio.run(harvest("llama")),
         "V4 harvest job, torch engine": lambda: asyncio.run(harvest("llama-torch")),
     }
+    if args.processes:
+        variants.update({
+            "V2 hookwire+vLLM processes, no hooks": lambda: asyncio.run(hookwire_run([], "llama-mp")),
+            "V1 hookwire+vLLM processes, 6 captured": lambda: asyncio.run(hookwire_run(every_layer, "llama-mp")),
+            "V3 hookwire+vLLM processes, steering": lambda: asyncio.run(hookwire_run(steer, "llama-mp")),
+        })
+    settle = 1.5 if args.processes else 0.0
     for fn in variants.values():  # warm up
         fn()
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.repeats):  # interleaved
         for name, fn in variants.items():
+            time.sleep(settle)
             times[name].append(fn())
     srv.stop()
     if args.compiled:
@@ -217,6 +239,12 @@ def main() -> None:
           f"{rate['V1 hookwire+vLLM, 6 layers captured'] / rate['V1 in-process vLLM, 6 torch hooks']:.2f}x")
     print(f"V3 ratio (hookwire+vLLM steering / in-process vLLM, time): "
           f"{med['V3 hookwire+vLLM, steering every step'] / med['V3 in-process vLLM, no hooks']:.2f}x")
+    if args.processes:
+        print(f"in worker processes: V2 "
+              f"{rate['V2 hookwire+vLLM processes, no hooks'] / rate['V2 transformers generate()']:.2f}x, V1 "
+              f"{rate['V1 hookwire+vLLM processes, 6 captured'] / rate['V1 in-process vLLM, 6 torch hooks']:.2f}x, V3 "
+              f"{med['V3 hookwire+vLLM processes, steering'] / med['V3 in-process vLLM, no hooks']:.2f}x "
+              "(against the same in-process baselines)")
     print(f"V4 ratio (harvest on vLLM / on torch, time): "
           f"{med['V4 harvest job, vLLM engine'] / med['V4 harvest job, torch engine']:.2f}x")
     import resource

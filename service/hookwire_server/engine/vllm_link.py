@@ -67,11 +67,11 @@ def proxy_model(description: dict[str, Any]) -> nn.Module:
             modules[parent].add_module(name, module)
     for name, shape, dtype in description["parameters"]:
         owner, _, local = name.rpartition(".")
-        module = modules.get(owner)
-        if module is None or local in module._parameters:
-            continue  # a tied name: the module already holds it under its first name
+        holder = modules.get(owner)
+        if holder is None or local in holder._parameters:
+            continue  # listed twice: the module holds it already
         value = torch.empty([int(n) for n in shape], dtype=getattr(torch, str(dtype)), device="meta")
-        module.register_parameter(local, nn.Parameter(value, requires_grad=False))
+        holder.register_parameter(local, nn.Parameter(value, requires_grad=False))
     root = modules[""]
     setattr(root, "packed_modules_mapping", {k: list(v) for k, v in description.get("packed", {}).items()})
     return root

@@ -1,0 +1,123 @@
+"""The link to vLLM's worker processes, the pieces that need no vLLM (engine/vllm_link.py,
+engine/vllm_worker.py): the stand-in module tree a worker's description builds, which
+module phases a step taps, the server's hooks run on what a worker saw with torch's own
+order and return conventions, and the values that travel both ways. A real two-rank vLLM
+runs the whole of it in tests/vllm_engine/test_vllm_processes.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hookwire.v1 import hook_pb2
+from hookwire.wire import codec
+from hookwire_server.engine.vllm_link import proxy_model, run_post, run_pre, sharded_modules, taps_of
+from hookwire_server.engine.vllm_worker import merge, plain, tensors_of, with_tensors
+
+DESCRIPTION = {
+    "modules": [["", "LlamaForCausalLM"], ["model", "LlamaModel"], ["model.layers", "ModuleList"],
+                ["model.layers.0", "LlamaDecoderLayer"], ["model.layers.0.self_attn", "LlamaAttention"],
+                ["model.layers.0.self_attn.qkv_proj", "QKVParallelLinear"],
+                ["model.layers.0.self_attn.o_proj", "RowParallelLinear"],
+                ["model.layers.0.self_attn.attn", "Attention"], ["model.norm", "RMSNorm"],
+                ["lm_head", "ParallelLMHead"], ["logits_processor", "LogitsProcessor"]],
+    "parameters": [["model.layers.0.self_attn.qkv_proj.weight", [12, 4], "float32"],
+                   ["model.norm.weight", [4], "bfloat16"], ["lm_head.weight", [64, 4], "float32"]],
+    "packed": {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+}
+
+
+def test_the_stand_in_tree_has_vllms_paths_classes_and_parameter_shapes_on_meta() -> None:
+    model = proxy_model(DESCRIPTION)
+    modules = dict(model.named_modules())
+    assert list(modules) == [path for path, _ in DESCRIPTION["modules"]]
+    assert type(modules["model.layers.0.self_attn.qkv_proj"]).__name__ == "QKVParallelLinear"
+    params = dict(model.named_parameters())
+    assert params["model.norm.weight"].dtype == torch.bfloat16 and params["model.norm.weight"].device.type == "meta"
+    assert list(params["lm_head.weight"].shape) == [64, 4]
+    assert model.packed_modules_mapping == {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    with pytest.raises(RuntimeError, match="runs there, not in the server"):
+        modules["model.norm"](torch.zeros(1))
+
+
+def _hook(fn: Any, roots: tuple[str, ...], edits: bool) -> Any:
+    fn.hookwire_roots, fn.hookwire_edits = roots, edits
+    return fn
+
+
+def test_a_step_taps_the_module_phases_with_hooks_and_says_what_they_read_and_whether_they_edit() -> None:
+    model = proxy_model(DESCRIPTION)
+    modules = dict(model.named_modules())
+    assert taps_of(modules) == []
+    modules["model.norm"].register_forward_hook(_hook(lambda m, a, o: None, ("output",), False))
+    modules["model.layers.0"].register_forward_pre_hook(_hook(lambda m, a: None, ("args",), True))
+    modules["model.layers.0"].register_forward_hook(_hook(lambda m, a, o: None, ("args", "output"), False))
+    modules["model.layers.0"].register_forward_hook(_hook(lambda m, a, o: None, ("output",), True))
+    assert taps_of(modules) == [
+        ["model.layers.0", "pre", ["args"], True],
+        ["model.layers.0", "post", ["args", "output"], True],
+        ["model.norm", "post", ["output"], False],
+    ]
+    # A hook that does not say (an engine's own) gets everything, and may edit.
+    modules["lm_head"].register_forward_hook(lambda m, a, o: None)
+    assert ["lm_head", "post", ["args", "kwargs", "output"], True] in taps_of(modules)
+
+
+def test_hooks_run_on_what_a_worker_saw_as_torch_would_run_them_on_the_module() -> None:
+    """The same hooks on a real module and on a stand-in given what the module saw: the
+    same firing order, the same chained edits, kwargs hooks included."""
+    real = nn.Linear(3, 3)
+    stand_in = proxy_model({"modules": [["", "Linear"]], "parameters": []})
+    seen: dict[str, list[str]] = {"real": [], "stand_in": []}
+    for name, module in (("real", real), ("stand_in", stand_in)):
+        log = seen[name]
+        module.register_forward_pre_hook(lambda m, a, log=log: log.append("pre1") or (a[0] * 2,))
+        module.register_forward_pre_hook(lambda m, a, k, log=log: log.append("pre2") or ((a[0] + 1,), k), with_kwargs=True)
+        module.register_forward_hook(lambda m, a, o, log=log: log.append("post1") or o * 3)
+        module.register_forward_hook(lambda m, a, k, o, log=log: log.append("post2") and None, with_kwargs=True)
+        module.register_forward_hook(lambda m, a, o, log=log: log.append("post3") or o - a[0].sum())
+    x = torch.arange(3.0)
+    want = real(x)
+    pre = run_pre(stand_in, {"args": (x,), "kwargs": {}})
+    assert pre is not None and torch.equal(pre["args"][0], x * 2 + 1)
+    post = run_post(stand_in, {"args": pre["args"], "kwargs": {}, "output": real.forward(*pre["args"])})
+    assert post is not None and torch.equal(post["output"], want)
+    assert seen["real"] == seen["stand_in"] == ["pre1", "pre2", "post1", "post2", "post3"]
+    # Hooks that change nothing: None, so the worker waits for no edit.
+    quiet = proxy_model({"modules": [["", "Linear"]], "parameters": []})
+    quiet.register_forward_hook(lambda m, a, o: None)
+    assert run_post(quiet, {"output": x}) is None and run_pre(quiet, {"args": (x,)}) is None
+
+
+def test_under_tensor_parallel_rules_are_refused_where_a_value_is_one_ranks_shard() -> None:
+    modules = dict(proxy_model(DESCRIPTION).named_modules())
+    refused = sharded_modules(modules, 2)
+    qkv, o_proj, attn = ("model.layers.0.self_attn." + n for n in ("qkv_proj", "o_proj", "attn"))
+    assert set(refused) == {(qkv, hook_pb2.PHASE_FORWARD), (o_proj, hook_pb2.PHASE_FORWARD_PRE),
+                            (attn, hook_pb2.PHASE_FORWARD), (attn, hook_pb2.PHASE_FORWARD_PRE)}
+    assert "tensor_parallel_size 2 each rank holds a shard" in refused[(qkv, hook_pb2.PHASE_FORWARD)]
+
+
+class _Meta:
+    """Stands for what the wire cannot carry (vLLM's attention metadata)."""
+
+
+def test_values_cross_the_link_as_data_and_come_back_with_what_could_not_travel() -> None:
+    meta = _Meta()
+    hidden = torch.randn(5, 4)
+    parts = {"args": (torch.arange(5), hidden, meta), "kwargs": {"residual": None, "layer": meta}}
+    sent = plain(parts)
+    assert sent["args"][2] is None and sent["kwargs"]["layer"] is None
+    wire = codec.decode_value(codec.encode_value(sent))  # the bytes that travel
+    edited = {"args": (wire["args"][0], wire["args"][1] * 2, None), "kwargs": wire["kwargs"]}
+    back = merge(parts, edited)
+    assert back["args"][2] is meta and back["kwargs"]["layer"] is meta
+    assert torch.equal(back["args"][1], hidden * 2) and back["args"][1].dtype == hidden.dtype
+    # The other ranks of a tensor-parallel group take the edit's tensors in order.
+    tensors = tensors_of(back)
+    assert len(tensors) == 2
+    rebuilt = with_tensors(parts, [t.clone() for t in tensors])
+    assert torch.equal(rebuilt["args"][1], hidden * 2) and rebuilt["args"][2] is meta
