@@ -47,6 +47,9 @@ class PackedEngine:
             return None
         return Shape(("packed",), int(ids.tensor.shape[0]), None, frozenset())
 
+    def generate_key(self, call: Any) -> None:
+        return None  # it refuses Generate
+
     def execute(self, plan: Plan) -> list[Any]:
         if plan.kind != INFER:
             return [Unimplemented(f"the {self.name} engine does not run {plan.kind}")] * len(plan.items)

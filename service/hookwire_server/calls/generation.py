@@ -554,7 +554,7 @@ class Generation:
         began = False  # the engine started the call (its `started` went out)
         outcome = "error"
         call = GenerateCall(p, records, ids, mask, options, stop_criteria, put, group)
-        work = Work(GENERATE, call, key=None, rows=batch, group=group, caller=(request.session_id, principal.name),
+        work = Work(GENERATE, call, key=self._engines.engine(host).generate_key(call), rows=batch, group=group, caller=(request.session_id, principal.name),
                     running=True)
         # Submitted once: the engine starts the call, runs its steps as the stream allows
         # them and ends it; what it produced, and how the call ended if not by its last

@@ -102,6 +102,10 @@ class Engine(Protocol):
     def infer_shape(self, request: Any) -> Any:
         """How an InferRequest may share a pass (batching.Shape), or None: alone. Event loop."""
 
+    def generate_key(self, call: GenerateCall) -> Any:
+        """What a new Generate call's first plan may share (a join key, as a running call's
+        ``Running`` gives), or None: it starts alone. Event loop."""
+
     def execute(self, plan: Plan) -> list[Any]:
         """Runs ``plan`` on the model's worker thread: one result or exception per item."""
 

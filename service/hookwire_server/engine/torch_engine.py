@@ -17,7 +17,7 @@ from hookwire.v1 import model_service_pb2
 from ..errors import InvalidArgument
 from ..models.model_registry import ModelHost
 from . import batching, decoding, harvest_pass, infer_pass
-from .seam import GENERATE, HARVEST, INFER, Plan
+from .seam import GENERATE, HARVEST, INFER, GenerateCall, Plan
 
 
 class TorchEngine:
@@ -36,6 +36,10 @@ class TorchEngine:
         model's batch dimension (token inputs padded to a common length where the model
         has a pad token); see batching.request_key."""
         return batching.request_key(request, self._host.batching)
+
+    def generate_key(self, call: GenerateCall) -> None:
+        """A Generate call's prompt pass runs alone (its KV cache is its own)."""
+        return None
 
     def execute(self, plan: Plan) -> list[Any]:
         """Runs ``plan`` on the model's worker thread (see seam.Engine.execute). The

@@ -164,7 +164,7 @@ def build_host(config: ModelConfig) -> ModelHost:
     tokenizer, problem = load_tokenizer(config)
     host = ModelHost(config.name, model, description=config.description, training_allowed=False,
                      tokenizer=tokenizer, tokenizer_problem=problem,
-                     batching=BatchConfig(max_batch_size=seqs, max_batch_delay_ms=0.0),
+                     batching=BatchConfig(max_batch_size=seqs),  # the server's max_batch_delay_ms: calls that come together start in one step
                      parameters_readable=config.parameters_readable, async_captures="off")
     vllm_names.add_transformers_names(host, tensor_parallel_size=tp)  # q_proj, gate_proj, ... as views
     host.can_generate = True
@@ -497,6 +497,11 @@ class VllmEngine:
         if ids is None or ids.WhichOneof("kind") != "tensor" or len(ids.tensor.shape) != 2:
             return None
         return Shape(("vllm-prompt",), int(ids.tensor.shape[0]), None, frozenset())
+
+    def generate_key(self, call: GenerateCall) -> tuple[str]:
+        """New Generate calls join the running ones and each other: their requests enter
+        vLLM in one step (one prefill step for calls that arrive together)."""
+        return _JOINS
 
     def execute(self, plan: Plan) -> list[Any]:
         """Runs vLLM steps until every item of ``plan`` has what it waits for: a Generate
@@ -1120,7 +1125,9 @@ class VllmEngine:
         over = options.overrides
         do_sample = bool(over.get("do_sample", generation.get("do_sample", False)))
         kwargs: dict[str, Any] = {"max_tokens": options.max_new_tokens, "stop": list(options.stop) or None,
-                                  "detokenize": True}
+                                  # vLLM's text only serves its stop strings (hookwire's call
+                                  # side decodes the stream's texts itself).
+                                  "detokenize": bool(options.stop)}
         for name, vllm_name in (("repetition_penalty", "repetition_penalty"), ("min_new_tokens", "min_tokens")):
             value = generation.get(name)
             if value is not None:
