@@ -4,6 +4,9 @@
     hookwire.rules.add("output.0", steering_vector)
     hookwire.rules.save("output.0", slot="clean")
     hookwire.rules.patch("output.0", slot="clean", index="[:, 3]")
+    hookwire.rules.when(hookwire.rules.probe(w, b, sigmoid=True) > 0.9, hookwire.rules.project_out("output", d))
+    hookwire.rules.signal("output", "toxic", hookwire.rules.probe(w), reduce="max")   # at layer 4 ...
+    hookwire.rules.when(hookwire.rules.stored("toxic") > 2.0, hookwire.rules.zero("output"))  # ... read at layer 9
 
 Pass them as a hook's action: ``posthook=hookwire.edit(rule, ..., capture=("output",))``
 or simply ``posthook=[rule, ...]``. Targets name what the phase can change:
@@ -31,6 +34,8 @@ class Rule:
     op: str
     index: str = ""
     params: tuple[tuple[str, Any], ...] = ()
+    #: The operation's message, built already (the operations with several operands).
+    message: Any = None
 
     def to_proto(self) -> rule_pb2.Rule:
         """The wire form (tensors encoded now)."""
@@ -38,6 +43,9 @@ class Rule:
         params = dict(self.params)
         op = getattr(msg, self.op)
         op.SetInParent()
+        if self.message is not None:
+            op.CopyFrom(self.message)
+            return msg
         for key, value in params.items():
             if key == "value":
                 _operand_into(value, op.value)
@@ -116,4 +124,149 @@ def save(target: str, slot: str, *, index: str | None = None) -> Rule:
     return _rule(target, "save", index, slot=slot)
 
 
-__all__ = ["Rule", "add", "clamp", "noise", "patch", "project_out", "save", "scale", "set", "zero"]
+def _tensor(value: Any, out: Any) -> None:
+    codec.encode_tensor_into(value, out)
+
+
+def affine(target: str, weight: Any, bias: Any = None, *, index: str | None = None) -> Rule:
+    """``t @ weight.T + bias`` along the last dimension: a learned map (``weight``
+    square [d, d], ``bias`` [d] or None)."""
+    op = rule_pb2.AffineOp()
+    _tensor(weight, op.weight)
+    if bias is not None:
+        _tensor(bias, op.bias)
+    return _built(target, "affine", index, op)
+
+
+def loreft(target: str, rotation: Any, weight: Any, bias: Any = None, *, index: str | None = None) -> Rule:
+    """LoReFT's edit ``t + (t @ weight.T + bias - t @ rotation.T) @ rotation`` along the
+    last dimension (``rotation`` [r, d] with orthonormal rows, ``weight`` [r, d], ``bias``
+    [r] or None), as pyvene's LoreftIntervention computes it."""
+    op = rule_pb2.LoreftOp()
+    _tensor(rotation, op.rotation)
+    _tensor(weight, op.weight)
+    if bias is not None:
+        _tensor(bias, op.bias)
+    return _built(target, "loreft", index, op)
+
+
+def norm_add(target: str, direction: Any, alpha: float, *, index: str | None = None) -> Rule:
+    """``t + alpha * |t| * direction / |direction|``, ``|t|`` each position's norm along
+    the last dimension: steering relative to the activation's own scale."""
+    if not math.isfinite(alpha):
+        raise ValueError(f"alpha {alpha} is not finite")
+    op = rule_pb2.NormAddOp(alpha=float(alpha))
+    _tensor(direction, op.direction)
+    return _built(target, "norm_add", index, op)
+
+
+def top_k(target: str, directions: Any, k: int, *, mode: str = "keep", index: str | None = None) -> Rule:
+    """Top-k ablation over a projection: ``f = t @ directions.T`` (one feature per row of
+    ``directions``); ``mode="keep"`` removes every feature's component but the k largest,
+    ``mode="zero"`` removes exactly the k largest: ``t - (f * removed) @ directions``."""
+    modes = {"keep": rule_pb2.TOP_K_MODE_KEEP, "zero": rule_pb2.TOP_K_MODE_ZERO}
+    if mode not in modes:
+        raise ValueError(f"mode must be 'keep' or 'zero', not {mode!r}")
+    if k < 1:
+        raise ValueError(f"k must be at least 1, not {k}")
+    op = rule_pb2.TopKOp(k=int(k), mode=modes[mode])
+    _tensor(directions, op.directions)
+    return _built(target, "top_k", index, op)
+
+
+@dataclasses.dataclass(frozen=True)
+class Signal:
+    """A number per position of a rule's target (a vector along its last dimension), or
+    one a ``signal`` rule kept earlier in the pass. Compare it with a number to make a
+    condition: ``norm() > 10``, ``probe(w, b, sigmoid=True) >= 0.9``."""
+
+    message: rule_pb2.Signal
+
+    def _compare(self, cmp: Any, threshold: float) -> Condition:
+        if not math.isfinite(threshold):
+            raise ValueError(f"threshold {threshold} is not finite")
+        return Condition(rule_pb2.Condition(signal=self.message, cmp=cmp, threshold=float(threshold)))
+
+    def __gt__(self, threshold: float) -> Condition:  # type: ignore[override]
+        return self._compare(rule_pb2.COMPARISON_GT, threshold)
+
+    def __ge__(self, threshold: float) -> Condition:  # type: ignore[override]
+        return self._compare(rule_pb2.COMPARISON_GE, threshold)
+
+    def __lt__(self, threshold: float) -> Condition:  # type: ignore[override]
+        return self._compare(rule_pb2.COMPARISON_LT, threshold)
+
+    def __le__(self, threshold: float) -> Condition:  # type: ignore[override]
+        return self._compare(rule_pb2.COMPARISON_LE, threshold)
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    """``signal cmp threshold``, per position (see ``when``)."""
+
+    message: rule_pb2.Condition
+
+
+def norm() -> Signal:
+    """Each position's L2 norm."""
+    return Signal(rule_pb2.Signal(norm=rule_pb2.NormSignal()))
+
+
+def projection(direction: Any) -> Signal:
+    """Each position's scalar projection ``t @ direction / |direction|``."""
+    msg = rule_pb2.Signal()
+    _tensor(direction, msg.projection)
+    return Signal(msg)
+
+
+def probe(weight: Any, bias: float = 0.0, *, sigmoid: bool = False) -> Signal:
+    """A linear probe's score ``t @ weight + bias`` per position, through a sigmoid with
+    ``sigmoid``."""
+    msg = rule_pb2.Signal(probe=rule_pb2.ProbeSignal(bias=float(bias), sigmoid=sigmoid))
+    _tensor(weight, msg.probe.weight)
+    return Signal(msg)
+
+
+def stored(name: str) -> Signal:
+    """The signal a ``signal`` rule of a hook that fired earlier in the same pass of the
+    same call kept under ``name`` (detect at one layer, edit at another)."""
+    if not name:
+        raise ValueError("name the stored signal")
+    return Signal(rule_pb2.Signal(stored=name))
+
+
+def when(condition: Condition, rule: Rule) -> Rule:
+    """``rule`` applied only where ``condition`` holds, per position; elsewhere the
+    target is left bit for bit. The conditional takes ``rule``'s target and index; the
+    rule is one of scale, add, set, zero, clamp, noise, project_out, affine, loreft,
+    norm_add, top_k."""
+    if not isinstance(condition, Condition):
+        raise TypeError("when(condition, rule): make the condition by comparing a signal, e.g. norm() > 4")
+    inner = rule.to_proto()
+    inner.target, inner.index = "", ""
+    op = rule_pb2.ConditionalOp(when=condition.message, then=inner)
+    return Rule(target=rule.target, op="conditional", index=rule.index, message=op)
+
+
+def signal(target: str, name: str, of: Signal, *, reduce: str = "none", index: str | None = None) -> Rule:
+    """Keeps ``of`` (a computed signal of the target) under ``name`` for the conditions of
+    the call's hooks that fire later in the same pass; changes nothing. ``reduce``:
+    "none" (per position), "max" or "last" (one per sequence)."""
+    reduces = {"none": rule_pb2.SIGNAL_REDUCE_NONE, "max": rule_pb2.SIGNAL_REDUCE_MAX,
+               "last": rule_pb2.SIGNAL_REDUCE_LAST}
+    if reduce not in reduces:
+        raise ValueError(f"reduce must be one of {', '.join(reduces)}, not {reduce!r}")
+    if not name:
+        raise ValueError("name the signal")
+    op = rule_pb2.SignalOp(name=name, signal=of.message, reduce=reduces[reduce])
+    return _built(target, "signal", index, op)
+
+
+def _built(target: str, op: str, index: str | None, message: Any) -> Rule:
+    if not isinstance(target, str) or not target:
+        raise ValueError("a rule needs a target, e.g. 'output' or 'args.0'")
+    return Rule(target=target, op=op, index=index or "", message=message)
+
+
+__all__ = ["Condition", "Rule", "Signal", "add", "affine", "clamp", "loreft", "noise", "norm", "norm_add", "patch",
+           "probe", "project_out", "projection", "save", "scale", "set", "signal", "stored", "top_k", "when", "zero"]

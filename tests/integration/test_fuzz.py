@@ -176,9 +176,55 @@ operands = st.one_of(st.floats().map(lambda f: rule_pb2.Operand(scalar=f)),
 
 
 @st.composite
-def rules(draw: Any) -> rule_pb2.Rule:
+def signals(draw: Any) -> rule_pb2.Signal:
+    signal = rule_pb2.Signal()
+    kind = draw(st.sampled_from(["norm", "projection", "probe", "stored", None]))
+    if kind == "norm":
+        signal.norm.SetInParent()
+    elif kind == "projection":
+        signal.projection.CopyFrom(draw(tensors()))
+    elif kind == "probe":
+        signal.probe.bias = draw(st.floats())
+        signal.probe.sigmoid = draw(st.booleans())
+        if draw(st.booleans()):
+            signal.probe.weight.CopyFrom(draw(tensors()))
+    elif kind == "stored":
+        signal.stored = draw(st.one_of(st.sampled_from(["s", ""]), long_strings))
+    return signal
+
+
+@st.composite
+def rules(draw: Any, depth: int = 0) -> rule_pb2.Rule:
     rule = rule_pb2.Rule(target=draw(targets), index=draw(selections))
-    op = draw(st.sampled_from(["scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", None]))
+    op = draw(st.sampled_from(["scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", None,
+                               "affine", "loreft", "norm_add", "top_k", "conditional", "signal"]))
+    if op in ("affine", "loreft", "norm_add", "top_k"):
+        message = getattr(rule, op)
+        message.SetInParent()
+        for field in message.DESCRIPTOR.fields:
+            if field.message_type is not None and draw(st.booleans()):
+                getattr(message, field.name).CopyFrom(draw(tensors()))
+        if op == "norm_add":
+            message.alpha = draw(st.floats())
+        elif op == "top_k":
+            message.k = draw(st.integers(0, 2**32 - 1))
+            message.mode = draw(st.integers(-1, 4))
+        return rule
+    if op == "conditional":
+        rule.conditional.SetInParent()
+        if draw(st.booleans()):
+            rule.conditional.when.signal.CopyFrom(draw(signals()))
+            rule.conditional.when.cmp = draw(st.integers(-1, 6))
+            rule.conditional.when.threshold = draw(st.floats())
+        if depth < 2 and draw(st.booleans()):
+            rule.conditional.then.CopyFrom(draw(rules(depth + 1)))
+        return rule
+    if op == "signal":
+        rule.signal.name = draw(st.one_of(st.sampled_from(["s", ""]), long_strings))
+        rule.signal.reduce = draw(st.integers(-1, 5))
+        if draw(st.booleans()):
+            rule.signal.signal.CopyFrom(draw(signals()))
+        return rule
     if op == "scale":
         rule.scale.factor = draw(st.floats())
     elif op in ("add", "set"):
@@ -289,13 +335,26 @@ def lm_hooks(draw: Any) -> hook_pb2.HookSpec:
         target = "args.0" if phase == "prehook" else "output"
         rule = rule_pb2.Rule(target=draw(rarely(st.sampled_from(["output.0", "output.logits", "kwargs.x"]), st.just(target))),
                              index=draw(st.sampled_from(["", "", "[:, 1]", "[:, -1]", "[0, 0, 3]"])))
-        op = draw(st.sampled_from(["scale", "add", "zero", "save", "patch"]))
+        op = draw(st.sampled_from(["scale", "add", "zero", "save", "patch", "when", "signal"]))
         if op == "scale":
             rule.scale.factor = draw(st.floats(-2, 2))
         elif op == "add":
             rule.add.value.scalar = draw(st.floats(-2, 2))
         elif op == "zero":
             rule.zero.SetInParent()
+        elif op == "when":  # on a norm, or on a signal kept earlier (or never) in the pass
+            when = rule.conditional.when
+            if draw(st.booleans()):
+                when.signal.norm.SetInParent()
+            else:
+                when.signal.stored = "s"
+            when.cmp = draw(st.integers(1, 4))
+            when.threshold = draw(st.floats(-2, 10))
+            rule.conditional.then.scale.factor = draw(st.floats(-2, 2))
+        elif op == "signal":
+            rule.signal.name = "s"
+            rule.signal.signal.norm.SetInParent()
+            rule.signal.reduce = draw(st.integers(0, 3))
         else:
             getattr(rule, op).slot = "s"
         action.rules.append(rule)

@@ -53,7 +53,7 @@ def run_recipe(recipe_server: ServerThread, tmp_path_factory: pytest.TempPathFac
 
 
 def test_recipes_found() -> None:
-    assert len(BLOCKS) == 8
+    assert len(BLOCKS) == 9
     assert {"Steering a generation", "Capturing the residual stream of every new token",
             "Patching a prompt activation into a generation"} <= set(TITLES)
 
@@ -88,6 +88,26 @@ def test_steering_recipe_equals_an_in_process_steering_hook(run_recipe: Run) -> 
     assert _printed(proc.stdout, "steered tokens") == steered
     assert steered != plain and steered[0] == plain[0]  # the first token comes from the prompt pass, unsteered
     assert f"steered: {oracle.text(steered)}\n" in proc.stdout  # streamed step by step, the same text
+
+
+def test_gated_steering_recipe_equals_two_in_process_hooks(run_recipe: Run) -> None:
+    proc, _ = run_recipe("Steering only where a probe fires, detected at one layer and applied at another")
+    assert proc.returncode == 0, proc.stderr
+    probe = torch.randn(64, generator=torch.Generator().manual_seed(7))
+    vector = 4.0 * torch.randn(64, generator=torch.Generator().manual_seed(8))
+    kept: dict[str, torch.Tensor] = {}
+
+    def detect(step: int, out: torch.Tensor) -> None:
+        kept["fires"] = (out @ probe).amax(dim=-1, keepdim=True)
+
+    def steer(step: int, out: torch.Tensor) -> torch.Tensor:
+        return torch.where((kept["fires"] > 0.15).expand(out.shape[:-1]).unsqueeze(-1), out + vector, out)
+
+    ids, mask = _ids(["Once upon a time", "The cat"])
+    with oracle.forward_hook("model.layers.0", detect), oracle.forward_hook("model.layers.1", steer):
+        gated = oracle.generate(ids, mask, 10, do_sample=False)
+    assert _printed(proc.stdout, "gated tokens") == gated
+    assert gated != oracle.generate(ids, mask, 10, do_sample=False), "the probe must fire somewhere"
 
 
 def test_residual_stream_recipe_equals_in_process_captures(run_recipe: Run) -> None:

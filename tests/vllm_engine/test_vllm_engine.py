@@ -697,3 +697,66 @@ async def test_a_cancelled_call_that_ran_ahead_leaves_nothing_counted(vllm_serve
             call.cancel()
             await other
         await until(lambda: held.held(ANONYMOUS.name) == 0, f"nothing counted after round {round_}")
+
+
+async def test_a_probe_gated_edit_at_a_later_layer_equals_the_same_hooks_in_transformers(vllm_server, oracle) -> None:
+    """Issue 25's conditions and signals on vLLM: layer 0 keeps a probe's score (its
+    largest over each step's positions), layer 1 adds a vector where it is high, at every
+    step of two prompts in one call; tokens equal transformers' generate() with the same
+    two torch hooks (each prompt alone: its own rows only), and a conditional scale on the
+    final norm leaves the rows where its condition fails bit for bit (captured after it)."""
+    tokenizer = oracle_tokenizer()
+    probe = torch.randn(128, generator=torch.Generator().manual_seed(21))
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(22)) * 3.0
+    prompts = PROMPTS[:2]
+    scores: list[float] = []
+    with torch.no_grad():
+        for text in prompts:
+            out = oracle(torch.tensor([_ids(tokenizer, text)]), output_hidden_states=True)
+            scores.append(float((out.hidden_states[1][0] @ probe).max()))
+    threshold = sum(scores) / 2  # fires for one prompt's prompt step, not the other's
+
+    def gated(ids: list[int]) -> list[int]:
+        kept: dict[str, torch.Tensor] = {}
+
+        def detect(module: Any, args: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            kept["s"] = (out @ probe).amax(dim=-1, keepdim=True)
+
+        def steer(module: Any, args: Any, output: Any) -> Any:
+            out = output[0] if isinstance(output, tuple) else output
+            new = torch.where((kept["s"] > threshold).expand(out.shape[:-1]).unsqueeze(-1), out + vector, out)
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+        handles = [oracle.model.layers[0].register_forward_hook(detect), oracle.model.layers[1].register_forward_hook(steer)]
+        try:
+            with torch.no_grad():
+                out = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      max_new_tokens=6, do_sample=False, pad_token_id=0)
+        finally:
+            for h in handles:
+                h.remove()
+        return out[0, len(ids):].tolist()
+
+    async with hookwire.connect(vllm_server.target) as client:
+        result = await client.model("llama").generate(prompts, 6, hooks=[
+            HookSpec("model.layers.0", posthook=[rules.signal("output", "s", rules.probe(probe), reduce="max")]),
+            HookSpec("model.layers.1", posthook=[rules.when(rules.stored("s") > threshold, rules.add("output", vector))]),
+        ])
+        changed = False
+        for row, text in enumerate(prompts):
+            want = gated(_ids(tokenizer, text))
+            assert list(result.token_ids[row]) == want, text
+            changed = changed or want != _greedy(oracle, _ids(tokenizer, text), 6)[0]
+        assert changed, "the gated edit must change some tokens for this test to mean anything"
+        plain = await client.model("llama").infer(torch.tensor([_ids(tokenizer, PROMPTS[1])]),
+                                                  hooks=[HookSpec("model.norm", posthook=capture("output"))])
+        before = torch.as_tensor(plain.events[0].output)
+        norms = torch.linalg.vector_norm(before, dim=-1)
+        cut = float(norms.median())
+        edited = await client.model("llama").infer(torch.tensor([_ids(tokenizer, PROMPTS[1])]), hooks=[
+            HookSpec("model.norm", posthook=hookwire.edit(rules.when(rules.norm() > cut, rules.scale("output", 0.0)),
+                                                         capture=("output",)))])
+        after = torch.as_tensor(edited.events[0].output)
+        held = norms > cut
+        assert bool(held.any()) and not bool(held.all())
+        assert torch.equal(after[~held], before[~held]) and bool((after[held] == 0).all())

@@ -25,37 +25,63 @@ _sym_db = _symbol_database.Default()
 from hookwire.v1 import tensor_pb2 as hookwire_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hookwire/v1/rule.proto\x12\x0bhookwire.v1\x1a\x18hookwire/v1/tensor.proto\"\x89\x03\n\x04Rule\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\t\x12%\n\x05scale\x18\x03 \x01(\x0b\x32\x14.hookwire.v1.ScaleOpH\x00\x12!\n\x03\x61\x64\x64\x18\x04 \x01(\x0b\x32\x12.hookwire.v1.AddOpH\x00\x12!\n\x03set\x18\x05 \x01(\x0b\x32\x12.hookwire.v1.SetOpH\x00\x12#\n\x04zero\x18\x06 \x01(\x0b\x32\x13.hookwire.v1.ZeroOpH\x00\x12%\n\x05\x63lamp\x18\x07 \x01(\x0b\x32\x14.hookwire.v1.ClampOpH\x00\x12%\n\x05noise\x18\x08 \x01(\x0b\x32\x14.hookwire.v1.NoiseOpH\x00\x12\x30\n\x0bproject_out\x18\t \x01(\x0b\x32\x19.hookwire.v1.ProjectOutOpH\x00\x12%\n\x05patch\x18\n \x01(\x0b\x32\x14.hookwire.v1.PatchOpH\x00\x12#\n\x04save\x18\x0b \x01(\x0b\x32\x13.hookwire.v1.SaveOpH\x00\x42\x04\n\x02op\"J\n\x07Operand\x12\x10\n\x06scalar\x18\x01 \x01(\x01H\x00\x12%\n\x06tensor\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.TensorH\x00\x42\x06\n\x04kind\"\x19\n\x07ScaleOp\x12\x0e\n\x06\x66\x61\x63tor\x18\x01 \x01(\x01\",\n\x05\x41\x64\x64Op\x12#\n\x05value\x18\x01 \x01(\x0b\x32\x14.hookwire.v1.Operand\",\n\x05SetOp\x12#\n\x05value\x18\x01 \x01(\x0b\x32\x14.hookwire.v1.Operand\"\x08\n\x06ZeroOp\"=\n\x07\x43lampOp\x12\x10\n\x03min\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x03max\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\x06\n\x04_minB\x06\n\x04_max\"$\n\x07NoiseOp\x12\x0b\n\x03std\x18\x01 \x01(\x01\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"6\n\x0cProjectOutOp\x12&\n\tdirection\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Tensor\"\x17\n\x07PatchOp\x12\x0c\n\x04slot\x18\x01 \x01(\t\"\x16\n\x06SaveOp\x12\x0c\n\x04slot\x18\x01 \x01(\t*V\n\x07OnError\x12\x18\n\x14ON_ERROR_UNSPECIFIED\x10\x00\x12\x16\n\x12ON_ERROR_FAIL_CALL\x10\x01\x12\x19\n\x15ON_ERROR_DISABLE_HOOK\x10\x02*l\n\x0c\x43\x61ptureStage\x12\x1d\n\x19\x43\x41PTURE_STAGE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43\x41PTURE_STAGE_AFTER_RULES\x10\x01\x12\x1e\n\x1a\x43\x41PTURE_STAGE_BEFORE_RULES\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hookwire/v1/rule.proto\x12\x0bhookwire.v1\x1a\x18hookwire/v1/tensor.proto\"\x89\x05\n\x04Rule\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\t\x12%\n\x05scale\x18\x03 \x01(\x0b\x32\x14.hookwire.v1.ScaleOpH\x00\x12!\n\x03\x61\x64\x64\x18\x04 \x01(\x0b\x32\x12.hookwire.v1.AddOpH\x00\x12!\n\x03set\x18\x05 \x01(\x0b\x32\x12.hookwire.v1.SetOpH\x00\x12#\n\x04zero\x18\x06 \x01(\x0b\x32\x13.hookwire.v1.ZeroOpH\x00\x12%\n\x05\x63lamp\x18\x07 \x01(\x0b\x32\x14.hookwire.v1.ClampOpH\x00\x12%\n\x05noise\x18\x08 \x01(\x0b\x32\x14.hookwire.v1.NoiseOpH\x00\x12\x30\n\x0bproject_out\x18\t \x01(\x0b\x32\x19.hookwire.v1.ProjectOutOpH\x00\x12%\n\x05patch\x18\n \x01(\x0b\x32\x14.hookwire.v1.PatchOpH\x00\x12#\n\x04save\x18\x0b \x01(\x0b\x32\x13.hookwire.v1.SaveOpH\x00\x12\'\n\x06\x61\x66\x66ine\x18\x0c \x01(\x0b\x32\x15.hookwire.v1.AffineOpH\x00\x12\'\n\x06loreft\x18\r \x01(\x0b\x32\x15.hookwire.v1.LoreftOpH\x00\x12*\n\x08norm_add\x18\x0e \x01(\x0b\x32\x16.hookwire.v1.NormAddOpH\x00\x12$\n\x05top_k\x18\x0f \x01(\x0b\x32\x13.hookwire.v1.TopKOpH\x00\x12\x31\n\x0b\x63onditional\x18\x10 \x01(\x0b\x32\x1a.hookwire.v1.ConditionalOpH\x00\x12\'\n\x06signal\x18\x11 \x01(\x0b\x32\x15.hookwire.v1.SignalOpH\x00\x42\x04\n\x02op\"J\n\x07Operand\x12\x10\n\x06scalar\x18\x01 \x01(\x01H\x00\x12%\n\x06tensor\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.TensorH\x00\x42\x06\n\x04kind\"\x19\n\x07ScaleOp\x12\x0e\n\x06\x66\x61\x63tor\x18\x01 \x01(\x01\",\n\x05\x41\x64\x64Op\x12#\n\x05value\x18\x01 \x01(\x0b\x32\x14.hookwire.v1.Operand\",\n\x05SetOp\x12#\n\x05value\x18\x01 \x01(\x0b\x32\x14.hookwire.v1.Operand\"\x08\n\x06ZeroOp\"=\n\x07\x43lampOp\x12\x10\n\x03min\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x03max\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\x06\n\x04_minB\x06\n\x04_max\"$\n\x07NoiseOp\x12\x0b\n\x03std\x18\x01 \x01(\x01\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"6\n\x0cProjectOutOp\x12&\n\tdirection\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Tensor\"\x17\n\x07PatchOp\x12\x0c\n\x04slot\x18\x01 \x01(\t\"\x16\n\x06SaveOp\x12\x0c\n\x04slot\x18\x01 \x01(\t\"R\n\x08\x41\x66\x66ineOp\x12#\n\x06weight\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12!\n\x04\x62ias\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.Tensor\"y\n\x08LoreftOp\x12%\n\x08rotation\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12#\n\x06weight\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12!\n\x04\x62ias\x18\x03 \x01(\x0b\x32\x13.hookwire.v1.Tensor\"B\n\tNormAddOp\x12&\n\tdirection\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\"a\n\x06TopKOp\x12\'\n\ndirections\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12\t\n\x01k\x18\x02 \x01(\r\x12#\n\x04mode\x18\x03 \x01(\x0e\x32\x15.hookwire.v1.TopKMode\"\xa1\x01\n\x06Signal\x12\'\n\x04norm\x18\x01 \x01(\x0b\x32\x17.hookwire.v1.NormSignalH\x00\x12)\n\nprojection\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.TensorH\x00\x12)\n\x05probe\x18\x03 \x01(\x0b\x32\x18.hookwire.v1.ProbeSignalH\x00\x12\x10\n\x06stored\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x0c\n\nNormSignal\"Q\n\x0bProbeSignal\x12#\n\x06weight\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\x12\x0f\n\x07sigmoid\x18\x03 \x01(\x08\"i\n\tCondition\x12#\n\x06signal\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Signal\x12$\n\x03\x63mp\x18\x02 \x01(\x0e\x32\x17.hookwire.v1.Comparison\x12\x11\n\tthreshold\x18\x03 \x01(\x01\"V\n\rConditionalOp\x12$\n\x04when\x18\x01 \x01(\x0b\x32\x16.hookwire.v1.Condition\x12\x1f\n\x04then\x18\x02 \x01(\x0b\x32\x11.hookwire.v1.Rule\"h\n\x08SignalOp\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x06signal\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.Signal\x12)\n\x06reduce\x18\x03 \x01(\x0e\x32\x19.hookwire.v1.SignalReduce*P\n\x08TopKMode\x12\x1a\n\x16TOP_K_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fTOP_K_MODE_KEEP\x10\x01\x12\x13\n\x0fTOP_K_MODE_ZERO\x10\x02*t\n\nComparison\x12\x1a\n\x16\x43OMPARISON_UNSPECIFIED\x10\x00\x12\x11\n\rCOMPARISON_GT\x10\x01\x12\x11\n\rCOMPARISON_GE\x10\x02\x12\x11\n\rCOMPARISON_LT\x10\x03\x12\x11\n\rCOMPARISON_LE\x10\x04*t\n\x0cSignalReduce\x12\x1d\n\x19SIGNAL_REDUCE_UNSPECIFIED\x10\x00\x12\x16\n\x12SIGNAL_REDUCE_NONE\x10\x01\x12\x15\n\x11SIGNAL_REDUCE_MAX\x10\x02\x12\x16\n\x12SIGNAL_REDUCE_LAST\x10\x03*V\n\x07OnError\x12\x18\n\x14ON_ERROR_UNSPECIFIED\x10\x00\x12\x16\n\x12ON_ERROR_FAIL_CALL\x10\x01\x12\x19\n\x15ON_ERROR_DISABLE_HOOK\x10\x02*l\n\x0c\x43\x61ptureStage\x12\x1d\n\x19\x43\x41PTURE_STAGE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43\x41PTURE_STAGE_AFTER_RULES\x10\x01\x12\x1e\n\x1a\x43\x41PTURE_STAGE_BEFORE_RULES\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hookwire.v1.rule_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ONERROR']._serialized_start=872
-  _globals['_ONERROR']._serialized_end=958
-  _globals['_CAPTURESTAGE']._serialized_start=960
-  _globals['_CAPTURESTAGE']._serialized_end=1068
+  _globals['_TOPKMODE']._serialized_start=2064
+  _globals['_TOPKMODE']._serialized_end=2144
+  _globals['_COMPARISON']._serialized_start=2146
+  _globals['_COMPARISON']._serialized_end=2262
+  _globals['_SIGNALREDUCE']._serialized_start=2264
+  _globals['_SIGNALREDUCE']._serialized_end=2380
+  _globals['_ONERROR']._serialized_start=2382
+  _globals['_ONERROR']._serialized_end=2468
+  _globals['_CAPTURESTAGE']._serialized_start=2470
+  _globals['_CAPTURESTAGE']._serialized_end=2578
   _globals['_RULE']._serialized_start=66
-  _globals['_RULE']._serialized_end=459
-  _globals['_OPERAND']._serialized_start=461
-  _globals['_OPERAND']._serialized_end=535
-  _globals['_SCALEOP']._serialized_start=537
-  _globals['_SCALEOP']._serialized_end=562
-  _globals['_ADDOP']._serialized_start=564
-  _globals['_ADDOP']._serialized_end=608
-  _globals['_SETOP']._serialized_start=610
-  _globals['_SETOP']._serialized_end=654
-  _globals['_ZEROOP']._serialized_start=656
-  _globals['_ZEROOP']._serialized_end=664
-  _globals['_CLAMPOP']._serialized_start=666
-  _globals['_CLAMPOP']._serialized_end=727
-  _globals['_NOISEOP']._serialized_start=729
-  _globals['_NOISEOP']._serialized_end=765
-  _globals['_PROJECTOUTOP']._serialized_start=767
-  _globals['_PROJECTOUTOP']._serialized_end=821
-  _globals['_PATCHOP']._serialized_start=823
-  _globals['_PATCHOP']._serialized_end=846
-  _globals['_SAVEOP']._serialized_start=848
-  _globals['_SAVEOP']._serialized_end=870
+  _globals['_RULE']._serialized_end=715
+  _globals['_OPERAND']._serialized_start=717
+  _globals['_OPERAND']._serialized_end=791
+  _globals['_SCALEOP']._serialized_start=793
+  _globals['_SCALEOP']._serialized_end=818
+  _globals['_ADDOP']._serialized_start=820
+  _globals['_ADDOP']._serialized_end=864
+  _globals['_SETOP']._serialized_start=866
+  _globals['_SETOP']._serialized_end=910
+  _globals['_ZEROOP']._serialized_start=912
+  _globals['_ZEROOP']._serialized_end=920
+  _globals['_CLAMPOP']._serialized_start=922
+  _globals['_CLAMPOP']._serialized_end=983
+  _globals['_NOISEOP']._serialized_start=985
+  _globals['_NOISEOP']._serialized_end=1021
+  _globals['_PROJECTOUTOP']._serialized_start=1023
+  _globals['_PROJECTOUTOP']._serialized_end=1077
+  _globals['_PATCHOP']._serialized_start=1079
+  _globals['_PATCHOP']._serialized_end=1102
+  _globals['_SAVEOP']._serialized_start=1104
+  _globals['_SAVEOP']._serialized_end=1126
+  _globals['_AFFINEOP']._serialized_start=1128
+  _globals['_AFFINEOP']._serialized_end=1210
+  _globals['_LOREFTOP']._serialized_start=1212
+  _globals['_LOREFTOP']._serialized_end=1333
+  _globals['_NORMADDOP']._serialized_start=1335
+  _globals['_NORMADDOP']._serialized_end=1401
+  _globals['_TOPKOP']._serialized_start=1403
+  _globals['_TOPKOP']._serialized_end=1500
+  _globals['_SIGNAL']._serialized_start=1503
+  _globals['_SIGNAL']._serialized_end=1664
+  _globals['_NORMSIGNAL']._serialized_start=1666
+  _globals['_NORMSIGNAL']._serialized_end=1678
+  _globals['_PROBESIGNAL']._serialized_start=1680
+  _globals['_PROBESIGNAL']._serialized_end=1761
+  _globals['_CONDITION']._serialized_start=1763
+  _globals['_CONDITION']._serialized_end=1868
+  _globals['_CONDITIONALOP']._serialized_start=1870
+  _globals['_CONDITIONALOP']._serialized_end=1956
+  _globals['_SIGNALOP']._serialized_start=1958
+  _globals['_SIGNALOP']._serialized_end=2062
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,27 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TopKMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOP_K_MODE_UNSPECIFIED: _ClassVar[TopKMode]
+    TOP_K_MODE_KEEP: _ClassVar[TopKMode]
+    TOP_K_MODE_ZERO: _ClassVar[TopKMode]
+
+class Comparison(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPARISON_UNSPECIFIED: _ClassVar[Comparison]
+    COMPARISON_GT: _ClassVar[Comparison]
+    COMPARISON_GE: _ClassVar[Comparison]
+    COMPARISON_LT: _ClassVar[Comparison]
+    COMPARISON_LE: _ClassVar[Comparison]
+
+class SignalReduce(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SIGNAL_REDUCE_UNSPECIFIED: _ClassVar[SignalReduce]
+    SIGNAL_REDUCE_NONE: _ClassVar[SignalReduce]
+    SIGNAL_REDUCE_MAX: _ClassVar[SignalReduce]
+    SIGNAL_REDUCE_LAST: _ClassVar[SignalReduce]
+
 class OnError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ON_ERROR_UNSPECIFIED: _ClassVar[OnError]
@@ -18,6 +39,18 @@ class CaptureStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CAPTURE_STAGE_UNSPECIFIED: _ClassVar[CaptureStage]
     CAPTURE_STAGE_AFTER_RULES: _ClassVar[CaptureStage]
     CAPTURE_STAGE_BEFORE_RULES: _ClassVar[CaptureStage]
+TOP_K_MODE_UNSPECIFIED: TopKMode
+TOP_K_MODE_KEEP: TopKMode
+TOP_K_MODE_ZERO: TopKMode
+COMPARISON_UNSPECIFIED: Comparison
+COMPARISON_GT: Comparison
+COMPARISON_GE: Comparison
+COMPARISON_LT: Comparison
+COMPARISON_LE: Comparison
+SIGNAL_REDUCE_UNSPECIFIED: SignalReduce
+SIGNAL_REDUCE_NONE: SignalReduce
+SIGNAL_REDUCE_MAX: SignalReduce
+SIGNAL_REDUCE_LAST: SignalReduce
 ON_ERROR_UNSPECIFIED: OnError
 ON_ERROR_FAIL_CALL: OnError
 ON_ERROR_DISABLE_HOOK: OnError
@@ -26,7 +59,7 @@ CAPTURE_STAGE_AFTER_RULES: CaptureStage
 CAPTURE_STAGE_BEFORE_RULES: CaptureStage
 
 class Rule(_message.Message):
-    __slots__ = ("target", "index", "scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save")
+    __slots__ = ("target", "index", "scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", "affine", "loreft", "norm_add", "top_k", "conditional", "signal")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +71,12 @@ class Rule(_message.Message):
     PROJECT_OUT_FIELD_NUMBER: _ClassVar[int]
     PATCH_FIELD_NUMBER: _ClassVar[int]
     SAVE_FIELD_NUMBER: _ClassVar[int]
+    AFFINE_FIELD_NUMBER: _ClassVar[int]
+    LOREFT_FIELD_NUMBER: _ClassVar[int]
+    NORM_ADD_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    CONDITIONAL_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
     target: str
     index: str
     scale: ScaleOp
@@ -49,7 +88,13 @@ class Rule(_message.Message):
     project_out: ProjectOutOp
     patch: PatchOp
     save: SaveOp
-    def __init__(self, target: _Optional[str] = ..., index: _Optional[str] = ..., scale: _Optional[_Union[ScaleOp, _Mapping]] = ..., add: _Optional[_Union[AddOp, _Mapping]] = ..., set: _Optional[_Union[SetOp, _Mapping]] = ..., zero: _Optional[_Union[ZeroOp, _Mapping]] = ..., clamp: _Optional[_Union[ClampOp, _Mapping]] = ..., noise: _Optional[_Union[NoiseOp, _Mapping]] = ..., project_out: _Optional[_Union[ProjectOutOp, _Mapping]] = ..., patch: _Optional[_Union[PatchOp, _Mapping]] = ..., save: _Optional[_Union[SaveOp, _Mapping]] = ...) -> None: ...
+    affine: AffineOp
+    loreft: LoreftOp
+    norm_add: NormAddOp
+    top_k: TopKOp
+    conditional: ConditionalOp
+    signal: SignalOp
+    def __init__(self, target: _Optional[str] = ..., index: _Optional[str] = ..., scale: _Optional[_Union[ScaleOp, _Mapping]] = ..., add: _Optional[_Union[AddOp, _Mapping]] = ..., set: _Optional[_Union[SetOp, _Mapping]] = ..., zero: _Optional[_Union[ZeroOp, _Mapping]] = ..., clamp: _Optional[_Union[ClampOp, _Mapping]] = ..., noise: _Optional[_Union[NoiseOp, _Mapping]] = ..., project_out: _Optional[_Union[ProjectOutOp, _Mapping]] = ..., patch: _Optional[_Union[PatchOp, _Mapping]] = ..., save: _Optional[_Union[SaveOp, _Mapping]] = ..., affine: _Optional[_Union[AffineOp, _Mapping]] = ..., loreft: _Optional[_Union[LoreftOp, _Mapping]] = ..., norm_add: _Optional[_Union[NormAddOp, _Mapping]] = ..., top_k: _Optional[_Union[TopKOp, _Mapping]] = ..., conditional: _Optional[_Union[ConditionalOp, _Mapping]] = ..., signal: _Optional[_Union[SignalOp, _Mapping]] = ...) -> None: ...
 
 class Operand(_message.Message):
     __slots__ = ("scalar", "tensor")
@@ -114,3 +159,93 @@ class SaveOp(_message.Message):
     SLOT_FIELD_NUMBER: _ClassVar[int]
     slot: str
     def __init__(self, slot: _Optional[str] = ...) -> None: ...
+
+class AffineOp(_message.Message):
+    __slots__ = ("weight", "bias")
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    weight: _tensor_pb2.Tensor
+    bias: _tensor_pb2.Tensor
+    def __init__(self, weight: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bias: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class LoreftOp(_message.Message):
+    __slots__ = ("rotation", "weight", "bias")
+    ROTATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    rotation: _tensor_pb2.Tensor
+    weight: _tensor_pb2.Tensor
+    bias: _tensor_pb2.Tensor
+    def __init__(self, rotation: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., weight: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bias: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class NormAddOp(_message.Message):
+    __slots__ = ("direction", "alpha")
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    direction: _tensor_pb2.Tensor
+    alpha: float
+    def __init__(self, direction: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., alpha: _Optional[float] = ...) -> None: ...
+
+class TopKOp(_message.Message):
+    __slots__ = ("directions", "k", "mode")
+    DIRECTIONS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    directions: _tensor_pb2.Tensor
+    k: int
+    mode: TopKMode
+    def __init__(self, directions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ..., mode: _Optional[_Union[TopKMode, str]] = ...) -> None: ...
+
+class Signal(_message.Message):
+    __slots__ = ("norm", "projection", "probe", "stored")
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    PROJECTION_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    norm: NormSignal
+    projection: _tensor_pb2.Tensor
+    probe: ProbeSignal
+    stored: str
+    def __init__(self, norm: _Optional[_Union[NormSignal, _Mapping]] = ..., projection: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., probe: _Optional[_Union[ProbeSignal, _Mapping]] = ..., stored: _Optional[str] = ...) -> None: ...
+
+class NormSignal(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProbeSignal(_message.Message):
+    __slots__ = ("weight", "bias", "sigmoid")
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    SIGMOID_FIELD_NUMBER: _ClassVar[int]
+    weight: _tensor_pb2.Tensor
+    bias: float
+    sigmoid: bool
+    def __init__(self, weight: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bias: _Optional[float] = ..., sigmoid: _Optional[bool] = ...) -> None: ...
+
+class Condition(_message.Message):
+    __slots__ = ("signal", "cmp", "threshold")
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    CMP_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    signal: Signal
+    cmp: Comparison
+    threshold: float
+    def __init__(self, signal: _Optional[_Union[Signal, _Mapping]] = ..., cmp: _Optional[_Union[Comparison, str]] = ..., threshold: _Optional[float] = ...) -> None: ...
+
+class ConditionalOp(_message.Message):
+    __slots__ = ("when", "then")
+    WHEN_FIELD_NUMBER: _ClassVar[int]
+    THEN_FIELD_NUMBER: _ClassVar[int]
+    when: Condition
+    then: Rule
+    def __init__(self, when: _Optional[_Union[Condition, _Mapping]] = ..., then: _Optional[_Union[Rule, _Mapping]] = ...) -> None: ...
+
+class SignalOp(_message.Message):
+    __slots__ = ("name", "signal", "reduce")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    signal: Signal
+    reduce: SignalReduce
+    def __init__(self, name: _Optional[str] = ..., signal: _Optional[_Union[Signal, _Mapping]] = ..., reduce: _Optional[_Union[SignalReduce, str]] = ...) -> None: ...

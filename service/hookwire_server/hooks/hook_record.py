@@ -76,10 +76,7 @@ class HookRecord:
         self.spec = _without_operand_data(spec)
         self.compiled = compiled
         #: Bytes of the rule operands ``compiled`` holds (what a listing with their data encodes).
-        self.operand_bytes = sum(
-            rule.tensor.numel() * rule.tensor.element_size()
-            for action in compiled.actions for rule in action.rules if rule.tensor is not None
-        )
+        self.operand_bytes = sum(rule.operand_bytes() for action in compiled.actions for rule in action.rules)
         self.session_id = session_id
         self.request_id = request_id
         #: Where events go; replaced, never mutated, so hook threads read it without a lock.
@@ -302,7 +299,8 @@ class HookRecord:
             self._capture(action, path, p, call_index, training, parts)
         try:
             new_parts, changed = apply_rules(
-                action.rules, parts, self.slots, f"hook {self.hook_id} on module {path!r} of {self.host.name!r}"
+                action.rules, parts, self.slots, f"hook {self.hook_id} on module {path!r} of {self.host.name!r}",
+                p.signals,
             )
         except RuleFailure as failure:
             self.errors += 1
@@ -480,8 +478,8 @@ class HookRecord:
             fields = {info.phase: info.field for info in PHASES}
             for action in self.compiled.actions:
                 rules = {rule.position: rule for rule in action.rules}
-                for position, tensor_msg in operand_tensors(getattr(msg.spec, fields[action.phase]).rules):
-                    operand = rules[position].tensor
+                for position, path, tensor_msg in operand_tensors(getattr(msg.spec, fields[action.phase]).rules):
+                    operand = rules[position].operands.get(path)
                     if operand is not None:
                         tensor_msg.Clear()  # dtype and shape are set again, with the data
                         codec.encode_tensor_into(operand, tensor_msg)
@@ -498,7 +496,7 @@ def _without_operand_data(spec: hook_pb2.HookSpec) -> hook_pb2.HookSpec:
     """
     for info in PHASES:
         if spec.HasField(info.field):  # type: ignore[arg-type]
-            for _, tensor_msg in operand_tensors(getattr(spec, info.field).rules):
+            for _, _, tensor_msg in operand_tensors(getattr(spec, info.field).rules):
                 tensor_msg.data = b""
     out = hook_pb2.HookSpec()
     out.CopyFrom(spec)

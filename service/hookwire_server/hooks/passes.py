@@ -69,6 +69,9 @@ class Pass:
         #: parts) on the worker thread; None: events.
         self.tap: Callable[[str, Any, str, int, dict[str, Any]], None] | None = None
         self._events_in_step = 0
+        #: Signals the call's hooks kept in the running pass (rules' SignalOp writes them,
+        #: their conditions read them); emptied when a pass begins.
+        self.signals: dict[str, Any] = {}
         self._calls: dict[tuple[str, str, int], int] = {}
         self._seqs: dict[str, int] = {}
         #: Session and subscription streams this call offered events to (ordered set), and
@@ -99,6 +102,7 @@ class Pass:
         self.step = step
         self._calls.clear()
         self._events_in_step = 0
+        self.signals = {}
 
     def next_call_index(self, hook_id: str, path: str, phase: int) -> int:
         """0 for a hook's first fire on a module in a phase in this pass, then 1, 2, ..."""
@@ -186,6 +190,7 @@ class Pass:
             return
         seqs, calls, events, kept, streams, spliced = self._checkpoint
         self._seqs, self._calls, self._events_in_step, self._streams = seqs, calls, events, streams
+        self.signals = {}  # the call runs the pass again: its hooks keep them again
         del self.response.events[kept:]
         if self.splicer is not None:
             self.splicer.forget_after(spliced)

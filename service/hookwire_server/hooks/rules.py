@@ -12,8 +12,18 @@ torch.randn(x.shape, generator=torch.Generator(x.device).manual_seed(seed), dtyp
 device=x.device)``; project_out ``x - (x @ d).unsqueeze(-1) * d`` with ``d = dir /
 torch.linalg.vector_norm(dir)``; patch ``s.expand(x.shape).clone()`` where ``s`` is the slot's
 tensor, or ``slot[index]`` when the slot holds a tensor of the target's whole shape (a saved
-activation patched at the same positions). Tensor operands are cast to the target's dtype and
-device. ``save`` stores ``t[index]``.
+activation patched at the same positions); affine ``F.linear(x, W, b)``; loreft ``x +
+(F.linear(x, W, b) - F.linear(x, R)) @ R``; norm_add ``x + alpha * |x| * v / |v|`` (``|x|``
+the norm along the last dimension, kept); top_k ``x - (f * m) @ P`` with ``f = x @ P.T``
+and ``m`` the features removed (all but the k largest, or the k largest); conditional
+``torch.where(mask[..., None], op(x), x)`` with ``mask = signal(x) cmp threshold`` per
+position. Tensor operands are cast to the target's dtype and device. ``save`` stores
+``t[index]``; ``signal`` keeps ``signal(t[index])`` (reduced over positions as it says) for
+the call's later hooks in the same pass.
+
+Every tensor operand of a rule is known by its field path in the Rule message (e.g.
+``add.value.tensor``, ``conditional.then.affine.weight``): ``CompiledRule.operands``
+holds the one decoded copy of each, and ``operand_tensors`` finds them in a message.
 """
 
 from __future__ import annotations
@@ -25,9 +35,10 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from hookwire.wire import codec
-from hookwire.v1 import hook_pb2
+from hookwire.v1 import hook_pb2, rule_pb2, tensor_pb2
 
 from ..errors import FailedPrecondition, HookwireServerError, InvalidArgument
 from .selection import Index, SelectionError, parse_selection
@@ -48,6 +59,20 @@ READABLE: dict[int, frozenset[str]] = {
     hook_pb2.PHASE_BACKWARD: frozenset({"grad_input", "grad_output"}),
 }
 _SEQUENCE_ROOTS = frozenset({"args", "grad_input", "grad_output"})
+#: Rules that read their target and change nothing.
+READERS = frozenset({"save", "signal"})
+#: Operations a conditional may apply (it applies them to its own target and index).
+CONDITIONAL_OPS = ("scale", "add", "set", "zero", "clamp", "noise", "project_out", "affine", "loreft", "norm_add",
+                   "top_k")
+#: Every operation, in the Rule.op oneof's order (named in error messages).
+OPS = ("scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", "affine", "loreft",
+       "norm_add", "top_k", "conditional", "signal")
+#: How far LoReFT's rotation rows may be from orthonormal: |R R^T - I| (largest entry).
+ORTHONORMAL_TOLERANCE = 1e-3
+_COMPARE: dict[int, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    rule_pb2.COMPARISON_GT: torch.gt, rule_pb2.COMPARISON_GE: torch.ge,
+    rule_pb2.COMPARISON_LT: torch.lt, rule_pb2.COMPARISON_LE: torch.le,
+}
 
 
 class RuleFailure(Exception):
@@ -150,12 +175,40 @@ class CompiledRule:
     slot: str = ""
     #: project_out: ``tensor`` is the direction as registered; it is normalized as it is cast.
     normalize: bool = False
+    #: Every tensor operand of the rule by its field path in the Rule message (its one
+    #: decoded copy, as registered; ``tensor`` is one of them).
+    operands: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: The new operations' tensors by role (weight, bias, rotation, direction, directions).
+    named: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: norm_add's alpha; top_k's k and mode.
+    alpha: float = 0.0
+    k: int = 0
+    mode: int = 0
+    #: conditional: the operation it applies, and when.
+    inner: CompiledRule | None = None
+    condition: CompiledCondition | None = None
+    #: signal: what it keeps, and how it reduces it.
+    signal: CompiledSignal | None = None
+    reduce: int = 0
     _cast: dict[tuple[torch.dtype, torch.device], torch.Tensor] = dataclasses.field(default_factory=dict)
+    _cast_named: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def modifies(self) -> bool:
-        """False for `save`, which only reads."""
-        return self.kind != "save"
+        """False for `save` and `signal`, which only read."""
+        return self.kind not in READERS
+
+    def operand_bytes(self) -> int:
+        """Bytes of the tensor operands the rule holds."""
+        return sum(t.numel() * t.element_size() for t in self.operands.values())
+
+    def _tensor(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Operand ``name`` in ``x``'s dtype and on its device (cast once per dtype and device)."""
+        key = (name, x.dtype, x.device)
+        cast = self._cast_named.get(key)
+        if cast is None:
+            cast = self._cast_named[key] = self.named[name].to(dtype=x.dtype, device=x.device)
+        return cast
 
     def describe(self) -> str:
         """e.g. "rule 1 (zero on output.0[:, 3])"."""
@@ -175,7 +228,7 @@ class CompiledRule:
             cast = self._cast[key] = base.to(dtype=x.dtype, device=x.device)
         return cast
 
-    def _op(self, x: torch.Tensor, slots: SlotStore | None) -> torch.Tensor:
+    def _op(self, x: torch.Tensor, slots: SlotStore | None, signals: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         kind = self.kind
         if kind == "scale":
             return x * self.factor
@@ -197,6 +250,27 @@ class CompiledRule:
         if kind == "project_out":
             d = self._operand(x)
             return x - (x @ d).unsqueeze(-1) * d
+        if kind == "affine":
+            return F.linear(x, self._tensor("weight", x), self._tensor("bias", x) if "bias" in self.named else None)
+        if kind == "loreft":
+            r = self._tensor("rotation", x)
+            edited = F.linear(x, self._tensor("weight", x), self._tensor("bias", x) if "bias" in self.named else None)
+            return x + (edited - F.linear(x, r)) @ r
+        if kind == "norm_add":
+            v = self._tensor("direction", x)
+            return x + self.alpha * torch.linalg.vector_norm(x, dim=-1, keepdim=True) * v
+        if kind == "top_k":
+            p = self._tensor("directions", x)
+            f = x @ p.T
+            if self.k > f.shape[-1]:
+                raise InvalidArgument(f"top_k.k {self.k} is more than the {f.shape[-1]} features")
+            top = torch.zeros_like(f, dtype=torch.bool).scatter_(-1, f.topk(self.k, dim=-1).indices, True)
+            removed = ~top if self.mode == rule_pb2.TOP_K_MODE_KEEP else top
+            return x - (f * removed) @ p
+        if kind == "conditional":
+            assert self.inner is not None and self.condition is not None
+            mask = self.condition.holds(x, signals)
+            return torch.where(mask.unsqueeze(-1), self.inner._op(x, slots, signals), x)
         raise AssertionError(kind)  # pragma: no cover
 
     def _patch(self, t: torch.Tensor, slots: SlotStore | None) -> torch.Tensor:
@@ -215,21 +289,88 @@ class CompiledRule:
         new[self.index] = value
         return new
 
-    def apply(self, x: Any, slots: SlotStore | None) -> Any:
-        """The new value of the target (``x`` itself for save)."""
+    def apply(self, x: Any, slots: SlotStore | None, signals: dict[str, torch.Tensor] | None = None) -> Any:
+        """The new value of the target (``x`` itself for save and signal). ``signals``: the
+        call's signals of the running pass (SignalOp writes them, conditions read them)."""
         if not isinstance(x, torch.Tensor):
             raise InvalidArgument(f"the target is a {type(x).__name__}, not a tensor")
         if self.kind == "save":
             assert slots is not None
             slots.save(self.slot, x if self.index is None else x[self.index])
             return x
+        if self.kind == "signal":
+            assert self.signal is not None
+            if signals is None:
+                raise FailedPrecondition("signals are kept per call and pass; this hook runs outside one")
+            value = self.signal.value(x if self.index is None else x[self.index], signals)
+            signals[self.slot] = _reduced(value, self.reduce).detach()
+            return x
         if self.kind == "patch":
             return self._patch(x, slots)
         if self.index is None:
-            return self._op(x, slots)
+            return self._op(x, slots, signals)
         new = x.clone()
-        new[self.index] = self._op(x[self.index], slots)
+        new[self.index] = self._op(x[self.index], slots, signals)
         return new
+
+
+def _reduced(value: torch.Tensor, reduce: int) -> torch.Tensor:
+    """A signal per position reduced over positions (the last dimension of ``value``)."""
+    if value.dim() == 0 or reduce in (rule_pb2.SIGNAL_REDUCE_UNSPECIFIED, rule_pb2.SIGNAL_REDUCE_NONE):
+        return value
+    if reduce == rule_pb2.SIGNAL_REDUCE_MAX:
+        return value.amax(dim=-1, keepdim=True)
+    return value[..., -1:]
+
+
+@dataclasses.dataclass
+class CompiledSignal:
+    """A validated Signal (see rule.proto): what it computes from a target."""
+
+    kind: str
+    tensor: torch.Tensor | None = None
+    bias: float = 0.0
+    sigmoid: bool = False
+    stored: str = ""
+    _cast: dict[tuple[torch.dtype, torch.device], torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def value(self, x: torch.Tensor, signals: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """The signal of each position of ``x`` (its shape without the last dimension)."""
+        if self.kind == "stored":
+            kept = None if signals is None else signals.get(self.stored)
+            if kept is None:
+                raise FailedPrecondition(f"no signal {self.stored!r} was kept in this pass of the call "
+                                         "(a SignalOp of a hook that fires earlier in the pass keeps it)")
+            return kept.to(x.device)
+        if self.kind == "norm":
+            return torch.linalg.vector_norm(x, dim=-1)
+        assert self.tensor is not None
+        key = (x.dtype, x.device)
+        w = self._cast.get(key)
+        if w is None:
+            base = self.tensor / torch.linalg.vector_norm(self.tensor) if self.kind == "projection" else self.tensor
+            w = self._cast[key] = base.to(dtype=x.dtype, device=x.device)
+        score = x @ w
+        if self.kind == "probe":
+            score = score + self.bias
+            if self.sigmoid:
+                score = torch.sigmoid(score)
+        return score
+
+
+@dataclasses.dataclass
+class CompiledCondition:
+    """A validated Condition: ``signal cmp threshold``."""
+
+    signal: CompiledSignal
+    cmp: int
+    threshold: float
+
+    def holds(self, x: torch.Tensor, signals: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """Where the condition holds: a boolean per position of ``x`` (broadcast to them)."""
+        value = self.signal.value(x, signals)
+        mask = _COMPARE[self.cmp](value, self.threshold)
+        return mask.expand(x.shape[:-1]) if mask.shape != x.shape[:-1] else mask
 
 
 def compile_rules(
@@ -241,9 +382,9 @@ def compile_rules(
         where = f"{phase_field}.rules[{i}]"
         kind = rule.WhichOneof("op")
         if kind is None:
-            raise InvalidArgument(f"{where}: no operation (set one of scale, add, set, zero, clamp, noise, project_out, patch, save)")
+            raise InvalidArgument(f"{where}: no operation (set one of {', '.join(OPS)})")
         try:
-            target = parse_target(rule.target, phase_field, phase, reading=kind == "save", with_kwargs=with_kwargs)
+            target = parse_target(rule.target, phase_field, phase, reading=kind in READERS, with_kwargs=with_kwargs)
         except InvalidArgument as exc:
             raise InvalidArgument(f"{where}.target: {exc}") from None
         index = None
@@ -253,56 +394,202 @@ def compile_rules(
             except SelectionError as exc:
                 raise InvalidArgument(f"{where}.index: {exc}") from None
         out = CompiledRule(position=i, kind=kind, target=target, index=index, index_text=rule.index)
-        op = getattr(rule, kind)
-        if kind == "scale":
-            out.factor = _finite(op.factor, f"{where}.scale.factor")
-        elif kind in ("add", "set"):
-            if not op.HasField("value"):
-                raise InvalidArgument(f"{where}.{kind}.value: missing")
-            if op.value.WhichOneof("kind") == "tensor":
-                out.tensor = _decode(op.value.tensor, f"{where}.{kind}.value.tensor", device)
-            else:
-                out.scalar = _finite(op.value.scalar, f"{where}.{kind}.value.scalar")
-        elif kind == "clamp":
-            if not (op.HasField("min") or op.HasField("max")):
-                raise InvalidArgument(f"{where}.clamp: set min, max or both")
-            out.lo = _finite(op.min, f"{where}.clamp.min") if op.HasField("min") else None
-            out.hi = _finite(op.max, f"{where}.clamp.max") if op.HasField("max") else None
-            if out.lo is not None and out.hi is not None and out.lo > out.hi:
-                raise InvalidArgument(f"{where}.clamp: min {out.lo} is above max {out.hi}")
-        elif kind == "noise":
-            out.std = _finite(op.std, f"{where}.noise.std")
-            if out.std < 0:
-                raise InvalidArgument(f"{where}.noise.std: {out.std} is negative")
-            out.seed = op.seed
-        elif kind == "project_out":
-            direction = _decode(op.direction, f"{where}.project_out.direction", device)
-            if direction.dim() != 1 or not direction.is_floating_point():
-                raise InvalidArgument(f"{where}.project_out.direction: must be a 1-D floating-point tensor")
-            norm = torch.linalg.vector_norm(direction)
-            if not bool(torch.isfinite(norm)) or float(norm) == 0.0:
-                raise InvalidArgument(f"{where}.project_out.direction: must be finite and not all zeros")
-            out.tensor, out.normalize = direction, True
-        elif kind in ("patch", "save"):
-            if not op.slot:
-                raise InvalidArgument(f"{where}.{kind}.slot: name a slot")
-            out.slot = op.slot
+        _compile_op(out, rule, where, device, "")
         compiled.append(out)
     return tuple(compiled)
 
 
-def operand_tensors(rules: Any) -> list[tuple[int, Any]]:
-    """(rule position, Tensor message) of each tensor operand in a HookAction's ``rules``."""
-    out = []
+def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, path: str) -> None:
+    """Fills ``out`` with ``rule``'s operation, validated; ``path``: the rule's own field
+    path in the top rule (operands are keyed by their full path)."""
+    kind = out.kind
+    op = getattr(rule, kind)
+    here = f"{where}.{kind}"
+
+    def tensor(field: str, *, required: bool = True) -> torch.Tensor | None:
+        if not op.HasField(field):
+            if required:
+                raise InvalidArgument(f"{here}.{field}: missing")
+            return None
+        value = _decode(getattr(op, field), f"{here}.{field}", device)
+        if not value.is_floating_point():
+            raise InvalidArgument(f"{here}.{field}: must be a floating-point tensor, not {value.dtype}")
+        if not bool(torch.isfinite(value).all()):
+            raise InvalidArgument(f"{here}.{field}: must be finite")
+        out.operands[f"{path}{kind}.{field}"] = value
+        return value
+
+    if kind == "scale":
+        out.factor = _finite(op.factor, f"{here}.factor")
+    elif kind in ("add", "set"):
+        if not op.HasField("value"):
+            raise InvalidArgument(f"{here}.value: missing")
+        if op.value.WhichOneof("kind") == "tensor":
+            out.tensor = _decode(op.value.tensor, f"{here}.value.tensor", device)
+            out.operands[f"{path}{kind}.value.tensor"] = out.tensor
+        else:
+            out.scalar = _finite(op.value.scalar, f"{here}.value.scalar")
+    elif kind == "clamp":
+        if not (op.HasField("min") or op.HasField("max")):
+            raise InvalidArgument(f"{here}: set min, max or both")
+        out.lo = _finite(op.min, f"{here}.min") if op.HasField("min") else None
+        out.hi = _finite(op.max, f"{here}.max") if op.HasField("max") else None
+        if out.lo is not None and out.hi is not None and out.lo > out.hi:
+            raise InvalidArgument(f"{here}: min {out.lo} is above max {out.hi}")
+    elif kind == "noise":
+        out.std = _finite(op.std, f"{here}.std")
+        if out.std < 0:
+            raise InvalidArgument(f"{here}.std: {out.std} is negative")
+        out.seed = op.seed
+    elif kind == "project_out":
+        direction = _decode(op.direction, f"{here}.direction", device)
+        if direction.dim() != 1 or not direction.is_floating_point():
+            raise InvalidArgument(f"{here}.direction: must be a 1-D floating-point tensor")
+        norm = torch.linalg.vector_norm(direction)
+        if not bool(torch.isfinite(norm)) or float(norm) == 0.0:
+            raise InvalidArgument(f"{here}.direction: must be finite and not all zeros")
+        out.tensor, out.normalize = direction, True
+        out.operands[f"{path}project_out.direction"] = direction
+    elif kind in ("patch", "save"):
+        if not op.slot:
+            raise InvalidArgument(f"{here}.slot: name a slot")
+        out.slot = op.slot
+    elif kind == "affine":
+        weight = tensor("weight")
+        assert weight is not None
+        bias = tensor("bias", required=False)
+        if weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
+            raise InvalidArgument(f"{here}.weight: must be square [d, d] (the target keeps its shape), not {list(weight.shape)}")
+        out.named["weight"] = weight
+        if bias is not None:
+            if list(bias.shape) != [weight.shape[0]]:
+                raise InvalidArgument(f"{here}.bias: must be [{weight.shape[0]}], not {list(bias.shape)}")
+            out.named["bias"] = bias
+    elif kind == "loreft":
+        rotation, weight = tensor("rotation"), tensor("weight")
+        assert rotation is not None and weight is not None
+        if rotation.dim() != 2 or not 1 <= rotation.shape[0] <= rotation.shape[1]:
+            raise InvalidArgument(f"{here}.rotation: must be [r, d] with 1 <= r <= d, not {list(rotation.shape)}")
+        if list(weight.shape) != list(rotation.shape):
+            raise InvalidArgument(f"{here}.weight: must be the rotation's shape {list(rotation.shape)}, not {list(weight.shape)}")
+        gram = rotation.double() @ rotation.double().T
+        off = float((gram - torch.eye(rotation.shape[0], dtype=torch.float64, device=gram.device)).abs().max())
+        if off > ORTHONORMAL_TOLERANCE:
+            raise InvalidArgument(f"{here}.rotation: its rows must be orthonormal (R R^T is {off:.3g} from the "
+                                  f"identity; at most {ORTHONORMAL_TOLERANCE:g})")
+        out.named["rotation"], out.named["weight"] = rotation, weight
+        shift = tensor("bias", required=False)
+        if shift is not None:
+            if list(shift.shape) != [rotation.shape[0]]:
+                raise InvalidArgument(f"{here}.bias: must be [{rotation.shape[0]}], not {list(shift.shape)}")
+            out.named["bias"] = shift
+    elif kind == "norm_add":
+        vector = tensor("direction")
+        assert vector is not None
+        norm = torch.linalg.vector_norm(vector)
+        if vector.dim() != 1 or float(norm) == 0.0:
+            raise InvalidArgument(f"{here}.direction: must be 1-D and not all zeros")
+        out.named["direction"] = vector / norm
+        out.alpha = _finite(op.alpha, f"{here}.alpha")
+    elif kind == "top_k":
+        directions = tensor("directions")
+        assert directions is not None
+        if directions.dim() != 2 or directions.shape[0] == 0:
+            raise InvalidArgument(f"{here}.directions: must be [n, d] with n >= 1, not {list(directions.shape)}")
+        if not 1 <= op.k <= directions.shape[0]:
+            raise InvalidArgument(f"{here}.k: {op.k} is outside 1..{directions.shape[0]} (the features)")
+        if op.mode not in (rule_pb2.TOP_K_MODE_KEEP, rule_pb2.TOP_K_MODE_ZERO):
+            raise InvalidArgument(f"{here}.mode: set TOP_K_MODE_KEEP or TOP_K_MODE_ZERO")
+        out.named["directions"], out.k, out.mode = directions, op.k, op.mode
+    elif kind == "conditional":
+        if path:
+            raise InvalidArgument(f"{here}: a conditional cannot be inside another")
+        if not op.HasField("when"):
+            raise InvalidArgument(f"{here}.when: missing")
+        out.condition = _compile_condition(op.when, f"{here}.when", device, out, f"{path}conditional.when.")
+        if not op.HasField("then"):
+            raise InvalidArgument(f"{here}.then: missing")
+        inner_kind = op.then.WhichOneof("op")
+        if inner_kind not in CONDITIONAL_OPS:
+            raise InvalidArgument(f"{here}.then: one of {', '.join(CONDITIONAL_OPS)}, not {inner_kind or 'no operation'}")
+        if op.then.target or op.then.index:
+            raise InvalidArgument(f"{here}.then: the conditional's target and index apply; set none of its own")
+        inner = CompiledRule(position=out.position, kind=inner_kind, target=out.target, index=None, index_text="")
+        _compile_op(inner, op.then, f"{here}.then", device, f"{path}conditional.then.")
+        out.operands.update(inner.operands)
+        out.inner = inner
+    elif kind == "signal":
+        if not op.name:
+            raise InvalidArgument(f"{here}.name: name the signal")
+        if not op.HasField("signal"):
+            raise InvalidArgument(f"{here}.signal: missing")
+        if op.signal.WhichOneof("kind") == "stored":
+            raise InvalidArgument(f"{here}.signal: compute one (norm, projection, probe), not a stored one")
+        if op.reduce not in rule_pb2.SignalReduce.values():
+            raise InvalidArgument(f"{here}.reduce: unknown {op.reduce}")
+        out.slot, out.reduce = op.name, op.reduce
+        out.signal = _compile_signal(op.signal, f"{here}.signal", device, out, f"{path}signal.signal.")
+
+
+def _compile_signal(msg: Any, where: str, device: torch.device, out: CompiledRule, path: str) -> CompiledSignal:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument(f"{where}: set one of norm, projection, probe, stored")
+    if kind == "norm":
+        return CompiledSignal("norm")
+    if kind == "stored":
+        if not msg.stored:
+            raise InvalidArgument(f"{where}.stored: name the signal")
+        return CompiledSignal("stored", stored=msg.stored)
+    field = msg.projection if kind == "projection" else msg.probe.weight
+    name = "projection" if kind == "projection" else "probe.weight"
+    if kind == "probe" and not msg.probe.HasField("weight"):
+        raise InvalidArgument(f"{where}.probe.weight: missing")
+    vector = _decode(field, f"{where}.{name}", device)
+    if vector.dim() != 1 or not vector.is_floating_point() or not bool(torch.isfinite(vector).all()):
+        raise InvalidArgument(f"{where}.{name}: must be a finite 1-D floating-point tensor")
+    if kind == "projection" and float(torch.linalg.vector_norm(vector)) == 0.0:
+        raise InvalidArgument(f"{where}.projection: must not be all zeros")
+    out.operands[f"{path}{name}"] = vector
+    if kind == "projection":
+        return CompiledSignal("projection", tensor=vector)
+    return CompiledSignal("probe", tensor=vector, bias=_finite(msg.probe.bias, f"{where}.probe.bias"),
+                          sigmoid=msg.probe.sigmoid)
+
+
+def _compile_condition(msg: Any, where: str, device: torch.device, out: CompiledRule, path: str) -> CompiledCondition:
+    if not msg.HasField("signal"):
+        raise InvalidArgument(f"{where}.signal: missing")
+    if msg.cmp not in _COMPARE:
+        raise InvalidArgument(f"{where}.cmp: set one of COMPARISON_GT, COMPARISON_GE, COMPARISON_LT, COMPARISON_LE")
+    signal = _compile_signal(msg.signal, f"{where}.signal", device, out, f"{path}signal.")
+    return CompiledCondition(signal, msg.cmp, _finite(msg.threshold, f"{where}.threshold"))
+
+
+def operand_tensors(rules: Any) -> list[tuple[int, str, Any]]:
+    """(rule position, field path, Tensor message) of each tensor operand in a
+    HookAction's ``rules``: every Tensor message inside each rule's operation (the path
+    CompiledRule.operands knows it by)."""
+    out: list[tuple[int, str, Any]] = []
     for i, rule in enumerate(rules):
         kind = rule.WhichOneof("op")
-        if kind in ("add", "set"):
-            op = getattr(rule, kind)
-            if op.HasField("value") and op.value.WhichOneof("kind") == "tensor":
-                out.append((i, op.value.tensor))
-        elif kind == "project_out" and rule.project_out.HasField("direction"):
-            out.append((i, rule.project_out.direction))
+        if kind is not None:
+            _tensors_in(getattr(rule, kind), f"{kind}.", i, out)
     return out
+
+
+def _tensors_in(msg: Any, path: str, position: int, out: list[tuple[int, str, Any]]) -> None:
+    for field, value in msg.ListFields():
+        if field.message_type is None or field.is_repeated:
+            continue
+        if field.message_type.full_name == tensor_pb2.Tensor.DESCRIPTOR.full_name:
+            out.append((position, f"{path}{field.name}", value))
+        elif field.message_type.full_name == rule_pb2.Rule.DESCRIPTOR.full_name:
+            kind = value.WhichOneof("op")
+            if kind is not None:
+                _tensors_in(getattr(value, kind), f"{path}{field.name}.{kind}.", position, out)
+        else:
+            _tensors_in(value, f"{path}{field.name}.", position, out)
 
 
 def _finite(value: float, where: str) -> float:
@@ -320,8 +607,10 @@ def _decode(msg: Any, where: str, device: torch.device) -> torch.Tensor:
 
 def apply_rules(
     rules: tuple[CompiledRule, ...], parts: dict[str, Any], slots: SlotStore | None, where: str,
+    signals: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, Any], set[str]]:
-    """Applies rules in order to the hook's parts; returns the new parts and the roots changed.
+    """Applies rules in order to the hook's parts; returns the new parts and the roots
+    changed. ``signals``: the call's signals of the running pass (Pass.signals).
 
     Raises RuleFailure carrying the domain error (naming ``where`` and the rule).
     """
@@ -329,7 +618,7 @@ def apply_rules(
     for rule in rules:
         root = rule.target.root
         try:
-            new_root = _replace(parts[root], rule.target.path, lambda x: rule.apply(x, slots), rule.target.text)
+            new_root = _replace(parts[root], rule.target.path, lambda x: rule.apply(x, slots, signals), rule.target.text)
         except HookwireServerError as exc:
             raise RuleFailure(type(exc)(f"{where}: {rule.describe()} failed: {exc}")) from None
         except (IndexError, RuntimeError, ValueError, TypeError) as exc:

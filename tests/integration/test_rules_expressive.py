@@ -1,0 +1,203 @@
+"""The expressive rules (issue 25's first part): learned and low-rank maps, norm-relative
+steering, top-k ablations, conditions, and signals one hook keeps for a later hook of the
+same call. Each equals the same edit done by an in-process torch hook, bit for bit, also
+with an index and through backward; a condition leaves the positions where it does not
+hold untouched; a signal never reaches another call's hooks; bad operands are refused
+at registration with INVALID_ARGUMENT naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+import hookwire
+import lm_oracle as oracle
+from hookwire import rules
+from support import assert_same, local_models
+
+G = torch.Generator().manual_seed(25)
+X = torch.randn(4, 8, generator=G)
+GRAD = torch.randn(4, 4, generator=G)
+D = 32  # mlp's fc1 output width
+W = torch.randn(D, D, generator=G) / D ** 0.5
+B = torch.randn(D, generator=G)
+R = torch.linalg.qr(torch.randn(D, 4, generator=G)).Q.T.contiguous()  # [4, 32], orthonormal rows
+LW = torch.randn(4, D, generator=G)
+LB = torch.randn(4, generator=G)
+V = torch.randn(D, generator=G)
+P = torch.randn(6, D, generator=G)
+PROBE = torch.randn(D, generator=G)
+
+
+def _topk(x: torch.Tensor, k: int, keep: bool) -> torch.Tensor:
+    f = x @ P.T
+    top = torch.zeros_like(f, dtype=torch.bool).scatter_(-1, f.topk(k, dim=-1).indices, True)
+    return x - (f * (~top if keep else top)) @ P
+
+
+# name -> (SDK rule on "output", the in-process edit of the selected tensor)
+OPS: dict[str, tuple[Any, Any]] = {
+    "affine": (lambda i: rules.affine("output", W, B, index=i), lambda x: torch.nn.functional.linear(x, W, B)),
+    "affine_no_bias": (lambda i: rules.affine("output", W, index=i), lambda x: torch.nn.functional.linear(x, W)),
+    "loreft": (lambda i: rules.loreft("output", R, LW, LB, index=i),
+               lambda x: x + (torch.nn.functional.linear(x, LW, LB) - torch.nn.functional.linear(x, R)) @ R),
+    "norm_add": (lambda i: rules.norm_add("output", V, 0.75, index=i),
+                 lambda x: x + 0.75 * torch.linalg.vector_norm(x, dim=-1, keepdim=True) * (V / torch.linalg.vector_norm(V))),
+    "top_k_keep": (lambda i: rules.top_k("output", P, 2, mode="keep", index=i), lambda x: _topk(x, 2, True)),
+    "top_k_zero": (lambda i: rules.top_k("output", P, 2, mode="zero", index=i), lambda x: _topk(x, 2, False)),
+    "when_norm": (lambda i: rules.when(rules.norm() > 4.0, rules.scale("output", -3.0, index=i)),
+                  lambda x: torch.where((torch.linalg.vector_norm(x, dim=-1) > 4.0).unsqueeze(-1), x * -3.0, x)),
+    "when_probe": (lambda i: rules.when(rules.probe(PROBE, 0.1, sigmoid=True) >= 0.01, rules.add("output", V, index=i)),
+                   lambda x: torch.where((torch.sigmoid(x @ PROBE + 0.1) >= 0.01).unsqueeze(-1), x + V, x)),
+    "when_projection": (lambda i: rules.when(rules.projection(V) > 0.0, rules.affine("output", W, index=i)),
+                        lambda x: torch.where((x @ (V / torch.linalg.vector_norm(V)) > 0.0).unsqueeze(-1),
+                                              torch.nn.functional.linear(x, W), x)),
+}
+INDEXES = {None: None, "[1:3]": slice(1, 3)}
+
+
+def _local(edit: Any, index: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    model = local_models()["mlp"]
+
+    def hook(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if index is None:
+            return edit(out)
+        new = out.clone()
+        new[index] = edit(out[index])
+        return new
+
+    model.fc1.register_forward_hook(hook)
+    x = X.clone().requires_grad_(True)
+    out = model(x)
+    out.backward(GRAD)
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("index_text", list(INDEXES))
+@pytest.mark.parametrize("name", list(OPS))
+async def test_each_new_op_equals_the_in_process_edit_with_its_gradients(client, name: str, index_text: str | None) -> None:
+    build, edit = OPS[name]
+    expected_out, expected_grad = _local(edit, INDEXES[index_text])
+    result = await client.model("mlp").infer(
+        X, hooks=[hookwire.HookSpec("fc1", posthook=[build(index_text)])],
+        backward=hookwire.Backward(grad=GRAD, return_input_grads=True))
+    assert_same(result.output, expected_out)
+    assert_same(result.input_grads[0], expected_grad)
+    assert not torch.equal(result.output, local_models()["mlp"](X).detach()), "the rule should change something"
+
+
+async def test_a_condition_leaves_the_positions_where_it_fails_untouched_bit_for_bit(client) -> None:
+    """Captured after the rule: rows whose norm is at most the threshold are exactly the
+    unedited rows (the edit is not computed and mixed back: they are the input's bits)."""
+    plain = await client.model("mlp").infer(X, hooks=[hookwire.HookSpec("fc1", posthook=hookwire.capture("output"))])
+    before = plain.events[0].output
+    norms = torch.linalg.vector_norm(before, dim=-1)
+    threshold = float(norms.median())
+    edited = await client.model("mlp").infer(X, hooks=[hookwire.HookSpec("fc1", posthook=hookwire.edit(
+        rules.when(rules.norm() > threshold, rules.noise("output", 5.0, seed=3)), capture=("output",)))])
+    after = edited.events[0].output
+    held = norms > threshold
+    assert 0 < int(held.sum()) < len(held)
+    assert torch.equal(after[~held].view(torch.int32), before[~held].view(torch.int32))
+    assert not torch.equal(after[held], before[held])
+
+
+async def test_a_signal_kept_at_one_layer_gates_an_edit_at_a_later_one_in_generate(client) -> None:
+    """Detect at layer 0, edit at layer 1, at every step: tokens equal in-process generate()
+    with the same two hooks; the signal is kept per step (per sequence: its largest probe
+    score over the step's positions)."""
+    probe = torch.randn(64, generator=torch.Generator().manual_seed(4))
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(5)) * 4
+    ids, mask = oracle.batch(["the cat sat", "a"])
+    kept: dict[str, torch.Tensor] = {}
+
+    def detect(step: int, out: torch.Tensor) -> None:
+        kept["s"] = (out @ probe).amax(dim=-1, keepdim=True)
+
+    def edit(step: int, out: torch.Tensor) -> torch.Tensor:
+        return torch.where((kept["s"] > 0.0).expand(out.shape[:-1]).unsqueeze(-1), out + vector, out)
+
+    with oracle.forward_hook("model.layers.0", detect), oracle.forward_hook("model.layers.1", edit):
+        want = oracle.generate(ids, mask, 6, do_sample=False)
+    plain = oracle.generate(ids, mask, 6, do_sample=False)
+    result = await client.model("tiny-lm").generate(["the cat sat", "a"], 6, do_sample=False, hooks=[
+        hookwire.HookSpec("model.layers.0", posthook=[rules.signal("output", "s", rules.probe(probe), reduce="max")]),
+        hookwire.HookSpec("model.layers.1", posthook=[rules.when(rules.stored("s") > 0.0, rules.add("output", vector))]),
+    ])
+    assert [list(t) for t in result.token_ids] == want
+    assert want != plain, "the gated edit must change the tokens for this test to mean anything"
+
+
+async def test_signals_stay_with_their_call_in_a_shared_pass(client, other_client) -> None:
+    """Two callers of tiny-transformer at once (their calls share passes): the one whose
+    later hook reads a signal it never kept fails, naming the signal; the other, which
+    keeps it, is not affected and equals its call alone."""
+    ids = torch.randint(1, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+    keeps = [hookwire.HookSpec("encoder.layers.0", posthook=[rules.signal("output", "n", rules.norm())]),
+             hookwire.HookSpec("encoder.layers.1", posthook=[rules.when(rules.stored("n") > 0.0, rules.scale("output", 0.5))])]
+    reads = [keeps[1]]
+    alone = await client.model("tiny-transformer").infer(ids, hooks=keeps)
+    for _ in range(3):
+        good, bad = await asyncio.gather(
+            client.model("tiny-transformer").infer(ids, hooks=keeps),
+            other_client.model("tiny-transformer").infer(ids, hooks=reads), return_exceptions=True)
+        assert_same(good.output, alone.output)
+        assert isinstance(bad, hookwire.FailedPreconditionError) and "no signal 'n'" in str(bad), bad
+
+
+async def test_listing_with_operand_data_returns_every_operand_of_the_new_ops(client) -> None:
+    handle = await client.model("mlp").hook("fc1", posthook=[
+        rules.loreft("output", R, LW, LB), rules.when(rules.probe(PROBE) > 0, rules.top_k("output", P, 3))])
+    try:
+        (listed,) = [h for h in await client.list_hooks(include_operand_data=True) if h.hook_id == handle.id]
+        first, second = listed.raw.spec.posthook.rules
+        from hookwire.wire import codec
+        assert torch.equal(torch.as_tensor(codec.decode_tensor(first.loreft.rotation)), R)
+        assert torch.equal(torch.as_tensor(codec.decode_tensor(first.loreft.bias)), LB)
+        assert torch.equal(torch.as_tensor(codec.decode_tensor(second.conditional.when.signal.probe.weight)), PROBE)
+        assert torch.equal(torch.as_tensor(codec.decode_tensor(second.conditional.then.top_k.directions)), P)
+        (bare,) = [h for h in await client.list_hooks() if h.hook_id == handle.id]
+        assert bare.raw.spec.posthook.rules[0].loreft.rotation.data == b"" and list(bare.raw.spec.posthook.rules[0].loreft.rotation.shape) == [4, D]
+    finally:
+        await handle.remove()
+
+
+BAD = [
+    (lambda: rules.affine("output", torch.randn(D, 4)), r"posthook.rules\[0\].affine.weight: must be square"),
+    (lambda: rules.affine("output", W, torch.randn(3)), r"affine.bias: must be \[32\]"),
+    (lambda: rules.loreft("output", torch.randn(4, D), LW), "loreft.rotation: its rows must be orthonormal"),
+    (lambda: rules.loreft("output", R, torch.randn(3, D)), r"loreft.weight: must be the rotation's shape \[4, 32\]"),
+    (lambda: rules.norm_add("output", torch.zeros(D), 1.0), "norm_add.direction: must be 1-D and not all zeros"),
+    (lambda: rules.top_k("output", P, 7), r"top_k.k: 7 is outside 1..6"),
+    (lambda: rules.add("output", torch.tensor([float("nan")])), None),  # an add's NaN is the client's business
+    (lambda: rules.affine("output", W * float("inf")), "affine.weight: must be finite"),
+    (lambda: rules.when(rules.projection(torch.zeros(D)) > 0, rules.zero("output")),
+     "conditional.when.signal.projection: must not be all zeros"),
+    (lambda: rules.when(rules.norm() > 0, rules.save("output", "s")), "conditional.then: one of scale"),
+    (lambda: rules.when(rules.norm() > 0, rules.when(rules.norm() > 1, rules.zero("output"))), "conditional.then: one of"),
+    (lambda: rules.signal("output", "s", rules.stored("t")), "signal.signal: compute one"),
+]
+
+
+@pytest.mark.parametrize(("build", "message"), BAD)
+async def test_bad_operands_are_refused_at_registration_naming_the_field(client, build: Any, message: str | None) -> None:
+    spec = hookwire.HookSpec("fc1", posthook=[build()])
+    if message is None:
+        await client.model("mlp").infer(X, hooks=[spec])
+        return
+    with pytest.raises(hookwire.InvalidArgumentError, match=message):
+        await client.model("mlp").infer(X, hooks=[spec])
+
+
+def test_sdk_builders_refuse_what_they_can_tell_is_wrong() -> None:
+    with pytest.raises(ValueError, match="mode must be"):
+        rules.top_k("output", P, 2, mode="largest")
+    with pytest.raises(ValueError, match="not finite"):
+        rules.norm() > float("inf")
+    with pytest.raises(TypeError, match="comparing a signal"):
+        rules.when(rules.norm(), rules.zero("output"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduce must be"):
+        rules.signal("output", "s", rules.norm(), reduce="mean")
