@@ -160,18 +160,79 @@ def norm_add(target: str, direction: Any, alpha: float, *, index: str | None = N
     return _built(target, "norm_add", index, op)
 
 
-def top_k(target: str, directions: Any, k: int, *, mode: str = "keep", index: str | None = None) -> Rule:
-    """Top-k ablation over a projection: ``f = t @ directions.T`` (one feature per row of
-    ``directions``); ``mode="keep"`` removes every feature's component but the k largest,
-    ``mode="zero"`` removes exactly the k largest: ``t - (f * removed) @ directions``."""
+def top_k(target: str, features: Any, k: int, *, mode: str = "keep", index: str | None = None) -> Rule:
+    """Top-k ablation. Over a projection (``features`` a tensor ``P`` [n, d], one feature
+    direction per row): ``f = t @ P.T``, ``t - (f * removed) @ P``. Over an SAE's features
+    (``features`` an ``Sae``): ``f = encode(t)``, ``decode(f * kept) + (t - decode(f))``,
+    the reconstruction error kept. ``mode="keep"`` removes every feature but the k
+    largest, ``mode="zero"`` exactly the k largest."""
     modes = {"keep": rule_pb2.TOP_K_MODE_KEEP, "zero": rule_pb2.TOP_K_MODE_ZERO}
     if mode not in modes:
         raise ValueError(f"mode must be 'keep' or 'zero', not {mode!r}")
     if k < 1:
         raise ValueError(f"k must be at least 1, not {k}")
     op = rule_pb2.TopKOp(k=int(k), mode=modes[mode])
-    _tensor(directions, op.directions)
+    if isinstance(features, Sae):
+        op.sae.CopyFrom(features.message)
+    else:
+        _tensor(features, op.directions)
     return _built(target, "top_k", index, op)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sae:
+    """A sparse autoencoder as a rule operand (its tensors encoded once, when made), as
+    SAELens' inference SAEs define it: ``Sae.from_sae_lens(sae)``, or its tensors."""
+
+    message: rule_pb2.Sae
+
+    @classmethod
+    def of(cls, w_enc: Any, b_enc: Any, w_dec: Any, b_dec: Any, *, architecture: str = "standard",
+           threshold: Any = None, k: int | None = None, normalize_activations: str = "none",
+           apply_b_dec_to_input: bool = True) -> Sae:
+        """``architecture``: "standard" (ReLU), "jumprelu" (needs ``threshold`` [d_sae]) or
+        "topk" (needs ``k``); ``normalize_activations``: "none", "expected_average_only_in"
+        (nothing at run time) or "layer_norm". The server checks the shapes."""
+        msg = rule_pb2.Sae(architecture=architecture, normalize_activations=normalize_activations,
+                           apply_b_dec_to_input=apply_b_dec_to_input, k=int(k or 0))
+        for field, value in (("w_enc", w_enc), ("b_enc", b_enc), ("w_dec", w_dec), ("b_dec", b_dec),
+                             ("threshold", threshold)):
+            if value is not None:
+                _tensor(value, getattr(msg, field))
+        return cls(msg)
+
+    @classmethod
+    def from_sae_lens(cls, sae: Any) -> Sae:
+        """From a SAELens SAE object (StandardSAE, JumpReLUSAE, TopKSAE), read by its
+        attributes: no SAELens import here. Its tensors are copied to the host."""
+        cfg = sae.cfg
+        architecture = cfg.architecture() if callable(getattr(cfg, "architecture", None)) else "standard"
+
+        def host(t: Any) -> Any:
+            return t.detach().to("cpu") if t is not None else None
+        return cls.of(host(sae.W_enc), host(sae.b_enc), host(sae.W_dec), host(sae.b_dec), architecture=architecture,
+                      threshold=host(getattr(sae, "threshold", None)) if architecture == "jumprelu" else None,
+                      k=getattr(cfg, "k", None) if architecture == "topk" else None,
+                      normalize_activations=getattr(cfg, "normalize_activations", "none") or "none",
+                      apply_b_dec_to_input=bool(getattr(cfg, "apply_b_dec_to_input", True)))
+
+
+def sae(target: str, autoencoder: Sae, features: Any, *, edit: str = "clamp", value: float = 0.0,
+        index: str | None = None) -> Rule:
+    """Edits SAE features and keeps the reconstruction error, as SAELens does with
+    ``use_error_term``: ``f = encode(t)``; the ``features`` (indices) clamped to ``value``
+    (``edit="clamp"``), scaled by it ("scale") or zeroed ("zero"); ``new = decode(f') +
+    (t - decode(f))``."""
+    edits = {"clamp": rule_pb2.SAE_EDIT_CLAMP, "scale": rule_pb2.SAE_EDIT_SCALE, "zero": rule_pb2.SAE_EDIT_ZERO}
+    if edit not in edits:
+        raise ValueError(f"edit must be one of {', '.join(edits)}, not {edit!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"value {value} is not finite")
+    chosen = [int(i) for i in ([features] if isinstance(features, int) else features)]
+    if not chosen or min(chosen) < 0:
+        raise ValueError("name at least one feature, by a non-negative index")
+    op = rule_pb2.SaeOp(sae=autoencoder.message, features=chosen, edit=edits[edit], value=float(value))
+    return _built(target, "sae", index, op)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +288,11 @@ def probe(weight: Any, bias: float = 0.0, *, sigmoid: bool = False) -> Signal:
     return Signal(msg)
 
 
+def sae_feature(autoencoder: Sae, feature: int) -> Signal:
+    """An SAE feature's activation per position: ``encode(t)[..., feature]``."""
+    return Signal(rule_pb2.Signal(sae_feature=rule_pb2.SaeFeatureSignal(sae=autoencoder.message, feature=int(feature))))
+
+
 def stored(name: str) -> Signal:
     """The signal a ``signal`` rule of a hook that fired earlier in the same pass of the
     same call kept under ``name`` (detect at one layer, edit at another)."""
@@ -239,7 +305,7 @@ def when(condition: Condition, rule: Rule) -> Rule:
     """``rule`` applied only where ``condition`` holds, per position; elsewhere the
     target is left bit for bit. The conditional takes ``rule``'s target and index; the
     rule is one of scale, add, set, zero, clamp, noise, project_out, affine, loreft,
-    norm_add, top_k."""
+    norm_add, top_k, sae."""
     if not isinstance(condition, Condition):
         raise TypeError("when(condition, rule): make the condition by comparing a signal, e.g. norm() > 4")
     inner = rule.to_proto()
@@ -268,5 +334,6 @@ def _built(target: str, op: str, index: str | None, message: Any) -> Rule:
     return Rule(target=target, op=op, index=index or "", message=message)
 
 
-__all__ = ["Condition", "Rule", "Signal", "add", "affine", "clamp", "loreft", "noise", "norm", "norm_add", "patch",
-           "probe", "project_out", "projection", "save", "scale", "set", "signal", "stored", "top_k", "when", "zero"]
+__all__ = ["Condition", "Rule", "Sae", "Signal", "add", "affine", "clamp", "loreft", "noise", "norm", "norm_add",
+           "patch", "probe", "project_out", "projection", "sae", "sae_feature", "save", "scale", "set", "signal",
+           "stored", "top_k", "when", "zero"]

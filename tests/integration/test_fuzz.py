@@ -176,9 +176,23 @@ operands = st.one_of(st.floats().map(lambda f: rule_pb2.Operand(scalar=f)),
 
 
 @st.composite
+def saes(draw: Any) -> rule_pb2.Sae:
+    sae = rule_pb2.Sae(architecture=draw(st.one_of(st.sampled_from(["standard", "jumprelu", "topk", "gated", ""]),
+                                                   long_strings)),
+                       normalize_activations=draw(st.sampled_from(["", "none", "layer_norm", "constant_norm_rescale"])),
+                       k=draw(st.integers(0, 2**32 - 1)))
+    for field in ("w_enc", "b_enc", "w_dec", "b_dec", "threshold"):
+        if draw(st.booleans()):
+            getattr(sae, field).CopyFrom(draw(tensors()))
+    if draw(st.booleans()):
+        sae.apply_b_dec_to_input = draw(st.booleans())
+    return sae
+
+
+@st.composite
 def signals(draw: Any) -> rule_pb2.Signal:
     signal = rule_pb2.Signal()
-    kind = draw(st.sampled_from(["norm", "projection", "probe", "stored", None]))
+    kind = draw(st.sampled_from(["norm", "projection", "probe", "stored", "sae_feature", None]))
     if kind == "norm":
         signal.norm.SetInParent()
     elif kind == "projection":
@@ -190,6 +204,9 @@ def signals(draw: Any) -> rule_pb2.Signal:
             signal.probe.weight.CopyFrom(draw(tensors()))
     elif kind == "stored":
         signal.stored = draw(st.one_of(st.sampled_from(["s", ""]), long_strings))
+    elif kind == "sae_feature":
+        signal.sae_feature.sae.CopyFrom(draw(saes()))
+        signal.sae_feature.feature = draw(st.integers(0, 2**32 - 1))
     return signal
 
 
@@ -197,18 +214,28 @@ def signals(draw: Any) -> rule_pb2.Signal:
 def rules(draw: Any, depth: int = 0) -> rule_pb2.Rule:
     rule = rule_pb2.Rule(target=draw(targets), index=draw(selections))
     op = draw(st.sampled_from(["scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", None,
-                               "affine", "loreft", "norm_add", "top_k", "conditional", "signal"]))
+                               "affine", "loreft", "norm_add", "top_k", "conditional", "signal", "sae"]))
+    if op == "sae":
+        rule.sae.SetInParent()
+        if draw(st.booleans()):
+            rule.sae.sae.CopyFrom(draw(saes()))
+        rule.sae.features.extend(draw(st.lists(st.integers(0, 2**32 - 1), max_size=4)))
+        rule.sae.edit = draw(st.integers(-1, 5))
+        rule.sae.value = draw(st.floats())
+        return rule
     if op in ("affine", "loreft", "norm_add", "top_k"):
         message = getattr(rule, op)
         message.SetInParent()
         for field in message.DESCRIPTOR.fields:
-            if field.message_type is not None and draw(st.booleans()):
+            if field.message_type is tensor_pb2.Tensor.DESCRIPTOR and draw(st.booleans()):
                 getattr(message, field.name).CopyFrom(draw(tensors()))
         if op == "norm_add":
             message.alpha = draw(st.floats())
         elif op == "top_k":
             message.k = draw(st.integers(0, 2**32 - 1))
             message.mode = draw(st.integers(-1, 4))
+            if draw(st.booleans()):
+                message.sae.CopyFrom(draw(saes()))
         return rule
     if op == "conditional":
         rule.conditional.SetInParent()

@@ -1,8 +1,9 @@
 from hookwire.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -12,6 +13,13 @@ class TopKMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOP_K_MODE_UNSPECIFIED: _ClassVar[TopKMode]
     TOP_K_MODE_KEEP: _ClassVar[TopKMode]
     TOP_K_MODE_ZERO: _ClassVar[TopKMode]
+
+class SaeEdit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAE_EDIT_UNSPECIFIED: _ClassVar[SaeEdit]
+    SAE_EDIT_CLAMP: _ClassVar[SaeEdit]
+    SAE_EDIT_SCALE: _ClassVar[SaeEdit]
+    SAE_EDIT_ZERO: _ClassVar[SaeEdit]
 
 class Comparison(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +50,10 @@ class CaptureStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 TOP_K_MODE_UNSPECIFIED: TopKMode
 TOP_K_MODE_KEEP: TopKMode
 TOP_K_MODE_ZERO: TopKMode
+SAE_EDIT_UNSPECIFIED: SaeEdit
+SAE_EDIT_CLAMP: SaeEdit
+SAE_EDIT_SCALE: SaeEdit
+SAE_EDIT_ZERO: SaeEdit
 COMPARISON_UNSPECIFIED: Comparison
 COMPARISON_GT: Comparison
 COMPARISON_GE: Comparison
@@ -59,7 +71,7 @@ CAPTURE_STAGE_AFTER_RULES: CaptureStage
 CAPTURE_STAGE_BEFORE_RULES: CaptureStage
 
 class Rule(_message.Message):
-    __slots__ = ("target", "index", "scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", "affine", "loreft", "norm_add", "top_k", "conditional", "signal")
+    __slots__ = ("target", "index", "scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", "affine", "loreft", "norm_add", "top_k", "conditional", "signal", "sae")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +89,7 @@ class Rule(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     CONDITIONAL_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    SAE_FIELD_NUMBER: _ClassVar[int]
     target: str
     index: str
     scale: ScaleOp
@@ -94,7 +107,8 @@ class Rule(_message.Message):
     top_k: TopKOp
     conditional: ConditionalOp
     signal: SignalOp
-    def __init__(self, target: _Optional[str] = ..., index: _Optional[str] = ..., scale: _Optional[_Union[ScaleOp, _Mapping]] = ..., add: _Optional[_Union[AddOp, _Mapping]] = ..., set: _Optional[_Union[SetOp, _Mapping]] = ..., zero: _Optional[_Union[ZeroOp, _Mapping]] = ..., clamp: _Optional[_Union[ClampOp, _Mapping]] = ..., noise: _Optional[_Union[NoiseOp, _Mapping]] = ..., project_out: _Optional[_Union[ProjectOutOp, _Mapping]] = ..., patch: _Optional[_Union[PatchOp, _Mapping]] = ..., save: _Optional[_Union[SaveOp, _Mapping]] = ..., affine: _Optional[_Union[AffineOp, _Mapping]] = ..., loreft: _Optional[_Union[LoreftOp, _Mapping]] = ..., norm_add: _Optional[_Union[NormAddOp, _Mapping]] = ..., top_k: _Optional[_Union[TopKOp, _Mapping]] = ..., conditional: _Optional[_Union[ConditionalOp, _Mapping]] = ..., signal: _Optional[_Union[SignalOp, _Mapping]] = ...) -> None: ...
+    sae: SaeOp
+    def __init__(self, target: _Optional[str] = ..., index: _Optional[str] = ..., scale: _Optional[_Union[ScaleOp, _Mapping]] = ..., add: _Optional[_Union[AddOp, _Mapping]] = ..., set: _Optional[_Union[SetOp, _Mapping]] = ..., zero: _Optional[_Union[ZeroOp, _Mapping]] = ..., clamp: _Optional[_Union[ClampOp, _Mapping]] = ..., noise: _Optional[_Union[NoiseOp, _Mapping]] = ..., project_out: _Optional[_Union[ProjectOutOp, _Mapping]] = ..., patch: _Optional[_Union[PatchOp, _Mapping]] = ..., save: _Optional[_Union[SaveOp, _Mapping]] = ..., affine: _Optional[_Union[AffineOp, _Mapping]] = ..., loreft: _Optional[_Union[LoreftOp, _Mapping]] = ..., norm_add: _Optional[_Union[NormAddOp, _Mapping]] = ..., top_k: _Optional[_Union[TopKOp, _Mapping]] = ..., conditional: _Optional[_Union[ConditionalOp, _Mapping]] = ..., signal: _Optional[_Union[SignalOp, _Mapping]] = ..., sae: _Optional[_Union[SaeOp, _Mapping]] = ...) -> None: ...
 
 class Operand(_message.Message):
     __slots__ = ("scalar", "tensor")
@@ -187,26 +201,72 @@ class NormAddOp(_message.Message):
     def __init__(self, direction: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., alpha: _Optional[float] = ...) -> None: ...
 
 class TopKOp(_message.Message):
-    __slots__ = ("directions", "k", "mode")
+    __slots__ = ("directions", "sae", "k", "mode")
     DIRECTIONS_FIELD_NUMBER: _ClassVar[int]
+    SAE_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     directions: _tensor_pb2.Tensor
+    sae: Sae
     k: int
     mode: TopKMode
-    def __init__(self, directions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ..., mode: _Optional[_Union[TopKMode, str]] = ...) -> None: ...
+    def __init__(self, directions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sae: _Optional[_Union[Sae, _Mapping]] = ..., k: _Optional[int] = ..., mode: _Optional[_Union[TopKMode, str]] = ...) -> None: ...
+
+class Sae(_message.Message):
+    __slots__ = ("w_enc", "b_enc", "w_dec", "b_dec", "architecture", "threshold", "k", "normalize_activations", "apply_b_dec_to_input")
+    W_ENC_FIELD_NUMBER: _ClassVar[int]
+    B_ENC_FIELD_NUMBER: _ClassVar[int]
+    W_DEC_FIELD_NUMBER: _ClassVar[int]
+    B_DEC_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_B_DEC_TO_INPUT_FIELD_NUMBER: _ClassVar[int]
+    w_enc: _tensor_pb2.Tensor
+    b_enc: _tensor_pb2.Tensor
+    w_dec: _tensor_pb2.Tensor
+    b_dec: _tensor_pb2.Tensor
+    architecture: str
+    threshold: _tensor_pb2.Tensor
+    k: int
+    normalize_activations: str
+    apply_b_dec_to_input: bool
+    def __init__(self, w_enc: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., b_enc: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., w_dec: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., b_dec: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., architecture: _Optional[str] = ..., threshold: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ..., normalize_activations: _Optional[str] = ..., apply_b_dec_to_input: _Optional[bool] = ...) -> None: ...
+
+class SaeOp(_message.Message):
+    __slots__ = ("sae", "features", "edit", "value")
+    SAE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    EDIT_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    sae: Sae
+    features: _containers.RepeatedScalarFieldContainer[int]
+    edit: SaeEdit
+    value: float
+    def __init__(self, sae: _Optional[_Union[Sae, _Mapping]] = ..., features: _Optional[_Iterable[int]] = ..., edit: _Optional[_Union[SaeEdit, str]] = ..., value: _Optional[float] = ...) -> None: ...
+
+class SaeFeatureSignal(_message.Message):
+    __slots__ = ("sae", "feature")
+    SAE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
+    sae: Sae
+    feature: int
+    def __init__(self, sae: _Optional[_Union[Sae, _Mapping]] = ..., feature: _Optional[int] = ...) -> None: ...
 
 class Signal(_message.Message):
-    __slots__ = ("norm", "projection", "probe", "stored")
+    __slots__ = ("norm", "projection", "probe", "stored", "sae_feature")
     NORM_FIELD_NUMBER: _ClassVar[int]
     PROJECTION_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
+    SAE_FEATURE_FIELD_NUMBER: _ClassVar[int]
     norm: NormSignal
     projection: _tensor_pb2.Tensor
     probe: ProbeSignal
     stored: str
-    def __init__(self, norm: _Optional[_Union[NormSignal, _Mapping]] = ..., projection: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., probe: _Optional[_Union[ProbeSignal, _Mapping]] = ..., stored: _Optional[str] = ...) -> None: ...
+    sae_feature: SaeFeatureSignal
+    def __init__(self, norm: _Optional[_Union[NormSignal, _Mapping]] = ..., projection: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., probe: _Optional[_Union[ProbeSignal, _Mapping]] = ..., stored: _Optional[str] = ..., sae_feature: _Optional[_Union[SaeFeatureSignal, _Mapping]] = ...) -> None: ...
 
 class NormSignal(_message.Message):
     __slots__ = ()

@@ -63,10 +63,13 @@ _SEQUENCE_ROOTS = frozenset({"args", "grad_input", "grad_output"})
 READERS = frozenset({"save", "signal"})
 #: Operations a conditional may apply (it applies them to its own target and index).
 CONDITIONAL_OPS = ("scale", "add", "set", "zero", "clamp", "noise", "project_out", "affine", "loreft", "norm_add",
-                   "top_k")
+                   "top_k", "sae")
 #: Every operation, in the Rule.op oneof's order (named in error messages).
 OPS = ("scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", "affine", "loreft",
-       "norm_add", "top_k", "conditional", "signal")
+       "norm_add", "top_k", "conditional", "signal", "sae")
+#: SAELens' architectures and activation normalizations an SAE operand may name.
+SAE_ARCHITECTURES = ("standard", "jumprelu", "topk")
+SAE_NORMALIZATIONS = ("", "none", "expected_average_only_in", "layer_norm")
 #: How far LoReFT's rotation rows may be from orthonormal: |R R^T - I| (largest entry).
 ORTHONORMAL_TOLERANCE = 1e-3
 _COMPARE: dict[int, Callable[[torch.Tensor, float], torch.Tensor]] = {
@@ -190,6 +193,10 @@ class CompiledRule:
     #: signal: what it keeps, and how it reduces it.
     signal: CompiledSignal | None = None
     reduce: int = 0
+    #: sae, and top_k over an SAE's features: the autoencoder; sae's features and edit.
+    sae: CompiledSae | None = None
+    features: tuple[int, ...] = ()
+    edit: int = 0
     _cast: dict[tuple[torch.dtype, torch.device], torch.Tensor] = dataclasses.field(default_factory=dict)
     _cast_named: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = dataclasses.field(default_factory=dict)
 
@@ -260,18 +267,35 @@ class CompiledRule:
             v = self._tensor("direction", x)
             return x + self.alpha * torch.linalg.vector_norm(x, dim=-1, keepdim=True) * v
         if kind == "top_k":
+            if self.sae is not None:
+                f, state = self.sae.encode(x)
+                removed = self._top_k_removed(f)
+                return self.sae.decode(f * ~removed, state) + (x - self.sae.decode(f, state))
             p = self._tensor("directions", x)
             f = x @ p.T
-            if self.k > f.shape[-1]:
-                raise InvalidArgument(f"top_k.k {self.k} is more than the {f.shape[-1]} features")
-            top = torch.zeros_like(f, dtype=torch.bool).scatter_(-1, f.topk(self.k, dim=-1).indices, True)
-            removed = ~top if self.mode == rule_pb2.TOP_K_MODE_KEEP else top
-            return x - (f * removed) @ p
+            return x - (f * self._top_k_removed(f)) @ p
+        if kind == "sae":
+            assert self.sae is not None
+            f, state = self.sae.encode(x)
+            edited = f.clone()
+            index = torch.tensor(self.features, device=f.device)
+            if self.edit == rule_pb2.SAE_EDIT_CLAMP:
+                edited[..., index] = self.factor
+            elif self.edit == rule_pb2.SAE_EDIT_SCALE:
+                edited[..., index] = f[..., index] * self.factor
+            else:
+                edited[..., index] = 0
+            return self.sae.decode(edited, state) + (x - self.sae.decode(f, state))
         if kind == "conditional":
             assert self.inner is not None and self.condition is not None
             mask = self.condition.holds(x, signals)
             return torch.where(mask.unsqueeze(-1), self.inner._op(x, slots, signals), x)
         raise AssertionError(kind)  # pragma: no cover
+
+    def _top_k_removed(self, f: torch.Tensor) -> torch.Tensor:
+        """The features top_k removes: all but the k largest, or the k largest."""
+        top = torch.zeros_like(f, dtype=torch.bool).scatter_(-1, f.topk(self.k, dim=-1).indices, True)
+        return ~top if self.mode == rule_pb2.TOP_K_MODE_KEEP else top
 
     def _patch(self, t: torch.Tensor, slots: SlotStore | None) -> torch.Tensor:
         assert slots is not None
@@ -332,6 +356,8 @@ class CompiledSignal:
     bias: float = 0.0
     sigmoid: bool = False
     stored: str = ""
+    sae: CompiledSae | None = None
+    feature: int = 0
     _cast: dict[tuple[torch.dtype, torch.device], torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def value(self, x: torch.Tensor, signals: dict[str, torch.Tensor] | None) -> torch.Tensor:
@@ -344,6 +370,9 @@ class CompiledSignal:
             return kept.to(x.device)
         if self.kind == "norm":
             return torch.linalg.vector_norm(x, dim=-1)
+        if self.kind == "sae_feature":
+            assert self.sae is not None
+            return self.sae.encode(x)[0][..., self.feature]
         assert self.tensor is not None
         key = (x.dtype, x.device)
         w = self._cast.get(key)
@@ -356,6 +385,57 @@ class CompiledSignal:
             if self.sigmoid:
                 score = torch.sigmoid(score)
         return score
+
+
+@dataclasses.dataclass
+class CompiledSae:
+    """A validated Sae operand (see rule.proto), applied as SAELens' inference SAEs are."""
+
+    tensors: dict[str, torch.Tensor]
+    architecture: str
+    k: int
+    layer_norm: bool
+    apply_b_dec: bool
+    _cast: dict[tuple[torch.dtype, torch.device], dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def d_sae(self) -> int:
+        return int(self.tensors["w_enc"].shape[1])
+
+    def _on(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        key = (x.dtype, x.device)
+        cast = self._cast.get(key)
+        if cast is None:
+            cast = self._cast[key] = {name: t.to(dtype=x.dtype, device=x.device) for name, t in self.tensors.items()}
+        return cast
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The features of ``x`` and what decode needs back (layer_norm's mean and std)."""
+        w = self._on(x)
+        state: Any = None
+        if self.layer_norm:  # SAELens' run_time_activation_ln_in
+            mu = x.mean(dim=-1, keepdim=True)
+            x = x - mu
+            std = x.std(dim=-1, keepdim=True)
+            x = x / (std + 1e-5)
+            state = (mu, std)
+        sae_in = x - w["b_dec"] if self.apply_b_dec else x
+        hidden = sae_in @ w["w_enc"] + w["b_enc"]
+        if self.architecture == "topk":
+            values, indices = torch.topk(hidden, k=self.k, dim=-1, sorted=False)
+            return torch.zeros_like(hidden).scatter_(-1, indices, values.relu()), state
+        acts = torch.relu(hidden)
+        if self.architecture == "jumprelu":
+            acts = acts * (hidden > w["threshold"]).to(acts.dtype)
+        return acts, state
+
+    def decode(self, f: torch.Tensor, state: Any) -> torch.Tensor:
+        w = self._on(f)
+        out = f @ w["w_dec"] + w["b_dec"]
+        if state is not None:  # SAELens' run_time_activation_ln_out
+            mu, std = state
+            out = out * std + mu
+        return out
 
 
 @dataclasses.dataclass
@@ -492,15 +572,38 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
         out.named["direction"] = vector / norm
         out.alpha = _finite(op.alpha, f"{here}.alpha")
     elif kind == "top_k":
-        directions = tensor("directions")
-        assert directions is not None
-        if directions.dim() != 2 or directions.shape[0] == 0:
-            raise InvalidArgument(f"{here}.directions: must be [n, d] with n >= 1, not {list(directions.shape)}")
-        if not 1 <= op.k <= directions.shape[0]:
-            raise InvalidArgument(f"{here}.k: {op.k} is outside 1..{directions.shape[0]} (the features)")
+        source = op.WhichOneof("features")
+        if source is None:
+            raise InvalidArgument(f"{here}: set directions or sae (the features)")
+        if source == "sae":
+            out.sae = _compile_sae(op.sae, f"{here}.sae", device, out, f"{path}top_k.sae.")
+            features = out.sae.d_sae
+        else:
+            directions = tensor("directions")
+            assert directions is not None
+            if directions.dim() != 2 or directions.shape[0] == 0:
+                raise InvalidArgument(f"{here}.directions: must be [n, d] with n >= 1, not {list(directions.shape)}")
+            out.named["directions"] = directions
+            features = int(directions.shape[0])
+        if not 1 <= op.k <= features:
+            raise InvalidArgument(f"{here}.k: {op.k} is outside 1..{features} (the features)")
         if op.mode not in (rule_pb2.TOP_K_MODE_KEEP, rule_pb2.TOP_K_MODE_ZERO):
             raise InvalidArgument(f"{here}.mode: set TOP_K_MODE_KEEP or TOP_K_MODE_ZERO")
-        out.named["directions"], out.k, out.mode = directions, op.k, op.mode
+        out.k, out.mode = op.k, op.mode
+    elif kind == "sae":
+        if not op.HasField("sae"):
+            raise InvalidArgument(f"{here}.sae: missing")
+        out.sae = _compile_sae(op.sae, f"{here}.sae", device, out, f"{path}sae.sae.")
+        if not op.features:
+            raise InvalidArgument(f"{here}.features: name at least one feature")
+        if len(op.features) > out.sae.d_sae or max(op.features) >= out.sae.d_sae:
+            bad = max(op.features)
+            raise InvalidArgument(f"{here}.features: feature {bad} is not below d_sae {out.sae.d_sae}"
+                                  if bad >= out.sae.d_sae else f"{here}.features: more than the {out.sae.d_sae} features")
+        if op.edit not in (rule_pb2.SAE_EDIT_CLAMP, rule_pb2.SAE_EDIT_SCALE, rule_pb2.SAE_EDIT_ZERO):
+            raise InvalidArgument(f"{here}.edit: set SAE_EDIT_CLAMP, SAE_EDIT_SCALE or SAE_EDIT_ZERO")
+        out.features, out.edit = tuple(int(i) for i in op.features), op.edit
+        out.factor = _finite(op.value, f"{here}.value")
     elif kind == "conditional":
         if path:
             raise InvalidArgument(f"{here}: a conditional cannot be inside another")
@@ -524,19 +627,57 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
         if not op.HasField("signal"):
             raise InvalidArgument(f"{here}.signal: missing")
         if op.signal.WhichOneof("kind") == "stored":
-            raise InvalidArgument(f"{here}.signal: compute one (norm, projection, probe), not a stored one")
+            raise InvalidArgument(f"{here}.signal: compute one (norm, projection, probe, sae_feature), not a stored one")
         if op.reduce not in rule_pb2.SignalReduce.values():
             raise InvalidArgument(f"{here}.reduce: unknown {op.reduce}")
         out.slot, out.reduce = op.name, op.reduce
         out.signal = _compile_signal(op.signal, f"{here}.signal", device, out, f"{path}signal.signal.")
 
 
+def _compile_sae(msg: Any, where: str, device: torch.device, out: CompiledRule, path: str) -> CompiledSae:
+    """A validated Sae operand (its tensors recorded in ``out.operands`` under ``path``)."""
+    if msg.architecture not in SAE_ARCHITECTURES:
+        raise InvalidArgument(f"{where}.architecture: {msg.architecture!r} is not one of {', '.join(SAE_ARCHITECTURES)} "
+                              "(SAELens' names)")
+    if msg.normalize_activations not in SAE_NORMALIZATIONS:
+        raise InvalidArgument(f"{where}.normalize_activations: {msg.normalize_activations!r} is not supported (none, "
+                              "expected_average_only_in, layer_norm)")
+    tensors: dict[str, torch.Tensor] = {}
+    fields = ["w_enc", "b_enc", "w_dec", "b_dec"] + (["threshold"] if msg.architecture == "jumprelu" else [])
+    for field in fields:
+        if not msg.HasField(field):
+            raise InvalidArgument(f"{where}.{field}: missing")
+        value = _decode(getattr(msg, field), f"{where}.{field}", device)
+        if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+            raise InvalidArgument(f"{where}.{field}: must be a finite floating-point tensor")
+        tensors[field] = value
+        out.operands[f"{path}{field}"] = value
+    w_enc = tensors["w_enc"]
+    if w_enc.dim() != 2 or 0 in w_enc.shape:
+        raise InvalidArgument(f"{where}.w_enc: must be [d_in, d_sae], not {list(w_enc.shape)}")
+    d_in, d_sae = (int(n) for n in w_enc.shape)
+    want = {"b_enc": [d_sae], "w_dec": [d_sae, d_in], "b_dec": [d_in], "threshold": [d_sae]}
+    for field, shape in want.items():
+        if field in tensors and list(tensors[field].shape) != shape:
+            raise InvalidArgument(f"{where}.{field}: must be {shape} (w_enc is [{d_in}, {d_sae}]), "
+                                  f"not {list(tensors[field].shape)}")
+    if msg.architecture == "topk" and not 1 <= msg.k <= d_sae:
+        raise InvalidArgument(f"{where}.k: {msg.k} is outside 1..{d_sae}")
+    return CompiledSae(tensors, msg.architecture, int(msg.k), msg.normalize_activations == "layer_norm",
+                       msg.apply_b_dec_to_input if msg.HasField("apply_b_dec_to_input") else True)
+
+
 def _compile_signal(msg: Any, where: str, device: torch.device, out: CompiledRule, path: str) -> CompiledSignal:
     kind = msg.WhichOneof("kind")
     if kind is None:
-        raise InvalidArgument(f"{where}: set one of norm, projection, probe, stored")
+        raise InvalidArgument(f"{where}: set one of norm, projection, probe, stored, sae_feature")
     if kind == "norm":
         return CompiledSignal("norm")
+    if kind == "sae_feature":
+        sae = _compile_sae(msg.sae_feature.sae, f"{where}.sae_feature.sae", device, out, f"{path}sae_feature.sae.")
+        if msg.sae_feature.feature >= sae.d_sae:
+            raise InvalidArgument(f"{where}.sae_feature.feature: {msg.sae_feature.feature} is not below d_sae {sae.d_sae}")
+        return CompiledSignal("sae_feature", sae=sae, feature=int(msg.sae_feature.feature))
     if kind == "stored":
         if not msg.stored:
             raise InvalidArgument(f"{where}.stored: name the signal")
