@@ -412,7 +412,8 @@ class GenerateResult:
     texts: tuple[str, ...]
     #: Per sequence: the new token ids, up to and including the one that ended it.
     token_ids: tuple[tuple[int, ...], ...]
-    #: Per sequence: "length", "eos", "stop", "cancelled" or "shutdown".
+    #: Per sequence: "length", "eos", "stop", "rule" (a stop rule: ``stopped_by``),
+    #: "cancelled" or "shutdown".
     finish_reasons: tuple[str, ...]
     #: Passes run: steps 0 .. steps - 1.
     steps: int
@@ -425,6 +426,9 @@ class GenerateResult:
     notices: tuple[Notice, ...]
     #: The stream's last message (GenerateDone).
     raw: model_service_pb2.GenerateDone = dataclasses.field(repr=False, compare=False)
+    #: Per sequence: for one a stop rule ended (finish reason "rule"), the rule that
+    #: fired as (hook id, module, step); None for the others.
+    stopped_by: tuple[tuple[str, str, int] | None, ...] = ()
 
     @classmethod
     def from_stream(
@@ -452,4 +456,6 @@ class GenerateResult:
             events_by_step=tuple(tuple(step) for step in by_step),
             notices=tuple(notices),
             raw=done,
+            stopped_by=tuple((s.stopped_by.hook_id, s.stopped_by.module, s.stopped_by.step)
+                             if s.HasField("stopped_by") else None for s in done.sequences),
         )

@@ -328,6 +328,17 @@ def signal(target: str, name: str, of: Signal, *, reduce: str = "none", index: s
     return _built(target, "signal", index, op)
 
 
+def stop(target: str, condition: Condition) -> Rule:
+    """Ends each sequence of a Generate call whose row ``condition`` holds for at its last
+    position (the one whose next token the step picks): finish reason "rule", that step's
+    token not emitted, the other sequences go on; ``GenerateResult.stopped_by`` names the
+    hook, module and step. E.g. ``stop("output", probe(w, b, sigmoid=True) > 0.9)``. Does
+    nothing in Infer."""
+    if not isinstance(condition, Condition):
+        raise TypeError("stop(target, condition): make the condition by comparing a signal, e.g. norm() > 4")
+    return _built(target, "stop", None, rule_pb2.StopOp(when=condition.message))
+
+
 def _built(target: str, op: str, index: str | None, message: Any) -> Rule:
     if not isinstance(target, str) or not target:
         raise ValueError("a rule needs a target, e.g. 'output' or 'args.0'")
@@ -336,4 +347,4 @@ def _built(target: str, op: str, index: str | None, message: Any) -> Rule:
 
 __all__ = ["Condition", "Rule", "Sae", "Signal", "add", "affine", "clamp", "loreft", "noise", "norm", "norm_add",
            "patch", "probe", "project_out", "projection", "sae", "sae_feature", "save", "scale", "set", "signal",
-           "stored", "top_k", "when", "zero"]
+           "stop", "stored", "top_k", "when", "zero"]

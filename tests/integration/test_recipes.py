@@ -53,7 +53,7 @@ def run_recipe(recipe_server: ServerThread, tmp_path_factory: pytest.TempPathFac
 
 
 def test_recipes_found() -> None:
-    assert len(BLOCKS) == 9
+    assert len(BLOCKS) == 11
     assert {"Steering a generation", "Capturing the residual stream of every new token",
             "Patching a prompt activation into a generation"} <= set(TITLES)
 
@@ -108,6 +108,41 @@ def test_gated_steering_recipe_equals_two_in_process_hooks(run_recipe: Run) -> N
         gated = oracle.generate(ids, mask, 10, do_sample=False)
     assert _printed(proc.stdout, "gated tokens") == gated
     assert gated != oracle.generate(ids, mask, 10, do_sample=False), "the probe must fire somewhere"
+
+
+def test_sae_steering_recipe_equals_the_same_edit_in_a_torch_hook(run_recipe: Run) -> None:
+    proc, _ = run_recipe("SAE feature steering during generation")
+    assert proc.returncode == 0, proc.stderr
+    g = torch.Generator().manual_seed(3)
+    w_enc, w_dec = torch.randn(64, 128, generator=g) * 0.3, torch.randn(128, 64, generator=g) * 0.3
+
+    def clamp(step: int, out: torch.Tensor) -> torch.Tensor:
+        f = torch.relu(out @ w_enc)
+        edited = f.clone()
+        edited[..., [5, 17]] = 8.0
+        return edited @ w_dec + (out - f @ w_dec)
+
+    ids, mask = _ids(["Once upon a time"])
+    with oracle.forward_hook("model.layers.0", clamp):
+        (steered,) = oracle.generate(ids, mask, 12, do_sample=False)
+    assert _printed(proc.stdout, "steered tokens") == steered
+    assert steered != oracle.generate(ids, mask, 12, do_sample=False)[0]
+
+
+def test_probe_gated_stop_recipe_equals_an_in_process_monitor(run_recipe: Run) -> None:
+    proc, _ = run_recipe("A probe-gated stop")
+    assert proc.returncode == 0, proc.stderr
+    probe = torch.randn(64, generator=torch.Generator().manual_seed(31))
+    ids, mask = _ids(["the cat sat", "a"])
+    scores: list[torch.Tensor] = []
+    with oracle.forward_hook("model.layers.1", lambda step, out: scores.append(out[:, -1] @ probe)):
+        plain = oracle.generate(ids, mask, 8, do_sample=False)
+    want = []
+    for row in range(2):
+        fired = [s for s, v in enumerate(scores) if float(v[row]) > 0.09]
+        want.append(plain[row][:fired[0]] if fired else plain[row])
+    assert _printed(proc.stdout, "tokens") == want
+    assert "rule" in proc.stdout and want != plain
 
 
 def test_residual_stream_recipe_equals_in_process_captures(run_recipe: Run) -> None:

@@ -201,3 +201,44 @@ def test_sdk_builders_refuse_what_they_can_tell_is_wrong() -> None:
         rules.when(rules.norm(), rules.zero("output"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="reduce must be"):
         rules.signal("output", "s", rules.norm(), reduce="mean")
+
+
+async def test_a_probe_gated_stop_ends_only_the_sequence_whose_probe_fired(client) -> None:
+    """A stop rule on layer 1 (a probe's score at each row's last position above a
+    threshold): the sequence it fires for first ends there with finish reason "rule"
+    (that step's token not emitted) and GenerateDone names the hook, module and step; the
+    other sequence goes on exactly as in-process generate() gives it."""
+    prompts = ["the cat sat", "a"]
+    ids, mask = oracle.batch(prompts)
+    probe = torch.randn(64, generator=torch.Generator().manual_seed(31))
+    scores: list[torch.Tensor] = []
+    with oracle.forward_hook("model.layers.1", lambda step, out: scores.append((out[:, -1] @ probe).detach())):
+        plain = oracle.generate(ids, mask, 8, do_sample=False)
+    steps = torch.stack(scores)  # [step, row]: each row's score at its last position
+    threshold = 0.09
+    result = await client.model("tiny-lm").generate(prompts, 8, do_sample=False, hooks=[
+        hookwire.HookSpec("model.layers.1", posthook=[rules.stop("output", rules.probe(probe) > threshold)])])
+    hook_id = result.hook_ids[0]
+    outcomes = set()
+    for row in range(2):
+        fired = (steps[:, row] > threshold).nonzero().flatten().tolist()
+        if fired:
+            assert result.finish_reasons[row] == "rule"
+            assert list(result.token_ids[row]) == plain[row][:fired[0]]  # the firing step's token not emitted
+            assert result.stopped_by[row] == (hook_id, "model.layers.1", fired[0])
+            outcomes.add(fired[0])
+        else:
+            assert list(result.token_ids[row]) == plain[row] and result.stopped_by[row] is None
+            outcomes.add(None)
+    assert len(outcomes) == 2, "the rows must stop at different steps (or one not at all) to mean anything"
+
+
+async def test_a_stop_rule_is_refused_with_an_index_or_inside_a_conditional(client) -> None:
+    bad = rules.Rule(target="output", op="stop", index="[:, -1]", message=rules.stop("output", rules.norm() > 1).message)
+    with pytest.raises(hookwire.InvalidArgumentError, match=r"rules\[0\].index: a stop rule reads whole rows"):
+        await client.model("tiny-lm").generate(["a"], 2, hooks=[hookwire.HookSpec("model.layers.0", posthook=[bad])])
+    nested = rules.Rule(target="output", op="conditional", message=hookwire.v1.rule_pb2.ConditionalOp(
+        when=(rules.norm() > 1).message, then=rules.stop("output", rules.norm() > 2).to_proto()))
+    nested.message.then.target = ""
+    with pytest.raises(hookwire.InvalidArgumentError, match="conditional.then: one of"):
+        await client.model("tiny-lm").generate(["a"], 2, hooks=[hookwire.HookSpec("model.layers.0", posthook=[nested])])

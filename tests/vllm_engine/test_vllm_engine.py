@@ -760,3 +760,36 @@ async def test_a_probe_gated_edit_at_a_later_layer_equals_the_same_hooks_in_tran
         held = norms > cut
         assert bool(held.any()) and not bool(held.all())
         assert torch.equal(after[~held], before[~held]) and bool((after[held] == 0).all())
+
+
+async def test_a_probe_gated_stop_on_vllm_ends_only_the_sequence_it_fires_for(vllm_server, oracle) -> None:
+    """A stop rule on vLLM: the sequence whose probe score (layer 1, its last position)
+    passes the threshold ends at that step with finish reason "rule", its token of that
+    step not emitted, and its request leaves vLLM; the call's other sequence goes on as
+    transformers' generate() gives it."""
+    tokenizer = oracle_tokenizer()
+    probe = torch.randn(128, generator=torch.Generator().manual_seed(41))
+    prompts = PROMPTS[:2]
+    runs = [_greedy(oracle, _ids(tokenizer, p), 8) for p in prompts]
+    scores = [[float(seen["model.layers.1"][s][0, -1] @ probe) for s in range(8)] for _, seen in runs]
+    # A threshold far from every score (vLLM's kernels differ from transformers' by ~1e-7)
+    # at which the two sequences stop at different steps (or one never does).
+    flat = sorted(v for row in scores for v in row)
+    best = None
+    for a, b in zip(flat, flat[1:]):
+        t = (a + b) / 2
+        firsts = [next((s for s, v in enumerate(row) if v > t), None) for row in scores]
+        if firsts[0] != firsts[1] and any(f not in (None, 0) for f in firsts) and (best is None or b - a > best[0]):
+            best = (b - a, t, firsts)
+    assert best is not None and best[0] > 1e-3
+    _, threshold, firsts = best
+    async with hookwire.connect(vllm_server.target) as client:
+        result = await client.model("llama").generate(prompts, 8, hooks=[
+            HookSpec("model.layers.1", posthook=[rules.stop("output", rules.probe(probe) > threshold)])])
+    for row, first in enumerate(firsts):
+        tokens = runs[row][0]
+        if first is None:
+            assert list(result.token_ids[row]) == tokens and result.finish_reasons[row] == "length"
+        else:
+            assert list(result.token_ids[row]) == tokens[:first] and result.finish_reasons[row] == "rule"
+            assert result.stopped_by[row] == (result.hook_ids[0], "model.layers.1", first)

@@ -340,14 +340,26 @@ class GenerateDone(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[GeneratedSequence, _Mapping]]] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class GeneratedSequence(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason")
+    __slots__ = ("token_ids", "text", "finish_reason", "stopped_by")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_BY_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    stopped_by: RuleStop
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stopped_by: _Optional[_Union[RuleStop, _Mapping]] = ...) -> None: ...
+
+class RuleStop(_message.Message):
+    __slots__ = ("hook_id", "module", "step")
+    HOOK_ID_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    hook_id: str
+    module: str
+    step: int
+    def __init__(self, hook_id: _Optional[str] = ..., module: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class GetParametersRequest(_message.Message):
     __slots__ = ("model", "names", "dtype", "max_response_message_bytes")

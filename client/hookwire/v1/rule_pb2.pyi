@@ -71,7 +71,7 @@ CAPTURE_STAGE_AFTER_RULES: CaptureStage
 CAPTURE_STAGE_BEFORE_RULES: CaptureStage
 
 class Rule(_message.Message):
-    __slots__ = ("target", "index", "scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", "affine", "loreft", "norm_add", "top_k", "conditional", "signal", "sae")
+    __slots__ = ("target", "index", "scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", "affine", "loreft", "norm_add", "top_k", "conditional", "signal", "sae", "stop")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class Rule(_message.Message):
     CONDITIONAL_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     SAE_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     target: str
     index: str
     scale: ScaleOp
@@ -108,7 +109,14 @@ class Rule(_message.Message):
     conditional: ConditionalOp
     signal: SignalOp
     sae: SaeOp
-    def __init__(self, target: _Optional[str] = ..., index: _Optional[str] = ..., scale: _Optional[_Union[ScaleOp, _Mapping]] = ..., add: _Optional[_Union[AddOp, _Mapping]] = ..., set: _Optional[_Union[SetOp, _Mapping]] = ..., zero: _Optional[_Union[ZeroOp, _Mapping]] = ..., clamp: _Optional[_Union[ClampOp, _Mapping]] = ..., noise: _Optional[_Union[NoiseOp, _Mapping]] = ..., project_out: _Optional[_Union[ProjectOutOp, _Mapping]] = ..., patch: _Optional[_Union[PatchOp, _Mapping]] = ..., save: _Optional[_Union[SaveOp, _Mapping]] = ..., affine: _Optional[_Union[AffineOp, _Mapping]] = ..., loreft: _Optional[_Union[LoreftOp, _Mapping]] = ..., norm_add: _Optional[_Union[NormAddOp, _Mapping]] = ..., top_k: _Optional[_Union[TopKOp, _Mapping]] = ..., conditional: _Optional[_Union[ConditionalOp, _Mapping]] = ..., signal: _Optional[_Union[SignalOp, _Mapping]] = ..., sae: _Optional[_Union[SaeOp, _Mapping]] = ...) -> None: ...
+    stop: StopOp
+    def __init__(self, target: _Optional[str] = ..., index: _Optional[str] = ..., scale: _Optional[_Union[ScaleOp, _Mapping]] = ..., add: _Optional[_Union[AddOp, _Mapping]] = ..., set: _Optional[_Union[SetOp, _Mapping]] = ..., zero: _Optional[_Union[ZeroOp, _Mapping]] = ..., clamp: _Optional[_Union[ClampOp, _Mapping]] = ..., noise: _Optional[_Union[NoiseOp, _Mapping]] = ..., project_out: _Optional[_Union[ProjectOutOp, _Mapping]] = ..., patch: _Optional[_Union[PatchOp, _Mapping]] = ..., save: _Optional[_Union[SaveOp, _Mapping]] = ..., affine: _Optional[_Union[AffineOp, _Mapping]] = ..., loreft: _Optional[_Union[LoreftOp, _Mapping]] = ..., norm_add: _Optional[_Union[NormAddOp, _Mapping]] = ..., top_k: _Optional[_Union[TopKOp, _Mapping]] = ..., conditional: _Optional[_Union[ConditionalOp, _Mapping]] = ..., signal: _Optional[_Union[SignalOp, _Mapping]] = ..., sae: _Optional[_Union[SaeOp, _Mapping]] = ..., stop: _Optional[_Union[StopOp, _Mapping]] = ...) -> None: ...
+
+class StopOp(_message.Message):
+    __slots__ = ("when",)
+    WHEN_FIELD_NUMBER: _ClassVar[int]
+    when: Condition
+    def __init__(self, when: _Optional[_Union[Condition, _Mapping]] = ...) -> None: ...
 
 class Operand(_message.Message):
     __slots__ = ("scalar", "tensor")

@@ -28,7 +28,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -549,6 +549,7 @@ class Generation:
         # last step streamed (GenerateDone reports these: an engine may have run ahead).
         tokens: list[list[int]] = [[] for _ in range(batch)]
         reasons = [""] * batch
+        stopped: Mapping[int, tuple[str, str, int]] = {}  # sequences a stop rule ended (GenerateDone names it)
         texts = [TextDeltas() for _ in range(batch)]
         streamed = 0  # steps whose tokens the stream sent
         began = False  # the engine started the call (its `started` went out)
@@ -602,6 +603,7 @@ class Generation:
                     if token != FINISHED:
                         tokens[i].append(token)
                 reasons = list(result.reasons)
+                stopped = result.stopped
                 streamed = step + 1
                 deltas = [""] * batch
                 if detokenizer is not None:  # a sequence that ended now flushes its held-back text
@@ -620,7 +622,10 @@ class Generation:
                 step += 1
             done = model_service_pb2.GenerateDone(steps=streamed)
             for i, reason in enumerate(reasons):
-                done.sequences.add(token_ids=tokens[i], text=texts[i].sent, finish_reason=reason or "length")
+                sequence = done.sequences.add(token_ids=tokens[i], text=texts[i].sent, finish_reason=reason or "length")
+                if reason == "rule" and i in stopped:
+                    hook_id, module, fired = stopped[i]
+                    sequence.stopped_by.hook_id, sequence.stopped_by.module, sequence.stopped_by.step = hook_id, module, fired
             outcome = "ok" if "shutdown" not in reasons else "shutdown"
             yield model_service_pb2.GenerateResponse(done=done)
         except (asyncio.CancelledError, GeneratorExit):

@@ -89,6 +89,10 @@ class Decoder:
         self.reasons = [""] * batch
         #: Each sequence's new tokens (up to the one that ended it).
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        #: The rows a stop rule ended in the running pass (the call's Pass.stops: set by
+        #: whoever starts the call), and every sequence one ended so far.
+        self.stops: dict[int, tuple[str, str, int]] = {}
+        self.stopped: dict[int, tuple[str, str, int]] = {}
 
     @property
     def finished(self) -> bool:
@@ -186,9 +190,16 @@ class Decoder:
         was_running = self.unfinished.bool().tolist()
         chosen = next_tokens.tolist()
         out = []
+        ruled = torch.zeros_like(self.unfinished, dtype=torch.bool)
         for i, alive in enumerate(was_running):
             if not alive:
                 out.append(FINISHED)
+                continue
+            if i in self.stops:  # a stop rule fired for it in this pass: its token is not emitted
+                out.append(FINISHED)
+                self.reasons[i] = "rule"
+                self.stopped[i] = self.stops[i]
+                ruled[i] = True
                 continue
             out.append(int(chosen[i]))
             self.tokens[i].append(int(chosen[i]))
@@ -196,7 +207,7 @@ class Decoder:
                 if reason in ended and bool(ended[reason][i]):
                     self.reasons[i] = reason
                     break
-        any_ended = torch.zeros_like(self.unfinished, dtype=torch.bool)
+        any_ended = ruled
         for done in ended.values():
             any_ended |= done
         self.unfinished = self.unfinished & ~any_ended.to(self.unfinished.dtype)
@@ -298,13 +309,14 @@ def _run_step(host: ModelHost, call: GenerateCall) -> StepResult:
     p = call.p
     if call.decoder is None:
         call.decoder = start_call(host, call.records, call.ids, call.mask, call.options, call.stop_criteria)
+        call.decoder.stops = p.stops
     decoder = call.decoder
     assert isinstance(decoder, Decoder)
     if call.step:  # step 0 runs on the Pass as it was made
         p.begin_step(call.step)
     with running(host, Batch.alone(p)), model_errors(host, "forward"):
         tokens = decoder.step()
-    result = StepResult(tokens, tuple(decoder.reasons), decoder.finished)
+    result = StepResult(tokens, tuple(decoder.reasons), decoder.finished, dict(decoder.stopped))
     call.step += 1
     call.put(("step", result))
     return result
@@ -392,7 +404,7 @@ def _run_shared_step(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
         except Exception as exc:  # e.g. its sampling settings leave no distribution: only it fails
             result = exc
         else:
-            result = StepResult(tokens, tuple(decoder.reasons), decoder.finished)
+            result = StepResult(tokens, tuple(decoder.reasons), decoder.finished, dict(decoder.stopped))
         try:
             call.p.release()  # its events of the pass go out (also when it failed, as a step alone delivers them)
         except ResourceExhausted as exc:  # it kept more for a full stream than its principal may: only it fails

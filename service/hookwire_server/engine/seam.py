@@ -136,6 +136,9 @@ class StepResult:
     reasons: tuple[str, ...]
     #: Whether every sequence has ended.
     finished: bool
+    #: Sequences a stop rule ended so far (finish reason "rule"): row -> (hook id,
+    #: module, step).
+    stopped: Mapping[int, tuple[str, str, int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -370,6 +370,8 @@ class VllmCall(_Call):
         self.step_index = 0
         #: StepResult of each completed step, in order.
         self.results: list[StepResult] = []
+        #: Sequences a stop rule ended: row -> (hook id, module, step).
+        self.stopped: dict[int, tuple[str, str, int]] = {}
 
     @property
     def finished(self) -> bool:
@@ -438,6 +440,9 @@ class VllmEngine:
         #: the worker thread adds again (see _split_admission).
         self._split: list[_Call] = []
         self._readd: list[_Call] = []
+        #: Calls a stop rule ended a sequence of in the last step (their step completes
+        #: without that sequence's token).
+        self._ruled: list[VllmCall] = []
         self._install_views()
         self._head = host.modules.get("logits_processor")
         if link is None:
@@ -568,7 +573,8 @@ class VllmEngine:
                         len(state.results) < call.options.max_new_tokens):
                     # vLLM ended it in a step that gave it no token: its stream still gets a
                     # last step that says so (its GenerateDone follows).
-                    last = StepResult([FINISHED] * len(state.prompts), tuple(r or "length" for r in state.reasons), True)
+                    last = StepResult([FINISHED] * len(state.prompts), tuple(r or "length" for r in state.reasons), True,
+                                      dict(state.stopped))
                     state.results.append(last)
                     state.step_index = call.step = len(state.results)
                     call.put(("step", last))
@@ -863,6 +869,26 @@ class VllmEngine:
         for state in split:
             if state.failure is None:
                 self._resubmit(state)
+        self._rule_stops(batch)
+
+    def _rule_stops(self, batch: PackedBatch) -> None:
+        """The sequences a stop rule ended in the step: their requests leave vLLM (their
+        token of the step is nobody's), their finish reason is "rule"."""
+        for seg in batch.segments:
+            if not seg.p.stops:
+                continue
+            states = {id(r.call): r.call for r in self._rows.values() if r.call.p is seg.p}
+            for state in states.values():
+                if not isinstance(state, VllmCall) or state.failure is not None:
+                    continue
+                for row, info in seg.p.stops.items():
+                    if 0 <= row < len(state.reasons) and not state.reasons[row]:
+                        state.reasons[row] = "rule"
+                        state.stopped[row] = info
+                        rid = state.request_ids[row]
+                        self._rows.pop(rid, None)
+                        self._aborts.append(rid)
+                        self._ruled.append(state)
 
     def _take_outputs(self, outputs: list[Any]) -> None:
         """A step's outputs: tokens, finished sequences and completed steps per call."""
@@ -884,6 +910,9 @@ class VllmEngine:
             if output.finished:
                 state.reasons[row.index] = _reason(completion)
             advanced[id(state)] = state
+        ruled, self._ruled = self._ruled, []
+        for state in ruled:
+            advanced.setdefault(id(state), state)
         for state in advanced.values():
             self._complete_steps(state)
             if state.finished:
@@ -906,7 +935,7 @@ class VllmEngine:
             if not ready or all(t == FINISHED for t in tokens):
                 return
             reasons = tuple(r if len(state.tokens[i]) <= step + 1 else "" for i, r in enumerate(state.reasons))
-            result = StepResult(tokens, reasons, all(reasons))
+            result = StepResult(tokens, reasons, all(reasons), dict(state.stopped))
             state.results.append(result)
             state.step_index = state.call.step = len(state.results)
             state.call.put(("step", result))

@@ -298,10 +298,13 @@ class HookRecord:
         if capture and action.capture_before_rules:
             self._capture(action, path, p, call_index, training, parts)
         try:
+            stops: list[int] = []
             new_parts, changed = apply_rules(
                 action.rules, parts, self.slots, f"hook {self.hook_id} on module {path!r} of {self.host.name!r}",
-                p.signals,
+                p.signals, stops,
             )
+            for row in stops:  # the first stop rule to fire for a sequence in the pass names it
+                p.stops.setdefault(row, (self.hook_id, path, p.step))
         except RuleFailure as failure:
             self.errors += 1
             if self.compiled.fail_call_on_error:

@@ -72,6 +72,10 @@ class Pass:
         #: Signals the call's hooks kept in the running pass (rules' SignalOp writes them,
         #: their conditions read them); emptied when a pass begins.
         self.signals: dict[str, Any] = {}
+        #: Sequences (rows of the call) a stop rule ended in the running pass: row ->
+        #: (hook id, module, step). The engine reads it after the pass; emptied (the same
+        #: dict) when a pass begins.
+        self.stops: dict[int, tuple[str, str, int]] = {}
         self._calls: dict[tuple[str, str, int], int] = {}
         self._seqs: dict[str, int] = {}
         #: Session and subscription streams this call offered events to (ordered set), and
@@ -103,6 +107,7 @@ class Pass:
         self._calls.clear()
         self._events_in_step = 0
         self.signals = {}
+        self.stops.clear()
 
     def next_call_index(self, hook_id: str, path: str, phase: int) -> int:
         """0 for a hook's first fire on a module in a phase in this pass, then 1, 2, ..."""
@@ -191,6 +196,7 @@ class Pass:
         seqs, calls, events, kept, streams, spliced = self._checkpoint
         self._seqs, self._calls, self._events_in_step, self._streams = seqs, calls, events, streams
         self.signals = {}  # the call runs the pass again: its hooks keep them again
+        self.stops.clear()
         del self.response.events[kept:]
         if self.splicer is not None:
             self.splicer.forget_after(spliced)

@@ -60,13 +60,13 @@ READABLE: dict[int, frozenset[str]] = {
 }
 _SEQUENCE_ROOTS = frozenset({"args", "grad_input", "grad_output"})
 #: Rules that read their target and change nothing.
-READERS = frozenset({"save", "signal"})
+READERS = frozenset({"save", "signal", "stop"})
 #: Operations a conditional may apply (it applies them to its own target and index).
 CONDITIONAL_OPS = ("scale", "add", "set", "zero", "clamp", "noise", "project_out", "affine", "loreft", "norm_add",
                    "top_k", "sae")
 #: Every operation, in the Rule.op oneof's order (named in error messages).
 OPS = ("scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", "affine", "loreft",
-       "norm_add", "top_k", "conditional", "signal", "sae")
+       "norm_add", "top_k", "conditional", "signal", "sae", "stop")
 #: SAELens' architectures and activation normalizations an SAE operand may name.
 SAE_ARCHITECTURES = ("standard", "jumprelu", "topk")
 SAE_NORMALIZATIONS = ("", "none", "expected_average_only_in", "layer_norm")
@@ -313,11 +313,25 @@ class CompiledRule:
         new[self.index] = value
         return new
 
-    def apply(self, x: Any, slots: SlotStore | None, signals: dict[str, torch.Tensor] | None = None) -> Any:
-        """The new value of the target (``x`` itself for save and signal). ``signals``: the
-        call's signals of the running pass (SignalOp writes them, conditions read them)."""
+    def apply(self, x: Any, slots: SlotStore | None, signals: dict[str, torch.Tensor] | None = None,
+              stops: list[int] | None = None) -> Any:
+        """The new value of the target (``x`` itself for save, signal and stop). ``signals``:
+        the call's signals of the running pass (SignalOp writes them, conditions read
+        them); ``stops``: where a stop rule puts the rows whose condition held."""
         if not isinstance(x, torch.Tensor):
             raise InvalidArgument(f"the target is a {type(x).__name__}, not a tensor")
+        if self.kind == "stop":
+            assert self.condition is not None
+            if x.dim() < 2:
+                raise InvalidArgument(f"a stop rule needs rows (sequences) first and a vector per position; the target "
+                                      f"is {list(x.shape)}")
+            mask = self.condition.holds(x, signals)
+            if mask.dim() >= 2:
+                mask = mask[..., -1]  # each row's last position: the one whose next token the step picks
+            rows = mask.reshape(mask.shape[0], -1).any(dim=1)
+            if stops is not None:
+                stops.extend(int(i) for i in torch.nonzero(rows).flatten().tolist())
+            return x
         if self.kind == "save":
             assert slots is not None
             slots.save(self.slot, x if self.index is None else x[self.index])
@@ -621,6 +635,14 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
         _compile_op(inner, op.then, f"{here}.then", device, f"{path}conditional.then.")
         out.operands.update(inner.operands)
         out.inner = inner
+    elif kind == "stop":
+        if path:
+            raise InvalidArgument(f"{here}: a stop rule cannot be inside a conditional (it has its own condition)")
+        if out.index is not None:
+            raise InvalidArgument(f"{where}.index: a stop rule reads whole rows (its sequences); set no index")
+        if not op.HasField("when"):
+            raise InvalidArgument(f"{here}.when: missing")
+        out.condition = _compile_condition(op.when, f"{here}.when", device, out, f"{path}stop.when.")
     elif kind == "signal":
         if not op.name:
             raise InvalidArgument(f"{here}.name: name the signal")
@@ -748,10 +770,11 @@ def _decode(msg: Any, where: str, device: torch.device) -> torch.Tensor:
 
 def apply_rules(
     rules: tuple[CompiledRule, ...], parts: dict[str, Any], slots: SlotStore | None, where: str,
-    signals: dict[str, torch.Tensor] | None = None,
+    signals: dict[str, torch.Tensor] | None = None, stops: list[int] | None = None,
 ) -> tuple[dict[str, Any], set[str]]:
     """Applies rules in order to the hook's parts; returns the new parts and the roots
-    changed. ``signals``: the call's signals of the running pass (Pass.signals).
+    changed. ``signals``: the call's signals of the running pass (Pass.signals); ``stops``:
+    where stop rules put the rows (sequences) whose condition held.
 
     Raises RuleFailure carrying the domain error (naming ``where`` and the rule).
     """
@@ -759,7 +782,7 @@ def apply_rules(
     for rule in rules:
         root = rule.target.root
         try:
-            new_root = _replace(parts[root], rule.target.path, lambda x: rule.apply(x, slots, signals), rule.target.text)
+            new_root = _replace(parts[root], rule.target.path, lambda x: rule.apply(x, slots, signals, stops), rule.target.text)
         except HookwireServerError as exc:
             raise RuleFailure(type(exc)(f"{where}: {rule.describe()} failed: {exc}")) from None
         except (IndexError, RuntimeError, ValueError, TypeError) as exc:
