@@ -57,6 +57,9 @@ class HookAction:
     cast: CastName | None = None
     summarize: bool = False
     histogram_bins: int = 0
+    #: A small value sent instead of each captured tensor (hookwire.rules.probe_scores,
+    #: logit_lens, sae_top_k), or None.
+    readout: Any = None
 
     def to_proto(self) -> hook_pb2.HookAction:
         """The wire form; ValueError for an unknown part name."""
@@ -75,19 +78,24 @@ class HookAction:
             msg.cast = _CASTS[self.cast]
         if self.summarize:
             msg.summarize.histogram_bins = self.histogram_bins
+        if self.readout is not None:
+            msg.readout.CopyFrom(self.readout.message)
         return msg
 
 
 def capture(
     *parts: PartName, select: str = "", cast: CastName | None = None, summarize: bool = False, histogram_bins: int = 0,
+    readout: Any = None,
 ) -> HookAction:
     """A hook action that sends back ``parts``: "args", "kwargs", "output", "grad_input", "grad_output".
 
     ``capture()`` with no parts fires without sending anything. ``select``, ``cast``
-    and ``summarize`` (with ``histogram_bins``) reduce what is sent; see HookAction.
+    and ``summarize`` (with ``histogram_bins``) reduce what is sent; ``readout``
+    (``hookwire.rules.probe_scores``, ``logit_lens``, ``sae_top_k``) sends a small derived
+    value instead of each tensor, computed on the server; see HookAction.
     """
     action = HookAction(tuple(parts), select=select, cast=cast, summarize=summarize or bool(histogram_bins),
-                        histogram_bins=histogram_bins)
+                        histogram_bins=histogram_bins, readout=readout)
     action.to_proto()  # fail early on a typo
     return action
 

@@ -23,7 +23,7 @@ import math
 from typing import Any
 
 from .wire import codec
-from .v1 import rule_pb2
+from .v1 import hook_pb2, rule_pb2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,12 +339,47 @@ def stop(target: str, condition: Condition) -> Rule:
     return _built(target, "stop", None, rule_pb2.StopOp(when=condition.message))
 
 
+@dataclasses.dataclass(frozen=True)
+class Readout:
+    """A small value sent instead of each captured tensor: ``capture("output",
+    readout=logit_lens(5))``. Built by ``probe_scores``, ``logit_lens``, ``sae_top_k``."""
+
+    message: hook_pb2.Readout
+
+
+def probe_scores(weight: Any, bias: Any = None, *, sigmoid: bool = False) -> Readout:
+    """Linear probes' scores per position: ``t @ weight.T + bias`` (``weight`` [d] for one
+    probe, [n, d] for n), through a sigmoid with ``sigmoid``."""
+    msg = hook_pb2.Readout(probe=hook_pb2.ProbeReadout(sigmoid=sigmoid))
+    _tensor(weight, msg.probe.weight)
+    if bias is not None:
+        _tensor(bias, msg.probe.bias)
+    return Readout(msg)
+
+
+def logit_lens(k: int, *, norm: str = "", unembedding: str = "") -> Readout:
+    """The top-``k`` tokens per position through the model's own final norm and
+    unembedding (module paths found by the server unless given): a dict
+    ``{"token_ids": [..., k], "logits": [..., k]}``, largest first."""
+    if not 1 <= k:
+        raise ValueError(f"k must be at least 1, not {k}")
+    return Readout(hook_pb2.Readout(logit_lens=hook_pb2.LogitLensReadout(k=int(k), norm=norm, unembedding=unembedding)))
+
+
+def sae_top_k(autoencoder: Sae, k: int) -> Readout:
+    """An SAE's ``k`` most active features per position: a dict ``{"features": [..., k],
+    "values": [..., k]}``, largest first."""
+    if not 1 <= k:
+        raise ValueError(f"k must be at least 1, not {k}")
+    return Readout(hook_pb2.Readout(sae_top_k=hook_pb2.SaeTopKReadout(sae=autoencoder.message, k=int(k))))
+
+
 def _built(target: str, op: str, index: str | None, message: Any) -> Rule:
     if not isinstance(target, str) or not target:
         raise ValueError("a rule needs a target, e.g. 'output' or 'args.0'")
     return Rule(target=target, op=op, index=index or "", message=message)
 
 
-__all__ = ["Condition", "Rule", "Sae", "Signal", "add", "affine", "clamp", "loreft", "noise", "norm", "norm_add",
-           "patch", "probe", "project_out", "projection", "sae", "sae_feature", "save", "scale", "set", "signal",
-           "stop", "stored", "top_k", "when", "zero"]
+__all__ = ["Condition", "Readout", "Rule", "Sae", "Signal", "add", "affine", "clamp", "logit_lens", "loreft", "noise",
+           "norm", "norm_add", "patch", "probe", "probe_scores", "project_out", "projection", "sae", "sae_feature",
+           "sae_top_k", "save", "scale", "set", "signal", "stop", "stored", "top_k", "when", "zero"]

@@ -80,7 +80,9 @@ EXPECTED_ALL = [
     "edit",
     "rules",
 ]
-RULES_ALL = ["Rule", "add", "clamp", "noise", "patch", "project_out", "save", "scale", "set", "zero"]
+RULES_ALL = ["Condition", "Readout", "Rule", "Sae", "Signal", "add", "affine", "clamp", "logit_lens", "loreft", "noise",
+             "norm", "norm_add", "patch", "probe", "probe_scores", "project_out", "projection", "sae", "sae_feature",
+             "sae_top_k", "save", "scale", "set", "signal", "stop", "stored", "top_k", "when", "zero"]
 
 
 def test_all_is_pinned():

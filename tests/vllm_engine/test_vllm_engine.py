@@ -793,3 +793,26 @@ async def test_a_probe_gated_stop_on_vllm_ends_only_the_sequence_it_fires_for(vl
         else:
             assert list(result.token_ids[row]) == tokens[:first] and result.finish_reasons[row] == "rule"
             assert result.stopped_by[row] == (result.hook_ids[0], "model.layers.1", first)
+
+
+async def test_readouts_on_vllm_equal_transformers(vllm_server, oracle) -> None:
+    """A logit lens readout (vLLM's own final norm and lm_head, its vocabulary padding cut)
+    and a probe readout of layer 0 at every step equal the same computation on
+    transformers' layer outputs, within the tolerance (the top-5 token ids exactly)."""
+    tokenizer = oracle_tokenizer()
+    probes = torch.randn(2, 128, generator=torch.Generator().manual_seed(61))
+    text = PROMPTS[0]
+    _, seen = _greedy(oracle, _ids(tokenizer, text), 3)
+    async with hookwire.connect(vllm_server.target) as client:
+        lens = await client.model("llama").generate([text], 3, hooks=[
+            HookSpec("model.layers.0", posthook=capture("output", readout=rules.logit_lens(5)))])
+        scored = await client.model("llama").generate([text], 3, hooks=[
+            HookSpec("model.layers.0", posthook=capture("output", readout=rules.probe_scores(probes)))])
+    for event, probe_event in zip(lens.events, scored.events):
+        x = seen["model.layers.0"][event.step]
+        with torch.no_grad():
+            logits = oracle.lm_head(oracle.model.norm(x))
+        values, tokens = logits.topk(5, dim=-1)
+        assert torch.equal(torch.as_tensor(event.output["token_ids"])[0], tokens[0])
+        torch.testing.assert_close(torch.as_tensor(event.output["logits"])[0], values[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.as_tensor(probe_event.output)[0], (x @ probes.T)[0], **TOL)

@@ -154,6 +154,19 @@ async def test_infer_and_parameters_from_worker_processes(tp_server, oracle) -> 
                 HookSpec("model.layers.0.self_attn.qkv_proj", posthook=[rules.scale("output", 2.0)])])
 
 
+async def test_a_logit_lens_needs_the_weights_the_workers_hold(tp_server) -> None:
+    """In worker processes the server holds no weights: a logit lens readout is refused
+    at registration, naming why; a probe readout (its operand is the caller's) works."""
+    async with hookwire.connect(tp_server.target) as client:
+        model = client.model("llama-tp")
+        with pytest.raises(hookwire.FailedPreconditionError, match="weights are not in the server's process"):
+            await model.generate(["a"], 2, hooks=[HookSpec("model.layers.0", posthook=capture(
+                "output", readout=hookwire.rules.logit_lens(3)))])
+        result = await model.generate(["a"], 2, hooks=[HookSpec("model.layers.0", posthook=capture(
+            "output", readout=hookwire.rules.probe_scores(torch.ones(128))))])
+        assert [list(torch.as_tensor(e.output).shape) for e in result.events] == [[1, 2], [1, 1]]
+
+
 async def test_a_worker_process_that_dies_fails_its_calls_and_the_model(tp_server) -> None:
     """Last (the model does not come back): killing the first worker while a call
     generates fails that call with FAILED_PRECONDITION naming the failure, the model is
@@ -178,3 +191,4 @@ async def test_a_worker_process_that_dies_fails_its_calls_and_the_model(tp_serve
         assert info.state == "failed" and "vLLM" in info.state_message, info.state_message
         with pytest.raises(hookwire.FailedPreconditionError, match="failed while serving"):
             await model.generate(["hello"], 2)
+

@@ -52,20 +52,60 @@ PHASE_BACKWARD_PRE: Phase
 PHASE_BACKWARD: Phase
 
 class HookAction(_message.Message):
-    __slots__ = ("capture", "rules", "capture_stage", "select", "cast", "summarize")
+    __slots__ = ("capture", "rules", "capture_stage", "select", "cast", "summarize", "readout")
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
     RULES_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_STAGE_FIELD_NUMBER: _ClassVar[int]
     SELECT_FIELD_NUMBER: _ClassVar[int]
     CAST_FIELD_NUMBER: _ClassVar[int]
     SUMMARIZE_FIELD_NUMBER: _ClassVar[int]
+    READOUT_FIELD_NUMBER: _ClassVar[int]
     capture: _containers.RepeatedScalarFieldContainer[Part]
     rules: _containers.RepeatedCompositeFieldContainer[_rule_pb2.Rule]
     capture_stage: _rule_pb2.CaptureStage
     select: str
     cast: _tensor_pb2.DType
     summarize: SummaryOptions
-    def __init__(self, capture: _Optional[_Iterable[_Union[Part, str]]] = ..., rules: _Optional[_Iterable[_Union[_rule_pb2.Rule, _Mapping]]] = ..., capture_stage: _Optional[_Union[_rule_pb2.CaptureStage, str]] = ..., select: _Optional[str] = ..., cast: _Optional[_Union[_tensor_pb2.DType, str]] = ..., summarize: _Optional[_Union[SummaryOptions, _Mapping]] = ...) -> None: ...
+    readout: Readout
+    def __init__(self, capture: _Optional[_Iterable[_Union[Part, str]]] = ..., rules: _Optional[_Iterable[_Union[_rule_pb2.Rule, _Mapping]]] = ..., capture_stage: _Optional[_Union[_rule_pb2.CaptureStage, str]] = ..., select: _Optional[str] = ..., cast: _Optional[_Union[_tensor_pb2.DType, str]] = ..., summarize: _Optional[_Union[SummaryOptions, _Mapping]] = ..., readout: _Optional[_Union[Readout, _Mapping]] = ...) -> None: ...
+
+class Readout(_message.Message):
+    __slots__ = ("probe", "logit_lens", "sae_top_k")
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_LENS_FIELD_NUMBER: _ClassVar[int]
+    SAE_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    probe: ProbeReadout
+    logit_lens: LogitLensReadout
+    sae_top_k: SaeTopKReadout
+    def __init__(self, probe: _Optional[_Union[ProbeReadout, _Mapping]] = ..., logit_lens: _Optional[_Union[LogitLensReadout, _Mapping]] = ..., sae_top_k: _Optional[_Union[SaeTopKReadout, _Mapping]] = ...) -> None: ...
+
+class ProbeReadout(_message.Message):
+    __slots__ = ("weight", "bias", "sigmoid")
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    SIGMOID_FIELD_NUMBER: _ClassVar[int]
+    weight: _tensor_pb2.Tensor
+    bias: _tensor_pb2.Tensor
+    sigmoid: bool
+    def __init__(self, weight: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., bias: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sigmoid: _Optional[bool] = ...) -> None: ...
+
+class LogitLensReadout(_message.Message):
+    __slots__ = ("k", "norm", "unembedding")
+    K_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    UNEMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    norm: str
+    unembedding: str
+    def __init__(self, k: _Optional[int] = ..., norm: _Optional[str] = ..., unembedding: _Optional[str] = ...) -> None: ...
+
+class SaeTopKReadout(_message.Message):
+    __slots__ = ("sae", "k")
+    SAE_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    sae: _rule_pb2.Sae
+    k: int
+    def __init__(self, sae: _Optional[_Union[_rule_pb2.Sae, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
 
 class SummaryOptions(_message.Message):
     __slots__ = ("histogram_bins",)

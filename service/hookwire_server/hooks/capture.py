@@ -33,11 +33,14 @@ class CaptureOptions:
     cast: torch.dtype | None = None
     #: None: send tensors; an int: send summaries with that many histogram bins.
     summary_bins: int | None = None
+    #: A readout sent instead of each tensor (readouts.CompiledReadout), or None.
+    readout: Any = None
 
     @property
     def transforms(self) -> bool:
         """Whether captured values need preparing at all."""
-        return self.select is not None or self.cast is not None or self.summary_bins is not None
+        return (self.select is not None or self.cast is not None or self.summary_bins is not None
+                or self.readout is not None)
 
     @classmethod
     def compile(cls, action: hook_pb2.HookAction, field: str) -> CaptureOptions:
@@ -59,6 +62,8 @@ class CaptureOptions:
                 t = t[self.select]
             if self.cast is not None and t.is_floating_point():
                 t = t.to(self.cast)
+            if self.readout is not None:
+                return self.readout.apply(t)
             return summarize(t, self.summary_bins) if self.summary_bins is not None else t
         if isinstance(value, (tuple, list)):
             return type(value)(self.prepare(v) for v in value) if type(value) in (tuple, list) else tuple(

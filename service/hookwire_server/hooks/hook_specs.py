@@ -14,6 +14,7 @@ from .capture import CaptureOptions, Sampler
 from ..errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from ..limits import exceeded
 from ..models.model_registry import ModelHost
+from .readouts import compile_readout
 from .rules import CompiledRule, compile_rules
 
 SCOPE_REQUEST = -1  # internal: InferRequest.hooks, which have no wire scope value
@@ -107,6 +108,16 @@ class CompiledSpec:
         return any(action.uses_slots for action in self.actions)
 
 
+def _capture_options(action: hook_pb2.HookAction, field: str, host: ModelHost) -> CaptureOptions:
+    """The action's capture options, with its readout compiled for ``host``'s model."""
+    options = CaptureOptions.compile(action, field)
+    if not action.HasField("readout"):
+        return options
+    if options.summary_bins is not None:
+        raise InvalidArgument(f"{field}.readout: a readout and summarize both replace the tensor; set one")
+    return dataclasses.replace(options, readout=compile_readout(action.readout, f"{field}.readout", host))
+
+
 def compile_spec(
     spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bool, allow_shared_rules: bool = False,
     max_rules: int = 64,
@@ -152,7 +163,7 @@ def compile_spec(
                     device=host.device,
                 ),
                 capture_before_rules=action_msg.capture_stage == rule_pb2.CAPTURE_STAGE_BEFORE_RULES,
-                options=CaptureOptions.compile(action_msg, info.field),
+                options=_capture_options(action_msg, info.field, host),
             )
         )
     if not actions:

@@ -505,7 +505,7 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
             if required:
                 raise InvalidArgument(f"{here}.{field}: missing")
             return None
-        value = _decode(getattr(op, field), f"{here}.{field}", device)
+        value = decode_operand(getattr(op, field), f"{here}.{field}", device)
         if not value.is_floating_point():
             raise InvalidArgument(f"{here}.{field}: must be a floating-point tensor, not {value.dtype}")
         if not bool(torch.isfinite(value).all()):
@@ -519,7 +519,7 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
         if not op.HasField("value"):
             raise InvalidArgument(f"{here}.value: missing")
         if op.value.WhichOneof("kind") == "tensor":
-            out.tensor = _decode(op.value.tensor, f"{here}.value.tensor", device)
+            out.tensor = decode_operand(op.value.tensor, f"{here}.value.tensor", device)
             out.operands[f"{path}{kind}.value.tensor"] = out.tensor
         else:
             out.scalar = _finite(op.value.scalar, f"{here}.value.scalar")
@@ -536,7 +536,7 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
             raise InvalidArgument(f"{here}.std: {out.std} is negative")
         out.seed = op.seed
     elif kind == "project_out":
-        direction = _decode(op.direction, f"{here}.direction", device)
+        direction = decode_operand(op.direction, f"{here}.direction", device)
         if direction.dim() != 1 or not direction.is_floating_point():
             raise InvalidArgument(f"{here}.direction: must be a 1-D floating-point tensor")
         norm = torch.linalg.vector_norm(direction)
@@ -590,7 +590,7 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
         if source is None:
             raise InvalidArgument(f"{here}: set directions or sae (the features)")
         if source == "sae":
-            out.sae = _compile_sae(op.sae, f"{here}.sae", device, out, f"{path}top_k.sae.")
+            out.sae = compile_sae(op.sae, f"{here}.sae", device, out.operands, f"{path}top_k.sae.")
             features = out.sae.d_sae
         else:
             directions = tensor("directions")
@@ -607,7 +607,7 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
     elif kind == "sae":
         if not op.HasField("sae"):
             raise InvalidArgument(f"{here}.sae: missing")
-        out.sae = _compile_sae(op.sae, f"{here}.sae", device, out, f"{path}sae.sae.")
+        out.sae = compile_sae(op.sae, f"{here}.sae", device, out.operands, f"{path}sae.sae.")
         if not op.features:
             raise InvalidArgument(f"{here}.features: name at least one feature")
         if len(op.features) > out.sae.d_sae or max(op.features) >= out.sae.d_sae:
@@ -656,8 +656,8 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
         out.signal = _compile_signal(op.signal, f"{here}.signal", device, out, f"{path}signal.signal.")
 
 
-def _compile_sae(msg: Any, where: str, device: torch.device, out: CompiledRule, path: str) -> CompiledSae:
-    """A validated Sae operand (its tensors recorded in ``out.operands`` under ``path``)."""
+def compile_sae(msg: Any, where: str, device: torch.device, operands: dict[str, torch.Tensor], path: str) -> CompiledSae:
+    """A validated Sae operand (its tensors recorded in ``operands`` under ``path``)."""
     if msg.architecture not in SAE_ARCHITECTURES:
         raise InvalidArgument(f"{where}.architecture: {msg.architecture!r} is not one of {', '.join(SAE_ARCHITECTURES)} "
                               "(SAELens' names)")
@@ -669,11 +669,11 @@ def _compile_sae(msg: Any, where: str, device: torch.device, out: CompiledRule, 
     for field in fields:
         if not msg.HasField(field):
             raise InvalidArgument(f"{where}.{field}: missing")
-        value = _decode(getattr(msg, field), f"{where}.{field}", device)
+        value = decode_operand(getattr(msg, field), f"{where}.{field}", device)
         if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
             raise InvalidArgument(f"{where}.{field}: must be a finite floating-point tensor")
         tensors[field] = value
-        out.operands[f"{path}{field}"] = value
+        operands[f"{path}{field}"] = value
     w_enc = tensors["w_enc"]
     if w_enc.dim() != 2 or 0 in w_enc.shape:
         raise InvalidArgument(f"{where}.w_enc: must be [d_in, d_sae], not {list(w_enc.shape)}")
@@ -696,7 +696,7 @@ def _compile_signal(msg: Any, where: str, device: torch.device, out: CompiledRul
     if kind == "norm":
         return CompiledSignal("norm")
     if kind == "sae_feature":
-        sae = _compile_sae(msg.sae_feature.sae, f"{where}.sae_feature.sae", device, out, f"{path}sae_feature.sae.")
+        sae = compile_sae(msg.sae_feature.sae, f"{where}.sae_feature.sae", device, out.operands, f"{path}sae_feature.sae.")
         if msg.sae_feature.feature >= sae.d_sae:
             raise InvalidArgument(f"{where}.sae_feature.feature: {msg.sae_feature.feature} is not below d_sae {sae.d_sae}")
         return CompiledSignal("sae_feature", sae=sae, feature=int(msg.sae_feature.feature))
@@ -708,7 +708,7 @@ def _compile_signal(msg: Any, where: str, device: torch.device, out: CompiledRul
     name = "projection" if kind == "projection" else "probe.weight"
     if kind == "probe" and not msg.probe.HasField("weight"):
         raise InvalidArgument(f"{where}.probe.weight: missing")
-    vector = _decode(field, f"{where}.{name}", device)
+    vector = decode_operand(field, f"{where}.{name}", device)
     if vector.dim() != 1 or not vector.is_floating_point() or not bool(torch.isfinite(vector).all()):
         raise InvalidArgument(f"{where}.{name}: must be a finite 1-D floating-point tensor")
     if kind == "projection" and float(torch.linalg.vector_norm(vector)) == 0.0:
@@ -761,7 +761,7 @@ def _finite(value: float, where: str) -> float:
     return value
 
 
-def _decode(msg: Any, where: str, device: torch.device) -> torch.Tensor:
+def decode_operand(msg: Any, where: str, device: torch.device) -> torch.Tensor:
     try:
         return codec.decode_tensor(msg, where=where).to(device)
     except codec.CodecError as exc:
