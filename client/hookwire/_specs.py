@@ -60,6 +60,8 @@ class HookAction:
     #: A small value sent instead of each captured tensor (hookwire.rules.probe_scores,
     #: logit_lens, sae_top_k), or None.
     readout: Any = None
+    #: Attention heads the captures send (where the module's heads are separate); ().
+    heads: tuple[int, ...] = ()
 
     def to_proto(self) -> hook_pb2.HookAction:
         """The wire form; ValueError for an unknown part name."""
@@ -80,22 +82,26 @@ class HookAction:
             msg.summarize.histogram_bins = self.histogram_bins
         if self.readout is not None:
             msg.readout.CopyFrom(self.readout.message)
+        msg.heads.extend(self.heads)
         return msg
 
 
 def capture(
     *parts: PartName, select: str = "", cast: CastName | None = None, summarize: bool = False, histogram_bins: int = 0,
-    readout: Any = None,
+    readout: Any = None, heads: Sequence[int] = (),
 ) -> HookAction:
     """A hook action that sends back ``parts``: "args", "kwargs", "output", "grad_input", "grad_output".
 
     ``capture()`` with no parts fires without sending anything. ``select``, ``cast``
     and ``summarize`` (with ``histogram_bins``) reduce what is sent; ``readout``
     (``hookwire.rules.probe_scores``, ``logit_lens``, ``sae_top_k``) sends a small derived
-    value instead of each tensor, computed on the server; see HookAction.
+    value instead of each tensor, computed on the server; ``heads`` sends only those
+    attention heads where the module's heads are separate (a q/k/v projection's output,
+    the output projection's input, attention probabilities), before ``select``; see
+    HookAction.
     """
     action = HookAction(tuple(parts), select=select, cast=cast, summarize=summarize or bool(histogram_bins),
-                        histogram_bins=histogram_bins, readout=readout)
+                        histogram_bins=histogram_bins, readout=readout, heads=tuple(int(h) for h in heads))
     action.to_proto()  # fail early on a typo
     return action
 

@@ -36,10 +36,22 @@ class Rule:
     params: tuple[tuple[str, Any], ...] = ()
     #: The operation's message, built already (the operations with several operands).
     message: Any = None
+    #: Attention heads the rule sees and edits (see ``on_heads``); () for the whole target.
+    heads: tuple[int, ...] = ()
+
+    def on_heads(self, *heads: int) -> Rule:
+        """This rule on the named attention heads only, where the model's heads are
+        separate: a q/k/v projection's ``output``, the output projection's input
+        (``args.0`` of its prehook), attention probabilities (``output.1``); the index,
+        if any, selects within ``[..., len(heads), head_dim]``. E.g. ablate heads 0 and
+        5: ``zero("args.0").on_heads(0, 5)`` in a prehook on ``...self_attn.o_proj``."""
+        if not heads or any(not isinstance(h, int) or h < 0 for h in heads):
+            raise ValueError("name at least one head, by a non-negative number")
+        return dataclasses.replace(self, heads=tuple(heads))
 
     def to_proto(self) -> rule_pb2.Rule:
         """The wire form (tensors encoded now)."""
-        msg = rule_pb2.Rule(target=self.target, index=self.index)
+        msg = rule_pb2.Rule(target=self.target, index=self.index, heads=list(self.heads))
         params = dict(self.params)
         op = getattr(msg, self.op)
         op.SetInParent()
@@ -310,8 +322,9 @@ def when(condition: Condition, rule: Rule) -> Rule:
         raise TypeError("when(condition, rule): make the condition by comparing a signal, e.g. norm() > 4")
     inner = rule.to_proto()
     inner.target, inner.index = "", ""
+    del inner.heads[:]
     op = rule_pb2.ConditionalOp(when=condition.message, then=inner)
-    return Rule(target=rule.target, op="conditional", index=rule.index, message=op)
+    return Rule(target=rule.target, op="conditional", index=rule.index, message=op, heads=rule.heads)
 
 
 def signal(target: str, name: str, of: Signal, *, reduce: str = "none", index: str | None = None) -> Rule:

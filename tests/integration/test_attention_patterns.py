@@ -181,3 +181,39 @@ def test_recipe_python_blocks_run(server: ServerThread, tmp_path: pathlib.Path) 
     assert "(1, 12, 9, 9)" in outputs[1]
     for name in ("attention.png", "attention-l5h7.png", "attention-layer3.png"):
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG"), name
+
+
+async def test_heads_by_number_on_real_minilm_attention_and_its_output_projection(
+    server: ServerThread, local: dict[str, Any],
+) -> None:
+    """MiniLM's 12 heads of 32 (from its config): capturing heads 0 and 5 of the attention
+    probabilities gives [batch, 2, queries, keys] equal to in-process's slice; ablating
+    head 7 at the attention output projection's input equals zeroing its 32 features in
+    process, bit for bit (real weights)."""
+    model, tokenizer = local["model"], local["tokenizer"]
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        attentions = model(**batch, output_attentions=True).attentions
+
+    def ablate(module: Any, args: Any) -> Any:
+        x = args[0].clone()
+        x[..., 7 * 32:8 * 32] = 0
+        return (x,)
+
+    handle = model.encoder.layer[2].attention.output.dense.register_forward_pre_hook(ablate)
+    try:
+        with torch.no_grad():
+            want = model(**batch).last_hidden_state
+    finally:
+        handle.remove()
+    async with hookwire.connect(server.target) as client:
+        minilm = client.model("minilm")
+        probs = await minilm.infer(batch["input_ids"], attention_mask=batch["attention_mask"], hooks=[
+            hookwire.HookSpec("encoder.layer.1.attention.self", posthook=hookwire.capture("output", heads=[0, 5]))])
+        context, kept = probs.events[0].output
+        assert torch.equal(kept, attentions[1][:, [0, 5]])
+        assert context.shape == (2, batch["input_ids"].shape[1], 384)  # only the probabilities have separate heads
+        ablated = await minilm.infer(batch["input_ids"], attention_mask=batch["attention_mask"], hooks=[
+            hookwire.HookSpec("encoder.layer.2.attention.output.dense",
+                              prehook=[hookwire.rules.zero("args.0").on_heads(7)])])
+        assert torch.equal(ablated.output["last_hidden_state"], want)

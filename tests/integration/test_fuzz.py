@@ -213,6 +213,8 @@ def signals(draw: Any) -> rule_pb2.Signal:
 @st.composite
 def rules(draw: Any, depth: int = 0) -> rule_pb2.Rule:
     rule = rule_pb2.Rule(target=draw(targets), index=draw(selections))
+    if draw(st.integers(0, 4)) == 0:
+        rule.heads.extend(draw(st.lists(st.integers(0, 2**32 - 1), max_size=3)))
     op = draw(st.sampled_from(["scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", None,
                                "affine", "loreft", "norm_add", "top_k", "conditional", "signal", "sae"]))
     if op == "sae":
@@ -278,7 +280,26 @@ def rules(draw: Any, depth: int = 0) -> rule_pb2.Rule:
 def actions(draw: Any) -> hook_pb2.HookAction:
     action = hook_pb2.HookAction(capture=draw(parts), rules=draw(st.lists(rules(), max_size=2)),
                                  capture_stage=draw(st.integers(-1, 4)), select=draw(selections),
-                                 cast=draw(st.integers(-1, 12)))
+                                 cast=draw(st.integers(-1, 12)),
+                                 heads=draw(st.lists(st.integers(0, 2**32 - 1), max_size=2)))
+    if draw(st.integers(0, 3)) == 0:
+        readout = action.readout
+        kind = draw(st.sampled_from(["probe", "logit_lens", "sae_top_k", None]))
+        if kind == "probe":
+            readout.probe.sigmoid = draw(st.booleans())
+            if draw(st.booleans()):
+                readout.probe.weight.CopyFrom(draw(tensors()))
+            if draw(st.booleans()):
+                readout.probe.bias.CopyFrom(draw(tensors()))
+        elif kind == "logit_lens":
+            readout.logit_lens.k = draw(st.integers(0, 2**32 - 1))
+            readout.logit_lens.norm = draw(st.one_of(st.sampled_from(["", "model.norm", "nope"]), long_strings))
+        elif kind == "sae_top_k":
+            readout.sae_top_k.k = draw(st.integers(0, 300))
+            if draw(st.booleans()):
+                readout.sae_top_k.sae.CopyFrom(draw(saes()))
+        else:
+            readout.SetInParent()
     if draw(st.booleans()):
         action.summarize.histogram_bins = draw(st.integers(0, 5000))
     return action

@@ -296,3 +296,57 @@ async def test_bad_readouts_are_refused_naming_the_field(client) -> None:
     with pytest.raises(hookwire.InvalidArgumentError, match="a readout and summarize both replace the tensor"):
         await client.model("tiny-lm").generate(["a"], 2, hooks=[hookwire.HookSpec("model.layers.0", posthook=hookwire.capture(
             "output", readout=rules.logit_lens(2), summarize=True))])
+
+
+async def test_heads_by_number_for_rules_and_captures_equal_the_slices_in_process(client) -> None:
+    """tiny-lm has 4 attention heads of 16 (2 key/value heads): ablating heads 1 and 3 at
+    o_proj's input, scaling key head 1 at k_proj's output, and capturing query heads 0
+    and 2 equal the same slices done in process, bit for bit."""
+    prompts = ["the cat sat", "a"]
+    ids, mask = oracle.batch(prompts)
+    model = oracle.model()
+    attn = model.model.layers[0].self_attn
+
+    def ablate(module: Any, args: Any) -> Any:
+        x = args[0].clone()
+        x[..., 16:32] = 0
+        x[..., 48:64] = 0
+        return (x,)
+
+    def scale_k(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+        new = out.clone()
+        new[..., 16:32] = out[..., 16:32] * 2.0
+        return new
+
+    seen: list[torch.Tensor] = []
+    handles = [attn.o_proj.register_forward_pre_hook(ablate), attn.k_proj.register_forward_hook(scale_k),
+               attn.q_proj.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))]
+    try:
+        want = oracle.generate(ids, mask, 5, do_sample=False)
+    finally:
+        for h in handles:
+            h.remove()
+    assert want != oracle.generate(ids, mask, 5, do_sample=False)
+    result = await client.model("tiny-lm").generate(prompts, 5, do_sample=False, hooks=[
+        hookwire.HookSpec("model.layers.0.self_attn.o_proj", prehook=[rules.zero("args.0").on_heads(1, 3)]),
+        hookwire.HookSpec("model.layers.0.self_attn.k_proj", posthook=[rules.scale("output", 2.0).on_heads(1)]),
+        hookwire.HookSpec("model.layers.0.self_attn.q_proj", posthook=hookwire.capture("output", heads=[0, 2])),
+    ])
+    assert [list(t) for t in result.token_ids] == want
+    for event in result.events:
+        full = seen[event.step]
+        assert torch.equal(event.output, full.unflatten(-1, (4, 16))[..., [0, 2], :])
+
+
+async def test_a_head_view_where_heads_are_not_separate_is_refused(client) -> None:
+    cases = [
+        (hookwire.HookSpec("model.layers.0.mlp", posthook=[rules.zero("output").on_heads(0)]),
+         r"posthook.rules\[0\].heads: output of module 'model.layers.0.mlp' has no separate attention heads"),
+        (hookwire.HookSpec("model.layers.0.self_attn.k_proj", posthook=[rules.zero("output").on_heads(2)]),
+         "head 2 of module 'model.layers.0.self_attn.k_proj', which has 2"),
+        (hookwire.HookSpec("model.layers.0.self_attn.o_proj", posthook=hookwire.capture("output", heads=[0])),
+         "posthook.heads: module 'model.layers.0.self_attn.o_proj' has no separate attention heads in this phase"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(hookwire.InvalidArgumentError, match=message):
+            await client.model("tiny-lm").generate(["a"], 2, hooks=[spec])

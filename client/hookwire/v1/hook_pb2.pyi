@@ -52,7 +52,7 @@ PHASE_BACKWARD_PRE: Phase
 PHASE_BACKWARD: Phase
 
 class HookAction(_message.Message):
-    __slots__ = ("capture", "rules", "capture_stage", "select", "cast", "summarize", "readout")
+    __slots__ = ("capture", "rules", "capture_stage", "select", "cast", "summarize", "readout", "heads")
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
     RULES_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class HookAction(_message.Message):
     CAST_FIELD_NUMBER: _ClassVar[int]
     SUMMARIZE_FIELD_NUMBER: _ClassVar[int]
     READOUT_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
     capture: _containers.RepeatedScalarFieldContainer[Part]
     rules: _containers.RepeatedCompositeFieldContainer[_rule_pb2.Rule]
     capture_stage: _rule_pb2.CaptureStage
@@ -67,7 +68,8 @@ class HookAction(_message.Message):
     cast: _tensor_pb2.DType
     summarize: SummaryOptions
     readout: Readout
-    def __init__(self, capture: _Optional[_Iterable[_Union[Part, str]]] = ..., rules: _Optional[_Iterable[_Union[_rule_pb2.Rule, _Mapping]]] = ..., capture_stage: _Optional[_Union[_rule_pb2.CaptureStage, str]] = ..., select: _Optional[str] = ..., cast: _Optional[_Union[_tensor_pb2.DType, str]] = ..., summarize: _Optional[_Union[SummaryOptions, _Mapping]] = ..., readout: _Optional[_Union[Readout, _Mapping]] = ...) -> None: ...
+    heads: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, capture: _Optional[_Iterable[_Union[Part, str]]] = ..., rules: _Optional[_Iterable[_Union[_rule_pb2.Rule, _Mapping]]] = ..., capture_stage: _Optional[_Union[_rule_pb2.CaptureStage, str]] = ..., select: _Optional[str] = ..., cast: _Optional[_Union[_tensor_pb2.DType, str]] = ..., summarize: _Optional[_Union[SummaryOptions, _Mapping]] = ..., readout: _Optional[_Union[Readout, _Mapping]] = ..., heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Readout(_message.Message):
     __slots__ = ("probe", "logit_lens", "sae_top_k")

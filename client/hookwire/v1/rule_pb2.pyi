@@ -71,9 +71,10 @@ CAPTURE_STAGE_AFTER_RULES: CaptureStage
 CAPTURE_STAGE_BEFORE_RULES: CaptureStage
 
 class Rule(_message.Message):
-    __slots__ = ("target", "index", "scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", "affine", "loreft", "norm_add", "top_k", "conditional", "signal", "sae", "stop")
+    __slots__ = ("target", "index", "heads", "scale", "add", "set", "zero", "clamp", "noise", "project_out", "patch", "save", "affine", "loreft", "norm_add", "top_k", "conditional", "signal", "sae", "stop")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
     SET_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +94,7 @@ class Rule(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     target: str
     index: str
+    heads: _containers.RepeatedScalarFieldContainer[int]
     scale: ScaleOp
     add: AddOp
     set: SetOp
@@ -110,7 +112,7 @@ class Rule(_message.Message):
     signal: SignalOp
     sae: SaeOp
     stop: StopOp
-    def __init__(self, target: _Optional[str] = ..., index: _Optional[str] = ..., scale: _Optional[_Union[ScaleOp, _Mapping]] = ..., add: _Optional[_Union[AddOp, _Mapping]] = ..., set: _Optional[_Union[SetOp, _Mapping]] = ..., zero: _Optional[_Union[ZeroOp, _Mapping]] = ..., clamp: _Optional[_Union[ClampOp, _Mapping]] = ..., noise: _Optional[_Union[NoiseOp, _Mapping]] = ..., project_out: _Optional[_Union[ProjectOutOp, _Mapping]] = ..., patch: _Optional[_Union[PatchOp, _Mapping]] = ..., save: _Optional[_Union[SaveOp, _Mapping]] = ..., affine: _Optional[_Union[AffineOp, _Mapping]] = ..., loreft: _Optional[_Union[LoreftOp, _Mapping]] = ..., norm_add: _Optional[_Union[NormAddOp, _Mapping]] = ..., top_k: _Optional[_Union[TopKOp, _Mapping]] = ..., conditional: _Optional[_Union[ConditionalOp, _Mapping]] = ..., signal: _Optional[_Union[SignalOp, _Mapping]] = ..., sae: _Optional[_Union[SaeOp, _Mapping]] = ..., stop: _Optional[_Union[StopOp, _Mapping]] = ...) -> None: ...
+    def __init__(self, target: _Optional[str] = ..., index: _Optional[str] = ..., heads: _Optional[_Iterable[int]] = ..., scale: _Optional[_Union[ScaleOp, _Mapping]] = ..., add: _Optional[_Union[AddOp, _Mapping]] = ..., set: _Optional[_Union[SetOp, _Mapping]] = ..., zero: _Optional[_Union[ZeroOp, _Mapping]] = ..., clamp: _Optional[_Union[ClampOp, _Mapping]] = ..., noise: _Optional[_Union[NoiseOp, _Mapping]] = ..., project_out: _Optional[_Union[ProjectOutOp, _Mapping]] = ..., patch: _Optional[_Union[PatchOp, _Mapping]] = ..., save: _Optional[_Union[SaveOp, _Mapping]] = ..., affine: _Optional[_Union[AffineOp, _Mapping]] = ..., loreft: _Optional[_Union[LoreftOp, _Mapping]] = ..., norm_add: _Optional[_Union[NormAddOp, _Mapping]] = ..., top_k: _Optional[_Union[TopKOp, _Mapping]] = ..., conditional: _Optional[_Union[ConditionalOp, _Mapping]] = ..., signal: _Optional[_Union[SignalOp, _Mapping]] = ..., sae: _Optional[_Union[SaeOp, _Mapping]] = ..., stop: _Optional[_Union[StopOp, _Mapping]] = ...) -> None: ...
 
 class StopOp(_message.Message):
     __slots__ = ("when",)

@@ -57,6 +57,10 @@ NAME_FIELDS = frozenset({
     "hookwire.v1.ValueMap.keys",
     "hookwire.v1.PatchOp.slot",
     "hookwire.v1.SaveOp.slot",
+    "hookwire.v1.SignalOp.name",
+    "hookwire.v1.Signal.stored",
+    "hookwire.v1.Sae.architecture",
+    "hookwire.v1.Sae.normalize_activations",
     "hookwire.v1.GetSlotRequest.name",
     "hookwire.v1.TokenizeRequest.padding_side",
     "hookwire.v1.GenerateRequest.stop",
@@ -76,6 +80,8 @@ PATH_FIELDS = frozenset({
     "hookwire.v1.TextSource.path",
     "hookwire.v1.HarvestOutput.path",
     "hookwire.v1.GetParametersRequest.names",
+    "hookwire.v1.LogitLensReadout.norm",
+    "hookwire.v1.LogitLensReadout.unembedding",
 })
 #: String fields the server never parses (data for the model).
 UNBOUNDED_FIELDS = frozenset({

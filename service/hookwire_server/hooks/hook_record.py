@@ -31,6 +31,7 @@ from hookwire.v1 import hook_pb2, hook_service_pb2
 from ..auth import ANONYMOUS, Principal
 from .capture import Sampler
 from .deferred import HostCopies, wants_deferral
+from . import heads
 from ..errors import InvalidArgument, Unimplemented
 from .event_bus import EventStream, HookCounters
 from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec, _part_name
@@ -552,6 +553,9 @@ def _prepare(
     options = action.options
     items: list[Captured] = []
     devices: list[str] = []
+    if action.heads:  # the named heads only, where the module's heads are separate (hooks.heads)
+        assert action.head_view is not None
+        parts = heads.view_parts(parts, action.heads_target, action.heads, *action.head_view)
     for part, field, key, value in _captured(action, parts):
         _devices_of(value, devices)
         try:

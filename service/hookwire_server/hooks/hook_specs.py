@@ -14,6 +14,7 @@ from .capture import CaptureOptions, Sampler
 from ..errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from ..limits import exceeded
 from ..models.model_registry import ModelHost
+from .heads import check_heads, head_point
 from .readouts import compile_readout
 from .rules import CompiledRule, compile_rules
 
@@ -63,6 +64,11 @@ class Action:
     rules: tuple[CompiledRule, ...] = ()
     capture_before_rules: bool = False
     options: CaptureOptions = CaptureOptions()
+    #: HookAction.heads, the value they apply to (a head point's target) and its view
+    #: (hooks.heads: dim, head size): captures send those heads only.
+    heads: tuple[int, ...] = ()
+    heads_target: str = ""
+    head_view: tuple[int, int] | None = None
 
     @property
     def modifies(self) -> bool:
@@ -214,6 +220,21 @@ def compile_spec(
             )
         steps = (spec.steps.first, last)
     modules = tuple(host.resolve(spec.module))
+    for i, action in enumerate(actions):
+        field = next(info.field for info in PHASES if info.phase == action.phase)
+        for rule in action.rules:
+            if rule.heads:
+                rule.head_view = check_heads(host, modules, action.phase, rule.heads,
+                                             f"{field}.rules[{rule.position}].heads", rule.target.text)
+        wanted = getattr(spec, field).heads
+        if wanted:
+            if len(set(wanted)) != len(wanted):
+                raise InvalidArgument(f"{field}.heads: a head is named twice")
+            chosen = tuple(int(h) for h in wanted)
+            view = check_heads(host, modules, action.phase, chosen, f"{field}.heads", None)
+            point = head_point(host, modules[0], action.phase)
+            assert point is not None
+            actions[i] = dataclasses.replace(action, heads=chosen, heads_target=point.target, head_view=view)
     for action in actions:
         if not action.modifies:
             continue

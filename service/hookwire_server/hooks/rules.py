@@ -41,6 +41,7 @@ from hookwire.wire import codec
 from hookwire.v1 import hook_pb2, rule_pb2, tensor_pb2
 
 from ..errors import FailedPrecondition, HookwireServerError, InvalidArgument
+from . import heads
 from .selection import Index, SelectionError, parse_selection
 from .slots import SlotStore
 
@@ -193,6 +194,9 @@ class CompiledRule:
     #: signal: what it keeps, and how it reduces it.
     signal: CompiledSignal | None = None
     reduce: int = 0
+    #: Rule.heads, and their view at the hook's modules (heads.check_heads: dim, head size).
+    heads: tuple[int, ...] = ()
+    head_view: tuple[int, int] | None = None
     #: sae, and top_k over an SAE's features: the autoencoder; sae's features and edit.
     sae: CompiledSae | None = None
     features: tuple[int, ...] = ()
@@ -317,9 +321,20 @@ class CompiledRule:
               stops: list[int] | None = None) -> Any:
         """The new value of the target (``x`` itself for save, signal and stop). ``signals``:
         the call's signals of the running pass (SignalOp writes them, conditions read
-        them); ``stops``: where a stop rule puts the rows whose condition held."""
+        them); ``stops``: where a stop rule puts the rows whose condition held. With
+        ``heads``, the rule sees and edits the named heads only (hooks.heads)."""
         if not isinstance(x, torch.Tensor):
             raise InvalidArgument(f"the target is a {type(x).__name__}, not a tensor")
+        if self.heads:
+            assert self.head_view is not None
+            dim, head_dim = self.head_view
+            part = heads.take(x, self.heads, dim, head_dim)
+            new = self._apply(part, slots, signals, stops)
+            return x if new is part else heads.put(x, self.heads, dim, head_dim, new)
+        return self._apply(x, slots, signals, stops)
+
+    def _apply(self, x: torch.Tensor, slots: SlotStore | None, signals: dict[str, torch.Tensor] | None,
+               stops: list[int] | None) -> torch.Tensor:
         if self.kind == "stop":
             assert self.condition is not None
             if x.dim() < 2:
@@ -488,6 +503,10 @@ def compile_rules(
             except SelectionError as exc:
                 raise InvalidArgument(f"{where}.index: {exc}") from None
         out = CompiledRule(position=i, kind=kind, target=target, index=index, index_text=rule.index)
+        if rule.heads:
+            if len(set(rule.heads)) != len(rule.heads):
+                raise InvalidArgument(f"{where}.heads: a head is named twice")
+            out.heads = tuple(int(h) for h in rule.heads)  # checked against the hook's modules by compile_spec
         _compile_op(out, rule, where, device, "")
         compiled.append(out)
     return tuple(compiled)
@@ -629,8 +648,8 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
         inner_kind = op.then.WhichOneof("op")
         if inner_kind not in CONDITIONAL_OPS:
             raise InvalidArgument(f"{here}.then: one of {', '.join(CONDITIONAL_OPS)}, not {inner_kind or 'no operation'}")
-        if op.then.target or op.then.index:
-            raise InvalidArgument(f"{here}.then: the conditional's target and index apply; set none of its own")
+        if op.then.target or op.then.index or op.then.heads:
+            raise InvalidArgument(f"{here}.then: the conditional's target, index and heads apply; set none of its own")
         inner = CompiledRule(position=out.position, kind=inner_kind, target=out.target, index=None, index_text="")
         _compile_op(inner, op.then, f"{here}.then", device, f"{path}conditional.then.")
         out.operands.update(inner.operands)
