@@ -14,7 +14,7 @@ from torch import nn
 
 from hookwire.v1 import hook_pb2
 from hookwire.wire import codec
-from hookwire_server.engine.vllm_link import proxy_model, run_post, run_pre, sharded_modules, taps_of
+from hookwire_server.engine.vllm_link import proxy_model, run_post, run_pre, taps_of, unedited_modules
 from hookwire_server.engine.vllm_worker import merge, plain, tensors_of, with_tensors
 
 DESCRIPTION = {
@@ -92,13 +92,27 @@ def test_hooks_run_on_what_a_worker_saw_as_torch_would_run_them_on_the_module() 
     assert run_post(quiet, {"output": x}) is None and run_pre(quiet, {"args": (x,)}) is None
 
 
-def test_under_tensor_parallel_rules_are_refused_where_a_value_is_one_ranks_shard() -> None:
-    modules = dict(proxy_model(DESCRIPTION).named_modules())
-    refused = sharded_modules(modules, 2)
-    qkv, o_proj, attn = ("model.layers.0.self_attn." + n for n in ("qkv_proj", "o_proj", "attn"))
-    assert set(refused) == {(qkv, hook_pb2.PHASE_FORWARD), (o_proj, hook_pb2.PHASE_FORWARD_PRE),
-                            (attn, hook_pb2.PHASE_FORWARD), (attn, hook_pb2.PHASE_FORWARD_PRE)}
-    assert "tensor_parallel_size 2 each rank holds a shard" in refused[(qkv, hook_pb2.PHASE_FORWARD)]
+def test_under_tensor_parallel_rules_edit_only_values_every_rank_holds_whole() -> None:
+    """An allowlist: decoder layers (both phases), norms of a layer or of the model, the
+    embedding's output, a row-parallel projection's output it reduces itself; everything
+    else refused (the fused projections, attention, per-head norms inside attention, a
+    row-parallel layer's input, one that leaves its partial sum to the model)."""
+    description = dict(DESCRIPTION)
+    description["modules"] = DESCRIPTION["modules"] + [
+        ["model.layers.0.input_layernorm", "RMSNorm"], ["model.layers.0.self_attn.q_norm", "RMSNorm"],
+        ["model.embed_tokens", "VocabParallelEmbedding"], ["model.layers.0.mlp", "LlamaMLP"],
+        ["model.layers.0.mlp.down_proj", "RowParallelLinear"]]
+    description["modules"][1] = ["model", "LlamaModel"]
+    modules = dict(proxy_model(description).named_modules())
+    refused = unedited_modules(modules, 2, {"model.layers.0.mlp.down_proj"})
+    pre, post = hook_pb2.PHASE_FORWARD_PRE, hook_pb2.PHASE_FORWARD
+    allowed = {("model.layers.0", pre), ("model.layers.0", post), ("model.norm", pre), ("model.norm", post),
+               ("model.layers.0.input_layernorm", pre), ("model.layers.0.input_layernorm", post),
+               ("model.embed_tokens", post), ("model.layers.0.self_attn.o_proj", post)}
+    for path in modules:
+        for phase in (pre, post):
+            assert ((path, phase) in refused) == ((path, phase) not in allowed), (path, phase)
+    assert "tensor_parallel_size 2 its value is one rank's shard" in refused[("model.layers.0.self_attn.q_norm", post)]
 
 
 class _Meta:

@@ -149,9 +149,27 @@ async def test_infer_and_parameters_from_worker_processes(tp_server, oracle) -> 
         sharded = await model.infer(torch.tensor([ids]), hooks=[
             HookSpec("model.layers.0.self_attn.qkv_proj", posthook=capture("output"))])
         assert list(torch.as_tensor(sharded.events[0].output).shape) == [1, len(ids), 192]
-        with pytest.raises(hookwire.FailedPreconditionError, match="qkv_proj.* tensor_parallel_size 2 each rank"):
+        with pytest.raises(hookwire.FailedPreconditionError, match="qkv_proj.* tensor_parallel_size 2 its value is one rank"):
             await model.infer(torch.tensor([ids]), hooks=[
                 HookSpec("model.layers.0.self_attn.qkv_proj", posthook=[rules.scale("output", 2.0)])])
+
+
+async def test_a_slow_reader_gets_each_steps_events_before_its_tokens(tp_server) -> None:
+    """vLLM's engine process runs a call's steps without waiting for its reader; the
+    server holds each step's events until that step's tokens go out, so the stream keeps
+    the contract's order: a step's events, then its tokens."""
+    async with hookwire.connect(tp_server.target) as client:
+        stream = client.model("llama-tp").generate(["hello world"], 6, hooks=[
+            HookSpec("model.layers.*", posthook=capture("output", select="[:, -1]"))])
+        order = []
+        async for item in stream:
+            order.append(("event", item.step) if isinstance(item, hookwire.InterceptEvent) else ("tokens", item.step))
+            await asyncio.sleep(0.05)
+        result = await stream
+    expected = []
+    for step in range(result.steps):
+        expected += [("event", step), ("event", step), ("tokens", step)]
+    assert order == expected
 
 
 async def test_a_logit_lens_needs_the_weights_the_workers_hold(tp_server) -> None:

@@ -73,7 +73,7 @@ from .batching import Shape
 from .seam import FINISHED, GenerateCall, Running, StepResult
 from .packed import PackedBatch, PackedSegment
 from .pass_runner import model_errors, running
-from .vllm_link import WorkerLink, proxy_model, run_post, run_pre, sharded_modules, taps_of
+from .vllm_link import WorkerLink, proxy_model, run_post, run_pre, taps_of, unedited_modules
 from .seam import GENERATE, HARVEST, INFER, Plan
 
 log = logging.getLogger("hookwire.vllm")
@@ -130,6 +130,8 @@ def build_host(config: ModelConfig) -> ModelHost:
         # Forking a server that runs gRPC's and the models' threads is not safe: spawn.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         _bind_cpu_threads(tp)
+    elif _OPERATOR_BIND is None:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # an earlier model's binding is not this one's
         # The worker loads the model: it keeps linear weights for GetParameters (vllm_worker).
         os.environ["HOOKWIRE_VLLM_KEEP_WEIGHTS"] = "1" if config.parameters_readable else "0"
     _forget_cached_environment()
@@ -149,18 +151,34 @@ def build_host(config: ModelConfig) -> ModelHost:
             enable_prefix_caching=False,  # cached prompts skip hooks and carry other requests' edits
             # Every prompt in one step: a chunked prompt would fire each hook once per chunk.
             max_num_batched_tokens=max_len * seqs,
+            # A step scheduled before the last one's tokens are known would run a sequence
+            # that just ended once more (its hooks out of step): off (on by default on GPUs).
+            async_scheduling=False,
             seed=0, **extra,
         )
     except Exception as exc:  # vLLM's own validation and start-up failures
         why = " ".join(str(exc).split())  # one line: it becomes the model's FAILED reason
         raise ConfigError(f"model {config.name!r}: vLLM did not start: {type(exc).__name__}: {why}") from None
     link: WorkerLink | None = None
+    partial: set[str] = set()
     if processes:
-        link, model = _connect_workers(config.name, llm, folder)
+        link, model, partial = _connect_workers(config.name, llm, folder)
         runner = None
     else:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         model = runner.model
+    try:
+        return _host(config, llm, runner, model, link, partial, folder, settings, max_len, seqs, tp)
+    except BaseException:
+        if link is not None:  # vLLM's processes and the link are the model's: they go with it
+            link.close()
+            _shut_down(llm)
+        raise
+
+
+def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLink | None, partial: set[str],
+          folder: pathlib.Path, settings: dict[str, Any], max_len: int, seqs: int, tp: int) -> ModelHost:
+    """The model's host and engine once vLLM runs (see build_host)."""
     tokenizer, problem = load_tokenizer(config)
     host = ModelHost(config.name, model, description=config.description, training_allowed=False,
                      tokenizer=tokenizer, tokenizer_problem=problem,
@@ -179,10 +197,12 @@ def build_host(config: ModelConfig) -> ModelHost:
         host.device = torch.device("cpu")  # rule operands: the server's hooks run on the host
         host.parameter_source = functools.partial(_worker_parameter, llm)
         host.closers.append(engine.close)
+        host.hooks_lock = engine.lock  # hooks change between the workers' steps, never within one
         if tp > 1:
-            host.unedited.update(sharded_modules(host.modules, tp))
-            log.warning("model %r: tensor_parallel_size %d: hooks on modules whose output is one rank's shard see "
-                        "rank 0's shard, and rules may not edit them (docs/scaling.md)", config.name, tp)
+            host.unedited.update(unedited_modules(host.modules, tp, partial))
+            log.warning("model %r: tensor_parallel_size %d: hooks capture rank 0's values (one rank's shard where "
+                        "a module's value is sharded), and rules edit only values every rank holds whole "
+                        "(docs/scaling.md)", config.name, tp)
     return host
 
 
@@ -202,11 +222,16 @@ def _forget_cached_environment() -> None:
         disable()
 
 
+#: The operator's VLLM_CPU_OMP_THREADS_BIND, as the server found it (None: unset): kept for
+#: every model; otherwise each model in worker processes gets a binding of its own.
+_OPERATOR_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+
+
 def _bind_cpu_threads(ranks: int) -> None:
     """On vLLM's CPU build, binds each rank's threads to its share of this process's
     cores (vLLM's own binding wants a NUMA node per rank and leaves one thread to a lone
     worker), unless the operator set VLLM_CPU_OMP_THREADS_BIND."""
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or torch.cuda.is_available():
+    if _OPERATOR_BIND is not None or torch.cuda.is_available():
         return
     cores = sorted(os.sched_getaffinity(0))
     share = max(1, len(cores) // ranks)
@@ -217,25 +242,28 @@ def _bind_cpu_threads(ranks: int) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(parts)
 
 
-def _connect_workers(name: str, llm: Any, folder: pathlib.Path) -> tuple[WorkerLink, Any]:
+def _connect_workers(name: str, llm: Any, folder: pathlib.Path) -> tuple[WorkerLink, Any, set[str]]:
     """Links the workers to this server (vllm_link) and returns the link and the model's
     stand-in module tree (with the folder's transformers config). ConfigError if they
     cannot be linked."""
     import transformers
 
-    link = WorkerLink(name)
+    link: WorkerLink | None = None
     try:
+        link = WorkerLink(name)
         link.start(1)  # the first rank of the tensor-parallel group talks (pipeline parallel is refused)
         linked = llm.collective_rpc("hookwire_connect", args=(link.address, link.authkey.hex()))
         link.pids = [int(info["pid"]) for info in linked]
         description = llm.collective_rpc("hookwire_describe")[0]
+        partial = set(llm.collective_rpc("hookwire_partial")[0])
         model = proxy_model(description)
         model.config = transformers.AutoConfig.from_pretrained(str(folder))
     except Exception as exc:
-        link.close()
+        if link is not None:
+            link.close()
         _shut_down(llm)
         raise ConfigError(f"model {name!r}: hookwire could not link to vLLM's workers: {type(exc).__name__}: {exc}") from None
-    return link, model
+    return link, model, partial
 
 
 def _worker_parameter(llm: Any, name: str) -> torch.Tensor:
@@ -372,6 +400,10 @@ class VllmCall(_Call):
         self.results: list[StepResult] = []
         #: Sequences a stop rule ended: row -> (hook id, module, step).
         self.stopped: dict[int, tuple[str, str, int]] = {}
+        #: In worker processes: the call's events not yet sent (each waits for its step's
+        #: tokens), and where they go then (the Pass's own sink).
+        self.held: list[tuple[Any, Any]] = []
+        self.sink: Any = None
 
     @property
     def finished(self) -> bool:
@@ -426,7 +458,7 @@ class VllmEngine:
         #: Held by whoever touches the calls: the model's worker thread, except while it
         #: waits in a vLLM step, and, in worker processes, the link's thread from a step's
         #: layout to its end (it runs the step's hooks then).
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         #: The link to vLLM's worker processes (vllm_link.py), or None: vLLM runs in this process.
         self._link = link
         #: In worker processes: the step the link is in (its batch and pass), the link
@@ -453,6 +485,12 @@ class VllmEngine:
     @property
     def host(self) -> ModelHost:
         return self._host
+
+    @property
+    def lock(self) -> threading.RLock:
+        """What hook changes hold in worker processes (ModelHost.hooks_lock): they happen
+        between the workers' steps."""
+        return self._lock
 
     @property
     def worker_pids(self) -> list[int]:
@@ -575,6 +613,7 @@ class VllmEngine:
                     # last step that says so (its GenerateDone follows).
                     last = StepResult([FINISHED] * len(state.prompts), tuple(r or "length" for r in state.reasons), True,
                                       dict(state.stopped))
+                    self._release_events(state, len(state.results))
                     state.results.append(last)
                     state.step_index = call.step = len(state.results)
                     call.put(("step", last))
@@ -637,6 +676,9 @@ class VllmEngine:
 
     def _add_requests(self, state: _Call) -> None:
         """Adds an admitted call's requests to vLLM (the worker thread: vLLM's client)."""
+        if self._broken:
+            self._fail_call(state, FailedPrecondition(self._broken), abort=False)
+            return
         try:
             for row, rid in enumerate(state.request_ids):
                 self._rows[rid] = _Row(state, row)
@@ -936,9 +978,20 @@ class VllmEngine:
                 return
             reasons = tuple(r if len(state.tokens[i]) <= step + 1 else "" for i, r in enumerate(state.reasons))
             result = StepResult(tokens, reasons, all(reasons), dict(state.stopped))
+            self._release_events(state, step)
             state.results.append(result)
             state.step_index = state.call.step = len(state.results)
             state.call.put(("step", result))
+
+    def _release_events(self, state: VllmCall, step: int) -> None:
+        """In worker processes: the call's held events of steps up to ``step``, in firing
+        order, before that step's tokens."""
+        if state.sink is None or not state.held:
+            return
+        ready = [item for item in state.held if item[0].step <= step]
+        state.held = [item for item in state.held if item[0].step > step]
+        for event, chunker in ready:
+            state.sink(event, chunker)
 
     def _lay_out(self, module: Any, args: Any) -> None:
         """Root pre-hook: the step's layout from vLLM's scheduler state (request order,
@@ -1064,6 +1117,8 @@ class VllmEngine:
     def link_step(self, ids: list[str], starts: list[int]) -> dict[str, Any]:
         """A worker's step begins: lays it out and says what to tap. Link thread; holds
         the lock until ``link_end``."""
+        if self._open is not None and self._link_thread == threading.get_ident():
+            raise RuntimeError("a worker began a step before its last one ended")
         self._lock.acquire()
         self._link_thread = threading.get_ident()
         batch = PackedBatch([], dim=0, tokens=0, rerun=False)
@@ -1076,7 +1131,11 @@ class VllmEngine:
             prompts = any(r is not None and isinstance(r.call, PromptCall) for r in self._order)
             return {"taps": taps_of(self._host.modules) if batch.segments else [], "logits": prompts}
         except BaseException:
-            self.link_end()  # the lock goes back: the link then reports the failure (lost)
+            if self._open is not None:
+                self.link_end()  # the lock goes back: the link then reports the failure (lost)
+            else:
+                self._link_thread = None
+                self._lock.release()
             raise
 
     def link_tap(self, path: str, phase: str, parts: dict[str, Any]) -> dict[str, Any] | None:
@@ -1116,13 +1175,20 @@ class VllmEngine:
                 self._link_thread = None
                 self._lock.release()
 
-    def lost(self, why: str) -> None:
-        """A worker process went away: the model is FAILED with ``why``; its calls fail in
-        the step vLLM's client then fails. Link thread."""
-        self._lost = why
-        log.error("model %r: %s", self._host.name, why)
+    def link_closed(self) -> None:
+        """The link thread's connection ended (a worker went away, the model shuts down):
+        a step it had open ends, so the worker thread is never left waiting for the lock."""
         if self._open is not None and self._link_thread == threading.get_ident():
             self.link_end()
+
+    def lost(self, why: str) -> None:
+        """A worker process went away: the model is FAILED with ``why``; its calls fail in
+        the step vLLM's client then fails, and calls not yet in vLLM at once. Link thread."""
+        self._lost = why
+        log.error("model %r: %s", self._host.name, why)
+        self.link_closed()
+        self._broken = self._broken or (f"the vLLM engine of model {self._host.name!r} serves no more calls "
+                                        f"(restart the server): {why}")
         self._host.failed(f"{why} (restart the server)")
 
     def close(self) -> None:
@@ -1170,6 +1236,13 @@ class VllmEngine:
         params = [SamplingParams(seed=(options.seed + i) % (1 << 63), **kwargs) for i in range(len(prompts))]
         state = VllmCall(self, call, prompts, params, do_sample)
         self._check_fits(state, "prompts")
+        if self._link is not None:
+            # vLLM's engine process runs steps while this thread is elsewhere: a step's events
+            # wait here until its tokens go out (_complete_steps), events first, as in-process.
+            sink = call.p.sink
+            assert sink is not None
+            state.sink = sink
+            call.p.sink = lambda event, chunker: state.held.append((event, chunker))
         for record in call.records:
             record.attach()
         return state

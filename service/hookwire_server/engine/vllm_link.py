@@ -32,7 +32,7 @@ from torch import nn
 from hookwire.v1 import hook_pb2, tensor_pb2
 from hookwire.wire import codec
 
-from .vllm_worker import SHARDED_INPUT, SHARDED_OUTPUT, plain
+from .vllm_worker import plain
 
 log = logging.getLogger("hookwire.vllm")
 
@@ -77,22 +77,35 @@ def proxy_model(description: dict[str, Any]) -> nn.Module:
     return root
 
 
-def sharded_modules(modules: dict[str, nn.Module], ranks: int) -> dict[tuple[str, int], str]:
-    """(path, hook phase) -> why, for the module phases whose values are one rank's shard
-    under tensor parallel over ``ranks`` (a rule's edit on the first rank's shard cannot
-    be applied to the others'): the outputs of the column-parallel projections, the
-    attention, its rotary embedding and the MLP's activation, and the inputs of the
-    row-parallel projections and of those. Their hooks capture the first rank's shard."""
-    shard = f"under tensor_parallel_size {ranks} each rank holds a shard of it"
+def unedited_modules(modules: dict[str, nn.Module], ranks: int, partial: set[str]) -> dict[tuple[str, int], str]:
+    """(path, hook phase) -> why, for every module phase a rule may not edit under tensor
+    parallel over ``ranks``: all but those whose values are whole and the same on every
+    rank (an allowlist: a rule's edit is made on the first rank's value and broadcast,
+    which is only right where every rank holds that value). Whole: decoder layers, their
+    norms and the model's final norm (not the per-head norms inside attention), the
+    embeddings, and row-parallel layers' outputs that they reduce themselves (not those in
+    ``partial``). Their hooks capture the first rank's value everywhere."""
+    why = (f"under tensor_parallel_size {ranks} its value is one rank's shard or partial sum (rules edit only "
+           "values every rank holds whole: decoder layers, their norms, the final norm, embeddings, reduced "
+           "projection outputs)")
     out: dict[tuple[str, int], str] = {}
     for path, module in modules.items():
         kind = type(module).__name__
-        if kind in SHARDED_OUTPUT or "Rotary" in kind:
-            out[(path, hook_pb2.PHASE_FORWARD)] = f"its output: {shard}"
-            if kind not in ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear"):
-                out[(path, hook_pb2.PHASE_FORWARD_PRE)] = f"its input: {shard}"
-        elif kind in SHARDED_INPUT:
-            out[(path, hook_pb2.PHASE_FORWARD_PRE)] = f"its input: {shard}"
+        parent = path.rpartition(".")[0]
+        parent_kind = type(modules[parent]).__name__ if parent in modules else ""
+        whole_in = whole_out = False
+        if kind.endswith("DecoderLayer"):
+            whole_in = whole_out = True
+        elif kind.endswith("Norm") and (parent_kind.endswith("DecoderLayer") or parent_kind.endswith("Model")):
+            whole_in = whole_out = True
+        elif kind == "VocabParallelEmbedding":
+            whole_out = True
+        elif kind == "RowParallelLinear" and path not in partial:
+            whole_out = True
+        if not whole_in:
+            out[(path, hook_pb2.PHASE_FORWARD_PRE)] = why
+        if not whole_out:
+            out[(path, hook_pb2.PHASE_FORWARD)] = why
     return out
 
 
@@ -168,6 +181,7 @@ class LinkEngine(Protocol):
     def link_tap(self, path: str, phase: str, parts: dict[str, Any]) -> dict[str, Any] | None: ...
     def link_logits(self, logits: torch.Tensor) -> None: ...
     def link_end(self) -> None: ...
+    def link_closed(self) -> None: ...
     def lost(self, why: str) -> None: ...
 
 
@@ -238,6 +252,10 @@ class WorkerLink:
             engine = self.engine
             if engine is not None:
                 engine.lost(f"the link to a vLLM worker of model {self.name!r} failed: {type(exc).__name__}: {exc}")
+        finally:
+            engine = self.engine
+            if engine is not None:
+                engine.link_closed()  # a step this thread had open ends (its lock goes back)
 
     def close(self) -> None:
         self._closed = True

@@ -44,17 +44,19 @@ if os.environ.get("HOOKWIRE_VLLM_KEEP_WEIGHTS") == "1":
 
     keep_cpu_linear_weights(True)
 
-#: Module classes whose forward output (or, for the row-parallel layers, input) is one
-#: rank's shard under tensor parallel (docs/scaling.md): their taps never edit there.
-SHARDED_OUTPUT = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear", "Attention",
-                  "SiluAndMul", "MLPAttention")
-SHARDED_INPUT = ("RowParallelLinear",)
 
 
 def plain(value: Any) -> Any:
     """``value`` with what hookwire's wire form cannot carry (vLLM's attention metadata,
-    a layer object) as None: the server's hooks see it as null."""
+    a layer object, a tensor of a dtype the wire has no form for) as None: the server's
+    hooks see it as null."""
     if isinstance(value, torch.Tensor):
+        from hookwire.wire import codec
+
+        try:
+            codec.wire_dtype_of(value.dtype)
+        except Exception:
+            return None
         return value.detach()
     if isinstance(value, (tuple, list)):
         return type(value)(plain(v) for v in value) if type(value) in (tuple, list) else tuple(plain(v) for v in value)
@@ -113,10 +115,17 @@ class HookwireWorker:
     def hookwire_connect(self, address: str, authkey: str) -> dict[str, Any]:
         """Connects the first rank of the tensor-parallel group to the server's link at
         ``address`` and installs the step taps on every rank. Returns this process's pid
-        and ranks (the server watches the pids)."""
+        and ranks (VllmEngine.worker_pids)."""
         tap = _Taps(self.model_runner, address, bytes.fromhex(authkey))  # type: ignore[attr-defined]
         self._hookwire = tap  # type: ignore[attr-defined]
         return {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)), "leader": tap.leader}
+
+    def hookwire_partial(self) -> list[str]:
+        """The row-parallel layers whose output is each rank's partial sum (reduced later
+        by the model: ``reduce_results`` false), by path."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return [path for path, m in model.named_modules()
+                if type(m).__name__ == "RowParallelLinear" and not getattr(m, "reduce_results", True)]
 
     def hookwire_describe(self) -> dict[str, Any]:
         """The model's module tree (path, class name), parameters (name, shape, dtype)
@@ -129,7 +138,10 @@ class HookwireWorker:
         return {"modules": modules, "parameters": params, "packed": packed}
 
     def hookwire_parameter(self, name: str) -> list[Any]:
-        """Parameter ``name``'s value on this rank: [bytes, shape, dtype]."""
+        """Parameter ``name``'s value on this rank: [bytes, shape, dtype] (on the first rank
+        only: the others answer empty, so their shards do not travel for nothing)."""
+        if int(getattr(self, "rank", 0)) != 0:
+            return [b"", [], ""]
         model = self.model_runner.model  # type: ignore[attr-defined]
         param = dict(model.named_parameters(remove_duplicate=False))[name].detach().to("cpu").contiguous()
         return [param.view(torch.uint8).numpy().tobytes() if param.numel() else b"", list(param.shape),
@@ -149,7 +161,12 @@ class _Taps:
         self.conn = Client(address, authkey=authkey) if self.leader else None
         model = runner.model
         self.modules = dict(model.named_modules())
-        self.head = self.modules.get("logits_processor")
+        # The end of a step goes after its logits: the logits processor, wherever the model
+        # keeps it (multimodal models nest it in their language model).
+        head = next((m for m in self.modules.values() if type(m).__name__ == "LogitsProcessor"), None)
+        if head is None:
+            raise RuntimeError("hookwire found no LogitsProcessor module in the model: it cannot tell when a step ends")
+        self.head: Any = head
         #: (path, phase) -> [roots, edits, handle]
         self.taps: dict[tuple[str, str], list[Any]] = {}
         self.logits = False
@@ -162,10 +179,12 @@ class _Taps:
         from hookwire.wire import codec
 
         assert self.conn is not None
+        # Encoded first: a value that cannot be encoded raises before the header went out
+        # (the server never waits for a value that does not come).
+        body = codec.encode_value(plain(value)).SerializeToString() if has_value else None
         self.conn.send_bytes(json.dumps(header).encode())
-        if has_value:
-            msg = codec.encode_value(plain(value))
-            self.conn.send_bytes(msg.SerializeToString())
+        if body is not None:
+            self.conn.send_bytes(body)
 
     def _receive(self) -> tuple[dict[str, Any], Any]:
         from hookwire.v1 import tensor_pb2
@@ -223,7 +242,7 @@ class _Taps:
         # The end of the step goes last among the logits processor's hooks (after a tap there).
         if self._end_handle is not None:
             self._end_handle.remove()
-        self._end_handle = self.head.register_forward_hook(self._end) if self.head is not None else None
+        self._end_handle = self.head.register_forward_hook(self._end)
 
     def _sync(self, taps: list[list[Any]]) -> None:
         wanted = {(path, phase): (roots, bool(edits)) for path, phase, roots, edits in taps

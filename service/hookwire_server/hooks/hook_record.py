@@ -110,8 +110,9 @@ class HookRecord:
         nobody listens (see sync). Runs on the model's worker thread."""
         if self.removed:
             return
-        self.active = True
-        self.sync()
+        with self.host.hooks_lock:
+            self.active = True
+            self.sync()
 
     @property
     def _needed(self) -> bool:
@@ -127,6 +128,10 @@ class HookRecord:
         that no longer does: a capture-only hook nobody listens to (a sessionless hook
         without subscribers) costs the model nothing, not even torch's hook dispatch, and
         does not count firings. Worker thread (listeners_changed queues it there)."""
+        with self.host.hooks_lock:
+            self._sync()
+
+    def _sync(self) -> None:
         if self.active and self._needed:
             if not self._handles:
                 for path in self.compiled.modules:
@@ -148,10 +153,11 @@ class HookRecord:
 
     def detach(self) -> None:
         """Removes the torch hooks. Runs on the model's worker thread; idempotent."""
-        self.active = False
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
+        with self.host.hooks_lock:
+            self.active = False
+            handles, self._handles = self._handles, []
+            for handle in handles:
+                handle.remove()
 
     def _make_hook(self, action: Action, path: str) -> Callable[..., Any]:
         """The torch hook: its signature and return value are torch's for the phase. It

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -238,6 +239,10 @@ class ModelHost:
         #: (module path, hook phase) -> why rules may not edit there on this engine (vLLM's
         #: modules whose values are one rank's shard under tensor parallel); {}: anywhere.
         self.unedited: dict[tuple[str, int], str] = {}
+        #: Held while hooks are attached, synced or detached on the worker thread: an engine
+        #: whose passes run elsewhere (vLLM's worker processes) makes hook changes wait for
+        #: the end of a pass; a no-op lock otherwise.
+        self.hooks_lock: Any = contextlib.nullcontext()
         #: Called once at shutdown (an engine's processes stop).
         self.closers: list[Callable[[], None]] = []
         self._executor = DaemonWorker(f"model:{name}")
