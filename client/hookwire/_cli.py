@@ -258,6 +258,9 @@ async def _generate(ns: argparse.Namespace) -> int:
             result = await stream
     sys.stdout.write("\n")
     summary = f"finish: {result.finish_reasons[0]}, {len(result.token_ids[0])} new tokens"
+    if result.stopped_by and result.stopped_by[0] is not None:  # a stop rule ended it
+        hook_id, module, step = result.stopped_by[0]
+        summary += f" (stop rule of hook {hook_id} on {module} at step {step})"
     if result.do_sample:
         summary += f", seed {result.seed}"
     if hooks:

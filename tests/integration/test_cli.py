@@ -387,6 +387,29 @@ def test_generate_steers_with_a_hook_from_a_json_file(demo: Served, tmp_path: pa
     assert wrong.returncode == 1 and "UNIMPLEMENTED: model 'mlp' cannot generate" in wrong.stderr
 
 
+def test_generate_with_a_probe_gated_stop_from_a_json_file(demo: Served, tmp_path: pathlib.Path) -> None:
+    """The CLI takes issue 25's rules as any HookSpec JSON: a stop rule ends the sequence
+    where its probe fires, and the summary says which hook, module and step."""
+    import hookwire
+    from google.protobuf import json_format
+
+    probe = torch.randn(64, generator=torch.Generator().manual_seed(31))
+    spec = hookwire.HookSpec("model.layers.1", posthook=[hookwire.rules.stop("output", hookwire.rules.probe(probe) > 0.12)])
+    path = tmp_path / "monitor.json"
+    path.write_text(json_format.MessageToJson(spec.to_proto()))
+    ids, mask = lm_oracle.batch(["Hello world"])
+    scores: list[float] = []
+    with lm_oracle.forward_hook("model.layers.1", lambda step, out: scores.append(float(out[0, -1] @ probe))):
+        (plain,) = lm_oracle.generate(ids, mask, 8)
+    fired = [s for s, v in enumerate(scores) if v > 0.12]
+    assert fired and fired[0] > 0, "the probe must fire after the prompt for this test to mean anything"
+    out = demo.run("generate", "tiny-lm", "Hello world", "-n", "8", "--hook", str(path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == lm_oracle.text(plain[:fired[0]]) + "\n"
+    assert f"finish: rule, {fired[0]} new tokens (stop rule of hook " in out.stderr
+    assert f"on model.layers.1 at step {fired[0]})" in out.stderr
+
+
 def test_generate_streams_while_it_runs_and_stops_when_its_reader_goes(demo: Served) -> None:
     proc = subprocess.Popen([*HOOKWIRE, "generate", "tiny-lm", "Hello world", "-n", "400", "--target", demo.target],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())

@@ -10,7 +10,7 @@ import pathlib
 import re
 import subprocess
 import sys
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -53,7 +53,7 @@ def run_recipe(recipe_server: ServerThread, tmp_path_factory: pytest.TempPathFac
 
 
 def test_recipes_found() -> None:
-    assert len(BLOCKS) == 11
+    assert len(BLOCKS) == 13
     assert {"Steering a generation", "Capturing the residual stream of every new token",
             "Patching a prompt activation into a generation"} <= set(TITLES)
 
@@ -143,6 +143,50 @@ def test_probe_gated_stop_recipe_equals_an_in_process_monitor(run_recipe: Run) -
         want.append(plain[row][:fired[0]] if fired else plain[row])
     assert _printed(proc.stdout, "tokens") == want
     assert "rule" in proc.stdout and want != plain
+
+
+def test_logit_lens_recipe_equals_the_lens_in_process(run_recipe: Run) -> None:
+    proc, _ = run_recipe("A logit-lens readout streamed per token")
+    assert proc.returncode == 0, proc.stderr
+    ids, mask = _ids(["Once upon a time"])
+    model = oracle.model()
+    want: dict[str, dict[str, list[int]]] = {}
+    for layer in range(2):
+        def lens(step: int, out: torch.Tensor, layer: int = layer) -> None:
+            with torch.no_grad():
+                top = model.lm_head(model.model.norm(out[:, -1])).topk(5, dim=-1).indices
+            want.setdefault(str(step), {})[f"model.layers.{layer}"] = top[0].tolist()
+        with oracle.forward_hook(f"model.layers.{layer}", lens):
+            oracle.generate(ids, mask, 6, do_sample=False)
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("lens:")]
+    assert json.loads(line.split(":", 1)[1]) == want
+
+
+def test_head_ablation_recipe_equals_zeroing_the_heads_features_in_process(run_recipe: Run) -> None:
+    proc, cwd = run_recipe("A head ablation sweep with a heatmap")
+    assert proc.returncode == 0, proc.stderr
+    assert (cwd / "heads.png").stat().st_size > 1000
+    ids, _ = _ids(["Once upon a time"])
+    model = oracle.model()
+    with torch.no_grad():
+        clean = model(ids).logits[0, -1]
+    target = int(clean.argmax())
+    want = torch.zeros(2, 4)
+    for layer in range(2):
+        for head in range(4):
+            def ablate(module: Any, args: Any, head: int = head) -> Any:
+                x = args[0].clone()
+                x[..., head * 16:(head + 1) * 16] = 0
+                return (x,)
+            handle = model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(ablate)
+            try:
+                with torch.no_grad():
+                    want[layer, head] = clean[target] - model(ids).logits[0, -1][target]
+            finally:
+                handle.remove()
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("drops:")]
+    assert torch.equal(torch.tensor(json.loads(line.split(":", 1)[1])), want)
+    assert bool((want != 0).any())
 
 
 def test_residual_stream_recipe_equals_in_process_captures(run_recipe: Run) -> None:
