@@ -219,6 +219,12 @@ class Sae:
         attributes: no SAELens import here. Its tensors are copied to the host."""
         cfg = sae.cfg
         architecture = cfg.architecture() if callable(getattr(cfg, "architecture", None)) else "standard"
+        if getattr(cfg, "rescale_acts_by_decoder_norm", False):
+            raise ValueError("this SAE rescales its activations by its decoder norms (rescale_acts_by_decoder_norm); "
+                             "hookwire's SAE operand does not: fold them first (sae.fold_W_dec_norm())")
+        if getattr(cfg, "reshape_activations", "none") not in ("none", None):
+            raise ValueError(f"this SAE reshapes its activations ({cfg.reshape_activations!r}); hookwire's SAE "
+                             "operand reads vectors along the last dimension only")
 
         def host(t: Any) -> Any:
             return t.detach().to("cpu") if t is not None else None

@@ -45,7 +45,8 @@ OPS: dict[str, tuple[Any, Any]] = {
     "loreft": (lambda i: rules.loreft("output", R, LW, LB, index=i),
                lambda x: x + (torch.nn.functional.linear(x, LW, LB) - torch.nn.functional.linear(x, R)) @ R),
     "norm_add": (lambda i: rules.norm_add("output", V, 0.75, index=i),
-                 lambda x: x + 0.75 * torch.linalg.vector_norm(x, dim=-1, keepdim=True) * (V / torch.linalg.vector_norm(V))),
+                 lambda x: x + 0.75 * torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+                 * (V.double() / torch.linalg.vector_norm(V.double())).float()),  # the unit vector made in float64
     "top_k_keep": (lambda i: rules.top_k("output", P, 2, mode="keep", index=i), lambda x: _topk(x, 2, True)),
     "top_k_zero": (lambda i: rules.top_k("output", P, 2, mode="zero", index=i), lambda x: _topk(x, 2, False)),
     "when_norm": (lambda i: rules.when(rules.norm() > 4.0, rules.scale("output", -3.0, index=i)),
@@ -350,3 +351,67 @@ async def test_a_head_view_where_heads_are_not_separate_is_refused(client) -> No
     for spec, message in cases:
         with pytest.raises(hookwire.InvalidArgumentError, match=message):
             await client.model("tiny-lm").generate(["a"], 2, hooks=[spec])
+
+
+async def test_stop_and_signal_rules_on_a_shared_hook_need_shared_rules_allowed(client) -> None:
+    """A stop rule ends other callers' sequences and a signal gates their edits: on a
+    SCOPE_ALL hook they are refused like any rule that changes other callers' calls."""
+    for rule in (rules.stop("output", rules.norm() > 0), rules.signal("output", "s", rules.norm())):
+        with pytest.raises(hookwire.PermissionDeniedError, match="--allow-shared-rules"):
+            await client.model("tiny-lm").hook("model.layers.0", posthook=[rule], scope="all")
+
+
+async def test_a_per_sequence_signal_gates_an_edit_of_the_last_position(client) -> None:
+    """A signal kept one per sequence ([sequences, 1]) gates a conditional whose index is
+    the last position ([sequences, hidden]): each sequence's own detection, no error."""
+    prompts = ["the cat sat", "a"]
+    ids, mask = oracle.batch(prompts)
+    probe = torch.randn(64, generator=torch.Generator().manual_seed(71))
+    kept: dict[str, torch.Tensor] = {}
+
+    def detect(step: int, out: torch.Tensor) -> None:
+        kept["s"] = (out @ probe).amax(dim=-1, keepdim=True)
+
+    def edit(step: int, out: torch.Tensor) -> torch.Tensor:
+        new = out.clone()
+        new[:, -1] = torch.where(kept["s"] > 0.0, out[:, -1] * 0.0, out[:, -1])
+        return new
+
+    with oracle.forward_hook("model.layers.0", detect), oracle.forward_hook("model.layers.1", edit):
+        want = oracle.generate(ids, mask, 5, do_sample=False)
+    result = await client.model("tiny-lm").generate(prompts, 5, do_sample=False, hooks=[
+        hookwire.HookSpec("model.layers.0", posthook=[rules.signal("output", "s", rules.probe(probe), reduce="max")]),
+        hookwire.HookSpec("model.layers.1", posthook=[
+            rules.when(rules.stored("s") > 0.0, rules.scale("output", 0.0, index="[:, -1]"))]),
+    ])
+    assert [list(t) for t in result.token_ids] == want
+
+
+async def test_readout_operands_are_kept_once_and_listed_only_with_operand_data(client) -> None:
+    probes = torch.randn(3, 64, generator=torch.Generator().manual_seed(72))
+    handle = await client.model("tiny-lm").hook("model.layers.0", posthook=hookwire.capture(
+        "output", readout=rules.probe_scores(probes)))
+    try:
+        from hookwire.wire import codec
+        (bare,) = [h for h in await client.list_hooks() if h.hook_id == handle.id]
+        assert bare.raw.spec.posthook.readout.probe.weight.data == b""
+        (full,) = [h for h in await client.list_hooks(include_operand_data=True) if h.hook_id == handle.id]
+        assert torch.equal(torch.as_tensor(codec.decode_tensor(full.raw.spec.posthook.readout.probe.weight)), probes)
+    finally:
+        await handle.remove()
+
+
+MORE_BAD = [
+    (hookwire.HookSpec("model.layers.0", posthook=[rules.stop("output", rules.norm() > 1).on_heads(0)]),
+     r"rules\[0\].heads: a stop rule reads whole rows"),
+    (hookwire.HookSpec("model.layers.0", posthook=[rules.signal("output", "s", rules.norm(), reduce="max", index="[:, -1]")]),
+     "signal.reduce: reducing over positions needs"),
+    (hookwire.HookSpec("model.layers.0", posthook=hookwire.capture("output", readout=rules.logit_lens(3, norm="model.layers.0.mlp"))),
+     "logit_lens.norm: module model.layers.0.mlp has submodules"),
+]
+
+
+@pytest.mark.parametrize(("spec", "message"), MORE_BAD)
+async def test_more_bad_specs_are_refused_naming_the_field(client, spec: Any, message: str) -> None:
+    with pytest.raises(hookwire.InvalidArgumentError, match=message):
+        await client.model("tiny-lm").generate(["a"], 2, hooks=[spec])

@@ -179,3 +179,46 @@ async def test_a_bad_sae_operand_is_refused_at_registration_naming_the_field(cli
     with pytest.raises(hookwire.InvalidArgumentError, match=message):
         await client.model("tiny-lm").infer(*oracle.batch(["a"]), hooks=[
             hookwire.HookSpec("model.layers.0", posthook=[build()])])
+
+
+async def test_gradients_through_an_sae_edit_equal_saelens(client, sae_lens) -> None:
+    """Backward through a zero-edit of SAE features on mlp's fc1 output (32 wide): the
+    input gradients equal SAELens' own forward in a torch hook, whose error term carries
+    no gradient."""
+    from support import local_models
+
+    cfg = sae_lens.StandardSAEConfig(d_in=32, d_sae=48)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        sae = sae_lens.StandardSAE(cfg, use_error_term=True)
+        with torch.no_grad():
+            sae.b_enc.normal_(0, 0.1)
+            sae.b_dec.normal_(0, 0.1)
+    sae.eval()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(6))
+    grad = torch.randn(4, 4, generator=torch.Generator().manual_seed(7))
+    model = local_models()["mlp"]
+
+    def hook(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+        handle = sae.hook_sae_acts_post.register_forward_hook(lambda m, a, acts: acts * torch.tensor(
+            [0.0 if i in (1, 3) else 1.0 for i in range(48)]))
+        try:
+            return sae(out)
+        finally:
+            handle.remove()
+
+    model.fc1.register_forward_hook(hook)
+    leaf = x.clone().requires_grad_(True)
+    out = model(leaf)
+    out.backward(grad)
+    result = await client.model("mlp").infer(x, hooks=[hookwire.HookSpec("fc1", posthook=[
+        rules.sae("output", Sae.from_sae_lens(sae), [1, 3], edit="zero")])],
+        backward=hookwire.Backward(grad=grad, return_input_grads=True))
+    torch.testing.assert_close(result.output, out.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(result.input_grads[0], leaf.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_from_sae_lens_refuses_what_the_operand_cannot_carry(sae_lens) -> None:
+    cfg = sae_lens.TopKSAEConfig(d_in=8, d_sae=16, k=2, rescale_acts_by_decoder_norm=True)
+    with pytest.raises(ValueError, match="rescale_acts_by_decoder_norm"):
+        Sae.from_sae_lens(sae_lens.TopKSAE(cfg))

@@ -172,6 +172,36 @@ async def test_a_slow_reader_gets_each_steps_events_before_its_tokens(tp_server)
     assert order == expected
 
 
+async def test_a_stop_rule_in_worker_processes_ends_its_sequence_at_the_step_it_fired(tp_server, oracle) -> None:
+    """vLLM's engine process may run a step before the server took the last one's tokens:
+    a sequence a stop rule ends at step k still gets its tokens before k, and not k's;
+    the call's other sequence goes on as transformers' generate() gives it."""
+    tokenizer = oracle_tokenizer()
+    probe = torch.randn(128, generator=torch.Generator().manual_seed(41))
+    prompts = PROMPTS[:2]
+    runs = [_greedy(oracle, _ids(tokenizer, p), 8) for p in prompts]
+    scores = [[float(seen["model.layers.1"][s][0, -1] @ probe) for s in range(8)] for _, seen in runs]
+    flat = sorted(v for row in scores for v in row)
+    best = None
+    for a, b in zip(flat, flat[1:]):
+        t = (a + b) / 2
+        firsts = [next((s for s, v in enumerate(row) if v > t), None) for row in scores]
+        if firsts[0] != firsts[1] and any(f not in (None, 0) for f in firsts) and (best is None or b - a > best[0]):
+            best = (b - a, t, firsts)
+    assert best is not None and best[0] > 1e-3
+    _, threshold, firsts = best
+    async with hookwire.connect(tp_server.target) as client:
+        result = await client.model("llama-tp").generate(prompts, 8, hooks=[
+            HookSpec("model.layers.1", posthook=[rules.stop("output", rules.probe(probe) > threshold)])])
+    for row, first in enumerate(firsts):
+        tokens = runs[row][0]
+        if first is None:
+            assert list(result.token_ids[row]) == tokens and result.finish_reasons[row] == "length"
+        else:
+            assert list(result.token_ids[row]) == tokens[:first] and result.finish_reasons[row] == "rule"
+            assert result.stopped_by[row] == (result.hook_ids[0], "model.layers.1", first)
+
+
 async def test_a_logit_lens_needs_the_weights_the_workers_hold(tp_server) -> None:
     """In worker processes the server holds no weights: a logit lens readout is refused
     at registration, naming why; a probe readout (its operand is the caller's) works."""

@@ -398,8 +398,10 @@ class VllmCall(_Call):
         self.step_index = 0
         #: StepResult of each completed step, in order.
         self.results: list[StepResult] = []
-        #: Sequences a stop rule ended: row -> (hook id, module, step).
+        #: Sequences a stop rule ended: row -> (hook id, module, step); and those it ends
+        #: once their tokens before that step are in (worker processes).
         self.stopped: dict[int, tuple[str, str, int]] = {}
+        self.stopping: dict[int, tuple[str, str, int]] = {}
         #: In worker processes: the call's events not yet sent (each waits for its step's
         #: tokens), and where they go then (the Pass's own sink).
         self.held: list[tuple[Any, Any]] = []
@@ -923,14 +925,29 @@ class VllmEngine:
             for state in states.values():
                 if not isinstance(state, VllmCall) or state.failure is not None:
                     continue
+                assert isinstance(seg, PackedSegment)
                 for row, info in seg.p.stops.items():
-                    if 0 <= row < len(state.reasons) and not state.reasons[row]:
-                        state.reasons[row] = "rule"
-                        state.stopped[row] = info
-                        rid = state.request_ids[row]
-                        self._rows.pop(rid, None)
-                        self._aborts.append(rid)
-                        self._ruled.append(state)
+                    present = row < len(seg.rows) and seg.rows[row] >= 0  # not a finished row's zeros
+                    if not (0 <= row < len(state.reasons) and present and not state.reasons[row]):
+                        continue
+                    if row in state.stopping:
+                        continue
+                    if len(state.tokens[row]) >= info[2]:
+                        self._end_by_rule(state, row, info)
+                    else:
+                        # Worker processes: vLLM ran this step before the server took the last
+                        # one's tokens; the sequence ends once its tokens up to the step are in.
+                        state.stopping[row] = info
+
+    def _end_by_rule(self, state: VllmCall, row: int, info: tuple[str, str, int]) -> None:
+        """Sequence ``row`` ends with finish reason "rule" (its request leaves vLLM)."""
+        state.stopping.pop(row, None)
+        state.reasons[row] = "rule"
+        state.stopped[row] = info
+        rid = state.request_ids[row]
+        self._rows.pop(rid, None)
+        self._aborts.append(rid)
+        self._ruled.append(state)
 
     def _take_outputs(self, outputs: list[Any]) -> None:
         """A step's outputs: tokens, finished sequences and completed steps per call."""
@@ -948,9 +965,15 @@ class VllmEngine:
             assert isinstance(state, VllmCall)
             completion = output.outputs[0]
             new = list(completion.token_ids)[len(state.tokens[row.index]):]
+            stopping = state.stopping.get(row.index)
+            if stopping is not None:
+                new = new[: max(0, stopping[2] - len(state.tokens[row.index]))]  # not the stopped step's token
             state.tokens[row.index].extend(int(t) for t in new)
-            if output.finished:
+            if output.finished and (stopping is None or len(state.tokens[row.index]) < stopping[2]):
                 state.reasons[row.index] = _reason(completion)
+                state.stopping.pop(row.index, None)
+            elif stopping is not None and len(state.tokens[row.index]) >= stopping[2]:
+                self._end_by_rule(state, row.index, stopping)
             advanced[id(state)] = state
         ruled, self._ruled = self._ruled, []
         for state in ruled:
@@ -1039,6 +1062,8 @@ class VllmEngine:
             order.append(row)
             if row is None:
                 continue
+            if isinstance(row.call, VllmCall) and row.index in row.call.stopping:
+                continue  # a stop rule ended it: vLLM still runs it until its abort lands
             calls[id(row.call)] = row.call
             spans.setdefault(id(row.call), {})[row.index] = (starts[i], starts[i + 1])
             seq_rows.setdefault(id(row.call), {})[row.index] = i  # its row of the step's logits

@@ -64,6 +64,8 @@ def _sizes(config: Any) -> tuple[int, int, int] | None:
     if heads is None or hidden is None:
         return None
     head_dim = get("head_dim") or hidden // heads
+    if head_dim <= 0:
+        return None  # a config whose sizes do not describe heads: no head view
     return heads, get("num_key_value_heads") or heads, head_dim
 
 

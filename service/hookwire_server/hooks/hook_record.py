@@ -37,7 +37,7 @@ from .event_bus import EventStream, HookCounters
 from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec, _part_name
 from ..metrics import Metrics
 from ..models.model_registry import ModelHost
-from .rules import RuleFailure, apply_rules, operand_tensors
+from .rules import RuleFailure, apply_rules, operand_tensors, tensor_fields
 from .slots import SlotStore
 
 if TYPE_CHECKING:
@@ -77,7 +77,9 @@ class HookRecord:
         self.spec = _without_operand_data(spec)
         self.compiled = compiled
         #: Bytes of the rule operands ``compiled`` holds (what a listing with their data encodes).
-        self.operand_bytes = sum(rule.operand_bytes() for action in compiled.actions for rule in action.rules)
+        self.operand_bytes = sum(rule.operand_bytes() for action in compiled.actions for rule in action.rules) + sum(
+            t.numel() * t.element_size() for action in compiled.actions if action.options.readout is not None
+            for t in action.options.readout.operands.values())
         self.session_id = session_id
         self.request_id = request_id
         #: Where events go; replaced, never mutated, so hook threads read it without a lock.
@@ -306,9 +308,12 @@ class HookRecord:
             self._capture(action, path, p, call_index, training, parts)
         try:
             stops: list[int] = []
+            # Signals are kept per owner of the hooks: one principal's hooks never read (or
+            # overwrite) another's, also on a shared hook that fires in every call.
+            signals = p.signals.setdefault(self.owner.name, {})
             new_parts, changed = apply_rules(
                 action.rules, parts, self.slots, f"hook {self.hook_id} on module {path!r} of {self.host.name!r}",
-                p.signals, stops,
+                signals, stops,
             )
             for row in stops:  # the first stop rule to fire for a sequence in the pass names it
                 p.stops.setdefault(row, (self.hook_id, path, p.step))
@@ -488,11 +493,19 @@ class HookRecord:
             fields = {info.phase: info.field for info in PHASES}
             for action in self.compiled.actions:
                 rules = {rule.position: rule for rule in action.rules}
-                for position, path, tensor_msg in operand_tensors(getattr(msg.spec, fields[action.phase]).rules):
+                action_msg = getattr(msg.spec, fields[action.phase])
+                for position, path, tensor_msg in operand_tensors(action_msg.rules):
                     operand = rules[position].operands.get(path)
                     if operand is not None:
                         tensor_msg.Clear()  # dtype and shape are set again, with the data
                         codec.encode_tensor_into(operand, tensor_msg)
+                readout = action.options.readout
+                if readout is not None and action_msg.HasField("readout"):
+                    for path, tensor_msg in tensor_fields(action_msg.readout, "readout."):
+                        operand = readout.operands.get(path)
+                        if operand is not None:
+                            tensor_msg.Clear()
+                            codec.encode_tensor_into(operand, tensor_msg)
         return msg
 
 
@@ -506,8 +519,12 @@ def _without_operand_data(spec: hook_pb2.HookSpec) -> hook_pb2.HookSpec:
     """
     for info in PHASES:
         if spec.HasField(info.field):  # type: ignore[arg-type]
-            for _, _, tensor_msg in operand_tensors(getattr(spec, info.field).rules):
+            action_msg = getattr(spec, info.field)
+            for _, _, tensor_msg in operand_tensors(action_msg.rules):
                 tensor_msg.data = b""
+            if action_msg.HasField("readout"):  # a readout's probe weights or SAE: kept once, decoded
+                for _, tensor_msg in tensor_fields(action_msg.readout, "readout."):
+                    tensor_msg.data = b""
     out = hook_pb2.HookSpec()
     out.CopyFrom(spec)
     return out

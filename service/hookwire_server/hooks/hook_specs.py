@@ -72,8 +72,11 @@ class Action:
 
     @property
     def modifies(self) -> bool:
-        """Whether a rule changes values (save only reads)."""
-        return any(rule.modifies for rule in self.rules)
+        """Whether a rule changes values, or the call's course: a stop rule ends its
+        sequences, a signal rule gates its conditional edits (save only reads). What
+        needs --allow-shared-rules and the operator role on a shared hook, and a value
+        every tensor-parallel rank holds whole."""
+        return any(rule.modifies or rule.kind in ("stop", "signal") for rule in self.rules)
 
     @property
     def uses_slots(self) -> bool:

@@ -32,6 +32,8 @@ from .rules import CompiledSae, compile_sae, decode_operand
 MAX_READOUT_K = 256
 #: The most probes one probe readout scores.
 MAX_PROBES = 1024
+#: Positions a logit lens unembeds at once (its logits are that many x the vocabulary).
+LOGIT_LENS_CHUNK = 64
 #: Where transformers models keep their final norm, tried in order.
 FINAL_NORMS = ("model.norm", "transformer.ln_f", "model.final_layernorm", "gpt_neox.final_layer_norm",
                "model.decoder.final_layer_norm", "transformer.norm_f", "backbone.norm_f")
@@ -50,6 +52,9 @@ class CompiledReadout:
     unembedding: Any = None
     vocab: int | None = None
     sae: CompiledSae | None = None
+    #: Its tensor operands by field path in the HookAction (``readout.probe.weight``, ...):
+    #: the one decoded copy (a listing with operand data encodes them).
+    operands: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def apply(self, t: torch.Tensor) -> Any:
         """The readout of ``t`` (its vectors along the last dimension)."""
@@ -64,15 +69,25 @@ class CompiledReadout:
             return torch.sigmoid(scores) if self.sigmoid else scores
         if self.kind == "logit_lens":
             weight = self.unembedding.weight
+            bias = getattr(self.unembedding, "bias", None)
             x = t.to(dtype=weight.dtype, device=weight.device)
+            flat = x.reshape(-1, x.shape[-1])
+            values_out, ids_out = [], []
             with torch.no_grad():
-                normed = self.norm.forward(x) if self.norm is not None else x
-                bias = getattr(self.unembedding, "bias", None)
-                logits = F.linear(normed, weight, bias if isinstance(bias, torch.Tensor) else None)
-            if self.vocab is not None:
-                logits = logits[..., : self.vocab]
-            values, ids = logits.topk(min(self.k, logits.shape[-1]), dim=-1)
-            return {"token_ids": ids.to(torch.int64), "logits": values}
+                # A chunk of positions at a time: [positions, vocabulary] logits stay bounded.
+                for start in range(0, flat.shape[0], LOGIT_LENS_CHUNK):
+                    part = flat[start:start + LOGIT_LENS_CHUNK]
+                    normed = self.norm.forward(part) if self.norm is not None else part
+                    logits = F.linear(normed, weight, bias if isinstance(bias, torch.Tensor) else None)
+                    if self.vocab is not None:
+                        logits = logits[..., : self.vocab]
+                    values, ids = logits.topk(min(self.k, logits.shape[-1]), dim=-1)
+                    values_out.append(values)
+                    ids_out.append(ids)
+            shape = (*x.shape[:-1], values_out[0].shape[-1]) if values_out else (*x.shape[:-1], 0)
+            values = torch.cat(values_out) if values_out else x.new_zeros((0, 0))
+            ids = torch.cat(ids_out) if ids_out else torch.zeros((0, 0), dtype=torch.int64)
+            return {"token_ids": ids.to(torch.int64).reshape(shape), "logits": values.reshape(shape)}
         assert self.sae is not None
         with torch.no_grad():
             f, _ = self.sae.encode(t)
@@ -103,13 +118,18 @@ def compile_readout(msg: hook_pb2.Readout, where: str, host: Any) -> CompiledRea
             want = [] if weight.dim() == 1 else [int(weight.shape[0])]
             if list(bias.shape) not in ([], want) or not bias.is_floating_point():
                 raise InvalidArgument(f"{here}.bias: must be a floating-point scalar or {want}, not {list(bias.shape)}")
-        return CompiledReadout("probe", weight=weight, bias=bias, sigmoid=op.sigmoid)
+        operands = {"readout.probe.weight": weight, **({"readout.probe.bias": bias} if bias is not None else {})}
+        return CompiledReadout("probe", weight=weight, bias=bias, sigmoid=op.sigmoid, operands=operands)
     if kind == "logit_lens":
         lens = msg.logit_lens
         if not 1 <= lens.k <= MAX_READOUT_K:
             raise InvalidArgument(f"{here}.k: {lens.k} is outside 1..{MAX_READOUT_K}")
         unembedding = _module(host, lens.unembedding, f"{here}.unembedding", _output_embeddings(host))
         norm = _module(host, lens.norm, f"{here}.norm", next((p for p in FINAL_NORMS if p in host.modules), None))
+        if next(norm.children(), None) is not None:
+            # Its forward would run its children with their hooks (hookwire's too): a norm is a leaf.
+            raise InvalidArgument(f"{here}.norm: module {lens.norm or 'found'!s} has submodules; name the final norm "
+                                  "itself (a module without children)")
         matrix = getattr(unembedding, "weight", None)
         if not isinstance(matrix, torch.Tensor) or matrix.dim() != 2:
             raise InvalidArgument(f"{here}.unembedding: module {lens.unembedding or 'of the output embeddings'} "
@@ -123,10 +143,11 @@ def compile_readout(msg: hook_pb2.Readout, where: str, host: Any) -> CompiledRea
     top = msg.sae_top_k
     if not top.HasField("sae"):
         raise InvalidArgument(f"{here}.sae: missing")
-    sae = compile_sae(top.sae, f"{here}.sae", device, {}, "")
+    sae_operands: dict[str, torch.Tensor] = {}
+    sae = compile_sae(top.sae, f"{here}.sae", device, sae_operands, "readout.sae_top_k.sae.")
     if not 1 <= top.k <= min(MAX_READOUT_K, sae.d_sae):
         raise InvalidArgument(f"{here}.k: {top.k} is outside 1..{min(MAX_READOUT_K, sae.d_sae)}")
-    return CompiledReadout("sae_top_k", k=top.k, sae=sae)
+    return CompiledReadout("sae_top_k", k=top.k, sae=sae, operands=sae_operands)
 
 
 def _output_embeddings(host: Any) -> str | None:

@@ -274,7 +274,8 @@ class CompiledRule:
             if self.sae is not None:
                 f, state = self.sae.encode(x)
                 removed = self._top_k_removed(f)
-                return self.sae.decode(f * ~removed, state) + (x - self.sae.decode(f, state))
+                # The error term carries no gradient, as SAELens computes it (no_grad).
+                return self.sae.decode(f * ~removed, state) + (x - self.sae.decode(f, state)).detach()
             p = self._tensor("directions", x)
             f = x @ p.T
             return x - (f * self._top_k_removed(f)) @ p
@@ -282,19 +283,26 @@ class CompiledRule:
             assert self.sae is not None
             f, state = self.sae.encode(x)
             edited = f.clone()
-            index = torch.tensor(self.features, device=f.device)
+            index = self._features_on(f.device)
             if self.edit == rule_pb2.SAE_EDIT_CLAMP:
                 edited[..., index] = self.factor
             elif self.edit == rule_pb2.SAE_EDIT_SCALE:
                 edited[..., index] = f[..., index] * self.factor
             else:
                 edited[..., index] = 0
-            return self.sae.decode(edited, state) + (x - self.sae.decode(f, state))
+            return self.sae.decode(edited, state) + (x - self.sae.decode(f, state)).detach()
         if kind == "conditional":
             assert self.inner is not None and self.condition is not None
             mask = self.condition.holds(x, signals)
             return torch.where(mask.unsqueeze(-1), self.inner._op(x, slots, signals), x)
         raise AssertionError(kind)  # pragma: no cover
+
+    def _features_on(self, device: torch.device) -> torch.Tensor:
+        """The sae op's feature indices on ``device`` (made once per device)."""
+        index = self._cast_named.get(("features", torch.int64, device))
+        if index is None:
+            index = self._cast_named[("features", torch.int64, device)] = torch.tensor(self.features, device=device)
+        return index
 
     def _top_k_removed(self, f: torch.Tensor) -> torch.Tensor:
         """The features top_k removes: all but the k largest, or the k largest."""
@@ -406,7 +414,8 @@ class CompiledSignal:
         key = (x.dtype, x.device)
         w = self._cast.get(key)
         if w is None:
-            base = self.tensor / torch.linalg.vector_norm(self.tensor) if self.kind == "projection" else self.tensor
+            base = ((self.tensor.double() / torch.linalg.vector_norm(self.tensor.double())).to(self.tensor.dtype)
+                    if self.kind == "projection" else self.tensor)
             w = self._cast[key] = base.to(dtype=x.dtype, device=x.device)
         score = x @ w
         if self.kind == "probe":
@@ -479,6 +488,8 @@ class CompiledCondition:
         """Where the condition holds: a boolean per position of ``x`` (broadcast to them)."""
         value = self.signal.value(x, signals)
         mask = _COMPARE[self.cmp](value, self.threshold)
+        while mask.dim() > x.dim() - 1 and mask.shape[-1] == 1:  # one per sequence, on an indexed target
+            mask = mask.squeeze(-1)
         return mask.expand(x.shape[:-1]) if mask.shape != x.shape[:-1] else mask
 
 
@@ -599,10 +610,10 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
     elif kind == "norm_add":
         vector = tensor("direction")
         assert vector is not None
-        norm = torch.linalg.vector_norm(vector)
+        norm = torch.linalg.vector_norm(vector.double())  # in float64: a float16 vector's norm may overflow
         if vector.dim() != 1 or float(norm) == 0.0:
             raise InvalidArgument(f"{here}.direction: must be 1-D and not all zeros")
-        out.named["direction"] = vector / norm
+        out.named["direction"] = (vector.double() / norm).to(vector.dtype)
         out.alpha = _finite(op.alpha, f"{here}.alpha")
     elif kind == "top_k":
         source = op.WhichOneof("features")
@@ -659,6 +670,8 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
             raise InvalidArgument(f"{here}: a stop rule cannot be inside a conditional (it has its own condition)")
         if out.index is not None:
             raise InvalidArgument(f"{where}.index: a stop rule reads whole rows (its sequences); set no index")
+        if out.heads:
+            raise InvalidArgument(f"{where}.heads: a stop rule reads whole rows (its sequences' positions); set no heads")
         if not op.HasField("when"):
             raise InvalidArgument(f"{here}.when: missing")
         out.condition = _compile_condition(op.when, f"{here}.when", device, out, f"{path}stop.when.")
@@ -671,6 +684,9 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
             raise InvalidArgument(f"{here}.signal: compute one (norm, projection, probe, sae_feature), not a stored one")
         if op.reduce not in rule_pb2.SignalReduce.values():
             raise InvalidArgument(f"{here}.reduce: unknown {op.reduce}")
+        if op.reduce in (rule_pb2.SIGNAL_REDUCE_MAX, rule_pb2.SIGNAL_REDUCE_LAST) and (out.index is not None or out.heads):
+            raise InvalidArgument(f"{here}.reduce: reducing over positions needs the target's [sequences, positions, "
+                                  "...] layout: set no index or heads with it")
         out.slot, out.reduce = op.name, op.reduce
         out.signal = _compile_signal(op.signal, f"{here}.signal", device, out, f"{path}signal.signal.")
 
@@ -758,6 +774,14 @@ def operand_tensors(rules: Any) -> list[tuple[int, str, Any]]:
         if kind is not None:
             _tensors_in(getattr(rule, kind), f"{kind}.", i, out)
     return out
+
+
+def tensor_fields(msg: Any, prefix: str) -> list[tuple[str, Any]]:
+    """(field path, Tensor message) of every tensor inside ``msg`` (a readout, ...), paths
+    starting with ``prefix``."""
+    found: list[tuple[int, str, Any]] = []
+    _tensors_in(msg, prefix, 0, found)
+    return [(path, tensor) for _, path, tensor in found]
 
 
 def _tensors_in(msg: Any, path: str, position: int, out: list[tuple[int, str, Any]]) -> None:
