@@ -816,3 +816,16 @@ async def test_readouts_on_vllm_equal_transformers(vllm_server, oracle) -> None:
         assert torch.equal(torch.as_tensor(event.output["token_ids"])[0], tokens[0])
         torch.testing.assert_close(torch.as_tensor(event.output["logits"])[0], values[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(torch.as_tensor(probe_event.output)[0], (x @ probes.T)[0], **TOL)
+
+
+async def test_infer_logits_are_what_the_lm_head_rules_left(vllm_server, oracle) -> None:
+    """A rule on lm_head changes the logits Infer returns (the engine keeps them after
+    every hook on the logits processor), as transformers' lm_head hook would."""
+    tokenizer = oracle_tokenizer()
+    ids = _ids(tokenizer, PROMPTS[0])
+    with torch.no_grad():
+        want = oracle(torch.tensor([ids])).logits[0, -1] * 2.0
+    async with hookwire.connect(vllm_server.target) as client:
+        result = await client.model("llama").infer(torch.tensor([ids]), hooks=[
+            HookSpec("lm_head", posthook=[rules.scale("output", 2.0)])])
+    torch.testing.assert_close(torch.as_tensor(result.output["logits"])[0, 0], want, rtol=1e-5, atol=2e-6)
