@@ -139,8 +139,12 @@ async def test_infer_and_parameters_from_worker_processes(tp_server, oracle) -> 
         (event,) = result.events
         torch.testing.assert_close(torch.as_tensor(event.output), want.hidden_states[-1], **TOL)
         torch.testing.assert_close(torch.as_tensor(result.output["logits"])[:, -1], want.logits[:, -1], **TOL)
-        got = await model.parameters("model.norm.weight")
+        got = await model.parameters("model.norm.weight", "model.layers.0.self_attn.o_proj.weight")
         assert torch.equal(torch.as_tensor(got["model.norm.weight"]), oracle.model.norm.weight.detach())
+        # A sharded linear weight: rank 0's half of o_proj's input columns, kept by the worker
+        # (vLLM's CPU build would keep it only packed for its kernels).
+        o_proj = oracle.model.layers[0].self_attn.o_proj.weight.detach()
+        assert torch.equal(torch.as_tensor(got["model.layers.0.self_attn.o_proj.weight"]), o_proj[:, :64])
         with pytest.raises(hookwire.NotFoundError, match="tensor_parallel_size 2"):
             await model.parameters("model.layers.0.self_attn.q_proj.weight")
         # A module whose output is one rank's shard: captured on the first rank (its q

@@ -130,10 +130,10 @@ def build_host(config: ModelConfig) -> ModelHost:
         # Forking a server that runs gRPC's and the models' threads is not safe: spawn.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         _bind_cpu_threads(tp)
-    elif _OPERATOR_BIND is None:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # an earlier model's binding is not this one's
         # The worker loads the model: it keeps linear weights for GetParameters (vllm_worker).
         os.environ["HOOKWIRE_VLLM_KEEP_WEIGHTS"] = "1" if config.parameters_readable else "0"
+    elif _OPERATOR_BIND is None:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # an earlier model's binding is not this one's
     _forget_cached_environment()
     dtype = settings.get("dtype", "auto")
     if dtype == "auto":
