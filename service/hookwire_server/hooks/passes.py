@@ -69,8 +69,9 @@ class Pass:
         #: parts) on the worker thread; None: events.
         self.tap: Callable[[str, Any, str, int, dict[str, Any]], None] | None = None
         self._events_in_step = 0
-        #: Signals the call's hooks kept in the running pass (rules' SignalOp writes them,
-        #: their conditions read them); emptied when a pass begins.
+        #: Signals the call's hooks kept in the running pass, per principal owning the hooks
+        #: (owner name -> signal name -> tensor: rules' SignalOp writes them, their
+        #: conditions read them); emptied when a pass begins.
         self.signals: dict[str, Any] = {}
         #: Sequences (rows of the call) a stop rule ended in the running pass: row ->
         #: (hook id, module, step). The engine reads it after the pass; emptied (the same
