@@ -324,7 +324,10 @@ async def test_rule_operands_are_held_once_and_listed_without_their_data(server)
             del request
         growth = _rss_bytes() - before
         # One copy is 256 MiB; main kept the requests' bytes beside the decoded tensors (~580 MiB).
-        assert growth < operand_bytes * 1.4, f"registering {operand_bytes >> 20} MiB of operands took {growth >> 20} MiB"
+        # Within a suite's process the growth measured 1.13 alone and once 1.49 (gRPC may
+        # still hold a request's buffers when RSS is read); holding every request's bytes
+        # beside its tensor is 2x and more: the bound tells them apart.
+        assert growth < operand_bytes * 1.6, f"registering {operand_bytes >> 20} MiB of operands took {growth >> 20} MiB"
         listed = await stub.ListHooks(hook_service_pb2.ListHooksRequest(session_id=session_id))
         assert len(listed.hooks) == hooks_n
         for hook in listed.hooks:
