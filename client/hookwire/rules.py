@@ -278,6 +278,14 @@ class Signal:
     def __le__(self, threshold: float) -> Condition:  # type: ignore[override]
         return self._compare(rule_pb2.COMPARISON_LE, threshold)
 
+    def eq(self, value: float) -> Condition:
+        """``signal == value`` (meant for token ids: ``token_id().eq(42)``)."""
+        return self._compare(rule_pb2.COMPARISON_EQ, value)
+
+    def ne(self, value: float) -> Condition:
+        """``signal != value``."""
+        return self._compare(rule_pb2.COMPARISON_NE, value)
+
 
 @dataclasses.dataclass(frozen=True)
 class Condition:
@@ -309,6 +317,13 @@ def probe(weight: Any, bias: float = 0.0, *, sigmoid: bool = False) -> Signal:
 def sae_feature(autoencoder: Sae, feature: int) -> Signal:
     """An SAE feature's activation per position: ``encode(t)[..., feature]``."""
     return Signal(rule_pb2.Signal(sae_feature=rule_pb2.SaeFeatureSignal(sae=autoencoder.message, feature=int(feature))))
+
+
+def token_id() -> Signal:
+    """The token id at each position (the call's input_ids, a Generate call's prompt and
+    then each new token): ``when(token_id().eq(42), zero("output"))``. The rule takes no
+    index or heads with it."""
+    return Signal(rule_pb2.Signal(token_id=rule_pb2.TokenIdSignal()))
 
 
 def stored(name: str) -> Signal:
@@ -401,4 +416,4 @@ def _built(target: str, op: str, index: str | None, message: Any) -> Rule:
 
 __all__ = ["Condition", "Readout", "Rule", "Sae", "Signal", "add", "affine", "clamp", "logit_lens", "loreft", "noise",
            "norm", "norm_add", "patch", "probe", "probe_scores", "project_out", "projection", "sae", "sae_feature",
-           "sae_top_k", "save", "scale", "set", "signal", "stop", "stored", "top_k", "when", "zero"]
+           "sae_top_k", "save", "scale", "set", "signal", "stop", "stored", "token_id", "top_k", "when", "zero"]

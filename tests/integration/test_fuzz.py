@@ -192,7 +192,10 @@ def saes(draw: Any) -> rule_pb2.Sae:
 @st.composite
 def signals(draw: Any) -> rule_pb2.Signal:
     signal = rule_pb2.Signal()
-    kind = draw(st.sampled_from(["norm", "projection", "probe", "stored", "sae_feature", None]))
+    kind = draw(st.sampled_from(["norm", "projection", "probe", "stored", "sae_feature", "token_id", None]))
+    if kind == "token_id":
+        signal.token_id.SetInParent()
+        return signal
     if kind == "norm":
         signal.norm.SetInParent()
     elif kind == "projection":
@@ -243,7 +246,7 @@ def rules(draw: Any, depth: int = 0) -> rule_pb2.Rule:
         rule.conditional.SetInParent()
         if draw(st.booleans()):
             rule.conditional.when.signal.CopyFrom(draw(signals()))
-            rule.conditional.when.cmp = draw(st.integers(-1, 6))
+            rule.conditional.when.cmp = draw(st.integers(-1, 8))
             rule.conditional.when.threshold = draw(st.floats())
         if depth < 2 and draw(st.booleans()):
             rule.conditional.then.CopyFrom(draw(rules(depth + 1)))
@@ -392,11 +395,14 @@ def lm_hooks(draw: Any) -> hook_pb2.HookSpec:
             rule.zero.SetInParent()
         elif op == "when":  # on a norm, or on a signal kept earlier (or never) in the pass
             when = rule.conditional.when
-            if draw(st.booleans()):
+            source = draw(st.sampled_from(["norm", "stored", "token_id"]))
+            if source == "norm":
                 when.signal.norm.SetInParent()
+            elif source == "token_id":
+                when.signal.token_id.SetInParent()
             else:
                 when.signal.stored = "s"
-            when.cmp = draw(st.integers(1, 4))
+            when.cmp = draw(st.integers(1, 6))
             when.threshold = draw(st.floats(-2, 10))
             rule.conditional.then.scale.factor = draw(st.floats(-2, 2))
         elif op == "signal":

@@ -415,3 +415,46 @@ MORE_BAD = [
 async def test_more_bad_specs_are_refused_naming_the_field(client, spec: Any, message: str) -> None:
     with pytest.raises(hookwire.InvalidArgumentError, match=message):
         await client.model("tiny-lm").generate(["a"], 2, hooks=[spec])
+
+
+async def test_a_token_id_condition_edits_only_the_positions_of_that_token(client) -> None:
+    """Generate: zero layer 0's output wherever the position's token is a given id (in the
+    prompt at step 0, and then wherever that token is generated), equal to the same edit in
+    process with the ids generate() feeds; and an Infer call without input_ids answers
+    FAILED_PRECONDITION for the signal."""
+    prompts = ["the cat sat", "a"]
+    ids, mask = oracle.batch(prompts)
+    plain = oracle.generate(ids, mask, 6, do_sample=False)
+    token = int(ids[0, -2])  # a token of the first prompt only
+    fed: list[torch.Tensor] = []
+
+    def pre(module: Any, args: Any, kwargs: Any) -> None:
+        fed.append(kwargs["input_ids"])
+
+    def edit(step: int, out: torch.Tensor) -> torch.Tensor:
+        ids_now = fed[step]
+        return torch.where((ids_now == token).unsqueeze(-1), torch.zeros_like(out), out)
+
+    model = oracle.model()
+    handle = model.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        with oracle.forward_hook("model.layers.0", edit):
+            want = oracle.generate(ids, mask, 6, do_sample=False)
+    finally:
+        handle.remove()
+    assert want != plain
+    result = await client.model("tiny-lm").generate(prompts, 6, do_sample=False, hooks=[
+        hookwire.HookSpec("model.layers.0", posthook=[rules.when(rules.token_id().eq(token), rules.zero("output"))])])
+    assert [list(t) for t in result.token_ids] == want
+    infer = await client.model("tiny-lm").infer(ids, attention_mask=mask, hooks=[hookwire.HookSpec(
+        "model.layers.0", posthook=hookwire.edit(rules.when(rules.token_id().ne(token), rules.zero("output")),
+                                                capture=("output",)))])
+    out = infer.events[0].output
+    assert bool((out[ids != token] == 0).all()) and bool((out[ids == token] != 0).any())
+    with pytest.raises(hookwire.InvalidArgumentError, match="token_id: token ids are per position"):
+        await client.model("tiny-lm").generate(["a"], 2, hooks=[hookwire.HookSpec("model.layers.0", posthook=[
+            rules.when(rules.token_id().eq(1), rules.zero("output", index="[:, -1]"))])])
+    # A model whose input is not token ids (mlp): the signal cannot be known.
+    with pytest.raises(hookwire.FailedPreconditionError, match="token ids are not known"):
+        await client.model("mlp").infer(X, hooks=[hookwire.HookSpec("fc1", posthook=[
+            rules.when(rules.token_id().eq(1), rules.zero("output"))])])

@@ -82,7 +82,7 @@ EXPECTED_ALL = [
 ]
 RULES_ALL = ["Condition", "Readout", "Rule", "Sae", "Signal", "add", "affine", "clamp", "logit_lens", "loreft", "noise",
              "norm", "norm_add", "patch", "probe", "probe_scores", "project_out", "projection", "sae", "sae_feature",
-             "sae_top_k", "save", "scale", "set", "signal", "stop", "stored", "top_k", "when", "zero"]
+             "sae_top_k", "save", "scale", "set", "signal", "stop", "stored", "token_id", "top_k", "when", "zero"]
 
 
 def test_all_is_pinned():

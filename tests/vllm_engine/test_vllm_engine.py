@@ -829,3 +829,36 @@ async def test_infer_logits_are_what_the_lm_head_rules_left(vllm_server, oracle)
         result = await client.model("llama").infer(torch.tensor([ids]), hooks=[
             HookSpec("lm_head", posthook=[rules.scale("output", 2.0)])])
     torch.testing.assert_close(torch.as_tensor(result.output["logits"])[0, 0], want, rtol=1e-5, atol=2e-6)
+
+
+async def test_a_token_id_condition_on_vllm_equals_the_same_edit_in_transformers(vllm_server, oracle) -> None:
+    """Zeroing layer 0's output wherever a given token sits (in the prompt, and wherever it
+    is generated), on vLLM: tokens equal transformers' generate() with the same edit."""
+    tokenizer = oracle_tokenizer()
+    text = PROMPTS[0]
+    ids = _ids(tokenizer, text)
+    token = ids[1]
+    fed: list[torch.Tensor] = []
+
+    def pre(module: Any, args: Any, kwargs: Any) -> None:
+        fed.append(kwargs["input_ids"])
+
+    def edit(module: Any, args: Any, output: Any) -> Any:
+        out = output[0] if isinstance(output, tuple) else output
+        new = torch.where((fed[-1] == token).unsqueeze(-1), torch.zeros_like(out), out)
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    handles = [oracle.register_forward_pre_hook(pre, with_kwargs=True), oracle.model.layers[0].register_forward_hook(edit)]
+    try:
+        with torch.no_grad():
+            out = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=6, do_sample=False, pad_token_id=0)
+    finally:
+        for h in handles:
+            h.remove()
+    want = out[0, len(ids):].tolist()
+    assert want != _greedy(oracle, ids, 6)[0]
+    async with hookwire.connect(vllm_server.target) as client:
+        result = await client.model("llama").generate([text], 6, hooks=[
+            HookSpec("model.layers.0", posthook=[rules.when(rules.token_id().eq(token), rules.zero("output"))])])
+    assert list(result.token_ids[0]) == want

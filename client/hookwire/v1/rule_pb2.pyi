@@ -28,6 +28,8 @@ class Comparison(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMPARISON_GE: _ClassVar[Comparison]
     COMPARISON_LT: _ClassVar[Comparison]
     COMPARISON_LE: _ClassVar[Comparison]
+    COMPARISON_EQ: _ClassVar[Comparison]
+    COMPARISON_NE: _ClassVar[Comparison]
 
 class SignalReduce(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -59,6 +61,8 @@ COMPARISON_GT: Comparison
 COMPARISON_GE: Comparison
 COMPARISON_LT: Comparison
 COMPARISON_LE: Comparison
+COMPARISON_EQ: Comparison
+COMPARISON_NE: Comparison
 SIGNAL_REDUCE_UNSPECIFIED: SignalReduce
 SIGNAL_REDUCE_NONE: SignalReduce
 SIGNAL_REDUCE_MAX: SignalReduce
@@ -265,18 +269,24 @@ class SaeFeatureSignal(_message.Message):
     def __init__(self, sae: _Optional[_Union[Sae, _Mapping]] = ..., feature: _Optional[int] = ...) -> None: ...
 
 class Signal(_message.Message):
-    __slots__ = ("norm", "projection", "probe", "stored", "sae_feature")
+    __slots__ = ("norm", "projection", "probe", "stored", "sae_feature", "token_id")
     NORM_FIELD_NUMBER: _ClassVar[int]
     PROJECTION_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     SAE_FEATURE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     norm: NormSignal
     projection: _tensor_pb2.Tensor
     probe: ProbeSignal
     stored: str
     sae_feature: SaeFeatureSignal
-    def __init__(self, norm: _Optional[_Union[NormSignal, _Mapping]] = ..., projection: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., probe: _Optional[_Union[ProbeSignal, _Mapping]] = ..., stored: _Optional[str] = ..., sae_feature: _Optional[_Union[SaeFeatureSignal, _Mapping]] = ...) -> None: ...
+    token_id: TokenIdSignal
+    def __init__(self, norm: _Optional[_Union[NormSignal, _Mapping]] = ..., projection: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., probe: _Optional[_Union[ProbeSignal, _Mapping]] = ..., stored: _Optional[str] = ..., sae_feature: _Optional[_Union[SaeFeatureSignal, _Mapping]] = ..., token_id: _Optional[_Union[TokenIdSignal, _Mapping]] = ...) -> None: ...
+
+class TokenIdSignal(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class NormSignal(_message.Message):
     __slots__ = ()

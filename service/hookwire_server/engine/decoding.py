@@ -314,6 +314,8 @@ def _run_step(host: ModelHost, call: GenerateCall) -> StepResult:
     assert isinstance(decoder, Decoder)
     if call.step:  # step 0 runs on the Pass as it was made
         p.begin_step(call.step)
+    # The tokens of the pass's positions, for rules' token-id signals: the prompt, then each new token.
+    p.token_ids = decoder.input_ids if decoder.step_index == 0 else decoder.input_ids[:, -1:]
     with running(host, Batch.alone(p)), model_errors(host, "forward"):
         tokens = decoder.step()
     result = StepResult(tokens, tuple(decoder.reasons), decoder.finished, dict(decoder.stopped))
@@ -387,8 +389,9 @@ def _run_shared_step(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     merged[cache_key] = DynamicCache(ddp_cache_data=layers)
     del layers, caches, inputs
     batch = Batch(segments, padded=keys, side="left")
-    for call in calls:
+    for call, decoder in zip(calls, torch_decoders):
         call.p.begin_step(call.step)
+        call.p.token_ids = decoder.input_ids[:, -1:]  # a shared step is after every call's prompt
     with running(host, batch), model_errors(host, "forward"), torch.no_grad():
         outputs = model(**merged, return_dict=True)
     cache = getattr(outputs, cache_key)

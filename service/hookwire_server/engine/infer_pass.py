@@ -74,6 +74,15 @@ def _decode_inputs(
     return args, kwargs
 
 
+def token_ids(args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The call's token ids (``input_ids``, or an integer ``[sequences, positions]`` first
+    argument) for rules' token-id signals, or None."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+        return ids
+    return None
+
+
 def to_device(value: Any, device: torch.device) -> Any:
     """``value`` with every tensor in it moved to ``device`` (lists, tuples and maps rebuilt)."""
     if isinstance(value, torch.Tensor):
@@ -130,6 +139,7 @@ def run_infer_batch(host: ModelHost, calls: list[InferCall]) -> list[Any]:
         for i, call in enumerate(calls):
             try:
                 decoded[id(call)] = _decode_inputs(call.request, call.chunked, host.device)
+                call.p.token_ids = token_ids(*decoded[id(call)])
             except Exception as exc:  # its own bad tensor fails only it
                 results[i] = exc
     joined = [call for i, call in enumerate(calls) if results[i] is None]
@@ -212,6 +222,7 @@ def _run_pass(host: ModelHost, call: InferCall) -> model_service_pb2.InferRespon
         call.p, call.request, call.records, call.train, call.backward, call.seed, call.chunked
     )
     args, kwargs = _decode_inputs(request, chunked, host.device)
+    p.token_ids = token_ids(args, kwargs)
     model = host.module
     if p.splicer is not None:
         p.splicer.snapshot = True  # captures during the pass (see below for the output)

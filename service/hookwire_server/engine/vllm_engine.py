@@ -1088,6 +1088,7 @@ class VllmEngine:
                                                            "its hooks would have fired out of step"))
                 continue
             state.p.begin_step(step)
+            state.p.token_ids = _token_ids(state, step)
             rows = [mine.get(r, (end, end)) for r in range(len(state.prompts))]
             order_of = seq_rows.get(key, {})
             segments.append(PackedSegment.of(state.p, rows, state.side, state.width if step == 0 else None,
@@ -1290,6 +1291,34 @@ class VllmEngine:
         finally:
             if ended:
                 call.put(("ended", failure))
+
+
+def _token_ids(state: _Call, step: int) -> torch.Tensor | None:
+    """The call's token ids at a step's positions, in its layout (rules' token-id
+    signals): step 0 its prompts padded as the step is laid out, later steps each
+    sequence's last token (0 for one that ended); None where a token is not in yet
+    (worker processes: vLLM may run a step before the server took the last one's)."""
+    n = len(state.prompts)
+    if step == 0:
+        width = state.width or max(len(prompt) for prompt in state.prompts)
+        out = torch.zeros((n, width), dtype=torch.int64)
+        for r, prompt in enumerate(state.prompts):
+            row = torch.tensor(prompt, dtype=torch.int64)
+            if state.side == "left":
+                out[r, width - len(prompt):] = row
+            else:
+                out[r, :len(prompt)] = row
+        return out
+    if not isinstance(state, VllmCall):
+        return None
+    out = torch.zeros((n, 1), dtype=torch.int64)
+    running = state.running_rows()
+    for r, seq in enumerate(state.tokens):
+        if len(seq) >= step:
+            out[r, 0] = seq[step - 1]
+        elif r in running:
+            return None
+    return out
 
 
 def _state(call: GenerateCall) -> VllmCall:

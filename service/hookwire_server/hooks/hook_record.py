@@ -37,7 +37,7 @@ from .event_bus import EventStream, HookCounters
 from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec, _part_name
 from ..metrics import Metrics
 from ..models.model_registry import ModelHost
-from .rules import RuleFailure, apply_rules, operand_tensors, tensor_fields
+from .rules import RuleFailure, Signals, apply_rules, operand_tensors, tensor_fields
 from .slots import SlotStore
 
 if TYPE_CHECKING:
@@ -310,7 +310,10 @@ class HookRecord:
             stops: list[int] = []
             # Signals are kept per owner of the hooks: one principal's hooks never read (or
             # overwrite) another's, also on a shared hook that fires in every call.
-            signals = p.signals.setdefault(self.owner.name, {})
+            signals = p.signals.get(self.owner.name)
+            if signals is None:
+                signals = p.signals[self.owner.name] = Signals()
+            signals.token_ids = p.token_ids
             new_parts, changed = apply_rules(
                 action.rules, parts, self.slots, f"hook {self.hook_id} on module {path!r} of {self.host.name!r}",
                 signals, stops,

@@ -77,6 +77,10 @@ class Pass:
         #: (hook id, module, step). The engine reads it after the pass; emptied (the same
         #: dict) when a pass begins.
         self.stops: dict[int, tuple[str, str, int]] = {}
+        #: The token ids at the running pass's positions, ``[sequences, positions]`` in the
+        #: call's layout (a Generate step 0: the prompt as padded; later steps: each new
+        #: token), for rules' token-id signals; None where the engine does not know them.
+        self.token_ids: Any = None
         self._calls: dict[tuple[str, str, int], int] = {}
         self._seqs: dict[str, int] = {}
         #: Session and subscription streams this call offered events to (ordered set), and
@@ -109,6 +113,7 @@ class Pass:
         self._events_in_step = 0
         self.signals = {}
         self.stops.clear()
+        self.token_ids = None
 
     def next_call_index(self, hook_id: str, path: str, phase: int) -> int:
         """0 for a hook's first fire on a module in a phase in this pass, then 1, 2, ..."""

@@ -76,7 +76,15 @@ ORTHONORMAL_TOLERANCE = 1e-3
 _COMPARE: dict[int, Callable[[torch.Tensor, float], torch.Tensor]] = {
     rule_pb2.COMPARISON_GT: torch.gt, rule_pb2.COMPARISON_GE: torch.ge,
     rule_pb2.COMPARISON_LT: torch.lt, rule_pb2.COMPARISON_LE: torch.le,
+    rule_pb2.COMPARISON_EQ: torch.eq, rule_pb2.COMPARISON_NE: torch.ne,
 }
+
+
+class Signals(dict):  # type: ignore[type-arg]
+    """One principal's signals of a call's running pass (name -> tensor), and the call's
+    token ids at the pass's positions (Pass.token_ids), which token-id signals read."""
+
+    token_ids: Any = None
 
 
 class RuleFailure(Exception):
@@ -407,6 +415,14 @@ class CompiledSignal:
             return kept.to(x.device)
         if self.kind == "norm":
             return torch.linalg.vector_norm(x, dim=-1)
+        if self.kind == "token_id":
+            ids = getattr(signals, "token_ids", None)
+            if ids is None:
+                raise FailedPrecondition("the call's token ids are not known here (an Infer call without input_ids)")
+            if tuple(ids.shape) != tuple(x.shape[:-1]):
+                raise InvalidArgument(f"the value's positions {list(x.shape[:-1])} are not the call's tokens "
+                                      f"{list(ids.shape)} (token ids need [sequences, positions, ...])")
+            return ids.to(x.device)
         if self.kind == "sae_feature":
             assert self.sae is not None
             return self.sae.encode(x)[0][..., self.feature]
@@ -727,9 +743,14 @@ def compile_sae(msg: Any, where: str, device: torch.device, operands: dict[str, 
 def _compile_signal(msg: Any, where: str, device: torch.device, out: CompiledRule, path: str) -> CompiledSignal:
     kind = msg.WhichOneof("kind")
     if kind is None:
-        raise InvalidArgument(f"{where}: set one of norm, projection, probe, stored, sae_feature")
+        raise InvalidArgument(f"{where}: set one of norm, projection, probe, stored, sae_feature, token_id")
     if kind == "norm":
         return CompiledSignal("norm")
+    if kind == "token_id":
+        if out.index is not None or out.heads:
+            raise InvalidArgument(f"{where}.token_id: token ids are per position of [sequences, positions, ...]: set "
+                                  "no index or heads on the rule")
+        return CompiledSignal("token_id")
     if kind == "sae_feature":
         sae = compile_sae(msg.sae_feature.sae, f"{where}.sae_feature.sae", device, out.operands, f"{path}sae_feature.sae.")
         if msg.sae_feature.feature >= sae.d_sae:
@@ -759,7 +780,7 @@ def _compile_condition(msg: Any, where: str, device: torch.device, out: Compiled
     if not msg.HasField("signal"):
         raise InvalidArgument(f"{where}.signal: missing")
     if msg.cmp not in _COMPARE:
-        raise InvalidArgument(f"{where}.cmp: set one of COMPARISON_GT, COMPARISON_GE, COMPARISON_LT, COMPARISON_LE")
+        raise InvalidArgument(f"{where}.cmp: set one of COMPARISON_GT, _GE, _LT, _LE, _EQ, _NE")
     signal = _compile_signal(msg.signal, f"{where}.signal", device, out, f"{path}signal.")
     return CompiledCondition(signal, msg.cmp, _finite(msg.threshold, f"{where}.threshold"))
 
