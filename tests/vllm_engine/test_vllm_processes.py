@@ -206,6 +206,38 @@ async def test_a_stop_rule_in_worker_processes_ends_its_sequence_at_the_step_it_
             assert result.stopped_by[row] == (result.hook_ids[0], "model.layers.1", first)
 
 
+async def test_a_token_id_condition_in_worker_processes(tp_server, oracle) -> None:
+    """The step's input tokens come from the worker (the server may not have the last
+    step's outputs yet): zeroing layer 0's output wherever a given token sits gives
+    transformers' tokens with the same edit, at every step."""
+    tokenizer = oracle_tokenizer()
+    text = PROMPTS[0]
+    ids = _ids(tokenizer, text)
+    token = ids[1]
+    fed: list[torch.Tensor] = []
+
+    def pre(module: Any, args: Any, kwargs: Any) -> None:
+        fed.append(kwargs["input_ids"])
+
+    def edit(module: Any, args: Any, output: Any) -> Any:
+        out = output[0] if isinstance(output, tuple) else output
+        new = torch.where((fed[-1] == token).unsqueeze(-1), torch.zeros_like(out), out)
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    handles = [oracle.register_forward_pre_hook(pre, with_kwargs=True), oracle.model.layers[0].register_forward_hook(edit)]
+    try:
+        with torch.no_grad():
+            out = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=6, do_sample=False, pad_token_id=0)
+    finally:
+        for h in handles:
+            h.remove()
+    async with hookwire.connect(tp_server.target) as client:
+        result = await client.model("llama-tp").generate([text], 6, hooks=[
+            HookSpec("model.layers.0", posthook=[rules.when(rules.token_id().eq(token), rules.zero("output"))])])
+    assert list(result.token_ids[0]) == out[0, len(ids):].tolist()
+
+
 async def test_a_logit_lens_needs_the_weights_the_workers_hold(tp_server) -> None:
     """In worker processes the server holds no weights: a logit lens readout is refused
     at registration, naming why; a probe readout (its operand is the caller's) works."""

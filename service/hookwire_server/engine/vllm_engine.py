@@ -1027,7 +1027,8 @@ class VllmEngine:
         try:
             ib = self._runner.input_batch
             n = ib.num_reqs
-            self._lay_out_safely(batch, list(ib.req_ids[:n]), self._runner.query_start_loc.cpu[: n + 1].tolist())
+            starts = self._runner.query_start_loc.cpu[: n + 1].tolist()
+            self._lay_out_safely(batch, list(ib.req_ids[:n]), starts, _last_tokens(self._runner, starts))
         except Exception as exc:
             log.exception("reading a vLLM step's scheduler state failed")
             self._fail_step(batch, InvalidArgument(f"hookwire could not lay out a vLLM step: {exc}"))
@@ -1039,17 +1040,20 @@ class VllmEngine:
                 batch.fail_call(row.call.p, exc)
         batch.segments, batch.shared = [], False
 
-    def _lay_out_safely(self, batch: PackedBatch, req_ids: list[str], starts: list[int]) -> None:
+    def _lay_out_safely(self, batch: PackedBatch, req_ids: list[str], starts: list[int],
+                        last: list[int] | None = None) -> None:
         """``_lay_out_step``, failing the step's calls if it fails (never raises)."""
         try:
-            self._lay_out_step(batch, req_ids, starts)
+            self._lay_out_step(batch, req_ids, starts, last)
         except Exception as exc:
             log.exception("laying out a vLLM step failed")
             self._fail_step(batch, InvalidArgument(f"hookwire could not lay out a vLLM step: {exc}"))
 
-    def _lay_out_step(self, batch: PackedBatch, req_ids: list[str], starts: list[int]) -> None:
+    def _lay_out_step(self, batch: PackedBatch, req_ids: list[str], starts: list[int],
+                      last: list[int] | None = None) -> None:
         """The step's packed segments from its requests in vLLM's order and their query
-        start offsets (``starts``: one more than the requests)."""
+        start offsets (``starts``: one more than the requests); ``last``: each request's
+        last token in the step (a decoding step's input token), for token-id signals."""
         n = len(req_ids)
         spans: dict[int, dict[int, tuple[int, int]]] = {}
         seq_rows: dict[int, dict[int, int]] = {}
@@ -1088,7 +1092,7 @@ class VllmEngine:
                                                            "its hooks would have fired out of step"))
                 continue
             state.p.begin_step(step)
-            state.p.token_ids = _token_ids(state, step)
+            state.p.token_ids = _token_ids(state, step, order_of_last(seq_rows.get(key, {}), last))
             rows = [mine.get(r, (end, end)) for r in range(len(state.prompts))]
             order_of = seq_rows.get(key, {})
             segments.append(PackedSegment.of(state.p, rows, state.side, state.width if step == 0 else None,
@@ -1140,7 +1144,7 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ worker processes (vllm_link)
 
-    def link_step(self, ids: list[str], starts: list[int]) -> dict[str, Any]:
+    def link_step(self, ids: list[str], starts: list[int], last: list[int] | None = None) -> dict[str, Any]:
         """A worker's step begins: lays it out and says what to tap. Link thread; holds
         the lock until ``link_end``."""
         if self._open is not None and self._link_thread == threading.get_ident():
@@ -1153,7 +1157,7 @@ class VllmEngine:
             stack.enter_context(running(self._host, batch))
             self._open = (batch, stack)
             self._logits = None
-            self._lay_out_safely(batch, ids, starts)
+            self._lay_out_safely(batch, ids, starts, last)
             prompts = any(r is not None and isinstance(r.call, PromptCall) for r in self._order)
             return {"taps": taps_of(self._host.modules) if batch.segments else [], "logits": prompts}
         except BaseException:
@@ -1293,11 +1297,28 @@ class VllmEngine:
                 call.put(("ended", failure))
 
 
-def _token_ids(state: _Call, step: int) -> torch.Tensor | None:
+def _last_tokens(runner: Any, starts: list[int]) -> list[int] | None:
+    """Each request's last token scheduled in the step (vLLM's runner's packed input ids),
+    or None where the runner does not show them."""
+    ids = getattr(getattr(runner, "input_ids", None), "cpu", None)
+    if not isinstance(ids, torch.Tensor) or not starts:
+        return None
+    return [int(ids[end - 1]) for end in starts[1:]]
+
+
+def order_of_last(rows: dict[int, int], last: list[int] | None) -> dict[int, int] | None:
+    """Sequence -> its last token in the step, from the step's requests' (``rows``:
+    sequence -> its request's place in the step)."""
+    if last is None:
+        return None
+    return {seq: last[i] for seq, i in rows.items() if i < len(last)}
+
+
+def _token_ids(state: _Call, step: int, last: dict[int, int] | None) -> torch.Tensor | None:
     """The call's token ids at a step's positions, in its layout (rules' token-id
     signals): step 0 its prompts padded as the step is laid out, later steps each
-    sequence's last token (0 for one that ended); None where a token is not in yet
-    (worker processes: vLLM may run a step before the server took the last one's)."""
+    sequence's input token of the step (``last``, as vLLM's runner scheduled it; 0 for a
+    sequence not in the step); None where the runner did not show them."""
     n = len(state.prompts)
     if step == 0:
         width = state.width or max(len(prompt) for prompt in state.prompts)
@@ -1309,15 +1330,12 @@ def _token_ids(state: _Call, step: int) -> torch.Tensor | None:
             else:
                 out[r, :len(prompt)] = row
         return out
-    if not isinstance(state, VllmCall):
+    if last is None:
         return None
     out = torch.zeros((n, 1), dtype=torch.int64)
-    running = state.running_rows()
-    for r, seq in enumerate(state.tokens):
-        if len(seq) >= step:
-            out[r, 0] = seq[step - 1]
-        elif r in running:
-            return None
+    for r, token in last.items():
+        if 0 <= r < n:
+            out[r, 0] = token
     return out
 
 

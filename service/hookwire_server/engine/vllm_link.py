@@ -177,7 +177,7 @@ def run_post(module: nn.Module, parts: dict[str, Any]) -> dict[str, Any] | None:
 class LinkEngine(Protocol):
     """What the link calls in the engine (vllm_engine.VllmEngine), on a connection's thread."""
 
-    def link_step(self, ids: list[str], starts: list[int]) -> dict[str, Any]: ...
+    def link_step(self, ids: list[str], starts: list[int], last: list[int] | None = None) -> dict[str, Any]: ...
     def link_tap(self, path: str, phase: str, parts: dict[str, Any]) -> dict[str, Any] | None: ...
     def link_logits(self, logits: torch.Tensor) -> None: ...
     def link_end(self) -> None: ...
@@ -230,7 +230,10 @@ class WorkerLink:
                     raise ValueError("a worker ran a step before the model was ready")
                 kind = header.get("t")
                 if kind == "step":
-                    conn.send_bytes(json.dumps(engine.link_step(list(header["ids"]), list(header["starts"]))).encode())
+                    last = header.get("last")
+                    reply = engine.link_step(list(header["ids"]), list(header["starts"]),
+                                             [int(t) for t in last] if isinstance(last, list) else None)
+                    conn.send_bytes(json.dumps(reply).encode())
                 elif kind == "tap":
                     parts = _receive_value(conn)
                     new = engine.link_tap(str(header["path"]), str(header["phase"]), parts)

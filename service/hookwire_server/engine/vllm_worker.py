@@ -11,8 +11,8 @@ with a key the server made), carrying only bytes: a JSON header, and the values 
 hookwire's wire ``Value`` protobuf (tensors as raw bytes). Nothing is pickled either
 way. Per vLLM step (one forward of the model and its logits):
 
-- ``step`` (worker -> server): the step's requests in vLLM's order and their query start
-  offsets; the server lays the step out per call and answers which module phases to tap
+- ``step`` (worker -> server): the step's requests in vLLM's order, their query start
+  offsets and each one's last scheduled token; the server lays the step out per call and answers which module phases to tap
   (``taps``: path, "pre"/"post", the parts its hooks read, whether they may edit) and
   whether it wants the step's logits;
 - ``tap``: what a tapped module saw (the parts asked for); for a tap that may edit, the
@@ -231,7 +231,11 @@ class _Taps:
             batch = self.runner.input_batch
             n = batch.num_reqs
             starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
-            self._send({"t": "step", "ids": list(batch.req_ids[:n]), "starts": starts})
+            # Each request's last scheduled token (a decoding step's input token): rules'
+            # token-id signals read it, and the server may not have the last step's yet.
+            ids = self.runner.input_ids.cpu
+            last = [int(ids[end - 1]) for end in starts[1:]]
+            self._send({"t": "step", "ids": list(batch.req_ids[:n]), "starts": starts, "last": last})
             header, _ = self._receive()
             config = json.dumps(header).encode()
         if self.parallel:
