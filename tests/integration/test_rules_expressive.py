@@ -353,12 +353,16 @@ async def test_a_head_view_where_heads_are_not_separate_is_refused(client) -> No
             await client.model("tiny-lm").generate(["a"], 2, hooks=[spec])
 
 
-async def test_stop_and_signal_rules_on_a_shared_hook_need_shared_rules_allowed(client) -> None:
-    """A stop rule ends other callers' sequences and a signal gates their edits: on a
-    SCOPE_ALL hook they are refused like any rule that changes other callers' calls."""
-    for rule in (rules.stop("output", rules.norm() > 0), rules.signal("output", "s", rules.norm())):
-        with pytest.raises(hookwire.PermissionDeniedError, match="--allow-shared-rules"):
-            await client.model("tiny-lm").hook("model.layers.0", posthook=[rule], scope="all")
+async def test_a_stop_rule_on_a_shared_hook_needs_shared_rules_allowed(client) -> None:
+    """A stop rule ends other callers' sequences: on a SCOPE_ALL hook it is refused like
+    any rule that changes other callers' calls. A signal is its owner's (it gates only the
+    owner's own rules): a shared hook may keep one."""
+    with pytest.raises(hookwire.PermissionDeniedError, match="--allow-shared-rules"):
+        await client.model("tiny-lm").hook("model.layers.0", posthook=[rules.stop("output", rules.norm() > 0)],
+                                           scope="all")
+    async with client.model("tiny-lm").hook("model.layers.0", posthook=[rules.signal("output", "s", rules.norm())],
+                                             scope="all"):
+        pass
 
 
 async def test_a_per_sequence_signal_gates_an_edit_of_the_last_position(client) -> None:

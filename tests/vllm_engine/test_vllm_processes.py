@@ -206,6 +206,40 @@ async def test_a_stop_rule_in_worker_processes_ends_its_sequence_at_the_step_it_
             assert result.stopped_by[row] == (result.hook_ids[0], "model.layers.1", first)
 
 
+async def test_a_stopped_single_sequence_keeps_its_events_when_the_engine_runs_ahead(tp_server, oracle) -> None:
+    """The server takes each step's outputs late (held back 0.3 s), so vLLM's engine
+    process runs ahead and the stop is recorded before the earlier tokens are in: the
+    call's only sequence still ends at the step the rule fired in, with that step's events
+    (steps 0..s) and the same stream as in-process."""
+    tokenizer = oracle_tokenizer()
+    probe = torch.randn(128, generator=torch.Generator().manual_seed(41))
+    text = PROMPTS[1]
+    tokens, seen = _greedy(oracle, _ids(tokenizer, text), 8)
+    scores = [float(seen["model.layers.1"][s][0, -1] @ probe) for s in range(8)]
+    order = sorted(range(1, 8), key=lambda s: scores[s])
+    fire = next(s for s in order[::-1] if all(scores[t] < scores[s] - 1e-3 for t in range(s)))
+    threshold = scores[fire] - 1e-3 if fire else None
+    assert threshold is not None and fire > 1
+    engine = tp_server.host.loaded_engine
+    real_step = engine._engine.step
+
+    def late() -> Any:
+        import time
+        time.sleep(0.3)
+        return real_step()
+
+    engine._engine.step = late
+    try:
+        async with hookwire.connect(tp_server.target) as client:
+            result = await client.model("llama-tp").generate([text], 8, hooks=[
+                HookSpec("model.layers.0", posthook=capture("output", select="[:, -1]")),
+                HookSpec("model.layers.1", posthook=[rules.stop("output", rules.probe(probe) > threshold)])])
+    finally:
+        engine._engine.step = real_step
+    assert list(result.token_ids[0]) == tokens[:fire] and result.finish_reasons == ("rule",)
+    assert [e.step for e in result.events] == list(range(fire + 1))
+
+
 async def test_a_token_id_condition_in_worker_processes(tp_server, oracle) -> None:
     """The step's input tokens come from the worker (the server may not have the last
     step's outputs yet): zeroing layer 0's output wherever a given token sits gives

@@ -966,10 +966,13 @@ class VllmEngine:
             completion = output.outputs[0]
             new = list(completion.token_ids)[len(state.tokens[row.index]):]
             stopping = state.stopping.get(row.index)
+            # It finished before the stop rule's step (a stop string at s-1 in worker
+            # processes): that is why it ended, as in-process, where step s never runs it.
+            finished_first = output.finished and (stopping is None or len(completion.token_ids) <= stopping[2])
             if stopping is not None:
                 new = new[: max(0, stopping[2] - len(state.tokens[row.index]))]  # not the stopped step's token
             state.tokens[row.index].extend(int(t) for t in new)
-            if output.finished and (stopping is None or len(state.tokens[row.index]) < stopping[2]):
+            if finished_first:
                 state.reasons[row.index] = _reason(completion)
                 state.stopping.pop(row.index, None)
             elif stopping is not None and len(state.tokens[row.index]) >= stopping[2]:
@@ -999,7 +1002,10 @@ class VllmEngine:
                     break
             if not ready or all(t == FINISHED for t in tokens):
                 return
-            reasons = tuple(r if len(state.tokens[i]) <= step + 1 else "" for i, r in enumerate(state.reasons))
+            # A sequence a stop rule ended shows "rule" from the step it fired in (its tokens
+            # before it may come in together with the stop in worker processes).
+            reasons = tuple(r if len(state.tokens[i]) <= step + 1 and (i not in state.stopped or step >= state.stopped[i][2])
+                            else "" for i, r in enumerate(state.reasons))
             result = StepResult(tokens, reasons, all(reasons), dict(state.stopped))
             self._release_events(state, step)
             state.results.append(result)
@@ -1066,8 +1072,8 @@ class VllmEngine:
             order.append(row)
             if row is None:
                 continue
-            if isinstance(row.call, VllmCall) and row.index in row.call.stopping:
-                continue  # a stop rule ended it: vLLM still runs it until its abort lands
+            if isinstance(row.call, VllmCall) and (row.index in row.call.stopping or row.call.reasons[row.index]):
+                continue  # it ended (a stop rule, a stop string): vLLM still runs it until its abort lands
             calls[id(row.call)] = row.call
             spans.setdefault(id(row.call), {})[row.index] = (starts[i], starts[i + 1])
             seq_rows.setdefault(id(row.call), {})[row.index] = i  # its row of the step's logits

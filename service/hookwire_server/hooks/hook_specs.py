@@ -72,10 +72,16 @@ class Action:
 
     @property
     def modifies(self) -> bool:
-        """Whether a rule changes values, or the call's course: a stop rule ends its
-        sequences, a signal rule gates its conditional edits (save only reads). What
-        needs --allow-shared-rules and the operator role on a shared hook, and a value
-        every tensor-parallel rank holds whole."""
+        """Whether a rule changes values, or the call's course (a stop rule ends its
+        sequences); save and signal only read (a signal is its owner's: it gates only the
+        owner's own rules). What needs --allow-shared-rules and the operator role on a
+        shared hook."""
+        return any(rule.modifies or rule.kind == "stop" for rule in self.rules)
+
+    @property
+    def reads_whole(self) -> bool:
+        """Whether a rule must see the value every tensor-parallel rank holds whole: one
+        that edits, stops, or keeps a signal (a signal of one rank's shard is wrong)."""
         return any(rule.modifies or rule.kind in ("stop", "signal") for rule in self.rules)
 
     @property
@@ -239,14 +245,14 @@ def compile_spec(
             assert point is not None
             actions[i] = dataclasses.replace(action, heads=chosen, heads_target=point.target, head_view=view)
     for action in actions:
-        if not action.modifies:
+        if not action.reads_whole:
             continue
-        for path in modules:  # where the engine cannot apply an edit (vLLM's shards under tensor parallel)
+        for path in modules:  # where rules cannot act (vLLM's shards under tensor parallel)
             why = host.unedited.get((path, action.phase))
             if why:
                 field = next(info.field for info in PHASES if info.phase == action.phase)
                 raise FailedPrecondition(f"{field}.rules: model {host.name!r} runs on the {host.engine} engine, whose "
-                                         f"module {path!r} cannot be edited: {why}")
+                                         f"module {path!r} rules cannot edit or read whole there: {why}")
     return CompiledSpec(
         modules=modules,
         actions=tuple(actions),

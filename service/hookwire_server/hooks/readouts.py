@@ -84,9 +84,10 @@ class CompiledReadout:
                     values, ids = logits.topk(min(self.k, logits.shape[-1]), dim=-1)
                     values_out.append(values)
                     ids_out.append(ids)
-            shape = (*x.shape[:-1], values_out[0].shape[-1]) if values_out else (*x.shape[:-1], 0)
-            values = torch.cat(values_out) if values_out else x.new_zeros((0, 0))
-            ids = torch.cat(ids_out) if ids_out else torch.zeros((0, 0), dtype=torch.int64)
+            k = min(self.k, self.vocab or weight.shape[0], weight.shape[0])
+            shape = (*x.shape[:-1], k)
+            values = torch.cat(values_out) if values_out else x.new_zeros((0, k))
+            ids = torch.cat(ids_out) if ids_out else torch.zeros((0, k), dtype=torch.int64, device=weight.device)
             return {"token_ids": ids.to(torch.int64).reshape(shape), "logits": values.reshape(shape)}
         assert self.sae is not None
         with torch.no_grad():
@@ -125,11 +126,12 @@ def compile_readout(msg: hook_pb2.Readout, where: str, host: Any) -> CompiledRea
         if not 1 <= lens.k <= MAX_READOUT_K:
             raise InvalidArgument(f"{here}.k: {lens.k} is outside 1..{MAX_READOUT_K}")
         unembedding = _module(host, lens.unembedding, f"{here}.unembedding", _output_embeddings(host))
-        norm = _module(host, lens.norm, f"{here}.norm", next((p for p in FINAL_NORMS if p in host.modules), None))
+        norm_path = lens.norm or next((p for p in FINAL_NORMS if p in host.modules), None)
+        norm = _module(host, lens.norm, f"{here}.norm", norm_path)
         if next(norm.children(), None) is not None:
             # Its forward would run its children with their hooks (hookwire's too): a norm is a leaf.
-            raise InvalidArgument(f"{here}.norm: module {lens.norm or 'found'!s} has submodules; name the final norm "
-                                  "itself (a module without children)")
+            raise InvalidArgument(f"{here}.norm: module {norm_path} has submodules; name the final norm itself "
+                                  "(a module without children)")
         matrix = getattr(unembedding, "weight", None)
         if not isinstance(matrix, torch.Tensor) or matrix.dim() != 2:
             raise InvalidArgument(f"{here}.unembedding: module {lens.unembedding or 'of the output embeddings'} "

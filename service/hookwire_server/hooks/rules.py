@@ -759,6 +759,9 @@ def _compile_signal(msg: Any, where: str, device: torch.device, out: CompiledRul
     if kind == "stored":
         if not msg.stored:
             raise InvalidArgument(f"{where}.stored: name the signal")
+        if out.heads:
+            raise InvalidArgument(f"{where}.stored: a kept signal is per position or per sequence, not per head: "
+                                  "set no heads on the rule")
         return CompiledSignal("stored", stored=msg.stored)
     field = msg.projection if kind == "projection" else msg.probe.weight
     name = "projection" if kind == "projection" else "probe.weight"
