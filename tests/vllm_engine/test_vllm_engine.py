@@ -54,6 +54,59 @@ def _greedy(oracle: Any, ids: list[int], n: int, edits: dict[str, torch.Tensor] 
     return out[0, len(ids):].tolist(), seen
 
 
+def stop_case(oracle: Any, probe: torch.Tensor, prompts: list[str], steps: int = 8) -> tuple[float, list[int | None], list[list[int]]]:
+    """A stop rule's case on two prompts: a threshold on the probe's score (layer 1, last
+    position) far from every score transformers gives (vLLM's kernels differ by ~1e-7), at
+    which the two sequences stop at different steps (or one never does); each sequence's
+    first firing step (None: never) and transformers' greedy tokens."""
+    tokenizer = oracle_tokenizer()
+    runs = [_greedy(oracle, _ids(tokenizer, p), steps) for p in prompts]
+    scores = [[float(seen["model.layers.1"][s][0, -1] @ probe) for s in range(steps)] for _, seen in runs]
+    flat = sorted(v for row in scores for v in row)
+    best = None
+    for a, b in zip(flat, flat[1:]):
+        t = (a + b) / 2
+        firsts = [next((s for s, v in enumerate(row) if v > t), None) for row in scores]
+        if firsts[0] != firsts[1] and any(f not in (None, 0) for f in firsts) and (best is None or b - a > best[0]):
+            best = (b - a, t, firsts)
+    assert best is not None and best[0] > 1e-3
+    return best[1], best[2], [tokens for tokens, _ in runs]
+
+
+def check_stops(result: Any, firsts: list[int | None], tokens: list[list[int]]) -> None:
+    """Each sequence of a Generate result ended where stop_case says, or ran its length."""
+    for row, first in enumerate(firsts):
+        if first is None:
+            assert list(result.token_ids[row]) == tokens[row] and result.finish_reasons[row] == "length"
+        else:
+            assert list(result.token_ids[row]) == tokens[row][:first] and result.finish_reasons[row] == "rule"
+            assert result.stopped_by[row] == (result.hook_ids[0], "model.layers.1", first)
+
+
+def token_gated_tokens(oracle: Any, ids: list[int], token: int, n: int) -> list[int]:
+    """transformers' greedy tokens with layer 0's output zeroed wherever ``token`` is the
+    position's input token (the ids generate() feeds each step)."""
+    fed: list[torch.Tensor] = []
+
+    def pre(module: Any, args: Any, kwargs: Any) -> None:
+        fed.append(kwargs["input_ids"])
+
+    def edit(module: Any, args: Any, output: Any) -> Any:
+        out = output[0] if isinstance(output, tuple) else output
+        new = torch.where((fed[-1] == token).unsqueeze(-1), torch.zeros_like(out), out)
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    handles = [oracle.register_forward_pre_hook(pre, with_kwargs=True), oracle.model.layers[0].register_forward_hook(edit)]
+    try:
+        with torch.no_grad():
+            out = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=n, do_sample=False, pad_token_id=0)
+    finally:
+        for h in handles:
+            h.remove()
+    return out[0, len(ids):].tolist()
+
+
 async def test_the_model_says_it_runs_on_vllm_and_what_it_refuses(vllm_server) -> None:
     async with hookwire.connect(vllm_server.target) as client:
         listed = {m.name: m for m in await client.list_models()}
@@ -767,32 +820,12 @@ async def test_a_probe_gated_stop_on_vllm_ends_only_the_sequence_it_fires_for(vl
     passes the threshold ends at that step with finish reason "rule", its token of that
     step not emitted, and its request leaves vLLM; the call's other sequence goes on as
     transformers' generate() gives it."""
-    tokenizer = oracle_tokenizer()
     probe = torch.randn(128, generator=torch.Generator().manual_seed(41))
-    prompts = PROMPTS[:2]
-    runs = [_greedy(oracle, _ids(tokenizer, p), 8) for p in prompts]
-    scores = [[float(seen["model.layers.1"][s][0, -1] @ probe) for s in range(8)] for _, seen in runs]
-    # A threshold far from every score (vLLM's kernels differ from transformers' by ~1e-7)
-    # at which the two sequences stop at different steps (or one never does).
-    flat = sorted(v for row in scores for v in row)
-    best = None
-    for a, b in zip(flat, flat[1:]):
-        t = (a + b) / 2
-        firsts = [next((s for s, v in enumerate(row) if v > t), None) for row in scores]
-        if firsts[0] != firsts[1] and any(f not in (None, 0) for f in firsts) and (best is None or b - a > best[0]):
-            best = (b - a, t, firsts)
-    assert best is not None and best[0] > 1e-3
-    _, threshold, firsts = best
+    threshold, firsts, tokens = stop_case(oracle, probe, PROMPTS[:2])
     async with hookwire.connect(vllm_server.target) as client:
-        result = await client.model("llama").generate(prompts, 8, hooks=[
+        result = await client.model("llama").generate(PROMPTS[:2], 8, hooks=[
             HookSpec("model.layers.1", posthook=[rules.stop("output", rules.probe(probe) > threshold)])])
-    for row, first in enumerate(firsts):
-        tokens = runs[row][0]
-        if first is None:
-            assert list(result.token_ids[row]) == tokens and result.finish_reasons[row] == "length"
-        else:
-            assert list(result.token_ids[row]) == tokens[:first] and result.finish_reasons[row] == "rule"
-            assert result.stopped_by[row] == (result.hook_ids[0], "model.layers.1", first)
+    check_stops(result, firsts, tokens)
 
 
 async def test_readouts_on_vllm_equal_transformers(vllm_server, oracle) -> None:
@@ -834,31 +867,11 @@ async def test_infer_logits_are_what_the_lm_head_rules_left(vllm_server, oracle)
 async def test_a_token_id_condition_on_vllm_equals_the_same_edit_in_transformers(vllm_server, oracle) -> None:
     """Zeroing layer 0's output wherever a given token sits (in the prompt, and wherever it
     is generated), on vLLM: tokens equal transformers' generate() with the same edit."""
-    tokenizer = oracle_tokenizer()
     text = PROMPTS[0]
-    ids = _ids(tokenizer, text)
-    token = ids[1]
-    fed: list[torch.Tensor] = []
-
-    def pre(module: Any, args: Any, kwargs: Any) -> None:
-        fed.append(kwargs["input_ids"])
-
-    def edit(module: Any, args: Any, output: Any) -> Any:
-        out = output[0] if isinstance(output, tuple) else output
-        new = torch.where((fed[-1] == token).unsqueeze(-1), torch.zeros_like(out), out)
-        return (new, *output[1:]) if isinstance(output, tuple) else new
-
-    handles = [oracle.register_forward_pre_hook(pre, with_kwargs=True), oracle.model.layers[0].register_forward_hook(edit)]
-    try:
-        with torch.no_grad():
-            out = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                  max_new_tokens=6, do_sample=False, pad_token_id=0)
-    finally:
-        for h in handles:
-            h.remove()
-    want = out[0, len(ids):].tolist()
+    ids = _ids(oracle_tokenizer(), text)
+    want = token_gated_tokens(oracle, ids, ids[1], 6)
     assert want != _greedy(oracle, ids, 6)[0]
     async with hookwire.connect(vllm_server.target) as client:
         result = await client.model("llama").generate([text], 6, hooks=[
-            HookSpec("model.layers.0", posthook=[rules.when(rules.token_id().eq(token), rules.zero("output"))])])
+            HookSpec("model.layers.0", posthook=[rules.when(rules.token_id().eq(ids[1]), rules.zero("output"))])])
     assert list(result.token_ids[0]) == want

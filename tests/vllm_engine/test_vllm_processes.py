@@ -25,7 +25,7 @@ import torch
 import hookwire
 from hookwire import HookSpec, capture, rules
 
-from test_vllm_engine import PROMPTS, _greedy, _ids, oracle_tokenizer
+from test_vllm_engine import PROMPTS, _greedy, _ids, check_stops, oracle_tokenizer, stop_case, token_gated_tokens
 
 TOL = dict(rtol=1e-5, atol=5e-6)
 
@@ -180,30 +180,12 @@ async def test_a_stop_rule_in_worker_processes_ends_its_sequence_at_the_step_it_
     """vLLM's engine process may run a step before the server took the last one's tokens:
     a sequence a stop rule ends at step k still gets its tokens before k, and not k's;
     the call's other sequence goes on as transformers' generate() gives it."""
-    tokenizer = oracle_tokenizer()
     probe = torch.randn(128, generator=torch.Generator().manual_seed(41))
-    prompts = PROMPTS[:2]
-    runs = [_greedy(oracle, _ids(tokenizer, p), 8) for p in prompts]
-    scores = [[float(seen["model.layers.1"][s][0, -1] @ probe) for s in range(8)] for _, seen in runs]
-    flat = sorted(v for row in scores for v in row)
-    best = None
-    for a, b in zip(flat, flat[1:]):
-        t = (a + b) / 2
-        firsts = [next((s for s, v in enumerate(row) if v > t), None) for row in scores]
-        if firsts[0] != firsts[1] and any(f not in (None, 0) for f in firsts) and (best is None or b - a > best[0]):
-            best = (b - a, t, firsts)
-    assert best is not None and best[0] > 1e-3
-    _, threshold, firsts = best
+    threshold, firsts, tokens = stop_case(oracle, probe, PROMPTS[:2])
     async with hookwire.connect(tp_server.target) as client:
-        result = await client.model("llama-tp").generate(prompts, 8, hooks=[
+        result = await client.model("llama-tp").generate(PROMPTS[:2], 8, hooks=[
             HookSpec("model.layers.1", posthook=[rules.stop("output", rules.probe(probe) > threshold)])])
-    for row, first in enumerate(firsts):
-        tokens = runs[row][0]
-        if first is None:
-            assert list(result.token_ids[row]) == tokens and result.finish_reasons[row] == "length"
-        else:
-            assert list(result.token_ids[row]) == tokens[:first] and result.finish_reasons[row] == "rule"
-            assert result.stopped_by[row] == (result.hook_ids[0], "model.layers.1", first)
+    check_stops(result, firsts, tokens)
 
 
 async def test_a_stopped_single_sequence_keeps_its_events_when_the_engine_runs_ahead(tp_server, oracle) -> None:
@@ -244,32 +226,13 @@ async def test_a_token_id_condition_in_worker_processes(tp_server, oracle) -> No
     """The step's input tokens come from the worker (the server may not have the last
     step's outputs yet): zeroing layer 0's output wherever a given token sits gives
     transformers' tokens with the same edit, at every step."""
-    tokenizer = oracle_tokenizer()
     text = PROMPTS[0]
-    ids = _ids(tokenizer, text)
-    token = ids[1]
-    fed: list[torch.Tensor] = []
-
-    def pre(module: Any, args: Any, kwargs: Any) -> None:
-        fed.append(kwargs["input_ids"])
-
-    def edit(module: Any, args: Any, output: Any) -> Any:
-        out = output[0] if isinstance(output, tuple) else output
-        new = torch.where((fed[-1] == token).unsqueeze(-1), torch.zeros_like(out), out)
-        return (new, *output[1:]) if isinstance(output, tuple) else new
-
-    handles = [oracle.register_forward_pre_hook(pre, with_kwargs=True), oracle.model.layers[0].register_forward_hook(edit)]
-    try:
-        with torch.no_grad():
-            out = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                  max_new_tokens=6, do_sample=False, pad_token_id=0)
-    finally:
-        for h in handles:
-            h.remove()
+    ids = _ids(oracle_tokenizer(), text)
+    want = token_gated_tokens(oracle, ids, ids[1], 6)
     async with hookwire.connect(tp_server.target) as client:
         result = await client.model("llama-tp").generate([text], 6, hooks=[
-            HookSpec("model.layers.0", posthook=[rules.when(rules.token_id().eq(token), rules.zero("output"))])])
-    assert list(result.token_ids[0]) == out[0, len(ids):].tolist()
+            HookSpec("model.layers.0", posthook=[rules.when(rules.token_id().eq(ids[1]), rules.zero("output"))])])
+    assert list(result.token_ids[0]) == want
 
 
 async def test_a_logit_lens_needs_the_weights_the_workers_hold(tp_server) -> None:
