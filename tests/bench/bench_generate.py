@@ -252,6 +252,23 @@ def report(name: str, params: float, runs: dict[str, list[Run]], blocks: int, ns
           f"no hooks {cpu['remote bare'] / cpu['local bare']:.2f}")
 
 
+def serve_gpt2(tmp: pathlib.Path, *, demo: bool) -> tuple[subprocess.Popen[str], str]:
+    """Builds gpt2-26m in ``tmp``/gpt2-26m and starts `hookwire serve` on it (and the demo
+    models with ``demo``) in a process of its own, one torch thread; returns the process
+    and its target."""
+    folder = tmp / "gpt2-26m"
+    build_hf_model(folder)
+    config = tmp / "hookwire.toml"
+    config.write_text(f'[[models]]\nname = "gpt2-26m"\ntransformers = "{folder}"\n')
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", "--config", str(config),
+         *(["--demo"] if demo else []), "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    target = server.stdout.readline().rsplit(" ", 1)[-1].strip()  # type: ignore[union-attr]
+    return server, target
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -265,16 +282,8 @@ def main() -> None:
     names = [n for n in ns.models.split(",") if n]
     with tempfile.TemporaryDirectory(prefix="hookwire-bench-generate-") as tmp:
         folder = pathlib.Path(tmp) / "gpt2-26m"
-        build_hf_model(folder)
-        config = pathlib.Path(tmp) / "hookwire.toml"
-        config.write_text(f'[[models]]\nname = "gpt2-26m"\ntransformers = "{folder}"\n')
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", "--config", str(config), "--demo",
-             "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        server, target = serve_gpt2(pathlib.Path(tmp), demo=True)
         try:
-            target = server.stdout.readline().rsplit(" ", 1)[-1].strip()  # type: ignore[union-attr]
             local = {
                 "tiny-lm": (tiny_lm(), tiny_lm_tokenizer()),
                 "gpt2-26m": (transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval(),

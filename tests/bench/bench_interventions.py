@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +41,7 @@ import transformers
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import hookwire  # noqa: E402
-from bench_generate import PROMPT, build_hf_model  # noqa: E402
+from bench_generate import PROMPT, serve_gpt2  # noqa: E402
 from hookwire import rules  # noqa: E402
 from hookwire.rules import Sae  # noqa: E402
 
@@ -61,15 +59,8 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="hookwire-bench-interventions-") as tmp:
         folder = pathlib.Path(tmp) / "gpt2-26m"
-        build_hf_model(folder)
-        config = pathlib.Path(tmp) / "hookwire.toml"
-        config.write_text(f'[[models]]\nname = "gpt2-26m"\ntransformers = "{folder}"\n')
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", "--config", str(config),
-             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        server, target = serve_gpt2(pathlib.Path(tmp), demo=False)
         try:
-            target = server.stdout.readline().rsplit(" ", 1)[-1].strip()  # type: ignore[union-attr]
             model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
             asyncio.run(bench(target, model, tokenizer, ns))
