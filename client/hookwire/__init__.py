@@ -53,6 +53,7 @@ from . import rules
 from .dataset import ActivationDataset
 from ._harvest import HarvestFailed, HarvestInterrupted, HarvestJob, HarvestProgress
 from ._generation import GenerateStream
+from ._operands import OperandInfo
 from ._sync import (
     SyncClient,
     SyncGenerateStream,
@@ -119,6 +120,7 @@ __all__ = [
     "ModuleInfo",
     "NotFoundError",
     "Notice",
+    "OperandInfo",
     "ParameterInfo",
     "PendingHook",
     "PermissionDeniedError",

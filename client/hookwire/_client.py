@@ -22,6 +22,7 @@ from ._errors import FailedPreconditionError, HookwireError, NotFoundError, Unav
 from . import _harvest
 from ._generation import GenerateStream, generate_request
 from ._harvest import HarvestJob, HarvestProgress
+from ._operands import OperandInfo, upload_messages
 from ._progress import TransferProgress
 from ._parameters import CastName, parameters_request, read_parameters
 from ._session import CallEnded, EndedCalls, EventRouter, kind_of, pump, stream_items, uncut
@@ -37,6 +38,8 @@ from .v1 import (
     hook_service_pb2_grpc,
     model_service_pb2,
     model_service_pb2_grpc,
+    operand_service_pb2,
+    operand_service_pb2_grpc,
 )
 
 log = logging.getLogger("hookwire")
@@ -239,6 +242,7 @@ class Client:
         self._hooks: hook_service_pb2_grpc.HookServiceStub | None = None
         self._streams: TensorCalls | None = None
         self._harvests: harvest_service_pb2_grpc.HarvestServiceStub | None = None
+        self._operands: operand_service_pb2_grpc.OperandServiceStub | None = None
         #: Which Infer calls stream their replies (see CallSizes).
         self.call_sizes = CallSizes()
         self._session: Session | None = None
@@ -277,6 +281,7 @@ class Client:
             self._hooks = hook_service_pb2_grpc.HookServiceStub(self._channel)
             self._streams = TensorCalls(self._channel)
             self._harvests = harvest_service_pb2_grpc.HarvestServiceStub(self._channel)
+            self._operands = operand_service_pb2_grpc.OperandServiceStub(self._channel)
 
     @property
     def model_stub(self) -> model_service_pb2_grpc.ModelServiceStub:
@@ -300,6 +305,60 @@ class Client:
         return self._harvests
 
     # ---------------------------------------------------------------- harvest
+
+    @property
+    def operand_stub(self) -> operand_service_pb2_grpc.OperandServiceStub:
+        """The raw OperandService stub (escape hatch)."""
+        self._open()
+        assert self._operands is not None
+        return self._operands
+
+    # ---------------------------------------------------------------- named operands
+
+    async def upload_operand(self, name: str, value: Any, *, ttl: float | None = None) -> OperandInfo:
+        """Uploads a tensor or an ``rules.Sae`` (with its tensors) under ``name``, once;
+        rules then name it (``rules.operand(name)``, ``rules.Sae.named(name)``) instead of
+        carrying it. Without ``ttl`` it lives with this client's session (opened now if
+        none is: closing the client deletes it, once no hook uses it); with ``ttl``
+        seconds it outlives the client until then. Large tensors travel in 1 MiB chunks.
+        Blocks until the server has it. Raises AlreadyExistsError (the name is taken),
+        ResourceExhaustedError (over your operand quota, before any data is sent),
+        InvalidArgumentError (not finite floats, an SAE whose shapes do not fit)."""
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"ttl must be a positive number of seconds, not {ttl}")
+        session_id = "" if ttl is not None else (await self.session()).session_id
+        messages = upload_messages(name, value, session_id=session_id,
+                                   ttl_seconds=0 if ttl is None else max(1, int(ttl)))
+
+        async def stream() -> AsyncIterator[Any]:
+            for message in messages:  # built lazily: one chunk's bytes at a time
+                yield message
+
+        try:
+            reply = await self.tensor_calls.upload_operand(stream(), timeout=self.options.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, target=self.target) from None
+        return OperandInfo.from_proto(reply)
+
+    async def delete_operand(self, name: str, *, owner: str = "") -> int:
+        """Deletes one of your operands (an operator may name another ``owner``, or
+        unpublish a published one); returns the bytes freed. FailedPreconditionError
+        while a hook or harvest job uses it (the message names them); NotFoundError."""
+        request = operand_service_pb2.DeleteOperandRequest(name=name, owner=owner)
+        return int((await self._unary(self.operand_stub.DeleteOperand, request)).nbytes)
+
+    async def list_operands(self) -> list[OperandInfo]:
+        """The published operands, then yours (an operator's listing: everyone's)."""
+        reply = await self._unary(self.operand_stub.ListOperands, operand_service_pb2.ListOperandsRequest())
+        return [OperandInfo.from_proto(op) for op in reply.operands]
+
+    async def publish_operand(self, name: str, path: str) -> OperandInfo:
+        """Operators: publishes a read-only operand for everyone from the server's
+        operand folder (``path`` relative to its ``operand_root``): a folder in SAELens'
+        layout (cfg.json, sae_weights.safetensors) or a .safetensors file of one tensor.
+        PermissionDeniedError (not an operator, or a path leaving the folder)."""
+        request = operand_service_pb2.PublishOperandRequest(name=name, path=path)
+        return OperandInfo.from_proto(await self._unary(self.operand_stub.PublishOperand, request))
 
     async def harvest(self, model: str, modules: Sequence[str] | str, *, out: str, **options: Any) -> HarvestJob:
         """Starts a harvest job on the server (docs/harvest.md) and returns its handle at

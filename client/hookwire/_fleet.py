@@ -12,7 +12,8 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, Union
 
 from ._client import CallRef, Client, ConnectOptions, HookHandle, _check_timeout, connect, request_id_of
-from ._errors import HookwireError, UnavailableError
+from ._errors import AlreadyExistsError, HookwireError, NotFoundError, UnavailableError
+from ._operands import OperandInfo
 from ._specs import ActionLike, HookSpec, OnErrorName, Sampling, ScopeName
 from ._types import InferResult, InterceptEvent
 
@@ -87,6 +88,9 @@ class FleetClient:
         self.refresh_seconds = refresh_seconds
         self._replicas: dict[str, _Replica] = {}
         self._hooks: list[FleetHookHandle] = []
+        #: The fleet's named operands (name -> value, ttl): every replica gets them, a
+        #: joining one before the fleet's hooks (which may name them).
+        self._operands: dict[str, tuple[Any, float | None]] = {}
         self._rr = 0
         self._lock = asyncio.Lock()
         self._refresher: asyncio.Task[None] | None = None
@@ -134,6 +138,8 @@ class FleetClient:
     async def _join(self, replica: _Replica) -> bool:
         try:
             await replica.client.list_models()
+            for name, (value, ttl) in list(self._operands.items()):
+                await self._upload_to(replica, name, value, ttl)
             for hook in list(self._hooks):
                 await hook._attach(replica)
         except HookwireError as exc:
@@ -181,6 +187,54 @@ class FleetClient:
         first failing replica's wait raises (FailedPreconditionError for a model that
         failed to load, NotFoundError, TimeoutError after ``timeout`` seconds)."""
         await asyncio.gather(*(r.client.wait_ready(models, timeout=timeout) for r in self._live()))
+
+    # ---------------------------------------------------------------- named operands
+
+    @staticmethod
+    async def _upload_to(replica: _Replica, name: str, value: Any, ttl: float | None) -> OperandInfo:
+        try:
+            return await replica.client.upload_operand(name, value, ttl=ttl)
+        except AlreadyExistsError:  # a replica that was lost and came back may still hold it
+            await replica.client.delete_operand(name)
+            return await replica.client.upload_operand(name, value, ttl=ttl)
+
+    async def upload_operand(self, name: str, value: Any, *, ttl: float | None = None) -> OperandInfo:
+        """Client.upload_operand on every live replica, all or nothing: if one refuses,
+        the operand is deleted from the others and its error raised. Replicas that join
+        later get it too (the fleet keeps ``value`` for them: its memory stays with the
+        fleet until ``delete_operand``). Returns the first replica's description."""
+        async with self._lock:
+            live = self._live()
+            results = await asyncio.gather(*(self._upload_to(r, name, value, ttl) for r in live), return_exceptions=True)
+            done = [r for r, result in zip(live, results) if not isinstance(result, BaseException)]
+            failures = [(r, e) for r, e in zip(live, results) if isinstance(e, BaseException)
+                        and not isinstance(e, UnavailableError)]
+            for replica, result in zip(live, results):
+                if isinstance(result, UnavailableError):
+                    self._lost(replica, str(result))  # gone, not refusing: it gets the operand when back
+            if not failures and not done:
+                failures = [(r, UnavailableError("no live replica of the fleet answered")) for r in live[:1]]
+            if failures:
+                await asyncio.gather(*(r.client.delete_operand(name) for r in done), return_exceptions=True)
+                replica, error = failures[0]
+                if isinstance(error, HookwireError):
+                    raise type(error)(f"replica {replica.target} refused the operand: {error.details}") from None
+                raise error
+            self._operands[name] = (value, ttl)
+            first = next(result for result in results if not isinstance(result, BaseException))
+            assert isinstance(first, OperandInfo)
+            return first
+
+    async def delete_operand(self, name: str) -> None:
+        """Deletes a fleet operand from every live replica (FailedPreconditionError from
+        the first that still uses it in a hook: it is then kept everywhere it is left)."""
+        async with self._lock:
+            live = self._live()
+            results = await asyncio.gather(*(r.client.delete_operand(name) for r in live), return_exceptions=True)
+            self._operands.pop(name, None)
+            for result in results:
+                if isinstance(result, BaseException) and not isinstance(result, (UnavailableError, NotFoundError)):
+                    raise result
 
     # ---------------------------------------------------------------- calls
 

@@ -299,6 +299,10 @@ class SyncClient:
     list_slots = _blocking(Client.list_slots)
     harvests = _blocking(Client.harvests)
     harvest_local = _blocking(Client.harvest_local)
+    upload_operand = _blocking(Client.upload_operand)
+    delete_operand = _blocking(Client.delete_operand)
+    list_operands = _blocking(Client.list_operands)
+    publish_operand = _blocking(Client.publish_operand)
 
     @property
     def session_id(self) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import grpc
 
 from ._errors import from_rpc_error
-from .v1 import harvest_service_pb2_grpc, hook_service_pb2, model_service_pb2
+from .v1 import harvest_service_pb2_grpc, hook_service_pb2, model_service_pb2, operand_service_pb2
 from .wire.framing import (
     GENERATE_RESPONSE_CHUNK, GET_PARAMETERS_CHUNK, INFER_STREAM_CHUNK, SESSION_MESSAGE_CHUNK, deserializer, serializer,
 )
@@ -91,6 +91,13 @@ class TensorCalls:
             "/hookwire.v1.ModelService/Generate",
             request_serializer=model_service_pb2.GenerateRequest.SerializeToString,
             response_deserializer=deserializer(model_service_pb2.GenerateResponse, GENERATE_RESPONSE_CHUNK, CUT_TENSOR_BYTES),
+            _registered_method=True,
+        )
+        # Its chunks are wire bytes built by hand, as InferStream's (see hookwire.wire.framing).
+        self.upload_operand = channel.stream_unary(
+            "/hookwire.v1.OperandService/UploadOperand",
+            request_serializer=serializer(operand_service_pb2.UploadOperandRequest),
+            response_deserializer=operand_service_pb2.NamedOperand.FromString,
             _registered_method=True,
         )
         self.get_parameters = channel.unary_stream(

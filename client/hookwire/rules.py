@@ -62,7 +62,7 @@ class Rule:
             if key == "value":
                 _operand_into(value, op.value)
             elif key == "direction":
-                codec.encode_tensor_into(value, op.direction)
+                _tensor(value, op.direction)
             else:
                 setattr(op, key, value)
         return msg
@@ -72,7 +72,7 @@ def _operand_into(value: Any, out: rule_pb2.Operand) -> None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         out.scalar = float(value)
     else:
-        codec.encode_tensor_into(value, out.tensor)
+        _tensor(value, out.tensor)
 
 
 def _rule(target: str, op: str, index: str | None, **params: Any) -> Rule:
@@ -136,8 +136,27 @@ def save(target: str, slot: str, *, index: str | None = None) -> Rule:
     return _rule(target, "save", index, slot=slot)
 
 
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """A tensor operand uploaded to the server (``client.upload_operand``) or published
+    there, by name: pass it wherever a rule or readout takes a tensor, e.g.
+    ``add("output", operand("steer"))``; it travels as its name alone."""
+
+    name: str
+
+
+def operand(name: str) -> Operand:
+    """The tensor operand ``name`` on the server (your own, else a published one)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("name the operand")
+    return Operand(name)
+
+
 def _tensor(value: Any, out: Any) -> None:
-    codec.encode_tensor_into(value, out)
+    if isinstance(value, Operand):
+        out.operand = value.name
+    else:
+        codec.encode_tensor_into(value, out)
 
 
 def affine(target: str, weight: Any, bias: Any = None, *, index: str | None = None) -> Rule:
@@ -212,6 +231,19 @@ class Sae:
             if value is not None:
                 _tensor(value, getattr(msg, field))
         return cls(msg)
+
+    @classmethod
+    def named(cls, name: str) -> Sae:
+        """The SAE operand ``name`` on the server (uploaded with ``client.upload_operand``,
+        or published by its operator): rules carry its name, not its tensors."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("name the operand")
+        return cls(rule_pb2.Sae(operand=name))
+
+    @property
+    def is_named(self) -> bool:
+        """Whether this is a reference to an operand on the server (``Sae.named``)."""
+        return bool(self.message.operand)
 
     @classmethod
     def from_sae_lens(cls, sae: Any) -> Sae:

@@ -56,6 +56,10 @@ MINIMUM_ROLE: dict[str, str] = {
     "GetHarvest": "viewer",
     "WatchHarvest": "viewer",
     "ListHarvests": "viewer",
+    "UploadOperand": "user",
+    "DeleteOperand": "user",
+    "ListOperands": "user",
+    "PublishOperand": "operator",
 }
 
 

@@ -10,7 +10,7 @@ import torch
 from google.protobuf import unknown_fields
 
 from hookwire.wire import codec, framing
-from hookwire.v1 import hook_service_pb2, model_service_pb2, tensor_pb2
+from hookwire.v1 import hook_service_pb2, model_service_pb2, operand_service_pb2, tensor_pb2
 
 # (message class, its TensorChunk field): every message of proto/ that carries chunks.
 CARRIERS = [
@@ -19,6 +19,7 @@ CARRIERS = [
     (model_service_pb2.InferStreamRequest, framing.INFER_STREAM_CHUNK),
     (model_service_pb2.GenerateResponse, framing.GENERATE_RESPONSE_CHUNK),
     (model_service_pb2.GetParametersResponse, framing.GET_PARAMETERS_CHUNK),
+    (operand_service_pb2.UploadOperandRequest, framing.UPLOAD_OPERAND_CHUNK),
 ]
 CARRIER_IDS = [cls.DESCRIPTOR.name for cls, _ in CARRIERS]
 SIZES = [0, 1, 2, 3, 127, 128, 129, 16383, 16384, 65535, 65537, (1 << 20) - 1, 1 << 20, (1 << 20) + 3]

@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
-from hookwire.v1 import harvest_service_pb2, hook_pb2, hook_service_pb2, model_service_pb2, rule_pb2, tensor_pb2
+from hookwire.v1 import (
+    harvest_service_pb2, hook_pb2, hook_service_pb2, model_service_pb2, operand_service_pb2, rule_pb2, tensor_pb2,
+)
 from hookwire_server.errors import InvalidArgument, ResourceExhausted
 from hookwire_server.limits import Limits
 from hookwire_server.api.request_bounds import (
@@ -20,7 +22,7 @@ from hookwire_server.api.request_bounds import (
     check,
 )
 
-REQUESTS = [m.DESCRIPTOR for s in (model_service_pb2, hook_service_pb2, harvest_service_pb2)
+REQUESTS = [m.DESCRIPTOR for s in (model_service_pb2, hook_service_pb2, harvest_service_pb2, operand_service_pb2)
             for name, m in vars(s).items() if name.endswith("Request") and hasattr(m, "DESCRIPTOR")]
 
 

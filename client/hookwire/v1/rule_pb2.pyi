@@ -227,7 +227,7 @@ class TopKOp(_message.Message):
     def __init__(self, directions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sae: _Optional[_Union[Sae, _Mapping]] = ..., k: _Optional[int] = ..., mode: _Optional[_Union[TopKMode, str]] = ...) -> None: ...
 
 class Sae(_message.Message):
-    __slots__ = ("w_enc", "b_enc", "w_dec", "b_dec", "architecture", "threshold", "k", "normalize_activations", "apply_b_dec_to_input")
+    __slots__ = ("w_enc", "b_enc", "w_dec", "b_dec", "architecture", "threshold", "k", "normalize_activations", "apply_b_dec_to_input", "operand")
     W_ENC_FIELD_NUMBER: _ClassVar[int]
     B_ENC_FIELD_NUMBER: _ClassVar[int]
     W_DEC_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class Sae(_message.Message):
     K_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     APPLY_B_DEC_TO_INPUT_FIELD_NUMBER: _ClassVar[int]
+    OPERAND_FIELD_NUMBER: _ClassVar[int]
     w_enc: _tensor_pb2.Tensor
     b_enc: _tensor_pb2.Tensor
     w_dec: _tensor_pb2.Tensor
@@ -246,7 +247,8 @@ class Sae(_message.Message):
     k: int
     normalize_activations: str
     apply_b_dec_to_input: bool
-    def __init__(self, w_enc: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., b_enc: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., w_dec: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., b_dec: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., architecture: _Optional[str] = ..., threshold: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ..., normalize_activations: _Optional[str] = ..., apply_b_dec_to_input: _Optional[bool] = ...) -> None: ...
+    operand: str
+    def __init__(self, w_enc: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., b_enc: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., w_dec: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., b_dec: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., architecture: _Optional[str] = ..., threshold: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., k: _Optional[int] = ..., normalize_activations: _Optional[str] = ..., apply_b_dec_to_input: _Optional[bool] = ..., operand: _Optional[str] = ...) -> None: ...
 
 class SaeOp(_message.Message):
     __slots__ = ("sae", "features", "edit", "value")

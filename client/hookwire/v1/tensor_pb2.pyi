@@ -34,16 +34,18 @@ DTYPE_UINT8: DType
 DTYPE_BOOL: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data", "chunk_id")
+    __slots__ = ("dtype", "shape", "data", "chunk_id", "operand")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    OPERAND_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     chunk_id: int
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., chunk_id: _Optional[int] = ...) -> None: ...
+    operand: str
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., chunk_id: _Optional[int] = ..., operand: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("chunk_id", "offset", "data")

@@ -29,6 +29,7 @@ SESSION_MESSAGE_CHUNK = 6  # hookwire.v1.SessionMessage.chunk (OpenSession, Subs
 INFER_STREAM_CHUNK = 2  # InferStreamRequest.chunk and InferStreamResponse.chunk
 GENERATE_RESPONSE_CHUNK = 4  # hookwire.v1.GenerateResponse.chunk
 GET_PARAMETERS_CHUNK = 2  # hookwire.v1.GetParametersResponse.chunk
+UPLOAD_OPERAND_CHUNK = 2  # hookwire.v1.UploadOperandRequest.chunk
 
 _LEN = 2  # wire type of length-delimited fields
 _CHUNK_ID_TAG = b"\x08"  # TensorChunk.chunk_id = 1, varint

@@ -67,6 +67,12 @@ NAME_FIELDS = frozenset({
     "hookwire.v1.Value.opaque_type",
     "hookwire.v1.TextSource.text_field",
     "hookwire.v1.TextSource.split",
+    "hookwire.v1.Tensor.operand",
+    "hookwire.v1.Sae.operand",
+    "hookwire.v1.OperandUpload.name",
+    "hookwire.v1.DeleteOperandRequest.name",
+    "hookwire.v1.DeleteOperandRequest.owner",
+    "hookwire.v1.PublishOperandRequest.name",
 })
 #: String fields the server parses: globs, dotted paths, selections.
 PATH_FIELDS = frozenset({
@@ -82,6 +88,7 @@ PATH_FIELDS = frozenset({
     "hookwire.v1.GetParametersRequest.names",
     "hookwire.v1.LogitLensReadout.norm",
     "hookwire.v1.LogitLensReadout.unembedding",
+    "hookwire.v1.PublishOperandRequest.path",
 })
 #: String fields the server never parses (data for the model).
 UNBOUNDED_FIELDS = frozenset({

@@ -13,12 +13,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hookwire.v1 import harvest_service_pb2, hook_service_pb2, model_service_pb2
+from hookwire.v1 import harvest_service_pb2, hook_service_pb2, model_service_pb2, operand_service_pb2
 
 from ..auth import TokenStore
 from ..models.batch_settings import DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_MAX_BATCH_SIZE, BatchSettings
 from .security import AuthInterceptor, server_credentials
 from ..hooks.hook_manager import HookManager
+from ..hooks.operands import OperandStore
 from ..calls.generation import Generation
 from ..calls.harvest import HarvestConfig, HarvestManager, settings_from
 from ..calls.inference import Inference
@@ -31,7 +32,7 @@ from ..engine.core import build_host
 from ..models.model_loading import ConfigError, ModelConfig, check_names, load_models
 from ..models.model_registry import ModelHost, ModelRegistry, ModelState
 from ..calls.parameters import Parameters
-from .servicers import HarvestServicer, HookServicer, ModelServicer, add_to_server
+from .servicers import HarvestServicer, HookServicer, ModelServicer, OperandServicer, add_to_server
 from ..calls.tokenization import Tokenization
 
 log = logging.getLogger("hookwire.server")
@@ -40,6 +41,7 @@ SERVICES = (
     model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
     hook_service_pb2.DESCRIPTOR.services_by_name["HookService"].full_name,
     harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"].full_name,
+    operand_service_pb2.DESCRIPTOR.services_by_name["OperandService"].full_name,
 )
 
 
@@ -98,6 +100,9 @@ class ServerSettings(Limits):
     #: Where job state is kept for lookups from other replicas; None:
     #: <harvest_output_root>/.hookwire-jobs (shared storage makes jobs visible everywhere).
     harvest_state_dir: str | None = None
+    #: Operators publish read-only operands (PublishOperand: SAEs in SAELens' layout,
+    #: .safetensors tensors) from under this folder; None: publishing is refused.
+    operand_root: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -176,7 +181,10 @@ class HookwireServer:
         self.metrics.watch_fires(lambda: {host.name: host.fires for host in registry})
         #: The limits, metrics and draining flag every call and stream consults.
         self.state = ServerState(limits=self.settings, metrics=self.metrics)
-        self.hooks = HookManager(registry, allow_shared_rules=self.settings.allow_shared_rules, state=self.state)
+        #: Named operands (OperandService), resolved by the specs the hook manager compiles.
+        self.operands = OperandStore(self.settings, root=self.settings.operand_root)
+        self.hooks = HookManager(registry, allow_shared_rules=self.settings.allow_shared_rules, state=self.state,
+                                 operands=self.operands)
         #: Each model's engine and scheduler: Infer, Generate and harvest jobs share them.
         self.engines = Engines(registry, gate=self.hooks.gate)
         #: The admission step every call goes through.
@@ -231,6 +239,10 @@ class HookwireServer:
         add_to_server(
             HarvestServicer(self.harvests, self.tokens, self.metrics),
             harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"], server,
+        )
+        add_to_server(
+            OperandServicer(self.hooks, self.inference, self.tokens),
+            operand_service_pb2.DESCRIPTOR.services_by_name["OperandService"], server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.settings.reflection:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator
 
 import grpc
@@ -17,6 +18,8 @@ from hookwire.v1 import (
     hook_service_pb2_grpc,
     model_service_pb2,
     model_service_pb2_grpc,
+    operand_service_pb2,
+    operand_service_pb2_grpc,
     tensor_pb2,
 )
 
@@ -114,14 +117,14 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
 
 async def _chunks(
-    requests: AsyncIterator[model_service_pb2.InferStreamRequest | RawChunk],
+    requests: AsyncIterator[Any], rpc: str = "InferStream", first: str = "request",
 ) -> AsyncIterator[tensor_pb2.TensorChunk | RawChunk]:
     async for msg in requests:
         if isinstance(msg, RawChunk):  # read by hand (see add_to_server): its data is a view of the message
             yield msg
             continue
         if msg.WhichOneof("kind") != "chunk":
-            raise InvalidArgument("InferStream: after the request, only chunks may follow")
+            raise InvalidArgument(f"{rpc}: after the {first}, only chunks may follow")
         yield msg.chunk
 
 
@@ -192,6 +195,54 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
                 raise Unavailable(sub.stream.close_reason)
         finally:
             self._hooks.unsubscribe(sub)
+
+
+class OperandServicer(operand_service_pb2_grpc.OperandServiceServicer):
+    """hookwire.v1.OperandService."""
+
+    def __init__(self, hooks: HookManager, inference: Inference, tokens: TokenStore) -> None:
+        self._hooks = hooks
+        self._operands = hooks.operands
+        self._inference = inference
+        self._tokens = tokens
+        self.metrics = hooks.metrics
+        #: Request bounds, checked before a request is parsed (status_mapping.parse_request).
+        self.limits = hooks.limits
+
+    @unary
+    async def UploadOperand(self, requests: AsyncIterator[operand_service_pb2.UploadOperandRequest], context: grpc.aio.ServicerContext) -> operand_service_pb2.NamedOperand:
+        principal = principal_of(context, self._tokens)
+        principal.require(MINIMUM_ROLE["UploadOperand"], "uploading an operand")
+        self._hooks.refuse_when_draining()
+        messages = self._inference.idle_limited(requests, "UploadOperand")
+        first = await anext(messages, None)
+        if first is None or type(first) is RawChunk or first.WhichOneof("kind") != "operand":
+            raise InvalidArgument("UploadOperand: the first message must carry the operand (its header)")
+        stored = await self._operands.upload(
+            principal, first.operand, _chunks(messages, "UploadOperand", "operand"),
+            require_session=lambda session_id: self._hooks.require_session(session_id, principal, owner_only=True),
+        )
+        return stored.to_proto(principal)
+
+    @unary
+    async def DeleteOperand(self, request: operand_service_pb2.DeleteOperandRequest, context: grpc.aio.ServicerContext) -> operand_service_pb2.DeleteOperandResponse:
+        nbytes = self._operands.delete(principal_of(context, self._tokens), request.name, request.owner)
+        return operand_service_pb2.DeleteOperandResponse(nbytes=nbytes)
+
+    @unary
+    async def ListOperands(self, request: operand_service_pb2.ListOperandsRequest, context: grpc.aio.ServicerContext) -> operand_service_pb2.ListOperandsResponse:
+        principal = principal_of(context, self._tokens)
+        return operand_service_pb2.ListOperandsResponse(
+            operands=[op.to_proto(principal) for op in self._operands.listing(principal)],
+            total_bytes=self._operands.bytes_of(principal.name), max_bytes=self.limits.max_operand_bytes_per_principal,
+        )
+
+    @unary
+    async def PublishOperand(self, request: operand_service_pb2.PublishOperandRequest, context: grpc.aio.ServicerContext) -> operand_service_pb2.NamedOperand:
+        principal = principal_of(context, self._tokens)
+        principal.require(MINIMUM_ROLE["PublishOperand"], "publishing an operand")
+        stored = await asyncio.to_thread(self._operands.publish, principal, request.name, request.path)
+        return stored.to_proto(principal)
 
 
 class HarvestServicer(harvest_service_pb2_grpc.HarvestServiceServicer):

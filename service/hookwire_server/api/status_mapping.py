@@ -153,11 +153,14 @@ def _code_of(exc: BaseException) -> str:
 
 
 def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
-    """Wraps a unary servicer method with the status mapping and RPC metrics."""
+    """Wraps a servicer method with a single response (unary, or client streaming: each
+    message is parsed as it is read) with the status mapping and RPC metrics."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
+            if hasattr(request, "__aiter__"):
+                request = _parsed_stream(request, self)  # type: ignore[assignment,arg-type]
             request = await parse_request(request, self)
             response = await fn(self, request, context)
         except grpc.aio.AbortError:

@@ -375,6 +375,16 @@ class HarvestManager:
         if key in self._outputs:
             raise AlreadyExists(f"output.path: job {self._outputs[key]} is writing {settings.output!r} (worker {key[1]})")
         job_id = ids.new_harvest_job_id()
+        try:
+            return await self._start_job(job_id, request, settings, key, principal, host)
+        except BaseException:
+            self._hooks.operands.release(job_id)  # the job did not start: the operands its rules named are free
+            raise
+
+    async def _start_job(
+        self, job_id: str, request: hv.StartHarvestRequest, settings: _Settings, key: tuple[str, int],
+        principal: Principal, host: Any,
+    ) -> Job:
         records, capture_ids = self._records(host, settings, principal, job_id)
         header = {
             "model": settings.model, "modules": settings.modules, "settings": settings.describe(),
@@ -601,7 +611,10 @@ class HarvestManager:
         job's id): its rules first (so a capture on the same module sees their effect),
         then one capture hook per stored module."""
         try:
-            rules = self._hooks.request_hooks(host, settings.rule_specs, request_id, None, principal)
+            # The job holds the named operands its rules use until it ends (DeleteOperand
+            # refuses them meanwhile); its captures name none.
+            rules = self._hooks.request_hooks(host, settings.rule_specs, request_id, None, principal,
+                                              holder=(request_id, f"harvest job {request_id}"))
         except (InvalidArgument, NotFound) as exc:
             raise type(exc)(str(exc).replace("hooks[", "rules[", 1)) from None
         for i, record in enumerate(rules):
@@ -717,6 +730,7 @@ class HarvestManager:
             job.state, job.error = final
             job.changed()
             self._save_state(job)
+            self._hooks.operands.release(job.id)
 
     def _account(self, job: Job, writer: fmt.DatasetWriter) -> None:
         """Takes the writer's committed figures into the job and the owner's byte quota."""

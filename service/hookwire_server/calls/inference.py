@@ -144,7 +144,7 @@ class Inference:
         """Open InferStream calls by principal name (a copy)."""
         return dict(self._streams)
 
-    async def idle_limited(self, messages: AsyncIterator[T]) -> AsyncIterator[T]:
+    async def idle_limited(self, messages: AsyncIterator[T], rpc: str = "InferStream") -> AsyncIterator[T]:
         """``messages`` as they come; DeadlineExceeded when the client sends none for
         infer_stream_idle_timeout seconds, or has not finished sending within
         infer_timeout seconds (a client dripping one chunk just inside the idle
@@ -163,11 +163,11 @@ class Inference:
             except asyncio.TimeoutError:
                 if idle < left:
                     raise DeadlineExceeded(
-                        f"InferStream: no message from the client for {idle:g} s (infer_stream_idle_timeout); "
+                        f"{rpc}: no message from the client for {idle:g} s (infer_stream_idle_timeout); "
                         "the call is ended and what it sent is freed: send the request and its chunks without pausing"
                     ) from None
                 raise DeadlineExceeded(
-                    f"InferStream: the client was still sending after {self.limits.infer_timeout:g} s (infer_timeout); "
+                    f"{rpc}: the client was still sending after {self.limits.infer_timeout:g} s (infer_timeout); "
                     "the call is ended and what it sent is freed"
                 ) from None
             yield message

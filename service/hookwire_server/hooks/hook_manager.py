@@ -20,12 +20,13 @@ from hookwire.wire.ids import new_id
 
 from .. import limits
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
-from ..errors import InvalidArgument, NotFound, PermissionDenied
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from .event_bus import DeliveryGate, DeliveryLimits, EventStream, HeldBytes
 from .hook_record import HookRecord, Subscription, _notice
 from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
 from ..state import SHUTDOWN_REASON, ServerState
 from ..models.model_registry import ModelHost, ModelRegistry
+from .operands import OperandStore
 from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
 
 log = logging.getLogger("hookwire.hooks")
@@ -68,12 +69,15 @@ class HookManager:
 
     def __init__(
         self, registry: ModelRegistry, *, allow_shared_rules: bool = False, state: ServerState | None = None,
+        operands: OperandStore | None = None,
     ) -> None:
         self._registry = registry
         #: The server's limits, metrics and draining flag (shared with every call).
         self._state = state or ServerState()
         self.limits = self._state.limits
         self.metrics = self._state.metrics
+        #: Named operands (OperandService): specs resolve names there; registered hooks hold them.
+        self.operands = operands or OperandStore(self.limits)
         self._subscriptions: set[Subscription] = set()
         self.metrics.watch(
             sessions=lambda: len(self._sessions), hooks=lambda: len(self._hooks),
@@ -94,7 +98,8 @@ class HookManager:
 
     # ---------------------------------------------------------------- sessions
 
-    def _refuse_when_draining(self) -> None:
+    def refuse_when_draining(self) -> None:
+        """Unavailable once the server stops taking calls."""
         self._state.refuse_when_draining()
 
     def _admit_stream(self, principal: Principal, delivery: DeliveryLimits) -> None:
@@ -127,7 +132,7 @@ class HookManager:
 
     def open_session(self, delivery: DeliveryLimits, principal: Principal = ANONYMOUS) -> Session:
         """A new session with its own event stream."""
-        self._refuse_when_draining()
+        self.refuse_when_draining()
         principal.require(MINIMUM_ROLE["OpenSession"], "opening a session")
         sessions = sum(1 for s in self._sessions.values() if principal.owns(s.principal))
         limits.check(sessions, self.limits.max_sessions_per_principal,
@@ -146,7 +151,7 @@ class HookManager:
         """The open session ``session_id`` of ``principal`` (any, for operators, unless
         ``owner_only``: hooks and calls in a session are its owner's alone); NotFound
         otherwise (Unavailable while the server stops)."""
-        self._refuse_when_draining()
+        self.refuse_when_draining()
         session = self._sessions.get(session_id)
         allowed = principal.owns(session.principal) or (principal.is_operator and not owner_only) if session else False
         if session is None or session.closed or not allowed:
@@ -164,6 +169,7 @@ class HookManager:
         session.slots.clear()
         for hook_id in list(session.hook_ids):
             self._remove(hook_id, reason=f"session {session_id} ended")
+        self.operands.session_ended(session_id)
         log.info("session %s closed", session_id)
 
     @property
@@ -179,16 +185,31 @@ class HookManager:
         Without a session, the hook must watch shared traffic (SCOPE_ALL/TAGGED),
         carries a TTL (capped at max_ttl_seconds) and delivers to subscribers only.
         """
-        self._refuse_when_draining()
+        self.refuse_when_draining()
         principal.require(MINIMUM_ROLE["RegisterHook"], "registering a hook")
         session = self.require_session(session_id, principal, owner_only=True) if session_id else None
         host = self._registry.get(spec.model)
+        hook_id = new_id(ids.HOOK)
+        # The hook holds the named operands it uses from the moment they are resolved: one
+        # deleted between the check and the attach would otherwise be used after its delete.
         compile_ = functools.partial(
             compile_spec, spec, host, request_scoped=False, allow_shared_rules=self.allow_shared_rules,
             max_rules=self.limits.max_rules_per_action,
+            source=self.operands.source(principal, host.device, holder=(hook_id, f"hook {hook_id}")),
         )
-        # Off the loop when large: decoding big rule operands takes a while (a 256 MiB one, a second).
-        compiled = await asyncio.to_thread(compile_) if spec.ByteSize() > OPERAND_BYTES_INLINE else compile_()
+        try:
+            # Off the loop when large: decoding big rule operands takes a while (a 256 MiB one, a second).
+            compiled = await asyncio.to_thread(compile_) if spec.ByteSize() > OPERAND_BYTES_INLINE else compile_()
+            return await self._register_compiled(hook_id, session_id, session, spec, host, compiled, principal)
+        except BaseException:
+            if hook_id not in self._hooks:  # once registered, its removal lets them go
+                self.operands.release(hook_id)
+            raise
+
+    async def _register_compiled(
+        self, hook_id: str, session_id: str, session: Session | None, spec: hook_pb2.HookSpec, host: ModelHost,
+        compiled: CompiledSpec, principal: Principal,
+    ) -> HookRecord:
         require_hook_roles(principal, spec, compiled, sessionless=session is None)
         if session is None:
             if compiled.scope not in (hook_pb2.SCOPE_ALL, hook_pb2.SCOPE_TAGGED):
@@ -206,7 +227,7 @@ class HookManager:
         limits.check(owned, self.limits.max_hooks_per_principal, f"{principal.name!r} has {owned} hooks",
                      "max_hooks_per_principal")
         record = HookRecord(
-            new_id(ids.HOOK), host, spec, compiled, session_id=session_id, slots=session.slots if session else None,
+            hook_id, host, spec, compiled, session_id=session_id, slots=session.slots if session else None,
             metrics=self.metrics, owner=principal,
         )
         if session is not None:
@@ -227,7 +248,7 @@ class HookManager:
             self._remove(record.hook_id, reason="registration failed")
             raise
         if record.removed:
-            self._refuse_when_draining()
+            self.refuse_when_draining()
             raise NotFound(
                 f"hook {record.hook_id} was removed while it was being registered "
                 f"({'its session ended' if session is not None and session.closed else 'deregistered'})"
@@ -263,6 +284,8 @@ class HookManager:
         session = self._sessions.get(record.session_id)
         if session is not None:
             session.hook_ids.pop(hook_id, None)
+        # Its compiled rules keep the tensors they use until the detach; the names are free now.
+        self.operands.release(hook_id)
         task = record.detaching = asyncio.ensure_future(self._detach_and_notify(record, reason))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -322,16 +345,18 @@ class HookManager:
 
     def request_hooks(
         self, host: ModelHost, specs: Iterable[hook_pb2.HookSpec], request_id: str, session: Session | None,
-        principal: Principal = ANONYMOUS,
+        principal: Principal = ANONYMOUS, *, holder: tuple[str, str] | None = None,
     ) -> list[HookRecord]:
-        """Compiles InferRequest.hooks; the pass attaches and detaches them on the worker."""
+        """Compiles InferRequest.hooks; the pass attaches and detaches them on the worker.
+        ``holder``: (id, description) that holds the named operands they use (a harvest job,
+        which releases them when it ends); without one a call keeps only the tensors."""
         records = []
         for i, spec in enumerate(specs):
             if spec.model and spec.model != host.name:
                 raise InvalidArgument(f"hooks[{i}].model: {spec.model!r} is not the request's model {host.name!r}")
             try:
-                compiled = self._compile_request_spec(spec, host)
-            except (InvalidArgument, NotFound) as exc:
+                compiled = self._compile_request_spec(spec, host, principal, holder)
+            except (InvalidArgument, NotFound, FailedPrecondition) as exc:
                 raise type(exc)(f"hooks[{i}]: {exc}") from None
             if compiled.uses_slots and session is None:
                 raise InvalidArgument(f"hooks[{i}]: save and patch rules keep slots in a session: set session_id")
@@ -350,18 +375,26 @@ class HookManager:
             for hook_id in session.hook_ids
         )
 
-    def _compile_request_spec(self, spec: hook_pb2.HookSpec, host: ModelHost) -> CompiledSpec:
+    def _compile_request_spec(
+        self, spec: hook_pb2.HookSpec, host: ModelHost, principal: Principal, holder: tuple[str, str] | None,
+    ) -> CompiledSpec:
         """compile_spec for a request-scoped hook, from the cache when the same spec (to
         the byte) was compiled for the model before. A compiled spec is immutable but for
         its rules' cast operands, which only the model's worker thread touches. Specs over
-        COMPILED_SPEC_MAX_BYTES (large operands) are compiled each time, to bound the cache."""
+        COMPILED_SPEC_MAX_BYTES (large operands) are compiled each time, to bound the cache;
+        so are specs naming operands (a name means another tensor once it is uploaded again,
+        and another one per principal) and those compiled for a holder."""
         key = None
-        if spec.ByteSize() <= COMPILED_SPEC_MAX_BYTES:
+        if spec.ByteSize() <= COMPILED_SPEC_MAX_BYTES and holder is None:
             key = (host.name, spec.SerializeToString(deterministic=True))
             found = self._compiled.get(key)
             if found is not None:
                 return found
-        compiled = compile_spec(spec, host, request_scoped=True, max_rules=self.limits.max_rules_per_action)
+        source = self.operands.source(principal, host.device, holder=holder)
+        compiled = compile_spec(spec, host, request_scoped=True, max_rules=self.limits.max_rules_per_action,
+                                source=source)
+        if source.used:
+            key = None
         if key is not None:
             with self._compiled_lock:  # compiled on threads (see Inference.infer)
                 if len(self._compiled) >= COMPILED_SPECS:
@@ -381,7 +414,7 @@ class HookManager:
     def subscribe(self, hook_ids: Iterable[str], delivery: DeliveryLimits, principal: Principal = ANONYMOUS) -> Subscription:
         """A stream for the events of existing hooks of ``principal`` (any, for operators);
         NotFound if any is unknown (or someone else's)."""
-        self._refuse_when_draining()
+        self.refuse_when_draining()
         principal.require(MINIMUM_ROLE["Subscribe"], "subscribing")
         ids = list(dict.fromkeys(hook_ids))
         if not ids:

@@ -16,7 +16,7 @@ from ..limits import exceeded
 from ..models.model_registry import ModelHost
 from .heads import check_heads, head_point
 from .readouts import compile_readout
-from .rules import CompiledRule, compile_rules
+from .rules import CompiledRule, OperandSource, compile_rules
 
 SCOPE_REQUEST = -1  # internal: InferRequest.hooks, which have no wire scope value
 
@@ -123,21 +123,24 @@ class CompiledSpec:
         return any(action.uses_slots for action in self.actions)
 
 
-def _capture_options(action: hook_pb2.HookAction, field: str, host: ModelHost) -> CaptureOptions:
+def _capture_options(action: hook_pb2.HookAction, field: str, host: ModelHost, source: OperandSource) -> CaptureOptions:
     """The action's capture options, with its readout compiled for ``host``'s model."""
     options = CaptureOptions.compile(action, field)
     if not action.HasField("readout"):
         return options
     if options.summary_bins is not None:
         raise InvalidArgument(f"{field}.readout: a readout and summarize both replace the tensor; set one")
-    return dataclasses.replace(options, readout=compile_readout(action.readout, f"{field}.readout", host))
+    return dataclasses.replace(options, readout=compile_readout(action.readout, f"{field}.readout", host, source))
 
 
 def compile_spec(
     spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bool, allow_shared_rules: bool = False,
-    max_rules: int = 64,
+    max_rules: int = 64, source: OperandSource | None = None,
 ) -> CompiledSpec:
-    """Validates ``spec`` for ``host``; raises InvalidArgument, NotFound or PermissionDenied naming the field."""
+    """Validates ``spec`` for ``host``; raises InvalidArgument, NotFound or PermissionDenied naming the field.
+    ``source``: where its operands come from (operands.NamedSource resolves named ones; without
+    one, only inline operands)."""
+    source = source or OperandSource(host.device)
     actions: list[Action] = []
     for info in PHASES:
         if not spec.HasField(info.field):  # type: ignore[arg-type]
@@ -175,10 +178,10 @@ def compile_spec(
                 always_call=bool(getattr(options, "always_call", False)),
                 rules=compile_rules(
                     action_msg.rules, phase=info.phase, phase_field=info.field, with_kwargs=with_kwargs,
-                    device=host.device,
+                    device=host.device, source=source,
                 ),
                 capture_before_rules=action_msg.capture_stage == rule_pb2.CAPTURE_STAGE_BEFORE_RULES,
-                options=_capture_options(action_msg, info.field, host),
+                options=_capture_options(action_msg, info.field, host, source),
             )
         )
     if not actions:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from hookwire.v1 import hook_pb2
 
 from ..errors import FailedPrecondition, InvalidArgument
-from .rules import CompiledSae, compile_sae, decode_operand
+from .rules import CompiledSae, OperandSource, compile_sae, shared_cast
 
 #: The largest k of a top-k readout (a readout is meant to be small).
 MAX_READOUT_K = 256
@@ -62,10 +62,10 @@ class CompiledReadout:
             raise InvalidArgument(f"a {self.kind} readout reads floating-point values, not {t.dtype}")
         if self.kind == "probe":
             assert self.weight is not None
-            w = self.weight.to(dtype=t.dtype, device=t.device)
+            w = shared_cast(self.weight, "", t.dtype, t.device)  # a named probe matrix: one cast for all hooks
             scores = t @ w.T if w.dim() == 2 else t @ w
             if self.bias is not None:
-                scores = scores + self.bias.to(dtype=t.dtype, device=t.device)
+                scores = scores + shared_cast(self.bias, "", t.dtype, t.device)
             return torch.sigmoid(scores) if self.sigmoid else scores
         if self.kind == "logit_lens":
             weight = self.unembedding.weight
@@ -96,30 +96,34 @@ class CompiledReadout:
         return {"features": features.to(torch.int64), "values": values}
 
 
-def compile_readout(msg: hook_pb2.Readout, where: str, host: Any) -> CompiledReadout:
-    """A validated Readout for ``host``'s model; InvalidArgument naming the field
-    (FailedPrecondition for a logit lens on a model whose weights are elsewhere)."""
+def compile_readout(msg: hook_pb2.Readout, where: str, host: Any, source: OperandSource | None = None) -> CompiledReadout:
+    """A validated Readout for ``host``'s model, its operands from ``source`` (inline ones
+    only without it); InvalidArgument naming the field (FailedPrecondition for a logit lens
+    on a model whose weights are elsewhere)."""
     kind = msg.WhichOneof("kind")
     if kind is None:
         raise InvalidArgument(f"{where}: set one of probe, logit_lens, sae_top_k")
     here = f"{where}.{kind}"
-    device = host.device
+    source = source or OperandSource(host.device)
     if kind == "probe":
         op = msg.probe
         if not op.HasField("weight"):
             raise InvalidArgument(f"{here}.weight: missing")
-        weight = decode_operand(op.weight, f"{here}.weight", device)
-        if weight.dim() not in (1, 2) or not weight.is_floating_point() or not bool(torch.isfinite(weight).all()):
+        weight = source.tensor(op.weight, f"{here}.weight")
+        finite = bool(op.weight.operand) or bool(torch.isfinite(weight).all())  # named: checked at upload
+        if weight.dim() not in (1, 2) or not weight.is_floating_point() or not finite:
             raise InvalidArgument(f"{here}.weight: must be a finite floating-point [d] or [n, d] tensor")
         if weight.dim() == 2 and not 1 <= weight.shape[0] <= MAX_PROBES:
             raise InvalidArgument(f"{here}.weight: {weight.shape[0]} probes; at most {MAX_PROBES}")
         bias = None
         if op.HasField("bias"):
-            bias = decode_operand(op.bias, f"{here}.bias", device)
+            bias = source.tensor(op.bias, f"{here}.bias")
             want = [] if weight.dim() == 1 else [int(weight.shape[0])]
             if list(bias.shape) not in ([], want) or not bias.is_floating_point():
                 raise InvalidArgument(f"{here}.bias: must be a floating-point scalar or {want}, not {list(bias.shape)}")
-        operands = {"readout.probe.weight": weight, **({"readout.probe.bias": bias} if bias is not None else {})}
+        operands = {} if op.weight.operand else {"readout.probe.weight": weight}
+        if bias is not None and not op.bias.operand:
+            operands["readout.probe.bias"] = bias
         return CompiledReadout("probe", weight=weight, bias=bias, sigmoid=op.sigmoid, operands=operands)
     if kind == "logit_lens":
         lens = msg.logit_lens
@@ -146,7 +150,7 @@ def compile_readout(msg: hook_pb2.Readout, where: str, host: Any) -> CompiledRea
     if not top.HasField("sae"):
         raise InvalidArgument(f"{here}.sae: missing")
     sae_operands: dict[str, torch.Tensor] = {}
-    sae = compile_sae(top.sae, f"{here}.sae", device, sae_operands, "readout.sae_top_k.sae.")
+    sae = compile_sae(top.sae, f"{here}.sae", source, sae_operands, "readout.sae_top_k.sae.")
     if not 1 <= top.k <= min(MAX_READOUT_K, sae.d_sae):
         raise InvalidArgument(f"{here}.k: {top.k} is outside 1..{min(MAX_READOUT_K, sae.d_sae)}")
     return CompiledReadout("sae_top_k", k=top.k, sae=sae, operands=sae_operands)

@@ -226,7 +226,7 @@ class CompiledRule:
         key = (name, x.dtype, x.device)
         cast = self._cast_named.get(key)
         if cast is None:
-            cast = self._cast_named[key] = self.named[name].to(dtype=x.dtype, device=x.device)
+            cast = self._cast_named[key] = shared_cast(self.named[name], "", x.dtype, x.device)
         return cast
 
     def describe(self) -> str:
@@ -241,10 +241,11 @@ class CompiledRule:
         if cast is None:
             # Decoded once at registration; cast once per target dtype (worker thread only).
             # For the operand's own dtype and device ``to`` returns ``tensor`` itself: no copy.
-            base = self.tensor
             if self.normalize:  # d = dir / |dir|, in the direction's dtype (a 1-D vector)
-                base = base / torch.linalg.vector_norm(base)
-            cast = self._cast[key] = base.to(dtype=x.dtype, device=x.device)
+                base = self.tensor / torch.linalg.vector_norm(self.tensor)
+                cast = self._cast[key] = base.to(dtype=x.dtype, device=x.device)
+            else:
+                cast = self._cast[key] = shared_cast(self.tensor, "", x.dtype, x.device)
         return cast
 
     def _op(self, x: torch.Tensor, slots: SlotStore | None, signals: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -509,10 +510,66 @@ class CompiledCondition:
         return mask.expand(x.shape[:-1]) if mask.shape != x.shape[:-1] else mask
 
 
+class OperandSource:
+    """Where a spec's tensor operands come from while it is compiled: the request's own
+    data, decoded on ``device``. A source that knows named operands (Tensor.operand,
+    Sae.operand) is operands.NamedSource; this one refuses them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def tensor(self, msg: tensor_pb2.Tensor, where: str) -> torch.Tensor:
+        """The tensor ``msg`` holds or names, on the device."""
+        if msg.operand:
+            return self.named_tensor(msg, where)
+        return decode_operand(msg, where, self.device)
+
+    def named_tensor(self, msg: tensor_pb2.Tensor, where: str) -> torch.Tensor:
+        """The tensor operand ``msg.operand`` names."""
+        raise InvalidArgument(f"{where}.operand: named operands are not available here")
+
+    def sae(self, msg: Any, where: str) -> CompiledSae:
+        """The SAE operand ``msg.operand`` names."""
+        raise InvalidArgument(f"{where}.operand: named operands are not available here")
+
+
+#: The attribute a named operand's tensor carries: its casts, shared by every rule using it.
+SHARED_CASTS = "hookwire_casts"
+
+
+def shared_cast(base: torch.Tensor, variant: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``base`` in ``dtype`` on ``device``. A named operand's tensor keeps its casts itself
+    (SHARED_CASTS), so the rules of every hook using it share one copy per device and dtype;
+    for its own dtype and device ``to`` returns ``base`` itself (no copy)."""
+    cache = getattr(base, SHARED_CASTS, None)
+    if cache is None:
+        return base.to(dtype=dtype, device=device)
+    key = (variant, dtype, device)
+    cast = cache.get(key)
+    if cast is None:
+        cast = cache.setdefault(key, base.to(dtype=dtype, device=device))
+    return cast
+
+
+#: Elements checked for finiteness at a time (all_finite).
+_FINITE_BLOCK = 1 << 22
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite, checked a block at a time: a 256 MiB SAE's check
+    would otherwise allocate a 64 MiB mask."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + _FINITE_BLOCK]).all()) for i in range(0, flat.numel(), _FINITE_BLOCK))
+
+
 def compile_rules(
     rules: Any, *, phase: int, phase_field: str, with_kwargs: bool, device: torch.device,
+    source: OperandSource | None = None,
 ) -> tuple[CompiledRule, ...]:
-    """Validates and compiles a HookAction's rules; InvalidArgument naming rules[i] and the field."""
+    """Validates and compiles a HookAction's rules; InvalidArgument naming rules[i] and the field.
+    ``source``: where named operands come from (without one, only inline operands, decoded on
+    ``device``)."""
+    source = source or OperandSource(device)
     compiled = []
     for i, rule in enumerate(rules):
         where = f"{phase_field}.rules[{i}]"
@@ -534,12 +591,12 @@ def compile_rules(
             if len(set(rule.heads)) != len(rule.heads):
                 raise InvalidArgument(f"{where}.heads: a head is named twice")
             out.heads = tuple(int(h) for h in rule.heads)  # checked against the hook's modules by compile_spec
-        _compile_op(out, rule, where, device, "")
+        _compile_op(out, rule, where, source, "")
         compiled.append(out)
     return tuple(compiled)
 
 
-def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, path: str) -> None:
+def _compile_op(out: CompiledRule, rule: Any, where: str, source: OperandSource, path: str) -> None:
     """Fills ``out`` with ``rule``'s operation, validated; ``path``: the rule's own field
     path in the top rule (operands are keyed by their full path)."""
     kind = out.kind
@@ -551,7 +608,10 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
             if required:
                 raise InvalidArgument(f"{here}.{field}: missing")
             return None
-        value = decode_operand(getattr(op, field), f"{here}.{field}", device)
+        msg = getattr(op, field)
+        value = source.tensor(msg, f"{here}.{field}")
+        if msg.operand:  # checked once, when it was uploaded; listed by its name
+            return value
         if not value.is_floating_point():
             raise InvalidArgument(f"{here}.{field}: must be a floating-point tensor, not {value.dtype}")
         if not bool(torch.isfinite(value).all()):
@@ -565,8 +625,9 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
         if not op.HasField("value"):
             raise InvalidArgument(f"{here}.value: missing")
         if op.value.WhichOneof("kind") == "tensor":
-            out.tensor = decode_operand(op.value.tensor, f"{here}.value.tensor", device)
-            out.operands[f"{path}{kind}.value.tensor"] = out.tensor
+            out.tensor = source.tensor(op.value.tensor, f"{here}.value.tensor")
+            if not op.value.tensor.operand:
+                out.operands[f"{path}{kind}.value.tensor"] = out.tensor
         else:
             out.scalar = _finite(op.value.scalar, f"{here}.value.scalar")
     elif kind == "clamp":
@@ -582,14 +643,15 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
             raise InvalidArgument(f"{here}.std: {out.std} is negative")
         out.seed = op.seed
     elif kind == "project_out":
-        direction = decode_operand(op.direction, f"{here}.direction", device)
+        direction = source.tensor(op.direction, f"{here}.direction")
         if direction.dim() != 1 or not direction.is_floating_point():
             raise InvalidArgument(f"{here}.direction: must be a 1-D floating-point tensor")
         norm = torch.linalg.vector_norm(direction)
         if not bool(torch.isfinite(norm)) or float(norm) == 0.0:
             raise InvalidArgument(f"{here}.direction: must be finite and not all zeros")
         out.tensor, out.normalize = direction, True
-        out.operands[f"{path}project_out.direction"] = direction
+        if not op.direction.operand:
+            out.operands[f"{path}project_out.direction"] = direction
     elif kind in ("patch", "save"):
         if not op.slot:
             raise InvalidArgument(f"{here}.slot: name a slot")
@@ -636,7 +698,7 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
         if source is None:
             raise InvalidArgument(f"{here}: set directions or sae (the features)")
         if source == "sae":
-            out.sae = compile_sae(op.sae, f"{here}.sae", device, out.operands, f"{path}top_k.sae.")
+            out.sae = compile_sae(op.sae, f"{here}.sae", source, out.operands, f"{path}top_k.sae.")
             features = out.sae.d_sae
         else:
             directions = tensor("directions")
@@ -653,7 +715,7 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
     elif kind == "sae":
         if not op.HasField("sae"):
             raise InvalidArgument(f"{here}.sae: missing")
-        out.sae = compile_sae(op.sae, f"{here}.sae", device, out.operands, f"{path}sae.sae.")
+        out.sae = compile_sae(op.sae, f"{here}.sae", source, out.operands, f"{path}sae.sae.")
         if not op.features:
             raise InvalidArgument(f"{here}.features: name at least one feature")
         if len(op.features) > out.sae.d_sae or max(op.features) >= out.sae.d_sae:
@@ -669,7 +731,7 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
             raise InvalidArgument(f"{here}: a conditional cannot be inside another")
         if not op.HasField("when"):
             raise InvalidArgument(f"{here}.when: missing")
-        out.condition = _compile_condition(op.when, f"{here}.when", device, out, f"{path}conditional.when.")
+        out.condition = _compile_condition(op.when, f"{here}.when", source, out, f"{path}conditional.when.")
         if not op.HasField("then"):
             raise InvalidArgument(f"{here}.then: missing")
         inner_kind = op.then.WhichOneof("op")
@@ -678,7 +740,7 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
         if op.then.target or op.then.index or op.then.heads:
             raise InvalidArgument(f"{here}.then: the conditional's target, index and heads apply; set none of its own")
         inner = CompiledRule(position=out.position, kind=inner_kind, target=out.target, index=None, index_text="")
-        _compile_op(inner, op.then, f"{here}.then", device, f"{path}conditional.then.")
+        _compile_op(inner, op.then, f"{here}.then", source, f"{path}conditional.then.")
         out.operands.update(inner.operands)
         out.inner = inner
     elif kind == "stop":
@@ -690,7 +752,7 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
             raise InvalidArgument(f"{where}.heads: a stop rule reads whole rows (its sequences' positions); set no heads")
         if not op.HasField("when"):
             raise InvalidArgument(f"{here}.when: missing")
-        out.condition = _compile_condition(op.when, f"{here}.when", device, out, f"{path}stop.when.")
+        out.condition = _compile_condition(op.when, f"{here}.when", source, out, f"{path}stop.when.")
     elif kind == "signal":
         if not op.name:
             raise InvalidArgument(f"{here}.name: name the signal")
@@ -704,11 +766,14 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, device: torch.device, 
             raise InvalidArgument(f"{here}.reduce: reducing over positions needs the target's [sequences, positions, "
                                   "...] layout: set no index or heads with it")
         out.slot, out.reduce = op.name, op.reduce
-        out.signal = _compile_signal(op.signal, f"{here}.signal", device, out, f"{path}signal.signal.")
+        out.signal = _compile_signal(op.signal, f"{here}.signal", source, out, f"{path}signal.signal.")
 
 
-def compile_sae(msg: Any, where: str, device: torch.device, operands: dict[str, torch.Tensor], path: str) -> CompiledSae:
-    """A validated Sae operand (its tensors recorded in ``operands`` under ``path``)."""
+def compile_sae(msg: Any, where: str, source: OperandSource, operands: dict[str, torch.Tensor], path: str) -> CompiledSae:
+    """A validated Sae operand (its tensors recorded in ``operands`` under ``path``), or the
+    shared one a named SAE operand holds (Sae.operand; nothing recorded)."""
+    if msg.operand:
+        return source.sae(msg, where)
     if msg.architecture not in SAE_ARCHITECTURES:
         raise InvalidArgument(f"{where}.architecture: {msg.architecture!r} is not one of {', '.join(SAE_ARCHITECTURES)} "
                               "(SAELens' names)")
@@ -720,11 +785,13 @@ def compile_sae(msg: Any, where: str, device: torch.device, operands: dict[str, 
     for field in fields:
         if not msg.HasField(field):
             raise InvalidArgument(f"{where}.{field}: missing")
-        value = decode_operand(getattr(msg, field), f"{where}.{field}", device)
-        if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+        named = bool(getattr(msg, field).operand)  # checked when it was uploaded; listed by its name
+        value = source.tensor(getattr(msg, field), f"{where}.{field}")
+        if not value.is_floating_point() or not (named or all_finite(value)):
             raise InvalidArgument(f"{where}.{field}: must be a finite floating-point tensor")
         tensors[field] = value
-        operands[f"{path}{field}"] = value
+        if not named:
+            operands[f"{path}{field}"] = value
     w_enc = tensors["w_enc"]
     if w_enc.dim() != 2 or 0 in w_enc.shape:
         raise InvalidArgument(f"{where}.w_enc: must be [d_in, d_sae], not {list(w_enc.shape)}")
@@ -740,7 +807,7 @@ def compile_sae(msg: Any, where: str, device: torch.device, operands: dict[str, 
                        msg.apply_b_dec_to_input if msg.HasField("apply_b_dec_to_input") else True)
 
 
-def _compile_signal(msg: Any, where: str, device: torch.device, out: CompiledRule, path: str) -> CompiledSignal:
+def _compile_signal(msg: Any, where: str, source: OperandSource, out: CompiledRule, path: str) -> CompiledSignal:
     kind = msg.WhichOneof("kind")
     if kind is None:
         raise InvalidArgument(f"{where}: set one of norm, projection, probe, stored, sae_feature, token_id")
@@ -752,7 +819,7 @@ def _compile_signal(msg: Any, where: str, device: torch.device, out: CompiledRul
                                   "no index or heads on the rule")
         return CompiledSignal("token_id")
     if kind == "sae_feature":
-        sae = compile_sae(msg.sae_feature.sae, f"{where}.sae_feature.sae", device, out.operands, f"{path}sae_feature.sae.")
+        sae = compile_sae(msg.sae_feature.sae, f"{where}.sae_feature.sae", source, out.operands, f"{path}sae_feature.sae.")
         if msg.sae_feature.feature >= sae.d_sae:
             raise InvalidArgument(f"{where}.sae_feature.feature: {msg.sae_feature.feature} is not below d_sae {sae.d_sae}")
         return CompiledSignal("sae_feature", sae=sae, feature=int(msg.sae_feature.feature))
@@ -767,24 +834,25 @@ def _compile_signal(msg: Any, where: str, device: torch.device, out: CompiledRul
     name = "projection" if kind == "projection" else "probe.weight"
     if kind == "probe" and not msg.probe.HasField("weight"):
         raise InvalidArgument(f"{where}.probe.weight: missing")
-    vector = decode_operand(field, f"{where}.{name}", device)
+    vector = source.tensor(field, f"{where}.{name}")
     if vector.dim() != 1 or not vector.is_floating_point() or not bool(torch.isfinite(vector).all()):
         raise InvalidArgument(f"{where}.{name}: must be a finite 1-D floating-point tensor")
     if kind == "projection" and float(torch.linalg.vector_norm(vector)) == 0.0:
         raise InvalidArgument(f"{where}.projection: must not be all zeros")
-    out.operands[f"{path}{name}"] = vector
+    if not field.operand:
+        out.operands[f"{path}{name}"] = vector
     if kind == "projection":
         return CompiledSignal("projection", tensor=vector)
     return CompiledSignal("probe", tensor=vector, bias=_finite(msg.probe.bias, f"{where}.probe.bias"),
                           sigmoid=msg.probe.sigmoid)
 
 
-def _compile_condition(msg: Any, where: str, device: torch.device, out: CompiledRule, path: str) -> CompiledCondition:
+def _compile_condition(msg: Any, where: str, source: OperandSource, out: CompiledRule, path: str) -> CompiledCondition:
     if not msg.HasField("signal"):
         raise InvalidArgument(f"{where}.signal: missing")
     if msg.cmp not in _COMPARE:
         raise InvalidArgument(f"{where}.cmp: set one of COMPARISON_GT, _GE, _LT, _LE, _EQ, _NE")
-    signal = _compile_signal(msg.signal, f"{where}.signal", device, out, f"{path}signal.")
+    signal = _compile_signal(msg.signal, f"{where}.signal", source, out, f"{path}signal.")
     return CompiledCondition(signal, msg.cmp, _finite(msg.threshold, f"{where}.threshold"))
 
 
@@ -829,6 +897,7 @@ def _finite(value: float, where: str) -> float:
 
 
 def decode_operand(msg: Any, where: str, device: torch.device) -> torch.Tensor:
+    """An inline tensor operand, decoded on ``device``."""
     try:
         return codec.decode_tensor(msg, where=where).to(device)
     except codec.CodecError as exc:

@@ -1,0 +1,523 @@
+"""Named operands (OperandService, issue 25): tensors and sparse autoencoders kept on the
+server under a name, which rules and readouts refer to (Tensor.operand, Sae.operand)
+instead of carrying them in every request.
+
+- **Once.** An operand is received into preallocated tensors (chunk by chunk), checked
+  once (finite floats; an SAE as compile_sae checks an inline one) and kept once, on the
+  CPU in the dtype it came in. A rule on another device gets one copy per device
+  (``StoredOperand.tensor_on``), and one cast per dtype shared by every rule using it
+  (rules.shared_cast); every hook naming an SAE shares one CompiledSae per device.
+- **Names.** Per principal, plus the operands an operator published from the server's
+  operand folder (read-only, everyone's). A caller's own name is looked up first; an
+  upload may not take a published name.
+- **Lifetime.** An uploaded operand lives with its session or for its TTL; then it
+  *ends*: new references are refused, and it is freed once no registered hook or harvest
+  job holds it (``used_by``). Deleting one that is held is FAILED_PRECONDITION. A call in
+  flight (request-scoped hooks) keeps the tensors it compiled until it ends, without
+  holding the name.
+- **Quota.** Bytes and count per principal, bytes for the server (Limits), checked from
+  the upload's header before any data is received; uploads in progress count.
+
+The store is shared by the event loop (uploads, deletes, lifetimes) and the threads
+that compile specs (resolving names): a lock guards its tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import re
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Mapping
+
+import torch
+
+from hookwire.v1 import operand_service_pb2 as op_pb2
+from hookwire.v1 import rule_pb2, tensor_pb2
+from hookwire.wire import codec
+from hookwire.wire import harvest_sources as sources
+from hookwire.wire.framing import RawChunk
+
+from .. import limits as limits_mod
+from ..auth import Principal
+from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from ..limits import Limits
+from .rules import SHARED_CASTS, CompiledSae, OperandSource, all_finite, compile_sae
+
+log = logging.getLogger("hookwire.operands")
+
+#: An operand's name: letters, digits and ``_ - . /``, not starting with ``/`` or ``.``.
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_./-]*")
+#: The Sae message's tensor fields, and SAELens' names for them in sae_weights.safetensors.
+SAE_TENSORS = {"w_enc": "W_enc", "b_enc": "b_enc", "w_dec": "W_dec", "b_dec": "b_dec", "threshold": "threshold"}
+#: The largest cfg.json of a published SAE read (a config is a few hundred bytes).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(eq=False)
+class StoredOperand:
+    """One named operand: its tensors on the CPU (as received), and what holds it."""
+
+    name: str
+    #: The principal that uploaded it; "" for a published one.
+    owner: str
+    #: "tensor" or "sae".
+    kind: str
+    #: A tensor operand's one tensor under "", an SAE's by Sae field (w_enc, ...).
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    #: An SAE's validated form on the CPU (the tensors above, shared).
+    sae: CompiledSae | None = None
+    #: An SAE's configuration (its Sae message, tensors without data).
+    sae_config: rule_pb2.Sae | None = None
+    session_id: str = ""
+    expires_ns: int = 0
+    #: The file or folder a published operand was read from.
+    published: str = ""
+    #: Its session ended or its TTL passed: freed once ``used_by`` is empty.
+    ended: bool = False
+    #: Holder id (a hook or harvest job id) -> (what it is, its owner's name).
+    used_by: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    #: Its copies on other devices: the tensor, or the CompiledSae.
+    _devices: dict[torch.device, Any] = dataclasses.field(default_factory=dict)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    _timer: asyncio.TimerHandle | None = None
+
+    def tensor_on(self, device: torch.device) -> torch.Tensor:
+        """A tensor operand on ``device``: the one stored tensor on its own device, else one
+        copy per device, made on first use; each carries the casts its rules share."""
+        base = self.tensors[""]
+        if device == base.device:
+            return base
+        with self._lock:
+            moved = self._devices.get(device)
+            if moved is None:
+                moved = self._devices[device] = base.to(device)
+                setattr(moved, SHARED_CASTS, {})
+            return moved  # type: ignore[no-any-return]
+
+    def sae_on(self, device: torch.device) -> CompiledSae:
+        """An SAE operand as every rule on ``device`` shares it (its casts included)."""
+        assert self.sae is not None
+        if device == self.tensors["w_enc"].device:
+            return self.sae
+        with self._lock:
+            moved = self._devices.get(device)
+            if moved is None:
+                moved = self._devices[device] = dataclasses.replace(
+                    self.sae, tensors={k: v.to(device) for k, v in self.sae.tensors.items()}, _cast={})
+            return moved  # type: ignore[no-any-return]
+
+    def to_proto(self, viewer: Principal) -> op_pb2.NamedOperand:
+        """Its description (no data); ``used_by`` lists the viewer's own holders (all, for an operator)."""
+        msg = op_pb2.NamedOperand(
+            name=self.name, nbytes=self.nbytes, owner=self.owner, session_id=self.session_id,
+            published=bool(self.published), ended=self.ended,
+            used_by=[what for what, owner in self.used_by.values() if viewer.is_operator or viewer.name == owner],
+        )
+        if self.kind == "tensor":
+            msg.kind = op_pb2.OPERAND_KIND_TENSOR
+            t = self.tensors[""]
+            msg.tensor.dtype = codec.wire_dtype_of(t.dtype)
+            msg.tensor.shape.extend(t.shape)
+        else:
+            assert self.sae_config is not None
+            msg.kind = op_pb2.OPERAND_KIND_SAE
+            msg.sae.CopyFrom(self.sae_config)
+        if self.expires_ns:
+            msg.expires.FromNanoseconds(self.expires_ns)
+        return msg
+
+
+def check_name(name: str, where: str, max_length: int) -> str:
+    """``name`` when it is a valid operand name; InvalidArgument naming ``where`` otherwise."""
+    if not name:
+        raise InvalidArgument(f"{where}: name the operand")
+    if len(name.encode()) > max_length:
+        raise InvalidArgument(f"{where}: {len(name.encode())} bytes, over the limit of {max_length} (max_name_length)")
+    if not NAME.fullmatch(name) or "//" in name:
+        raise InvalidArgument(f"{where}: {name!r} is not an operand name (letters, digits and _ - . /, not starting "
+                              "with / or .)")
+    return name
+
+
+class _Received(OperandSource):
+    """The tensors of an upload's header: inline, or assembled from its chunks."""
+
+    def __init__(self, chunked: Mapping[int, Any]) -> None:
+        super().__init__(torch.device("cpu"))
+        self._chunked = chunked
+
+    def tensor(self, msg: tensor_pb2.Tensor, where: str) -> torch.Tensor:
+        if msg.operand:
+            raise InvalidArgument(f"{where}.operand: an upload carries its data, not another operand's name")
+        try:
+            return codec.decode_tensor(msg, where=where, chunked=self._chunked)  # type: ignore[no-any-return]
+        except codec.CodecError as exc:
+            raise InvalidArgument(str(exc)) from None
+
+
+class _Loaded(OperandSource):
+    """The tensors of a published SAE, read from its sae_weights.safetensors: compile_sae
+    asks for each Sae field (``where`` ends with its name) and checks what it gets."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        super().__init__(torch.device("cpu"))
+        self._tensors = tensors
+
+    def tensor(self, msg: tensor_pb2.Tensor, where: str) -> torch.Tensor:
+        return self._tensors[SAE_TENSORS[where.rsplit(".", 1)[-1]]]
+
+
+class OperandStore:
+    """Every named operand of the server (see the module docstring)."""
+
+    def __init__(self, limits: Limits, *, root: str | None = None) -> None:
+        self.limits = limits
+        #: The folder operators publish from (PublishOperand); None: publishing is refused.
+        self.root = root
+        self._lock = threading.Lock()
+        self._own: dict[tuple[str, str], StoredOperand] = {}
+        self._published: dict[str, StoredOperand] = {}
+        #: Uploads in progress: (owner, name) -> bytes claimed.
+        self._uploading: dict[tuple[str, str], int] = {}
+
+    # ------------------------------------------------------------------ accounting
+
+    def bytes_of(self, owner: str) -> int:
+        """Bytes ``owner``'s operands take, uploads in progress included."""
+        with self._lock:
+            return self._bytes_of(owner)
+
+    def _bytes_of(self, owner: str) -> int:
+        return (sum(op.nbytes for (who, _), op in self._own.items() if who == owner)
+                + sum(n for (who, _), n in self._uploading.items() if who == owner))
+
+    def _total(self) -> int:
+        return (sum(op.nbytes for op in self._own.values()) + sum(op.nbytes for op in self._published.values())
+                + sum(self._uploading.values()))
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes every operand takes (uploads in progress included)."""
+        with self._lock:
+            return self._total()
+
+    def _admit(self, owner: str, name: str, nbytes: int, *, published: bool) -> None:
+        """Checks the name and the quotas for a new operand; the caller holds the lock."""
+        if name in self._published or (not published and ((owner, name) in self._own or (owner, name) in self._uploading)):
+            what = "a published operand" if name in self._published else "one of your operands"
+            raise AlreadyExists(f"name: {name!r} is {what} (delete it first, or choose another name)")
+        total = self._total() + nbytes
+        if total > self.limits.max_operand_bytes:
+            raise limits_mod.exceeded("the server's operands", f"{total} bytes with this one", self.limits.max_operand_bytes,
+                                      "max_operand_bytes")
+        if published:
+            return
+        mine = self._bytes_of(owner) + nbytes
+        if mine > self.limits.max_operand_bytes_per_principal:
+            raise limits_mod.exceeded(f"operands of {owner!r}", f"{mine} bytes with this one",
+                                      self.limits.max_operand_bytes_per_principal, "max_operand_bytes_per_principal")
+        count = sum(1 for who, _ in list(self._own) + list(self._uploading) if who == owner)
+        limits_mod.check(count, self.limits.max_operands_per_principal, f"{owner!r} has {count} operands",
+                         "max_operands_per_principal")
+
+    # ------------------------------------------------------------------ upload
+
+    async def upload(
+        self, principal: Principal, header: op_pb2.OperandUpload, chunks: AsyncIterator[tensor_pb2.TensorChunk | RawChunk],
+        *, require_session: Callable[[str], Any],
+    ) -> StoredOperand:
+        """Receives an operand: ``header`` (OperandUpload) then the data of its chunked
+        tensors from ``chunks``. ``require_session(id)`` raises unless the caller may
+        attach it to that session. Raises InvalidArgument, AlreadyExists,
+        ResourceExhausted (before any data is received) or NotFound (the session)."""
+        principal.require("user", "uploading an operand")
+        name = check_name(header.name, "operand.name", self.limits.max_name_length)
+        if bool(header.session_id) == bool(header.ttl_seconds):
+            raise InvalidArgument("operand: set one of session_id (it lives with the session) or ttl_seconds")
+        if header.session_id:
+            require_session(header.session_id)
+        kind = header.WhichOneof("value")
+        if kind is None:
+            raise InvalidArgument("operand: set tensor or sae (the operand)")
+        value = header.tensor if kind == "tensor" else header.sae
+        if kind == "sae" and value.operand:
+            raise InvalidArgument("operand.sae.operand: an upload carries its data, not another operand's name")
+        nbytes = 0
+        try:
+            for where, tensor in codec.iter_tensors(value, f"operand.{kind}"):
+                nbytes += codec.check_tensor(tensor, where) * codec.ITEMSIZE[tensor.dtype]
+        except codec.CodecError as exc:
+            raise InvalidArgument(str(exc)) from None
+        key = (principal.name, name)
+        with self._lock:
+            self._admit(principal.name, name, nbytes, published=False)
+            self._uploading[key] = nbytes
+        try:
+            try:
+                assembler = codec.ChunkAssembler(value, max_bytes=nbytes)
+                async for chunk in chunks:
+                    if assembler.done:
+                        raise InvalidArgument("UploadOperand: more chunks than the operand's chunked tensors hold")
+                    assembler.feed(chunk)
+            except codec.CodecError as exc:
+                raise InvalidArgument(f"UploadOperand: {exc}") from None
+            if not assembler.done:
+                raise InvalidArgument("UploadOperand: the stream ended before every chunked tensor was complete")
+            # Decoding and checking a few hundred MiB takes a while: off the event loop.
+            stored = await asyncio.to_thread(self._build, principal.name, name, kind, value, assembler.result(), nbytes)
+            stored.session_id = header.session_id
+            with self._lock:
+                del self._uploading[key]
+                self._own[key] = stored
+        except BaseException:
+            with self._lock:
+                self._uploading.pop(key, None)
+            raise
+        if header.ttl_seconds:
+            ttl = min(header.ttl_seconds, self.limits.max_ttl_seconds)
+            stored.expires_ns = time.time_ns() + ttl * 1_000_000_000
+            stored._timer = asyncio.get_running_loop().call_later(ttl, self._end, stored, f"its TTL of {ttl} s passed")
+        log.info("operand %s of %s uploaded (%d bytes)", name, principal.name, nbytes)
+        return stored
+
+    @staticmethod
+    def _build(owner: str, name: str, kind: str, value: Any, chunked: Mapping[int, Any], nbytes: int) -> StoredOperand:
+        source = _Received(chunked)
+        if kind == "tensor":
+            tensor = source.tensor(value, "operand.tensor")
+            if not tensor.is_floating_point() or not all_finite(tensor):
+                raise InvalidArgument("operand.tensor: must be a finite floating-point tensor")
+            return StoredOperand(name, owner, "tensor", {"": _shared(tensor)}, nbytes)
+        sae = compile_sae(value, "operand.sae", source, {}, "")  # checks every tensor as an inline SAE's
+        return _sae_operand(name, owner, sae, value, nbytes)
+
+    # ------------------------------------------------------------------ publish
+
+    def publish(self, principal: Principal, name: str, path: str) -> StoredOperand:
+        """Reads a published operand from the operand folder (blocks: call it on a thread).
+        See PublishOperand in operand_service.proto for what it reads and refuses."""
+        principal.require("operator", "publishing an operand")
+        name = check_name(name, "name", self.limits.max_name_length)
+        if not self.root:
+            raise FailedPrecondition("this server has no operand folder (operand_root)")
+        try:
+            resolved = sources.confine(self.root, path, what="path")
+        except sources.PathNotAllowed as exc:
+            raise PermissionDenied(str(exc)) from None
+        except sources.SourceError as exc:
+            raise InvalidArgument(str(exc)) from None
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        where = f"path: {path!r}"
+        try:
+            if resolved.is_dir():
+                cfg_path, weights_path = resolved / "cfg.json", resolved / "sae_weights.safetensors"
+                if not cfg_path.is_file() or not weights_path.is_file():
+                    raise InvalidArgument(f"{where} is a folder without SAELens' cfg.json and sae_weights.safetensors")
+                if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
+                    raise InvalidArgument(f"{where}: cfg.json is over {MAX_CONFIG_BYTES} bytes")
+                config = _sae_config(json.loads(cfg_path.read_text()), f"{where}: cfg.json")
+                self._check_room(name, weights_path.stat().st_size)
+                tensors = load_file(str(weights_path))
+                wanted = ["w_enc", "b_enc", "w_dec", "b_dec"] + (["threshold"] if config.architecture == "jumprelu" else [])
+                for field in wanted:
+                    if SAE_TENSORS[field] not in tensors:
+                        raise InvalidArgument(f"{where}: sae_weights.safetensors has no {SAE_TENSORS[field]!r}")
+                    getattr(config, field).CopyFrom(_header(tensors[SAE_TENSORS[field]]))
+                sae = compile_sae(config, where, _Loaded(tensors), {}, "")
+                nbytes = sum(t.numel() * t.element_size() for t in sae.tensors.values())
+                stored = _sae_operand(name, "", sae, config, nbytes)
+            elif resolved.is_file() and resolved.suffix == ".safetensors":
+                self._check_room(name, resolved.stat().st_size)
+                tensors = load_file(str(resolved))
+                if len(tensors) != 1:
+                    raise InvalidArgument(f"{where} holds {len(tensors)} tensors ({', '.join(sorted(tensors)[:8])}); a "
+                                          "tensor operand is a file of one")
+                (tensor,) = tensors.values()
+                if not tensor.is_floating_point() or not all_finite(tensor):
+                    raise InvalidArgument(f"{where}: must be a finite floating-point tensor")
+                stored = StoredOperand(name, "", "tensor", {"": _shared(tensor)}, tensor.numel() * tensor.element_size())
+            else:
+                raise InvalidArgument(f"{where} is neither a .safetensors file nor a folder in SAELens' layout "
+                                      "(only safetensors are read)")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise InvalidArgument(f"{where} cannot be read: {exc}") from None
+        stored.published = str(resolved)
+        with self._lock:
+            self._admit("", name, stored.nbytes, published=True)
+            self._published[name] = stored
+        log.info("operand %s published from %s (%d bytes)", name, resolved, stored.nbytes)
+        return stored
+
+    def _check_room(self, name: str, nbytes: int) -> None:
+        """The name and the server's quota, checked before a published file is read."""
+        with self._lock:
+            self._admit("", name, nbytes, published=True)
+
+    # ------------------------------------------------------------------ names
+
+    def resolve(self, principal: Principal, name: str, where: str, holder: tuple[str, str] | None) -> StoredOperand:
+        """The operand ``principal`` means by ``name`` (their own, else a published one),
+        held by ``holder`` (id, what) when given; NotFound, or FailedPrecondition for an
+        ended one (unless the holder holds it already)."""
+        with self._lock:
+            stored = self._own.get((principal.name, name)) or self._published.get(name)
+            if stored is None:
+                raise NotFound(f"{where}: no operand {name!r} (upload it with UploadOperand; ListOperands lists yours)")
+            if stored.ended and (holder is None or holder[0] not in stored.used_by):
+                raise FailedPrecondition(f"{where}: operand {name!r} has ended (its session closed or its TTL passed); "
+                                         "it lives on only for the hooks that used it: upload it again")
+            if holder is not None:
+                stored.used_by[holder[0]] = (holder[1], principal.name)
+            return stored
+
+    def release(self, holder_id: str) -> None:
+        """``holder_id`` (a hook or job) no longer uses any operand: ended ones it held are freed."""
+        with self._lock:
+            for key, stored in list(self._own.items()):
+                if stored.used_by.pop(holder_id, None) is not None and stored.ended and not stored.used_by:
+                    del self._own[key]
+                    log.info("operand %s of %s freed (its last user ended)", stored.name, stored.owner)
+            for stored in self._published.values():
+                stored.used_by.pop(holder_id, None)
+
+    def _end(self, stored: StoredOperand, why: str) -> None:
+        """Its session or TTL is over: freed now, or once its last holder lets it go."""
+        with self._lock:
+            stored.ended = True
+            key = (stored.owner, stored.name)
+            if self._own.get(key) is stored and not stored.used_by:
+                del self._own[key]
+        log.info("operand %s of %s ended: %s", stored.name, stored.owner, why)
+
+    def session_ended(self, session_id: str) -> None:
+        """Ends the operands that live with ``session_id``."""
+        with self._lock:
+            ending = [op for op in self._own.values() if op.session_id == session_id]
+        for stored in ending:
+            self._end(stored, f"session {session_id} ended")
+
+    def delete(self, principal: Principal, name: str, owner: str = "") -> int:
+        """Deletes an operand; returns the bytes freed. The caller's own; an operator may
+        name another ``owner`` or a published one. NotFound, FailedPrecondition while held."""
+        principal.require("user", "deleting an operand")
+        if owner and owner != principal.name:
+            principal.require("operator", "deleting another principal's operand")
+        who = owner or principal.name
+        with self._lock:
+            stored = self._own.get((who, name))
+            published = stored is None and name in self._published and not owner
+            if published:
+                stored = self._published[name]
+                principal.require("operator", "unpublishing an operand (published operands are read-only)")
+            if stored is None:
+                raise NotFound(f"name: no operand {name!r}" + (f" of {owner!r}" if owner else ""))
+            if stored.used_by:
+                users = [what for what, _ in stored.used_by.values()]
+                raise FailedPrecondition(f"name: operand {name!r} is in use by {', '.join(users[:4])}"
+                                         + (f" and {len(users) - 4} more" if len(users) > 4 else "")
+                                         + "; deregister them (or cancel the jobs) first")
+            if published:
+                del self._published[name]
+            else:
+                del self._own[(who, name)]
+        if stored._timer is not None:
+            stored._timer.cancel()
+        log.info("operand %s of %s deleted by %s", name, stored.owner or "(published)", principal.name)
+        return stored.nbytes
+
+    def listing(self, principal: Principal) -> list[StoredOperand]:
+        """Published operands, then the caller's own (an operator's listing: everyone's), by owner and name."""
+        principal.require("user", "listing operands")
+        with self._lock:
+            own = [op for (who, _), op in self._own.items() if principal.is_operator or who == principal.name]
+            published = list(self._published.values())
+        return sorted(published, key=lambda op: op.name) + sorted(own, key=lambda op: (op.owner, op.name))
+
+    def source(self, principal: Principal, device: torch.device, *, holder: tuple[str, str] | None = None,
+               pinned: Mapping[str, StoredOperand] | None = None) -> NamedSource:
+        """An OperandSource resolving names for ``principal`` (see NamedSource)."""
+        return NamedSource(self, principal, device, holder=holder, pinned=pinned)
+
+
+class NamedSource(OperandSource):
+    """Inline operands, and named ones resolved for ``principal``: held by ``holder`` (a
+    registered hook's or a harvest job's id and description) as they are resolved, so that
+    nothing deletes them between the check and the hook's life. ``used`` lists them."""
+
+    def __init__(self, store: OperandStore, principal: Principal, device: torch.device, *,
+                 holder: tuple[str, str] | None = None, pinned: Mapping[str, StoredOperand] | None = None) -> None:
+        super().__init__(device)
+        self._store = store
+        self._principal = principal
+        self._holder = holder
+        self._pinned = pinned or {}
+        #: The named operands resolved, by name.
+        self.used: dict[str, StoredOperand] = {}
+
+    def _resolve(self, name: str, where: str, kind: str) -> StoredOperand:
+        stored = self._pinned.get(name) or self._store.resolve(self._principal, name, f"{where}.operand", self._holder)
+        self.used[name] = stored
+        if stored.kind != kind:
+            raise FailedPrecondition(f"{where}.operand: {name!r} is {'an SAE' if stored.kind == 'sae' else 'a tensor'} "
+                                     f"operand; {where} needs {'an SAE' if kind == 'sae' else 'a tensor'}")
+        return stored
+
+    def named_tensor(self, msg: tensor_pb2.Tensor, where: str) -> torch.Tensor:
+        if msg.dtype or len(msg.shape) or msg.chunk_id or msg.data:
+            raise InvalidArgument(f"{where}: a named operand ({msg.operand!r}) carries no dtype, shape or data of its own")
+        return self._resolve(msg.operand, where, "tensor").tensor_on(self.device)
+
+    def sae(self, msg: Any, where: str) -> CompiledSae:
+        extra = [field.name for field, _ in msg.ListFields() if field.name != "operand"]
+        if extra:
+            raise InvalidArgument(f"{where}: a named SAE ({msg.operand!r}) sets nothing else (it sets {', '.join(extra)})")
+        return self._resolve(msg.operand, where, "sae").sae_on(self.device)
+
+
+def _shared(t: torch.Tensor) -> torch.Tensor:
+    """``t`` marked as a named operand's tensor: rules share its casts (rules.shared_cast)."""
+    setattr(t, SHARED_CASTS, {})
+    return t
+
+
+def _header(t: torch.Tensor) -> tensor_pb2.Tensor:
+    return tensor_pb2.Tensor(dtype=codec.wire_dtype_of(t.dtype), shape=list(t.shape))
+
+
+def _sae_operand(name: str, owner: str, sae: CompiledSae, msg: rule_pb2.Sae, nbytes: int) -> StoredOperand:
+    """A stored SAE: its tensors shared with its CompiledSae, its config without data."""
+    config = rule_pb2.Sae()
+    config.CopyFrom(msg)
+    for field in SAE_TENSORS:
+        if config.HasField(field):
+            getattr(config, field).data = b""
+            getattr(config, field).chunk_id = 0
+    return StoredOperand(name, owner, "sae", dict(sae.tensors), nbytes, sae=sae, sae_config=config)
+
+
+def _sae_config(cfg: Any, where: str) -> rule_pb2.Sae:
+    """An Sae message (no tensors yet) from SAELens' cfg.json; InvalidArgument naming what it cannot use."""
+    if not isinstance(cfg, dict):
+        raise InvalidArgument(f"{where}: not a JSON object")
+    architecture = cfg.get("architecture", "standard")
+    reshape = cfg.get("reshape_activations", "none")
+    if reshape not in (None, "none"):
+        raise InvalidArgument(f"{where}: reshape_activations {reshape!r} is not supported (only 'none')")
+    msg = rule_pb2.Sae(architecture=str(architecture), normalize_activations=str(cfg.get("normalize_activations") or "none"))
+    if "apply_b_dec_to_input" in cfg:
+        msg.apply_b_dec_to_input = bool(cfg["apply_b_dec_to_input"])
+    if architecture == "topk":
+        k = cfg.get("k")
+        if not isinstance(k, int) or k < 1:
+            raise InvalidArgument(f"{where}: a topk SAE needs an integer k >= 1, not {k!r}")
+        msg.k = k
+    return msg
+
+
