@@ -28,12 +28,14 @@ from hookwire.v1 import (
     hook_service_pb2_grpc,
     model_service_pb2,
     model_service_pb2_grpc,
+    operand_service_pb2,
+    operand_service_pb2_grpc,
     tensor_pb2,
 )
 from hookwire_server import HookwireServer, ServerSettings
 from hookwire_server.auth import MINIMUM_ROLE, ROLES, hash_token
 from hookwire_server.api.security import AuthInterceptor
-from hookwire_server.api.servicers import HarvestServicer, HookServicer, ModelServicer, add_to_server
+from hookwire_server.api.servicers import HarvestServicer, HookServicer, ModelServicer, OperandServicer, add_to_server
 from support import LIVENESS, ServerThread, bearer, build_test_registry, collect, serving, until
 
 TOKENS = {name: f"hwt_test_{name}" for name in ("viewer", "alice", "bob", "observer", "operator")}
@@ -280,9 +282,11 @@ async def test_revoked_principals_lose_their_sessions_and_hooks(tmp_path) -> Non
 MIB = 1 << 20
 RPC_NAMES = {m.name for service in (model_service_pb2.DESCRIPTOR.services_by_name["ModelService"],
                                     hook_service_pb2.DESCRIPTOR.services_by_name["HookService"],
-                                    harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"])
+                                    harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"],
+                                    operand_service_pb2.DESCRIPTOR.services_by_name["OperandService"])
              for m in service.methods}
 HARVEST_RPCS = {m.name for m in harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"].methods}
+OPERAND_RPCS = {m.name for m in operand_service_pb2.DESCRIPTOR.services_by_name["OperandService"].methods}
 WHO_HAS = {"viewer": "viewer", "user": "alice", "observer": "observer", "operator": "operator"}
 
 
@@ -368,7 +372,8 @@ def test_refused_and_idle_requests_cost_no_lasting_memory(tmp_path) -> None:
 
 
 def _calls(model: model_service_pb2_grpc.ModelServiceStub, hooks: hook_service_pb2_grpc.HookServiceStub,
-           harvests: harvest_service_pb2_grpc.HarvestServiceStub) -> dict[str, Any]:
+           harvests: harvest_service_pb2_grpc.HarvestServiceStub,
+           operands: operand_service_pb2_grpc.OperandServiceStub) -> dict[str, Any]:
     """Each RPC with a small request that passes every role check of a principal that
     holds the RPC's least role (it may still fail for other reasons, e.g. NOT_FOUND)."""
     infer = model_service_pb2.InferRequest(model="mlp", args=[codec.encode_value(X)])
@@ -409,6 +414,14 @@ def _calls(model: model_service_pb2_grpc.ModelServiceStub, hooks: hook_service_p
         "CancelHarvest": lambda md: harvests.CancelHarvest(harvest_service_pb2.CancelHarvestRequest(job_id="hv-0"),
                                                            metadata=md),
         "ListHarvests": lambda md: harvests.ListHarvests(harvest_service_pb2.ListHarvestsRequest(), metadata=md),
+        # An upload whose header is refused (no lifetime), so nothing is kept between roles.
+        "UploadOperand": lambda md: operands.UploadOperand(iter([operand_service_pb2.UploadOperandRequest(
+            operand=operand_service_pb2.OperandUpload(name="v"))]), metadata=md),
+        "DeleteOperand": lambda md: operands.DeleteOperand(operand_service_pb2.DeleteOperandRequest(name="none"),
+                                                           metadata=md),
+        "ListOperands": lambda md: operands.ListOperands(operand_service_pb2.ListOperandsRequest(), metadata=md),
+        "PublishOperand": lambda md: operands.PublishOperand(operand_service_pb2.PublishOperandRequest(
+            name="p", path="none.safetensors"), metadata=md),
     }
 
 
@@ -417,7 +430,8 @@ def _denials(target: str) -> dict[str, set[str]]:
     denied: dict[str, set[str]] = {}
     with grpc.insecure_channel(target) as channel:
         calls = _calls(model_service_pb2_grpc.ModelServiceStub(channel), hook_service_pb2_grpc.HookServiceStub(channel),
-                       harvest_service_pb2_grpc.HarvestServiceStub(channel))
+                       harvest_service_pb2_grpc.HarvestServiceStub(channel),
+                       operand_service_pb2_grpc.OperandServiceStub(channel))
         assert set(calls) == RPC_NAMES
         for rpc, call in calls.items():
             denied[rpc] = set()
@@ -448,6 +462,8 @@ async def test_the_early_role_check_agrees_with_the_handlers(secured) -> None:
                   hook_service_pb2.DESCRIPTOR.services_by_name["HookService"], handlers_only)
     add_to_server(HarvestServicer(parts.harvests, parts.tokens, parts.metrics),
                   harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"], handlers_only)
+    add_to_server(OperandServicer(parts.hooks, parts.inference, parts.tokens),
+                  operand_service_pb2.DESCRIPTOR.services_by_name["OperandService"], handlers_only)
     port = handlers_only.add_insecure_port("127.0.0.1:0")
     await handlers_only.start()
     try:
@@ -465,13 +481,16 @@ def test_fuzz_refused_callers_get_a_clear_status_whatever_they_send(fuzz_secured
     role: UNAUTHENTICATED or PERMISSION_DENIED, never a parse error (the body is not read)."""
     service = ("ModelService" if rpc in ("ListModels", "GetModel", "Infer", "InferStream", "Tokenize", "Generate",
                                          "GetParameters")
-               else "HarvestService" if rpc in HARVEST_RPCS else "HookService")
+               else "HarvestService" if rpc in HARVEST_RPCS else "OperandService" if rpc in OPERAND_RPCS
+               else "HookService")
     path = f"/hookwire.v1.{service}/{rpc}"
     metadata = () if who is None else bearer(TOKENS.get(who, "hwt_wrong"))
     channel = fuzz_secured
-    streaming_in = rpc == "InferStream"
+    streaming_in = rpc in ("InferStream", "UploadOperand")
     streaming_out = rpc in ("InferStream", "OpenSession", "Subscribe", "Generate", "WatchHarvest", "GetParameters")
-    if streaming_in:
+    if rpc == "UploadOperand":
+        call = channel.stream_unary(path).future(iter([body, body]), metadata=metadata, timeout=60)
+    elif streaming_in:
         call = channel.stream_stream(path)(iter([body, body]), metadata=metadata, timeout=60)
     elif streaming_out:
         call = channel.unary_stream(path)(body, metadata=metadata, timeout=60)

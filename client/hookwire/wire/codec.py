@@ -454,6 +454,8 @@ def decode_tensor(
     ``chunked`` (see ChunkAssembler). Raises CodecError when the bytes do not match
     dtype and shape.
     """
+    if msg.operand:
+        raise CodecError(f"{where}: names an operand ({msg.operand!r}); only rule and readout operands may")
     data = msg.data  # a copy of the message's bytes: read once
     check_tensor(msg, where, data=data)
     if msg.chunk_id:

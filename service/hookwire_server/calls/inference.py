@@ -227,6 +227,8 @@ class Inference:
         chunked = False
         try:
             for where, tensor in _codec.iter_tensors(request):
+                if tensor.operand:  # a named operand of a hook's rule: no data here (compile_spec resolves it)
+                    continue
                 elements += _codec.check_tensor(tensor, where)
                 chunked = chunked or bool(tensor.chunk_id)
         except _codec.CodecError as exc:

@@ -249,8 +249,8 @@ class OperandStore:
             raise InvalidArgument("operand.sae.operand: an upload carries its data, not another operand's name")
         nbytes = 0
         try:
-            for where, tensor in codec.iter_tensors(value, f"operand.{kind}"):
-                nbytes += codec.check_tensor(tensor, where) * codec.ITEMSIZE[tensor.dtype]
+            for where, tensor in codec.iter_tensors(header):  # the tensor, or the SAE's tensors
+                nbytes += codec.check_tensor(tensor, f"operand.{where}") * codec.ITEMSIZE[tensor.dtype]
         except codec.CodecError as exc:
             raise InvalidArgument(str(exc)) from None
         key = (principal.name, name)
@@ -259,7 +259,7 @@ class OperandStore:
             self._uploading[key] = nbytes
         try:
             try:
-                assembler = codec.ChunkAssembler(value, max_bytes=nbytes)
+                assembler = codec.ChunkAssembler(header, max_bytes=nbytes)
                 async for chunk in chunks:
                     if assembler.done:
                         raise InvalidArgument("UploadOperand: more chunks than the operand's chunked tensors hold")
