@@ -694,10 +694,10 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, source: OperandSource,
         out.named["direction"] = (vector.double() / norm).to(vector.dtype)
         out.alpha = _finite(op.alpha, f"{here}.alpha")
     elif kind == "top_k":
-        source = op.WhichOneof("features")
-        if source is None:
+        features_from = op.WhichOneof("features")
+        if features_from is None:
             raise InvalidArgument(f"{here}: set directions or sae (the features)")
-        if source == "sae":
+        if features_from == "sae":
             out.sae = compile_sae(op.sae, f"{here}.sae", source, out.operands, f"{path}top_k.sae.")
             features = out.sae.d_sae
         else:

@@ -1,0 +1,212 @@
+"""Named operands (issue 25): a tensor or an SAE uploaded once and named by rules and
+readouts gives exactly what the same operand sent inline gives (which the rule tests check
+against in-process torch and SAELens), in Infer and at every Generate step; operators
+publish SAEs saved by SAELens itself; a name in use cannot be deleted; every rule using
+an operand shares its one copy per device and dtype."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+
+import hookwire
+import lm_oracle as oracle
+from hookwire import rules
+from hookwire.rules import Sae
+from hookwire_server.hooks.operands import OperandStore
+from hookwire_server.hooks.rules import compile_rules
+from hookwire_server.limits import Limits
+from hookwire.v1 import hook_pb2, operand_service_pb2
+
+PROMPTS = ["the cat sat", "a"]
+D_IN, D_SAE = 64, 96
+
+
+@pytest.fixture(scope="module")
+def sae_lens() -> Any:
+    return pytest.importorskip("sae_lens")
+
+
+def _sae(sae_lens: Any, architecture: str = "jumprelu", seed: int = 0) -> Any:
+    from test_rules_sae import make_sae
+
+    return make_sae(sae_lens, architecture, seed=seed)
+
+
+async def _layer0(client: hookwire.Client, *rule_list: rules.Rule) -> torch.Tensor:
+    """tiny-lm's layer 0 output after ``rule_list``, in one Infer call on PROMPTS."""
+    result = await client.model("tiny-lm").infer(*oracle.batch(PROMPTS), hooks=[
+        hookwire.HookSpec("model.layers.0", posthook=hookwire.edit(*rule_list, capture=("output",)))])
+    return result.events[0].output
+
+
+async def test_named_tensors_equal_the_same_tensors_inline(client) -> None:
+    g = torch.Generator().manual_seed(3)
+    vector = torch.randn(D_IN, generator=g)
+    # Large enough to travel in chunks (over the SDK's 256 KiB inline limit): [64, 64] x 20 rows of directions.
+    directions = torch.randn(1200, D_IN, generator=g) * 0.05
+    weight = torch.eye(D_IN) + torch.randn(D_IN, D_IN, generator=g) * 0.01
+    for name, value in (("steer", vector), ("dirs", directions), ("map", weight)):
+        info = await client.upload_operand(name, value)
+        assert (info.kind, info.shape, info.nbytes) == ("tensor", tuple(value.shape), value.numel() * 4)
+        assert info.session_id == client.session_id and not info.ended
+    cases = [
+        ([rules.add("output", rules.operand("steer"))], [rules.add("output", vector)]),
+        ([rules.norm_add("output", rules.operand("steer"), 0.5)], [rules.norm_add("output", vector, 0.5)]),
+        ([rules.top_k("output", rules.operand("dirs"), 7, mode="zero")], [rules.top_k("output", directions, 7, mode="zero")]),
+        ([rules.affine("output", rules.operand("map"), rules.operand("steer"))], [rules.affine("output", weight, vector)]),
+        ([rules.when(rules.projection(rules.operand("steer")) > 0.0, rules.project_out("output", rules.operand("steer")))],
+         [rules.when(rules.projection(vector) > 0.0, rules.project_out("output", vector))]),
+    ]
+    for named, inline in cases:
+        assert torch.equal(await _layer0(client, *named), await _layer0(client, *inline)), named[0].op
+
+
+async def test_a_named_sae_equals_the_same_sae_inline_at_every_generate_step(client, sae_lens) -> None:
+    sae = _sae(sae_lens)
+    inline = Sae.from_sae_lens(sae)
+    info = await client.upload_operand("sae", inline, ttl=600)
+    assert (info.kind, info.shape, info.nbytes) == ("sae", (D_IN, D_SAE), (2 * D_IN * D_SAE + D_IN + 2 * D_SAE) * 4)
+    assert info.expires is not None and info.session_id == ""
+    try:
+        async def run(autoencoder: Sae) -> Any:
+            return await client.model("tiny-lm").generate(PROMPTS, 5, do_sample=False, hooks=[
+                hookwire.HookSpec("model.layers.0", posthook=hookwire.edit(
+                    rules.sae("output", autoencoder, [3, 7], edit="clamp", value=6.0), capture=("output",))),
+                hookwire.HookSpec("model.layers.0", posthook=hookwire.capture(
+                    "output", readout=rules.sae_top_k(autoencoder, 4))),
+                hookwire.HookSpec("model.layers.1", posthook=[
+                    rules.when(rules.sae_feature(autoencoder, 11) > 0.1, rules.scale("output", 0.5))])])
+
+        named, plain = await run(Sae.named("sae")), await run(inline)
+        assert [list(t) for t in named.token_ids] == [list(t) for t in plain.token_ids]
+        for step_named, step_plain in zip(named.events_by_step, plain.events_by_step, strict=True):
+            for a, b in zip(step_named, step_plain, strict=True):
+                if isinstance(a.output, dict):  # the readout's features and values
+                    assert a.output.keys() == b.output.keys()
+                    for key in a.output:
+                        assert torch.equal(a.output[key], b.output[key]), key
+                else:
+                    assert torch.equal(a.output, b.output)
+    finally:
+        await client.delete_operand("sae")
+
+
+async def test_a_registered_hook_holds_its_operand(client) -> None:
+    await client.upload_operand("held", torch.ones(D_IN))
+    model = client.model("tiny-lm")
+    plain = await _layer0(client)
+    async with model.hook("model.layers.0", posthook=[rules.add("output", rules.operand("held"))]) as hook:
+        (listed,) = [op for op in await client.list_operands() if op.name == "held"]
+        assert listed.used_by == (f"hook {hook.id}",)
+        with pytest.raises(hookwire.FailedPreconditionError, match=f"in use by hook {hook.id}"):
+            await client.delete_operand("held")
+        # The session hook (attached first) edits with it; the call's capture hook sees that.
+        assert torch.equal(await _layer0(client), plain + 1.0)
+    assert await client.delete_operand("held") == D_IN * 4
+    with pytest.raises(hookwire.NotFoundError, match="no operand 'held'"):
+        await _layer0(client, rules.add("output", rules.operand("held")))
+
+
+async def test_references_that_cannot_be_used_are_refused_naming_the_field(client, sae_lens) -> None:
+    await client.upload_operand("vec", torch.ones(D_IN))
+    await client.upload_operand("ae", Sae.from_sae_lens(_sae(sae_lens, "standard")))
+    with pytest.raises(hookwire.FailedPreconditionError, match=r"rules\[0\]\.sae\.sae\.operand: 'vec' is a tensor operand"):
+        await _layer0(client, rules.sae("output", Sae.named("vec"), [1]))
+    with pytest.raises(hookwire.FailedPreconditionError, match=r"add\.value\.tensor\.operand: 'ae' is an SAE operand"):
+        await _layer0(client, rules.add("output", rules.operand("ae")))
+    with pytest.raises(hookwire.NotFoundError, match=r"affine\.weight\.operand: no operand 'nope'"):
+        await _layer0(client, rules.affine("output", rules.operand("nope")))
+    # A reference that also carries data is ambiguous: refused, not guessed.
+    op = rules.add("output", rules.operand("vec")).to_proto().add
+    op.value.tensor.shape.append(3)
+    with pytest.raises(hookwire.InvalidArgumentError, match="carries no dtype, shape or data of its own"):
+        await _layer0(client, rules.Rule("output", "add", message=op))
+    # Shapes are still checked against the model at each use.
+    await client.upload_operand("short", torch.ones(3))
+    with pytest.raises(hookwire.InvalidArgumentError):
+        await _layer0(client, rules.add("output", rules.operand("short")))
+
+
+def _save_sae(sae_lens: Any, folder: pathlib.Path, seed: int) -> Any:
+    sae = _sae(sae_lens, "jumprelu", seed=seed)
+    sae.save_model(str(folder))  # SAELens' own layout: cfg.json and sae_weights.safetensors
+    return sae
+
+
+async def test_operators_publish_saes_saved_by_saelens_for_everyone(make_server, sae_lens, tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    root = tmp_path / "operands"
+    (root / "gpt").mkdir(parents=True)
+    sae = _save_sae(sae_lens, root / "gpt" / "layer0", seed=4)
+    vector = torch.randn(D_IN, generator=torch.Generator().manual_seed(8))
+    save_file({"direction": vector}, str(root / "refusal.safetensors"))
+    save_file({"a": vector, "b": vector.clone()}, str(root / "two.safetensors"))
+    (root / "pickled.pt").write_bytes(b"\x80\x04K\x01.")
+    srv = make_server(operand_root=str(root))
+    async with hookwire.connect(srv.target) as client:
+        info = await client.publish_operand("gpt/layer0", "gpt/layer0")
+        assert (info.kind, info.published, info.owner, info.shape) == ("sae", True, "", (D_IN, D_SAE))
+        assert (await client.publish_operand("refusal", "refusal.safetensors")).shape == (D_IN,)
+        # The published SAE is SAELens' own: the same edit as the same SAE sent inline.
+        named = await _layer0(client, rules.sae("output", Sae.named("gpt/layer0"), [2], value=4.0))
+        inline = await _layer0(client, rules.sae("output", Sae.from_sae_lens(sae), [2], value=4.0))
+        assert torch.equal(named, inline)
+        assert torch.equal(await _layer0(client, rules.add("output", rules.operand("refusal"))),
+                           await _layer0(client, rules.add("output", vector)))
+        # Names of published operands are everyone's: an upload cannot take one.
+        with pytest.raises(hookwire.AlreadyExistsError, match="published operand"):
+            await client.upload_operand("refusal", vector)
+        bad = [("two.safetensors", hookwire.InvalidArgumentError, "holds 2 tensors"),
+               ("pickled.pt", hookwire.InvalidArgumentError, "only safetensors are read"),
+               ("../outside", hookwire.PermissionDeniedError, "'..' segment"),
+               ("/etc/passwd", hookwire.PermissionDeniedError, "is absolute"),
+               ("gpt", hookwire.InvalidArgumentError, "without SAELens' cfg.json")]
+        for path, error, message in bad:
+            with pytest.raises(error, match=message):
+                await client.publish_operand("x", path)
+        async with client.model("tiny-lm").hook("model.layers.0", posthook=[
+                rules.add("output", rules.operand("refusal"))]):
+            with pytest.raises(hookwire.FailedPreconditionError, match="in use by hook"):
+                await client.delete_operand("refusal")
+        assert await client.delete_operand("refusal") == D_IN * 4  # an operator unpublishes
+    srv_without = make_server()
+    async with hookwire.connect(srv_without.target) as client:
+        with pytest.raises(hookwire.FailedPreconditionError, match="no operand folder"):
+            await client.publish_operand("x", "refusal.safetensors")
+
+
+def test_rules_using_one_operand_share_its_casts() -> None:
+    """Every rule naming an operand uses the one stored tensor on its own device and
+    dtype (no copy), and one cast per other dtype, made once for all of them."""
+    from hookwire.wire.framing import RawChunk  # noqa: F401 - the store's chunk type (import check)
+    from hookwire_server.auth import ANONYMOUS
+
+    store = OperandStore(Limits())
+    header = operand_service_pb2.OperandUpload(name="w", ttl_seconds=60)
+    header.tensor.CopyFrom(hookwire.wire.codec.encode_tensor(torch.randn(8, 8)))
+
+    async def upload() -> Any:
+        async def nothing() -> Any:
+            return
+            yield
+        return await store.upload(ANONYMOUS, header, nothing(), require_session=lambda _: None)
+
+    import asyncio
+
+    stored = asyncio.run(upload())
+    compiled = []
+    for _ in range(2):
+        source = store.source(ANONYMOUS, torch.device("cpu"))
+        compiled.append(compile_rules([rules.affine("output", rules.operand("w")).to_proto()], phase=hook_pb2.PHASE_FORWARD,
+                                      phase_field="posthook", with_kwargs=False, device=torch.device("cpu"),
+                                      source=source)[0])
+        assert source.used == {"w": stored}
+    x32, x64 = torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float64)
+    assert compiled[0]._tensor("weight", x32) is stored.tensors[""]  # its own dtype: the stored tensor itself
+    assert compiled[0]._tensor("weight", x64) is compiled[1]._tensor("weight", x64)  # one float64 cast for both
+    assert compiled[0].operands == {}  # nothing of its own: listed by name, counted once
