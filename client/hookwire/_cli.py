@@ -27,7 +27,7 @@ EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 #: The commands of the SDK itself. Other installed packages add commands through the
 #: COMMANDS_GROUP entry points (the server: ``serve`` and ``token``), looked for only for
 #: ``--help`` and for a command not in this set.
-SDK_COMMANDS = frozenset({"models", "inspect", "parameters", "generate", "tap", "health", "harvest", "hooks"})
+SDK_COMMANDS = frozenset({"models", "inspect", "parameters", "generate", "tap", "health", "harvest", "hooks", "operands"})
 #: The entry point group of added commands: each entry point, named after its command, is
 #: an ``add_command(subparsers, name)`` function that adds the command's subparser and sets
 #: ``command_handler`` (``(argparse.Namespace) -> int``, the exit status) on it.
@@ -294,6 +294,78 @@ async def _hooks(ns: argparse.Namespace) -> int:
         for hook_id in ns.ids:
             removed = await client.deregister_hook(hook_id)
             print(f"{hook_id}: {'removed' if removed else 'already gone (no such hook)'}")
+        return 0
+
+
+def read_operand(path: str) -> Any:
+    """What ``hookwire operands upload`` sends for ``path``: a folder in SAELens' layout
+    (cfg.json and sae_weights.safetensors) is an SAE; a .safetensors file of one tensor or
+    a .npy file is a tensor. Read with numpy (no torch, never a pickle); ValueError naming
+    what does not fit."""
+    import json
+    import pathlib
+
+    import numpy as np
+
+    from .rules import Sae
+
+    folder = pathlib.Path(path)
+    if folder.is_dir():
+        cfg_path, weights = folder / "cfg.json", folder / "sae_weights.safetensors"
+        if not cfg_path.is_file() or not weights.is_file():
+            raise ValueError(f"{path}: a folder needs SAELens' cfg.json and sae_weights.safetensors")
+        from safetensors.numpy import load_file
+
+        cfg, tensors = json.loads(cfg_path.read_text()), load_file(str(weights))
+        missing = [k for k in ("W_enc", "b_enc", "W_dec", "b_dec") if k not in tensors]
+        if missing:
+            raise ValueError(f"{path}: sae_weights.safetensors has no {', '.join(missing)}")
+        architecture = cfg.get("architecture", "standard")
+        return Sae.of(tensors["W_enc"], tensors["b_enc"], tensors["W_dec"], tensors["b_dec"], architecture=architecture,
+                      threshold=tensors.get("threshold") if architecture == "jumprelu" else None,
+                      k=cfg.get("k") if architecture == "topk" else None,
+                      normalize_activations=cfg.get("normalize_activations") or "none",
+                      apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", True)))
+    if folder.suffix == ".npy":
+        return np.load(str(folder), allow_pickle=False)
+    if folder.suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        tensors = load_file(str(folder))
+        if len(tensors) != 1:
+            raise ValueError(f"{path}: holds {len(tensors)} tensors; a tensor operand is a file of one")
+        return next(iter(tensors.values()))
+    raise ValueError(f"{path}: not a SAELens folder, a .safetensors file or a .npy file")
+
+
+async def _operands(ns: argparse.Namespace) -> int:
+    async with connect(ns.target, options=_client_options(ns)) as client:
+        if ns.operands_command == "list":
+            print(f"{'name':<32} {'kind':<7} {'dtype':<9} {'shape':<18} {'MiB':>9} {'owner':<14} {'lifetime':<20} used by")
+            for op in await client.list_operands():
+                lifetime = ("published" if op.published else "ended" if op.ended
+                            else f"until {op.expires:%H:%M:%S}" if op.expires else f"session {op.session_id[:12]}")
+                print(f"{op.name:<32} {op.kind:<7} {op.dtype:<9} {str(list(op.shape)):<18} {op.nbytes / 2**20:>9.2f} "
+                      f"{op.owner or '-':<14} {lifetime:<20} {', '.join(op.used_by) or '-'}")
+            return 0
+        if ns.operands_command == "upload":
+            if not ns.ttl > 0:
+                print(f"hookwire operands upload: --ttl must be a positive number of seconds, not {ns.ttl}", file=sys.stderr)
+                return 2
+            try:
+                value = read_operand(ns.path)
+            except (OSError, ValueError) as exc:
+                print(f"hookwire operands upload: {exc}", file=sys.stderr)
+                return 2
+            info = await client.upload_operand(ns.name, value, ttl=ns.ttl)
+            print(f"{info.name}: {info.kind} {list(info.shape)}, {info.nbytes} bytes, until {info.expires:%Y-%m-%d %H:%M:%S} UTC")
+            return 0
+        if ns.operands_command == "publish":
+            info = await client.publish_operand(ns.name, ns.path)
+            print(f"{info.name}: {info.kind} {list(info.shape)}, {info.nbytes} bytes, published")
+            return 0
+        freed = await client.delete_operand(ns.name, owner=ns.owner or "")
+        print(f"{ns.name}: deleted ({freed} bytes freed)")
         return 0
 
 
@@ -728,7 +800,30 @@ def build_parser(added_commands: bool = True) -> argparse.ArgumentParser:
                     "shows them) exits 2 before anything is removed.")
     hooks_rm.add_argument("ids", nargs="+", metavar="ID")
     hooks_rm.add_argument("--target", default=target_default, help=target_help)
-    for command in (models, inspect, parameters, generate, tap, health, hooks_list, hooks_rm, harvest):
+    operands = sub.add_parser("operands", help="named operands: tensors and SAEs kept on the server for rules")
+    operands_sub = operands.add_subparsers(dest="operands_command", required=True)
+    operands_list = operands_sub.add_parser("list", help="the published operands and yours (an operator's: everyone's)")
+    operands_up = operands_sub.add_parser(
+        "upload", help="upload a tensor or an SAE under a name",
+        description="Uploads PATH under NAME: a folder in SAELens' layout (cfg.json, sae_weights.safetensors) is an "
+                    "SAE, a .safetensors file of one tensor or a .npy file a tensor. It lives for --ttl seconds "
+                    "(this command's session ends when it exits). Rules name it: rules.operand(NAME), "
+                    "rules.Sae.named(NAME).")
+    operands_up.add_argument("name", metavar="NAME")
+    operands_up.add_argument("path", metavar="PATH")
+    operands_up.add_argument("--ttl", type=float, default=3600.0, metavar="SECONDS",
+                             help="how long it lives on the server (default 3600; at most its max_ttl_seconds)")
+    operands_pub = operands_sub.add_parser(
+        "publish", help="operators: publish a read-only operand for everyone from the server's operand_root")
+    operands_pub.add_argument("name", metavar="NAME")
+    operands_pub.add_argument("path", metavar="PATH", help="relative to the server's --operand-root")
+    operands_rm = operands_sub.add_parser("rm", help="delete an operand (refused while a hook or harvest job uses it)")
+    operands_rm.add_argument("name", metavar="NAME")
+    operands_rm.add_argument("--owner", help="operators: delete another principal's operand")
+    for command in (operands_list, operands_up, operands_pub, operands_rm):
+        command.add_argument("--target", default=target_default, help=target_help)
+    for command in (models, inspect, parameters, generate, tap, health, hooks_list, hooks_rm, harvest, operands_list,
+                    operands_up, operands_pub, operands_rm):
         command.add_argument("--token", help="bearer token (default: the HOOKWIRE_TOKEN variable)")
         command.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server with the system roots")
         command.add_argument("--tls-ca", help="PEM CA that verifies the server (implies --tls)")
@@ -775,7 +870,7 @@ def _run(ns: argparse.Namespace) -> int:
         print(f"hookwire {ns.command}: {problem}", file=sys.stderr)
         return 2
     commands = {"models": _models, "inspect": _inspect, "generate": _generate, "hooks": _hooks, "health": _health,
-                "parameters": _parameters}
+                "parameters": _parameters, "operands": _operands}
     try:
         if ns.command == "tap":
             return _tap(ns)

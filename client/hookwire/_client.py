@@ -328,7 +328,7 @@ class Client:
             raise ValueError(f"ttl must be a positive number of seconds, not {ttl}")
         session_id = "" if ttl is not None else (await self.session()).session_id
         messages = upload_messages(name, value, session_id=session_id,
-                                   ttl_seconds=0 if ttl is None else max(1, int(ttl)))
+                                   ttl_seconds=0 if ttl is None else min(max(1, int(ttl)), 2**32 - 1))
 
         async def stream() -> AsyncIterator[Any]:
             for message in messages:  # built lazily: one chunk's bytes at a time

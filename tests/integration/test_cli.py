@@ -594,3 +594,53 @@ def test_grpc_core_log_lines_do_not_precede_the_commands_messages(demo: Served) 
     loud = subprocess.run([*HOOKWIRE, "serve", "--port", port], capture_output=True, text=True, timeout=300,
                           env={**env, "GRPC_VERBOSITY": "ERROR"})
     assert loud.returncode == 2 and re.search(C_CORE_LINE, loud.stderr, re.MULTILINE), loud.stderr
+
+
+def test_operands_upload_list_and_rm_and_a_hook_file_that_names_one(demo: Served, tmp_path: pathlib.Path) -> None:
+    import json
+
+    import numpy as np
+    from google.protobuf import json_format
+    from safetensors.numpy import save_file
+
+    import hookwire
+
+    vector = (torch.randn(64, generator=torch.Generator().manual_seed(1)) * 4).numpy()
+    np.save(tmp_path / "steer.npy", vector)
+    sae = tmp_path / "sae"
+    sae.mkdir()
+    g = np.random.default_rng(0)
+    save_file({"W_enc": g.standard_normal((64, 96), dtype=np.float32), "b_enc": np.zeros(96, np.float32),
+               "W_dec": g.standard_normal((96, 64), dtype=np.float32), "b_dec": np.zeros(64, np.float32)},
+              str(sae / "sae_weights.safetensors"))
+    (sae / "cfg.json").write_text(json.dumps({"architecture": "standard", "d_in": 64, "d_sae": 96,
+                                              "normalize_activations": "none", "apply_b_dec_to_input": True}))
+    for name, path in (("cli-steer", tmp_path / "steer.npy"), ("cli-sae", sae)):
+        out = demo.run("operands", "upload", name, str(path), "--ttl", "600")
+        assert out.returncode == 0, out.stderr
+    listed = demo.run("operands", "list")
+    assert listed.returncode == 0, listed.stderr
+    rows = {line.split()[0]: line.split() for line in listed.stdout.splitlines()[1:]}
+    assert rows["cli-steer"][1:4] == ["tensor", "float32", "[64]"] and rows["cli-sae"][1:3] == ["sae", "float32"]
+    # A hook file names the operand: {"operand": "cli-steer"} where a tensor goes.
+    spec = hookwire.HookSpec("model.layers.0", posthook=[hookwire.rules.add("output", hookwire.rules.operand("cli-steer"))],
+                             steps=(1, None))
+    hook = tmp_path / "steer.json"
+    hook.write_text(json_format.MessageToJson(spec.to_proto()))
+    assert '"operand": "cli-steer"' in hook.read_text()
+    ids, mask = lm_oracle.batch(["Hello world"])
+    with lm_oracle.forward_hook("model.layers.0", lambda step, out: out + torch.from_numpy(vector) if step >= 1 else None):
+        (steered,) = lm_oracle.generate(ids, mask, 8)
+    out = demo.run("generate", "tiny-lm", "Hello world", "-n", "8", "--hook", str(hook))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == lm_oracle.text(steered) + "\n"
+    for name in ("cli-steer", "cli-sae"):
+        removed = demo.run("operands", "rm", name)
+        assert removed.returncode == 0 and "deleted" in removed.stdout, removed.stderr
+    again = demo.run("operands", "rm", "cli-steer")
+    assert again.returncode == 1 and "NOT_FOUND" in again.stderr
+    bad_ttl = demo.run("operands", "upload", "x", str(tmp_path / "steer.npy"), "--ttl", "0")
+    assert bad_ttl.returncode == 2 and "--ttl must be a positive number" in bad_ttl.stderr
+    (tmp_path / "w.pt").write_bytes(b"\x80\x04K\x01.")
+    pickled = demo.run("operands", "upload", "x", str(tmp_path / "w.pt"))
+    assert pickled.returncode == 2 and "not a SAELens folder, a .safetensors file or a .npy file" in pickled.stderr

@@ -29,6 +29,8 @@ from hookwire.v1 import (
     hook_service_pb2_grpc,
     model_service_pb2,
     model_service_pb2_grpc,
+    operand_service_pb2,
+    operand_service_pb2_grpc,
     rule_pb2,
     tensor_pb2,
 )
@@ -74,7 +76,8 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     rss_before = _rss()
     yield {"srv": srv, "channel": channel, "models": model_service_pb2_grpc.ModelServiceStub(channel),
            "hooks": hooks, "session_id": session_id,
-           "harvests": harvest_service_pb2_grpc.HarvestServiceStub(channel)}
+           "harvests": harvest_service_pb2_grpc.HarvestServiceStub(channel),
+           "operands": operand_service_pb2_grpc.OperandServiceStub(channel)}
     # The server stayed healthy, bounded, and useful.
     status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
     assert status == health_pb2.HealthCheckResponse.SERVING
@@ -759,3 +762,175 @@ def test_random_bytes_as_messages(fuzz_server, payload, method) -> None:
                 pass
 
     _check(call)
+
+
+# ------------------------------------------------------------------ named operands (OperandService)
+
+OP = operand_service_pb2
+#: What OperandService answers a bad request with: a deliberate status, never INTERNAL or UNKNOWN.
+OPERAND_STATUSES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
+                    grpc.StatusCode.PERMISSION_DENIED}
+
+
+def _operand_call(call: Any) -> Any:
+    """``call()``'s reply, or None when it was refused with one of OPERAND_STATUSES."""
+    try:
+        return call()
+    except grpc.RpcError as exc:
+        assert exc.code() in OPERAND_STATUSES, f"{exc.code()}: {exc.details()}"
+        return None
+
+
+def _operands_cleared(fuzz_server: dict[str, Any]) -> None:
+    """Deletes what an example uploaded, then checks that nothing is left claimed: every
+    refused or cut-short upload gave back the bytes its header claimed."""
+    stub = fuzz_server["operands"]
+    for op in stub.ListOperands(OP.ListOperandsRequest(), timeout=10).operands:
+        if not op.published:
+            _operand_call(lambda: stub.DeleteOperand(OP.DeleteOperandRequest(name=op.name), timeout=10))
+    listing = stub.ListOperands(OP.ListOperandsRequest(), timeout=10)
+    assert [op.name for op in listing.operands if not op.published] == [] and listing.total_bytes == 0
+
+
+def _field(number: int, body: bytes) -> bytes:
+    """A length-delimited protobuf field: e.g. UploadOperandRequest.operand (1) or .chunk (2) holding ``body``."""
+    return _varint(number << 3 | 2) + _varint(len(body)) + body
+
+
+#: A valid header of a float32 [4] tensor whose 16 bytes come in chunk 1.
+CHUNKED_HEADER = OP.UploadOperandRequest(operand=OP.OperandUpload(
+    name="fuzz-chunked", ttl_seconds=60,
+    tensor=tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[4], chunk_id=1))).SerializeToString()
+
+
+@FUZZ
+@given(payload=st.binary(max_size=200),
+       how=st.sampled_from(["upload", "upload twice", "as header", "as chunk", "header then raw", "delete", "publish",
+                            "list"]))
+def test_operand_service_random_bytes(fuzz_server, payload, how) -> None:
+    channel = fuzz_server["channel"]
+    upload = channel.stream_unary("/hookwire.v1.OperandService/UploadOperand")
+    messages = {"upload": [payload], "upload twice": [payload, payload], "as header": [_field(1, payload)],
+                "as chunk": [CHUNKED_HEADER, _field(2, payload)], "header then raw": [CHUNKED_HEADER, payload]}
+    if how in messages:
+        _operand_call(lambda: upload(iter(messages[how]), timeout=10))
+    else:
+        path = {"delete": "DeleteOperand", "publish": "PublishOperand", "list": "ListOperands"}[how]
+        _operand_call(lambda: channel.unary_unary(f"/hookwire.v1.OperandService/{path}")(payload, timeout=10))
+    _operands_cleared(fuzz_server)
+
+
+operand_names = st.one_of(
+    st.sampled_from(["v", "steer/layer-1.v2", "a_b-c.d", "../x", "", "/x", ".x", "a//b", "a b", "x/", "x/..", "\u00e9"]),
+    st.text(max_size=8), long_strings)
+
+
+valid_operand_names = st.from_regex(r"[A-Za-z0-9_-][A-Za-z0-9_./-]{0,10}", fullmatch=True)
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+@st.composite
+def finite_tensors(draw: Any, shape: list[int] | None = None, dtype: torch.dtype | None = None) -> tensor_pb2.Tensor:
+    """A tensor an upload accepts: finite floats, of ``shape`` (else a small random one)."""
+    shape = draw(st.lists(st.integers(0, 4), max_size=3)) if shape is None else shape
+    count = math.prod(shape)
+    values = draw(st.lists(st.floats(-100, 100, width=16), min_size=count, max_size=count))
+    tensor = torch.tensor(values, dtype=torch.float32).reshape(shape)
+    return codec.encode_tensor(tensor.to(dtype or draw(st.sampled_from(FLOAT_DTYPES))))
+
+
+@st.composite
+def valid_saes(draw: Any) -> rule_pb2.Sae:
+    """An SAE an upload accepts, for d_in 4 (the demo MLP's output)."""
+    d_sae = draw(st.integers(1, 6))
+    architecture = draw(st.sampled_from(["standard", "topk", "jumprelu"]))
+    sae = rule_pb2.Sae(architecture=architecture)
+    if architecture == "topk":
+        sae.k = draw(st.integers(1, d_sae))
+    shapes = {"w_enc": [4, d_sae], "b_enc": [d_sae], "w_dec": [d_sae, 4], "b_dec": [4]}
+    if architecture == "jumprelu":
+        shapes["threshold"] = [d_sae]
+    for field, shape in shapes.items():
+        getattr(sae, field).CopyFrom(draw(finite_tensors(shape, torch.float32)))
+    return sae
+
+
+@st.composite
+def operand_uploads(draw: Any, session_id: str) -> list[OP.UploadOperandRequest]:
+    """An upload: a header (mostly valid: any name, lifetime, tensor or SAE, its tensors
+    inline or chunked), then chunk messages: the data of its chunked tensors, cut in
+    random steps, and sometimes random ones."""
+    header = OP.OperandUpload(name=draw(rarely(operand_names, valid_operand_names)))
+    lifetime = draw(rarely(st.sampled_from(["neither", "both", "other session"]), st.sampled_from(["session", "ttl"])))
+    if lifetime in ("session", "both"):
+        header.session_id = session_id
+    if lifetime in ("ttl", "both"):
+        header.ttl_seconds = draw(st.sampled_from([60, 2**32 - 1]))
+    if lifetime == "other session":
+        header.session_id = draw(st.sampled_from(["s_nope", "x" * 300]))
+    kind = draw(rarely(st.sampled_from(["random tensor", "random sae", None]), st.sampled_from(["tensor", "sae"])))
+    if kind == "tensor":
+        header.tensor.CopyFrom(draw(finite_tensors()))
+    elif kind == "sae":
+        header.sae.CopyFrom(draw(valid_saes()))
+    elif kind == "random tensor":
+        header.tensor.CopyFrom(draw(tensors()))
+        if header.tensor.chunk_id and draw(st.booleans()):
+            header.tensor.data = b""  # a well-formed chunked tensor: its data follows (random chunks below)
+        if draw(st.booleans()):
+            header.tensor.operand = draw(st.sampled_from(["v", "other", ""]))
+    elif kind == "random sae":
+        header.sae.CopyFrom(draw(saes()))
+        if draw(st.booleans()):
+            header.sae.operand = "v"
+    chunks = []
+    if kind in ("tensor", "sae"):
+        for i, (_, tensor) in enumerate(codec.iter_tensors(header)):
+            if not draw(st.booleans()):
+                continue  # inline
+            data, tensor.data, tensor.chunk_id = tensor.data, b"", i + 1
+            step = draw(st.integers(1, max(1, len(data))))
+            chunks.extend(tensor_pb2.TensorChunk(chunk_id=i + 1, offset=offset, data=data[offset:offset + step])
+                          for offset in range(0, len(data), step))
+        if chunks and draw(st.integers(0, 7)) == 0:
+            chunks = draw(st.permutations(chunks))[:draw(st.integers(0, len(chunks)))]  # reordered, or cut short
+    if kind not in ("tensor", "sae") or draw(st.integers(0, 7)) == 0:
+        for _ in range(draw(st.integers(1, 2))):
+            chunks.append(tensor_pb2.TensorChunk(
+                chunk_id=draw(st.sampled_from([0, 1, 9, 2**32 - 1])), offset=draw(st.sampled_from([0, 4, 2**63, 2**64 - 1])),
+                data=draw(st.binary(max_size=64))))
+    return [OP.UploadOperandRequest(operand=header)] + [OP.UploadOperandRequest(chunk=c) for c in chunks]
+
+
+@FUZZ
+@given(data=st.data())
+def test_operand_uploads(fuzz_server, data) -> None:
+    stub = fuzz_server["operands"]
+    messages = data.draw(operand_uploads(fuzz_server["session_id"]))
+    header = messages[0].operand
+    reply = _operand_call(lambda: stub.UploadOperand(iter(messages), timeout=30))
+    print("UPLOADRESULT", reply is not None, header.WhichOneof("value"))
+    if reply is not None:
+        # An upload that succeeds is the operand its header described, named as asked ...
+        assert reply.name == header.name and reply.owner == "anonymous", reply
+        assert reply.kind == (OP.OPERAND_KIND_TENSOR if header.WhichOneof("value") == "tensor" else OP.OPERAND_KIND_SAE)
+        if reply.kind == OP.OPERAND_KIND_TENSOR:
+            assert (reply.tensor.dtype, list(reply.tensor.shape)) == (header.tensor.dtype, list(header.tensor.shape))
+        # ... that a rule naming it uses or refuses cleanly ...
+        rule = rule_pb2.Rule(target="output")
+        if reply.kind == OP.OPERAND_KIND_TENSOR:
+            rule.add.value.tensor.operand = header.name
+        else:
+            rule.sae.sae.operand = header.name
+            rule.sae.features.append(0)
+        request = model_service_pb2.InferRequest(model="mlp", args=[codec.encode_value(torch.ones(1, 8))], hooks=[
+            hook_pb2.HookSpec(module="out", posthook=hook_pb2.HookAction(rules=[rule]))])
+        _check(lambda: fuzz_server["models"].Infer(request, timeout=30))
+        # ... and that a second upload under its name is refused.
+        again = _operand_call(lambda: stub.UploadOperand(iter(messages), timeout=30))
+        assert again is None
+    # A delete or publish of the name answers cleanly too.
+    _operand_call(lambda: stub.PublishOperand(OP.PublishOperandRequest(name=header.name, path=header.name), timeout=10))
+    _operand_call(lambda: stub.DeleteOperand(OP.DeleteOperandRequest(name=header.name, owner="someone"), timeout=10))
+    _operands_cleared(fuzz_server)
