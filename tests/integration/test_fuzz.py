@@ -909,11 +909,7 @@ def test_operand_uploads(fuzz_server, data) -> None:
     stub = fuzz_server["operands"]
     messages = data.draw(operand_uploads(fuzz_server["session_id"]))
     header = messages[0].operand
-    try:
-        reply = stub.UploadOperand(iter(messages), timeout=30)
-    except grpc.RpcError as exc:
-        print("UPLOADFAIL", exc.code(), exc.details()[:90])
-        reply = None
+    reply = _operand_call(lambda: stub.UploadOperand(iter(messages), timeout=30))
     if reply is not None:
         # An upload that succeeds is the operand its header described, named as asked ...
         assert reply.name == header.name and reply.owner == "anonymous", reply

@@ -258,6 +258,9 @@ async def test_a_session_operand_ends_with_its_session_and_a_ttl_one_outlives_it
             info = await owner.upload_operand("s", s)
             assert info.session_id == owner.session_id != "" and info.expires is None
             await owner.upload_operand("t", t, ttl=600)
+            # A hook of the session names its operand: both end with the session.
+            hook = await owner.model("mlp").hook("fc1", posthook=[rules.add("output", rules.operand("s"), index="[..., :4]")])
+            assert (await _names(other))["s"].used_by == (f"hook {hook.id}",)
             # Names are the principal's (auth is off: everyone is "anonymous"), not the session's.
             assert torch.equal(await _infer_with(other, "s"), _steered(s))
         # The owner's session is over once the server has seen its stream end.

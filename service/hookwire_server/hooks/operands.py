@@ -25,7 +25,6 @@ that compile specs (resolving names): a lock guards its tables.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import json
 import logging
@@ -46,6 +45,7 @@ from .. import limits as limits_mod
 from ..auth import Principal
 from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from ..limits import Limits
+from ..memory import trim_heap
 from .rules import SHARED_CASTS, CompiledSae, OperandSource, all_finite, compile_sae
 
 log = logging.getLogger("hookwire.operands")
@@ -279,7 +279,7 @@ class OperandStore:
             with self._lock:
                 self._uploading.pop(key, None)
             raise
-        _trim()
+        trim_heap()  # the chunk messages' buffers, freed but kept by the allocator
         if header.ttl_seconds:
             ttl = min(header.ttl_seconds, self.limits.max_ttl_seconds)
             stored.expires_ns = time.time_ns() + ttl * 1_000_000_000
@@ -481,19 +481,6 @@ class NamedSource(OperandSource):
         if extra:
             raise InvalidArgument(f"{where}: a named SAE ({msg.operand!r}) sets nothing else (it sets {', '.join(extra)})")
         return self._resolve(msg.operand, where, "sae").sae_on(self.device)
-
-
-def _trim() -> None:
-    """Gives the heap memory an upload's chunk messages passed through back to the system
-    (glibc's malloc_trim): gRPC's receive buffers of a few hundred 1 MiB messages, freed
-    but kept by the allocator, would otherwise stay in the server's RSS beside the
-    operand. A no-op where the C library has no malloc_trim."""
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
 
 
 def _shared(t: torch.Tensor) -> torch.Tensor:

@@ -245,7 +245,7 @@ class ModelHost:
         self.hooks_lock: Any = contextlib.nullcontext()
         #: Called once at shutdown (an engine's processes stop).
         self.closers: list[Callable[[], None]] = []
-        self._executor = DaemonWorker(f"model:{name}")
+        self._executor = DaemonWorker(f"model:{name}", idle_trim=True)
         #: Hook firings on this model that passed scope and gating (the hook_fires metric):
         #: a plain counter only the worker thread adds to, as a metric increment per firing
         #: would cost as much as the firing itself.

@@ -10,7 +10,13 @@ import queue
 import threading
 from typing import Any, Callable, TypeVar
 
+from ..memory import trim_heap
+
 T = TypeVar("T")
+
+#: Seconds a worker waits without work before it returns freed heap memory to the system
+#: (memory.trim_heap): long enough that a steady stream of calls never pays for it.
+IDLE_TRIM_SECONDS = 2.0
 
 
 class DaemonWorker(concurrent.futures.Executor):
@@ -22,8 +28,11 @@ class DaemonWorker(concurrent.futures.Executor):
     process must be able to exit without waiting for it.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, idle_trim: bool = False) -> None:
         self._name = name
+        #: After IDLE_TRIM_SECONDS without work following some, trim the heap (a model's
+        #: passes free large transient tensors that the allocator would otherwise keep).
+        self._idle_trim = idle_trim
         self._work: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -44,8 +53,18 @@ class DaemonWorker(concurrent.futures.Executor):
         return future
 
     def _loop(self) -> None:
+        worked = False
         while True:
-            item = self._work.get()
+            if self._idle_trim and worked:
+                try:
+                    item = self._work.get(timeout=IDLE_TRIM_SECONDS)
+                except queue.Empty:
+                    trim_heap()
+                    worked = False
+                    continue
+            else:
+                item = self._work.get()
+            worked = True
             if item is None:
                 return
             future, fn = item
