@@ -329,8 +329,12 @@ class Client:
         session_id = "" if ttl is not None else (await self.session()).session_id
         messages = upload_messages(name, value, session_id=session_id,
                                    ttl_seconds=0 if ttl is None else min(max(1, int(ttl)), 2**32 - 1))
+        # The header now, in the caller: a value that cannot be uploaded raises ValueError
+        # here (inside gRPC's request stream it would surface as a cancelled call).
+        header = next(messages)
 
         async def stream() -> AsyncIterator[Any]:
+            yield header
             for message in messages:  # built lazily: one chunk's bytes at a time
                 yield message
 

@@ -231,10 +231,11 @@ class FleetClient:
         async with self._lock:
             live = self._live()
             results = await asyncio.gather(*(r.client.delete_operand(name) for r in live), return_exceptions=True)
+            refused = [result for result in results if isinstance(result, BaseException)
+                       and not isinstance(result, (UnavailableError, NotFoundError))]
+            if refused:  # still on the replicas that refused, and the fleet's hooks may name it: kept for joiners
+                raise refused[0]
             self._operands.pop(name, None)
-            for result in results:
-                if isinstance(result, BaseException) and not isinstance(result, (UnavailableError, NotFoundError)):
-                    raise result
 
     # ---------------------------------------------------------------- calls
 
