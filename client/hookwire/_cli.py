@@ -300,23 +300,40 @@ async def _hooks(ns: argparse.Namespace) -> int:
 def read_operand(path: str) -> Any:
     """What ``hookwire operands upload`` sends for ``path``: a folder in SAELens' layout
     (cfg.json and sae_weights.safetensors) is an SAE; a .safetensors file of one tensor or
-    a .npy file is a tensor. Read with numpy (no torch, never a pickle); ValueError naming
-    what does not fit."""
+    a .npy file is a tensor. Never a pickle. Safetensors are read with torch when it is
+    installed (bfloat16 included), else with numpy. ValueError naming what does not fit."""
     import json
     import pathlib
 
     import numpy as np
 
     from .rules import Sae
+    from .wire import codec
+
+    def load_file(file: pathlib.Path) -> dict[str, Any]:
+        try:
+            if codec.torch_importable():
+                from safetensors.torch import load_file as load_torch
+
+                return dict(load_torch(str(file)))
+            from safetensors.numpy import load_file as load_numpy
+
+            return dict(load_numpy(str(file)))
+        except Exception as exc:  # SafetensorError, a dtype numpy lacks (bfloat16): say which file
+            raise ValueError(f"{file}: cannot be read as safetensors: {exc}") from None
 
     folder = pathlib.Path(path)
     if folder.is_dir():
         cfg_path, weights = folder / "cfg.json", folder / "sae_weights.safetensors"
         if not cfg_path.is_file() or not weights.is_file():
             raise ValueError(f"{path}: a folder needs SAELens' cfg.json and sae_weights.safetensors")
-        from safetensors.numpy import load_file
-
-        cfg, tensors = json.loads(cfg_path.read_text()), load_file(str(weights))
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{cfg_path}: not JSON: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{cfg_path}: not a JSON object (SAELens' config)")
+        tensors = load_file(weights)
         missing = [k for k in ("W_enc", "b_enc", "W_dec", "b_dec") if k not in tensors]
         if missing:
             raise ValueError(f"{path}: sae_weights.safetensors has no {', '.join(missing)}")
@@ -329,9 +346,7 @@ def read_operand(path: str) -> Any:
     if folder.suffix == ".npy":
         return np.load(str(folder), allow_pickle=False)
     if folder.suffix == ".safetensors":
-        from safetensors.numpy import load_file
-
-        tensors = load_file(str(folder))
+        tensors = load_file(folder)
         if len(tensors) != 1:
             raise ValueError(f"{path}: holds {len(tensors)} tensors; a tensor operand is a file of one")
         return next(iter(tensors.values()))
@@ -349,7 +364,7 @@ async def _operands(ns: argparse.Namespace) -> int:
                       f"{op.owner or '-':<14} {lifetime:<20} {', '.join(op.used_by) or '-'}")
             return 0
         if ns.operands_command == "upload":
-            if not ns.ttl > 0:
+            if not 0 < ns.ttl < float("inf"):
                 print(f"hookwire operands upload: --ttl must be a positive number of seconds, not {ns.ttl}", file=sys.stderr)
                 return 2
             try:

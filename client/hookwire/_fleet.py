@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, Union
 
 from ._client import CallRef, Client, ConnectOptions, HookHandle, _check_timeout, connect, request_id_of
 from ._errors import AlreadyExistsError, HookwireError, NotFoundError, UnavailableError
-from ._operands import OperandInfo
+from ._operands import OperandInfo, upload_messages
 from ._specs import ActionLike, HookSpec, OnErrorName, Sampling, ScopeName
 from ._types import InferResult, InterceptEvent
 
@@ -194,9 +194,22 @@ class FleetClient:
     async def _upload_to(replica: _Replica, name: str, value: Any, ttl: float | None) -> OperandInfo:
         try:
             return await replica.client.upload_operand(name, value, ttl=ttl)
-        except AlreadyExistsError:  # a replica that was lost and came back may still hold it
-            await replica.client.delete_operand(name)
-            return await replica.client.upload_operand(name, value, ttl=ttl)
+        except AlreadyExistsError:
+            # A replica that was lost and came back may still hold the fleet's own copy (its
+            # session outlived the link): that one, an upload of the same kind, dtype and
+            # shape, counts as there. Anything else of that name (a published operand,
+            # another upload) is never replaced: the error stands.
+            sent = upload_messages(name, value)
+            header = next(sent).operand  # type: ignore[union-attr]
+            kind = "sae" if header.HasField("sae") else "tensor"
+            tensor = header.sae.w_enc if kind == "sae" else header.tensor
+            for op in await replica.client.list_operands():
+                if op.name != name or op.published or op.ended or op.kind != kind:
+                    continue
+                have = op.raw.sae.w_enc if kind == "sae" else op.raw.tensor
+                if have.dtype == tensor.dtype and tuple(have.shape) == tuple(tensor.shape):
+                    return op
+            raise
 
     async def upload_operand(self, name: str, value: Any, *, ttl: float | None = None) -> OperandInfo:
         """Client.upload_operand on every live replica, all or nothing: if one refuses,

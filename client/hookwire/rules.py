@@ -446,6 +446,7 @@ def _built(target: str, op: str, index: str | None, message: Any) -> Rule:
     return Rule(target=target, op=op, index=index or "", message=message)
 
 
-__all__ = ["Condition", "Readout", "Rule", "Sae", "Signal", "add", "affine", "clamp", "logit_lens", "loreft", "noise",
-           "norm", "norm_add", "patch", "probe", "probe_scores", "project_out", "projection", "sae", "sae_feature",
-           "sae_top_k", "save", "scale", "set", "signal", "stop", "stored", "token_id", "top_k", "when", "zero"]
+__all__ = ["Condition", "Operand", "Readout", "Rule", "Sae", "Signal", "add", "affine", "clamp", "logit_lens",
+           "loreft", "noise", "norm", "norm_add", "operand", "patch", "probe", "probe_scores", "project_out",
+           "projection", "sae", "sae_feature", "sae_top_k", "save", "scale", "set", "signal", "stop", "stored",
+           "token_id", "top_k", "when", "zero"]

@@ -210,3 +210,95 @@ def test_rules_using_one_operand_share_its_casts() -> None:
     assert compiled[0]._tensor("weight", x32) is stored.tensors[""]  # its own dtype: the stored tensor itself
     assert compiled[0]._tensor("weight", x64) is compiled[1]._tensor("weight", x64)  # one float64 cast for both
     assert compiled[0].operands == {}  # nothing of its own: listed by name, counted once
+
+
+async def _nothing() -> Any:
+    return
+    yield
+
+
+def _tensor_header(name: str, **lifetime: Any) -> operand_service_pb2.OperandUpload:
+    header = operand_service_pb2.OperandUpload(name=name, **lifetime)
+    header.tensor.CopyFrom(hookwire.wire.codec.encode_tensor(torch.ones(4)))
+    return header
+
+
+async def test_an_upload_whose_session_ends_while_it_arrives_is_refused() -> None:
+    """The session is checked again when the data is in: an operand committed after its
+    session ended would never end."""
+    from hookwire.v1 import tensor_pb2
+    from hookwire_server.auth import ANONYMOUS
+    from hookwire_server.errors import NotFound
+
+    store = OperandStore(Limits())
+    open_sessions = {"ses_1"}
+
+    def require_session(session_id: str) -> None:
+        if session_id not in open_sessions:
+            raise NotFound(f"no open session {session_id!r}")
+
+    header = operand_service_pb2.OperandUpload(name="v", session_id="ses_1")
+    header.tensor.CopyFrom(tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[4], chunk_id=1))
+
+    async def chunks() -> Any:
+        open_sessions.discard("ses_1")  # what HookManager.close_session does, mid-upload
+        store.session_ended("ses_1")
+        yield tensor_pb2.TensorChunk(chunk_id=1, offset=0, data=torch.ones(4).numpy().tobytes())
+
+    with pytest.raises(NotFound, match="ses_1"):
+        await store.upload(ANONYMOUS, header, chunks(), require_session=require_session)
+    assert store.listing(ANONYMOUS) == [] and store.bytes_of(ANONYMOUS.name) == 0
+
+
+async def test_a_registration_cancelled_while_its_spec_compiles_holds_nothing_after(monkeypatch) -> None:
+    """A spec naming an operand compiles on a thread; the caller cancelling meanwhile must
+    not leave the thread's hold behind (the operand could never be deleted or freed)."""
+    import asyncio
+    import threading
+
+    from hookwire_server import ModelHost, ModelRegistry
+    from hookwire_server.auth import ANONYMOUS
+    from hookwire_server.demo_models import mlp
+    from hookwire_server.hooks import hook_manager as manager_mod
+    from hookwire_server.hooks.hook_manager import HookManager
+
+    store = OperandStore(Limits())
+    registry = ModelRegistry([ModelHost("mlp", mlp())])
+    hooks = HookManager(registry, operands=store)
+    await store.upload(ANONYMOUS, _tensor_header("v", ttl_seconds=600), _nothing(), require_session=lambda _: None)
+    entered, go, finished = threading.Event(), threading.Event(), threading.Event()
+    real = manager_mod.compile_spec
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        go.wait(60)
+        try:
+            return real(*args, **kwargs)  # resolves "v" for the hook being registered: holds it
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(manager_mod, "compile_spec", slow)
+    spec = hookwire.HookSpec("fc1", posthook=[rules.add("output", rules.operand("v"))]).to_proto("mlp")
+    session = hooks.open_session(_limits())
+    task = asyncio.ensure_future(hooks.register(session.session_id, spec, ANONYMOUS))
+    await asyncio.to_thread(entered.wait, 60)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    go.set()
+    await asyncio.to_thread(finished.wait, 60)
+    for _ in range(600):  # the thread finished; its hold is let go on the loop
+        if not store.listing(ANONYMOUS)[0].used_by:
+            break
+        await asyncio.sleep(0.05)
+    assert store.listing(ANONYMOUS)[0].used_by == {}
+    assert store.delete(ANONYMOUS, "v") == 16
+    hooks.close_session(session.session_id)
+    registry.shutdown()
+
+
+def _limits() -> Any:
+    from hookwire.v1 import hook_service_pb2
+    from hookwire_server.hooks.event_bus import DeliveryLimits
+
+    return DeliveryLimits.from_proto(hook_service_pb2.DeliveryOptions())

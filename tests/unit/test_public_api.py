@@ -51,6 +51,7 @@ EXPECTED_ALL = [
     "ModuleInfo",
     "NotFoundError",
     "Notice",
+    "OperandInfo",
     "ParameterInfo",
     "PendingHook",
     "PermissionDeniedError",
@@ -80,8 +81,8 @@ EXPECTED_ALL = [
     "edit",
     "rules",
 ]
-RULES_ALL = ["Condition", "Readout", "Rule", "Sae", "Signal", "add", "affine", "clamp", "logit_lens", "loreft", "noise",
-             "norm", "norm_add", "patch", "probe", "probe_scores", "project_out", "projection", "sae", "sae_feature",
+RULES_ALL = ["Condition", "Operand", "Readout", "Rule", "Sae", "Signal", "add", "affine", "clamp", "logit_lens", "loreft", "noise",
+             "norm", "norm_add", "operand", "patch", "probe", "probe_scores", "project_out", "projection", "sae", "sae_feature",
              "sae_top_k", "save", "scale", "set", "signal", "stop", "stored", "token_id", "top_k", "when", "zero"]
 
 

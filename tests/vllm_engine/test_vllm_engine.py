@@ -875,3 +875,29 @@ async def test_a_token_id_condition_on_vllm_equals_the_same_edit_in_transformers
         result = await client.model("llama").generate([text], 6, hooks=[
             HookSpec("model.layers.0", posthook=[rules.when(rules.token_id().eq(ids[1]), rules.zero("output"))])])
     assert list(result.token_ids[0]) == want
+
+
+async def test_named_operands_steer_and_read_on_vllm_as_the_same_tensors_inline(vllm_server, oracle) -> None:
+    """A steering vector and probe weights uploaded once and named by a session hook and
+    a readout: the tokens equal transformers' generate() with the same edit, and the
+    probe scores equal the inline readout's (the engine sees the same tensors)."""
+    tokenizer = oracle_tokenizer()
+    prompt = PROMPTS[1]
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(3)) * 2.0
+    probes = torch.randn(2, 128, generator=torch.Generator().manual_seed(61))
+    steered_want, _ = _greedy(oracle, _ids(tokenizer, prompt), 6, {"model.layers.0": vector})
+    async with hookwire.connect(vllm_server.target) as client:
+        await client.upload_operand("steer", vector)
+        await client.upload_operand("probes", probes)
+        async with client.model("llama").hook("model.layers.0", posthook=[rules.add("output", rules.operand("steer"))]):
+            named = await client.model("llama").generate([prompt], 6, hooks=[
+                HookSpec("model.layers.1", posthook=capture("output", readout=rules.probe_scores(rules.operand("probes"))))])
+            inline = await client.model("llama").generate([prompt], 6, hooks=[
+                HookSpec("model.layers.1", posthook=capture("output", readout=rules.probe_scores(probes)))])
+        (listed,) = [op for op in await client.list_operands() if op.name == "steer"]
+        assert listed.used_by == ()  # the session hook is gone: the name is free to delete
+        assert await client.delete_operand("steer") == 128 * 4
+    assert list(named.token_ids[0]) == steered_want == list(inline.token_ids[0])
+    assert len(named.events) == len(inline.events) == 6
+    for a, b in zip(named.events, inline.events):
+        assert torch.equal(torch.as_tensor(a.output), torch.as_tensor(b.output))

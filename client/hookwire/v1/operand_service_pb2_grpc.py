@@ -95,7 +95,8 @@ class OperandServiceServicer:
         RESOURCE_EXHAUSTED past the caller's quota (max_operand_bytes_per_principal,
         max_operands_per_principal) or the server's (max_operand_bytes), checked
         from the header before any data is received; DEADLINE_EXCEEDED when the
-        client stops sending for infer_stream_idle_timeout.
+        client stops sending for infer_stream_idle_timeout, or is still sending
+        after infer_timeout.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

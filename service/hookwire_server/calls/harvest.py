@@ -615,7 +615,7 @@ class HarvestManager:
             # refuses them meanwhile); its captures name none.
             rules = self._hooks.request_hooks(host, settings.rule_specs, request_id, None, principal,
                                               holder=(request_id, f"harvest job {request_id}"))
-        except (InvalidArgument, NotFound) as exc:
+        except (InvalidArgument, NotFound, FailedPrecondition) as exc:
             raise type(exc)(str(exc).replace("hooks[", "rules[", 1)) from None
         for i, record in enumerate(rules):
             if record.compiled.uses_slots:

@@ -228,6 +228,9 @@ class Inference:
         try:
             for where, tensor in _codec.iter_tensors(request):
                 if tensor.operand:  # a named operand of a hook's rule: no data here (compile_spec resolves it)
+                    if tensor.dtype or len(tensor.shape) or tensor.chunk_id or tensor.data:
+                        raise InvalidArgument(f"{where}: a named operand ({tensor.operand!r}) carries no dtype, shape "
+                                              "or data of its own")
                     continue
                 elements += _codec.check_tensor(tensor, where)
                 chunked = chunked or bool(tensor.chunk_id)

@@ -26,7 +26,7 @@ from .hook_record import HookRecord, Subscription, _notice
 from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
 from ..state import SHUTDOWN_REASON, ServerState
 from ..models.model_registry import ModelHost, ModelRegistry
-from .operands import OperandStore
+from .operands import OperandStore, names_operands
 from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
 
 log = logging.getLogger("hookwire.hooks")
@@ -198,8 +198,19 @@ class HookManager:
             source=self.operands.source(principal, host.device, holder=(hook_id, f"hook {hook_id}")),
         )
         try:
-            # Off the loop when large: decoding big rule operands takes a while (a 256 MiB one, a second).
-            compiled = await asyncio.to_thread(compile_) if spec.ByteSize() > OPERAND_BYTES_INLINE else compile_()
+            # Off the loop when large (decoding big rule operands takes a while: a 256 MiB one,
+            # a second) or when it names operands (their checks cost what their size does).
+            if spec.ByteSize() > OPERAND_BYTES_INLINE or names_operands(spec):
+                compiling = asyncio.ensure_future(asyncio.to_thread(compile_))
+                try:
+                    compiled = await asyncio.shield(compiling)
+                except asyncio.CancelledError:
+                    # The thread goes on and may still resolve a name for this hook: its hold
+                    # is let go once the thread is done, not before.
+                    compiling.add_done_callback(lambda _: self.operands.release(hook_id))
+                    raise
+            else:
+                compiled = compile_()
             return await self._register_compiled(hook_id, session_id, session, spec, host, compiled, principal)
         except BaseException:
             if hook_id not in self._hooks:  # once registered, its removal lets them go

@@ -4,9 +4,10 @@ instead of carrying them in every request.
 
 - **Once.** An operand is received into preallocated tensors (chunk by chunk), checked
   once (finite floats; an SAE as compile_sae checks an inline one) and kept once, on the
-  CPU in the dtype it came in. A rule on another device gets one copy per device
-  (``StoredOperand.tensor_on``), and one cast per dtype shared by every rule using it
-  (rules.shared_cast); every hook naming an SAE shares one CompiledSae per device.
+  CPU in the dtype it came in. Rules get that tensor itself; where they need it on another
+  device or in another dtype, one copy per (device, dtype) is made from it, on first use,
+  and shared by every rule naming it (rules.shared_cast; an SAE's CompiledSae, shared by
+  every hook naming it, keeps its casts the same way).
 - **Names.** Per principal, plus the operands an operator published from the server's
   operand folder (read-only, everyone's). A caller's own name is looked up first; an
   upload may not take a published name.
@@ -54,6 +55,9 @@ log = logging.getLogger("hookwire.operands")
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_./-]*")
 #: The Sae message's tensor fields, and SAELens' names for them in sae_weights.safetensors.
 SAE_TENSORS = {"w_enc": "W_enc", "b_enc": "b_enc", "w_dec": "W_dec", "b_dec": "b_dec", "threshold": "threshold"}
+#: Uploads at least this large give the heap's freed memory back when they are done
+#: (memory.trim_heap, on a thread: milliseconds on a large heap).
+TRIM_AFTER_BYTES = 16 * 1024 * 1024
 #: The largest cfg.json of a published SAE read (a config is a few hundred bytes).
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -82,42 +86,29 @@ class StoredOperand:
     ended: bool = False
     #: Holder id (a hook or harvest job id) -> (what it is, its owner's name).
     used_by: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
-    #: Its copies on other devices: the tensor, or the CompiledSae.
-    _devices: dict[torch.device, Any] = dataclasses.field(default_factory=dict)
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     _timer: asyncio.TimerHandle | None = None
 
-    def tensor_on(self, device: torch.device) -> torch.Tensor:
-        """A tensor operand on ``device``: the one stored tensor on its own device, else one
-        copy per device, made on first use; each carries the casts its rules share."""
-        base = self.tensors[""]
-        if device == base.device:
-            return base
-        with self._lock:
-            moved = self._devices.get(device)
-            if moved is None:
-                moved = self._devices[device] = base.to(device)
-                setattr(moved, SHARED_CASTS, {})
-            return moved  # type: ignore[no-any-return]
+    @property
+    def tensor(self) -> torch.Tensor:
+        """A tensor operand's one stored tensor (on the CPU): rules cast it to each
+        (device, dtype) they need once, in its shared cache (rules.shared_cast), so a GPU
+        model in bfloat16 holds one bfloat16 copy, not a float32 one beside it."""
+        return self.tensors[""]
 
-    def sae_on(self, device: torch.device) -> CompiledSae:
-        """An SAE operand as every rule on ``device`` shares it (its casts included)."""
+    @property
+    def compiled_sae(self) -> CompiledSae:
+        """An SAE operand as every rule naming it shares it: its casts per (device, dtype)
+        are made once (CompiledSae._on), from the stored tensors."""
         assert self.sae is not None
-        if device == self.tensors["w_enc"].device:
-            return self.sae
-        with self._lock:
-            moved = self._devices.get(device)
-            if moved is None:
-                moved = self._devices[device] = dataclasses.replace(
-                    self.sae, tensors={k: v.to(device) for k, v in self.sae.tensors.items()}, _cast={})
-            return moved  # type: ignore[no-any-return]
+        return self.sae
 
     def to_proto(self, viewer: Principal) -> op_pb2.NamedOperand:
         """Its description (no data); ``used_by`` lists the viewer's own holders (all, for an operator)."""
         msg = op_pb2.NamedOperand(
             name=self.name, nbytes=self.nbytes, owner=self.owner, session_id=self.session_id,
             published=bool(self.published), ended=self.ended,
-            used_by=[what for what, owner in self.used_by.values() if viewer.is_operator or viewer.name == owner],
+            # list() copies in one step: a spec compiling on a thread may add a holder meanwhile.
+            used_by=[what for what, owner in list(self.used_by.values()) if viewer.is_operator or viewer.name == owner],
         )
         if self.kind == "tensor":
             msg.kind = op_pb2.OPERAND_KIND_TENSOR
@@ -212,6 +203,9 @@ class OperandStore:
         if name in self._published or (not published and ((owner, name) in self._own or (owner, name) in self._uploading)):
             what = "a published operand" if name in self._published else "one of your operands"
             raise AlreadyExists(f"name: {name!r} is {what} (delete it first, or choose another name)")
+        if published and any(held == name for _, held in list(self._own) + list(self._uploading)):
+            # A reference would silently switch to the published one once theirs ends.
+            raise AlreadyExists(f"name: {name!r} is a principal's operand (ListOperands shows whose); choose another name")
         total = self._total() + nbytes
         if total > self.limits.max_operand_bytes:
             raise limits_mod.exceeded("the server's operands", f"{total} bytes with this one", self.limits.max_operand_bytes,
@@ -272,6 +266,10 @@ class OperandStore:
             # Decoding and checking a few hundred MiB takes a while: off the event loop.
             stored = await asyncio.to_thread(self._build, principal.name, name, kind, value, assembler.result(), nbytes)
             stored.session_id = header.session_id
+            if header.session_id:
+                # Again, with no await before the commit: a session that ended while the
+                # data arrived has ended its operands already, and would never end this one.
+                require_session(header.session_id)
             with self._lock:
                 del self._uploading[key]
                 self._own[key] = stored
@@ -279,7 +277,8 @@ class OperandStore:
             with self._lock:
                 self._uploading.pop(key, None)
             raise
-        trim_heap()  # the chunk messages' buffers, freed but kept by the allocator
+        if nbytes >= TRIM_AFTER_BYTES:  # the chunk messages' buffers, freed but kept by the allocator
+            await asyncio.to_thread(trim_heap)
         if header.ttl_seconds:
             ttl = min(header.ttl_seconds, self.limits.max_ttl_seconds)
             stored.expires_ns = time.time_ns() + ttl * 1_000_000_000
@@ -307,19 +306,18 @@ class OperandStore:
         name = check_name(name, "name", self.limits.max_name_length)
         if not self.root:
             raise FailedPrecondition("this server has no operand folder (operand_root)")
-        try:
-            resolved = sources.confine(self.root, path, what="path")
-        except sources.PathNotAllowed as exc:
-            raise PermissionDenied(str(exc)) from None
-        except sources.SourceError as exc:
-            raise InvalidArgument(str(exc)) from None
+        resolved = self._confined(path)
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         where = f"path: {path!r}"
         try:
             if resolved.is_dir():
-                cfg_path, weights_path = resolved / "cfg.json", resolved / "sae_weights.safetensors"
+                if not (resolved / "cfg.json").is_file() or not (resolved / "sae_weights.safetensors").is_file():
+                    raise InvalidArgument(f"{where} is a folder without SAELens' cfg.json and sae_weights.safetensors")
+                # Each file confined too: a symlink inside the folder must not lead out of the root.
+                cfg_path = self._confined(f"{path.rstrip('/')}/cfg.json")
+                weights_path = self._confined(f"{path.rstrip('/')}/sae_weights.safetensors")
                 if not cfg_path.is_file() or not weights_path.is_file():
                     raise InvalidArgument(f"{where} is a folder without SAELens' cfg.json and sae_weights.safetensors")
                 if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
@@ -357,6 +355,16 @@ class OperandStore:
         log.info("operand %s published from %s (%d bytes)", name, resolved, stored.nbytes)
         return stored
 
+    def _confined(self, path: str) -> Any:
+        """``path`` under the operand folder, every symlink resolved and checked (harvest_sources.confine)."""
+        assert self.root is not None
+        try:
+            return sources.confine(self.root, path, what="path")
+        except sources.PathNotAllowed as exc:
+            raise PermissionDenied(str(exc)) from None
+        except sources.SourceError as exc:
+            raise InvalidArgument(str(exc)) from None
+
     def _check_room(self, name: str, nbytes: int) -> None:
         """The name and the server's quota, checked before a published file is read."""
         with self._lock:
@@ -374,7 +382,8 @@ class OperandStore:
                 raise NotFound(f"{where}: no operand {name!r} (upload it with UploadOperand; ListOperands lists yours)")
             if stored.ended and (holder is None or holder[0] not in stored.used_by):
                 raise FailedPrecondition(f"{where}: operand {name!r} has ended (its session closed or its TTL passed); "
-                                         "it lives on only for the hooks that used it: upload it again")
+                                         "it lives on only for the hooks and jobs that used it (ListOperands: used_by), "
+                                         "and keeps its name until they are gone: upload it under another name")
             if holder is not None:
                 stored.used_by[holder[0]] = (holder[1], principal.name)
             return stored
@@ -474,13 +483,31 @@ class NamedSource(OperandSource):
     def named_tensor(self, msg: tensor_pb2.Tensor, where: str) -> torch.Tensor:
         if msg.dtype or len(msg.shape) or msg.chunk_id or msg.data:
             raise InvalidArgument(f"{where}: a named operand ({msg.operand!r}) carries no dtype, shape or data of its own")
-        return self._resolve(msg.operand, where, "tensor").tensor_on(self.device)
+        return self._resolve(msg.operand, where, "tensor").tensor
 
     def sae(self, msg: Any, where: str) -> CompiledSae:
         extra = [field.name for field, _ in msg.ListFields() if field.name != "operand"]
         if extra:
             raise InvalidArgument(f"{where}: a named SAE ({msg.operand!r}) sets nothing else (it sets {', '.join(extra)})")
-        return self._resolve(msg.operand, where, "sae").sae_on(self.device)
+        return self._resolve(msg.operand, where, "sae").compiled_sae
+
+
+def names_operands(msg: Any) -> bool:
+    """Whether a message (a HookSpec) names an operand anywhere (Tensor.operand, Sae.operand)."""
+    for field, value in msg.ListFields():
+        if field.type != field.TYPE_MESSAGE:
+            if field.name == "operand" and value and field.containing_type.full_name in _REFERENCES:
+                return True
+            continue
+        items = value if field.is_repeated else [value]
+        if field.message_type.GetOptions().map_entry:
+            items = list(value.values()) if field.message_type.fields_by_name["value"].message_type else []
+        if any(names_operands(item) for item in items):
+            return True
+    return False
+
+
+_REFERENCES = frozenset({tensor_pb2.Tensor.DESCRIPTOR.full_name, rule_pb2.Sae.DESCRIPTOR.full_name})
 
 
 def _shared(t: torch.Tensor) -> torch.Tensor:

@@ -542,7 +542,9 @@ def shared_cast(base: torch.Tensor, variant: str, dtype: torch.dtype, device: to
     (SHARED_CASTS), so the rules of every hook using it share one copy per device and dtype;
     for its own dtype and device ``to`` returns ``base`` itself (no copy)."""
     cache = getattr(base, SHARED_CASTS, None)
-    if cache is None:
+    if cache is None or (base.dtype == dtype and base.device == device):
+        # Its own dtype and device: ``base`` itself, not cached (that would be a reference
+        # cycle, keeping a deleted operand's memory until the next full collection).
         return base.to(dtype=dtype, device=device)
     key = (variant, dtype, device)
     cast = cache.get(key)
@@ -553,6 +555,19 @@ def shared_cast(base: torch.Tensor, variant: str, dtype: torch.dtype, device: to
 
 #: Elements checked for finiteness at a time (all_finite).
 _FINITE_BLOCK = 1 << 22
+
+
+def _orthonormality(rotation: torch.Tensor) -> float:
+    """|R R^T - I| (largest entry), O(r^2 d): kept on a named operand's tensor (its shared
+    cache), so that each call naming it does not pay for it again."""
+    cache = getattr(rotation, SHARED_CASTS, None)
+    if cache is not None and "orthonormality" in cache:
+        return float(cache["orthonormality"])
+    gram = rotation.double() @ rotation.double().T
+    off = float((gram - torch.eye(rotation.shape[0], dtype=torch.float64, device=gram.device)).abs().max())
+    if cache is not None:
+        cache["orthonormality"] = off
+    return off
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -674,8 +689,7 @@ def _compile_op(out: CompiledRule, rule: Any, where: str, source: OperandSource,
             raise InvalidArgument(f"{here}.rotation: must be [r, d] with 1 <= r <= d, not {list(rotation.shape)}")
         if list(weight.shape) != list(rotation.shape):
             raise InvalidArgument(f"{here}.weight: must be the rotation's shape {list(rotation.shape)}, not {list(weight.shape)}")
-        gram = rotation.double() @ rotation.double().T
-        off = float((gram - torch.eye(rotation.shape[0], dtype=torch.float64, device=gram.device)).abs().max())
+        off = _orthonormality(rotation)
         if off > ORTHONORMAL_TOLERANCE:
             raise InvalidArgument(f"{here}.rotation: its rows must be orthonormal (R R^T is {off:.3g} from the "
                                   f"identity; at most {ORTHONORMAL_TOLERANCE:g})")
