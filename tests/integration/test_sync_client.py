@@ -238,3 +238,20 @@ def test_a_client_closed_on_its_loop_thread_fails_other_threads_calls(sdk_server
     reader.join(LIVENESS)
     assert not reader.is_alive(), "the reader's call was never failed after the client closed"
     assert hook.remove() is False  # closed: a no-op
+
+
+def test_sync_client_uploads_names_and_deletes_an_operand(sdk_server: ServerThread) -> None:
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(5))
+    ids = torch.tensor([[1, 2, 3]])
+    with hookwire.connect_sync(sdk_server.target) as client:
+        info = client.upload_operand("sync-steer", vector)
+        assert (info.kind, info.shape, info.session_id) == ("tensor", (64,), client.session_id)
+        model = client.model("tiny-lm")
+        spec = hookwire.HookSpec("model.layers.0", posthook=hookwire.edit(capture=("output",)))
+        plain = model.infer(ids, hooks=[spec]).events[0].output
+        steered = model.infer(ids, hooks=[hookwire.HookSpec("model.layers.0", posthook=hookwire.edit(
+            hookwire.rules.add("output", hookwire.rules.operand("sync-steer")), capture=("output",)))]).events[0].output
+        assert torch.equal(steered, plain + vector)
+        assert "sync-steer" in [op.name for op in client.list_operands()]
+        assert client.delete_operand("sync-steer") == 64 * 4
+        assert "sync-steer" not in [op.name for op in client.list_operands()]
