@@ -39,6 +39,7 @@ from hookwire.wire.ids import new_id
 from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
 from ..auth import ANONYMOUS, Principal
+from ..engine import wakeups
 from ..engine.core import Engines
 from .admission import Admission
 from ..engine.seam import FINISHED, GENERATE, GenerateCall, GenerateOptions, StepResult
@@ -166,7 +167,7 @@ class _Mailbox:
                 self._woken = True
         if wake:
             try:
-                self._loop.call_soon_threadsafe(self._ready.set)
+                wakeups.call_soon(self._loop, self._ready.set)  # at the end of the engine's plan
             except RuntimeError:  # the loop has closed: nobody reads any more
                 pass
 

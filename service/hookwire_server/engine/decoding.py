@@ -28,6 +28,7 @@ from ..errors import InvalidArgument, ResourceExhausted, Unimplemented
 from ..hooks.hook_record import HookRecord
 from ..models.model_registry import ModelHost, forward_parameters
 from .batching import Batch, Segment, padded_length
+from . import wakeups
 from .pass_runner import model_errors, run_joined, running
 from .seam import FINISHED, GenerateCall, GenerateOptions, Running, StepResult
 
@@ -196,7 +197,7 @@ class Decoder:
                     ) from None
             else:
                 next_tokens = torch.argmax(scores, dim=-1)
-            if self.has_eos_criterion and self.pad_token is not None:
+            if self.has_eos_criterion and self.pad_token is not None and any(self.reasons):  # a row has ended
                 next_tokens = next_tokens * self.unfinished + self.pad_token * (1 - self.unfinished)
             self.input_ids = torch.cat([self.input_ids, next_tokens[:, None]], dim=-1)
             ended: dict[str, torch.Tensor] = {}
@@ -204,10 +205,13 @@ class Decoder:
                 reason = _REASONS.get(type(criterion).__name__, "length")
                 done = criterion(self.input_ids, None).to(torch.bool)
                 ended[reason] = done | ended[reason] if reason in ended else done
+        # Read as lists once: indexing tensors element by element costs a decoding step of
+        # many calls more than its model pass (tiny-lm).
         was_running = self.unfinished.bool().tolist()
         chosen = next_tokens.tolist()
+        ends = {reason: done.tolist() for reason, done in ended.items()}
         out = []
-        ruled = torch.zeros_like(self.unfinished, dtype=torch.bool)
+        ruled = []
         for i, alive in enumerate(was_running):
             if not alive:
                 out.append(FINISHED)
@@ -216,18 +220,20 @@ class Decoder:
                 out.append(FINISHED)
                 self.reasons[i] = "rule"
                 self.stopped[i] = self.stops[i]
-                ruled[i] = True
+                ruled.append(i)
                 continue
             out.append(int(chosen[i]))
             self.tokens[i].append(int(chosen[i]))
             for reason in _PRECEDENCE:
-                if reason in ended and bool(ended[reason][i]):
+                if reason in ends and ends[reason][i]:
                     self.reasons[i] = reason
                     break
-        any_ended = ruled
-        for done in ended.values():
-            any_ended |= done
-        self.unfinished = self.unfinished & ~any_ended.to(self.unfinished.dtype)
+        if ruled or any(any(done) for done in ends.values()):
+            any_ended = torch.zeros_like(self.unfinished, dtype=torch.bool)
+            any_ended[ruled] = True
+            for done in ended.values():
+                any_ended |= done
+            self.unfinished = self.unfinished & ~any_ended.to(self.unfinished.dtype)
         self.step_index += 1
         return out
 
@@ -297,6 +303,11 @@ def run_calls(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     batch), and finishes each call that ended now (its last step, or a failure). Per
     call: seam.Running with its next step's join key while it goes on, None once
     finished, or the exception that ended it."""
+    with wakeups.deferred():  # the calls' streams are woken once, when the plan is done
+        return _run_calls(host, calls)
+
+
+def _run_calls(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     # Read once: the call side may end a call (event loop) while its step runs here.
     ended = [call.ended is not None for call in calls]
     stepping = [call for call, end in zip(calls, ended) if not end]
