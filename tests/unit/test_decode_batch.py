@@ -1,0 +1,114 @@
+"""The persistent decoding batch (engine/decode_batch.py) on the demo tiny-lm, in
+process: calls join and leave without the others' rows moving, and a step over the
+batch's block computes what the same step computes over a plain, contiguous
+``DynamicCache`` holding the same rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+import lm_oracle as oracle
+from hookwire_server.engine.decode_batch import DecodeBatch
+from hookwire_server.engine.decoding import cache_argument
+from hookwire_server.models.batch_settings import model_dimensions
+
+PLAIN = {"logits_to_keep": 1, "use_cache": True}
+
+
+def _batch(limit: int = 8) -> DecodeBatch:
+    model = oracle.model()
+    return DecodeBatch(model, cache_argument(model), dict(PLAIN), model_dimensions(model), limit)
+
+
+def _prompt(text: list[str]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prompt's pass alone, as generate() runs it: its cache layers, mask, first tokens
+    (greedy) and logits."""
+    model = oracle.model()
+    ids, mask = oracle.batch(text)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{cache_argument(model): DynamicCache()},
+                    **PLAIN, return_dict=True)
+    cache = getattr(out, cache_argument(model))
+    return [(layer.keys, layer.values) for layer in cache.layers], mask, out.logits[:, -1].argmax(-1), out.logits
+
+
+def test_calls_join_into_holes_and_leave_without_the_others_moving() -> None:
+    batch = _batch()
+    a, b, c = _prompt(["Hello world, the model"]), _prompt(["the cat", "the dog"]), _prompt(["once upon a time"])
+    members = {name: batch.join(name, layers, mask, last) for name, (layers, mask, last, _) in
+               {"a": a, "b": b, "c": c}.items()}
+    assert [(m.row, m.count) for m in members.values()] == [(0, 1), (1, 2), (3, 1)]
+    block = batch.keys[0]
+    before = block[[0, 3]].clone()
+    pointer = block.data_ptr()
+
+    batch.leave(members["b"])  # a hole: nothing moves, the rows below stay
+    assert batch.rows == 4 and [o is None for o in batch.owners] == [False, True, True, False]
+    d_layers, d_mask, d_last, _ = _prompt(["data"])
+    d = batch.join("d", d_layers, d_mask, d_last)
+    assert (d.row, d.count) == (1, 1)  # the first free row of the hole
+    assert batch.keys[0].data_ptr() == pointer and torch.equal(batch.keys[0][[0, 3]], before)
+    # Its history ends at the write column, like everyone's; its mask covers only its own.
+    own = d_mask.shape[1]
+    assert torch.equal(batch.keys[0][1, :, batch.end - own:batch.end], d_layers[0][0][0])
+    assert int(batch.mask[1].sum()) == own and int(batch.mask[1, batch.end - own:batch.end].sum()) == own
+
+    batch.leave(members["c"])  # the bottom rows go; the hole above them stays for the next call
+    assert batch.rows == 2
+    batch.leave(members["a"])
+    batch.leave(d)
+    assert batch.rows == 0 and not batch.keys  # the block is freed with the last member
+
+
+def _plain_step(rows: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]],
+                width: int, last: torch.Tensor, positions: torch.Tensor) -> Any:
+    """One step over a contiguous DynamicCache of the rows stacked and padded on the left
+    to ``width`` keys (the batch's window), as the same pass in process."""
+    model = oracle.model()
+    total = sum(int(mask.shape[0]) for _, mask, _ in rows)
+    layers = []
+    for index in range(len(rows[0][0])):
+        kv = []
+        for which in (0, 1):
+            first = rows[0][0][index][which]
+            out = first.new_zeros((total, first.shape[1], width - 1, first.shape[3]))
+            start = 0
+            for layer_rows, mask, _ in rows:
+                mine = layer_rows[index][which]
+                out[start:start + mine.shape[0], :, width - 1 - mine.shape[2]:] = mine
+                start += mine.shape[0]
+            kv.append(out)
+        layers.append((kv[0], kv[1]))
+    mask = torch.zeros((total, width), dtype=torch.long)
+    start = 0
+    for _, own, _ in rows:
+        mask[start:start + own.shape[0], width - 1 - own.shape[1]:width - 1] = own
+        mask[start:start + own.shape[0], -1] = 1
+        start += own.shape[0]
+    with torch.no_grad():
+        return model(input_ids=last[:, None], position_ids=positions[:, None], attention_mask=mask,
+                     **{cache_argument(model): DynamicCache(ddp_cache_data=layers)}, **PLAIN, return_dict=True)
+
+
+def test_a_step_over_the_block_equals_the_step_over_a_plain_cache() -> None:
+    prompts = [["Hello world, the model"], ["the cat", "the dog"], ["once upon a time"]]
+    done = [_prompt(p) for p in prompts]
+    batch = _batch()
+    members = [batch.join(i, layers, mask, last) for i, (layers, mask, last, _) in enumerate(done)]
+    model = oracle.model()
+    inputs, padded, spans = batch.prepare(members)
+    with torch.no_grad():
+        out = model(**inputs, return_dict=True)
+    width = inputs["attention_mask"].shape[1]
+    assert spans == [int(mask.shape[1]) + 1 for _, mask, _, _ in done]
+    # The longest history plus the new key, 16, is a dimension of tiny-lm: hooks cut each
+    # call's own keys, so the window is widened by a masked column.
+    assert padded == width == 17
+    last = torch.cat([d[2] for d in done])
+    positions = torch.cat([mask.sum(-1) for _, mask, _, _ in done])
+    want = _plain_step([(layers, mask, last) for layers, mask, last, _ in done], width, last, positions)
+    assert torch.equal(out.logits, want.logits)
