@@ -600,6 +600,10 @@ class Generation:
                     call.allowed = step + 1
                     work.queued_at = time.perf_counter()  # its wait for the model starts now
                     call.wake()
+                    # Let the other calls of the pass allow theirs too, so that the scheduler
+                    # starts the next pass before the streams decode and send this one's tokens
+                    # (Scheduler._loop): the model runs while the event loop writes.
+                    await asyncio.sleep(0)
                 for i, token in enumerate(result.tokens):
                     if token != FINISHED:
                         tokens[i].append(token)
