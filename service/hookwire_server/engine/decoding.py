@@ -1,18 +1,22 @@
 """Generate calls on a transformers causal LM (worker thread): a call's start (its
-decoding state), one step alone or several calls' steps joined into one pass (each
-call's KV cache stacked, padded on the left and masked), and its end.
+decoding state), its prompt pass (alone, or one pass with the calls that arrived with
+it), its steps (in one of the model's decoding batches, decode_batch.py, or alone on its
+own cache where the model does not batch), and its end.
 
 How a call decodes
 ------------------
 ``transformers``' own ``generate()`` prepares the call — the generation config with the
 call's overrides, the attention mask, position ids, the KV cache, the logits processors
 and the stopping criteria — through its documented ``custom_generate`` hook, which hands
-the prepared state to a callable instead of its own decoding loop (``_start``).
+the prepared state to a callable instead of its own decoding loop (``_hand_over``).
 ``Decoder`` then runs the loop of transformers' ``_sample`` one step at a time: step 0 is
 the prefill over the prompt, each later step one cached pass over the tokens chosen last,
 one step per plan the scheduler puts the call in (``run_calls``; the call is one work
-item for its whole life: seam.GenerateCall). So a call running alone computes exactly
-what in-process ``generate()`` computes.
+item for its whole life: seam.GenerateCall). A call's own choice of tokens (``choose``:
+processors, sampling generator, stopping criteria) stays its own in a shared pass. So a
+call running alone computes exactly what in-process ``generate()`` computes, and calls
+that arrive together compute what in-process ``generate()`` of their prompts as one
+batch computes.
 """
 
 from __future__ import annotations
