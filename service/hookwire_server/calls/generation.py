@@ -167,7 +167,10 @@ class _Mailbox:
                 self._woken = True
         if wake:
             try:
-                wakeups.call_soon(self._loop, self._ready.set)  # at the end of the engine's plan
+                if item[0] == "step":  # the end of a step: woken with the plan's other calls, when it is done
+                    wakeups.call_soon(self._loop, self._ready.set)
+                else:  # large events and notices go out while the pass still runs
+                    self._loop.call_soon_threadsafe(self._ready.set)
             except RuntimeError:  # the loop has closed: nobody reads any more
                 pass
 

@@ -142,15 +142,16 @@ class DecodeBatch:
     # ---------------------------------------------------------------- join and leave
 
     def join(self, call: Any, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
-             last: torch.Tensor) -> Member:
+             last: torch.Tensor, room: int = 0) -> Member:
         """Puts a call's history in the batch: ``layers`` its keys and values per layer
         (``[rows, heads, length, dim]``, its own columns only), ``mask`` its prompt's
         mask over them ``[rows, length]`` (0 on its own left padding), ``last`` the
         token each of its rows feeds its next step. Copies only the call's own data
-        (unless the block must grow)."""
+        (unless the block must grow). ``room``: the rows a new block is made for (the
+        calls of a shared prompt pass that join with this one)."""
         count, length = int(mask.shape[0]), int(mask.shape[1])
         if not self.members:
-            self._reset(layers, count, length)
+            self._reset(layers, max(count, min(room, self.limit)), length)
         if self.end - length < 0:
             self._reshape(self.rows, self.mask.shape[1] + length - self.end + HEADROOM, length - self.end + HEADROOM)
         row = self._take_rows(count)
@@ -190,10 +191,10 @@ class DecodeBatch:
             return
         self.window = min(m.start for m in self.members)
 
-    def _reset(self, layers: list[tuple[torch.Tensor, torch.Tensor]], count: int, length: int) -> None:
-        """A new block for the first call to join: room for its rows (at least 8, up to
-        the limit) and ``HEADROOM`` columns on either side of its history."""
-        rows = max(min(8, self.limit), count)
+    def _reset(self, layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, length: int) -> None:
+        """A new block for the first call(s) to join: ``rows`` rows (calls that join
+        later grow it by doubling) and ``HEADROOM`` columns on either side of the history.
+        (Made for the rows known to come only: a lone call's first token waits for it.)"""
         columns = HEADROOM + length + HEADROOM
         self.keys = [k.new_zeros((rows, k.shape[1], columns, k.shape[3])) for k, _ in layers]
         self.values = [v.new_zeros((rows, v.shape[1], columns, v.shape[3])) for _, v in layers]

@@ -389,10 +389,12 @@ def _join_batch(host: ModelHost, call: GenerateCall, decoder: Decoder) -> None:
     _enter(host, call, decoder, layers)
 
 
-def _enter(host: ModelHost, call: GenerateCall, decoder: Decoder, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _enter(host: ModelHost, call: GenerateCall, decoder: Decoder, layers: list[tuple[torch.Tensor, torch.Tensor]],
+           room: int = 0) -> None:
     """Puts a call that ran its prompt pass into a decoding batch of the model with room
-    for its rows and the same inputs and layer shapes (a new one if none has); its own
-    KV cache and inputs go (the batch holds them now)."""
+    for its rows and the same inputs and layer shapes (a new one if none has, made for
+    ``room`` rows: those of the calls joining with it); its own KV cache and inputs go
+    (the batch holds them now)."""
     from .decode_batch import DecodeBatch
 
     plain = decoder.plain_inputs()
@@ -410,7 +412,7 @@ def _enter(host: ModelHost, call: GenerateCall, decoder: Decoder, layers: list[t
         batch = DecodeBatch(decoder.model, decoder.cache_key, dict(plain), host.dimensions,
                             max(count, host.batching.max_batch_size))
         batches.append(batch)
-    decoder.member = batch.join(call, layers, decoder.prompt_mask, decoder.input_ids[:, -1])
+    decoder.member = batch.join(call, layers, decoder.prompt_mask, decoder.input_ids[:, -1], room)
     decoder.batch = batch
     decoder.model_kwargs = {}  # its cache, mask and positions live in the batch now
 
@@ -516,6 +518,7 @@ def _run_shared_prompt(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
         outputs = model(**inputs, return_dict=True)
     cache = getattr(outputs, first.cache_key)
     results: list[Any] = []
+    room = total  # a new decoding batch is made for all of them at once
     for call, d, seg, length in zip(calls, decoders, segments, lengths):
         result: Any
         try:
@@ -526,7 +529,8 @@ def _run_shared_prompt(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
             result = StepResult(tokens, tuple(d.reasons), d.finished, dict(d.stopped))
             if not d.finished and call.options.max_new_tokens > 1:
                 _enter(host, call, d, [(layer.keys[seg.start:seg.stop, :, width - length:],
-                                        layer.values[seg.start:seg.stop, :, width - length:]) for layer in cache.layers])
+                                        layer.values[seg.start:seg.stop, :, width - length:]) for layer in cache.layers],
+                       room)
         try:
             call.p.release()  # its events of the pass go out (also when it failed, as a step alone delivers them)
         except ResourceExhausted as exc:  # it kept more for a full stream than its principal may: only it fails
