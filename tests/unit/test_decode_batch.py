@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 import lm_oracle as oracle
-from hookwire_server.engine.decode_batch import DecodeBatch
+from hookwire_server.engine.decode_batch import HEADROOM, DecodeBatch
 from hookwire_server.engine.decoding import cache_argument
 from hookwire_server.models.batch_settings import model_dimensions
 
@@ -112,3 +112,40 @@ def test_a_step_over_the_block_equals_the_step_over_a_plain_cache() -> None:
     positions = torch.cat([mask.sum(-1) for _, mask, _, _ in done])
     want = _plain_step([(layers, mask, last) for layers, mask, last, _ in done], width, last, positions)
     assert torch.equal(out.logits, want.logits)
+
+
+def test_a_batch_decodes_past_its_columns_and_takes_a_longer_history_as_a_plain_cache_does() -> None:
+    # Steps past the block's first columns (it grows), then a call whose history is longer
+    # than the columns left of the write column joins (the block moves right). The first
+    # call's logits equal those of its own plain DynamicCache bit for bit until then; after
+    # it, its row attends over the longer window (the new columns masked for it), which
+    # sums in another order: equal up to rounding.
+    model, name = oracle.model(), cache_argument(oracle.model())
+    layers, mask, last, _ = _prompt(["Hello world, the model"])
+    batch = _batch()
+    a = batch.join("a", layers, mask, last)
+    plain = DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in layers])
+    position, token = int(mask.sum()), last
+    for step in range(3 * HEADROOM):
+        if step == 2 * HEADROOM:  # a history longer than the write column: room is made on the left
+            ids = torch.randint(3, 300, (1, batch.end + 5), generator=torch.Generator().manual_seed(1))
+            ones = torch.ones_like(ids)
+            with torch.no_grad():
+                out = model(input_ids=ids, attention_mask=ones, **{name: DynamicCache()}, **PLAIN, return_dict=True)
+            long = batch.join("long", [(layer.keys, layer.values) for layer in getattr(out, name).layers], ones,
+                              out.logits[:, -1].argmax(-1))
+            assert long.start >= 0 and a.start > HEADROOM
+        stepping = [m for m in batch.members]
+        inputs, _, _ = batch.prepare(stepping)
+        with torch.no_grad():
+            out = model(**inputs, return_dict=True)
+            want = model(input_ids=token[:, None], position_ids=torch.tensor([[position]]), **{name: plain}, **PLAIN,
+                         return_dict=True)
+        if step < 2 * HEADROOM:
+            assert torch.equal(out.logits[a.row:a.row + a.count], want.logits), step
+        else:
+            torch.testing.assert_close(out.logits[a.row:a.row + a.count], want.logits, rtol=1e-5, atol=1e-6)
+        token = want.logits[:, -1].argmax(-1)
+        batch.advance(stepping, [out.logits[m.row:m.row + m.count, -1].argmax(-1) for m in stepping])
+        position += 1
+    assert batch.mask.shape[1] > HEADROOM + mask.shape[1] + HEADROOM  # it grew

@@ -153,7 +153,8 @@ class DecodeBatch:
         if not self.members:
             self._reset(layers, max(count, min(room, self.limit)), length)
         if self.end - length < 0:
-            self._reshape(self.rows, self.mask.shape[1] + length - self.end + HEADROOM, length - self.end + HEADROOM)
+            self._reshape(self.mask.shape[0], self.mask.shape[1] + length - self.end + HEADROOM,
+                          length - self.end + HEADROOM)
         row = self._take_rows(count)
         start = self.end - length
         rows = slice(row, row + count)
