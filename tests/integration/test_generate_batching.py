@@ -484,7 +484,7 @@ async def test_rules_sessions_and_step_ranges_stay_with_their_own_call(lab: Lab,
     ids_b, mask_b = oracle.batch(plain["gated"][0])
     with oracle.recording("model.norm", "model.layers.1") as local:
         oracle.generate(ids_b, mask_b, 6, do_sample=False)
-    assert torch.equal(gated.events[0].output, local["model.layers.1"][0])  # the prefill runs alone: exact
+    assert torch.equal(gated.events[0].output, local["model.layers.1"][0])  # it came alone: its prompt pass ran alone, exact
     for event in gated.events[1:]:  # a joined step: its own rows, as alone up to rounding
         torch.testing.assert_close(event.output, local["model.norm"][event.step], rtol=1e-5, atol=1e-6)
     assert [(e.request_id, e.step) for e in session_events] == [(ids["session"], s) for s in range(1, 10)]
