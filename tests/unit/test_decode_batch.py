@@ -149,3 +149,37 @@ def test_a_batch_decodes_past_its_columns_and_takes_a_longer_history_as_a_plain_
         batch.advance(stepping, [out.logits[m.row:m.row + m.count, -1].argmax(-1) for m in stepping])
         position += 1
     assert batch.mask.shape[1] > HEADROOM + mask.shape[1] + HEADROOM  # it grew
+
+
+def test_a_row_a_call_left_holds_nothing_of_it_for_the_next_call() -> None:
+    # A call whose keys and values hold NaN or Inf (as a rule editing a projection may leave
+    # them) leaves; a new call takes its row. Its logits are finite and equal those of the
+    # same batch made fresh (the previous occupant's columns are zeroed on join, not only
+    # masked: 0 x NaN is NaN in the masked softmax).
+    model = oracle.model()
+    long = _prompt(["once upon a time there was a very long prompt indeed, longer than all"])
+    a = _prompt(["Hello world, the model is here"])
+    b = _prompt(["the cat"])
+    fresh = _batch()
+    fresh_long = fresh.join("long", *long[:3])
+    fresh_hole = fresh.join("hole", *a[:3])
+    fresh.leave(fresh_hole)
+    fresh_b = fresh.join("b", *b[:3])
+    with torch.no_grad():
+        want = model(**fresh.prepare([fresh_long, fresh_b])[0], return_dict=True).logits[fresh_b.row]
+    assert torch.isfinite(want).all()
+    for poison in (float("nan"), float("inf")):
+        batch = _batch()
+        m_long = batch.join("long", *long[:3])
+        layers = [(k.clone(), v.clone()) for k, v in a[0]]
+        for k, v in layers:
+            k[..., :3, :] = poison
+            v[..., :3, :] = poison
+        m_a = batch.join("a", layers, a[1], a[2])
+        batch.leave(m_a)
+        m_b = batch.join("b", *b[:3])
+        assert m_b.row == m_a.row == fresh_b.row
+        with torch.no_grad():
+            got = model(**batch.prepare([m_long, m_b])[0], return_dict=True).logits[m_b.row]
+        assert torch.isfinite(got).all(), poison
+        assert torch.equal(got, want), poison

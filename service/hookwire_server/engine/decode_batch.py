@@ -159,6 +159,10 @@ class DecodeBatch:
         start = self.end - length
         rows = slice(row, row + count)
         for i, (k, v) in enumerate(layers):
+            # The whole row first: a previous occupant's keys and values stay in its columns
+            # otherwise, and a NaN or Inf there leaks through the masked softmax (0 x NaN).
+            self.keys[i][rows].zero_()
+            self.values[i][rows].zero_()
             self.keys[i][rows, :, start:self.end] = k
             self.values[i][rows, :, start:self.end] = v
         self.mask[rows] = 0
