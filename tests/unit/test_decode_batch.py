@@ -183,3 +183,29 @@ def test_a_row_a_call_left_holds_nothing_of_it_for_the_next_call() -> None:
             got = model(**batch.prepare([m_long, m_b])[0], return_dict=True).logits[m_b.row]
         assert torch.isfinite(got).all(), poison
         assert torch.equal(got, want), poison
+
+
+def test_a_call_joins_only_where_its_rows_fit_within_the_limit() -> None:
+    # Eight one-row calls fill the 8 rows; three leave (holes at rows 1, 3, 5: three free
+    # rows, no two adjacent). A two-row call has no room here (it would run the pass over
+    # 10 rows); a one-row call takes a hole.
+    one, two = _prompt(["the cat"]), _prompt(["the cat", "the dog"])
+    batch = _batch(limit=8)
+    members = [batch.join(i, *one[:3]) for i in range(8)]
+    for i in (1, 3, 5):
+        batch.leave(members[i])
+    assert not batch.has_room(2) and batch.has_room(1)
+    try:
+        batch.join("g", *two[:3])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a join past the limit")
+    assert batch.rows == 8 and batch.keys[0].shape[0] == 8
+    batch.leave(members[2])  # rows 1-3 free: a hole of three
+    g = batch.join("g", *two[:3])
+    assert (g.row, g.count) == (1, 2) and batch.rows == 8
+    batch.leave(members[7])  # the bottom row goes: still no room for two (row 7 and a new row 8)
+    assert batch.rows == 7 and not batch.has_room(2) and batch.has_room(1)
+    h = batch.join("h", *one[:3])
+    assert h.row == 3 and batch.rows <= 8

@@ -121,9 +121,22 @@ class DecodeBatch:
     def rows(self) -> int:
         return len(self.owners)
 
-    def free_rows(self) -> int:
-        """Rows a call may still take (holes and room up to ``limit``)."""
-        return self.limit - sum(m.count for m in self.members)
+    def has_room(self, count: int) -> bool:
+        """Whether a call of ``count`` rows may join: a hole that large, or room below the
+        last row up to ``limit`` (holes smaller than it do not add up: a pass never runs
+        more than ``limit`` rows)."""
+        if not self.members:
+            return count <= self.limit
+        return self._hole(count) is not None or self.rows + count <= self.limit
+
+    def _hole(self, count: int) -> int | None:
+        """The first row of the first run of ``count`` free rows, if any."""
+        run = 0
+        for r, owner in enumerate(self.owners):
+            run = run + 1 if owner is None else 0
+            if run == count:
+                return r - count + 1
+        return None
 
     def fits(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether a call's cache (per layer: keys, values ``[rows, heads, length, dim]``)
@@ -150,6 +163,8 @@ class DecodeBatch:
         (unless the block must grow). ``room``: the rows a new block is made for (the
         calls of a shared prompt pass that join with this one)."""
         count, length = int(mask.shape[0]), int(mask.shape[1])
+        if not self.has_room(count):
+            raise ValueError(f"no room for {count} rows in the decoding batch (at most {self.limit} rows)")
         if not self.members:
             self._reset(layers, max(count, min(room, self.limit)), length)
         if self.end - length < 0:
@@ -214,13 +229,12 @@ class DecodeBatch:
 
     def _take_rows(self, count: int) -> int:
         """The first row of ``count`` free rows: the first hole that large, else new
-        rows at the bottom (growing the block if full)."""
-        run = 0
-        for r, owner in enumerate(self.owners):
-            run = run + 1 if owner is None else 0
-            if run == count:
-                return r - count + 1
+        rows at the bottom (growing the block if full); has_room said there are."""
+        hole = self._hole(count)
+        if hole is not None:
+            return hole
         row = self.rows
+        assert row + count <= self.limit
         if row + count > self.mask.shape[0]:
             self._reshape(max(2 * self.mask.shape[0], row + count), self.mask.shape[1], 0)
         self.owners.extend([None] * count)

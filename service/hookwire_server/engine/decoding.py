@@ -406,7 +406,7 @@ def _enter(host: ModelHost, call: GenerateCall, decoder: Decoder, layers: list[t
         # Calls of one slots group never share a pass: in one batch, each would run the
         # other's rows as dummies every step.
         apart = call.group is not None and any(m.call.group == call.group for m in batch.members)
-        if batch.plain == dict(plain) and batch.free_rows() >= count and batch.fits(layers) and not apart:
+        if batch.plain == dict(plain) and batch.has_room(count) and batch.fits(layers) and not apart:
             break
     else:
         batch = DecodeBatch(decoder.model, decoder.cache_key, dict(plain), host.dimensions,
