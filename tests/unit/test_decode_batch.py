@@ -209,3 +209,85 @@ def test_a_call_joins_only_where_its_rows_fit_within_the_limit() -> None:
     assert batch.rows == 7 and not batch.has_room(2) and batch.has_room(1)
     h = batch.join("h", *one[:3])
     assert h.row == 3 and batch.rows <= 8
+
+
+def test_a_member_that_sits_out_is_evicted_and_the_window_stays_bounded() -> None:
+    # 'slow' never steps (its reader lags); 'fast' steps 300 passes, leaving and joining
+    # again every 60. Without eviction the window grew to 'slow''s 300 masked columns;
+    # with it, 'slow' goes after SIT_OUT_PASSES with its own columns only (its prompt),
+    # and the window stays within the longest live history plus the padding hooks need.
+    from hookwire_server.engine.decode_batch import SIT_OUT_PASSES
+
+    model, name = oracle.model(), cache_argument(oracle.model())
+    batch = _batch()
+    slow_layers, slow_mask, slow_last, _ = _prompt(["the cat"])
+    slow = batch.join("slow", slow_layers, slow_mask, slow_last)
+    fast = batch.join("fast", *_prompt(["Hello world"])[:3])
+    evicted = None
+    widest = 0
+    for step in range(300):
+        if step % 60 == 0 and step:
+            batch.leave(fast)
+            fast = batch.join("fast", *_prompt(["Hello world"])[:3])
+        inputs, _, spans = batch.prepare([fast])
+        with torch.no_grad():
+            out = model(**inputs, return_dict=True)
+        batch.advance([fast], [out.logits[fast.row:fast.row + 1, -1].argmax(-1)])
+        for member in batch.lagging():
+            assert member is slow and step == SIT_OUT_PASSES
+            evicted = batch.evict(member)
+        widest = max(widest, batch.end - batch.window - spans[0])
+    assert evicted is not None and slow not in batch.members
+    assert widest <= 16  # the padding past tiny-lm's dimensions, never the sit-outs
+    assert batch.mask.shape[1] < 4 * HEADROOM
+    # Its own history, without the masked columns: its next step alone equals one over a
+    # plain DynamicCache of its prompt, bit for bit (its keys were never written by a pass).
+    layers, mask, positions = evicted
+    assert torch.equal(mask, slow_mask) and all(torch.equal(k, k0) and torch.equal(v, v0)
+                                                 for (k, v), (k0, v0) in zip(layers, slow_layers))
+    full = torch.cat([mask, mask.new_ones((1, 1))], -1)
+    with torch.no_grad():
+        got = model(input_ids=slow_last[:, None], position_ids=positions[:, None], attention_mask=full,
+                    **{name: DynamicCache(ddp_cache_data=layers)}, **PLAIN, return_dict=True)
+        want = model(input_ids=slow_last[:, None], position_ids=slow_mask.sum(-1)[:, None], attention_mask=full,
+                     **{name: DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in slow_layers])}, **PLAIN,
+                     return_dict=True)
+    assert torch.equal(got.logits, want.logits)
+
+
+def test_an_evicted_call_decodes_what_generate_decodes_alone() -> None:
+    # Through decoding: 'a' and 'b' share a decoding batch; 'b' sits out passes until it is
+    # evicted (its stepped columns plus its prompt go to a plain cache), then decodes alone
+    # and joins a batch again. Its tokens are those of generate() of its prompt alone.
+    from hookwire_server.engine import decoding
+    from hookwire_server.engine.decode_batch import SIT_OUT_PASSES
+    from hookwire_server.engine.seam import GenerateCall, GenerateOptions
+    from hookwire_server.hooks.passes import Pass
+    from support import build_test_registry
+
+    host = build_test_registry().get("tiny-lm")
+    n = SIT_OUT_PASSES + 12
+
+    def call(name: str, text: str) -> GenerateCall:
+        ids, mask = oracle.batch([text])
+        return GenerateCall(Pass(name, "", principal=name, model="tiny-lm"), [], ids, mask,
+                            GenerateOptions(max_new_tokens=n, overrides={"do_sample": False}, seed=0, stop=()), None,
+                            put=lambda item: None)
+
+    a, b = call("a", "Hello world, the model"), call("b", "once upon a time")
+    decoding.run_step_batch(host, [a, b])  # the shared prompt pass: both join one batch
+    assert a.decoder.batch is not None and a.decoder.batch is b.decoder.batch
+    decoding.run_step_batch(host, [a, b])
+    decoding.run_step_batch(host, [a, b])
+    for _ in range(SIT_OUT_PASSES + 1):  # b's reader lags
+        decoding.run_step_batch(host, [a])
+    assert b.decoder.batch is None and b.decoder.member is None  # evicted
+    decoding.run_step_batch(host, [a, b])  # the scheduler joined them before: b steps alone
+    assert b.decoder.batch is a.decoder.batch  # and joined again after its step
+    while not b.decoder.finished and b.step < n:
+        decoding.run_step_batch(host, [b] if a.decoder.finished or a.step >= n else [a, b])
+    ids, mask = oracle.batch(["once upon a time"])
+    want = oracle.model().generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+    assert b.decoder.tokens[0] == want[0, ids.shape[1]:].tolist()
+    for c in (a, b):
+        decoding.finish_call(c)

@@ -47,6 +47,13 @@ from .batching import padded_length
 #: with a longer history to join (and for the window to widen) without reallocating.
 HEADROOM = 32
 
+#: A member that sat out more passes in a row than this, or more passes in all than
+#: ``SIT_OUT_COLUMNS``, is evicted (``lagging``, ``evict``): its masked columns would
+#: otherwise hold the window (every row's attention, the block's columns) open without
+#: bound, and its hooks would see ever more masked keys.
+SIT_OUT_PASSES = 8
+SIT_OUT_COLUMNS = 32
+
 
 class BlockLayer(DynamicLayer):  # type: ignore[misc]  # transformers is untyped
     """One attention layer's keys and values: views of the batch's block (see the
@@ -89,6 +96,9 @@ class Member:
     count: int
     #: The column its history starts at.
     start: int
+    #: Passes it sat out: in a row (since it last stepped), and in all.
+    idle: int = 0
+    sat_out: int = 0
 
 
 class DecodeBatch:
@@ -211,6 +221,24 @@ class DecodeBatch:
             return
         self.window = min(m.start for m in self.members)
 
+    def lagging(self) -> list[Member]:
+        """Members that sat out too many passes (SIT_OUT_PASSES in a row, SIT_OUT_COLUMNS in all)."""
+        return [m for m in self.members if m.idle > SIT_OUT_PASSES or m.sat_out > SIT_OUT_COLUMNS]
+
+    def evict(self, member: Member) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+        """Takes a member out of the batch with a copy of its own history: per layer its
+        keys and values ``[rows, heads, length, dim]`` over the columns any of its rows
+        attends to (without the masked columns of the passes it sat out, nor those left
+        of its history), its mask over them, and its rows' next positions. Its rows
+        leave (``leave``)."""
+        rows = slice(member.row, member.row + member.count)
+        own = self.mask[rows, member.start:self.end].any(0).nonzero().squeeze(-1) + member.start
+        layers = [(k[rows].index_select(2, own), v[rows].index_select(2, own)) for k, v in zip(self.keys, self.values)]
+        mask = self.mask[rows].index_select(1, own)
+        positions = self.positions[rows].clone()
+        self.leave(member)
+        return layers, mask, positions
+
     def _reset(self, layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, length: int) -> None:
         """A new block for the first call(s) to join: ``rows`` rows (calls that join
         later grow it by doubling) and ``HEADROOM`` columns on either side of the history.
@@ -312,6 +340,12 @@ class DecodeBatch:
         """After a pass: the write column moves on, each stepping member's rows take
         their next position and input token (``tokens``: per member, per row)."""
         self.end += 1
+        for m in self.members:
+            if m in stepping:
+                m.idle = 0
+            else:
+                m.idle += 1
+                m.sat_out += 1
         for m, chosen in zip(stepping, tokens):
             rows = slice(m.row, m.row + m.count)
             self.positions[rows] += 1

@@ -370,7 +370,9 @@ def _run_step(host: ModelHost, call: GenerateCall) -> StepResult:
     p.token_ids = decoder.input_ids if decoder.step_index == 0 else decoder.input_ids[:, -1:]
     with running(host, Batch.alone(p)), model_errors(host, "forward"):
         tokens = decoder.step()
-    if decoder.step_index == 1 and not decoder.finished and call.options.max_new_tokens > 1:
+    if decoder.member is None and not decoder.finished and call.step + 1 < call.options.max_new_tokens:
+        # After its prompt pass alone, or its step alone after it was evicted from a batch
+        # (decode_batch.SIT_OUT_PASSES): it joins one as a new call (its history as it is).
         _join_batch(host, call, decoder)
     result = StepResult(tokens, tuple(decoder.reasons), decoder.finished, dict(decoder.stopped))
     call.step += 1
@@ -386,11 +388,38 @@ def _join_batch(host: ModelHost, call: GenerateCall, decoder: Decoder) -> None:
     kwargs = decoder.model_kwargs
     assert kwargs is not None
     layers = [(layer.keys, layer.values) for layer in kwargs[decoder.cache_key].layers]
-    _enter(host, call, decoder, layers)
+    length = int(layers[0][0].shape[2])
+    mask = kwargs.get("attention_mask")
+    # Its mask over its cache's columns (the prompt's, then 1 a step; the last column is
+    # that of the token it feeds next).
+    mask = mask[:, :length] if isinstance(mask, torch.Tensor) else torch.ones_like(decoder.input_ids[:, :length])
+    with model_errors(host, "forward"):
+        _enter(host, call, decoder, layers, mask=mask)
+
+
+def _evict(batch: Any, member: Any) -> None:
+    """Takes a member that sat out too many passes out of its decoding batch
+    (decode_batch.SIT_OUT_PASSES): its call gets a plain ``DynamicCache`` of its own
+    history (without the masked columns of the passes it sat out) and decodes alone,
+    as after a prompt pass alone (it may join a batch again after its next step)."""
+    from transformers import DynamicCache
+
+    decoder = member.call.decoder
+    assert isinstance(decoder, Decoder)
+    layers, mask, positions = batch.evict(member)
+    ones = mask.new_ones((mask.shape[0], 1))
+    full = torch.cat([mask, ones], dim=-1)  # and the column of the token it feeds next
+    position_ids = (full.cumsum(-1) - 1).clamp(min=0)
+    position_ids[:, -1] = positions
+    kwargs: dict[str, Any] = dict(batch.plain)
+    kwargs.update(attention_mask=full, position_ids=position_ids)
+    kwargs[decoder.cache_key] = DynamicCache(ddp_cache_data=layers)
+    decoder.model_kwargs = kwargs
+    decoder.member = decoder.batch = None
 
 
 def _enter(host: ModelHost, call: GenerateCall, decoder: Decoder, layers: list[tuple[torch.Tensor, torch.Tensor]],
-           room: int = 0) -> None:
+           room: int = 0, mask: torch.Tensor | None = None) -> None:
     """Puts a call that ran its prompt pass into a decoding batch of the model with room
     for its rows and the same inputs and layer shapes (a new one if none has, made for
     ``room`` rows: those of the calls joining with it); its own KV cache and inputs go
@@ -412,7 +441,8 @@ def _enter(host: ModelHost, call: GenerateCall, decoder: Decoder, layers: list[t
         batch = DecodeBatch(decoder.model, decoder.cache_key, dict(plain), host.dimensions,
                             max(count, host.batching.max_batch_size))
         batches.append(batch)
-    decoder.member = batch.join(call, layers, decoder.prompt_mask, decoder.input_ids[:, -1], room)
+    mask = decoder.prompt_mask if mask is None else mask
+    decoder.member = batch.join(call, layers, mask, decoder.input_ids[:, -1], room)
     decoder.batch = batch
     decoder.model_kwargs = {}  # its cache, mask and positions live in the batch now
 
@@ -428,18 +458,33 @@ def run_step_batch(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     if len(calls) > 1:
         if all(call.decoder is None for call in calls):
             return _run_prompts(host, calls)
-        batches = {id(call.decoder.batch) if isinstance(call.decoder, Decoder) else None for call in calls}
-        shared = batches != {None} and len(batches) == 1
-        return run_joined(host, calls, (lambda cs: _run_batch_step(host, cs)) if shared else _fail_shared,
-                          lambda call: _run_step(host, call), what="batched step", logger=log)
-    try:  # a lone call's step, without the pass runner's call-back into this module
-        return [_run_step(host, calls[0])]
+        # Calls of one decoding batch step together; a call that left its batch since
+        # the scheduler joined it (evicted: decode_batch.SIT_OUT_PASSES) steps alone.
+        groups: dict[int | None, list[int]] = {}
+        for i, call in enumerate(calls):
+            batch = call.decoder.batch if isinstance(call.decoder, Decoder) else None
+            groups.setdefault(None if batch is None else id(batch), []).append(i)
+        results: list[Any] = [None] * len(calls)
+        for key, indices in groups.items():
+            group = [calls[i] for i in indices]
+            if key is None or len(group) == 1:
+                out = [_step_alone(host, call) for call in group]
+            else:
+                out = run_joined(host, group, lambda cs: _run_batch_step(host, cs), lambda call: _run_step(host, call),
+                                 what="batched step", logger=log)
+            for i, result in zip(indices, out):
+                results[i] = result
+        return results
+    return [_step_alone(host, calls[0])]
+
+
+def _step_alone(host: ModelHost, call: GenerateCall) -> Any:
+    """A lone call's step (without the pass runner's call-back into this module): its
+    StepResult or exception."""
+    try:
+        return _run_step(host, call)
     except Exception as exc:
-        return [exc]
-
-
-def _fail_shared(calls: list[GenerateCall]) -> list[Any]:
-    raise InvalidArgument("the calls are in no one decoding batch: each steps alone")
+        return exc
 
 
 def _run_prompts(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
@@ -581,6 +626,11 @@ def _run_batch_step(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
             call.put(("step", result))
         results.append(result)
     batch.advance(members, [d.input_ids[:, -1] for d in decoders])
+    for member in batch.lagging():  # its masked columns would hold the window open: it goes on alone
+        try:
+            _evict(batch, member)
+        except Exception:  # e.g. out of memory for its copy: it stays (and is tried again next pass)
+            log.exception("evicting a lagging Generate call from a decoding batch of %s failed", host.name)
     return results
 
 
