@@ -291,3 +291,44 @@ def test_an_evicted_call_decodes_what_generate_decodes_alone() -> None:
     assert b.decoder.tokens[0] == want[0, ids.shape[1]:].tolist()
     for c in (a, b):
         decoding.finish_call(c)
+
+
+def test_a_failure_to_enter_the_batch_after_a_shared_prompt_pass_fails_only_that_call(monkeypatch: Any) -> None:
+    # After the shared prompt pass chose both calls' first tokens, 'b' cannot enter the
+    # decoding batch (out of memory growing the block): 'b' fails with RESOURCE_EXHAUSTED,
+    # 'a' goes on (one step, not its prompt pass again alone) and decodes what generate()
+    # decodes alone.
+    from hookwire_server.engine import decoding
+    from hookwire_server.engine.seam import GenerateCall, GenerateOptions, StepResult
+    from hookwire_server.errors import ResourceExhausted
+    from hookwire_server.hooks.passes import Pass
+    from support import build_test_registry
+
+    host = build_test_registry().get("tiny-lm")
+
+    def call(name: str, text: str) -> GenerateCall:
+        ids, mask = oracle.batch([text])
+        return GenerateCall(Pass(name, "", principal=name, model="tiny-lm"), [], ids, mask,
+                            GenerateOptions(max_new_tokens=6, overrides={"do_sample": False}, seed=0, stop=()), None,
+                            put=lambda item: None)
+
+    real = decoding._enter
+
+    def enter(host: Any, call: Any, *args: Any, **kwargs: Any) -> None:
+        if call.p.request_id == "b":
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated, growing the block)")
+        real(host, call, *args, **kwargs)
+
+    monkeypatch.setattr(decoding, "_enter", enter)
+    a, b = call("a", "Hello world, the model"), call("b", "once upon a time")
+    results = decoding.run_step_batch(host, [a, b])
+    assert isinstance(results[0], StepResult) and isinstance(results[1], ResourceExhausted)
+    assert (a.step, b.step) == (1, 0) and a.decoder.member is not None
+    monkeypatch.setattr(decoding, "_enter", real)
+    decoding.finish_call(b, ended=True, failure=results[1])
+    while not a.decoder.finished and a.step < 6:
+        decoding.run_step_batch(host, [a])
+    ids, mask = oracle.batch(["Hello world, the model"])
+    want = oracle.model().generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert a.decoder.tokens[0] == want[0, ids.shape[1]:].tolist()
+    decoding.finish_call(a)

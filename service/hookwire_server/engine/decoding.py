@@ -564,6 +564,8 @@ def _run_shared_prompt(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     cache = getattr(outputs, first.cache_key)
     results: list[Any] = []
     room = total  # a new decoding batch is made for all of them at once
+    # From the first choose on, nothing raises out of here (the pass runner would run the
+    # calls' prompt passes again alone): each call's failure is its own.
     for call, d, seg, length in zip(calls, decoders, segments, lengths):
         result: Any
         try:
@@ -573,12 +575,16 @@ def _run_shared_prompt(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
         else:
             result = StepResult(tokens, tuple(d.reasons), d.finished, dict(d.stopped))
             if not d.finished and call.options.max_new_tokens > 1:
-                _enter(host, call, d, [(layer.keys[seg.start:seg.stop, :, width - length:],
-                                        layer.values[seg.start:seg.stop, :, width - length:]) for layer in cache.layers],
-                       room)
+                try:  # e.g. out of memory growing the batch's block: only it fails (RESOURCE_EXHAUSTED)
+                    with model_errors(host, "forward"):
+                        _enter(host, call, d, [(layer.keys[seg.start:seg.stop, :, width - length:],
+                                                layer.values[seg.start:seg.stop, :, width - length:])
+                                               for layer in cache.layers], room)
+                except Exception as exc:
+                    result = exc
         try:
             call.p.release()  # its events of the pass go out (also when it failed, as a step alone delivers them)
-        except ResourceExhausted as exc:  # it kept more for a full stream than its principal may: only it fails
+        except Exception as exc:  # e.g. it kept more for a full stream than its principal may: only it fails
             result = exc
         if not isinstance(result, BaseException):
             call.step += 1
