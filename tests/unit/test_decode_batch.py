@@ -332,3 +332,75 @@ def test_a_failure_to_enter_the_batch_after_a_shared_prompt_pass_fails_only_that
     want = oracle.model().generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert a.decoder.tokens[0] == want[0, ids.shape[1]:].tolist()
     decoding.finish_call(a)
+
+
+def test_a_reshape_that_runs_out_of_memory_leaves_the_batch_as_it_was(monkeypatch: Any) -> None:
+    # Growing the block for more rows: the allocation of its mask (after every layer's
+    # new keys and values) fails. The batch keeps its old tensors, the join fails, and
+    # a step afterwards computes what it computed before.
+    model = oracle.model()
+    batch = _batch()
+    first = _prompt(["Hello world, the model"])
+    a = batch.join("a", *first[:3])
+    with torch.no_grad():
+        before = model(**batch.prepare([a])[0], return_dict=True).logits
+    keys, values, mask = list(batch.keys), list(batch.values), batch.mask
+    state = (batch.rows, batch.end, batch.window, a.start)
+    real = torch.Tensor.new_zeros
+    calls = {"n": 0}
+
+    def new_zeros(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 2 * len(keys) + 1:  # the mask's, after all keys and values
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "new_zeros", new_zeros)
+    try:
+        batch.join("b", *_prompt(["the cat", "the dog"])[:3])  # 3 rows: past the block's one
+    except torch.OutOfMemoryError:
+        pass
+    else:
+        raise AssertionError("the join did not fail")
+    monkeypatch.setattr(torch.Tensor, "new_zeros", real)
+    assert all(x is y for x, y in zip(batch.keys + batch.values, keys + values)) and batch.mask is mask
+    assert (batch.rows, batch.end, batch.window, a.start) == state and batch.members == [a]
+    with torch.no_grad():
+        after = model(**batch.prepare([a])[0], return_dict=True).logits
+    assert torch.equal(after, before)
+
+
+def test_a_batch_that_fails_after_its_pass_is_dropped_and_its_calls_fail(monkeypatch: Any) -> None:
+    # The step after the pass (the batch's advance) raises: the calls keep the tokens they
+    # chose (one step each, not a second one alone), the batch is dropped, and each
+    # member's next step fails with the error.
+    from hookwire_server.engine import decoding
+    from hookwire_server.engine.seam import GenerateCall, GenerateOptions, StepResult
+    from hookwire_server.errors import InvalidArgument
+    from hookwire_server.hooks.passes import Pass
+    from support import build_test_registry
+
+    host = build_test_registry().get("tiny-lm")
+
+    def call(name: str, text: str) -> GenerateCall:
+        ids, mask = oracle.batch([text])
+        return GenerateCall(Pass(name, "", principal=name, model="tiny-lm"), [], ids, mask,
+                            GenerateOptions(max_new_tokens=6, overrides={"do_sample": False}, seed=0, stop=()), None,
+                            put=lambda item: None)
+
+    a, b = call("a", "Hello world, the model"), call("b", "once upon a time")
+    decoding.run_step_batch(host, [a, b])
+    batch = a.decoder.batch
+    assert batch is b.decoder.batch
+
+    def advance(*args: Any) -> None:
+        raise RuntimeError("advance failed (simulated)")
+
+    monkeypatch.setattr(batch, "advance", advance)
+    results = decoding.run_step_batch(host, [a, b])
+    assert all(isinstance(r, StepResult) for r in results) and (a.step, b.step) == (2, 2)
+    assert batch.broken is not None and not batch.members and not batch.keys
+    results = decoding.run_step_batch(host, [a, b])
+    assert all(isinstance(r, InvalidArgument) for r in results) and (a.step, b.step) == (2, 2)
+    for c, r in zip((a, b), results):
+        decoding.finish_call(c, ended=True, failure=r)

@@ -126,6 +126,8 @@ class DecodeBatch:
         self.end = 0
         self.window = 0
         self.cache: Any = None
+        #: Set by ``drop``: the error its former members' steps fail with.
+        self.broken: Exception | None = None
 
     @property
     def rows(self) -> int:
@@ -180,21 +182,27 @@ class DecodeBatch:
         if self.end - length < 0:
             self._reshape(self.mask.shape[0], self.mask.shape[1] + length - self.end + HEADROOM,
                           length - self.end + HEADROOM)
+        held = self.rows
         row = self._take_rows(count)
         start = self.end - length
         rows = slice(row, row + count)
-        for i, (k, v) in enumerate(layers):
-            # The whole row first: a previous occupant's keys and values stay in its columns
-            # otherwise, and a NaN or Inf there leaks through the masked softmax (0 x NaN).
-            self.keys[i][rows].zero_()
-            self.values[i][rows].zero_()
-            self.keys[i][rows, :, start:self.end] = k
-            self.values[i][rows, :, start:self.end] = v
-        self.mask[rows] = 0
-        self.mask[rows, start:self.end] = mask.to(self.mask.device)
-        # generate()'s position ids: cumsum(mask) - 1 over the prompt, then +1 a step.
-        self.positions[rows] = mask.to(self.positions.device).sum(-1)
-        self.last[rows] = last.to(self.last.device)
+        try:
+            for i, (k, v) in enumerate(layers):
+                # The whole row first: a previous occupant's keys and values stay in its columns
+                # otherwise, and a NaN or Inf there leaks through the masked softmax (0 x NaN).
+                self.keys[i][rows].zero_()
+                self.values[i][rows].zero_()
+                self.keys[i][rows, :, start:self.end] = k
+                self.values[i][rows, :, start:self.end] = v
+            self.mask[rows] = 0
+            self.mask[rows, start:self.end] = mask.to(self.mask.device)
+            # generate()'s position ids: cumsum(mask) - 1 over the prompt, then +1 a step.
+            self.positions[rows] = mask.to(self.positions.device).sum(-1)
+            self.last[rows] = last.to(self.last.device)
+        except BaseException:  # its rows stay free (masked: they run as holes), new ones go
+            self.mask[rows] = 0
+            del self.owners[held:]
+            raise
         member = Member(call, row, count, start)
         self.members.append(member)
         for r in range(row, row + count):
@@ -220,6 +228,14 @@ class DecodeBatch:
             self.end = self.window = 0
             return
         self.window = min(m.start for m in self.members)
+
+    def drop(self, error: Exception) -> None:
+        """After a failure that leaves the batch's state unknown (a step that raised past
+        its pass): its members' next steps fail with ``error``; its memory goes."""
+        self.broken = error
+        self.members.clear()
+        self.owners.clear()
+        self.keys, self.values, self.cache = [], [], None
 
     def lagging(self) -> list[Member]:
         """Members that sat out too many passes (SIT_OUT_PASSES in a row, SIT_OUT_COLUMNS in all)."""
@@ -283,14 +299,19 @@ class DecodeBatch:
                 out[used, :, lo + shift:hi + shift] = t[used, :, lo:hi]
             return out
 
-        self.keys = [moved(k, (rows, k.shape[1], columns, k.shape[3])) for k in self.keys]
-        self.values = [moved(v, (rows, v.shape[1], columns, v.shape[3])) for v in self.values]
-        self.mask = moved(self.mask, (rows, columns))
+        # Every new tensor first, then all at once: running out of memory halfway leaves
+        # the batch as it was.
+        keys = [moved(k, (rows, k.shape[1], columns, k.shape[3])) for k in self.keys]
+        values = [moved(v, (rows, v.shape[1], columns, v.shape[3])) for v in self.values]
+        mask = moved(self.mask, (rows, columns))
+        vectors = {}
         for name in ("positions", "last"):
             old = getattr(self, name)
             new = old.new_zeros(rows)
             new[used] = old[used]
-            setattr(self, name, new)
+            vectors[name] = new
+        self.keys, self.values, self.mask = keys, values, mask
+        self.positions, self.last = vectors["positions"], vectors["last"]
         for m in self.members:
             m.start += shift
         self.end += shift

@@ -33,7 +33,7 @@ from ..hooks.hook_record import HookRecord
 from ..models.model_registry import ModelHost, forward_parameters
 from .batching import Batch, Segment, padded_length
 from . import wakeups
-from .pass_runner import model_errors, run_joined, running
+from .pass_runner import model_error, model_errors, run_joined, running
 from .seam import FINISHED, GenerateCall, GenerateOptions, Running, StepResult
 
 log = logging.getLogger("hookwire.generate")
@@ -602,6 +602,8 @@ def _run_batch_step(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     model: Any = host.module
     decoders: list[Decoder] = [call.decoder for call in calls]
     batch = decoders[0].batch
+    if batch.broken is not None:  # an earlier step left it in an unknown state: its calls fail
+        raise batch.broken
     members = [d.member for d in decoders]
     inputs, padded, spans = batch.prepare(members)
     segments = [Segment(call.p, m.row, m.row + m.count, span) for call, m, span in zip(calls, members, spans)]
@@ -625,13 +627,20 @@ def _run_batch_step(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
         if len(calls) > 1:
             try:
                 call.p.release()  # its events of the pass go out (also when it failed, as a step alone delivers them)
-            except ResourceExhausted as exc:  # it kept more for a full stream than its principal may: only it fails
+            except Exception as exc:  # e.g. it kept more for a full stream than its principal may: only it fails
                 result = exc
         if not isinstance(result, BaseException):
             call.step += 1
             call.put(("step", result))
         results.append(result)
-    batch.advance(members, [d.input_ids[:, -1] for d in decoders])
+    # The calls chose their tokens: nothing raises out of here now (the pass runner would
+    # run their step again alone).
+    try:
+        batch.advance(members, [d.input_ids[:, -1] for d in decoders])
+    except Exception as exc:  # the batch's state is unknown: every member's next step fails
+        log.exception("a decoding batch of %s failed after its pass; its calls fail", host.name)
+        batch.drop(model_error(host, "forward", exc))
+        return results
     for member in batch.lagging():  # its masked columns would hold the window open: it goes on alone
         try:
             _evict(batch, member)
