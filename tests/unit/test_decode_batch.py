@@ -404,3 +404,36 @@ def test_a_batch_that_fails_after_its_pass_is_dropped_and_its_calls_fail(monkeyp
     assert all(isinstance(r, InvalidArgument) for r in results) and (a.step, b.step) == (2, 2)
     for c, r in zip((a, b), results):
         decoding.finish_call(c, ended=True, failure=r)
+
+
+def test_only_models_with_generate_s_own_input_preparation_decode_in_a_batch(monkeypatch: Any) -> None:
+    # A batch's passes hand the model its inputs directly: a model class that overrides
+    # prepare_inputs_for_generation, remote code, or 3-D position ids decode alone.
+    from transformers.generation.utils import GenerationMixin
+
+    from hookwire_server.engine import decoding
+    from hookwire_server.engine.seam import GenerateOptions
+    from support import build_test_registry
+
+    host = build_test_registry().get("tiny-lm")
+    ids, mask = oracle.batch(["Hello world"])
+    options = GenerateOptions(max_new_tokens=4, overrides={"do_sample": False}, seed=0, stop=())
+    d = decoding.start_call(host, [], ids, mask, options, None)
+    assert d.batch_key() is not None
+    cls = type(d.model)
+
+    def custom(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return GenerationMixin.prepare_inputs_for_generation(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(cls, "prepare_inputs_for_generation", custom, raising=False)
+        assert d.batch_key() is None
+    with monkeypatch.context() as m:
+        m.setattr(cls, "__module__", "transformers_modules.someone.modeling_custom")
+        assert d.batch_key() is None
+    assert d.batch_key() is not None
+    positions = d.model_kwargs["position_ids"]
+    d.model_kwargs["position_ids"] = positions[None].expand(3, *positions.shape)  # rope sections
+    assert d.batch_key() is None
+    d.model_kwargs["position_ids"] = positions
+    assert d.batch_key() is not None

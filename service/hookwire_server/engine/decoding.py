@@ -140,7 +140,7 @@ class Decoder:
         attention mask and position ids as tensors (each row keeps its own positions),
         every other input a plain value."""
         kwargs = self.model_kwargs
-        if kwargs is None or not kwargs.get("use_cache"):
+        if kwargs is None or not kwargs.get("use_cache") or not batchable_model(self.model):
             return None
         cache: Any = kwargs.get(self.cache_key)
         if type(cache).__name__ != "DynamicCache" or not cache.layers:
@@ -150,8 +150,9 @@ class Decoder:
                 return None
             if self.step_index == 0 and layer.is_initialized and layer.get_seq_length():
                 return None  # a prompt pass over a cache that holds something already
-        if not isinstance(kwargs.get("position_ids"), torch.Tensor):
-            return None  # the model would take positions from the (padded) cache length
+        positions = kwargs.get("position_ids")
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+            return None  # the model would take positions from the (padded) cache length; or 3-D (rope sections)
         if not isinstance(kwargs.get("attention_mask"), (torch.Tensor, type(None))):
             return None
         return ("batch", self.plain_inputs(), len(cache.layers))
@@ -245,6 +246,20 @@ class Decoder:
         """Frees the KV cache and the other tensors the call holds."""
         self.model_kwargs = None
         self.logits_processor = None
+
+
+def batchable_model(model: Any) -> bool:
+    """Whether a model's decoding steps may run in a decoding batch, whose passes hand
+    the model its inputs directly (ids, mask, 2-D position ids, cache) instead of through
+    ``prepare_inputs_for_generation``: only a class of transformers itself (no remote
+    code, nothing defined elsewhere) that keeps ``GenerationMixin``'s own
+    ``prepare_inputs_for_generation``. Other models decode each call alone."""
+    from transformers.generation.utils import GenerationMixin
+
+    cls = type(model)
+    if cls.__module__.split(".")[0] != "transformers":
+        return False
+    return getattr(cls, "prepare_inputs_for_generation", None) is GenerationMixin.prepare_inputs_for_generation
 
 
 def start_call(
