@@ -27,9 +27,18 @@ dimension has (batching.padded_length). Only growth copies: more rows than the b
 holds, columns past its capacity, a joining history longer than the columns on the
 left (each a reallocation that doubles, so rare).
 
-A call in the batch may sit out a pass (its stream lags, or a pass of another call of
-its slots group runs): its row still runs as a dummy, its column of that pass masked
-for good; its hooks then see that masked key among its own.
+A call in the batch may sit out a pass (its stream lags; calls of one slots group
+never share a batch): its row still runs as a dummy, its column of that pass masked for
+good; its hooks then see that masked key among its own. A member that sat out more than
+``SIT_OUT_PASSES`` passes in a row, or ``SIT_OUT_COLUMNS`` in all, is evicted (``evict``:
+a copy of its own columns, without the masked ones, for a plain cache of its own), so
+that its masked columns never hold the window open without bound.
+
+Exactness: logits over the block equal those over a contiguous ``DynamicCache`` of the
+same rows bit for bit; calls that arrive together decode bit for bit as batched
+``generate()`` while the window is not widened (a longer history joining, or a padded
+key length for hooks) and no member sits out a pass. Otherwise the sums run in another
+order: equal up to rounding.
 """
 
 from __future__ import annotations

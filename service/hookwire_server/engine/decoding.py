@@ -16,7 +16,8 @@ item for its whole life: seam.GenerateCall). A call's own choice of tokens (``ch
 processors, sampling generator, stopping criteria) stays its own in a shared pass. So a
 call running alone computes exactly what in-process ``generate()`` computes, and calls
 that arrive together compute what in-process ``generate()`` of their prompts as one
-batch computes.
+batch computes (bit for bit while their decoding batch's window is not widened and no
+member sits out a pass; otherwise up to rounding: decode_batch).
 """
 
 from __future__ import annotations
