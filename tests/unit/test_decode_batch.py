@@ -437,3 +437,30 @@ def test_only_models_with_generate_s_own_input_preparation_decode_in_a_batch(mon
     assert d.batch_key() is None
     d.model_kwargs["position_ids"] = positions
     assert d.batch_key() is not None
+
+
+def test_a_lone_call_that_cannot_join_a_batch_decodes_alone(monkeypatch: Any) -> None:
+    # After its prompt pass alone, joining a decoding batch runs out of memory: the call
+    # keeps its own cache, goes on alone and decodes what generate() decodes.
+    from hookwire_server.engine import decoding
+    from hookwire_server.engine.decode_batch import DecodeBatch
+    from hookwire_server.engine.seam import GenerateCall, GenerateOptions, StepResult
+    from hookwire_server.hooks.passes import Pass
+    from support import build_test_registry
+
+    host = build_test_registry().get("tiny-lm")
+    ids, mask = oracle.batch(["Hello world, the model"])
+    a = GenerateCall(Pass("a", "", principal="a", model="tiny-lm"), [], ids, mask,
+                     GenerateOptions(max_new_tokens=6, overrides={"do_sample": False}, seed=0, stop=()), None,
+                     put=lambda item: None)
+
+    def join(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("out of memory (simulated)")
+
+    monkeypatch.setattr(DecodeBatch, "join", join)
+    while not (a.decoder is not None and a.decoder.finished) and a.step < 6:
+        [result] = decoding.run_step_batch(host, [a])
+        assert isinstance(result, StepResult) and a.decoder.member is None
+    want = oracle.model().generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert a.decoder.tokens[0] == want[0, ids.shape[1]:].tolist()
+    decoding.finish_call(a)

@@ -389,7 +389,11 @@ def _run_step(host: ModelHost, call: GenerateCall) -> StepResult:
     if decoder.member is None and not decoder.finished and call.step + 1 < call.options.max_new_tokens:
         # After its prompt pass alone, or its step alone after it was evicted from a batch
         # (decode_batch.SIT_OUT_PASSES): it joins one as a new call (its history as it is).
-        _join_batch(host, call, decoder)
+        try:
+            _join_batch(host, call, decoder)
+        except Exception as exc:  # e.g. out of memory: it keeps its own cache and decodes alone
+            log.warning("Generate call %s could not join a decoding batch of %s (%s); it decodes alone",
+                        p.request_id, host.name, exc)
     result = StepResult(tokens, tuple(decoder.reasons), decoder.finished, dict(decoder.stopped))
     call.step += 1
     call.put(("step", result))
