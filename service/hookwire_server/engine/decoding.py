@@ -625,7 +625,9 @@ def _run_batch_step(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     if batch.broken is not None:  # an earlier step left it in an unknown state: its calls fail
         raise batch.broken
     members = [d.member for d in decoders]
-    inputs, padded, spans = batch.prepare(members)
+    # e.g. out of memory growing the block: RESOURCE_EXHAUSTED (the batch stays as it was)
+    with model_errors(host, "forward"):
+        inputs, padded, spans = batch.prepare(members)
     segments = [Segment(call.p, m.row, m.row + m.count, span) for call, m, span in zip(calls, members, spans)]
     shared = Batch(segments, padded=padded, side="left", rows=batch.rows)
     for call, d in zip(calls, decoders):
