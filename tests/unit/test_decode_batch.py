@@ -464,3 +464,27 @@ def test_a_lone_call_that_cannot_join_a_batch_decodes_alone(monkeypatch: Any) ->
     want = oracle.model().generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert a.decoder.tokens[0] == want[0, ids.shape[1]:].tolist()
     decoding.finish_call(a)
+
+
+def test_running_out_of_memory_preparing_a_batch_step_is_resource_exhausted(monkeypatch: Any) -> None:
+    from hookwire_server.engine import decoding
+    from hookwire_server.engine.seam import GenerateCall, GenerateOptions, StepResult
+    from hookwire_server.errors import ResourceExhausted
+    from hookwire_server.hooks.passes import Pass
+    from support import build_test_registry
+
+    host = build_test_registry().get("tiny-lm")
+    ids, mask = oracle.batch(["Hello world, the model"])
+    a = GenerateCall(Pass("a", "", principal="a", model="tiny-lm"), [], ids, mask,
+                     GenerateOptions(max_new_tokens=6, overrides={"do_sample": False}, seed=0, stop=()), None,
+                     put=lambda item: None)
+    [first] = decoding.run_step_batch(host, [a])
+    assert isinstance(first, StepResult) and a.decoder.member is not None
+
+    def prepare(*args: Any) -> Any:
+        raise torch.OutOfMemoryError("out of memory growing the block (simulated)")
+
+    monkeypatch.setattr(a.decoder.batch, "prepare", prepare)
+    [result] = decoding.run_step_batch(host, [a])
+    assert isinstance(result, ResourceExhausted) and a.step == 1
+    decoding.finish_call(a, ended=True, failure=result)
