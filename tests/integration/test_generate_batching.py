@@ -7,16 +7,17 @@ Two oracles:
 - *alone*: transformers' own ``generate()`` for each call by itself (lm_oracle). A joined
   step reorders float reductions, so tokens equal it only where the greedy choice is not
   a near tie: see MARGIN_BOUND.
-- *replay*: the passes the server ran, redone in-process bit for bit: each call's prefill
-  alone, each joined step over the calls' KV caches stacked into one DynamicCache padded
-  on the left to ``batching.padded_length`` (the pad masked out, each row its own
-  position ids), with real torch hooks that cut each call's rows and, in every dimension
-  of the padded key length, its own keys. Tokens and captures must ``torch.equal`` it.
+- *batched*: transformers' own ``generate()`` of the prompts of calls that arrived
+  together, as one batch: the server runs their prompt pass as one (padded on the left as
+  generate() pads a batch) and keeps their KV caches in one decoding batch
+  (engine/decode_batch.py), where a call that leaves frees its rows without moving the
+  others'. Tokens and captures of those calls must ``torch.equal`` their rows of it, also
+  while others leave and a late call takes a freed row.
 
 Batches are formed with the scheduler's ``hold()``/``release()``, never by timing. The
 test server's model records which calls' steps each ``run_step_batch`` ran, in row order
-(``Passes``): which calls a pass holds follows the order their steps reached the queue,
-which the event loop decides, and the replay needs it to the row to be bit-exact.
+(``Passes``): a shared prompt pass's rows follow the order the calls reached the queue,
+which the tests make one at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 import hookwire
 import lm_oracle as oracle
@@ -35,9 +35,7 @@ from hookwire import rules
 from hookwire_server import build_registry
 from hookwire_server import demo_configs
 from hookwire_server.engine import decoding
-from hookwire_server.engine.batching import padded_length
-from hookwire_server.models.batch_settings import model_dimensions
-from support import CACHE, ServerThread, assert_same, until
+from support import ServerThread, assert_same, until
 
 MARGIN_BOUND = 1e-5
 """The smallest top-2 logit margin (of the alone run, at a step) at which a batched greedy
@@ -286,250 +284,128 @@ def alone(prompts: list[str], max_new_tokens: int, *, steer: torch.Tensor | None
     return Alone(tokens, margins)
 
 
-# --------------------------------------------------------------------------- the replay oracle
-
-
-class Replayed:
-    """One greedy Generate call redone in-process, pass by pass, as the server keeps it:
-    generate()'s inputs (position ids from the mask, an all-ones mask dropped), a
-    DynamicCache, one token per sequence a step, finished sequences fed the pad token."""
-
-    def __init__(self, prompts: list[str], max_new_tokens: int) -> None:
-        ids, mask = oracle.batch(prompts)
-        self.ids = ids
-        self.positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        self.mask: torch.Tensor | None = None if bool(mask.all()) else mask
-        self.cache = DynamicCache()
-        self.max_new_tokens = max_new_tokens
-        self.step = 0
-        self.running = torch.ones(ids.shape[0], dtype=torch.long)
-        self.tokens: list[list[int]] = [[] for _ in range(ids.shape[0])]
-        self.done = False
-        #: (step, module, phase, what the hook saw: the call's own rows and keys)
-        self.captures: list[tuple[int, str, str, Any]] = []
-
-    @property
-    def rows(self) -> int:
-        return int(self.ids.shape[0])
-
-    def inputs(self) -> dict[str, Any]:
-        if self.step == 0:
-            out = {"input_ids": self.ids.clone(), "position_ids": self.positions}
-        else:
-            out = {"input_ids": self.ids[:, -1:].clone(), "position_ids": self.positions[..., -1:].clone()}
-        if self.mask is not None:
-            out["attention_mask"] = self.mask
-        return {**out, CACHE: self.cache, "logits_to_keep": 1, "use_cache": True}
-
-    def advance(self, logits: torch.Tensor, cache: DynamicCache) -> None:
-        assert not self.done
-        self.cache = cache
-        self.positions = torch.cat([self.positions, self.positions[..., -1:] + 1], dim=-1)
-        if self.mask is not None:
-            self.mask = torch.cat([self.mask, self.mask.new_ones((self.rows, 1))], dim=-1)
-        chosen = torch.argmax(logits[:, -1].to(copy=True, dtype=torch.float32), dim=-1)
-        chosen = chosen * self.running + PAD * (1 - self.running)
-        for row, (token, running) in enumerate(zip(chosen.tolist(), self.running.tolist())):
-            if running:
-                self.tokens[row].append(token)
-        self.ids = torch.cat([self.ids, chosen[:, None]], dim=-1)
-        self.running = self.running & (chosen != EOS).long()
-        self.done = not bool(self.running.any()) or self.step == self.max_new_tokens - 1
-        self.step += 1
+# --------------------------------------------------------------------------- the batched oracle
 
 
 @dataclasses.dataclass
-class _Segment:
-    call: Replayed
-    start: int
-    stop: int
-    own: int
+class Rows:
+    """One call's share of an in-process batched generate(): its sequences' tokens (up to
+    its own max_new_tokens and EOS) and, per step, what each hooked module returned for
+    its rows, positions and keys."""
+
+    tokens: list[list[int]]
+    captures: list[tuple[int, str, Any]]
 
 
-class Replay:
-    """Redoes the recorded passes in-process (see the module docstring), with torch hooks
-    on ``hooks`` (path, phase) recording into each call's ``captures``."""
-
-    def __init__(self, calls: dict[str, Replayed], hooks: tuple[tuple[str, str], ...] = ()) -> None:
-        self.calls = calls
-        self.hooks = hooks
-        self.model = oracle.model()
-        self._segments: list[_Segment] = []
-        self._keys: int | None = None
-        #: Per call in a joined pass: (the padded key length, the call's own keys).
-        self.cuts: list[tuple[int, int]] = []
-
-    def run(self, runs: list[Run]) -> None:
-        handles = [self._hook(path, phase) for path, phase in self.hooks]
-        try:
-            with torch.no_grad():
-                for run in runs:
-                    calls = [self.calls[rid] for rid, _ in run.calls]
-                    assert [c.step for c in calls] == [step for _, step in run.calls], run
-                    assert not run.errors and run.shared == (len(calls) > 1), f"a pass failed: {run}"
-                    if len(calls) == 1:
-                        self._alone(calls[0])
-                    else:
-                        self._joined(calls)
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def _alone(self, call: Replayed) -> None:
-        self._segments, self._keys = [_Segment(call, 0, call.rows, 0)], None
-        out = self.model(**call.inputs(), return_dict=True)
-        call.advance(out.logits, out[CACHE])
-
-    def _joined(self, calls: list[Replayed]) -> None:
-        own = [c.cache.get_seq_length() + 1 for c in calls]  # the keys each call's step attends to
-        rows = sum(c.rows for c in calls)  # the server avoids the pass's row count too
-        keys = padded_length(own, model_dimensions(self.model) | {rows}, None)
-        assert keys is not None
-        inputs = [c.inputs() for c in calls]
-        segments, start = [], 0
-        for call, n in zip(calls, own):
-            segments.append(_Segment(call, start, start + call.rows, n))
-            start += call.rows
-        mask = torch.zeros((start, keys), dtype=torch.long)
-        for seg, i in zip(segments, inputs):
-            mask[seg.start:seg.stop, keys - seg.own:] = i.get("attention_mask", 1)
-        layers = []
-        for index in range(len(calls[0].cache.layers)):
-            stacked = []
-            for which in ("keys", "values"):
-                first = getattr(calls[0].cache.layers[index], which)
-                padded = first.new_zeros((start, first.shape[1], keys - 1, *first.shape[3:]))
-                for seg in segments:
-                    mine = getattr(seg.call.cache.layers[index], which)
-                    padded[seg.start:seg.stop, :, keys - 1 - mine.shape[2]:] = mine
-                stacked.append(padded)
-            layers.append((stacked[0], stacked[1]))
-        self._segments, self._keys = segments, keys
-        self.cuts += [(keys, n) for n in own]
-        out = self.model(
-            input_ids=torch.cat([i["input_ids"] for i in inputs]),
-            position_ids=torch.cat([i["position_ids"] for i in inputs]),
-            attention_mask=mask, **{CACHE: DynamicCache(ddp_cache_data=layers)},
-            logits_to_keep=1, use_cache=True, return_dict=True,
-        )
-        for seg in segments:
-            mine = DynamicCache(ddp_cache_data=[
-                (layer.keys[seg.start:seg.stop, :, keys - seg.own:],
-                 layer.values[seg.start:seg.stop, :, keys - seg.own:])
-                for layer in out[CACHE].layers
-            ])
-            seg.call.advance(out.logits[seg.start:seg.stop], mine)
-
-    def _cut(self, value: Any, seg: _Segment) -> Any:
-        """The call's rows of ``value`` and, in a joined pass, its own keys (the last ``own``
-        of every dimension of the padded key length), cloned; caches as None (as sent)."""
-        if isinstance(value, torch.Tensor):
-            if self._keys is None:
-                return value.detach().clone()
-            index: list[slice] = [slice(seg.start, seg.stop)] + [
-                slice(self._keys - seg.own, None) if size == self._keys else slice(None) for size in value.shape[1:]
-            ]
-            return value[tuple(index)].detach().clone()
-        if isinstance(value, (tuple, list)):
-            return type(value)(self._cut(v, seg) for v in value)
-        if isinstance(value, dict):
-            return {k: self._cut(v, seg) for k, v in value.items()}
-        if isinstance(value, DynamicCache):
-            return None
-        return value
-
-    def _hook(self, path: str, phase: str) -> Any:
-        module = self.model.get_submodule(path)
-
-        def record(value: Any) -> None:
-            for seg in self._segments:
-                seg.call.captures.append((seg.call.step, path, phase, self._cut(value, seg)))
-
-        if phase == "forward_pre":
-            return module.register_forward_pre_hook(lambda m, args, kwargs: record((args, kwargs)), with_kwargs=True)
-        return module.register_forward_hook(lambda m, args, output: record(output))
+def batched(plan: dict[str, tuple[list[str], int]], paths: tuple[str, ...]) -> dict[str, Rows]:
+    """transformers' own generate() over all the plan's prompts as one batch (left-padded
+    together, in plan order: the rows a shared prompt pass gives the calls), greedy, for
+    the longest max_new_tokens, with torch hooks on ``paths``; cut per call."""
+    prompts = [p for prompts, _ in plan.values() for p in prompts]
+    ids, mask = oracle.batch(prompts)
+    width = ids.shape[1]
+    steps = max(n for _, n in plan.values())
+    seen: dict[str, list[Any]] = {path: [] for path in paths}
+    handles = [oracle.model().get_submodule(path).register_forward_hook(
+        lambda m, args, output, path=path: seen[path].append(_cut(output, slice(None), width, None))) for path in paths]
+    try:
+        with torch.no_grad():
+            out = oracle.model().generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    out = out[:, width:].tolist()
+    shares, row = {}, 0
+    for name, (mine, n) in plan.items():
+        rows = slice(row, row + len(mine))
+        own = int(oracle.batch(mine)[0].shape[1])  # its prompt as it is tokenized alone
+        tokens = [seq[:n] for seq in out[rows]]
+        tokens = [seq[: seq.index(EOS) + 1] if EOS in seq else seq for seq in tokens]
+        last = max(len(t) for t in tokens)  # the steps it ran
+        # Its hooks see its own positions and keys (its history without the others' padding):
+        # at each step, the last own + step of every dimension of the batch's width + step.
+        captures = [(step, path, _cut(seen[path][step], rows, width + step, own + step))
+                    for step in range(last) for path in paths]
+        shares[name] = Rows(tokens, captures)
+        row += len(mine)
+    return shares
 
 
-def assert_events_equal(events: tuple[hookwire.InterceptEvent, ...], call: Replayed, what: str) -> None:
-    """The call's events are the replay's captures, in order, bit for bit."""
-    assert [(e.step, e.module, e.phase) for e in events] == [c[:3] for c in call.captures], what
-    for event, (step, module, phase, local) in zip(events, call.captures):
-        where = f"{what}: {module} {phase} at step {step}"
-        if phase == "forward_pre":
-            args, kwargs = local
-            assert_same(event.args, args, f"{where}: args")
-            assert sorted(event.kwargs) == sorted(kwargs), where  # a protobuf map: not the call's order
-            assert_same({k: event.kwargs[k] for k in kwargs}, kwargs, f"{where}: kwargs")
-        else:
-            assert_same(event.output, local, f"{where}: output")
+def _cut(value: Any, rows: slice, width: int, own: int | None) -> Any:
+    """``rows`` of ``value``, and with ``own``, the last ``own`` of every dimension of size
+    ``width`` (the padded tokens or keys of the pass: the cut hooks make for a call)."""
+    if isinstance(value, torch.Tensor):
+        index = [rows] + [slice(width - own, None) if own is not None and own < width and size == width else slice(None)
+                          for size in value.shape[1:]]
+        return value[tuple(index)].detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cut(v, rows, width, own) for v in value)
+    return value
+
+
+def assert_captures_equal(events: tuple[hookwire.InterceptEvent, ...], want: Rows, what: str) -> None:
+    """The call's events are the oracle's captures of its rows, in order, bit for bit."""
+    assert [(e.step, e.module) for e in events] == [c[:2] for c in want.captures], what
+    for event, (step, module, local) in zip(events, want.captures):
+        assert_same(event.output, local, f"{what}: {module} at step {step}")
 
 
 # --------------------------------------------------------------------------- the tests
 
 
-#: What (a) captures on the server, and the same hooks in the replay.
-CAPTURES = [
-    hookwire.HookSpec("model.layers.0", prehook=hookwire.capture("args", "kwargs"),
-                      prehook_kwargs={"with_kwargs": True}),
-    hookwire.HookSpec("model.layers.*.self_attn", posthook=hookwire.capture("output")),
-    hookwire.HookSpec("lm_head", posthook=hookwire.capture("output")),
-]
-REPLAY_HOOKS = (("model.layers.0", "forward_pre"), ("model.layers.0.self_attn", "forward"),
-                ("model.layers.1.self_attn", "forward"), ("lm_head", "forward"))
+#: What the calls capture on the server, and the same modules hooked in the oracle.
+CAPTURES = [hookwire.HookSpec("model.layers.*.self_attn", posthook=hookwire.capture("output")),
+            hookwire.HookSpec("lm_head", posthook=hookwire.capture("output"))]
+CAPTURED = ("model.layers.0.self_attn", "model.layers.1.self_attn", "lm_head")
 
 
-async def test_joined_steps_equal_an_in_process_replay_bit_for_bit(
+async def test_calls_that_arrive_together_decode_as_one_batched_generate_bit_for_bit(
     client: hookwire.Client, lab: Lab, stepping: None,
 ) -> None:
-    # Prompts of different lengths; two calls of two sequences (one padded on the left
-    # within the call, one of equal lengths, whose all-ones mask generate() drops); calls
-    # that end at different steps; and one that starts after the others have decoded.
-    plan = {
-        "a": (["Hello world, the model"], 7),
-        "b": (["the", "once upon a time there"], 9),
-        "c": (["the cat", "the dog"], 5),
-        "late": (["data"], 4),
-    }
+    # Three calls queued together (one of two sequences) share their prompt pass, padded on
+    # the left as a batched generate() pads them, and then one decoding batch: tokens and
+    # every capture equal in-process generate() of the three as one batch, bit for bit.
+    # "b" leaves early (its max_new_tokens): its rows become a hole the others never see;
+    # "late" arrives after that, runs its prompt pass alone and takes b's freed row while
+    # the others go on; their tokens and captures stay those of the batched oracle.
+    # (Prompt lengths 6, 3 and 15 tokens. Each call's hooks see its own keys only; where
+    # the batch's key length is a dimension of tiny-lm (16, at step 1), the server's pass
+    # attends over one more masked column than generate()'s, and its results still equal.)
+    plan = {"a": (["Hello world, the model"], 9), "b": (["the cat", "the dog"], 4), "c": (["once upon a time"], 9)}
     model = client.model(MODEL)
-    joined_before = lab.joined_passes()
     streams = {name: model.generate(prompts, n, do_sample=False, hooks=CAPTURES) for name, (prompts, n) in plan.items()}
-    tasks = await started(lab, [streams["a"], streams["b"], streams["c"]])
-    # Read when asked: a call's request id comes with its `started`, after its first pass.
-    await lockstep(lab, tasks, stop=lambda: lab.passes.ran(streams["a"].request_id, 2))
-    tasks += await started(lab, [streams["late"]])
+    late = model.generate(["data"], 3, do_sample=False, hooks=CAPTURES)
+    tasks = await started(lab, list(streams.values()))
+    await lockstep(lab, tasks, stop=lambda: lab.passes.ran(streams["a"].request_id, 5))
+    tasks += await started(lab, [late])
     await lockstep(lab, tasks)
-    results = dict(zip(plan, await asyncio.gather(*tasks)))
-
-    # How the passes formed: each prefill alone; every decoding step joined with those of
-    # all the other calls running past their prefill (so calls left as they ended, and the
-    # late call joined once it had its prefill).
+    results = dict(zip([*plan, "late"], await asyncio.gather(*tasks)))
     ids = {name: r.request_id for name, r in results.items()}
-    last = {r.request_id: r.steps - 1 for r in results.values()}
-    done: dict[str, int] = {}  # the last step each call has run
-    for run in lab.passes.runs:
-        if len(run.calls) == 1 and run.calls[0][1] == 0:
-            done[run.calls[0][0]] = 0
-            continue
-        running = {rid for rid, step in done.items() if step < last[rid]}
-        assert run.ids == running and all(step == done[rid] + 1 for rid, step in run.calls), lab.passes.runs
-        done.update(run.calls)
-    assert done == last
-    assert all(run.shared for run in lab.passes.of(ids["late"])[1:])
-    assert not any(ids["late"] in run.ids for run in lab.passes.of(ids["a"])[:3])  # it came after step 2
-    assert lab.joined_passes() - joined_before == sum(run.shared for run in lab.passes.runs) >= 6
 
-    calls = {r.request_id: Replayed(plan[name][0], plan[name][1]) for name, r in results.items()}
-    replay = Replay(calls, REPLAY_HOOKS)
-    replay.run(lab.passes.runs)
-    for name, result in results.items():
-        call = calls[result.request_id]
-        assert call.done and result.steps == call.step, name
-        assert [list(t) for t in result.token_ids] == call.tokens, name
-        assert all(e.request_id == result.request_id for e in result.events), name
-        assert_events_equal(result.events, call, name)
-    # The passes padded and cut: in some joined step, a call's own keys were fewer than
-    # the padded length (the replay cut them, and the captures equal its cuts).
-    assert any(own < keys for keys, own in replay.cuts), replay.cuts
+    # The passes: one prompt pass of a, b and c, then decoding steps of the calls running.
+    first = lab.passes.runs[0]
+    assert first.shared and first.calls == tuple((ids[n], 0) for n in plan), lab.passes.runs
+    assert not any(ids["b"] in run.ids for run in lab.passes.runs if any(step > 3 for _, step in run.calls))
+    late_runs = lab.passes.of(ids["late"])
+    assert late_runs[0].calls == ((ids["late"], 0),)  # its prompt pass alone
+    assert all(run.shared and run.ids == {ids["a"], ids["c"], ids["late"]} for run in late_runs[1:]), late_runs
+
+    want = batched(plan, CAPTURED)
+    for name in plan:
+        result = results[name]
+        assert [list(t) for t in result.token_ids] == want[name].tokens, name
+        assert result.steps == plan[name][1], name
+        assert {e.request_id for e in result.events} == {ids[name]}
+        assert_captures_equal(result.events, want[name], name)
+    # The late call: its own tokens (as it decodes alone, up to rounding), and its hooks saw
+    # its own row and its own keys only (its history is shorter than the others').
+    alone(["data"], 3).assert_matches(results["late"].token_ids, "late")
+    prompt = int(oracle.batch(["data"])[0].shape[1])
+    for event in results["late"].events:
+        if event.module != "lm_head":
+            hidden, weights = event.output
+            assert hidden.shape[0] == 1 and weights.shape[0] == 1, event
+            assert weights.shape[-1] == prompt + event.step, (event.step, weights.shape)
 
 
 async def test_greedy_calls_batched_choose_the_tokens_they_choose_alone(
@@ -608,7 +484,7 @@ async def test_rules_sessions_and_step_ranges_stay_with_their_own_call(lab: Lab,
     ids_b, mask_b = oracle.batch(plain["gated"][0])
     with oracle.recording("model.norm", "model.layers.1") as local:
         oracle.generate(ids_b, mask_b, 6, do_sample=False)
-    assert torch.equal(gated.events[0].output, local["model.layers.1"][0])  # the prefill runs alone: exact
+    assert torch.equal(gated.events[0].output, local["model.layers.1"][0])  # it came alone: its prompt pass ran alone, exact
     for event in gated.events[1:]:  # a joined step: its own rows, as alone up to rounding
         torch.testing.assert_close(event.output, local["model.norm"][event.step], rtol=1e-5, atol=1e-6)
     assert [(e.request_id, e.step) for e in session_events] == [(ids["session"], s) for s in range(1, 10)]
@@ -665,11 +541,10 @@ async def test_cancelling_one_call_leaves_the_calls_it_was_batched_with_undistur
     assert max(step for run in lab.passes.runs for rid, step in run.calls if rid == gone) == 3
     assert not any(gone in run.ids for run in lab.passes.runs[cancelled_at:])
     assert any(run.shared for run in lab.passes.runs[cancelled_at:])
-    # Their tokens: bit for bit those of the replayed passes, and those of each alone.
-    replayed = {gone: Replayed(*plan["cancelled"])}
-    replayed.update({r.request_id: Replayed(*plan[name]) for name, r in results.items()})
-    Replay(replayed).run(lab.passes.runs)
+    # Their tokens: bit for bit those of the three calls as one in-process batched
+    # generate() (the cancelled call's rows became a hole), and those of each alone.
+    want = batched(plan, ())
     for name, result in results.items():
-        assert [list(t) for t in result.token_ids] == replayed[result.request_id].tokens, name
+        assert [list(t) for t in result.token_ids] == want[name].tokens, name
         assert result.finish_reasons == ("length",) * len(plan[name][0]) and result.steps == 12
         alone(*plan[name]).assert_matches(result.token_ids, name)

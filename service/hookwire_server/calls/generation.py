@@ -39,6 +39,7 @@ from hookwire.wire.ids import new_id
 from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
 from ..auth import ANONYMOUS, Principal
+from ..engine import wakeups
 from ..engine.core import Engines
 from .admission import Admission
 from ..engine.seam import FINISHED, GENERATE, GenerateCall, GenerateOptions, StepResult
@@ -166,7 +167,10 @@ class _Mailbox:
                 self._woken = True
         if wake:
             try:
-                self._loop.call_soon_threadsafe(self._ready.set)
+                if item[0] == "step":  # the end of a step: woken with the plan's other calls, when it is done
+                    wakeups.call_soon(self._loop, self._ready.set)
+                else:  # large events and notices go out while the pass still runs
+                    self._loop.call_soon_threadsafe(self._ready.set)
             except RuntimeError:  # the loop has closed: nobody reads any more
                 pass
 
@@ -599,6 +603,10 @@ class Generation:
                     call.allowed = step + 1
                     work.queued_at = time.perf_counter()  # its wait for the model starts now
                     call.wake()
+                    # Let the other calls of the pass allow theirs too, so that the scheduler
+                    # starts the next pass before the streams decode and send this one's tokens
+                    # (Scheduler._loop): the model runs while the event loop writes.
+                    await asyncio.sleep(0)
                 for i, token in enumerate(result.tokens):
                     if token != FINISHED:
                         tokens[i].append(token)

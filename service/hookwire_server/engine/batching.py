@@ -59,6 +59,7 @@ class Batch:
 
     def __init__(
         self, segments: list[Segment], *, dim: int = 0, padded: int | None = None, side: str = "right",
+        rows: int | None = None,
     ) -> None:
         self.segments = segments
         self.dim = dim
@@ -67,13 +68,16 @@ class Batch:
         #: Where the padding is: "right" (Infer's token inputs: a call's own tokens come
         #: first) or "left" (a decoding step's keys: a call's own history ends the row).
         self.side = side
-        self.rows = segments[-1].stop if segments else 0
+        #: The pass's rows: by default up to the last call's, or ``rows`` when rows that
+        #: belong to no call of the pass run too (a decoding batch's dummy rows: decode_batch).
+        self.rows = rows if rows is not None else (segments[-1].stop if segments else 0)
         #: Whether several calls share the pass (a single call is never sliced).
         self.shared = len(segments) > 1
         #: Whether hooks see the pass's tensors as they are (one call in the model's own
         #: layout); False: each call's rows are taken and put back (take/put), as in a
-        #: shared pass or a packed layout (packed.py).
-        self.direct = not self.shared
+        #: shared pass, a call among rows that are not its own, or a packed layout (packed.py).
+        self.direct = not self.shared and (
+            rows is None or (segments[0].start == 0 and segments[0].stop == rows and padded is None))
         #: The hooks that fired in this shared pass, with their state before it (see undo).
         self._ledger: dict[int, tuple[Any, Any]] = {}
         #: Its asynchronous captures whose copies are in flight (deferred.py).

@@ -1,18 +1,23 @@
 """Generate calls on a transformers causal LM (worker thread): a call's start (its
-decoding state), one step alone or several calls' steps joined into one pass (each
-call's KV cache stacked, padded on the left and masked), and its end.
+decoding state), its prompt pass (alone, or one pass with the calls that arrived with
+it), its steps (in one of the model's decoding batches, decode_batch.py, or alone on its
+own cache where the model does not batch), and its end.
 
 How a call decodes
 ------------------
 ``transformers``' own ``generate()`` prepares the call — the generation config with the
 call's overrides, the attention mask, position ids, the KV cache, the logits processors
 and the stopping criteria — through its documented ``custom_generate`` hook, which hands
-the prepared state to a callable instead of its own decoding loop (``_start``).
+the prepared state to a callable instead of its own decoding loop (``_hand_over``).
 ``Decoder`` then runs the loop of transformers' ``_sample`` one step at a time: step 0 is
 the prefill over the prompt, each later step one cached pass over the tokens chosen last,
 one step per plan the scheduler puts the call in (``run_calls``; the call is one work
-item for its whole life: seam.GenerateCall). So a call running alone computes exactly
-what in-process ``generate()`` computes.
+item for its whole life: seam.GenerateCall). A call's own choice of tokens (``choose``:
+processors, sampling generator, stopping criteria) stays its own in a shared pass. So a
+call running alone computes exactly what in-process ``generate()`` computes, and calls
+that arrive together compute what in-process ``generate()`` of their prompts as one
+batch computes (bit for bit while their decoding batch's window is not widened and no
+member sits out a pass; otherwise up to rounding: decode_batch).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from ..errors import InvalidArgument, ResourceExhausted, Unimplemented
 from ..hooks.hook_record import HookRecord
 from ..models.model_registry import ModelHost, forward_parameters
 from .batching import Batch, Segment, padded_length
-from .pass_runner import model_errors, run_joined, running
+from . import wakeups
+from .pass_runner import model_error, model_errors, run_joined, running
 from .seam import FINISHED, GenerateCall, GenerateOptions, Running, StepResult
 
 log = logging.getLogger("hookwire.generate")
@@ -93,6 +99,13 @@ class Decoder:
         #: whoever starts the call), and every sequence one ended so far.
         self.stops: dict[int, tuple[str, str, int]] = {}
         self.stopped: dict[int, tuple[str, str, int]] = {}
+        mask = prepared.model_kwargs.get("attention_mask")
+        #: The prompt's attention mask [sequences, prompt length] (0 on its own left padding).
+        self.prompt_mask = mask if isinstance(mask, torch.Tensor) else torch.ones_like(self.input_ids)
+        #: Its rows in the model's decoding batch once it joined one (decode_batch.Member,
+        #: and that DecodeBatch): from then on its steps are the batch's passes.
+        self.member: Any = None
+        self.batch: Any = None
 
     @property
     def finished(self) -> bool:
@@ -113,51 +126,54 @@ class Decoder:
         return self.advance(outputs)
 
     def step_inputs(self) -> dict[str, Any]:
-        """The model inputs of the next cached step (after the prefill)."""
+        """The model inputs of the next cached step (after the prefill), a step alone."""
         kwargs = self.model_kwargs
         assert kwargs is not None, "the decoder was released"
         return self.model.prepare_inputs_for_generation(  # type: ignore[no-any-return]
             self.input_ids, next_sequence_length=1 if kwargs.get("use_cache") else None, **kwargs
         )
 
-    def join_key(self) -> Any:
-        """What decides whether this call's next step may share a pass with other calls'
-        (equal keys join), or None when it must run alone: after the prefill, with a
-        plain ``DynamicCache`` (full attention layers) whose rows can be stacked and an
-        attention mask and position ids that keep each row's own positions."""
+    def batch_key(self) -> Any:
+        """What decides whether this call's passes may share a model's decoding batch
+        (decode_batch: calls of equal keys share its prompt pass and its cache), or None
+        when it decodes on its own: a plain ``DynamicCache`` of full attention layers
+        (empty before the prompt pass, whose rows the batch copies after it), the
+        attention mask and position ids as tensors (each row keeps its own positions),
+        every other input a plain value."""
         kwargs = self.model_kwargs
-        if self.step_index == 0 or kwargs is None or not kwargs.get("use_cache"):
+        if kwargs is None or not kwargs.get("use_cache") or not batchable_model(self.model):
             return None
         cache: Any = kwargs.get(self.cache_key)
         if type(cache).__name__ != "DynamicCache" or not cache.layers:
             return None
-        layers = []
         for layer in cache.layers:
-            if type(layer).__name__ != "DynamicLayer" or not layer.is_initialized or layer.keys is None:
+            if type(layer).__name__ != "DynamicLayer":
                 return None
-            layers.append((tuple(layer.keys.shape[1:2]), tuple(layer.keys.shape[3:]), tuple(layer.values.shape[1:2]),
-                           tuple(layer.values.shape[3:]), layer.keys.dtype, str(layer.keys.device)))
-        if not isinstance(kwargs.get("position_ids"), torch.Tensor):
-            return None  # the model would take positions from the (padded) cache length
+            if self.step_index == 0 and layer.is_initialized and layer.get_seq_length():
+                return None  # a prompt pass over a cache that holds something already
+        positions = kwargs.get("position_ids")
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+            return None  # the model would take positions from the (padded) cache length; or 3-D (rope sections)
         if not isinstance(kwargs.get("attention_mask"), (torch.Tensor, type(None))):
             return None
+        return ("batch", self.plain_inputs(), len(cache.layers))
+
+    def plain_inputs(self) -> tuple[tuple[str, Any], ...] | None:
+        """The model inputs other than ids, mask, positions and cache (logits_to_keep,
+        use_cache, ...), sorted; None when one is not a plain value (e.g. token_type_ids)."""
+        assert self.model_kwargs is not None
         plain = []
-        for key, value in sorted(kwargs.items()):
+        for key, value in sorted(self.model_kwargs.items()):
             if key in ("attention_mask", "position_ids", self.cache_key):
                 continue
             if not isinstance(value, (bool, int, float, str, type(None))):
-                return None  # e.g. token_type_ids: not stacked here
+                return None
             plain.append((key, value))
-        return ("decode", tuple(plain), tuple(layers))
-
-    def cache_length(self) -> int:
-        """Tokens in the KV cache now."""
-        assert self.model_kwargs is not None
-        return int(self.model_kwargs[self.cache_key].layers[0].keys.shape[2])
+        return tuple(plain)
 
     def advance(self, outputs: Any) -> list[int]:
-        """Takes a pass's outputs (logits, KV cache) and chooses the next tokens; returns
-        them per sequence (FINISHED for a sequence that had already ended)."""
+        """Takes the outputs of a pass of its own (logits, KV cache) and chooses the next
+        tokens (``choose``)."""
         model = self.model
         kwargs = self.model_kwargs
         assert kwargs is not None, "the decoder was released"
@@ -165,8 +181,16 @@ class Decoder:
             self.model_kwargs = kwargs = model._update_model_kwargs_for_generation(
                 outputs, kwargs, is_encoder_decoder=False
             )
-            logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=self.input_ids.device)
+            logits = outputs.logits
             del outputs
+        return self.choose(logits)
+
+    def choose(self, logits: torch.Tensor) -> list[int]:
+        """Chooses the next tokens from a pass's logits of this call's rows (as
+        generate()'s ``_sample``: processors, greedy or seeded sampling, the stopping
+        criteria); returns them per sequence (FINISHED for one that had already ended)."""
+        with torch.no_grad():
+            logits = logits[:, -1].to(copy=True, dtype=torch.float32, device=self.input_ids.device)
             scores = self.logits_processor(self.input_ids, logits)
             if self.do_sample:
                 probs = torch.nn.functional.softmax(scores, dim=-1)
@@ -179,7 +203,7 @@ class Decoder:
                     ) from None
             else:
                 next_tokens = torch.argmax(scores, dim=-1)
-            if self.has_eos_criterion and self.pad_token is not None:
+            if self.has_eos_criterion and self.pad_token is not None and any(self.reasons):  # a row has ended
                 next_tokens = next_tokens * self.unfinished + self.pad_token * (1 - self.unfinished)
             self.input_ids = torch.cat([self.input_ids, next_tokens[:, None]], dim=-1)
             ended: dict[str, torch.Tensor] = {}
@@ -187,10 +211,13 @@ class Decoder:
                 reason = _REASONS.get(type(criterion).__name__, "length")
                 done = criterion(self.input_ids, None).to(torch.bool)
                 ended[reason] = done | ended[reason] if reason in ended else done
+        # Read as lists once: indexing tensors element by element costs a decoding step of
+        # many calls more than its model pass (tiny-lm).
         was_running = self.unfinished.bool().tolist()
         chosen = next_tokens.tolist()
+        ends = {reason: done.tolist() for reason, done in ended.items()}
         out = []
-        ruled = torch.zeros_like(self.unfinished, dtype=torch.bool)
+        ruled = []
         for i, alive in enumerate(was_running):
             if not alive:
                 out.append(FINISHED)
@@ -199,18 +226,20 @@ class Decoder:
                 out.append(FINISHED)
                 self.reasons[i] = "rule"
                 self.stopped[i] = self.stops[i]
-                ruled[i] = True
+                ruled.append(i)
                 continue
             out.append(int(chosen[i]))
             self.tokens[i].append(int(chosen[i]))
             for reason in _PRECEDENCE:
-                if reason in ended and bool(ended[reason][i]):
+                if reason in ends and ends[reason][i]:
                     self.reasons[i] = reason
                     break
-        any_ended = ruled
-        for done in ended.values():
-            any_ended |= done
-        self.unfinished = self.unfinished & ~any_ended.to(self.unfinished.dtype)
+        if ruled or any(any(done) for done in ends.values()):
+            any_ended = torch.zeros_like(self.unfinished, dtype=torch.bool)
+            any_ended[ruled] = True
+            for done in ended.values():
+                any_ended |= done
+            self.unfinished = self.unfinished & ~any_ended.to(self.unfinished.dtype)
         self.step_index += 1
         return out
 
@@ -218,6 +247,20 @@ class Decoder:
         """Frees the KV cache and the other tensors the call holds."""
         self.model_kwargs = None
         self.logits_processor = None
+
+
+def batchable_model(model: Any) -> bool:
+    """Whether a model's decoding steps may run in a decoding batch, whose passes hand
+    the model its inputs directly (ids, mask, 2-D position ids, cache) instead of through
+    ``prepare_inputs_for_generation``: only a class of transformers itself (no remote
+    code, nothing defined elsewhere) that keeps ``GenerationMixin``'s own
+    ``prepare_inputs_for_generation``. Other models decode each call alone."""
+    from transformers.generation.utils import GenerationMixin
+
+    cls = type(model)
+    if cls.__module__.split(".")[0] != "transformers":
+        return False
+    return getattr(cls, "prepare_inputs_for_generation", None) is GenerationMixin.prepare_inputs_for_generation
 
 
 def start_call(
@@ -275,10 +318,16 @@ _CACHE_ARGUMENTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionar
 
 def run_calls(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     """Runs a plan of Generate calls (worker thread): finishes the calls their callers
-    ended, runs the next step of the others (run_step_batch: a new call starts and runs
-    its prefill alone), and finishes each call that ended now (its last step, or a
-    failure). Per call: seam.Running with its next step's join key while it goes on,
-    None once finished, or the exception that ended it."""
+    ended, runs the next step of the others (run_step_batch: new calls start and run
+    their prompt pass, together when they may; the others a step of their decoding
+    batch), and finishes each call that ended now (its last step, or a failure). Per
+    call: seam.Running with its next step's join key while it goes on, None once
+    finished, or the exception that ended it."""
+    with wakeups.deferred():  # the calls' streams are woken once, when the plan is done
+        return _run_calls(host, calls)
+
+
+def _run_calls(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     # Read once: the call side may end a call (event loop) while its step runs here.
     ended = [call.ended is not None for call in calls]
     stepping = [call for call, end in zip(calls, ended) if not end]
@@ -298,124 +347,327 @@ def run_calls(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
             results.append(None)
         else:
             assert isinstance(call.decoder, Decoder)
-            results.append(Running(call.decoder.join_key()))
+            batch = call.decoder.batch
+            # Members of one batch step together (None: the call decodes on its own).
+            results.append(Running(None if batch is None else ("decode", id(batch))))
     return results
+
+
+def prompt_key(host: ModelHost) -> Any:
+    """The join key of a new Generate call (event loop): calls that arrive together may
+    share their prompt pass when the model batches (their settings are checked when the
+    pass runs: calls that cannot share it run theirs alone)."""
+    return ("prompt",) if host.batching.enabled else None
+
+
+#: Each model's decoding batches (worker thread; dropped with the model).
+_BATCHES: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def _run_step(host: ModelHost, call: GenerateCall) -> StepResult:
     """One step of a Generate call alone (worker thread), started first if it is new;
     puts the step's result in its mailbox. The call's hooks stay attached between its
-    steps (attached by start_call)."""
+    steps (attached by start_call). A call in a decoding batch steps there, the only
+    call of the pass (the other rows run as dummies)."""
     p = call.p
     if call.decoder is None:
         call.decoder = start_call(host, call.records, call.ids, call.mask, call.options, call.stop_criteria)
         call.decoder.stops = p.stops
     decoder = call.decoder
     assert isinstance(decoder, Decoder)
+    if decoder.member is not None:
+        [result] = _run_batch_step(host, [call])
+        if isinstance(result, BaseException):
+            raise result
+        return result  # type: ignore[no-any-return]
     if call.step:  # step 0 runs on the Pass as it was made
         p.begin_step(call.step)
     # The tokens of the pass's positions, for rules' token-id signals: the prompt, then each new token.
     p.token_ids = decoder.input_ids if decoder.step_index == 0 else decoder.input_ids[:, -1:]
     with running(host, Batch.alone(p)), model_errors(host, "forward"):
         tokens = decoder.step()
+    if decoder.member is None and not decoder.finished and call.step + 1 < call.options.max_new_tokens:
+        # After its prompt pass alone, or its step alone after it was evicted from a batch
+        # (decode_batch.SIT_OUT_PASSES): it joins one as a new call (its history as it is).
+        try:
+            _join_batch(host, call, decoder)
+        except Exception as exc:  # e.g. out of memory: it keeps its own cache and decodes alone
+            log.warning("Generate call %s could not join a decoding batch of %s (%s); it decodes alone",
+                        p.request_id, host.name, exc)
     result = StepResult(tokens, tuple(decoder.reasons), decoder.finished, dict(decoder.stopped))
     call.step += 1
     call.put(("step", result))
     return result
 
 
+def _join_batch(host: ModelHost, call: GenerateCall, decoder: Decoder) -> None:
+    """After its prompt pass alone, a call whose model batches moves its KV cache into
+    a decoding batch (a copy of its own rows; the batch's others stay where they are)."""
+    if not host.batching.enabled or decoder.batch_key() is None:
+        return
+    kwargs = decoder.model_kwargs
+    assert kwargs is not None
+    layers = [(layer.keys, layer.values) for layer in kwargs[decoder.cache_key].layers]
+    length = int(layers[0][0].shape[2])
+    mask = kwargs.get("attention_mask")
+    # Its mask over its cache's columns (the prompt's, then 1 a step; the last column is
+    # that of the token it feeds next).
+    mask = mask[:, :length] if isinstance(mask, torch.Tensor) else torch.ones_like(decoder.input_ids[:, :length])
+    with model_errors(host, "forward"):
+        _enter(host, call, decoder, layers, mask=mask)
+
+
+def _evict(batch: Any, member: Any) -> None:
+    """Takes a member that sat out too many passes out of its decoding batch
+    (decode_batch.SIT_OUT_PASSES): its call gets a plain ``DynamicCache`` of its own
+    history (without the masked columns of the passes it sat out) and decodes alone,
+    as after a prompt pass alone (it may join a batch again after its next step)."""
+    from transformers import DynamicCache
+
+    decoder = member.call.decoder
+    assert isinstance(decoder, Decoder)
+    layers, mask, positions = batch.evict(member)
+    ones = mask.new_ones((mask.shape[0], 1))
+    full = torch.cat([mask, ones], dim=-1)  # and the column of the token it feeds next
+    position_ids = (full.cumsum(-1) - 1).clamp(min=0)
+    position_ids[:, -1] = positions
+    kwargs: dict[str, Any] = dict(batch.plain)
+    kwargs.update(attention_mask=full, position_ids=position_ids)
+    kwargs[decoder.cache_key] = DynamicCache(ddp_cache_data=layers)
+    decoder.model_kwargs = kwargs
+    decoder.member = decoder.batch = None
+
+
+def _enter(host: ModelHost, call: GenerateCall, decoder: Decoder, layers: list[tuple[torch.Tensor, torch.Tensor]],
+           room: int = 0, mask: torch.Tensor | None = None) -> None:
+    """Puts a call that ran its prompt pass into a decoding batch of the model with room
+    for its rows and the same inputs and layer shapes (a new one if none has, made for
+    ``room`` rows: those of the calls joining with it); its own KV cache and inputs go
+    (the batch holds them now)."""
+    from .decode_batch import DecodeBatch
+
+    plain = decoder.plain_inputs()
+    assert plain is not None
+    count = int(decoder.input_ids.shape[0])
+    batches = _BATCHES.setdefault(host, [])
+    batches[:] = [b for b in batches if b.members]
+    for batch in batches:
+        # Calls of one slots group never share a pass: in one batch, each would run the
+        # other's rows as dummies every step.
+        apart = call.group is not None and any(m.call.group == call.group for m in batch.members)
+        if batch.plain == dict(plain) and batch.has_room(count) and batch.fits(layers) and not apart:
+            break
+    else:
+        batch = DecodeBatch(decoder.model, decoder.cache_key, dict(plain), host.dimensions,
+                            max(count, host.batching.max_batch_size))
+        batches.append(batch)
+    mask = decoder.prompt_mask if mask is None else mask
+    decoder.member = batch.join(call, layers, mask, decoder.input_ids[:, -1], room)
+    decoder.batch = batch
+    decoder.model_kwargs = {}  # its cache, mask and positions live in the batch now
+
+
 def run_step_batch(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
     """Runs the next step of Generate calls that the scheduler joined (worker thread):
-    one decoding pass over all their rows, each call's KV cache stacked into one cache
-    padded on the left (masked), its logits and cache rows cut back after. Each call
-    keeps its own step number, hooks, processors, sampling generator and stopping
-    criteria; a step alone runs exactly as before batching. When the shared pass
-    fails, each call's step runs again alone. Returns a StepResult or exception per call."""
+    new calls' prompt passes as one pass, left-padded as a batched ``generate()`` pads
+    them (``_run_prompts``), or one step of a decoding batch's members (decode_batch:
+    one pass over the batch's rows, each call's cache where it lies). Each call keeps
+    its own step number, hooks, processors, sampling generator and stopping criteria.
+    When the shared pass fails, each call's step runs again alone. Returns a StepResult
+    or exception per call."""
     if len(calls) > 1:
-        return run_joined(host, calls, lambda cs: _run_shared_step(host, cs), lambda call: _run_step(host, call),
-                          what="batched step", logger=log)
-    try:  # a lone call's step, without the pass runner's call-back into this module
-        return [_run_step(host, calls[0])]
+        if all(call.decoder is None for call in calls):
+            return _run_prompts(host, calls)
+        # Calls of one decoding batch step together; a call that left its batch since
+        # the scheduler joined it (evicted: decode_batch.SIT_OUT_PASSES) steps alone.
+        groups: dict[int | None, list[int]] = {}
+        for i, call in enumerate(calls):
+            batch = call.decoder.batch if isinstance(call.decoder, Decoder) else None
+            groups.setdefault(None if batch is None else id(batch), []).append(i)
+        results: list[Any] = [None] * len(calls)
+        for key, indices in groups.items():
+            group = [calls[i] for i in indices]
+            if key is None or len(group) == 1:
+                out = [_step_alone(host, call) for call in group]
+            else:
+                out = run_joined(host, group, lambda cs: _run_batch_step(host, cs), lambda call: _run_step(host, call),
+                                 what="batched step", logger=log)
+            for i, result in zip(indices, out):
+                results[i] = result
+        return results
+    return [_step_alone(host, calls[0])]
+
+
+def _step_alone(host: ModelHost, call: GenerateCall) -> Any:
+    """A lone call's step (without the pass runner's call-back into this module): its
+    StepResult or exception."""
+    try:
+        return _run_step(host, call)
     except Exception as exc:
-        return [exc]
+        return exc
 
 
-def _run_shared_step(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
+def _run_prompts(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
+    """New calls that arrived together: each is started (its failure is its own), then
+    those whose inputs allow it run their prompt passes as one (``_run_shared_prompt``),
+    the others alone."""
+    results: list[Any] = [None] * len(calls)
+    started: list[int] = []
+    for i, call in enumerate(calls):
+        try:
+            call.decoder = start_call(host, call.records, call.ids, call.mask, call.options, call.stop_criteria)
+            call.decoder.stops = call.p.stops
+        except Exception as exc:
+            results[i] = exc
+        else:
+            started.append(i)
+    keys = {call.decoder.batch_key() for call in (calls[i] for i in started)}
+    group = [calls[i] for i in started]
+    if len(group) > 1 and None not in keys and len(keys) == 1:
+        out = run_joined(host, group, lambda cs: _run_shared_prompt(host, cs), lambda call: _run_step(host, call),
+                         what="batched prompt pass", logger=log)
+    else:
+        out = []
+        for call in group:
+            try:
+                out.append(_run_step(host, call))
+            except Exception as exc:
+                out.append(exc)
+    for i, result in zip(started, out):
+        results[i] = result
+    return results
+
+
+def _run_shared_prompt(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
+    """The prompt passes of new calls as one pass: their prompts padded on the left to
+    the longest (raised past the model's dimensions when some are shorter, so that hooks
+    cut each call's own tokens), each with its own mask and position ids, over an empty
+    ``DynamicCache``, as a batched ``generate()`` runs its prompts; then each call
+    chooses its first tokens and, if it goes on, moves its rows of the cache into a
+    decoding batch."""
     from transformers import DynamicCache
 
     model: Any = host.module
-    decoders = [call.decoder for call in calls]
-    assert all(isinstance(d, Decoder) for d in decoders)
-    torch_decoders: list[Decoder] = decoders  # type: ignore[assignment]  # checked above
-    inputs = [d.step_inputs() for d in torch_decoders]
-    own = [d.cache_length() + 1 for d in torch_decoders]  # keys each call's step attends to
-    rows = [int(i["input_ids"].shape[0]) for i in inputs]
-    keys = padded_length(own, host.dimensions | {sum(rows)}, None)
-    assert keys is not None
+    decoders: list[Decoder] = [call.decoder for call in calls]
+    lengths = [d.prompt_length for d in decoders]
+    rows = [int(d.input_ids.shape[0]) for d in decoders]
     total = sum(rows)
+    width = max(lengths)
+    if min(lengths) < width:
+        padded = padded_length(lengths, host.dimensions | {total}, None)
+        assert padded is not None
+        width = padded
+    first = decoders[0]
+    device = first.input_ids.device
+    pad = int(first.pad_token) if first.pad_token is not None and first.pad_token.dim() == 0 else 0
+    ids = torch.full((total, width), pad, dtype=first.input_ids.dtype, device=device)
+    mask = torch.zeros((total, width), dtype=torch.long, device=device)
+    positions = torch.ones((total, width), dtype=torch.long, device=device)  # generate()'s value at padding
     segments, start = [], 0
-    for call, n, length in zip(calls, rows, own):
+    for call, d, n, length in zip(calls, decoders, rows, lengths):
+        assert d.model_kwargs is not None
+        ids[start:start + n, width - length:] = d.input_ids
+        mask[start:start + n, width - length:] = d.prompt_mask
+        positions[start:start + n, width - length:] = d.model_kwargs["position_ids"]
         segments.append(Segment(call.p, start, start + n, length))
         start += n
-    first = inputs[0]
-    cache_key = torch_decoders[0].cache_key
-    joined = ("input_ids", "position_ids", "attention_mask", cache_key)
-    merged: dict[str, Any] = {k: v for k, v in first.items() if k not in joined}
-    for i in inputs[1:]:  # the others must be equal plain values (a tensor would need stacking)
-        rest = {k: v for k, v in i.items() if k not in joined}
-        if rest.keys() != merged.keys() or any(
-            isinstance(v, torch.Tensor) or isinstance(rest[k], torch.Tensor) or rest[k] != v for k, v in merged.items()
-        ):
-            raise InvalidArgument("the calls' step inputs differ beyond ids, positions, mask and cache: run alone")
-    merged["input_ids"] = torch.cat([i["input_ids"] for i in inputs])
-    merged["position_ids"] = torch.cat([i["position_ids"] for i in inputs])
-    # generate() drops an all-ones mask; joined rows need one (the padding is masked out).
-    merged["attention_mask"] = torch.zeros((total, keys), dtype=torch.long, device=merged["input_ids"].device)
-    for seg, i, length in zip(segments, inputs, own):
-        mask = i.get("attention_mask")
-        merged["attention_mask"][seg.start:seg.stop, keys - length:] = 1 if mask is None else mask
-    layers = []
-    caches = [i[cache_key] for i in inputs]
-    for index, layer in enumerate(caches[0].layers):
-        stacked = []
-        for which in ("keys", "values"):
-            t = getattr(layer, which)
-            out = t.new_zeros((total, t.shape[1], keys - 1, *t.shape[3:]))
-            for seg, cache in zip(segments, caches):
-                mine = getattr(cache.layers[index], which)
-                out[seg.start:seg.stop, :, keys - 1 - mine.shape[2]:] = mine
-            stacked.append(out)
-        layers.append((stacked[0], stacked[1]))
-    merged[cache_key] = DynamicCache(ddp_cache_data=layers)
-    del layers, caches, inputs
-    batch = Batch(segments, padded=keys, side="left")
-    for call, decoder in zip(calls, torch_decoders):
-        call.p.begin_step(call.step)
-        call.p.token_ids = decoder.input_ids[:, -1:]  # a shared step is after every call's prompt
+    plain = first.plain_inputs()
+    assert plain is not None
+    inputs: dict[str, Any] = dict(plain)
+    inputs.update(input_ids=ids, attention_mask=mask, position_ids=positions)
+    inputs[first.cache_key] = DynamicCache()
+    batch = Batch(segments, padded=width if min(lengths) < width else None, side="left")
+    for call, d in zip(calls, decoders):
+        call.p.token_ids = d.input_ids  # its own prompt (hooks see its own positions)
     with running(host, batch), model_errors(host, "forward"), torch.no_grad():
-        outputs = model(**merged, return_dict=True)
-    cache = getattr(outputs, cache_key)
+        outputs = model(**inputs, return_dict=True)
+    cache = getattr(outputs, first.cache_key)
     results: list[Any] = []
-    for call, decoder, seg, length in zip(calls, torch_decoders, segments, own):
-        mine = DynamicCache(ddp_cache_data=[
-            (layer.keys[seg.start:seg.stop, :, keys - length:], layer.values[seg.start:seg.stop, :, keys - length:])
-            for layer in cache.layers
-        ])
+    room = total  # a new decoding batch is made for all of them at once
+    # From the first choose on, nothing raises out of here (the pass runner would run the
+    # calls' prompt passes again alone): each call's failure is its own.
+    for call, d, seg, length in zip(calls, decoders, segments, lengths):
         result: Any
         try:
-            tokens = decoder.advance(type(outputs)(logits=outputs.logits[seg.start:seg.stop], **{cache_key: mine}))
+            tokens = d.choose(outputs.logits[seg.start:seg.stop])
         except Exception as exc:  # e.g. its sampling settings leave no distribution: only it fails
             result = exc
         else:
-            result = StepResult(tokens, tuple(decoder.reasons), decoder.finished, dict(decoder.stopped))
+            result = StepResult(tokens, tuple(d.reasons), d.finished, dict(d.stopped))
+            if not d.finished and call.options.max_new_tokens > 1:
+                try:  # e.g. out of memory growing the batch's block: only it fails (RESOURCE_EXHAUSTED)
+                    with model_errors(host, "forward"):
+                        _enter(host, call, d, [(layer.keys[seg.start:seg.stop, :, width - length:],
+                                                layer.values[seg.start:seg.stop, :, width - length:])
+                                               for layer in cache.layers], room)
+                except Exception as exc:
+                    result = exc
         try:
             call.p.release()  # its events of the pass go out (also when it failed, as a step alone delivers them)
-        except ResourceExhausted as exc:  # it kept more for a full stream than its principal may: only it fails
+        except Exception as exc:  # e.g. it kept more for a full stream than its principal may: only it fails
             result = exc
         if not isinstance(result, BaseException):
             call.step += 1
             call.put(("step", result))
         results.append(result)
+    return results
+
+
+def _run_batch_step(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
+    """One decoding step of calls in one decoding batch: one pass over the batch's rows
+    (those of calls not stepping now run as dummies), each call's hooks on its own rows
+    and, when the calls' histories differ in length, its own keys (the window padded on
+    the left past the model's dimensions); then each call chooses its tokens from its
+    rows' logits."""
+    model: Any = host.module
+    decoders: list[Decoder] = [call.decoder for call in calls]
+    batch = decoders[0].batch
+    if batch.broken is not None:  # an earlier step left it in an unknown state: its calls fail
+        raise batch.broken
+    members = [d.member for d in decoders]
+    # e.g. out of memory growing the block: RESOURCE_EXHAUSTED (the batch stays as it was)
+    with model_errors(host, "forward"):
+        inputs, padded, spans = batch.prepare(members)
+    segments = [Segment(call.p, m.row, m.row + m.count, span) for call, m, span in zip(calls, members, spans)]
+    shared = Batch(segments, padded=padded, side="left", rows=batch.rows)
+    for call, d in zip(calls, decoders):
+        call.p.begin_step(call.step)
+        call.p.token_ids = d.input_ids[:, -1:]  # a decoding step is after every call's prompt
+    with running(host, shared), model_errors(host, "forward"), torch.no_grad():
+        outputs = model(**inputs, return_dict=True)
+    logits = outputs.logits
+    del outputs, inputs
+    results: list[Any] = []
+    for call, d, m in zip(calls, decoders, members):
+        result: Any
+        try:
+            tokens = d.choose(logits[m.row:m.row + m.count])
+        except Exception as exc:  # e.g. its sampling settings leave no distribution: only it fails
+            result = exc
+        else:
+            result = StepResult(tokens, tuple(d.reasons), d.finished, dict(d.stopped))
+        if len(calls) > 1:
+            try:
+                call.p.release()  # its events of the pass go out (also when it failed, as a step alone delivers them)
+            except Exception as exc:  # e.g. it kept more for a full stream than its principal may: only it fails
+                result = exc
+        if not isinstance(result, BaseException):
+            call.step += 1
+            call.put(("step", result))
+        results.append(result)
+    # The calls chose their tokens: nothing raises out of here now (the pass runner would
+    # run their step again alone).
+    try:
+        batch.advance(members, [d.input_ids[:, -1] for d in decoders])
+    except Exception as exc:  # the batch's state is unknown: every member's next step fails
+        log.exception("a decoding batch of %s failed after its pass; its calls fail", host.name)
+        batch.drop(model_error(host, "forward", exc))
+        return results
+    for member in batch.lagging():  # its masked columns would hold the window open: it goes on alone
+        try:
+            _evict(batch, member)
+        except Exception:  # e.g. out of memory for its copy: it stays (and is tried again next pass)
+            log.exception("evicting a lagging Generate call from a decoding batch of %s failed", host.name)
     return results
 
 
@@ -437,6 +689,9 @@ def finish_call(call: GenerateCall, *, ended: bool = False, failure: BaseExcepti
         log.exception("finishing Generate call %s failed", call.p.request_id)
     finally:
         if isinstance(call.decoder, Decoder):
+            if call.decoder.member is not None:  # its rows become free: nothing else moves
+                call.decoder.batch.leave(call.decoder.member)
+                call.decoder.member = call.decoder.batch = None
             call.decoder.release()
         if ended:
             call.put(("ended", failure))

@@ -152,6 +152,8 @@ class Scheduler:
         self._company = 0
         self._short = 0
         self._last_works = 0
+        #: The running calls the last pass held that go on (back in the queue).
+        self._went_on: list[Work] = []
         self._free_since = 0.0
 
     @property
@@ -368,8 +370,12 @@ class Scheduler:
             if self._last_works > 1 and self._queue and not self._held:
                 # Let the calls whose results were just set queue their next work (a Generate call
                 # queues its next step as soon as it has its tokens): it joins this pass instead
-                # of trailing one pass behind the others for good. (A lone call skips this.)
+                # of trailing one pass behind the others for good. (A lone call skips this.) Once
+                # every running call of the last pass wants its next step, their pass starts at
+                # once, while their streams still send this one's tokens.
                 for _ in range(4):
+                    if self._went_on_ready():
+                        break
                     await asyncio.sleep(0)
             decision = self.schedule(time.perf_counter())
             if not decision.works:
@@ -411,7 +417,8 @@ class Scheduler:
                 self._short = max(0, self._short - 1)
                 self._last_works = len(batch)
             self._free_since = time.perf_counter()
-            self._requeue(_settle(batch, results))  # running calls that go on: back in the queue
+            self._went_on = _settle(batch, results)
+            self._requeue(self._went_on)  # running calls that go on: back in the queue
             observe = self._host.observe_batch
             if observe is not None:
                 observe(self._host.name, first.kind, len(batch), sum(w.rows for w in batch),
@@ -420,6 +427,12 @@ class Scheduler:
             # holds the frames (and tensors) of its pass (errors.release_failure).
             del batch, results, first, decision
 
+
+    def _went_on_ready(self) -> bool:
+        """Whether every call of the last pass is a running call that goes on and already
+        wants its next step (its stream took this one) or was ended."""
+        went_on = self._went_on
+        return len(went_on) == self._last_works and all(_wants(w) or w.future.done() for w in went_on)
 
     def _could_have_joined(self, batch: list[Work]) -> int:
         """Rows of the waiting works that could have shared ``batch``'s pass: same kind and

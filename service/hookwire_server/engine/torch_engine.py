@@ -37,9 +37,9 @@ class TorchEngine:
         has a pad token); see batching.request_key."""
         return batching.request_key(request, self._host.batching)
 
-    def generate_key(self, call: GenerateCall) -> None:
-        """A Generate call's prompt pass runs alone (its KV cache is its own)."""
-        return None
+    def generate_key(self, call: GenerateCall) -> Any:
+        """New Generate calls that arrive together share their prompt pass (decoding.prompt_key)."""
+        return decoding.prompt_key(self._host)
 
     def execute(self, plan: Plan) -> list[Any]:
         """Runs ``plan`` on the model's worker thread (see seam.Engine.execute). The

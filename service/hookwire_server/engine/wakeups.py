@@ -1,0 +1,58 @@
+"""Wake-ups of an event loop from a model's worker thread, handed over together.
+
+Each ``loop.call_soon_threadsafe`` writes to the loop's self-pipe: a system call that
+lets go of the GIL, which the worker thread then waits to get back from a busy event
+loop. A decoding step of 8 Generate calls woke 8 streams that way, one per call, and
+spent about a fifth of its time there (py-spy on tiny-lm, issue 26). While the worker
+runs a plan inside ``deferred()``, ``call_soon`` collects the wake-ups instead, and the
+end of the plan hands each loop all of its own in one call.
+
+Only for wake-ups nothing on the worker thread waits for during the plan (a Generate
+call's mailbox: the pass never waits for a reader).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+_local = threading.local()
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
+    """Runs ``fn`` on ``loop`` (any thread): at the end of the ``deferred()`` block this
+    thread is in, else at once (``call_soon_threadsafe``). RuntimeError when the loop is
+    closed (at once only: a deferred wake-up to a closed loop is dropped)."""
+    pending: dict[asyncio.AbstractEventLoop, list[Callable[[], object]]] | None = getattr(_local, "pending", None)
+    if pending is None:
+        loop.call_soon_threadsafe(fn)
+    else:
+        pending.setdefault(loop, []).append(fn)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Collects this thread's ``call_soon`` wake-ups until the block ends, then hands
+    them over, one call per loop, in order (also when the block raises). Nested blocks
+    hand over at the end of the outermost."""
+    if getattr(_local, "pending", None) is not None:
+        yield
+        return
+    pending: dict[asyncio.AbstractEventLoop, list[Callable[[], object]]] = {}
+    _local.pending = pending
+    try:
+        yield
+    finally:
+        _local.pending = None
+        for loop, fns in pending.items():
+            try:
+                loop.call_soon_threadsafe(_run_all, fns)
+            except RuntimeError:  # the loop has closed: nobody reads any more
+                pass
+
+
+def _run_all(fns: list[Callable[[], object]]) -> None:
+    for fn in fns:
+        fn()
