@@ -488,3 +488,23 @@ def test_running_out_of_memory_preparing_a_batch_step_is_resource_exhausted(monk
     [result] = decoding.run_step_batch(host, [a])
     assert isinstance(result, ResourceExhausted) and a.step == 1
     decoding.finish_call(a, ended=True, failure=result)
+
+
+def test_prompts_share_a_pass_only_within_the_padding_bound() -> None:
+    """A shared prompt pass pads every row to its longest prompt: a call's prompt shares
+    one only with prompts at most PROMPT_PAD_FACTOR times longer, so one caller's long
+    prompt never costs the others more than that factor of their own."""
+    from hookwire_server.engine import decoding
+    from hookwire_server.engine.decoding import PROMPT_PAD_FACTOR, _prompt_groups
+
+    class Call:
+        def __init__(self, name: str, length: int) -> None:
+            self.name, self.ids = name, torch.zeros((1, length), dtype=torch.long)
+
+    calls = [Call("short", 3), Call("long", 3 * PROMPT_PAD_FACTOR + 1), Call("mid", 6), Call("edge", 3 * PROMPT_PAD_FACTOR),
+             Call("tiny", 2)]
+    groups = [[c.name for c in group] for group in _prompt_groups(calls)]  # type: ignore[arg-type]
+    # From the longest down: 'long' (25) takes 'edge' (24) and 'mid' (6, 6 x 8 >= 25);
+    # 'short' (3 x 8 = 24 < 25) and 'tiny' start their own group; arrival order within each.
+    assert groups == [["long", "mid", "edge"], ["short", "tiny"]]
+    assert decoding.PROMPT_PAD_FACTOR == PROMPT_PAD_FACTOR

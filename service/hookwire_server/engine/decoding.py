@@ -521,21 +521,45 @@ def _run_prompts(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
             results[i] = exc
         else:
             started.append(i)
-    keys = {call.decoder.batch_key() for call in (calls[i] for i in started)}
-    group = [calls[i] for i in started]
-    if len(group) > 1 and None not in keys and len(keys) == 1:
-        out = run_joined(host, group, lambda cs: _run_shared_prompt(host, cs), lambda call: _run_step(host, call),
-                         what="batched prompt pass", logger=log)
-    else:
-        out = []
-        for call in group:
-            try:
-                out.append(_run_step(host, call))
-            except Exception as exc:
-                out.append(exc)
-    for i, result in zip(started, out):
-        results[i] = result
+    position = {id(calls[i]): i for i in started}
+    for group in _prompt_groups([calls[i] for i in started]):
+        keys = {call.decoder.batch_key() for call in group}
+        if len(group) > 1 and None not in keys and len(keys) == 1:
+            out = run_joined(host, group, lambda cs: _run_shared_prompt(host, cs), lambda call: _run_step(host, call),
+                             what="batched prompt pass", logger=log)
+        else:
+            out = []
+            for call in group:
+                try:
+                    out.append(_run_step(host, call))
+                except Exception as exc:
+                    out.append(exc)
+        for call, result in zip(group, out):
+            results[position[id(call)]] = result
     return results
+
+
+#: Prompts share a pass only with prompts at most this many times longer: a shared pass
+#: pads every row to its longest prompt, so this bounds what one caller's long prompt
+#: costs the callers who arrived with it (each pays at most this factor of its own length).
+PROMPT_PAD_FACTOR = 8
+
+
+def _prompt_groups(calls: list[GenerateCall]) -> list[list[GenerateCall]]:
+    """``calls`` split into the groups whose prompt passes may be one: from the longest
+    prompt down, each call joins the first group whose longest prompt is at most
+    PROMPT_PAD_FACTOR times its own; each group in arrival order (its rows' order)."""
+    groups: list[list[GenerateCall]] = []
+    for call in sorted(calls, key=lambda c: -int(c.ids.shape[1])):
+        length = int(call.ids.shape[1])
+        for group in groups:
+            if length * PROMPT_PAD_FACTOR >= int(group[0].ids.shape[1]):
+                group.append(call)
+                break
+        else:
+            groups.append([call])
+    order = {id(call): i for i, call in enumerate(calls)}
+    return [sorted(group, key=lambda c: order[id(c)]) for group in groups]
 
 
 def _run_shared_prompt(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
