@@ -606,7 +606,9 @@ class Session:
         """Registers a hook in this session; see Client.register_hook."""
         request = hook_service_pb2.RegisterHookRequest(session_id=self.session_id, spec=spec.to_proto(model))
         reply = await self._client._unary(self._client.hook_stub.RegisterHook, request)
-        return HookHandle(self._client, HookInfo.from_proto(reply), self.router)
+        info = HookInfo.from_proto(reply)
+        self.router.modules[info.hook_id] = info.modules
+        return HookHandle(self._client, info, self.router)
 
     async def close(self) -> None:
         """Ends the stream; the server removes the session's hooks. Idempotent."""
@@ -688,6 +690,7 @@ class HookHandle:
             return  # removed: nothing to subscribe to (and nothing would close it)
         if self._subscription is None:
             self._subscription = self._client.subscribe([self.id])
+            self._subscription.modules[self.id] = self.modules
         async for event in self._subscription.events(timeout=timeout):
             yield event
 
@@ -749,6 +752,10 @@ class Subscription:
         self._closed = False
         #: Notices received so far (drops, removed or disabled hooks).
         self.notices: list[Notice] = []
+        #: The subscribed hooks' resolved modules, which their compact readout events index
+        #: (InterceptEvent.expand); listed (ListHooks) at the first such event of a hook
+        #: not here.
+        self.modules: dict[str, Sequence[str]] = {}
 
     async def start(self) -> None:
         """Starts the RPC and waits until the server has attached it. Idempotent."""
@@ -832,7 +839,15 @@ class Subscription:
                 elif isinstance(item, Notice):
                     self.notices.append(item)
                 else:
-                    yield InterceptEvent.from_proto(item[0], chunked=item[1])
+                    event = item[0]
+                    if event.module_indices and event.hook_id not in self.modules:
+                        try:
+                            self.modules.update({h.hook_id: h.modules for h in await self._client.list_hooks()})
+                        except HookwireError:
+                            self.modules[event.hook_id] = ()  # not listable: its modules are "#INDEX"
+
+                    for expanded in InterceptEvent.expand(event, item[1], modules=self.modules.get(event.hook_id)):
+                        yield expanded
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 raise from_rpc_error(exc) from None
@@ -846,7 +861,7 @@ def _check_timeout(timeout: float | None) -> None:
         raise ValueError(f"timeout must be a number of seconds > 0 (or None: no limit), not {timeout!r}")
 
 
-def _cut_result(reply: CutReply) -> InferResult:
+def _cut_result(reply: CutReply, model: str = "") -> InferResult:
     """The InferResult of an Infer reply whose large tensors were cut out: each is copied
     once from the received bytes into its tensor. ``raw`` then holds chunk ids for them,
     as an InferStream reply does. CodecError when the data does not fit its tensor."""
@@ -854,7 +869,7 @@ def _cut_result(reply: CutReply) -> InferResult:
     assembler.take(reply.views)
     if not assembler.done:  # a chunk id the server set itself: its data never comes on a unary call
         raise codec.CodecError("a tensor of the reply has a chunk_id: its data did not arrive")
-    return InferResult.from_proto(reply.msg, chunked=assembler.result())
+    return InferResult.from_proto(reply.msg, chunked=assembler.result(), model=model)
 
 
 class RemoteModel:
@@ -939,9 +954,9 @@ class RemoteModel:
             reply = await self._client._unary(self._client.tensor_calls.infer, request)
             if type(reply) is CutReply:
                 sizes.note(kind, reply.msg.ByteSize() + sum(len(view) for view in reply.views.values()))
-                return _cut_result(reply)
+                return _cut_result(reply, request.model)
             sizes.note(kind, reply.ByteSize())
-            return InferResult.from_proto(reply)
+            return InferResult.from_proto(reply, model=request.model)
         result, reply_bytes = await self._infer_stream(request, chunker, progress)
         sizes.note(kind, reply_bytes)
         return result
@@ -1028,7 +1043,7 @@ class RemoteModel:
                     assembler.feed(msg.chunk)
                 bar.update(assembler.received, assembler.nbytes)
             reply_bytes = first.response.ByteSize() + assembler.nbytes
-            return InferResult.from_proto(first.response, chunked=assembler.result()), reply_bytes
+            return InferResult.from_proto(first.response, chunked=assembler.result(), model=request.model), reply_bytes
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, target=self._client.target) from None
         except codec.CodecError as exc:

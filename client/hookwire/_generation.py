@@ -16,7 +16,7 @@ from .wire.framing import RawChunk
 from ._session import EventAssembler, assembled, kind_of, notice_of, restored, uncut
 from ._specs import HookSpecLike, spec_proto
 from ._transport import Transport
-from ._types import GeneratedTokens, GenerateResult, InterceptEvent, Notice
+from ._types import CallHooks, GeneratedTokens, GenerateResult, InterceptEvent, Notice
 from .v1 import model_service_pb2
 
 
@@ -138,6 +138,7 @@ class GenerateStream:
         self._lock = asyncio.Lock()
         self._assembler = EventAssembler()
         self._started: model_service_pb2.GenerateStarted | None = None
+        self._call_hooks: CallHooks | None = None
         self._events: list[InterceptEvent] = []
         #: Events of a batch message not yet handed out.
         self._batched: collections.deque[InterceptEvent] = collections.deque()
@@ -245,7 +246,7 @@ class GenerateStream:
                     if type(msg) is RawChunk:  # read by hand (see Client.tensor_calls)
                         complete = self._assembler.chunk(msg)
                         if complete is not None:
-                            return self._keep(InterceptEvent.from_proto(complete[0], chunked=complete[1]))
+                            return self._hand_out([complete])
                         continue
                     msg, views = uncut(msg)
                     kind = msg.WhichOneof("kind")
@@ -258,10 +259,8 @@ class GenerateStream:
                     elif kind == "batch":
                         # Small events sent together, exactly as if one by one (never chunked).
                         chunked = assembled(msg.batch, views)
-                        for event in msg.batch.events:
-                            self._batched.append(self._keep(InterceptEvent.from_proto(event, chunked=chunked)))
-                        if self._batched:
-                            return self._batched.popleft()
+                        if msg.batch.events:
+                            return self._hand_out([(event, chunked) for event in msg.batch.events])
                         continue
                     elif kind == "notice":
                         self.notices.append(notice_of(msg.notice))
@@ -274,7 +273,7 @@ class GenerateStream:
                     else:
                         continue  # a kind this SDK does not know yet
                     if complete is not None:
-                        return self._keep(InterceptEvent.from_proto(complete[0], chunked=complete[1]))
+                        return self._hand_out([complete])
             except codec.CodecError as exc:
                 raise self._fail(HookwireError(f"Generate: {exc}", code="DATA_LOSS")) from None
             except HookwireError as exc:
@@ -282,10 +281,19 @@ class GenerateStream:
                     raise self._fail(exc) from None
                 raise
 
-    def _keep(self, event: InterceptEvent) -> InterceptEvent:
-        if self._keep_events:
-            self._events.append(event)
-        return event
+    def _hand_out(self, received: list[tuple[Any, Any]]) -> InterceptEvent:
+        """Decodes received events (a compact readout event expands into the per-module
+        events it stands for), keeps them for the result, and returns the first; the rest
+        wait in ``_batched``."""
+        assert self._started is not None
+        if self._call_hooks is None:
+            self._call_hooks = CallHooks.of(self.request.model, self._started)
+        for msg, chunked in received:
+            for event in InterceptEvent.expand(msg, chunked, call=self._call_hooks):
+                if self._keep_events:
+                    self._events.append(event)
+                self._batched.append(event)
+        return self._batched.popleft()
 
     async def result(self) -> GenerateResult:
         """Reads the rest of the stream and returns the GenerateResult (see the class)."""

@@ -6,7 +6,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Sequence, Union
 
 import grpc
 
@@ -226,6 +226,9 @@ class EventRouter:
         #: Called on each call's end marker (the fleet client's merged readers wait on
         #: their own queue, not on an inbox this wakes).
         self.call_listeners: set[Callable[[], None]] = set()
+        #: Each registered hook's resolved modules (HookInfo.modules), which its compact
+        #: readout events index (InterceptEvent.expand).
+        self.modules: dict[str, Sequence[str]] = {}
 
     def _inbox(self, hook_id: str) -> _Inbox:
         inbox = self._inboxes.get(hook_id)
@@ -296,7 +299,8 @@ class EventRouter:
                 return
             if inbox.items:
                 position, (event, chunked) = inbox.items.popleft()
-                yield position, InterceptEvent.from_proto(event, chunked=chunked)
+                for expanded in InterceptEvent.expand(event, chunked, modules=self.modules.get(hook_id)):
+                    yield position, expanded
                 continue
             if self.closed:
                 if self.error is not None:

@@ -204,6 +204,72 @@ class InterceptEvent:
             request_hook_index=msg.request_hook_index,
         )
 
+    @classmethod
+    def expand(
+        cls, msg: hook_pb2.InterceptEvent, chunked: Mapping[int, Any] | None = None, *,
+        call: CallHooks | None = None, modules: Sequence[str] | None = None,
+    ) -> list[InterceptEvent]:
+        """The events ``msg`` stands for: itself, decoded (``from_proto``), or, for a
+        compact readout event (``module_indices`` set; Readout.compact), one event per
+        module it stacks, each with its module's readout, in the stacked order. They share
+        the wire event's ``seq`` and ``raw``. ``modules`` are the hook's resolved modules
+        (``HookInfo.modules``); for a request-scoped hook's event they come from ``call``,
+        which also gives what the server left out of such an event in the call's own
+        stream (``hook_id``, ``model``, ``request_id``; ``time`` becomes when it was
+        decoded). A module the SDK cannot name is "#INDEX"."""
+        event = cls.from_proto(msg, chunked)
+        if not msg.module_indices:
+            return [event]
+        fill: dict[str, Any] = {}
+        if call is not None and msg.request_hook_index:
+            position = msg.request_hook_index - 1
+            if modules is None and position < len(call.modules):
+                modules = call.modules[position]
+            if not msg.hook_id:
+                fill = {"hook_id": call.hook_ids[position] if position < len(call.hook_ids) else "",
+                        "model": call.model, "request_id": call.request_id,
+                        "time": datetime.datetime.now(datetime.timezone.utc)}
+        names = list(modules or ())
+        return [
+            dataclasses.replace(
+                event, **fill,
+                module=names[index] if index < len(names) else f"#{index}",
+                args=tuple(_row(v, i) for v in event.args),
+                kwargs={k: _row(v, i) for k, v in event.kwargs.items()},
+                output=_row(event.output, i),
+                grad_input=tuple(_row(v, i) for v in event.grad_input),
+                grad_output=tuple(_row(v, i) for v in event.grad_output),
+            )
+            for i, index in enumerate(msg.module_indices)
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class CallHooks:
+    """What a call says about its request-scoped hooks (InferResponse, GenerateStarted):
+    what ``InterceptEvent.expand`` reads to expand their compact readout events."""
+
+    model: str
+    request_id: str
+    hook_ids: tuple[str, ...]
+    modules: tuple[tuple[str, ...], ...]
+
+    @classmethod
+    def of(cls, model: str, msg: Any) -> CallHooks:
+        """From an InferResponse or a GenerateStarted of a call on ``model``."""
+        return cls(model, msg.request_id, tuple(msg.hook_ids), tuple(tuple(m.modules) for m in msg.hook_modules))
+
+
+def _row(value: Any, i: int) -> Any:
+    """Module ``i``'s part of a stacked value (tensors along their first dimension)."""
+    if value is None or isinstance(value, (str, bytes, bool, int, float, TensorSummary)):
+        return value
+    if isinstance(value, Mapping):
+        return {k: _row(v, i) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_row(v, i) for v in value)
+    return value[i]
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorSummary:
@@ -253,13 +319,18 @@ class InferResult:
     raw: model_service_pb2.InferResponse = dataclasses.field(repr=False, compare=False)
 
     @classmethod
-    def from_proto(cls, msg: model_service_pb2.InferResponse, chunked: Mapping[int, Any] | None = None) -> InferResult:
-        """Decodes the wire message (chunked tensors from ``chunked``)."""
+    def from_proto(
+        cls, msg: model_service_pb2.InferResponse, chunked: Mapping[int, Any] | None = None, *, model: str = "",
+    ) -> InferResult:
+        """Decodes the wire message (chunked tensors from ``chunked``; compact readout
+        events expanded, ``model`` naming the call's model in them)."""
         decode = functools.partial(codec.decode_value, chunked=chunked, on_summary=TensorSummary.from_proto)
         return cls(
             request_id=msg.request_id,
             output=decode(msg.output, where="output"),
-            events=tuple(InterceptEvent.from_proto(e, chunked) for e in msg.events),
+            events=tuple(
+                expanded for e in msg.events
+                for expanded in InterceptEvent.expand(e, chunked, call=CallHooks.of(model, msg))),
             hook_ids=tuple(msg.hook_ids),
             input_grads=tuple(decode(v) for v in msg.input_grads),
             input_kwargs_grads={k: decode(v) for k, v in msg.input_kwargs_grads.items()},

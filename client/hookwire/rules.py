@@ -413,31 +413,37 @@ class Readout:
     message: hook_pb2.Readout
 
 
-def probe_scores(weight: Any, bias: Any = None, *, sigmoid: bool = False) -> Readout:
+def probe_scores(weight: Any, bias: Any = None, *, sigmoid: bool = False, compact: bool = False) -> Readout:
     """Linear probes' scores per position: ``t @ weight.T + bias`` (``weight`` [d] for one
-    probe, [n, d] for n), through a sigmoid with ``sigmoid``."""
-    msg = hook_pb2.Readout(probe=hook_pb2.ProbeReadout(sigmoid=sigmoid))
+    probe, [n, d] for n), through a sigmoid with ``sigmoid``.
+
+    ``compact``: the server sends the hook's readouts of all its modules in one event per
+    pass (Readout.compact: about 5x fewer bytes for a hook on every block of a small
+    model); the SDK expands it, so the events read the same."""
+    msg = hook_pb2.Readout(probe=hook_pb2.ProbeReadout(sigmoid=sigmoid), compact=compact)
     _tensor(weight, msg.probe.weight)
     if bias is not None:
         _tensor(bias, msg.probe.bias)
     return Readout(msg)
 
 
-def logit_lens(k: int, *, norm: str = "", unembedding: str = "") -> Readout:
+def logit_lens(k: int, *, norm: str = "", unembedding: str = "", compact: bool = False) -> Readout:
     """The top-``k`` tokens per position through the model's own final norm and
     unembedding (module paths found by the server unless given): a dict
-    ``{"token_ids": [..., k], "logits": [..., k]}``, largest first."""
+    ``{"token_ids": [..., k], "logits": [..., k]}``, largest first. ``compact``: as
+    ``probe_scores``'s."""
     if not 1 <= k:
         raise ValueError(f"k must be at least 1, not {k}")
-    return Readout(hook_pb2.Readout(logit_lens=hook_pb2.LogitLensReadout(k=int(k), norm=norm, unembedding=unembedding)))
+    return Readout(hook_pb2.Readout(
+        logit_lens=hook_pb2.LogitLensReadout(k=int(k), norm=norm, unembedding=unembedding), compact=compact))
 
 
-def sae_top_k(autoencoder: Sae, k: int) -> Readout:
+def sae_top_k(autoencoder: Sae, k: int, *, compact: bool = False) -> Readout:
     """An SAE's ``k`` most active features per position: a dict ``{"features": [..., k],
-    "values": [..., k]}``, largest first."""
+    "values": [..., k]}``, largest first. ``compact``: as ``probe_scores``'s."""
     if not 1 <= k:
         raise ValueError(f"k must be at least 1, not {k}")
-    return Readout(hook_pb2.Readout(sae_top_k=hook_pb2.SaeTopKReadout(sae=autoencoder.message, k=int(k))))
+    return Readout(hook_pb2.Readout(sae_top_k=hook_pb2.SaeTopKReadout(sae=autoencoder.message, k=int(k)), compact=compact))
 
 
 def _built(target: str, op: str, index: str | None, message: Any) -> Rule:

@@ -306,6 +306,7 @@ def actions(draw: Any) -> hook_pb2.HookAction:
                 readout.sae_top_k.sae.CopyFrom(draw(saes()))
         else:
             readout.SetInParent()
+        readout.compact = draw(st.booleans())  # stacked per pass: any capture, any layout
     if draw(st.booleans()):
         action.summarize.histogram_bins = draw(st.integers(0, 5000))
     return action

@@ -851,6 +851,28 @@ async def test_readouts_on_vllm_equal_transformers(vllm_server, oracle) -> None:
         torch.testing.assert_close(torch.as_tensor(probe_event.output)[0], (x @ probes.T)[0], **TOL)
 
 
+async def test_compact_readouts_on_vllm_equal_the_per_module_events(vllm_server) -> None:
+    """Compact probe readouts on every layer (one event per vLLM step and call, expanded
+    by the SDK) equal the per-module readout events of the same calls, for two calls that
+    share vLLM's steps, each with its own rows."""
+    probes = torch.randn(2, 128, generator=torch.Generator().manual_seed(62))
+
+    def spec(compact: bool) -> HookSpec:
+        return HookSpec("model.layers.*", posthook=capture("output", readout=rules.probe_scores(probes, compact=compact)))
+
+    async with hookwire.connect(vllm_server.target) as client:
+        model = client.model("llama")
+        plain = await asyncio.gather(*(model.generate([text], 3, hooks=[spec(False)]) for text in PROMPTS[:2]))
+        compact = await asyncio.gather(*(model.generate([text], 3, hooks=[spec(True)]) for text in PROMPTS[:2]))
+    for mine, theirs in zip(compact, plain):
+        assert mine.token_ids == theirs.token_ids
+        assert [(e.step, e.module) for e in mine.events] == [(e.step, e.module) for e in theirs.events]
+        for a, b in zip(mine.events, theirs.events):
+            torch.testing.assert_close(torch.as_tensor(a.output), torch.as_tensor(b.output), **TOL)
+        assert len({id(e.raw) for e in mine.events}) == mine.steps  # one wire event per step
+        assert all(list(e.raw.module_indices) == [0, 1] for e in mine.events)
+
+
 async def test_infer_logits_are_what_the_lm_head_rules_left(vllm_server, oracle) -> None:
     """A rule on lm_head changes the logits Infer returns (the engine keeps them after
     every hook on the logits processor), as transformers' lm_head hook would."""

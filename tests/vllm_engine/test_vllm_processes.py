@@ -246,6 +246,12 @@ async def test_a_logit_lens_needs_the_weights_the_workers_hold(tp_server) -> Non
         result = await model.generate(["a"], 2, hooks=[HookSpec("model.layers.0", posthook=capture(
             "output", readout=hookwire.rules.probe_scores(torch.ones(128))))])
         assert [list(torch.as_tensor(e.output).shape) for e in result.events] == [[1, 2], [1, 1]]
+        compact = await model.generate(["a"], 2, hooks=[HookSpec("model.layers.*", posthook=capture(
+            "output", readout=hookwire.rules.probe_scores(torch.ones(128), compact=True)))])
+        assert [(e.step, e.module) for e in compact.events] == [
+            (0, "model.layers.0"), (0, "model.layers.1"), (1, "model.layers.0"), (1, "model.layers.1")]
+        assert torch.equal(torch.as_tensor(compact.events[0].output), torch.as_tensor(result.events[0].output))
+        assert len({id(e.raw) for e in compact.events}) == 2  # one wire event per step, from the worker processes' taps
 
 
 async def test_a_worker_process_that_dies_fails_its_calls_and_the_model(tp_server) -> None:

@@ -27,7 +27,7 @@ from hookwire.v1 import rule_pb2 as hookwire_dot_v1_dot_rule__pb2
 from hookwire.v1 import tensor_pb2 as hookwire_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hookwire/v1/hook.proto\x12\x0bhookwire.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16hookwire/v1/rule.proto\x1a\x18hookwire/v1/tensor.proto\"\x9c\x02\n\nHookAction\x12\"\n\x07\x63\x61pture\x18\x01 \x03(\x0e\x32\x11.hookwire.v1.Part\x12 \n\x05rules\x18\x02 \x03(\x0b\x32\x11.hookwire.v1.Rule\x12\x30\n\rcapture_stage\x18\x03 \x01(\x0e\x32\x19.hookwire.v1.CaptureStage\x12\x0e\n\x06select\x18\x04 \x01(\t\x12 \n\x04\x63\x61st\x18\x05 \x01(\x0e\x32\x12.hookwire.v1.DType\x12.\n\tsummarize\x18\x06 \x01(\x0b\x32\x1b.hookwire.v1.SummaryOptions\x12%\n\x07readout\x18\x07 \x01(\x0b\x32\x14.hookwire.v1.Readout\x12\r\n\x05heads\x18\x08 \x03(\r\"\xa4\x01\n\x07Readout\x12*\n\x05probe\x18\x01 \x01(\x0b\x32\x19.hookwire.v1.ProbeReadoutH\x00\x12\x33\n\nlogit_lens\x18\x02 \x01(\x0b\x32\x1d.hookwire.v1.LogitLensReadoutH\x00\x12\x30\n\tsae_top_k\x18\x03 \x01(\x0b\x32\x1b.hookwire.v1.SaeTopKReadoutH\x00\x42\x06\n\x04kind\"g\n\x0cProbeReadout\x12#\n\x06weight\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12!\n\x04\x62ias\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12\x0f\n\x07sigmoid\x18\x03 \x01(\x08\"@\n\x10LogitLensReadout\x12\t\n\x01k\x18\x01 \x01(\r\x12\x0c\n\x04norm\x18\x02 \x01(\t\x12\x13\n\x0bunembedding\x18\x03 \x01(\t\":\n\x0eSaeTopKReadout\x12\x1d\n\x03sae\x18\x01 \x01(\x0b\x32\x10.hookwire.v1.Sae\x12\t\n\x01k\x18\x02 \x01(\r\"(\n\x0eSummaryOptions\x12\x16\n\x0ehistogram_bins\x18\x01 \x01(\r\"g\n\x08Sampling\x12\x0f\n\x07\x65very_n\x18\x01 \x01(\r\x12\x18\n\x0bprobability\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nmax_events\x18\x04 \x01(\x04\x42\x0e\n\x0c_probability\"6\n\x0ePreHookOptions\x12\x13\n\x0bwith_kwargs\x18\x01 \x01(\x08\x12\x0f\n\x07prepend\x18\x02 \x01(\x08\"L\n\x0fPostHookOptions\x12\x13\n\x0bwith_kwargs\x18\x01 \x01(\x08\x12\x0f\n\x07prepend\x18\x02 \x01(\x08\x12\x13\n\x0b\x61lways_call\x18\x03 \x01(\x08\"&\n\x13\x42\x61\x63kwardHookOptions\x12\x0f\n\x07prepend\x18\x01 \x01(\x08\"\xe4\x05\n\x08HookSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06module\x18\x02 \x01(\t\x12(\n\x07prehook\x18\x03 \x01(\x0b\x32\x17.hookwire.v1.HookAction\x12)\n\x08posthook\x18\x04 \x01(\x0b\x32\x17.hookwire.v1.HookAction\x12\x31\n\x10\x62\x61\x63kward_prehook\x18\x05 \x01(\x0b\x32\x17.hookwire.v1.HookAction\x12.\n\rbackward_hook\x18\x06 \x01(\x0b\x32\x17.hookwire.v1.HookAction\x12\x33\n\x0eprehook_kwargs\x18\x07 \x01(\x0b\x32\x1b.hookwire.v1.PreHookOptions\x12\x35\n\x0fposthook_kwargs\x18\x08 \x01(\x0b\x32\x1c.hookwire.v1.PostHookOptions\x12\x41\n\x17\x62\x61\x63kward_prehook_kwargs\x18\t \x01(\x0b\x32 .hookwire.v1.BackwardHookOptions\x12>\n\x14\x62\x61\x63kward_hook_kwargs\x18\n \x01(\x0b\x32 .hookwire.v1.BackwardHookOptions\x12\x19\n\x0ctrain_update\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12\x18\n\x0b\x65val_update\x18\x0c \x01(\x08H\x01\x88\x01\x01\x12!\n\x05scope\x18\r \x01(\x0e\x32\x12.hookwire.v1.Scope\x12\x0c\n\x04tags\x18\x0e \x03(\t\x12&\n\x08on_error\x18\x0f \x01(\x0e\x32\x14.hookwire.v1.OnError\x12\'\n\x08sampling\x18\x10 \x01(\x0b\x32\x15.hookwire.v1.Sampling\x12\x13\n\x0bttl_seconds\x18\x11 \x01(\r\x12%\n\x05steps\x18\x12 \x01(\x0b\x32\x16.hookwire.v1.StepRangeB\x0f\n\r_train_updateB\x0e\n\x0c_eval_update\"6\n\tStepRange\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\x11\n\x04last\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_last\"\xba\x02\n\x04Hook\x12\x0f\n\x07hook_id\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.hookwire.v1.HookSpec\x12\x0f\n\x07modules\x18\x03 \x03(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x10\n\x08\x64isabled\x18\x05 \x01(\x08\x12\x17\n\x0f\x64isabled_reason\x18\x06 \x01(\t\x12\x12\n\nfire_count\x18\x07 \x01(\x04\x12\x13\n\x0b\x65vents_sent\x18\x08 \x01(\x04\x12\x16\n\x0e\x65vents_dropped\x18\t \x01(\x04\x12\x0e\n\x06\x65rrors\x18\n \x01(\x04\x12.\n\nlast_fired\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12+\n\x07\x65xpires\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xb3\x04\n\x0eInterceptEvent\x12\x0f\n\x07hook_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06module\x18\x03 \x01(\t\x12!\n\x05phase\x18\x04 \x01(\x0e\x32\x12.hookwire.v1.Phase\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x12\n\ncall_index\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08training\x18\x08 \x01(\x08\x12(\n\x04time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12 \n\x04\x61rgs\x18\n \x03(\x0b\x32\x12.hookwire.v1.Value\x12\x37\n\x06kwargs\x18\x0b \x03(\x0b\x32\'.hookwire.v1.InterceptEvent.KwargsEntry\x12\"\n\x06output\x18\x0c \x01(\x0b\x32\x12.hookwire.v1.Value\x12&\n\ngrad_input\x18\r \x03(\x0b\x32\x12.hookwire.v1.Value\x12\'\n\x0bgrad_output\x18\x0e \x03(\x0b\x32\x12.hookwire.v1.Value\x12\x0f\n\x07\x64ropped\x18\x0f \x01(\x04\x12\x0c\n\x04step\x18\x10 \x01(\r\x12\x0f\n\x07\x64\x65vices\x18\x11 \x03(\t\x12\x1a\n\x12request_hook_index\x18\x12 \x01(\r\x1a\x41\n\x0bKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.hookwire.v1.Value:\x02\x38\x01*x\n\x04Part\x12\x14\n\x10PART_UNSPECIFIED\x10\x00\x12\r\n\tPART_ARGS\x10\x01\x12\x0f\n\x0bPART_KWARGS\x10\x02\x12\x0f\n\x0bPART_OUTPUT\x10\x03\x12\x13\n\x0fPART_GRAD_INPUT\x10\x04\x12\x14\n\x10PART_GRAD_OUTPUT\x10\x05*R\n\x05Scope\x12\x15\n\x11SCOPE_UNSPECIFIED\x10\x00\x12\x11\n\rSCOPE_SESSION\x10\x01\x12\r\n\tSCOPE_ALL\x10\x02\x12\x10\n\x0cSCOPE_TAGGED\x10\x03*t\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x15\n\x11PHASE_FORWARD_PRE\x10\x01\x12\x11\n\rPHASE_FORWARD\x10\x02\x12\x16\n\x12PHASE_BACKWARD_PRE\x10\x03\x12\x12\n\x0ePHASE_BACKWARD\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hookwire/v1/hook.proto\x12\x0bhookwire.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16hookwire/v1/rule.proto\x1a\x18hookwire/v1/tensor.proto\"\x9c\x02\n\nHookAction\x12\"\n\x07\x63\x61pture\x18\x01 \x03(\x0e\x32\x11.hookwire.v1.Part\x12 \n\x05rules\x18\x02 \x03(\x0b\x32\x11.hookwire.v1.Rule\x12\x30\n\rcapture_stage\x18\x03 \x01(\x0e\x32\x19.hookwire.v1.CaptureStage\x12\x0e\n\x06select\x18\x04 \x01(\t\x12 \n\x04\x63\x61st\x18\x05 \x01(\x0e\x32\x12.hookwire.v1.DType\x12.\n\tsummarize\x18\x06 \x01(\x0b\x32\x1b.hookwire.v1.SummaryOptions\x12%\n\x07readout\x18\x07 \x01(\x0b\x32\x14.hookwire.v1.Readout\x12\r\n\x05heads\x18\x08 \x03(\r\"\xb5\x01\n\x07Readout\x12*\n\x05probe\x18\x01 \x01(\x0b\x32\x19.hookwire.v1.ProbeReadoutH\x00\x12\x33\n\nlogit_lens\x18\x02 \x01(\x0b\x32\x1d.hookwire.v1.LogitLensReadoutH\x00\x12\x30\n\tsae_top_k\x18\x03 \x01(\x0b\x32\x1b.hookwire.v1.SaeTopKReadoutH\x00\x12\x0f\n\x07\x63ompact\x18\x04 \x01(\x08\x42\x06\n\x04kind\"g\n\x0cProbeReadout\x12#\n\x06weight\x18\x01 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12!\n\x04\x62ias\x18\x02 \x01(\x0b\x32\x13.hookwire.v1.Tensor\x12\x0f\n\x07sigmoid\x18\x03 \x01(\x08\"@\n\x10LogitLensReadout\x12\t\n\x01k\x18\x01 \x01(\r\x12\x0c\n\x04norm\x18\x02 \x01(\t\x12\x13\n\x0bunembedding\x18\x03 \x01(\t\":\n\x0eSaeTopKReadout\x12\x1d\n\x03sae\x18\x01 \x01(\x0b\x32\x10.hookwire.v1.Sae\x12\t\n\x01k\x18\x02 \x01(\r\"(\n\x0eSummaryOptions\x12\x16\n\x0ehistogram_bins\x18\x01 \x01(\r\"g\n\x08Sampling\x12\x0f\n\x07\x65very_n\x18\x01 \x01(\r\x12\x18\n\x0bprobability\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nmax_events\x18\x04 \x01(\x04\x42\x0e\n\x0c_probability\"6\n\x0ePreHookOptions\x12\x13\n\x0bwith_kwargs\x18\x01 \x01(\x08\x12\x0f\n\x07prepend\x18\x02 \x01(\x08\"L\n\x0fPostHookOptions\x12\x13\n\x0bwith_kwargs\x18\x01 \x01(\x08\x12\x0f\n\x07prepend\x18\x02 \x01(\x08\x12\x13\n\x0b\x61lways_call\x18\x03 \x01(\x08\"&\n\x13\x42\x61\x63kwardHookOptions\x12\x0f\n\x07prepend\x18\x01 \x01(\x08\"\xe4\x05\n\x08HookSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06module\x18\x02 \x01(\t\x12(\n\x07prehook\x18\x03 \x01(\x0b\x32\x17.hookwire.v1.HookAction\x12)\n\x08posthook\x18\x04 \x01(\x0b\x32\x17.hookwire.v1.HookAction\x12\x31\n\x10\x62\x61\x63kward_prehook\x18\x05 \x01(\x0b\x32\x17.hookwire.v1.HookAction\x12.\n\rbackward_hook\x18\x06 \x01(\x0b\x32\x17.hookwire.v1.HookAction\x12\x33\n\x0eprehook_kwargs\x18\x07 \x01(\x0b\x32\x1b.hookwire.v1.PreHookOptions\x12\x35\n\x0fposthook_kwargs\x18\x08 \x01(\x0b\x32\x1c.hookwire.v1.PostHookOptions\x12\x41\n\x17\x62\x61\x63kward_prehook_kwargs\x18\t \x01(\x0b\x32 .hookwire.v1.BackwardHookOptions\x12>\n\x14\x62\x61\x63kward_hook_kwargs\x18\n \x01(\x0b\x32 .hookwire.v1.BackwardHookOptions\x12\x19\n\x0ctrain_update\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12\x18\n\x0b\x65val_update\x18\x0c \x01(\x08H\x01\x88\x01\x01\x12!\n\x05scope\x18\r \x01(\x0e\x32\x12.hookwire.v1.Scope\x12\x0c\n\x04tags\x18\x0e \x03(\t\x12&\n\x08on_error\x18\x0f \x01(\x0e\x32\x14.hookwire.v1.OnError\x12\'\n\x08sampling\x18\x10 \x01(\x0b\x32\x15.hookwire.v1.Sampling\x12\x13\n\x0bttl_seconds\x18\x11 \x01(\r\x12%\n\x05steps\x18\x12 \x01(\x0b\x32\x16.hookwire.v1.StepRangeB\x0f\n\r_train_updateB\x0e\n\x0c_eval_update\"6\n\tStepRange\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\x11\n\x04last\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_last\"\xba\x02\n\x04Hook\x12\x0f\n\x07hook_id\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.hookwire.v1.HookSpec\x12\x0f\n\x07modules\x18\x03 \x03(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x10\n\x08\x64isabled\x18\x05 \x01(\x08\x12\x17\n\x0f\x64isabled_reason\x18\x06 \x01(\t\x12\x12\n\nfire_count\x18\x07 \x01(\x04\x12\x13\n\x0b\x65vents_sent\x18\x08 \x01(\x04\x12\x16\n\x0e\x65vents_dropped\x18\t \x01(\x04\x12\x0e\n\x06\x65rrors\x18\n \x01(\x04\x12.\n\nlast_fired\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12+\n\x07\x65xpires\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xcb\x04\n\x0eInterceptEvent\x12\x0f\n\x07hook_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06module\x18\x03 \x01(\t\x12!\n\x05phase\x18\x04 \x01(\x0e\x32\x12.hookwire.v1.Phase\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x12\n\ncall_index\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x10\n\x08training\x18\x08 \x01(\x08\x12(\n\x04time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12 \n\x04\x61rgs\x18\n \x03(\x0b\x32\x12.hookwire.v1.Value\x12\x37\n\x06kwargs\x18\x0b \x03(\x0b\x32\'.hookwire.v1.InterceptEvent.KwargsEntry\x12\"\n\x06output\x18\x0c \x01(\x0b\x32\x12.hookwire.v1.Value\x12&\n\ngrad_input\x18\r \x03(\x0b\x32\x12.hookwire.v1.Value\x12\'\n\x0bgrad_output\x18\x0e \x03(\x0b\x32\x12.hookwire.v1.Value\x12\x0f\n\x07\x64ropped\x18\x0f \x01(\x04\x12\x0c\n\x04step\x18\x10 \x01(\r\x12\x0f\n\x07\x64\x65vices\x18\x11 \x03(\t\x12\x1a\n\x12request_hook_index\x18\x12 \x01(\r\x12\x16\n\x0emodule_indices\x18\x13 \x03(\r\x1a\x41\n\x0bKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.hookwire.v1.Value:\x02\x38\x01\"\x1d\n\nModuleList\x12\x0f\n\x07modules\x18\x01 \x03(\t*x\n\x04Part\x12\x14\n\x10PART_UNSPECIFIED\x10\x00\x12\r\n\tPART_ARGS\x10\x01\x12\x0f\n\x0bPART_KWARGS\x10\x02\x12\x0f\n\x0bPART_OUTPUT\x10\x03\x12\x13\n\x0fPART_GRAD_INPUT\x10\x04\x12\x14\n\x10PART_GRAD_OUTPUT\x10\x05*R\n\x05Scope\x12\x15\n\x11SCOPE_UNSPECIFIED\x10\x00\x12\x11\n\rSCOPE_SESSION\x10\x01\x12\r\n\tSCOPE_ALL\x10\x02\x12\x10\n\x0cSCOPE_TAGGED\x10\x03*t\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x15\n\x11PHASE_FORWARD_PRE\x10\x01\x12\x11\n\rPHASE_FORWARD\x10\x02\x12\x16\n\x12PHASE_BACKWARD_PRE\x10\x03\x12\x12\n\x0ePHASE_BACKWARD\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,40 +36,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INTERCEPTEVENT_KWARGSENTRY']._loaded_options = None
   _globals['_INTERCEPTEVENT_KWARGSENTRY']._serialized_options = b'8\001'
-  _globals['_PART']._serialized_start=2810
-  _globals['_PART']._serialized_end=2930
-  _globals['_SCOPE']._serialized_start=2932
-  _globals['_SCOPE']._serialized_end=3014
-  _globals['_PHASE']._serialized_start=3016
-  _globals['_PHASE']._serialized_end=3132
+  _globals['_PART']._serialized_start=2882
+  _globals['_PART']._serialized_end=3002
+  _globals['_SCOPE']._serialized_start=3004
+  _globals['_SCOPE']._serialized_end=3086
+  _globals['_PHASE']._serialized_start=3088
+  _globals['_PHASE']._serialized_end=3204
   _globals['_HOOKACTION']._serialized_start=123
   _globals['_HOOKACTION']._serialized_end=407
   _globals['_READOUT']._serialized_start=410
-  _globals['_READOUT']._serialized_end=574
-  _globals['_PROBEREADOUT']._serialized_start=576
-  _globals['_PROBEREADOUT']._serialized_end=679
-  _globals['_LOGITLENSREADOUT']._serialized_start=681
-  _globals['_LOGITLENSREADOUT']._serialized_end=745
-  _globals['_SAETOPKREADOUT']._serialized_start=747
-  _globals['_SAETOPKREADOUT']._serialized_end=805
-  _globals['_SUMMARYOPTIONS']._serialized_start=807
-  _globals['_SUMMARYOPTIONS']._serialized_end=847
-  _globals['_SAMPLING']._serialized_start=849
-  _globals['_SAMPLING']._serialized_end=952
-  _globals['_PREHOOKOPTIONS']._serialized_start=954
-  _globals['_PREHOOKOPTIONS']._serialized_end=1008
-  _globals['_POSTHOOKOPTIONS']._serialized_start=1010
-  _globals['_POSTHOOKOPTIONS']._serialized_end=1086
-  _globals['_BACKWARDHOOKOPTIONS']._serialized_start=1088
-  _globals['_BACKWARDHOOKOPTIONS']._serialized_end=1126
-  _globals['_HOOKSPEC']._serialized_start=1129
-  _globals['_HOOKSPEC']._serialized_end=1869
-  _globals['_STEPRANGE']._serialized_start=1871
-  _globals['_STEPRANGE']._serialized_end=1925
-  _globals['_HOOK']._serialized_start=1928
-  _globals['_HOOK']._serialized_end=2242
-  _globals['_INTERCEPTEVENT']._serialized_start=2245
-  _globals['_INTERCEPTEVENT']._serialized_end=2808
-  _globals['_INTERCEPTEVENT_KWARGSENTRY']._serialized_start=2743
-  _globals['_INTERCEPTEVENT_KWARGSENTRY']._serialized_end=2808
+  _globals['_READOUT']._serialized_end=591
+  _globals['_PROBEREADOUT']._serialized_start=593
+  _globals['_PROBEREADOUT']._serialized_end=696
+  _globals['_LOGITLENSREADOUT']._serialized_start=698
+  _globals['_LOGITLENSREADOUT']._serialized_end=762
+  _globals['_SAETOPKREADOUT']._serialized_start=764
+  _globals['_SAETOPKREADOUT']._serialized_end=822
+  _globals['_SUMMARYOPTIONS']._serialized_start=824
+  _globals['_SUMMARYOPTIONS']._serialized_end=864
+  _globals['_SAMPLING']._serialized_start=866
+  _globals['_SAMPLING']._serialized_end=969
+  _globals['_PREHOOKOPTIONS']._serialized_start=971
+  _globals['_PREHOOKOPTIONS']._serialized_end=1025
+  _globals['_POSTHOOKOPTIONS']._serialized_start=1027
+  _globals['_POSTHOOKOPTIONS']._serialized_end=1103
+  _globals['_BACKWARDHOOKOPTIONS']._serialized_start=1105
+  _globals['_BACKWARDHOOKOPTIONS']._serialized_end=1143
+  _globals['_HOOKSPEC']._serialized_start=1146
+  _globals['_HOOKSPEC']._serialized_end=1886
+  _globals['_STEPRANGE']._serialized_start=1888
+  _globals['_STEPRANGE']._serialized_end=1942
+  _globals['_HOOK']._serialized_start=1945
+  _globals['_HOOK']._serialized_end=2259
+  _globals['_INTERCEPTEVENT']._serialized_start=2262
+  _globals['_INTERCEPTEVENT']._serialized_end=2849
+  _globals['_INTERCEPTEVENT_KWARGSENTRY']._serialized_start=2784
+  _globals['_INTERCEPTEVENT_KWARGSENTRY']._serialized_end=2849
+  _globals['_MODULELIST']._serialized_start=2851
+  _globals['_MODULELIST']._serialized_end=2880
 # @@protoc_insertion_point(module_scope)

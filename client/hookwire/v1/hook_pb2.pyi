@@ -72,14 +72,16 @@ class HookAction(_message.Message):
     def __init__(self, capture: _Optional[_Iterable[_Union[Part, str]]] = ..., rules: _Optional[_Iterable[_Union[_rule_pb2.Rule, _Mapping]]] = ..., capture_stage: _Optional[_Union[_rule_pb2.CaptureStage, str]] = ..., select: _Optional[str] = ..., cast: _Optional[_Union[_tensor_pb2.DType, str]] = ..., summarize: _Optional[_Union[SummaryOptions, _Mapping]] = ..., readout: _Optional[_Union[Readout, _Mapping]] = ..., heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Readout(_message.Message):
-    __slots__ = ("probe", "logit_lens", "sae_top_k")
+    __slots__ = ("probe", "logit_lens", "sae_top_k", "compact")
     PROBE_FIELD_NUMBER: _ClassVar[int]
     LOGIT_LENS_FIELD_NUMBER: _ClassVar[int]
     SAE_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
     probe: ProbeReadout
     logit_lens: LogitLensReadout
     sae_top_k: SaeTopKReadout
-    def __init__(self, probe: _Optional[_Union[ProbeReadout, _Mapping]] = ..., logit_lens: _Optional[_Union[LogitLensReadout, _Mapping]] = ..., sae_top_k: _Optional[_Union[SaeTopKReadout, _Mapping]] = ...) -> None: ...
+    compact: bool
+    def __init__(self, probe: _Optional[_Union[ProbeReadout, _Mapping]] = ..., logit_lens: _Optional[_Union[LogitLensReadout, _Mapping]] = ..., sae_top_k: _Optional[_Union[SaeTopKReadout, _Mapping]] = ..., compact: _Optional[bool] = ...) -> None: ...
 
 class ProbeReadout(_message.Message):
     __slots__ = ("weight", "bias", "sigmoid")
@@ -228,7 +230,7 @@ class Hook(_message.Message):
     def __init__(self, hook_id: _Optional[str] = ..., spec: _Optional[_Union[HookSpec, _Mapping]] = ..., modules: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., disabled: _Optional[bool] = ..., disabled_reason: _Optional[str] = ..., fire_count: _Optional[int] = ..., events_sent: _Optional[int] = ..., events_dropped: _Optional[int] = ..., errors: _Optional[int] = ..., last_fired: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class InterceptEvent(_message.Message):
-    __slots__ = ("hook_id", "model", "module", "phase", "seq", "call_index", "request_id", "training", "time", "args", "kwargs", "output", "grad_input", "grad_output", "dropped", "step", "devices", "request_hook_index")
+    __slots__ = ("hook_id", "model", "module", "phase", "seq", "call_index", "request_id", "training", "time", "args", "kwargs", "output", "grad_input", "grad_output", "dropped", "step", "devices", "request_hook_index", "module_indices")
     class KwargsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +256,7 @@ class InterceptEvent(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_HOOK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MODULE_INDICES_FIELD_NUMBER: _ClassVar[int]
     hook_id: str
     model: str
     module: str
@@ -272,4 +275,11 @@ class InterceptEvent(_message.Message):
     step: int
     devices: _containers.RepeatedScalarFieldContainer[str]
     request_hook_index: int
-    def __init__(self, hook_id: _Optional[str] = ..., model: _Optional[str] = ..., module: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., seq: _Optional[int] = ..., call_index: _Optional[int] = ..., request_id: _Optional[str] = ..., training: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., grad_input: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., grad_output: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., dropped: _Optional[int] = ..., step: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., request_hook_index: _Optional[int] = ...) -> None: ...
+    module_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hook_id: _Optional[str] = ..., model: _Optional[str] = ..., module: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., seq: _Optional[int] = ..., call_index: _Optional[int] = ..., request_id: _Optional[str] = ..., training: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., args: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., kwargs: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., grad_input: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., grad_output: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., dropped: _Optional[int] = ..., step: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., request_hook_index: _Optional[int] = ..., module_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModuleList(_message.Message):
+    __slots__ = ("modules",)
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, modules: _Optional[_Iterable[str]] = ...) -> None: ...

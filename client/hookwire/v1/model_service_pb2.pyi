@@ -203,7 +203,7 @@ class Backward(_message.Message):
     def __init__(self, output_path: _Optional[str] = ..., grad: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., return_input_grads: _Optional[bool] = ...) -> None: ...
 
 class InferResponse(_message.Message):
-    __slots__ = ("request_id", "output", "events", "input_grads", "input_kwargs_grads", "hook_ids")
+    __slots__ = ("request_id", "output", "events", "input_grads", "input_kwargs_grads", "hook_ids", "hook_modules")
     class InputKwargsGradsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -217,13 +217,15 @@ class InferResponse(_message.Message):
     INPUT_GRADS_FIELD_NUMBER: _ClassVar[int]
     INPUT_KWARGS_GRADS_FIELD_NUMBER: _ClassVar[int]
     HOOK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HOOK_MODULES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output: _tensor_pb2.Value
     events: _containers.RepeatedCompositeFieldContainer[_hook_pb2.InterceptEvent]
     input_grads: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Value]
     input_kwargs_grads: _containers.MessageMap[str, _tensor_pb2.Value]
     hook_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_hook_pb2.InterceptEvent, _Mapping]]] = ..., input_grads: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., input_kwargs_grads: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., hook_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    hook_modules: _containers.RepeatedCompositeFieldContainer[_hook_pb2.ModuleList]
+    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[_tensor_pb2.Value, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_hook_pb2.InterceptEvent, _Mapping]]] = ..., input_grads: _Optional[_Iterable[_Union[_tensor_pb2.Value, _Mapping]]] = ..., input_kwargs_grads: _Optional[_Mapping[str, _tensor_pb2.Value]] = ..., hook_ids: _Optional[_Iterable[str]] = ..., hook_modules: _Optional[_Iterable[_Union[_hook_pb2.ModuleList, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "texts", "add_special_tokens", "padding_side")
@@ -306,20 +308,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., tokens: _Optional[_Union[GeneratedTokens, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., notice: _Optional[_Union[_hook_service_pb2.Notice, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ..., batch: _Optional[_Union[_hook_service_pb2.EventBatch, _Mapping]] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
-    __slots__ = ("request_id", "input_ids", "attention_mask", "hook_ids", "seed", "do_sample")
+    __slots__ = ("request_id", "input_ids", "attention_mask", "hook_ids", "seed", "do_sample", "hook_modules")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     HOOK_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    HOOK_MODULES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     input_ids: _tensor_pb2.Tensor
     attention_mask: _tensor_pb2.Tensor
     hook_ids: _containers.RepeatedScalarFieldContainer[str]
     seed: int
     do_sample: bool
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hook_ids: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., do_sample: _Optional[bool] = ...) -> None: ...
+    hook_modules: _containers.RepeatedCompositeFieldContainer[_hook_pb2.ModuleList]
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hook_ids: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., do_sample: _Optional[bool] = ..., hook_modules: _Optional[_Iterable[_Union[_hook_pb2.ModuleList, _Mapping]]] = ...) -> None: ...
 
 class GeneratedTokens(_message.Message):
     __slots__ = ("step", "token_ids", "texts")

@@ -580,6 +580,8 @@ class Generation:
                     _codec.encode_tensor_into(ids, msg.started.input_ids)
                     _codec.encode_tensor_into(mask, msg.started.attention_mask)
                     msg.started.hook_ids.extend(r.hook_id for r in records)
+                    for r in records:
+                        msg.started.hook_modules.add().modules.extend(r.compiled.modules)
                     msg.started.seed = options.seed
                     msg.started.do_sample = bool(call.decoder.do_sample)
                     yield msg

@@ -294,6 +294,8 @@ class Inference:
         p.splicer = splicer if chunker is None else None
         p.held_bytes = self._hooks.held_bytes
         p.response.hook_ids.extend(r.hook_id for r in records)
+        for r in records:
+            p.response.hook_modules.add().modules.extend(r.compiled.modules)
         seed = request.seed if request.HasField("seed") else None
         shape = None
         if not (train or backward is not None or seed is not None or chunked is not None or chunker is not None):

@@ -29,6 +29,7 @@ import torch
 
 from hookwire.v1 import model_service_pb2, tensor_pb2
 
+from ..hooks.compact import CompactReadouts
 from ..hooks.deferred import DeferredCaptures
 from ..errors import InvalidArgument
 from ..models.batch_settings import KEEPS_LAST_TOKENS, BatchSettings
@@ -82,6 +83,8 @@ class Batch:
         self._ledger: dict[int, tuple[Any, Any]] = {}
         #: Its asynchronous captures whose copies are in flight (deferred.py).
         self.deferred = DeferredCaptures()
+        #: Its compact readout events in the making, sent when it ends (hooks.compact).
+        self.compact = CompactReadouts()
 
     def fail_call(self, p: Pass, exc: BaseException) -> bool:
         """A hook failed for one call of this pass: True when the batch keeps the failure
@@ -100,6 +103,7 @@ class Batch:
         (counts, sampling budgets and draws), so that its calls, run again alone, fire as if
         it never ran. (A hook a failing rule disabled stays disabled: its notice is out.)"""
         self.deferred.drop()
+        self.compact.drop()
         for record, state in self._ledger.values():
             record.restore(state)
         self._ledger.clear()

@@ -13,7 +13,8 @@ One pass, on the model's worker thread:
    exception out of the model, other than hookwire's own, becomes one naming the
    failing module);
 5. asynchronous captures still in flight are finished (their events delivered in
-   firing order, before the calls' results);
+   firing order, before the calls' results), then the compact readout events are sent
+   (hooks.compact);
 6. on failure, a shared pass is undone (held events dropped, hooks' counters and
    sampling put back), a pass of one call delivers what its hooks captured before the
    failure; either way the hooks detach and ``current_batch`` is cleared.
@@ -57,12 +58,14 @@ def running(host: Any, batch: Batch, records: Sequence[Any] = ()) -> Iterator[Ba
         host.current_batch = batch
         yield batch
         batch.deferred.finish()  # asynchronous captures: their events, before the calls' results
+        batch.compact.send()  # compact readouts: one event per hook and call, when the pass ends
     except BaseException:
         if shared:
             batch.undo()  # its calls run again alone, as if this pass never ran
             host.fires = fires
         else:
             batch.deferred.finish(raise_errors=False)  # what was captured before the failure still goes out
+            batch.compact.send(raise_errors=False)
         raise
     finally:
         host.current_batch = None

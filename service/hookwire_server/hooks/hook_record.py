@@ -31,7 +31,7 @@ from hookwire.v1 import hook_pb2, hook_service_pb2
 from ..auth import ANONYMOUS, Principal
 from .capture import Sampler
 from .deferred import HostCopies, wants_deferral
-from . import heads
+from . import compact, heads
 from ..errors import InvalidArgument, Unimplemented
 from .event_bus import EventStream, HookCounters
 from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec, _part_name
@@ -104,6 +104,8 @@ class HookRecord:
         #: The background detach, once removed.
         self.detaching: asyncio.Future[None] | None = None
         self._handles: list[RemovableHandle] = []
+        #: Each resolved module's position (InterceptEvent.module_indices of compact readouts).
+        self._module_indices = {path: i for i, path in enumerate(compiled.modules)}
 
     # ---------------------------------------------------------------- worker thread
 
@@ -355,6 +357,10 @@ class HookRecord:
             p.tap(self.hook_id, action, path, call_index, parts)  # a harvest batch: the tensors themselves, no event
             return
         batch = self.host.current_batch
+        readout = action.options.readout
+        if batch is not None and readout is not None and readout.compact:
+            self._stack(batch, action, path, p, call_index, training, parts)
+            return
         # Behind captures still in flight, a capture that needs no copy waits its turn too:
         # events leave in firing order.
         if batch is not None and self.host.defers and (
@@ -386,9 +392,42 @@ class HookRecord:
         batch.deferred.add(copies.events(), copies.keep, functools.partial(
             self._send, action, path, p, call_index, training, {}, (items, devices, _now())))
 
+    def _stack(
+        self, batch: Any, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any],
+    ) -> None:
+        """A compact readout (Readout.compact, hooks.compact): prepared now, on its device,
+        and added to the pass's stack of this hook and call, sent when the pass ends. The
+        stack counts as one event of the call when it starts."""
+        try:
+            items, devices = _prepare(self.hook_id, action, path, parts, None)
+        except Exception as exc:
+            if self.compiled.scope == SCOPE_REQUEST:
+                raise  # the request's own hook: its call fails, as a capture failure always did
+            self.errors += 1
+            self._disable(f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}",
+                          hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, p)
+            return
+        shape = compact.layout(items)
+        stack = batch.compact.stack_for(self, action, p, call_index, shape)
+        if stack is None:
+            if self.compiled.scope == SCOPE_REQUEST:
+                p.count_event()  # past max_events_per_call the pass stops here, as for any capture
+            stack = batch.compact.start(compact.Stack(self, action, p, call_index, training, _now()), shape)
+        stack.indices.append(self._module_indices[path])
+        stack.items.append(items)
+        for device in devices:
+            if device not in stack.devices:
+                stack.devices.append(device)
+
+    def send_compact(self, stack: compact.Stack) -> None:
+        """Sends a compact readout event (the pass ended): as any capture's, except that a
+        hook disabled since drops it (as its queued asynchronous captures). Worker thread."""
+        prepared = (stack.stacked(), stack.devices, stack.fired)
+        self._send(stack.action, "", stack.p, stack.call_index, stack.training, {}, prepared, indices=stack.indices)
+
     def _send(
         self, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any],
-        prepared: Prepared | None,
+        prepared: Prepared | None, *, indices: list[int] | None = None,
     ) -> None:
         """Numbers, encodes and delivers one capture (``prepared``: its values already
         selected, cast and on the host, the devices and the firing time, from _capture_later)."""
@@ -396,7 +435,7 @@ class HookRecord:
             # The request's own hook: a capture failure fails the request (raised through forward),
             # and so does an event past max_events_per_call (Pass.request_event).
             event, chunker = p.request_event(counted=prepared is not None)
-            self._fill_event(event, action, path, p, call_index, training, parts, chunker, prepared)
+            self._fill_event(event, action, path, p, call_index, training, parts, chunker, prepared, indices)
             event.seq = p.next_seq(self.hook_id)
             p.deliver(event, chunker)
             return
@@ -426,7 +465,8 @@ class HookRecord:
         chunker = Chunker(snapshot=prepared is None, framing=Framing(
             SESSION_MESSAGE_CHUNK, min(stream.limits.chunk_bytes for stream in streams)))
         try:
-            nbytes = self._fill_event(msg.event, action, path, p, call_index, training, parts, chunker, prepared)
+            nbytes = self._fill_event(
+                msg.event, action, path, p, call_index, training, parts, chunker, prepared, indices, own=False)
         except Exception as exc:  # never break a pass because a capture cannot be made
             self.errors += 1
             detail = f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}"
@@ -446,23 +486,31 @@ class HookRecord:
     def _fill_event(
         self, event: hook_pb2.InterceptEvent, action: Action, path: str, p: Pass,
         call_index: int, training: bool, parts: dict[str, Any], chunker: Chunker | Splicer | None,
-        prepared: Prepared | None = None,
+        prepared: Prepared | None = None, indices: list[int] | None = None, *, own: bool = True,
     ) -> int:
-        event.hook_id = self.hook_id
+        """Fills ``event``; with ``indices``, a compact readout event of those modules,
+        which in the call's own stream (``own``: a request-scoped hook's) leaves out what
+        the call says (Readout.compact)."""
+        lean = indices is not None and own and self.compiled.scope == SCOPE_REQUEST
+        if not lean:
+            event.hook_id = self.hook_id
+            event.model = self.host.name
+            event.request_id = p.request_id
         event.request_hook_index = self.request_index
-        event.model = self.host.name
         event.module = path
         event.phase = action.phase
         event.call_index = call_index
-        event.request_id = p.request_id
         event.step = p.step
         event.training = training
+        if indices is not None:
+            event.module_indices.extend(indices)
         if prepared is None:
             event.time.CopyFrom(_now())
             items, devices = _prepare(self.hook_id, action, path, parts, None)
         else:
             items, devices, fired = prepared
-            event.time.CopyFrom(fired)  # when the hook fired, not when the copies completed
+            if not lean:
+                event.time.CopyFrom(fired)  # when the hook fired, not when the copies completed
         encode = functools.partial(codec.encode_value_into, opaque_caches=True)  # a KV cache in kwargs: null, marked
         nbytes = 0
         for part, field, key, value in items:

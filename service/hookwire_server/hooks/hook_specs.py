@@ -130,7 +130,9 @@ def _capture_options(action: hook_pb2.HookAction, field: str, host: ModelHost, s
         return options
     if options.summary_bins is not None:
         raise InvalidArgument(f"{field}.readout: a readout and summarize both replace the tensor; set one")
-    return dataclasses.replace(options, readout=compile_readout(action.readout, f"{field}.readout", host, source))
+    readout = compile_readout(action.readout, f"{field}.readout", host, source)
+    readout.compact = action.readout.compact
+    return dataclasses.replace(options, readout=readout)
 
 
 def compile_spec(

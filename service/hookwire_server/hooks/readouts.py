@@ -52,6 +52,8 @@ class CompiledReadout:
     unembedding: Any = None
     vocab: int | None = None
     sae: CompiledSae | None = None
+    #: Readout.compact: one stacked event per pass for the hook's modules (hooks.compact).
+    compact: bool = False
     #: Its tensor operands by field path in the HookAction (``readout.probe.weight``, ...):
     #: the one decoded copy (a listing with operand data encodes them).
     operands: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
