@@ -756,6 +756,8 @@ class Subscription:
         #: (InterceptEvent.expand); listed (ListHooks) at the first such event of a hook
         #: not here.
         self.modules: dict[str, Sequence[str]] = {}
+        #: Expanded events of a compact readout event not yet handed out (see events).
+        self._rest: collections.deque[InterceptEvent] = collections.deque()
 
     async def start(self) -> None:
         """Starts the RPC and waits until the server has attached it. Idempotent."""
@@ -812,6 +814,9 @@ class Subscription:
             return
         try:
             while True:
+                if self._rest:  # the rest of a compact readout event a reader stopped in
+                    yield self._rest.popleft()
+                    continue
                 item: Any
                 # A read in flight, kept across timeouts, iterations and a cancelled reader
                 # (a task cancelled, Ctrl-C in the sync client): cancelling the read itself
@@ -844,10 +849,11 @@ class Subscription:
                         try:
                             self.modules.update({h.hook_id: h.modules for h in await self._client.list_hooks()})
                         except HookwireError:
-                            self.modules[event.hook_id] = ()  # not listable: its modules are "#INDEX"
-
-                    for expanded in InterceptEvent.expand(event, item[1], modules=self.modules.get(event.hook_id)):
-                        yield expanded
+                            pass
+                        self.modules.setdefault(event.hook_id, ())  # not listed (removed): "#INDEX", once
+                    first, *rest = InterceptEvent.expand(event, item[1], modules=self.modules.get(event.hook_id))
+                    self._rest.extend(rest)
+                    yield first
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 raise from_rpc_error(exc) from None

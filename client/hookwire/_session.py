@@ -184,7 +184,17 @@ class _Inbox:
         self.items: collections.deque[tuple[int, tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]]] = (
             collections.deque()
         )
+        #: Decoded events of a compact readout event (InterceptEvent.expand) not yet handed
+        #: out, with its position: read before ``items``, so a reader that stops in the
+        #: middle of one leaves the rest for the next.
+        self.rest: collections.deque[tuple[int, InterceptEvent]] = collections.deque()
         self._wake = asyncio.Event()
+
+    def next_position(self) -> int | None:
+        """The stream position of the next event to read; None when there is none."""
+        if self.rest:
+            return self.rest[0][0]
+        return self.items[0][0] if self.items else None
 
     def put(self, position: int, event: tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]) -> None:
         self.items.append((position, event))
@@ -284,7 +294,8 @@ class EventRouter:
         """Whether the hook's inbox still holds an event from before stream ``position``
         (one its reader has not taken yet)."""
         inbox = self._inboxes.get(hook_id)
-        return inbox is not None and bool(inbox.items) and inbox.items[0][0] < position
+        following = None if inbox is None else inbox.next_position()
+        return following is not None and following < position
 
     async def positioned_events(
         self, hook_id: str, until: str | None = None, timeout: float | None = None,
@@ -295,12 +306,17 @@ class EventRouter:
         while True:
             inbox.arm()
             end = None if until is None else self.calls.position(until)
-            if end is not None and (not inbox.items or inbox.items[0][0] > end):
+            following = inbox.next_position()
+            if end is not None and (following is None or following > end):
                 return
+            if inbox.rest:
+                yield inbox.rest.popleft()
+                continue
             if inbox.items:
                 position, (event, chunked) = inbox.items.popleft()
-                for expanded in InterceptEvent.expand(event, chunked, modules=self.modules.get(hook_id)):
-                    yield position, expanded
+                first, *rest = InterceptEvent.expand(event, chunked, modules=self.modules.get(hook_id))
+                inbox.rest.extend((position, e) for e in rest)
+                yield position, first
                 continue
             if self.closed:
                 if self.error is not None:

@@ -212,11 +212,12 @@ class InterceptEvent:
         """The events ``msg`` stands for: itself, decoded (``from_proto``), or, for a
         compact readout event (``module_indices`` set; Readout.compact), one event per
         module it stacks, each with its module's readout, in the stacked order. They share
-        the wire event's ``seq`` and ``raw``. ``modules`` are the hook's resolved modules
-        (``HookInfo.modules``); for a request-scoped hook's event they come from ``call``,
-        which also gives what the server left out of such an event in the call's own
-        stream (``hook_id``, ``model``, ``request_id``; ``time`` becomes when it was
-        decoded). A module the SDK cannot name is "#INDEX"."""
+        the wire event's ``seq``, ``time`` (when its first module fired) and ``raw``; the
+        first carries its ``dropped``, the others 0. ``modules`` are the hook's resolved
+        modules (``HookInfo.modules``); for a request-scoped hook's event they come from
+        ``call``, which also gives what the server left out of such an event in the
+        call's own stream (``hook_id``, ``model``, ``request_id``). A module the SDK
+        cannot name is "#INDEX"."""
         event = cls.from_proto(msg, chunked)
         if not msg.module_indices:
             return [event]
@@ -227,8 +228,7 @@ class InterceptEvent:
                 modules = call.modules[position]
             if not msg.hook_id:
                 fill = {"hook_id": call.hook_ids[position] if position < len(call.hook_ids) else "",
-                        "model": call.model, "request_id": call.request_id,
-                        "time": datetime.datetime.now(datetime.timezone.utc)}
+                        "model": call.model, "request_id": call.request_id}
         names = list(modules or ())
         return [
             dataclasses.replace(
@@ -239,6 +239,7 @@ class InterceptEvent:
                 output=_row(event.output, i),
                 grad_input=tuple(_row(v, i) for v in event.grad_input),
                 grad_output=tuple(_row(v, i) for v in event.grad_output),
+                dropped=event.dropped if i == 0 else 0,  # the drops in front of the wire event, once
             )
             for i, index in enumerate(msg.module_indices)
         ]

@@ -35,11 +35,12 @@ def test_a_stack_puts_each_module_along_a_new_first_dimension_and_the_sdk_takes_
     ((part, field, key, value),) = stack.stacked()
     assert (part, field, key) == (OUT, "output", None)
     assert value["token_ids"].shape == (3, 1, 2, 3)
-    msg = hook_pb2.InterceptEvent(request_hook_index=1, module_indices=[4, 0, 2], seq=7)
+    msg = hook_pb2.InterceptEvent(request_hook_index=1, module_indices=[4, 0, 2], seq=7, dropped=2)
     codec.encode_value_into(value, msg.output)
     events = InterceptEvent.expand(msg, modules=["m0", "m1", "m2", "m3"])
     assert [e.module for e in events] == ["#4", "m0", "m2"]  # one the SDK cannot name: by its index
     assert {e.seq for e in events} == {7}
+    assert [e.dropped for e in events] == [2, 0, 0]  # the drops in front of the wire event, counted once
     for event, want in zip(events, lens):
         assert torch.equal(event.output["token_ids"], want["token_ids"])
         assert torch.equal(event.output["logits"], want["logits"])

@@ -62,6 +62,7 @@ from ..hooks.event_bus import (
 )
 from ..hooks.hook_manager import HookManager
 from ..hooks.hook_record import HookRecord
+from ..hooks.hook_specs import hook_modules
 from .. import limits
 from ..models.model_registry import ModelHost
 from ..hooks.passes import Pass
@@ -580,8 +581,8 @@ class Generation:
                     _codec.encode_tensor_into(ids, msg.started.input_ids)
                     _codec.encode_tensor_into(mask, msg.started.attention_mask)
                     msg.started.hook_ids.extend(r.hook_id for r in records)
-                    for r in records:
-                        msg.started.hook_modules.add().modules.extend(r.compiled.modules)
+                    for modules in hook_modules(records):
+                        msg.started.hook_modules.add().modules.extend(modules)
                     msg.started.seed = options.seed
                     msg.started.do_sample = bool(call.decoder.do_sample)
                     yield msg

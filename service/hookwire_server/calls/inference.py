@@ -32,6 +32,7 @@ from ..errors import (
 )
 from ..hooks.event_bus import HeldBytesExceeded
 from ..hooks.hook_manager import HookManager
+from ..hooks.hook_specs import hook_modules
 from ..hooks.passes import Pass
 from ..engine.core import Engines
 from .admission import Admission
@@ -294,8 +295,8 @@ class Inference:
         p.splicer = splicer if chunker is None else None
         p.held_bytes = self._hooks.held_bytes
         p.response.hook_ids.extend(r.hook_id for r in records)
-        for r in records:
-            p.response.hook_modules.add().modules.extend(r.compiled.modules)
+        for modules in hook_modules(records):
+            p.response.hook_modules.add().modules.extend(modules)
         seed = request.seed if request.HasField("seed") else None
         shape = None
         if not (train or backward is not None or seed is not None or chunked is not None or chunker is not None):

@@ -58,14 +58,14 @@ def running(host: Any, batch: Batch, records: Sequence[Any] = ()) -> Iterator[Ba
         host.current_batch = batch
         yield batch
         batch.deferred.finish()  # asynchronous captures: their events, before the calls' results
-        batch.compact.send()  # compact readouts: one event per hook and call, when the pass ends
+        batch.compact.send(fail=batch.fail_call)  # compact readouts: one event per hook and call, at the end
     except BaseException:
         if shared:
             batch.undo()  # its calls run again alone, as if this pass never ran
             host.fires = fires
         else:
             batch.deferred.finish(raise_errors=False)  # what was captured before the failure still goes out
-            batch.compact.send(raise_errors=False)
+            batch.compact.send(raise_errors=False, fail=batch.fail_call)
         raise
     finally:
         host.current_batch = None

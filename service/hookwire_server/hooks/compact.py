@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -70,16 +70,27 @@ class CompactReadouts:
         self._stacks[(id(stack.record), id(stack.p), stack.action.phase, stack.call_index, layout)] = stack
         return stack
 
-    def send(self, *, raise_errors: bool = True) -> None:
-        """Sends every stack, in the order each was started. The first error (a request-scoped
-        hook's event that cannot be sent fails its call) is raised after the rest are sent,
-        unless ``raise_errors`` is false (a pass that already failed)."""
-        stacks, self._stacks = list(self._stacks.values()), {}
+    def send(
+        self, *, raise_errors: bool = True, record: Any = None, fail: Callable[[Any, BaseException], bool] | None = None,
+    ) -> None:
+        """Sends every stack (only ``record``'s: a hook about to be disabled, whose notice
+        must follow its readouts), in the order each was started. A stack that cannot be
+        sent fails its call alone where ``fail`` (Batch.fail_call) keeps the failure for
+        it; otherwise the first error (a request-scoped hook's event that cannot be sent
+        fails its call) is raised after the rest are sent, unless ``raise_errors`` is
+        false (a pass that already failed)."""
+        if record is None:
+            stacks, self._stacks = list(self._stacks.values()), {}
+        else:
+            mine = [key for key, stack in self._stacks.items() if stack.record is record]
+            stacks = [self._stacks.pop(key) for key in mine]
         error: BaseException | None = None
         for stack in stacks:
             try:
                 stack.record.send_compact(stack)
             except Exception as exc:
+                if fail is not None and fail(stack.p, exc):
+                    continue
                 error = error or exc
         if error is not None:
             if raise_errors:

@@ -341,6 +341,8 @@ class HookRecord:
             # hook (or of another) that fired before it. A request-scoped capture failing here
             # fails the call, as it would have when it fired.
             batch.deferred.finish()
+        if batch is not None and batch.compact:
+            batch.compact.send(record=self, raise_errors=False)  # its readouts so far, before the notice
         self.active = False
         self.disabled_reason = reason
         log.warning("hook %s disabled: %s", self.hook_id, reason)
@@ -420,8 +422,8 @@ class HookRecord:
                 stack.devices.append(device)
 
     def send_compact(self, stack: compact.Stack) -> None:
-        """Sends a compact readout event (the pass ended): as any capture's, except that a
-        hook disabled since drops it (as its queued asynchronous captures). Worker thread."""
+        """Sends a compact readout event (the pass ended, or the hook is being disabled:
+        ``_disable`` sends its stacks before its notice). Worker thread."""
         prepared = (stack.stacked(), stack.devices, stack.fired)
         self._send(stack.action, "", stack.p, stack.call_index, stack.training, {}, prepared, indices=stack.indices)
 
@@ -509,8 +511,7 @@ class HookRecord:
             items, devices = _prepare(self.hook_id, action, path, parts, None)
         else:
             items, devices, fired = prepared
-            if not lean:
-                event.time.CopyFrom(fired)  # when the hook fired, not when the copies completed
+            event.time.CopyFrom(fired)  # when the hook fired, not when the copies completed
         encode = functools.partial(codec.encode_value_into, opaque_caches=True)  # a KV cache in kwargs: null, marked
         nbytes = 0
         for part, field, key, value in items:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 from hookwire.v1 import hook_pb2, rule_pb2
 
@@ -121,6 +122,21 @@ class CompiledSpec:
     def uses_slots(self) -> bool:
         """Whether a rule saves or patches (it then needs a session)."""
         return any(action.uses_slots for action in self.actions)
+
+    @property
+    def compact(self) -> bool:
+        """Whether an action sends compact readout events (their modules are named by
+        position: the call lists the hook's modules)."""
+        return any(action.options.readout is not None and action.options.readout.compact for action in self.actions)
+
+
+def hook_modules(records: Any) -> list[list[str]]:
+    """InferResponse/GenerateStarted.hook_modules for a call's request-scoped hooks: each
+    hook's resolved modules where a hook of the call sends compact readouts, else none
+    (an empty list per hook: nothing to index)."""
+    if not any(r.compiled.compact for r in records):
+        return []
+    return [list(r.compiled.modules) if r.compiled.compact else [] for r in records]
 
 
 def _capture_options(action: hook_pb2.HookAction, field: str, host: ModelHost, source: OperandSource) -> CaptureOptions:
