@@ -418,8 +418,8 @@ def probe_scores(weight: Any, bias: Any = None, *, sigmoid: bool = False, compac
     probe, [n, d] for n), through a sigmoid with ``sigmoid``.
 
     ``compact``: the server sends the hook's readouts of all its modules in one event per
-    pass (Readout.compact: about 5x fewer bytes for a hook on every block of a small
-    model); the SDK expands it, so the events read the same."""
+    pass (Readout.compact: about 5x fewer bytes than an event per module for 4 probes on
+    every block of a 512-wide model); the SDK expands it, so the events read the same."""
     msg = hook_pb2.Readout(probe=hook_pb2.ProbeReadout(sigmoid=sigmoid), compact=compact)
     _tensor(weight, msg.probe.weight)
     if bias is not None:
