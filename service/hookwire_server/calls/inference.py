@@ -321,7 +321,8 @@ class Inference:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.limits.infer_timeout
             try:
-                response = await asyncio.wait_for(self._engines.submit(host, work), self.limits.infer_timeout)
+                async with asyncio.timeout(self.limits.infer_timeout):  # (wait_for would run it in a task of its own)
+                    response = await self._engines.submit(host, work)
             except HookwireServerError as exc:
                 # Failed (e.g. an output with no wire form): the events its pass kept for a full
                 # stream still go out before the error, as the others did; but a call that failed
