@@ -47,7 +47,7 @@ def add_serve(sub: Any, name: str = "serve") -> None:
                        help="most rows in one batched pass, for models whose config does not say (default 32)")
     serve.add_argument("--max-batch-delay-ms", type=float,
                        help="how long the first call of a pass may wait for others when more callers were seen "
-                            "lately than wait now (default 5; 0: only calls already waiting)")
+                            "lately than wait now (default 10; 0: only calls already waiting)")
     serve.add_argument("--harvest-data-root",
                        help="harvest jobs read text datasets from under this folder (docs/harvest.md)")
     serve.add_argument("--harvest-output-root",

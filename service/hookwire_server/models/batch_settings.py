@@ -27,7 +27,10 @@ DEFAULT_MAX_BATCH_SIZE = 32
 
 
 #: How long the first call of a pass may wait for expected company (scheduler.py) unless configured.
-DEFAULT_MAX_BATCH_DELAY_MS = 5.0
+#: 10 ms (Ray Serve's batch_wait_timeout_s default): 8 closed-loop MiniLM callers on a
+#: loaded 2-core machine took longer than 5 ms to send again, the waits ran out, and their
+#: passes fell back to two groups of 4 (docs/benchmarks.md, issue 26's final round).
+DEFAULT_MAX_BATCH_DELAY_MS = 10.0
 
 
 #: Bounds of the settings (config and flags are checked against them).
