@@ -380,19 +380,30 @@ class HookRecord:
         if self.compiled.scope == SCOPE_REQUEST:
             p.count_event()  # past max_events_per_call the pass stops here, as it always did
         copies = HostCopies()
-        try:
-            items, devices = _prepare(self.hook_id, action, path, parts, copies.copy)
-        except Exception as exc:
-            if self.compiled.scope == SCOPE_REQUEST:
-                raise  # the request's own hook: its call fails, as a capture failure always did
-            self.errors += 1
-            self._disable(f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}",
-                          hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, p)
+        prepared = self._prepared(action, path, p, parts, copies.copy)
+        if prepared is None:
             return
+        items, devices = prepared
         self.host.deferred_captures += 1
         # Not ``parts``: the queue must not keep the pass's other tensors alive.
         batch.deferred.add(copies.events(), copies.keep, functools.partial(
             self._send, action, path, p, call_index, training, {}, (items, devices, _now())))
+
+    def _prepared(
+        self, action: Action, path: str, p: Pass, parts: dict[str, Any], then: Callable[[Any], Any] | None,
+    ) -> tuple[list[Captured], list[str]] | None:
+        """A capture's values prepared now (``_prepare``), for a capture finished later; None
+        when they cannot be made and the hook is disabled for it (a request-scoped hook's
+        failure is raised: its call fails, as a capture failure always did)."""
+        try:
+            return _prepare(self.hook_id, action, path, parts, then)
+        except Exception as exc:
+            if self.compiled.scope == SCOPE_REQUEST:
+                raise
+            self.errors += 1
+            self._disable(f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}",
+                          hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, p)
+            return None
 
     def _stack(
         self, batch: Any, action: Action, path: str, p: Pass, call_index: int, training: bool, parts: dict[str, Any],
@@ -400,15 +411,10 @@ class HookRecord:
         """A compact readout (Readout.compact, hooks.compact): prepared now, on its device,
         and added to the pass's stack of this hook and call, sent when the pass ends. The
         stack counts as one event of the call when it starts."""
-        try:
-            items, devices = _prepare(self.hook_id, action, path, parts, None)
-        except Exception as exc:
-            if self.compiled.scope == SCOPE_REQUEST:
-                raise  # the request's own hook: its call fails, as a capture failure always did
-            self.errors += 1
-            self._disable(f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}",
-                          hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, p)
+        prepared = self._prepared(action, path, p, parts, None)
+        if prepared is None:
             return
+        items, devices = prepared
         shape = compact.layout(items)
         stack = batch.compact.stack_for(self, action, p, call_index, shape)
         if stack is None:
