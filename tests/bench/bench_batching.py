@@ -10,8 +10,8 @@ saved BertModel folder. Nothing is downloaded.
 Starts `hookwire serve` as a separate process on loopback (its own interpreter, so
 its event loop and model thread do not share a GIL with the callers), hosting:
   minilm           MiniLM (BertModel, 6 layers, width 384) from that folder, batching
-                   on with the server's defaults (max_batch_size 32, max_batch_delay_ms 0:
-                   a pass joins the calls that are already waiting);
+                   on with the server's defaults (max_batch_size 32, max_batch_delay_ms 10:
+                   the first call of a pass waits up to 10 ms for expected company);
   minilm-delay     the same folder configured for 8 callers: `max_batch_size =
                    --delay-batch` (default 8) and `max_batch_delay_ms = --delay-ms` (default
                    20): a pass starts once 8 calls wait, or 20 ms after its first call;

@@ -1344,7 +1344,7 @@ async def test_a_call_waiting_for_company_does_not_hold_up_a_call_that_cannot_jo
     behind X, cannot join X (another token length): the model is idle, yet Y waits behind
     X's wait (Scheduler._loop waits on the head of the queue whatever else waits). With
     Generate steps and Infer calls on one model, every decoding step stalls behind each
-    Infer call that waits for company (up to 5 ms by default), and the other way round.
+    Infer call that waits for company (up to 10 ms by default), and the other way round.
 
     Y must not wait for X's company: it completes before X's wait could have ended. (The
     bound is X's 10 s wait, not a speed requirement: with the bug Y cannot finish before
