@@ -64,10 +64,10 @@ class CompactReadouts:
     def stack_for(self, record: Any, action: Any, p: Any, call_index: int, layout: Any) -> Stack | None:
         """The stack a readout of this hook, call, phase, call index and layout joins; None
         when there is none yet (``start`` one)."""
-        return self._stacks.get((id(record), id(p), action.phase, call_index, layout))
+        return self._stacks.get(_key(record, action, p, call_index, layout))
 
     def start(self, stack: Stack, layout: Any) -> Stack:
-        self._stacks[(id(stack.record), id(stack.p), stack.action.phase, stack.call_index, layout)] = stack
+        self._stacks[_key(stack.record, stack.action, stack.p, stack.call_index, layout)] = stack
         return stack
 
     def send(
@@ -100,6 +100,10 @@ class CompactReadouts:
     def drop(self) -> None:
         """Forgets the stacks (a failed shared pass: its calls run again alone)."""
         self._stacks.clear()
+
+
+def _key(record: Any, action: Any, p: Any, call_index: int, layout: Any) -> tuple[Any, ...]:
+    return (id(record), id(p), action.phase, call_index, layout)
 
 
 def layout(items: list[tuple[Any, ...]]) -> tuple[Any, ...]:

@@ -473,8 +473,7 @@ class HookRecord:
         chunker = Chunker(snapshot=prepared is None, framing=Framing(
             SESSION_MESSAGE_CHUNK, min(stream.limits.chunk_bytes for stream in streams)))
         try:
-            nbytes = self._fill_event(
-                msg.event, action, path, p, call_index, training, parts, chunker, prepared, indices, own=False)
+            nbytes = self._fill_event(msg.event, action, path, p, call_index, training, parts, chunker, prepared, indices)
         except Exception as exc:  # never break a pass because a capture cannot be made
             self.errors += 1
             detail = f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}"
@@ -494,12 +493,12 @@ class HookRecord:
     def _fill_event(
         self, event: hook_pb2.InterceptEvent, action: Action, path: str, p: Pass,
         call_index: int, training: bool, parts: dict[str, Any], chunker: Chunker | Splicer | None,
-        prepared: Prepared | None = None, indices: list[int] | None = None, *, own: bool = True,
+        prepared: Prepared | None = None, indices: list[int] | None = None,
     ) -> int:
         """Fills ``event``; with ``indices``, a compact readout event of those modules,
-        which in the call's own stream (``own``: a request-scoped hook's) leaves out what
-        the call says (Readout.compact)."""
-        lean = indices is not None and own and self.compiled.scope == SCOPE_REQUEST
+        which for a request-scoped hook (its events go to the call's own stream only)
+        leaves out what the call says (Readout.compact)."""
+        lean = indices is not None and self.compiled.scope == SCOPE_REQUEST
         if not lean:
             event.hook_id = self.hook_id
             event.model = self.host.name
