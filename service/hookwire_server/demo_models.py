@@ -103,6 +103,10 @@ class Encoder(nn.Module):
 class TinyTransformer(nn.Module):
     """A tiny encoder with a classification head, shaped like a transformers model."""
 
+    #: Its learned position table's length: longer inputs are refused before the pass
+    #: (models/positions.py), as a transformers config's max_position_embeddings is.
+    max_positions = MAX_LEN
+
     def __init__(
         self, vocab: int = VOCAB, d_model: int = D_MODEL, n_layers: int = 2, n_heads: int = 4,
         n_classes: int = 3, p_drop: float = 0.1,

@@ -104,6 +104,23 @@ INFER_CASES = {
     ),
     "unknown session": (model_service_pb2.InferRequest(model="mlp", args=[GOOD], session_id="ses_x"), grpc.StatusCode.NOT_FOUND, "no open session"),
     "output with no wire form": (model_service_pb2.InferRequest(model="odd", args=[GOOD]), grpc.StatusCode.UNIMPLEMENTED, "device"),
+    # Token inputs past the model's positions are refused before the pass (rotary positions
+    # would quietly run past them; a learned table fails inside the forward).
+    "token ids past the config's positions": (
+        model_service_pb2.InferRequest(model="tiny-lm", args=[codec.encode_value(torch.ones(1, 1000, dtype=torch.int64))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"^args\[0\]: 1000 positions pass the 512 positions of model 'tiny-lm' \(its config's max_position_embeddings\)$",
+    ),
+    "input_ids keyword past the config's positions": (
+        model_service_pb2.InferRequest(model="tiny-lm", kwargs={
+            "input_ids": codec.encode_value(torch.ones(2, 513, dtype=torch.int64))}),
+        grpc.StatusCode.INVALID_ARGUMENT, r"^kwargs\['input_ids'\]: 513 positions pass the 512 positions of model 'tiny-lm'",
+    ),
+    "token ids past a plain model's own positions": (
+        model_service_pb2.InferRequest(model="tiny-transformer", args=[codec.encode_value(torch.ones(1, 40, dtype=torch.int64))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"^args\[0\]: 40 positions pass the 32 positions of model 'tiny-transformer' \(its max_positions\)$",
+    ),
 }
 
 

@@ -65,6 +65,7 @@ from ..hooks.hook_record import HookRecord
 from ..hooks.hook_specs import hook_modules
 from .. import limits
 from ..models.model_registry import ModelHost
+from ..models.positions import check_positions, position_limit
 from ..hooks.passes import Pass
 from .tokenization import check_texts, no_tokenizer_message, tokenize_texts
 
@@ -454,7 +455,7 @@ class Generation:
             )
         self._check_prompt_source(request, host)
         options = self._options(request, host)
-        positions = _positions(host)
+        positions = position_limit(host.module)
         active = self._active.get(host.name, 0)
         limits.check(active, self.limits.max_active_generations,
                      f"model {host.name!r} has {active} Generate calls running", "max_active_generations")
@@ -477,11 +478,9 @@ class Generation:
                 ids, mask = batch.input_ids, batch.attention_mask
             else:
                 ids, mask = self._decode_ids(request, host)
-            if positions is not None and ids.shape[1] + options.max_new_tokens > positions:
-                raise InvalidArgument(
-                    f"max_new_tokens: the prompt's {ids.shape[1]} tokens and {options.max_new_tokens} new tokens pass "
-                    f"the {positions} positions of model {host.name!r} (its config's max_position_embeddings)"
-                )
+            # Prompt and new tokens must fit, as serving engines require.
+            check_positions(positions, host.name, ids.shape[1] + options.max_new_tokens,
+                            f"max_new_tokens: the prompt's {ids.shape[1]} tokens and {options.max_new_tokens} new tokens")
             stop_criteria = None
             if options.stop:  # built on the tokenizer's thread: it reads the tokenizer's vocabulary
                 stop_criteria = await host.run_tokenizer(_stop_criteria, host.tokenizer, options.stop)
@@ -679,18 +678,6 @@ def _idle_error(host: ModelHost, what: str, idle: float) -> DeadlineExceeded:
         f"Generate on {host.name!r}: {what} for {idle:g} s (generate_idle_timeout); the call ended and its "
         "generation slot and KV cache were freed"
     )
-
-
-def _positions(host: ModelHost) -> int | None:
-    """The longest sequence the model's config allows (GPT-2's n_positions, or
-    max_position_embeddings), or None: prompt and new tokens must fit, as serving
-    engines require (learned position tables fail past it, rotary ones degrade)."""
-    config = getattr(host.module, "config", None)
-    for name in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def _vocab_size(host: ModelHost) -> int | None:

@@ -39,6 +39,7 @@ from .admission import Admission
 from ..engine.infer_pass import BackwardPlan, InferCall
 from ..engine.seam import INFER
 from ..engine.scheduler import Work
+from ..models.positions import check_positions, position_limit
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from .. import limits
 
@@ -54,6 +55,28 @@ def _plain(request: model_service_pb2.InferRequest) -> bool:
     if len(request.args) + len(request.kwargs) > INLINE_VALUES:
         return False
     return all(v.WhichOneof("kind") not in ("list", "map") for v in (*request.args, *request.kwargs.values()))
+
+_INTEGER_DTYPES = frozenset({
+    tensor_pb2.DTYPE_INT64, tensor_pb2.DTYPE_INT32, tensor_pb2.DTYPE_INT16, tensor_pb2.DTYPE_INT8, tensor_pb2.DTYPE_UINT8,
+})
+
+
+def _token_input(request: model_service_pb2.InferRequest) -> tuple[str, int] | None:
+    """The request's token input and its positions, read from shapes (nothing decoded):
+    ``kwargs['input_ids']``, an integer ``[sequences, positions, ...]`` first argument, or
+    ``kwargs['inputs_embeds']`` ``[sequences, positions, width]``; None when it has none."""
+    if "input_ids" in request.kwargs:
+        field, value, dims = "kwargs['input_ids']", request.kwargs["input_ids"], 2
+    elif "inputs_embeds" in request.kwargs:
+        field, value, dims = "kwargs['inputs_embeds']", request.kwargs["inputs_embeds"], 3
+    elif request.args and request.args[0].WhichOneof("kind") == "tensor" and request.args[0].tensor.dtype in _INTEGER_DTYPES:
+        field, value, dims = "args[0]", request.args[0], 2
+    else:
+        return None
+    if value.WhichOneof("kind") != "tensor" or len(value.tensor.shape) < dims:
+        return None
+    return field, int(value.tensor.shape[1])
+
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -270,6 +293,10 @@ class Inference:
             raise InvalidArgument("a tensor has a chunk_id: chunked tensors travel over InferStream, not Infer")
         if request.mode not in model_service_pb2.Mode.values():
             raise InvalidArgument(f"mode: unknown mode {request.mode}")
+        token_input = _token_input(request)
+        if token_input is not None:  # read from shapes: before the call is queued, not in its pass
+            field, length = token_input
+            check_positions(position_limit(host.module), host.name, length, f"{field}: {length} positions")
         if train and not host.training_allowed:
             raise FailedPrecondition(f"model {host.name!r} does not allow MODE_TRAIN")
         backward = None
