@@ -1,4 +1,5 @@
-# make serve  - start the server on the demo models (installs into .venv first)
+# make serve  - start the server on the demo models (installs hookwire[server,transformers] into .venv
+#               first: what the demo models need, tiny-lm's transformers included; no dev toolchain)
 # make test   - type-check with mypy, then run the whole test suite (installs into .venv first),
 #               then the vLLM engine's tests in .venv-vllm (vLLM's CPU build and its pins)
 # make notebook - install JupyterLab into .venv (the notebook extra) and open docs/notebooks
@@ -9,6 +10,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# What `make serve` needs; the dev install (STAMP) holds it too and touches it, so that
+# `make test` then `make serve` installs nothing more.
+SERVE_STAMP := $(VENV)/.serve-installed
 NODE_STAMP := client/node/node_modules/.installed
 NOTEBOOK_STAMP := $(VENV)/.notebook-installed
 # The vLLM engine's tests run in an environment of their own: vLLM 0.32 pins transformers
@@ -27,21 +31,33 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	@echo "==> installing hookwire[server,dev] into .venv (first run: a few minutes: torch, transformers)"
 	$(BIN)/pip install -q -e '.[server,dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(SERVE_STAMP)
 	@echo "==> .venv is ready"
 
-serve: $(STAMP)
+$(SERVE_STAMP): pyproject.toml
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then \
+		echo "==> .venv has hookwire[server,dev] (make test), which holds what serving needs"; \
+	else \
+		echo "==> creating .venv ($(PYTHON) -m venv)" && $(PYTHON) -m venv $(VENV) && \
+		echo "==> upgrading pip in .venv" && $(BIN)/pip install -q --upgrade pip && \
+		echo "==> installing hookwire[server,transformers] into .venv (first run: a few minutes: torch, transformers)" && \
+		$(BIN)/pip install -q -e '.[server,transformers]'; \
+	fi
+	touch $(SERVE_STAMP)
+
+serve: $(SERVE_STAMP)
 	@echo "==> starting the server on the demo models (hookwire serve; it prints its address once they load; Ctrl-C stops it) ..."
 	$(BIN)/hookwire serve
 
-$(NOTEBOOK_STAMP): $(STAMP)
+$(NOTEBOOK_STAMP): $(SERVE_STAMP)
 	@echo "==> installing hookwire[notebook] into .venv (JupyterLab, nbconvert; first run: a minute or two)"
-	$(BIN)/pip install -q -e '.[server,dev,notebook]'
+	$(BIN)/pip install -q -e '.[server,transformers,notebook]'
 	touch $(NOTEBOOK_STAMP)
 
+# JupyterLab refuses to run as root unless told: containers often run as root.
 notebook: $(NOTEBOOK_STAMP)
 	@echo "==> starting JupyterLab on docs/notebooks (the notebooks need a server: make serve, in another terminal; Ctrl-C stops JupyterLab) ..."
-	$(BIN)/jupyter lab --notebook-dir=docs/notebooks
+	$(BIN)/jupyter lab --notebook-dir=docs/notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 $(NODE_STAMP): client/node/package.json client/node/package-lock.json
 	@echo "==> installing the Node.js example client's packages (npm ci in client/node)"

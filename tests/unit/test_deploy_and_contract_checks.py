@@ -194,3 +194,53 @@ def test_the_harvest_job_harvests_a_model_the_configmap_serves_from_the_shared_v
     data_root = {e["name"]: e.get("value") for e in server["containers"][0]["env"]}["HOOKWIRE_HARVEST_DATA_ROOT"]
     assert f"{data_root}/{parsed.data}" in (DEPLOY / "k8s" / "harvest-loader.yaml").read_text()
     assert f"{data_root}/{parsed.data}" in (ROOT / "docs" / "deploy.md").read_text()
+
+
+def _make_tree(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A copy of the Makefile and pyproject.toml whose .venv holds stubs that log their
+    arguments instead of installing or serving (PYTHON=true: no venv is made)."""
+    (tmp_path / "Makefile").write_text((ROOT / "Makefile").read_text())
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("pip", "hookwire", "jupyter"):
+        stub = bin_dir / name
+        stub.write_text(f'#!/bin/sh\necho "{name} $*" >> "{tmp_path}/calls.log"\n')
+        stub.chmod(0o755)
+    return tmp_path
+
+
+def _make(tree: pathlib.Path, target: str) -> list[str]:
+    log = tree / "calls.log"
+    log.unlink(missing_ok=True)
+    proc = _run(["make", "--no-print-directory", "PYTHON=true", target], cwd=tree)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_serve_installs_what_serving_needs_and_make_test_s_install_counts(tmp_path: pathlib.Path) -> None:
+    tree = _make_tree(tmp_path)
+    calls = _make(tree, "serve")
+    installs = [c for c in calls if c.startswith("pip install -q -e")]
+    assert installs == ["pip install -q -e .[server,transformers]"], calls  # no dev toolchain (mypy, sae-lens)
+    assert calls[-1] == "hookwire serve"
+    assert _make(tree, "serve") == ["hookwire serve"]  # installed once
+    # make test's install (the dev extra, which holds transformers) makes serve install nothing more.
+    assert _make(tree, ".venv/.installed") == ["pip install -q --upgrade pip", "pip install -q -e .[server,dev]"]
+    assert _make(tree, "serve") == ["hookwire serve"]
+    # A dev install from before serve had a stamp of its own still counts.
+    (tree / ".venv" / ".serve-installed").unlink()
+    assert _make(tree, "serve") == ["hookwire serve"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_notebook_starts_jupyterlab_as_root_too(tmp_path: pathlib.Path) -> None:
+    import os
+
+    tree = _make_tree(tmp_path)
+    calls = _make(tree, "notebook")
+    assert "pip install -q -e .[server,transformers,notebook]" in calls
+    (lab,) = [c for c in calls if c.startswith("jupyter ")]
+    # JupyterLab refuses root without --allow-root (containers run as root).
+    assert lab.split() == ["jupyter", "lab", "--notebook-dir=docs/notebooks", *(["--allow-root"] if os.getuid() == 0 else [])]
