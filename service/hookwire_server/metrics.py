@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import socket
 import threading
-from typing import Callable, Iterator
+from socketserver import ThreadingMixIn
+from typing import Any, Callable, Iterable, Iterator, Sequence
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: The one path the metrics port serves; anything else is 404.
+METRICS_PATH = "/metrics"
 
 
 class Metrics:
@@ -19,6 +24,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # process_* (CPU seconds, resident and virtual memory, open fds, start time) of this
+        # process, read from /proc at scrape time (none where there is no /proc).
+        ProcessCollector(registry=r)
         self.rpcs = Counter("hookwire_rpcs", "RPCs handled, by method and status code.", ["method", "code"], registry=r)
         self.infer_seconds = Histogram(
             "hookwire_infer_seconds", "Infer latency (queueing included), by model.", ["model"],
@@ -26,6 +34,16 @@ class Metrics:
         )
         self.generate_seconds = Histogram(
             "hookwire_generate_seconds", "Generate call duration (all steps, the client's reading included), by model.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.time_to_first_token_seconds = Histogram(
+            "hookwire_time_to_first_token_seconds",
+            "Generate: time from the call's start (its prompt tokenized, its hooks compiled) to its first "
+            "tokens on the stream, by model.", ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.inter_token_latency_seconds = Histogram(
+            "hookwire_inter_token_latency_seconds",
+            "Generate: time between one step's tokens on the stream and the next step's, by model.",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.generated_tokens = Counter(
@@ -54,6 +72,9 @@ class Metrics:
         )
         self._fires: Callable[[], dict[str, int]] = dict
         r.register(_Fires(self))
+        self._model_states: Callable[[], Iterable[tuple[str, str]]] = list
+        self._state_names: Sequence[str] = ()
+        r.register(_ModelStates(self))
         self.events_sent = Counter("hookwire_events_sent", "Events handed to gRPC on event streams.", registry=r)
         self.events_dropped = Counter("hookwire_events_dropped", "Events dropped by drop policies, by model.", ["model"], registry=r)
         self.stream_bytes = Counter("hookwire_stream_bytes", "Tensor bytes handed to gRPC on event streams.", registry=r)
@@ -62,12 +83,23 @@ class Metrics:
         self.sessions = Gauge("hookwire_sessions", "Open sessions.", registry=r)
         self.hooks = Gauge("hookwire_hooks", "Registered hooks (request-scoped ones excluded).", registry=r)
         self.streams = Gauge("hookwire_streams", "Open event streams (sessions and subscriptions).", registry=r)
-        self._server: object | None = None
+        self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     def watch_fires(self, fires: Callable[[], dict[str, int]]) -> None:
         """hookwire_hook_fires_total, read at scrape time: firings by model (ModelHost.fires)."""
         self._fires = fires
+
+    def watch_models(self, states: Callable[[], Iterable[tuple[str, str]]], names: Sequence[str]) -> None:
+        """hookwire_model_state{model,state}, read at scrape time: ``states()`` gives each
+        configured model's (name, state); every state of ``names`` gets a sample, 1 for the
+        model's current one and 0 for the others."""
+        self._model_states, self._state_names = states, names
+
+    def observe_tokens(self, model: str, seconds: float, *, first: bool) -> None:
+        """A Generate call streamed one step's tokens, ``seconds`` after its start
+        (``first``) or after its previous step's tokens."""
+        (self.time_to_first_token_seconds if first else self.inter_token_latency_seconds).labels(model).observe(seconds)
 
     def watch(
         self, *, sessions: Callable[[], float], hooks: Callable[[], float], streams: Callable[[], float],
@@ -89,17 +121,60 @@ class Metrics:
             delay.observe(seconds)
 
     def serve(self, host: str, port: int) -> int:
-        """Serves /metrics over HTTP in a thread; returns the bound port."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serves /metrics (and only it: 404 elsewhere) over HTTP in a daemon thread;
+        returns the bound port. OSError when the address cannot be bound."""
+        metrics = make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            if environ.get("PATH_INFO") != METRICS_PATH:
+                start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+                return [f"not found: this port serves {METRICS_PATH} only\n".encode()]
+            return metrics(environ, start_response)  # type: ignore[no-any-return]
+
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("_MetricsServer", (_ThreadingWSGIServer,), {"address_family": family})
+        server = make_server(host, port, app, server_class, handler_class=_SilentHandler)
+        thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+        thread.start()
         self._server, self._thread = server, thread
         return int(server.server_port)
 
     def stop(self) -> None:
         """Stops the HTTP endpoint, if any."""
         if self._server is not None:
-            self._server.shutdown()  # type: ignore[attr-defined]
-            self._server.server_close()  # type: ignore[attr-defined]
+            self._server.shutdown()
+            self._server.server_close()
             self._server = None
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """A thread per scrape; the threads are daemons (no list of them kept to join)."""
+
+    daemon_threads = True
+
+
+class _SilentHandler(WSGIRequestHandler):
+    """No line on stderr per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _ModelStates(Collector):
+    """hookwire_model_state{model,state} from the model registry, read at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "hookwire_model_state", "Each configured model's state: 1 for the one it is in, 0 for the others.",
+            labels=["model", "state"],
+        )
+        for model, current in self._metrics._model_states():
+            for state in self._metrics._state_names:
+                family.add_metric([model, state], 1.0 if state == current else 0.0)
+        yield family
 
 
 class _Fires(Collector):

@@ -37,12 +37,25 @@ from ..calls.tokenization import Tokenization
 
 log = logging.getLogger("hookwire.server")
 
-SERVICES = (
+#: The services whose calls act on a model, and the one whose calls need none.
+MODEL_SERVICES = (
     model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
     hook_service_pb2.DESCRIPTOR.services_by_name["HookService"].full_name,
     harvest_service_pb2.DESCRIPTOR.services_by_name["HarvestService"].full_name,
-    operand_service_pb2.DESCRIPTOR.services_by_name["OperandService"].full_name,
 )
+OPERAND_SERVICE = operand_service_pb2.DESCRIPTOR.services_by_name["OperandService"].full_name
+SERVICES = (*MODEL_SERVICES, OPERAND_SERVICE)
+#: Liveness: NOT_SERVING once a model failed while serving (nothing restarts an engine:
+#: the process must be restarted) and while the server stops; SERVING otherwise, model
+#: loading included (docs/deploy.md).
+LIVENESS_SERVICE = "hookwire.live"
+#: Each configured model's own health service is this prefix and its name: SERVING while
+#: the model is READY.
+MODEL_HEALTH_PREFIX = "hookwire.model."
+#: Readiness: the server ("") and the services whose calls act on a model are SERVING once
+#: the models have settled, while at least one model is READY (or none is configured).
+#: OperandService (named operands need no model) is SERVING once the models have settled.
+READINESS_SERVICES = ("", *MODEL_SERVICES)
 
 
 @dataclasses.dataclass
@@ -201,6 +214,17 @@ class HookwireServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
+        #: Whether the server takes calls (set_serving), and whether it has begun to stop:
+        #: with the models' states, what health says (health_statuses).
+        self._serving = False
+        self._stopping = False
+        self._health_sent: dict[str, bool] = {}
+        self._health_lock = asyncio.Lock()
+        self._health_updates: set[asyncio.Future[None]] = set()
+        self._unlisten: Callable[[], None] | None = None
+        self.metrics.watch_models(
+            lambda: [(e.name, e.state.value) for e in registry.entries()], [s.value for s in ModelState]
+        )
 
     async def start(self) -> int:
         """Binds and starts serving; returns the bound port."""
@@ -248,6 +272,16 @@ class HookwireServer:
         if self.settings.reflection:
             reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self.set_serving(False)  # until the caller says the models are ready
+        loop = asyncio.get_running_loop()
+
+        def models_changed(_entry: object) -> None:
+            # Any thread (a vLLM engine fails on its own): health is set on the loop.
+            try:
+                loop.call_soon_threadsafe(self._health_changed)
+            except RuntimeError:  # the loop is closed: nobody asks any more
+                pass
+
+        self._unlisten = self.registry.listen(models_changed)
         address = f"{_bracketed(self.settings.host)}:{self.settings.port}"
         try:
             if tls:
@@ -281,10 +315,43 @@ class HookwireServer:
         return f"{_bracketed(self.settings.host)}:{self.port}"
 
     async def set_serving(self, serving: bool) -> None:
-        """Sets the health status of the server ("") and of each hookwire service."""
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", *SERVICES):
-            await self.health.set(service, status)
+        """Whether the server takes calls (False until its models have settled, and from the
+        start of a stop); the health services follow it and the models' states
+        (health_statuses)."""
+        self._serving = serving
+        await self._refresh_health()
+
+    def health_statuses(self) -> dict[str, bool]:
+        """Each health service's status now (True: SERVING): readiness (READINESS_SERVICES,
+        OperandService), liveness (LIVENESS_SERVICE) and each model's own
+        (MODEL_HEALTH_PREFIX + name). Everything is NOT_SERVING once the server stops."""
+        entries = self.registry.entries()
+        alive = not self._stopping
+        ready = self._serving and (not entries or any(e.state is ModelState.READY for e in entries))
+        # A model that failed at load never served: the others serve as before. One that
+        # failed while serving (e.g. its vLLM engine died in a step) stays failed until
+        # the process restarts.
+        died = any(e.state is ModelState.FAILED and e.host is not None for e in entries)
+        statuses = {service: alive and ready for service in READINESS_SERVICES}
+        statuses[OPERAND_SERVICE] = alive and self._serving
+        statuses[LIVENESS_SERVICE] = alive and not died
+        for e in entries:
+            statuses[MODEL_HEALTH_PREFIX + e.name] = alive and e.state is ModelState.READY
+        return statuses
+
+    def _health_changed(self) -> None:
+        """A model's state changed (on the loop): health follows."""
+        update = asyncio.ensure_future(self._refresh_health())
+        self._health_updates.add(update)  # kept until done: the loop holds tasks weakly
+        update.add_done_callback(self._health_updates.discard)
+
+    async def _refresh_health(self) -> None:
+        async with self._health_lock:  # statuses read under it: a later update never loses to an earlier one
+            for service, serving in self.health_statuses().items():
+                if self._health_sent.get(service) is not serving:
+                    self._health_sent[service] = serving
+                    await self.health.set(service, health_pb2.HealthCheckResponse.SERVING if serving
+                                          else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop: health turns NOT_SERVING and new calls, sessions and hooks are
@@ -295,6 +362,9 @@ class HookwireServer:
         does not keep the process alive."""
         grace = self.settings.grace if grace is None else grace
         deadline = asyncio.get_running_loop().time() + grace
+        self._stopping = True
+        if self._unlisten is not None:
+            self._unlisten()
         await self.set_serving(False)
         self.state.draining = True
         # Generate calls end at their next step boundary, with finish_reason "shutdown".

@@ -547,7 +547,7 @@ class Generation:
         chunk_bytes = chunk_bytes_for(request.max_response_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
         p.framing = Framing(GENERATE_RESPONSE_CHUNK, chunk_bytes)
         detokenizer = host.detokenizer
-        started = time.perf_counter()
+        started = tokens_at = time.perf_counter()
         batch = int(ids.shape[0])
         # What the stream sent: the call's tokens and why each sequence ended, as of the
         # last step streamed (GenerateDone reports these: an engine may have run ahead).
@@ -615,6 +615,9 @@ class Generation:
                 reasons = list(result.reasons)
                 stopped = result.stopped
                 streamed = step + 1
+                # TTFT and inter-token latency, as each step's tokens go to the stream.
+                tokens_at, since = time.perf_counter(), tokens_at
+                self._state.metrics.observe_tokens(host.name, tokens_at - since, first=step == 0)
                 deltas = [""] * batch
                 if detokenizer is not None:  # a sequence that ended now flushes its held-back text
                     deltas = [

@@ -512,6 +512,7 @@ class ModelRegistry:
         self._entries: dict[str, ModelEntry] = {}
         self._batch_defaults = BatchSettings()
         self._observe: Callable[[str, str, int, int, list[float]], None] | None = None
+        self._listeners: list[Callable[[ModelEntry], None]] = []
         for host in hosts:
             self.add(host)
 
@@ -526,6 +527,21 @@ class ModelRegistry:
         for host in self:
             self._configure(host)
 
+    def listen(self, on_change: Callable[[ModelEntry], None]) -> Callable[[], None]:
+        """Calls ``on_change(entry)`` after each change of a model's state (listed, READY,
+        FAILED), on the thread that made it: the event loop, or an engine's own thread when
+        a model fails while serving (ModelHost.failed), so a listener that touches the event
+        loop must hand over (call_soon_threadsafe). Returns a function that stops the calls."""
+        self._listeners.append(on_change)
+        return lambda: self._listeners.remove(on_change) if on_change in self._listeners else None
+
+    def _changed(self, entry: ModelEntry) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(entry)
+            except Exception:  # a listener's failure must not undo the state change
+                log.exception("a model state listener failed")
+
     def _configure(self, host: ModelHost) -> None:
         host.batching = host.batch_config.resolve(self._batch_defaults, host)
         host.observe_batch = self._observe
@@ -538,7 +554,8 @@ class ModelRegistry:
             raise ValueError("a model needs a name")
         if name in self._entries:
             raise ValueError(f"two models are named {name!r}")
-        self._entries[name] = ModelEntry(name, description, training_allowed, parameters_readable=parameters_readable)
+        entry = self._entries[name] = ModelEntry(name, description, training_allowed, parameters_readable=parameters_readable)
+        self._changed(entry)
 
     def add(self, host: ModelHost) -> None:
         """Hosts one more model, or the loaded one that expect() announced (READY);
@@ -552,17 +569,20 @@ class ModelRegistry:
             parameters_readable=host.parameters_readable,
         )
         host.on_failure = lambda reason: self._failed_while_serving(entry, reason)
+        self._changed(entry)
 
     def _failed_while_serving(self, entry: ModelEntry, reason: str) -> None:
         """A ready model whose engine can serve no more (ModelHost.failed): FAILED with the
         reason; calls are refused from now on (FailedPrecondition naming it). Any thread:
         two plain attribute writes, read by the event loop."""
         entry.reason, entry.state = reason, ModelState.FAILED
+        self._changed(entry)
 
     def fail(self, name: str, reason: str) -> None:
         """Marks a model that expect() announced as FAILED to load, with the reason."""
         entry = self._entries[name]
         entry.state, entry.reason = ModelState.FAILED, reason
+        self._changed(entry)
 
     def get(self, name: str, refuse: Sequence[tuple[str, str]] = ()) -> ModelHost:
         """The ready model named ``name``. InvalidArgument for an empty name, NotFound
