@@ -64,6 +64,12 @@ class Limits:
     infer_timeout: float = 600.0
     #: Most bytes the chunked tensors of one InferStream request may claim.
     max_request_bytes: int = 2 * 1024 * 1024 * 1024
+    #: Bytes the estimated peaks of the calls running at once (Infer, Generate, harvest
+    #: batches: activations, attention scores, KV caches, captures held) and what the
+    #: models keep (weights, a vLLM engine's KV cache) may add up to (memory_budget.py).
+    #: 0: 70% of the memory the process may use (the least of physical memory, the
+    #: cgroup's memory.max and RLIMIT_AS).
+    memory_budget_bytes: int = 0
 
     # --- request bounds (issue #9: bad input, wide requests, request-scoped hooks) ---
     #: Protobuf fields on the wire in one request message (each tag, and each element of a

@@ -7,6 +7,7 @@ import dataclasses
 
 from .errors import Unavailable
 from .limits import Limits
+from .memory_budget import MemoryBudget
 from .metrics import Metrics
 
 #: Why a call, stream or hook is refused (or a stream ended) while the server stops.
@@ -21,6 +22,19 @@ class ServerState:
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
     #: True once the server is stopping: nothing new is accepted.
     draining: bool = False
+    #: What running calls and the models' resident memory may take (memory_budget.py);
+    #: None: made from ``limits.memory_budget_bytes`` on first use.
+    memory: MemoryBudget | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory is None:
+            self.memory = MemoryBudget(self.limits.memory_budget_bytes)
+
+    @property
+    def budget(self) -> MemoryBudget:
+        """The memory budget (see ``memory``)."""
+        assert self.memory is not None
+        return self.memory
 
     def refuse_when_draining(self) -> None:
         """Unavailable while the server stops."""

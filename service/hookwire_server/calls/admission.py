@@ -8,12 +8,15 @@ the same words for every kind of call."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hookwire.v1 import hook_pb2
 
 from ..auth import MINIMUM_ROLE, Principal
 from ..limits import exceeded
+from ..memory_budget import Claim, Estimate
+from ..models.memory_estimate import Estimator, Inputs
 from ..hooks.hook_manager import HookManager, Session
 from ..hooks.hook_record import HookRecord
 from ..models.model_registry import ModelHost, ModelRegistry
@@ -73,3 +76,27 @@ class Admission:
             session is not None and self._hooks.session_uses_slots(session)
         )
         return records, (session.session_id if session is not None else "") if slots else None
+
+    async def claim_memory(
+        self, host: ModelHost, engine: Any, what: str, estimate: Callable[[Estimator], Estimate],
+        *, probe: Inputs | None = None,
+    ) -> Claim | None:
+        """Claims a call's estimated peak in the server's memory budget (memory_budget.py)
+        for as long as it runs (release the returned Claim when it ends): ``estimate``
+        computes it from the model's Estimator; ``probe``: the call's inputs, for a model
+        without a config whose probe pass for their shapes has not run yet (it runs on the
+        model's worker thread, between passes). None for an engine that sizes its own
+        memory (no ``estimator``: vLLM, whose KV cache is sized when it loads).
+        ResourceExhausted naming the estimate and memory_budget_bytes when it can never
+        fit; waits while earlier calls hold what it needs. Event loop."""
+        estimator: Estimator | None = getattr(engine, "estimator", None)
+        if estimator is None:
+            return None
+        budget = self.state.budget
+        if host.name not in budget.resident:
+            budget.keep(host.name, await asyncio.to_thread(estimator.resident_bytes))
+        if probe is not None:
+            known, key = estimator.cached(probe)
+            if not known:
+                await host.run(estimator.probe, key)
+        return await budget.claim(estimate(estimator), what)

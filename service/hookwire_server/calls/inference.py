@@ -9,6 +9,7 @@ model's worker thread; the event loop only validates what is cheap and waits.
 from __future__ import annotations
 
 import asyncio
+import math
 import contextlib
 import functools
 import time
@@ -39,6 +40,7 @@ from .admission import Admission
 from ..engine.infer_pass import BackwardPlan, InferCall
 from ..engine.seam import INFER
 from ..engine.scheduler import Work
+from ..models.memory_estimate import Inputs, Nested, TensorShape
 from ..models.positions import check_positions, position_limit
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal
 from .. import limits
@@ -76,6 +78,37 @@ def _token_input(request: model_service_pb2.InferRequest) -> tuple[str, int] | N
     if value.WhichOneof("kind") != "tensor" or len(value.tensor.shape) < dims:
         return None
     return field, int(value.tensor.shape[1])
+
+
+def request_inputs(request: model_service_pb2.InferRequest) -> Inputs:
+    """The call's top-level inputs as the memory estimate reads them: each tensor's shape
+    and dtype, the bytes of the tensors in a list or map, plain values (nothing decoded)."""
+    dtypes = _codec.TORCH_DTYPES
+
+    def one(value: tensor_pb2.Value) -> Any:
+        kind = value.WhichOneof("kind")
+        if kind == "tensor":
+            t = value.tensor
+            if t.dtype in dtypes:
+                return TensorShape(tuple(t.shape), dtypes[t.dtype])
+            return Nested(len(t.data))
+        if kind in ("list", "map"):
+            return Nested(sum(math.prod(t.shape) * _codec.ITEMSIZE.get(t.dtype, 1)
+                              for _, t in _codec.iter_tensors(value) if not t.operand))
+        if kind in ("float_value", "int_value", "bool_value", "string_value"):
+            return getattr(value, kind)
+        return None
+
+    return tuple(one(v) for v in request.args), {k: one(v) for k, v in request.kwargs.items()}
+
+
+def captured_modules(records: Any) -> int:
+    """How many module tensors the call's request-scoped hooks capture in a pass (each
+    capture of each resolved module: its copy is held until the response goes)."""
+    return sum(
+        len(r.compiled.modules) * sum(len(a.capture) for a in r.compiled.actions if a.capture)
+        for r in records
+    )
 
 
 T = TypeVar("T")
@@ -338,6 +371,7 @@ class Inference:
         self._idle.clear()
         started = time.perf_counter()
         outcome = "error"
+        claim = None
         try:
             work = Work(
                 INFER, call, key=shape.key if shape is not None else None,
@@ -349,6 +383,14 @@ class Inference:
             deadline = loop.time() + self.limits.infer_timeout
             try:
                 async with asyncio.timeout(self.limits.infer_timeout):  # (wait_for would run it in a task of its own)
+                    # Its estimated peak, claimed in the server's memory budget before it is
+                    # queued: one that can never fit is refused here, before it costs anything.
+                    inputs = request_inputs(request)
+                    captures = captured_modules(records)
+                    claim = await self._admission.claim_memory(
+                        host, self._engines.engine(host), f"Infer on {host.name!r}",
+                        lambda estimator: estimator.infer(inputs, captures=captures), probe=inputs,
+                    )
                     response = await self._engines.submit(host, work)
             except HookwireServerError as exc:
                 # Failed (e.g. an output with no wire form): the events its pass kept for a full
@@ -370,6 +412,8 @@ class Inference:
                 "a pass that already started runs to its end, and the model's next calls wait for it"
             ) from None
         finally:
+            if claim is not None:
+                claim.release()
             self._queued[host.name] -= 1
             if not any(self._queued.values()):
                 self._idle.set()

@@ -15,6 +15,7 @@ from typing import Any
 from hookwire.v1 import model_service_pb2
 
 from ..errors import InvalidArgument
+from ..models.memory_estimate import Estimator
 from ..models.model_registry import ModelHost
 from . import batching, decoding, harvest_pass, infer_pass
 from .seam import GENERATE, HARVEST, INFER, GenerateCall, Plan
@@ -30,6 +31,8 @@ class TorchEngine:
         #: The model it runs (a plain attribute: read on every call's way in).
         self.host = host
         self._host = host
+        #: Estimates its calls' peak memory before they run (calls/admission.claim_memory).
+        self.estimator = Estimator(host.module, bytes_per_input_element=host.memory_bytes_per_input_element)
 
     def infer_shape(self, request: model_service_pb2.InferRequest) -> batching.Shape | None:
         """How an Infer request may share a pass: calls whose tensors stack along the

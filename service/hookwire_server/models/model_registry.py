@@ -157,6 +157,7 @@ class ModelHost:
         self, name: str, module: nn.Module, *, description: str = "", training_allowed: bool = True,
         tokenizer: Any = None, tokenizer_problem: str = "", batching: BatchConfig | None = None,
         parameters_readable: bool = False, async_captures: str = "auto",
+        memory_bytes_per_input_element: float | None = None,
     ) -> None:
         if not name:
             raise ValueError("a model needs a name")
@@ -171,6 +172,9 @@ class ModelHost:
         if async_captures not in ASYNC_CAPTURE_MODES:
             raise ValueError(f"async_captures must be one of {', '.join(ASYNC_CAPTURE_MODES)}, not {async_captures!r}")
         self.async_captures = async_captures
+        #: A call's peak memory per element of its input tensors, when its config sets it
+        #: (models/memory_estimate.py); None: estimated from its config or a probe pass.
+        self.memory_bytes_per_input_element = memory_bytes_per_input_element
         #: Captures that were made asynchronously (worker thread adds; tests and operators read).
         self.deferred_captures = 0
         #: Its parameters by every name they have (named_parameters(remove_duplicate=False):

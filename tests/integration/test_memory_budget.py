@@ -1,0 +1,118 @@
+"""The memory budget (memory_budget.py, docs/security.md "Memory budget"), against a real
+``hookwire serve`` process on the demo models whose address space is capped (RLIMIT_AS,
+set on the running process with prlimit): a regression that lets a call allocate what it
+asks for fails the call there instead of taking this machine down.
+
+- The request that killed the server (tiny-lm, 4096 × 512 tokens: ~17 GiB of attention
+  scores per layer with eager attention) is refused with RESOURCE_EXHAUSTED naming its
+  estimate and memory_budget_bytes, and the server goes on serving.
+- Calls that each fit the budget but together would not are all answered, with the
+  in-process model's results, while another tenant's small calls are answered too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import hookwire
+from hookwire_server.demo_models import tiny_lm, tiny_transformer
+from support import PROCESS_LIVENESS
+
+GIB = 1 << 30
+BUDGET = 3 * GIB // 2
+#: Address space the server may add to what it has once it serves: the budget, and room
+#: for threads' stacks, malloc arenas and gRPC's buffers.
+HEADROOM = 6 * GIB
+
+
+def _vm_size(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmSize")
+
+
+@pytest.fixture(scope="module")
+def capped_server() -> Iterator[str]:
+    log = tempfile.TemporaryFile(mode="w+")
+    env = dict(os.environ, HOOKWIRE_MEMORY_BUDGET_BYTES=str(BUDGET))
+    proc = subprocess.Popen([sys.executable, "-m", "hookwire._cli", "serve", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "serving" not in line:
+        proc.kill()
+        log.seek(0)
+        raise AssertionError(f"server did not start: {line!r} {log.read()}")
+    ceiling = _vm_size(proc.pid) + HEADROOM
+    resource.prlimit(proc.pid, resource.RLIMIT_AS, (ceiling, ceiling))
+    try:
+        yield line.rsplit(" ", 1)[-1].strip()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        assert proc.returncode in (0, -signal.SIGTERM), "the server did not exit cleanly"
+        log.close()
+
+
+async def _healthy(target: str) -> None:
+    async with grpc.aio.insecure_channel(target) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    async with hookwire.connect(target) as client:
+        ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+        out = await client.model("tiny-transformer")(ids)
+        with torch.no_grad():
+            want = tiny_transformer()(ids)
+        assert torch.equal(out["logits"], want["logits"])
+
+
+async def test_the_request_that_killed_the_server_is_refused_naming_its_estimate(capped_server: str) -> None:
+    async with hookwire.connect(capped_server) as client:
+        with pytest.raises(hookwire.ResourceExhaustedError) as info:
+            await client.model("tiny-lm")(torch.ones(4096, 512, dtype=torch.long))
+    message = str(info.value)
+    assert "Infer on 'tiny-lm'" in message and "estimated peak" in message, message
+    assert "attention scores" in message and "GiB" in message, message
+    assert "memory_budget_bytes" in message, message
+    await _healthy(capped_server)
+
+
+async def test_calls_that_fit_alone_but_not_together_are_all_answered(capped_server: str) -> None:
+    # Each ~0.4 GiB by the estimate: three fit the 1.5 GiB budget at once, eight do not.
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.randint(0, 300, (24, 512), generator=g) for _ in range(8)]
+    small = torch.randint(0, 64, (1, 5), generator=g)
+    clients = [await hookwire.connect(capped_server).__aenter__() for _ in range(len(inputs) + 1)]
+    try:
+        big = [asyncio.ensure_future(c.model("tiny-lm")(x)) for c, x in zip(clients, inputs)]
+        # Another tenant's small calls while the large ones wait for each other.
+        for _ in range(3):
+            out = await clients[-1].model("tiny-transformer")(small)
+            assert out["logits"].shape == (1, 4) or out["logits"].shape[0] == 1
+        results = await asyncio.wait_for(asyncio.gather(*big), PROCESS_LIVENESS)
+    finally:
+        for c in clients:
+            await c.__aexit__(None, None, None)
+    model = tiny_lm()
+    with torch.no_grad():
+        for x, got in zip(inputs[:2], results[:2]):
+            assert torch.equal(got["logits"], model(x).logits)
+    assert all(r["logits"].shape == (24, 512, model.config.vocab_size) for r in results)
+    await _healthy(capped_server)
