@@ -751,7 +751,8 @@ def build_parser(added_commands: bool = True) -> argparse.ArgumentParser:
 
     health = sub.add_parser("health", help="check a server's gRPC health (exit 0 when SERVING)")
     health.add_argument("target", nargs="?", default=target_default, help=target_help)
-    health.add_argument("--service", default="", help="a service name, e.g. hookwire.v1.ModelService (default: the server)")
+    health.add_argument("--service", default="", help="a service name: hookwire.v1.ModelService, hookwire.live, "
+                        "hookwire.model.NAME, ... (default: the server)")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
 
     harvest = sub.add_parser(

@@ -6,7 +6,7 @@ import socket
 import threading
 from socketserver import ThreadingMixIn
 from typing import Any, Callable, Iterable, Iterator, Sequence
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -132,8 +132,8 @@ class Metrics:
             return metrics(environ, start_response)  # type: ignore[no-any-return]
 
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        server_class = type("_MetricsServer", (_ThreadingWSGIServer,), {"address_family": family})
-        server = make_server(host, port, app, server_class, handler_class=_SilentHandler)
+        server = _ThreadingWSGIServer((host, port), family)
+        server.set_app(app)
         thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
         thread.start()
         self._server, self._thread = server, thread
@@ -151,6 +151,10 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     """A thread per scrape; the threads are daemons (no list of them kept to join)."""
 
     daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], family: socket.AddressFamily) -> None:
+        self.address_family = family  # an IPv6 host needs AF_INET6 (the socket is made from it)
+        super().__init__(address, _SilentHandler)
 
 
 class _SilentHandler(WSGIRequestHandler):

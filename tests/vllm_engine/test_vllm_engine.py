@@ -529,11 +529,16 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
     """A second engine (fault injection: vLLM's own step raises, as when its worker
     dies): the calls in flight fail at once with FAILED_PRECONDITION naming the failure
     (none is left waiting), the model is listed as failed with the reason, and later
-    calls are refused with it; the server stays up. (It does not restart: docs/vllm.md.)"""
+    calls are refused with it; the server stays up, its health says so (the model's own
+    service, readiness and liveness turn NOT_SERVING: the pod must be restarted), and
+    Generate's time to first token and inter-token latency were observed on this engine
+    too. (It does not restart: docs/vllm.md.)"""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
     from hookwire_server import ModelRegistry, ServerSettings
     from hookwire_server.engine.core import build_host
     from hookwire_server.models.model_loading import ModelConfig
-    from support import ServerThread
+    from support import ServerThread, until
 
     # 1 MiB of KV cache: 8 blocks of 128 tokens (1 KiB a token here), one of them vLLM's.
     host = build_host(ModelConfig(name="fragile", transformers=str(llama_folder), engine="vllm",
@@ -557,6 +562,10 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
                 torch.testing.assert_close(torch.as_tensor(a.output), torch.as_tensor(b.output), **TOL)
         with pytest.raises(hookwire.ResourceExhaustedError, match=r"prompts: .* KV cache; model 'fragile' has 896"):
             await model.generate(["x"] * 8, 6)
+    metrics = srv.server.metrics.registry
+    assert metrics.get_sample_value("hookwire_time_to_first_token_seconds_count", {"model": "fragile"}) == 4
+    assert metrics.get_sample_value("hookwire_inter_token_latency_seconds_count", {"model": "fragile"}) == 4 * 5
+    assert srv.call(srv.server.health_statuses)["hookwire.live"]
     real_step = engine._engine.step
     steps = {"n": 0}
 
@@ -580,6 +589,13 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
             assert info.state == "failed" and "the engine core died" in info.state_message
             with pytest.raises(hookwire.FailedPreconditionError, match="model 'fragile' failed while serving"):
                 await model.generate(["hello"], 2)
+        async with grpc.aio.insecure_channel(srv.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("hookwire.model.fragile", "", "hookwire.v1.ModelService", "hookwire.live"):
+                async def down() -> bool:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                    return reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                await until(down, f"{service!r} turns NOT_SERVING")
     finally:
         srv.stop()
 
