@@ -112,6 +112,25 @@ def gated_factory() -> nn.Module:
     return Scale()
 
 
+def stalling_tiny_lm(passes: int = -1, stalled: str = "") -> nn.Module:
+    """The demo tiny-lm whose forward passes after its first ``passes`` never return
+    (-1: none stalls); the first to stall creates the file ``stalled``. A harvest job on
+    it stays running with exactly those passes behind it until its server is killed."""
+    from hookwire_server.demo_models import tiny_lm
+
+    model = tiny_lm()
+    ran = [0]
+
+    def stall(module: nn.Module, args: Any) -> None:
+        if 0 <= passes <= ran[0]:
+            pathlib.Path(stalled).touch()
+            threading.Event().wait()  # for ever: only killing the process ends it
+        ran[0] += 1
+
+    model.register_forward_pre_hook(stall)
+    return model
+
+
 def failing_factory() -> nn.Module:
     """A factory that fails, as a model with corrupt weights would."""
     raise RuntimeError("weights are corrupt")

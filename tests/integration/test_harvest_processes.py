@@ -292,6 +292,77 @@ def test_a_killed_servers_job_is_interrupted_with_its_resume_command_and_can_be_
         second.stop()
 
 
+def _stalling_config(path: pathlib.Path, passes: int, stalled: pathlib.Path) -> pathlib.Path:
+    """A config serving tiny-lm as "stalling-lm" (support.stalling_tiny_lm: passes after
+    its first ``passes`` never return) with a short harvest lease."""
+    path.write_text(
+        "[server]\nharvest_lease_seconds = 1.5\n\n[[models]]\nname = \"stalling-lm\"\n"
+        "factory = \"support:stalling_tiny_lm\"\ntokenizer = \"hookwire_server.demo_models:tiny_lm_tokenizer\"\n"
+        f"kwargs = {{ passes = {passes}, stalled = {json.dumps(str(stalled))} }}\n"
+    )
+    return path
+
+
+def test_an_interrupted_job_reports_the_tokens_its_shards_commit_not_its_counter(
+    roots: tuple[pathlib.Path, pathlib.Path], tmp_path: pathlib.Path,
+) -> None:
+    """A server killed while its job holds batches the model ran but no group has
+    committed yet: its state file counts them, the worker manifest does not. The next
+    server reports the job INTERRUPTED with the manifest's committed tokens (and shards),
+    the number the resumed job starts from, not the counter."""
+    data, out = roots
+    stalled = tmp_path / "stalled"
+    # 6 passes of 2 x 15 kept tokens: groups of 100 tokens commit after the 4th (120
+    # tokens), the 5th and 6th stay buffered when the 7th pass stalls.
+    request = dict(out="committed", data="corpus.jsonl", length=16, batch_size=2, packing="pack", skip_first=1,
+                   shard_tokens=100)
+    victim = Server(data, out, _stalling_config(tmp_path / "stall.toml", 6, stalled))
+    try:
+        async def start() -> str:
+            async with hookwire.connect(victim.target) as client:
+                return (await client.harvest("stalling-lm", "model.layers.*", **request)).id
+
+        job = asyncio.run(start())
+        state = out / ".hookwire-jobs" / f"{job}.json"
+        deadline = time.monotonic() + PROCESS_LIVENESS
+        while not stalled.exists():
+            assert time.monotonic() < deadline, "the job never reached its stalled pass"
+            time.sleep(0.02)
+        # The next heartbeat's state file holds every batch that ran (written after the stall).
+        since = stalled.stat().st_mtime
+        while not (state.exists() and json.loads(state.read_text()).get("heartbeat", 0) > since + 0.1):
+            assert time.monotonic() < deadline, "no heartbeat after the stall"
+            time.sleep(0.05)
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(60)
+    finally:
+        victim.stop()
+    record = json.loads(state.read_text())
+    manifest = json.loads((out / "committed" / "workers" / "w0000-of-0001.json").read_text())
+    committed = int(manifest["tokens_done"])
+    assert record["state"] == "HARVEST_STATE_RUNNING"
+    assert int(record["tokens_done"]) > committed > 0, (record["tokens_done"], committed)  # what the bug reported
+    second = Server(data, out, _stalling_config(tmp_path / "free.toml", -1, stalled))
+    try:
+        deadline = time.monotonic() + PROCESS_LIVENESS
+        while (p := _progress(second, job)).state != "interrupted":
+            assert p.state == "running" and time.monotonic() < deadline, p
+            time.sleep(0.2)
+        assert p.tokens_done == committed and p.shards_written == len(manifest["shards"]), p
+        assert f"with {committed} tokens committed" in p.error, p.error
+
+        async def resume() -> int:
+            async with hookwire.connect(second.target) as client:
+                again = await client.harvest("stalling-lm", "model.layers.*", **request)
+                resumed = (await again.refresh()).resumed_tokens
+                await again.cancel()
+                return resumed
+
+        assert asyncio.run(resume()) == committed  # where the resumed job starts: the same count
+    finally:
+        second.stop()
+
+
 def test_the_cli_names_its_flags_and_the_client_sink_tokenizes_on_the_server(
     servers: list[Server], roots: tuple[pathlib.Path, pathlib.Path], tmp_path: pathlib.Path,
 ) -> None:

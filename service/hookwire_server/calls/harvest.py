@@ -91,6 +91,8 @@ ENDED = (hv.HARVEST_STATE_SUCCEEDED, hv.HARVEST_STATE_FAILED, hv.HARVEST_STATE_C
 #: The shortest lease a server may give its jobs (harvest_lease_seconds): heartbeats come
 #: every third of it, and a state folder on network storage needs time to show them.
 MIN_LEASE_SECONDS = 1.0
+#: Interrupted jobs whose committed figures are kept (HarvestManager._committed).
+MAX_ON_DISK = 4096
 #: Seconds between looks for state files to prune (at most).
 PRUNE_EVERY_SECONDS = 60.0
 
@@ -235,6 +237,9 @@ class Job:
         self.batches_total = 0
         self.shards_written = 0
         self.bytes_written = 0
+        #: Tokens its worker manifest has committed (tokens_done counts every batch the
+        #: model ran, those still buffered for the next group too).
+        self.tokens_committed = 0
         self.rate = 0.0
         self.committed = False
         self.cancel_reason = ""
@@ -317,6 +322,9 @@ class HarvestManager:
         #: again only when its mtime or size changed (another replica wrote it).
         self._index: dict[str, tuple[int, int, dict[str, Any]]] = {}
         self._last_prune = 0.0
+        #: Interrupted jobs' committed figures read from their outputs: job id ->
+        #: (heartbeat, figures); read once per job and heartbeat, not at every look.
+        self._on_disk: dict[str, tuple[float, tuple[int, int, int] | None]] = {}
         self._heartbeat: asyncio.Task[None] | None = None
         #: Blocking harvest work (counting sources, writing shards, manifests): threads of
         #: its own, so that jobs never take the event loop's default executor from live
@@ -428,7 +436,7 @@ class HarvestManager:
         self._outputs[key] = job.id
         self._forget_old_jobs()
         self._jobs[job.id] = job
-        job.resumed_tokens = job.tokens_done = writer.tokens_done
+        job.resumed_tokens = job.tokens_done = job.tokens_committed = writer.tokens_done
         job.shards_written, job.bytes_written = writer.shards_written, writer.bytes_written
         self._save_state(job)
         self._start_heartbeats()
@@ -736,6 +744,7 @@ class HarvestManager:
         """Takes the writer's committed figures into the job and the owner's byte quota."""
         grown = writer.bytes_written - job.bytes_written
         job.shards_written, job.bytes_written = writer.shards_written, writer.bytes_written
+        job.tokens_committed = writer.tokens_done
         if grown > 0:
             self._metrics.harvest_bytes.labels(job.settings.model).inc(grown)
             self._bytes[job.owner] = self._bytes.get(job.owner, 0) + grown
@@ -915,6 +924,9 @@ class HarvestManager:
         """Writes the job's state file; for a pending or running job it is also its
         heartbeat (the time written renews its lease)."""
         record = json_format.MessageToDict(job.to_proto(), preserving_proto_field_name=True)
+        # Where its committed part is (the output as resolved) and how much it was when
+        # written: what an INTERRUPTED job reports, not tokens_done (see _committed).
+        record.update(output_url=job.settings.url, tokens_committed=job.tokens_committed)
         self._write_record(job.id, record)
 
     def _write_record(self, job_id: str, record: dict[str, Any]) -> None:
@@ -950,8 +962,36 @@ class HarvestManager:
         msg.state = hv.HARVEST_STATE_INTERRUPTED
         msg.tokens_per_second = msg.eta_seconds = 0
         msg.ended.CopyFrom(_timestamp(float(beat)))
+        committed = self._committed(record, float(beat))
+        if committed is not None:
+            msg.tokens_done, msg.shards_written, msg.bytes_written = committed
         msg.error = interrupted_message(msg, now - float(beat), float(lease))
         return msg
+
+    def _committed(self, record: dict[str, Any], beat: float) -> tuple[int, int, int] | None:
+        """(tokens, shards, bytes) an interrupted job's worker committed: read from its
+        worker manifest on disk (a local output), else the figure its state file last
+        recorded (an object store is not read on the event loop); None for a state file
+        that records neither (written before either was kept).
+
+        The state file's tokens_done is not it: it counts every batch the model ran,
+        and the batches of a group not yet committed when the server died are lost
+        (the resumed job runs them again)."""
+        job_id = str(record.get("job_id", ""))
+        cached = self._on_disk.get(job_id)
+        if cached is not None and cached[0] == beat:
+            return cached[1]
+        figures = None
+        url = record.get("output_url")
+        if isinstance(url, str) and url and "://" not in url:
+            figures = _manifest_figures(url, record)
+        if figures is None and isinstance(record.get("tokens_committed"), int):
+            figures = (int(record["tokens_committed"]), int(record.get("shards_written", 0)),
+                       int(record.get("bytes_written", 0)))
+        if len(self._on_disk) >= MAX_ON_DISK:
+            self._on_disk.pop(next(iter(self._on_disk)))
+        self._on_disk[job_id] = (beat, figures)
+        return figures
 
     def _load_state(self, job_id: str) -> dict[str, Any] | None:
         path = self._state_file(job_id)
@@ -1082,6 +1122,22 @@ class HarvestManager:
 
 class _Cancelled(Exception):
     """The job was asked to stop."""
+
+
+def _manifest_figures(url: str, record: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(tokens, shards, shard bytes) the worker manifest at local output ``url`` commits
+    for the job's worker (``worker_index``/``num_workers`` of ``record``), or None when
+    it cannot be read (no manifest, not JSON, another worker's split). A few stat and
+    read calls on a small file."""
+    try:
+        worker = int(record.get("worker_index", 0))
+        workers = max(1, int(record.get("num_workers", 1)))
+        path = pathlib.Path(url, fmt.worker_manifest_name(worker, workers))
+        manifest = json.loads(path.read_text())
+        shards = manifest["shards"]
+        return int(manifest["tokens_done"]), len(shards), sum(int(entry["bytes"]) for entry in shards)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _from_state(record: dict[str, Any]) -> hv.HarvestJob:
