@@ -8,18 +8,23 @@ asks for fails the call there instead of taking this machine down.
   estimate and memory_budget_bytes, and the server goes on serving.
 - Calls that each fit the budget but together would not are all answered, with the
   in-process model's results, while another tenant's small calls are answered too.
+- A Generate call whose prompt pass and KV cache can never fit is refused before it
+  starts; a harvest job whose batch can never fit is refused at its start, and one whose
+  batches fit runs with each batch claiming and giving back its estimate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import resource
 import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -27,6 +32,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import hookwire
+from hookwire.v1 import harvest_service_pb2 as hv
+from hookwire.v1 import harvest_service_pb2_grpc as hv_grpc
+from hookwire.wire.codec import encode_tensor
 from hookwire_server.demo_models import tiny_lm, tiny_transformer
 from support import PROCESS_LIVENESS
 
@@ -116,3 +124,43 @@ async def test_calls_that_fit_alone_but_not_together_are_all_answered(capped_ser
             assert torch.equal(got["logits"], model(x).logits)
     assert all(r["logits"].shape == (24, 512, model.config.vocab_size) for r in results)
     await _healthy(capped_server)
+
+
+async def test_a_generate_call_that_can_never_fit_is_refused_before_it_starts(capped_server: str) -> None:
+    ids = torch.randint(0, 300, (256, 500), generator=torch.Generator().manual_seed(4))
+    async with hookwire.connect(capped_server) as client:
+        with pytest.raises(hookwire.ResourceExhaustedError) as info:
+            await client.model("tiny-lm").generate(ids, 4)
+    message = str(info.value)
+    assert "Generate on 'tiny-lm'" in message and "memory_budget_bytes" in message, message
+    await _healthy(capped_server)
+
+
+async def test_a_harvest_whose_batch_can_never_fit_is_refused_and_one_that_fits_runs(
+    make_server: Any, tmp_path: pathlib.Path,
+) -> None:
+    # In-process, with a budget far below a batch of 32 × 512 tokens (nothing is allocated:
+    # the estimate refuses it), and above a batch of 2 × 8.
+    srv = make_server(memory_budget_bytes=64 << 20, harvest_output_root=str(tmp_path))
+    ids = torch.randint(0, 300, (32, 512), generator=torch.Generator().manual_seed(5))
+    tokens = hv.HarvestSource(tokens=hv.TokenSource(input_ids=encode_tensor(ids)))
+    async with grpc.aio.insecure_channel(srv.target) as channel:
+        stub = hv_grpc.HarvestServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.StartHarvest(hv.StartHarvestRequest(
+                model="tiny-lm", modules=["model.layers.*"], source=tokens,
+                contexts=hv.HarvestContexts(length=512, batch_size=32), output=hv.HarvestOutput(path="big"),
+            ))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "memory_budget_bytes" in (info.value.details() or ""), info.value.details()
+        small = hv.HarvestSource(tokens=hv.TokenSource(input_ids=encode_tensor(ids[:4, :8])))
+        job = await stub.StartHarvest(hv.StartHarvestRequest(
+            model="tiny-lm", modules=["model.layers.*"], source=small,
+            contexts=hv.HarvestContexts(length=8, batch_size=2), output=hv.HarvestOutput(path="small"),
+        ))
+        last = job
+        async for last in stub.WatchHarvest(hv.WatchHarvestRequest(job_id=job.job_id, interval_ms=50)):
+            pass
+        assert last.state == hv.HARVEST_STATE_SUCCEEDED, last
+    budget = srv.call(lambda: srv.server.state.budget)
+    assert budget.claimed == 0 and 0 < budget.peak <= 64 << 20

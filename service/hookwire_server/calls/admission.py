@@ -23,6 +23,16 @@ from ..models.model_registry import ModelHost, ModelRegistry
 from ..state import ServerState
 
 
+def captured_modules(records: Sequence[HookRecord]) -> int:
+    """How many module tensors a call's request-scoped hooks capture in a pass (each part
+    captured at each resolved module: its copy is held until the response goes), for the
+    call's memory estimate."""
+    return sum(
+        len(r.compiled.modules) * sum(len(a.capture) for a in r.compiled.actions if a.capture)
+        for r in records
+    )
+
+
 class Admission:
     """The admission step (see the module docstring). Event loop."""
 
@@ -89,14 +99,30 @@ class Admission:
         memory (no ``estimator``: vLLM, whose KV cache is sized when it loads).
         ResourceExhausted naming the estimate and memory_budget_bytes when it can never
         fit; waits while earlier calls hold what it needs. Event loop."""
-        estimator: Estimator | None = getattr(engine, "estimator", None)
+        estimator = await self._estimator(host, engine)
         if estimator is None:
             return None
         budget = self.state.budget
-        if host.name not in budget.resident:
-            budget.keep(host.name, await asyncio.to_thread(estimator.resident_bytes))
         if probe is not None:
             known, key = estimator.cached(probe)
             if not known:
                 await host.run(estimator.probe, key)
         return await budget.claim(estimate(estimator), what)
+
+    async def check_memory(
+        self, host: ModelHost, engine: Any, what: str, estimate: Callable[[Estimator], Estimate],
+    ) -> None:
+        """ResourceExhausted (as ``claim_memory``) when work of this estimate could never
+        fit the memory budget: for a harvest job at its start, whose batches claim their
+        memory one by one as they run. Event loop."""
+        estimator = await self._estimator(host, engine)
+        if estimator is not None:
+            self.state.budget.check(estimate(estimator), what)
+
+    async def _estimator(self, host: ModelHost, engine: Any) -> Estimator | None:
+        """The engine's Estimator (None: it sizes its own memory), the model's weights
+        recorded in the budget as what it keeps, once."""
+        estimator: Estimator | None = getattr(engine, "estimator", None)
+        if estimator is not None and host.name not in self.state.budget.resident:
+            self.state.budget.keep(host.name, await asyncio.to_thread(estimator.resident_bytes))
+        return estimator

@@ -43,7 +43,7 @@ import pathlib
 import shlex
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,7 +58,7 @@ from hookwire.wire import ids
 from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import hook_pb2, tensor_pb2
 
-from .admission import Admission
+from .admission import Admission, captured_modules
 from ..engine.core import Engines
 from ..engine.harvest_pass import HarvestBatch, HarvestResult
 from ..engine.seam import HARVEST
@@ -73,6 +73,8 @@ from ..engine.scheduler import Work
 from ..hooks.selection import Index
 from .. import limits
 from ..limits import Limits
+from ..memory_budget import Estimate
+from ..models.memory_estimate import Estimator, Inputs, TensorShape
 
 log = logging.getLogger("hookwire.harvest")
 
@@ -394,6 +396,13 @@ class HarvestManager:
         principal: Principal, host: Any,
     ) -> Job:
         records, capture_ids = self._records(host, settings, principal, job_id)
+        if self._admission is not None and self._engines is not None:
+            # A batch that could never fit the memory budget is refused now, not at its turn.
+            await self._admission.check_memory(
+                host, self._engines.engine(host), f"a batch of harvest job {job_id} on {host.name!r}",
+                functools.partial(_batch_estimate, inputs=_batch_inputs((settings.batch_size, settings.length)),
+                                  captures=captured_modules(records)),
+            )
         header = {
             "model": settings.model, "modules": settings.modules, "settings": settings.describe(),
             "source": settings.source, "hookwire_version": hookwire_version,
@@ -686,7 +695,19 @@ class HarvestManager:
                     caller=("", job.owner),
                 )
                 assert self._engines is not None, "a HarvestManager without engines runs no job"
-                result = await self._engines.submit(host, work)
+                assert self._admission is not None
+                # Each batch claims its estimated peak in the server's memory budget while it
+                # runs (the job's start checked that one can fit): it waits for room as calls do.
+                claim = await self._admission.claim_memory(
+                    host, self._engines.engine(host), f"harvest job {job.id} on {host.name!r}",
+                    functools.partial(_batch_estimate, inputs=_batch_inputs(item.input_ids.shape),
+                                      captures=captured_modules(records)),
+                )
+                try:
+                    result = await self._engines.submit(host, work)
+                finally:
+                    if claim is not None:
+                        claim.release()
                 await writes.wait()  # at most one batch being written while the next one runs
                 self._account(job, writer)
                 writes.start(writer, result)
@@ -1314,3 +1335,13 @@ class _Handoff:
 
 
 __all__ = ["HarvestConfig", "HarvestManager", "Job", "settings_from"]
+
+
+def _batch_inputs(shape: Sequence[int]) -> Inputs:
+    """A harvest batch's inputs as the memory estimate reads them: token ids and mask."""
+    ids = TensorShape(tuple(int(n) for n in shape), torch.long)
+    return (ids,), {"attention_mask": ids}
+
+
+def _batch_estimate(estimator: Estimator, *, inputs: Inputs, captures: int) -> Estimate:
+    return estimator.infer(inputs, captures=captures)

@@ -20,9 +20,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, ParamSpec,
 from hookwire.wire import codec as _codec
 from hookwire.wire.codec import Chunker
 from hookwire.wire.framing import INFER_STREAM_CHUNK, Framing, RawChunk, Splicer
-from hookwire.wire.ids import new_id
 from hookwire.v1 import model_service_pb2, tensor_pb2
 
+from ..rpc_context import take_request_id
 from ..errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -36,7 +36,7 @@ from ..hooks.hook_manager import HookManager
 from ..hooks.hook_specs import hook_modules
 from ..hooks.passes import Pass
 from ..engine.core import Engines
-from .admission import Admission
+from .admission import Admission, captured_modules
 from ..engine.infer_pass import BackwardPlan, InferCall
 from ..engine.seam import INFER
 from ..engine.scheduler import Work
@@ -100,15 +100,6 @@ def request_inputs(request: model_service_pb2.InferRequest) -> Inputs:
         return None
 
     return tuple(one(v) for v in request.args), {k: one(v) for k, v in request.kwargs.items()}
-
-
-def captured_modules(records: Any) -> int:
-    """How many module tensors the call's request-scoped hooks capture in a pass (each
-    capture of each resolved module: its copy is held until the response goes)."""
-    return sum(
-        len(r.compiled.modules) * sum(len(a.capture) for a in r.compiled.actions if a.capture)
-        for r in records
-    )
 
 
 T = TypeVar("T")
@@ -344,7 +335,7 @@ class Inference:
                     _codec.check_tensor(backward.grad.grad, "backward.grad")
                 except _codec.CodecError as exc:
                     raise InvalidArgument(str(exc)) from None
-        request_id = new_id("req")
+        request_id = take_request_id()  # the RPC's: its audit line names it too
         records, group = await self._admission.request_hooks(host, request.hooks, request_id, session, principal)
         p = Pass(
             request_id, request.session_id, frozenset(request.tags), principal=principal.name,
