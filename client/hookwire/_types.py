@@ -422,7 +422,8 @@ class SlotInfo:
 @dataclasses.dataclass(frozen=True)
 class Notice:
     """An out-of-band message on a stream: ``kind`` is "hook_removed", "hook_disabled", "capture_failed",
-    "drops_started" or "drops_ended"."""
+    "drops_started", "drops_ended" or "hook_restored" (a hook without a session came back after a
+    server restart; ``message`` says when it captured nothing)."""
 
     kind: str
     hook_id: str

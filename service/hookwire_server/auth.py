@@ -4,8 +4,9 @@ Roles are cumulative: viewer < user < observer < operator.
 
 - viewer: list and inspect models.
 - user: Infer; session- and request-scoped hooks and rules on its own calls.
-- observer: also SCOPE_ALL / SCOPE_TAGGED captures of other callers' traffic.
-- operator: also rules on other callers' traffic, hooks that outlive sessions,
+- observer: also SCOPE_ALL / SCOPE_TAGGED captures of other callers' traffic, in a
+  session or in a hook that outlives sessions (capture only: no rules, no stop).
+- operator: also rules on other callers' traffic and on hooks that outlive sessions,
   seeing and removing anyone's hooks and sessions.
 
 Tokens are configured as ``principal:role[,role...]:sha256hex`` lines (a file, or

@@ -86,8 +86,24 @@ async def test_roles(secured) -> None:
             pass
         with pytest.raises(hookwire.PermissionDeniedError, match="needs the operator role"):
             await observer.model("mlp").hook("fc1", posthook=[hookwire.rules.zero("output")], scope="all")
-        with pytest.raises(hookwire.PermissionDeniedError, match="outlives its client\\) needs the operator role"):
-            await observer.model("mlp").hook("fc1", posthook=hookwire.capture(), scope="all", ttl_seconds=60)
+        # A monitor without a session is an observer's (capture only); rules and stop stay the operator's.
+        monitor = await observer.model("mlp").hook("fc1", posthook=hookwire.capture(), scope="all", ttl_seconds=60)
+        async with observer.subscribe([monitor.id]):
+            pass
+        assert await monitor.remove()
+        with pytest.raises(hookwire.PermissionDeniedError,
+                           match="rules on a hook without a session \\(an observer's may only capture\\) needs the "
+                                 "operator role; 'observer' has observer"):
+            await observer.model("mlp").hook("fc1", posthook=[hookwire.rules.signal("output", "n", hookwire.rules.norm())],
+                                             scope="all", ttl_seconds=60)
+        with pytest.raises(hookwire.PermissionDeniedError,
+                           match="rules that change or fail other callers' calls needs the operator role"):
+            await observer.model("mlp").hook(
+                "fc1", posthook=[hookwire.rules.stop("output", hookwire.rules.norm() > 4.0)],
+                scope="all", ttl_seconds=60)
+    async with _connect(secured, "alice") as alice:
+        with pytest.raises(hookwire.PermissionDeniedError, match="needs the observer role; 'alice' has user"):
+            await alice.model("mlp").hook("fc1", posthook=hookwire.capture(), scope="all", ttl_seconds=60)
     async with _connect(secured, "operator") as operator:
         handle = await operator.model("mlp").hook("fc1", posthook=[hookwire.rules.scale("output", 1.0)], scope="all",
                                                   ttl_seconds=60)
@@ -628,7 +644,9 @@ async def test_a_demoted_observer_loses_its_shared_hooks(reloadable) -> None:
         session = await obs.session()
         watching = await obs.model("mlp").hook("fc1", posthook=hookwire.capture("output"), scope="all")
         own = await obs.model("mlp").hook("fc2", posthook=hookwire.capture("output"))
-        outliving = await ops.model("mlp").hook("fc1", posthook=hookwire.capture(), scope="all", ttl_seconds=600)
+        outliving = await ops.model("mlp").hook(
+            "fc1", posthook=[hookwire.rules.signal("output", "n", hookwire.rules.norm())], scope="all", ttl_seconds=600)
+        monitor = await ops.model("mlp").hook("fc1", posthook=hookwire.capture(), scope="all", ttl_seconds=600)
         await alice.model("mlp")(X)
         assert (await collect(watching, 1))[0].module == "fc1"  # another caller's traffic
         tokens.write_text(_token_lines(alice=("user", "a1"), ops=("observer", "o1"), obs=("user", "s1")))
@@ -644,10 +662,12 @@ async def test_a_demoted_observer_loses_its_shared_hooks(reloadable) -> None:
         await alice.model("mlp")(X)
         await obs.model("mlp")(X)
         assert (await collect(own, 1))[0].module == "fc2"  # its own calls are still seen
-        # The operator, now an observer, loses its session-less hook (it needs operator).
-        assert outliving.id not in [h.hook_id for h in await ops.list_hooks()]
+        # The operator, now an observer, loses its session-less hook with a rule (that needs
+        # operator) and keeps its capture-only one (an observer's monitor).
+        assert [h.hook_id for h in await ops.list_hooks()] == [monitor.id]
         with pytest.raises(hookwire.PermissionDeniedError, match="needs the operator role; 'ops' has observer"):
-            await ops.model("mlp").hook("fc1", posthook=hookwire.capture(), scope="all", ttl_seconds=60)
+            await ops.model("mlp").hook("fc1", posthook=[hookwire.rules.signal("output", "n", hookwire.rules.norm())],
+                                        scope="all", ttl_seconds=60)
 
 
 async def test_a_demoted_operator_no_longer_blocks_other_callers(reloadable) -> None:

@@ -24,6 +24,7 @@ class NoticeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOTICE_KIND_HOOK_DISABLED: _ClassVar[NoticeKind]
     NOTICE_KIND_DROPS_STARTED: _ClassVar[NoticeKind]
     NOTICE_KIND_DROPS_ENDED: _ClassVar[NoticeKind]
+    NOTICE_KIND_HOOK_RESTORED: _ClassVar[NoticeKind]
 DELIVERY_POLICY_UNSPECIFIED: DeliveryPolicy
 DELIVERY_POLICY_BLOCK: DeliveryPolicy
 DELIVERY_POLICY_DROP_OLDEST: DeliveryPolicy
@@ -34,6 +35,7 @@ NOTICE_KIND_CAPTURE_FAILED: NoticeKind
 NOTICE_KIND_HOOK_DISABLED: NoticeKind
 NOTICE_KIND_DROPS_STARTED: NoticeKind
 NOTICE_KIND_DROPS_ENDED: NoticeKind
+NOTICE_KIND_HOOK_RESTORED: NoticeKind
 
 class GetSlotRequest(_message.Message):
     __slots__ = ("session_id", "name")

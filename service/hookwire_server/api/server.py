@@ -19,6 +19,7 @@ from ..auth import TokenStore
 from ..models.batch_settings import DEFAULT_MAX_BATCH_DELAY_MS, DEFAULT_MAX_BATCH_SIZE, BatchSettings
 from .security import AuthInterceptor, server_credentials
 from ..hooks.hook_manager import HookManager
+from ..hooks.hook_store import HookStore
 from ..hooks.operands import OperandStore
 from ..calls.generation import Generation
 from ..calls.harvest import HarvestConfig, HarvestManager, settings_from
@@ -32,6 +33,8 @@ from ..engine.core import build_host
 from ..models.model_loading import ConfigError, ModelConfig, check_names, load_models
 from ..models.model_registry import ModelHost, ModelRegistry, ModelState
 from ..calls.parameters import Parameters
+from .request_bounds import RequestBounds
+from .status_mapping import RawRequest
 from .servicers import HarvestServicer, HookServicer, ModelServicer, OperandServicer, add_to_server
 from ..calls.tokenization import Tokenization
 
@@ -116,6 +119,10 @@ class ServerSettings(Limits):
     #: Operators publish read-only operands (PublishOperand: SAEs in SAELens' layout,
     #: .safetensors tensors) from under this folder; None: publishing is refused.
     operand_root: str | None = None
+    #: Hooks without a session (ttl_seconds) are saved under this folder (mode 0700, files
+    #: 0600) and registered again, with their ids, when a server starts on it again
+    #: (hooks/hook_store.py); None: they end with the process. One server per folder.
+    state_dir: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -196,8 +203,10 @@ class HookwireServer:
         self.state = ServerState(limits=self.settings, metrics=self.metrics)
         #: Named operands (OperandService), resolved by the specs the hook manager compiles.
         self.operands = OperandStore(self.settings, root=self.settings.operand_root)
+        #: Where hooks without a session outlive the process (state_dir), opened by start.
+        self.hook_store = HookStore(self.settings.state_dir) if self.settings.state_dir else None
         self.hooks = HookManager(registry, allow_shared_rules=self.settings.allow_shared_rules, state=self.state,
-                                 operands=self.operands)
+                                 operands=self.operands, store=self.hook_store)
         #: Each model's engine and scheduler: Infer, Generate and harvest jobs share them.
         self.engines = Engines(registry, gate=self.hooks.gate)
         #: The admission step every call goes through.
@@ -297,6 +306,13 @@ class HookwireServer:
                 f"cannot listen on {address}: the port is in use (is another server running there?) "
                 "or the address is not available on this machine"
             )
+        if self.hook_store is not None:
+            try:
+                self.hook_store.open()  # StateDirError (a ValueError) when another server holds it
+            except BaseException:
+                await server.stop(None)
+                raise
+            await self.restore_hooks()  # on the models loaded already; serve() tries again after loading
         await server.start()
         self._server, self.port = server, port
         if self.settings.metrics_port is not None:
@@ -308,6 +324,18 @@ class HookwireServer:
             else "no authentication: loopback only" if is_loopback(settings.host) else "no authentication (--insecure)",
         )
         return port
+
+    async def restore_hooks(self) -> int:
+        """Registers again the hooks saved in ``state_dir`` whose models are ready
+        (HookManager.restore), each saved request read with the checks of a new
+        RegisterHook request; those on models still loading wait for the next call.
+        Returns how many were restored; 0 without a state folder."""
+        if self.hook_store is None:
+            return 0
+        bounds = RequestBounds.of(self.settings)
+        return await self.hooks.restore(
+            self.tokens, lambda data: RawRequest(hook_service_pb2.RegisterHookRequest, data).parse(bounds),
+        )
 
     @property
     def target(self) -> str:
@@ -376,6 +404,8 @@ class HookwireServer:
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
         await self.hooks.close(timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+        if self.hook_store is not None:
+            self.hook_store.close()  # the saved hooks stay: the next start registers them again
         self.metrics.stop()
         self.engines.close()
         self.registry.shutdown()
@@ -431,6 +461,7 @@ async def serve(
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
         if not stop.is_set():
             loading.result()
+            await server.restore_hooks()  # the saved hooks of the models that were still loading
             failed = [e for e in registry.entries() if e.state is ModelState.FAILED]
             if models and len(failed) == len(models):
                 raise ConfigError("no model could be loaded: " + "; ".join(f"{e.name}: {e.reason}" for e in failed))

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import functools
 import logging
 import threading
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 from hookwire.v1 import hook_pb2, hook_service_pb2
 from hookwire.wire import ids
@@ -20,12 +21,13 @@ from hookwire.wire.ids import new_id
 
 from .. import limits
 from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
-from ..errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from ..errors import FailedPrecondition, HookwireServerError, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from .event_bus import DeliveryGate, DeliveryLimits, EventStream, HeldBytes
 from .hook_record import HookRecord, Subscription, _notice
 from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
+from .hook_store import HookStore, StoredHook
 from ..state import SHUTDOWN_REASON, ServerState
-from ..models.model_registry import ModelHost, ModelRegistry
+from ..models.model_registry import ModelHost, ModelRegistry, ModelState
 from .operands import OperandStore, names_operands
 from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
 
@@ -55,6 +57,21 @@ class Session:
         self.closed = False
 
 
+@dataclasses.dataclass(frozen=True)
+class _Restored:
+    """What a hook registered again from the state folder keeps of its first life."""
+
+    #: Its absolute expiry (ns since the epoch).
+    expires_ns: int
+    #: The gap notice its first subscriber gets.
+    notice: str
+
+
+def _when(ns: int) -> str:
+    """A wall-clock time for messages: ISO 8601, UTC, to the second."""
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def _lacks(principal: Principal, role: str, what: str) -> str:
     """Why ``principal`` may no longer hold ``what`` ("" when it may)."""
     try:
@@ -69,9 +86,13 @@ class HookManager:
 
     def __init__(
         self, registry: ModelRegistry, *, allow_shared_rules: bool = False, state: ServerState | None = None,
-        operands: OperandStore | None = None,
+        operands: OperandStore | None = None, store: HookStore | None = None,
     ) -> None:
         self._registry = registry
+        #: Where hooks without a session are saved to outlive the server (state_dir); None: nowhere.
+        self.store = store
+        #: Saved hooks not restored yet: their models were still loading (see restore).
+        self._unrestored: list[StoredHook] | None = None
         #: The server's limits, metrics and draining flag (shared with every call).
         self._state = state or ServerState()
         self.limits = self._state.limits
@@ -183,13 +204,20 @@ class HookManager:
         """Registers and attaches a hook; returns once it fires for the next pass.
 
         Without a session, the hook must watch shared traffic (SCOPE_ALL/TAGGED),
-        carries a TTL (capped at max_ttl_seconds) and delivers to subscribers only.
+        carries a TTL (capped at max_ttl_seconds) and delivers to subscribers only;
+        with a state folder (``store``) it is saved there before this returns, and
+        Unavailable when it cannot be (the hook is not registered then).
         """
+        return await self._register(session_id, spec, principal, new_id(ids.HOOK))
+
+    async def _register(
+        self, session_id: str, spec: hook_pb2.HookSpec, principal: Principal, hook_id: str,
+        restored: _Restored | None = None,
+    ) -> HookRecord:
         self.refuse_when_draining()
         principal.require(MINIMUM_ROLE["RegisterHook"], "registering a hook")
         session = self.require_session(session_id, principal, owner_only=True) if session_id else None
         host = self._registry.get(spec.model)
-        hook_id = new_id(ids.HOOK)
         # The hook holds the named operands it uses from the moment they are resolved: one
         # deleted between the check and the attach would otherwise be used after its delete.
         compile_ = functools.partial(
@@ -211,7 +239,8 @@ class HookManager:
                     raise
             else:
                 compiled = compile_()
-            return await self._register_compiled(hook_id, session_id, session, spec, host, compiled, principal)
+            return await self._register_compiled(hook_id, session_id, session, spec, host, compiled, principal,
+                                                 restored)
         except BaseException:
             if hook_id not in self._hooks:  # once registered, its removal lets them go
                 self.operands.release(hook_id)
@@ -219,7 +248,7 @@ class HookManager:
 
     async def _register_compiled(
         self, hook_id: str, session_id: str, session: Session | None, spec: hook_pb2.HookSpec, host: ModelHost,
-        compiled: CompiledSpec, principal: Principal,
+        compiled: CompiledSpec, principal: Principal, restored: _Restored | None = None,
     ) -> HookRecord:
         require_hook_roles(principal, spec, compiled, sessionless=session is None)
         if session is None:
@@ -246,9 +275,14 @@ class HookManager:
             session.hook_ids[record.hook_id] = None
         else:
             ttl = min(spec.ttl_seconds, self.limits.max_ttl_seconds)
-            record.expires_ns = time.time_ns() + ttl * 1_000_000_000
+            now = time.time_ns()
+            record.expires_ns = now + ttl * 1_000_000_000
+            if restored is not None:  # its expiry is absolute: the time the server was down counts
+                record.expires_ns = min(restored.expires_ns, record.expires_ns)
+                record.restored_notice = restored.notice
             handle = asyncio.get_running_loop().call_later(
-                ttl, functools.partial(self._remove, record.hook_id, reason=f"its TTL of {ttl} s expired")
+                (record.expires_ns - now) / 1e9,
+                functools.partial(self._remove, record.hook_id, reason=f"its TTL of {ttl} s expired"),
             )
             record.on_removed = handle.cancel
         # Known before the attach completes, so that a session ending meanwhile removes it.
@@ -264,8 +298,39 @@ class HookManager:
                 f"hook {record.hook_id} was removed while it was being registered "
                 f"({'its session ended' if session is not None and session.closed else 'deregistered'})"
             )
+        if session is None and self.store is not None and restored is None:
+            await self._save(record, spec, principal)
         log.info("hook %s registered on %s:%s", record.hook_id, host.name, ",".join(compiled.modules) or "<root>")
         return record
+
+    async def _save(self, record: HookRecord, spec: hook_pb2.HookSpec, principal: Principal) -> None:
+        """Writes a registered hook without a session to the state folder (on a thread:
+        fsync), so that a restarted server registers it again. Unavailable, with the hook
+        removed, when that fails: a caller asking for a hook that outlives its client on a
+        server with a state folder is promised one that outlives the server too."""
+        store = self.store
+        assert store is not None
+        stored = functools.partial(
+            StoredHook, hook_id=record.hook_id, owner=principal.name, role=principal.role,
+            authenticated=principal is not ANONYMOUS, expires_ns=record.expires_ns, saved_ns=time.time_ns(),
+        )
+        if names_operands(spec):
+            log.warning("hook %s names operands: a restarted server drops it unless they are uploaded or published "
+                        "again first (named operands are not kept across restarts)", record.hook_id)
+        saving = asyncio.ensure_future(asyncio.to_thread(
+            lambda: store.save(stored(request=hook_service_pb2.RegisterHookRequest(spec=spec).SerializeToString()))
+        ))
+        try:
+            await asyncio.shield(saving)
+        except BaseException as exc:
+            # A write still running is undone once done: the hook it describes is gone.
+            saving.add_done_callback(lambda _: store.remove(record.hook_id))
+            self._remove(record.hook_id, reason="registration failed")
+            if isinstance(exc, OSError):
+                raise Unavailable(f"the hook could not be saved in the server's state_dir: {exc}") from None
+            raise
+        if record.removed:  # removed while it was written: its _remove found no file yet
+            store.remove(record.hook_id)
 
     async def deregister(self, hook_id: str, principal: Principal = ANONYMOUS) -> bool:
         """Removes a hook; False when unknown, already removed, or not the principal's
@@ -281,11 +346,14 @@ class HookManager:
         await asyncio.shield(record.detaching)
         return True
 
-    def _remove(self, hook_id: str, *, reason: str) -> HookRecord | None:
-        """Stops a hook at once and schedules its detach; its streams are told after that."""
+    def _remove(self, hook_id: str, *, reason: str, keep_saved: bool = False) -> HookRecord | None:
+        """Stops a hook at once and schedules its detach; its streams are told after that.
+        Its file in the state folder goes too, unless ``keep_saved`` (the server stops)."""
         record = self._hooks.pop(hook_id, None)
         if record is None:
             return None
+        if self.store is not None and not record.session_id and not keep_saved:
+            self.store.remove(hook_id)
         record.removed = True
         record.active = False
         for stream in record.streams:
@@ -413,6 +481,94 @@ class HookManager:
                 self._compiled[key] = compiled
         return compiled
 
+    # ---------------------------------------------------------------- restarts
+
+    async def restore(
+        self, tokens: TokenStore, parse: Callable[[bytes], hook_service_pb2.RegisterHookRequest] | None = None,
+    ) -> int:
+        """Registers again the hooks saved in the state folder (``store``), with their ids
+        and absolute expiries; returns how many were restored by this call. Called when
+        the server starts, and again once its models have loaded: a hook on a model still
+        loading waits for the next call. ``parse`` reads a saved RegisterHookRequest with
+        the checks of a new one (the request bounds); it and the registration run as for
+        a new RegisterHook, so a saved file is data checked like a request.
+
+        A saved hook is dropped (its file removed, a log line saying why) when its TTL ran
+        out while the server was down, its owner is no longer in the token file (or the
+        hook was registered without authentication and this server requires it), its
+        model is no longer configured, or registering it again fails as a new
+        registration would: a module or named operand gone (named operands are not kept
+        across restarts), its owner's role no longer allows it, a limit. One whose model
+        failed to load keeps its file, for a later start. Never raises for a saved hook."""
+        if self.store is None:
+            return 0
+        store = self.store
+        if self._unrestored is None:
+            self._unrestored = await asyncio.to_thread(store.load)
+        parse = parse or hook_service_pb2.RegisterHookRequest.FromString
+        now = time.time_ns()
+        if store.stopped_ns is not None:
+            gap = (f"events from {_when(store.stopped_ns)} to {_when(now)} "
+                   f"({(now - store.stopped_ns) / 1e9:.0f} s, the server was stopped) were not captured")
+        else:
+            gap = (f"the server did not stop cleanly, so events were not captured from an unknown time "
+                   f"to {_when(now)}")
+        waiting: list[StoredHook] = []
+        restored = 0
+        for saved in self._unrestored:
+            if self._state.draining:
+                waiting.append(saved)  # stopping: files stay for the next start
+                continue
+
+            def drop(why: str, saved: StoredHook = saved) -> None:
+                store.remove(saved.hook_id)
+                log.warning("hook %s of %r not restored: %s", saved.hook_id, saved.owner, why)
+
+            if saved.hook_id in self._hooks:
+                continue
+            if saved.expires_ns <= now:
+                drop(f"its TTL ran out at {_when(saved.expires_ns)}, while the server was down")
+                continue
+            if not saved.authenticated:
+                if tokens.enabled:
+                    drop("it was registered without authentication, and this server requires tokens")
+                    continue
+                principal = ANONYMOUS
+            else:
+                found = tokens.principals.get(saved.owner) if tokens.enabled else None
+                if found is None:
+                    drop(f"its owner {saved.owner!r} is no longer in the token file")
+                    continue
+                principal = found
+            try:
+                request = await asyncio.to_thread(parse, saved.request)
+                if request.session_id:
+                    raise InvalidArgument("session_id: only hooks without a session are saved")
+                entry = self._registry.entry(request.spec.model)
+            except HookwireServerError as exc:
+                drop(str(exc))
+                continue
+            if entry.state is ModelState.LOADING:
+                waiting.append(saved)
+                continue
+            if entry.state is ModelState.FAILED:
+                log.warning("hook %s of %r not restored: model %r failed (%s); its file is kept for a later start",
+                            saved.hook_id, saved.owner, entry.name, entry.reason)
+                continue
+            try:
+                await self._register("", request.spec, principal, saved.hook_id,
+                                     _Restored(saved.expires_ns, f"hook {saved.hook_id} restored after a restart: {gap}"))
+            except Unavailable:
+                waiting.append(saved)  # the server began stopping: try at the next start
+            except HookwireServerError as exc:
+                drop(f"registering it again failed: {exc}")
+            else:
+                restored += 1
+                log.info("hook %s of %r restored on %s (expires %s)", saved.hook_id, saved.owner,
+                         request.spec.model, _when(saved.expires_ns))
+        self._unrestored = waiting
+        return restored
+
     # ---------------------------------------------------------------- slots
 
     def slots(self, session_id: str, principal: Principal = ANONYMOUS) -> SlotStore:
@@ -439,6 +595,11 @@ class HookManager:
         self._subscriptions.add(sub)
         self.gate.add(sub.stream)
         for record in records:
+            if record.restored_notice:  # before any event of its second life
+                sub.stream.put_notice(_notice(
+                    hook_service_pb2.NOTICE_KIND_HOOK_RESTORED, record.hook_id, record.restored_notice,
+                ))
+                record.restored_notice = ""
             record.streams = record.streams + (sub.stream,)
             record.subscriptions.append(sub)
             record.listeners_changed()
@@ -573,6 +734,6 @@ class HookManager:
         for session_id in list(self._sessions):
             self.close_session(session_id)
         for record in list(self._hooks.values()):
-            self._remove(record.hook_id, reason="server stopping")
+            self._remove(record.hook_id, reason="server stopping", keep_saved=True)
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout)

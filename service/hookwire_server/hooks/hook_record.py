@@ -36,6 +36,7 @@ from ..errors import InvalidArgument, Unimplemented
 from .event_bus import EventStream, HookCounters
 from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec, _part_name
 from ..metrics import Metrics
+from ..models.memory_estimate import probing
 from ..models.model_registry import ModelHost
 from .rules import RuleFailure, Signals, apply_rules, operand_tensors, tensor_fields
 from .slots import SlotStore
@@ -98,6 +99,9 @@ class HookRecord:
         self.last_fired_ns = 0
         #: Wall-clock expiry (ns) of a hook without a session; 0 for none.
         self.expires_ns = 0
+        #: For a hook restored from the state folder, until a stream subscribes to it: the
+        #: gap in its events the restart made (HookManager.subscribe sends it once).
+        self.restored_notice = ""
         self._sampler = Sampler.compile(spec.sampling)
         #: Called once when the hook is removed (cancels a TTL timer).
         self.on_removed: Callable[[], Any] | None = None
@@ -243,7 +247,7 @@ class HookRecord:
         Returns the parts as the rules left them when a rule changed something, else None.
         """
         batch = self.host.current_batch
-        if batch is None or not self.active:
+        if batch is None or not self.active or probing():  # (a memory estimate's pass on fake tensors)
             return None
         if batch.deferred:
             batch.deferred.poll()  # earlier asynchronous captures whose copies are done go out

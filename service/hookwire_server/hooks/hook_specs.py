@@ -295,4 +295,8 @@ def require_hook_roles(principal: Principal, spec: hook_pb2.HookSpec, compiled: 
         if any(a.modifies for a in compiled.actions) or spec.on_error == rule_pb2.ON_ERROR_FAIL_CALL:
             principal.require("operator", "rules that change or fail other callers' calls")
     if sessionless:
-        principal.require("operator", "a hook without a session (it outlives its client)")
+        # A monitor that outlives its client is an observer's tool; one that acts on the
+        # traffic it watches (any rule, stop included) stays an operator's.
+        principal.require("observer", "a hook without a session (it outlives its client)")
+        if any(a.rules for a in compiled.actions):
+            principal.require("operator", "rules on a hook without a session (an observer's may only capture)")
