@@ -164,16 +164,18 @@ async def test_shared_hook_failing_at_run_time_is_disabled_with_a_notice(shared,
 
 
 async def test_on_error_policies_can_be_chosen(shared, shared_other, client) -> None:
+    # On "act" (a ReLU: its width is known only in the pass) a 7-wide operand is accepted
+    # at registration and fails when it is applied to the 32-wide value.
     # A session hook that disables itself instead of failing its owner's call.
     model = client.model("mlp")
-    async with model.hook("fc1", posthook=[rules.add("output", torch.ones(7))], on_error="disable_hook"):
+    async with model.hook("act", posthook=[rules.add("output", torch.ones(7))], on_error="disable_hook"):
         assert_same(await model(X), local_models()["mlp"](X).detach())
     # Default for session scope: the call fails with INVALID_ARGUMENT naming the rule.
-    async with model.hook("fc1", posthook=[rules.add("output", torch.ones(7))]):
-        with pytest.raises(hookwire.InvalidArgumentError, match=r"rule 0 \(add on output\) failed: RuntimeError"):
+    async with model.hook("act", posthook=[rules.add("output", torch.ones(7))]):
+        with pytest.raises(hookwire.InvalidArgumentError, match=r"rule 0 \(add on output\) failed: add.value.tensor is \[7\]"):
             await model(X)
     # A shared hook that opts into failing the calls it touches.
-    async with shared.model("mlp").hook("fc1", posthook=[rules.add("output", torch.ones(7))], scope="all",
+    async with shared.model("mlp").hook("act", posthook=[rules.add("output", torch.ones(7))], scope="all",
                                         on_error="fail_call"):
         with pytest.raises(hookwire.InvalidArgumentError):
             await shared_other.model("mlp")(X)

@@ -202,3 +202,91 @@ async def test_noise_is_reproducible(client) -> None:
     other = await client.model("mlp").infer(X, hooks=[hookwire.HookSpec("fc1", posthook=[rules.noise("output", 0.5, seed=10)])])
     assert_same(a.output, b.output)
     assert not torch.equal(a.output, other.output)
+
+
+def _sae(d_in: int, d_sae: int = 8) -> rules.Sae:
+    return rules.Sae.of(torch.zeros(d_in, d_sae), torch.zeros(d_sae), torch.zeros(d_sae, d_in), torch.zeros(d_in))
+
+
+# hook spec with an operand of the wrong width -> what the refusal names (tiny-lm is 64 wide,
+# its heads 16; mlp's fc2 is Linear(32, 32)). Each module states its width: a decoder layer
+# by the config's hidden_size, a projection by nn.Linear, a norm by its weight, an embedding.
+WRONG_WIDTHS: dict[str, tuple[str, hookwire.HookSpec, str]] = {
+    "steering vector on a decoder layer": ("tiny-lm", hookwire.HookSpec(
+        "model.layers.0", posthook=[rules.add("output", torch.ones(63))]),
+        r"posthook.rules\[0\].add.value.tensor: shape \[63\] does not fit module 'model.layers.0': rule 0 \(add on "
+        r"output\) edits output, and its output is 64 wide \(the model config's hidden_size\), so the operand's last "
+        r"dimension must be 64 \(or 1, to broadcast\)"),
+    "direction on a projection": ("tiny-lm", hookwire.HookSpec(
+        "model.layers.0.self_attn.k_proj", posthook=[rules.project_out("output", torch.ones(64))]),
+        r"project_out.direction: shape \[64\] does not fit module 'model.layers.0.self_attn.k_proj'.*its output is "
+        r"32 wide \(Linear.out_features\)"),
+    "affine on a norm": ("tiny-lm", hookwire.HookSpec(
+        "model.norm", posthook=[rules.affine("output", torch.eye(32))]),
+        r"affine.weight: shape \[32, 32\] does not fit module 'model.norm'.*64 wide \(LlamaRMSNorm.weight's shape\)"),
+    "norm_add on the embedding": ("tiny-lm", hookwire.HookSpec(
+        "model.embed_tokens", posthook=[rules.norm_add("output", torch.ones(65), 2.0)]),
+        r"norm_add.direction: shape \[65\].*'model.embed_tokens'.*64 wide \(Embedding.embedding_dim\)"),
+    "probe on a layer's input": ("tiny-lm", hookwire.HookSpec(
+        "model.layers.1", prehook=[rules.signal("args.0", "s", rules.probe(torch.ones(32)))]),
+        r"prehook.rules\[0\].signal.signal.probe.weight: shape \[32\].*its input is 64 wide"),
+    "SAE on a Linear": ("mlp", hookwire.HookSpec("fc2", posthook=[rules.sae("output", _sae(16), [0])]),
+                        r"sae.sae.w_enc: shape \[16, 8\] does not fit module 'fc2'.*dimension 0 must be 32"),
+    "conditional's operation": ("tiny-lm", hookwire.HookSpec(
+        "model.layers.0", posthook=[rules.when(rules.norm() > 1.0, rules.add("output", torch.ones(8)))]),
+        r"conditional.then.add.value.tensor: shape \[8\]"),
+    "a head's width": ("tiny-lm", hookwire.HookSpec(
+        "model.layers.0.self_attn.q_proj", posthook=[rules.add("output", torch.ones(64)).on_heads(1)]),
+        r"add.value.tensor: shape \[64\].*each of its heads is 16 wide"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_WIDTHS))
+async def test_operands_of_the_wrong_width_are_refused_at_registration(client, case: str) -> None:
+    """Where a module states its width, an operand that cannot fit is INVALID_ARGUMENT when
+    the hook is registered (and in an Infer request's hooks), naming the field, the
+    module, the rule, the operand's shape and the width; nothing runs, nothing stays."""
+    name, spec, message = WRONG_WIDTHS[case]
+    model = client.model(name)
+    with pytest.raises(hookwire.InvalidArgumentError, match=message):
+        await model.hook(spec.module, prehook=spec.prehook, posthook=spec.posthook)
+    assert await client.list_hooks() == []
+    ids = torch.ones(1, 5, dtype=torch.long) if name == "tiny-lm" else X
+    with pytest.raises(hookwire.InvalidArgumentError, match=r"^INVALID_ARGUMENT: hooks\[0\]: .*" + message.split(": ", 1)[0]):
+        await model.infer(ids, hooks=[spec])
+
+
+async def test_operands_that_fit_are_accepted_and_unknown_widths_wait_for_the_pass(client) -> None:
+    """The width check refuses only what cannot fit: a right-width vector, a size-1 one
+    (it broadcasts), one behind an index (the selection may take the last dimension), and
+    any operand where the module does not state its width, all register."""
+    lm = client.model("tiny-lm")
+    ids = torch.ones(1, 5, dtype=torch.long)
+    for spec in (
+        hookwire.HookSpec("model.layers.0", posthook=[rules.add("output", torch.ones(64))]),
+        hookwire.HookSpec("model.layers.0", posthook=[rules.add("output", torch.ones(1, 1, 1))]),
+        hookwire.HookSpec("model.layers.0", posthook=[rules.add("output", torch.ones(8), index="[..., :8]")]),
+        hookwire.HookSpec("model.layers.0.mlp.act_fn", posthook=[rules.add("output", torch.ones(128))]),
+        hookwire.HookSpec("model.layers.0.self_attn.q_proj", posthook=[rules.add("output", torch.ones(16)).on_heads(1)]),
+    ):
+        await lm.infer(ids, hooks=[spec])
+
+
+async def test_a_shape_mismatch_at_run_time_is_worded_in_hookwires_terms(client) -> None:
+    """On a module that states no width (mlp's ReLU "act"), a 31-wide steering vector on its
+    32-wide output fails in the pass: the message names the hook, the module, the rule and
+    both shapes, not torch's broadcasting error."""
+    model = client.model("mlp")
+    async with model.hook("act", posthook=[rules.add("output", torch.ones(31))]) as hook:
+        with pytest.raises(hookwire.InvalidArgumentError) as info:
+            await model(X)
+    assert info.value.details == (
+        f"hook {hook.id} on module 'act' of 'mlp': rule 0 (add on output) failed: add.value.tensor is [31] and the "
+        "value it edits, output, is [4, 32]: they do not fit (the operand's width must be 32)"), info.value.details
+    assert "size of tensor" not in info.value.details
+    # In a request hook too, and for an operation whose operand is multiplied (torch's "mat1 and mat2").
+    with pytest.raises(hookwire.InvalidArgumentError, match=(
+            r"^INVALID_ARGUMENT: hook hk_\w+ on module 'act' of 'mlp': rule 0 \(affine on output\) failed: affine.weight "
+            r"is \[16, 16\] and the value it edits, output, is \[4, 32\]: they do not fit")):
+        await model.infer(X, hooks=[hookwire.HookSpec("act", posthook=[rules.affine("output", torch.eye(16))])])
+    assert_same(await model(X), local_models()["mlp"](X).detach())

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -904,6 +905,55 @@ def _tensors_in(msg: Any, path: str, position: int, out: list[tuple[int, str, An
             _tensors_in(value, f"{path}{field.name}.", position, out)
 
 
+def operand_widths(rule: CompiledRule) -> list[tuple[str, list[int], int, bool]]:
+    """(field path in the rule, operand shape, the dimension that must equal the width of
+    the value the rule sees, whether a size of 1 broadcasts instead) of each tensor operand
+    of ``rule`` whose fit depends on that width (hooks.widths checks them at registration;
+    named operands included). Rules without such operands give []."""
+    out: list[tuple[str, list[int], int, bool]] = []
+
+    def last(name: str, t: torch.Tensor | None, broadcasts: bool = False) -> None:
+        if t is not None and t.dim() >= 1:
+            out.append((name, list(t.shape), t.dim() - 1, broadcasts))
+
+    def sae(name: str, autoencoder: CompiledSae | None) -> None:
+        if autoencoder is not None:  # w_enc is [d_in, d_sae]: d_in is the value's width
+            out.append((f"{name}.w_enc", list(autoencoder.tensors["w_enc"].shape), 0, False))
+
+    def signal(prefix: str, compiled: CompiledSignal | None) -> None:
+        if compiled is None:
+            return
+        if compiled.kind in ("projection", "probe"):
+            last(f"{prefix}{'projection' if compiled.kind == 'projection' else 'probe.weight'}", compiled.tensor)
+        elif compiled.kind == "sae_feature":
+            sae(f"{prefix}sae_feature.sae", compiled.sae)
+
+    kind = rule.kind
+    if kind in ("add", "set"):
+        last(f"{kind}.value.tensor", rule.tensor, broadcasts=True)
+    elif kind == "project_out":
+        last("project_out.direction", rule.tensor)
+    elif kind in ("affine", "loreft"):
+        last(f"{kind}.{'weight' if kind == 'affine' else 'rotation'}", rule.named.get("weight" if kind == "affine" else "rotation"))
+    elif kind == "norm_add":
+        last("norm_add.direction", rule.named.get("direction"))
+    elif kind == "top_k":
+        last("top_k.directions", rule.named.get("directions"))
+        sae("top_k.sae", rule.sae)
+    elif kind == "sae":
+        sae("sae.sae", rule.sae)
+    elif kind == "conditional":
+        if rule.inner is not None:
+            out.extend((f"conditional.then.{name}", shape, dim, b) for name, shape, dim, b in operand_widths(rule.inner))
+        if rule.condition is not None:
+            signal("conditional.when.signal.", rule.condition.signal)
+    elif kind == "stop" and rule.condition is not None:
+        signal("stop.when.signal.", rule.condition.signal)
+    elif kind == "signal":
+        signal("signal.signal.", rule.signal)
+    return out
+
+
 def _finite(value: float, where: str) -> float:
     if not math.isfinite(value):
         raise InvalidArgument(f"{where}: {value} is not finite")
@@ -936,9 +986,39 @@ def apply_rules(
         except HookwireServerError as exc:
             raise RuleFailure(type(exc)(f"{where}: {rule.describe()} failed: {exc}")) from None
         except (IndexError, RuntimeError, ValueError, TypeError) as exc:
+            if isinstance(exc, RuntimeError) and _SHAPE_MISMATCH.search(str(exc)):
+                raise RuleFailure(InvalidArgument(f"{where}: {rule.describe()} failed: "
+                                                  f"{_misfit(rule, parts, slots)}")) from None
             raise RuleFailure(InvalidArgument(f"{where}: {rule.describe()} failed: {type(exc).__name__}: {exc}")) from None
         if rule.modifies:
             parts = {**parts, root: new_root}
             changed.add(root)
     return parts, changed
 
+
+#: torch's words for operands whose shapes do not fit (broadcasting, expand, matmul, linear).
+_SHAPE_MISMATCH = re.compile(r"must match the size|expanded size|shapes cannot be multiplied|size mismatch|"
+                             r"inconsistent tensor size|mat1 and mat2|shape mismatch|Expected size", re.IGNORECASE)
+
+
+def _misfit(rule: CompiledRule, parts: dict[str, Any], slots: SlotStore | None) -> str:
+    """A shape mismatch in hookwire's terms: the shape of the value the rule saw (after its
+    heads and index) and its operands' shapes (or the slot's), with the width they need."""
+    seen: list[int] | None = None
+    try:
+        value = _get(parts[rule.target.root], rule.target.path, rule.target.text)
+        if isinstance(value, torch.Tensor):
+            if rule.heads and rule.head_view is not None:
+                value = heads.take(value, rule.heads, *rule.head_view)
+            seen = list((value if rule.index is None else value[rule.index]).shape)
+    except Exception:  # the wording must not fail: say what is known
+        seen = None
+    saw = f"the value it edits, {rule.target.text}{rule.index_text}, is {seen}" if seen is not None else \
+        f"the value it edits, {rule.target.text}{rule.index_text}"
+    if rule.kind == "patch":
+        held = slots.get(rule.slot) if slots is not None else None
+        have = f"slot {rule.slot!r} holds {list(held.shape)}" if held is not None else f"slot {rule.slot!r}"
+        return f"{have} and {saw}: they do not fit (the slot's tensor must broadcast to the value)"
+    operands = ", ".join(f"{name} is {shape}" for name, shape, _, _ in operand_widths(rule)) or "its operands"
+    need = f" (the operand's width must be {seen[-1]})" if seen else ""
+    return f"{operands} and {saw}: they do not fit{need}"
