@@ -94,8 +94,8 @@ class Admission:
         """Claims a call's estimated peak in the server's memory budget (memory_budget.py)
         for as long as it runs (release the returned Claim when it ends): ``estimate``
         computes it from the model's Estimator; ``probe``: the call's inputs, for a model
-        without a config whose probe pass for their shapes has not run yet (it runs on the
-        model's worker thread, between passes). None for an engine that sizes its own
+        without a config whose probe pass for their shapes has not run yet (on a thread of
+        its own: it never waits for the model's running pass). None for an engine that sizes its own
         memory (no ``estimator``: vLLM, whose KV cache is sized when it loads).
         ResourceExhausted naming the estimate and memory_budget_bytes when it can never
         fit; waits while earlier calls hold what it needs. Event loop."""
@@ -106,7 +106,7 @@ class Admission:
         if probe is not None:
             known, key = estimator.cached(probe)
             if not known:
-                await host.run(estimator.probe, key)
+                await asyncio.to_thread(estimator.probe, key)
         return await budget.claim(estimate(estimator), what)
 
     async def check_memory(

@@ -18,7 +18,8 @@ Two ways, by what is known of the model:
   exact peak of live tensor bytes for those shapes. It costs one forward's Python
   overhead (tens of milliseconds), so its results are cached per input signature, with
   each size rounded up to a step of at most 1.5× (an upper bound for the sizes in that
-  step). It runs on the model's worker thread, between passes (hooks see no pass then).
+  step). It runs on a thread of its own, beside the model's passes (it never waits for a
+  running pass); hookwire's hooks do nothing in it (``probing``), whatever pass runs.
   A model whose forward cannot run on fake tensors (data-dependent control flow) is
   estimated from its inputs' bytes (``FALLBACK_FACTOR``) and its config can set
   ``memory_bytes_per_input_element`` instead.
@@ -74,6 +75,16 @@ class Nested:
 #: A call's top-level inputs: positional ones, then keyword ones by name; each a
 #: TensorShape, a Nested list or map, or a plain value (int, float, bool, str, None).
 Inputs = tuple[tuple[Any, ...], Mapping[str, Any]]
+
+
+_PROBING = threading.local()
+
+
+def probing() -> bool:
+    """Whether this thread is running a probe pass: hookwire's torch hooks then return at
+    once (the probe's fake tensors are nobody's, and a real pass may be running on the
+    model's worker thread at the same time)."""
+    return getattr(_PROBING, "on", False)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -223,7 +234,7 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 def probe_forward(module: nn.Module, inputs: Inputs) -> tuple[int, int]:
     """Runs ``module`` on fake tensors of ``inputs``' shapes without gradients; returns
     (the pass's peak of live tensor bytes, the bytes of its outputs). Raises whatever the
-    forward raises on fake tensors. Call it where no pass runs (the model's worker thread)."""
+    forward raises on fake tensors. Blocks; any thread (hookwire's hooks ignore it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_flatten
 
@@ -233,9 +244,13 @@ def probe_forward(module: nn.Module, inputs: Inputs) -> tuple[int, int]:
         kwargs = {k: torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, TensorShape) else v
                   for k, v in inputs[1].items()}
     tracker = _LiveBytes()
-    with torch.no_grad(), fake, tracker:
-        out = module(*args, **kwargs)
-        outputs = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    _PROBING.on = True
+    try:
+        with torch.no_grad(), fake, tracker:
+            out = module(*args, **kwargs)
+            outputs = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    finally:
+        _PROBING.on = False
     return tracker.peak, outputs
 
 
@@ -308,7 +323,8 @@ class Estimator:
         return tuple(parts)
 
     def probe(self, key: Any) -> None:
-        """Runs the probe for ``key`` (a ``cached`` key) and caches it. Worker thread."""
+        """Runs the probe for ``key`` (a ``cached`` key) and caches it. Blocks: call it on a
+        thread of its own."""
         with self._lock:
             if key in self._cache:
                 return
