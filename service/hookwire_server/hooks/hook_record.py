@@ -36,6 +36,7 @@ from ..errors import InvalidArgument, Unimplemented
 from .event_bus import EventStream, HookCounters
 from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec, _part_name
 from ..metrics import Metrics
+from ..models.memory_estimate import probing
 from ..models.model_registry import ModelHost
 from .rules import RuleFailure, Signals, apply_rules, operand_tensors, tensor_fields
 from .slots import SlotStore
@@ -246,7 +247,7 @@ class HookRecord:
         Returns the parts as the rules left them when a rule changed something, else None.
         """
         batch = self.host.current_batch
-        if batch is None or not self.active:
+        if batch is None or not self.active or probing():  # (a memory estimate's pass on fake tensors)
             return None
         if batch.deferred:
             batch.deferred.poll()  # earlier asynchronous captures whose copies are done go out
