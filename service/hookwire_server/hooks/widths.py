@@ -31,9 +31,9 @@ from .rules import CompiledRule, Target, operand_widths
 _LAYER_ENDINGS = ("Layer", "Block")
 #: Class name endings of norms over the last dimension (not BatchNorm/GroupNorm: channels).
 _NORM_ENDINGS = ("LayerNorm", "RMSNorm")
-_INPUT_TARGETS = {hook_pb2.PHASE_FORWARD_PRE: ("args.0",), hook_pb2.PHASE_FORWARD: ("args.0",),
+_INPUT_TARGETS: dict[int, tuple[str, ...]] = {hook_pb2.PHASE_FORWARD_PRE: ("args.0",), hook_pb2.PHASE_FORWARD: ("args.0",),
                   hook_pb2.PHASE_BACKWARD: ("grad_input.0",)}
-_OUTPUT_TARGETS = {hook_pb2.PHASE_FORWARD: ("output",), hook_pb2.PHASE_BACKWARD_PRE: ("grad_output.0",),
+_OUTPUT_TARGETS: dict[int, tuple[str, ...]] = {hook_pb2.PHASE_FORWARD: ("output",), hook_pb2.PHASE_BACKWARD_PRE: ("grad_output.0",),
                    hook_pb2.PHASE_BACKWARD: ("grad_output.0",)}
 
 
@@ -61,8 +61,9 @@ def _widths(host: Any, path: str, module: nn.Module) -> _Widths:
     name = type(module).__name__
     if isinstance(module, nn.Linear):
         return (module.in_features, f"{name}.in_features"), (module.out_features, f"{name}.out_features")
-    if name == "Conv1D" and _positive(getattr(module, "nf", None)) and _positive(getattr(module, "nx", None)):
-        return (module.nx, f"{name}.nx"), (module.nf, f"{name}.nf")
+    nx, nf = _positive(getattr(module, "nx", None)), _positive(getattr(module, "nf", None))
+    if name == "Conv1D" and nx is not None and nf is not None:
+        return (nx, f"{name}.nx"), (nf, f"{name}.nf")
     if isinstance(module, nn.Embedding):
         return None, (module.embedding_dim, f"{name}.embedding_dim")
     if name.endswith(_NORM_ENDINGS):

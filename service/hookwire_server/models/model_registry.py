@@ -32,6 +32,7 @@ from hookwire.v1 import model_service_pb2
 from .batch_settings import BatchSettings, model_dimensions
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, Unimplemented
 from .module_patterns import PathIndex
+from .positions import position_limit
 from .worker import DaemonWorker
 
 log = logging.getLogger("hookwire.models")
@@ -274,14 +275,10 @@ class ModelHost:
 
     @property
     def positions(self) -> int | None:
-        """The longest sequence the model's config allows (GPT-2's n_positions, or
-        max_position_embeddings), or None when it says nothing."""
-        config = getattr(self.module, "config", None)
-        for name in ("n_positions", "max_position_embeddings"):
-            value = getattr(config, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return None
+        """The longest sequence the model takes (models.positions: its config's
+        n_positions or max_position_embeddings, or its own max_positions), or None."""
+        limit = position_limit(self.module)
+        return limit.positions if limit is not None else None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn(*args)`` on the model's worker thread, after what is queued there."""

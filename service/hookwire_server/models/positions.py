@@ -33,17 +33,17 @@ def position_limit(module: Any) -> PositionLimit | None:
     states one (the model takes any length)."""
     config = getattr(module, "config", None)
     for name in CONFIG_FIELDS:
-        value = getattr(config, name, None)
-        if _positive(value):
+        value = _positive(getattr(config, name, None))
+        if value is not None:
             return PositionLimit(value, f"its config's {name}")
-    value = getattr(module, MODULE_ATTRIBUTE, None)
-    if _positive(value):
+    value = _positive(getattr(module, MODULE_ATTRIBUTE, None))
+    if value is not None:
         return PositionLimit(value, f"its {MODULE_ATTRIBUTE}")
     return None
 
 
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def check_positions(limit: PositionLimit | None, model: str, length: int, what: str) -> None:
