@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import os
 import resource
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from .errors import ResourceExhausted
@@ -132,12 +132,19 @@ class MemoryBudget:
         self.claimed = 0
         #: The most ``claimed + resident`` has been (for metrics and tests).
         self.peak = 0
+        #: Called once per refused call (the metrics' counter).
+        self.on_refused: Callable[[], None] | None = None
         self._waiting: collections.deque[tuple[int, asyncio.Future[None], Estimate, str]] = collections.deque()
 
     @property
     def resident_bytes(self) -> int:
         """Bytes the models keep for good, all together."""
         return sum(self.resident.values())
+
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for room."""
+        return sum(1 for entry in self._waiting if not entry[1].done())
 
     @property
     def available(self) -> int:
@@ -159,6 +166,8 @@ class MemoryBudget:
         what the models keep. ``what`` names the call ("Infer on 'tiny-lm'")."""
         room = self.limit - self.resident_bytes
         if estimate.bytes > room:
+            if self.on_refused is not None:
+                self.on_refused()
             resident = f" less {format_bytes(self.resident_bytes)} the models keep" if self.resident_bytes else ""
             raise ResourceExhausted(
                 f"{what}: an estimated peak of {estimate.describe()}, over the limit of "

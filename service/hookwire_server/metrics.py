@@ -83,6 +83,20 @@ class Metrics:
         self.sessions = Gauge("hookwire_sessions", "Open sessions.", registry=r)
         self.hooks = Gauge("hookwire_hooks", "Registered hooks (request-scoped ones excluded).", registry=r)
         self.streams = Gauge("hookwire_streams", "Open event streams (sessions and subscriptions).", registry=r)
+        self.memory_budget = Gauge(
+            "hookwire_memory_budget_bytes", "The memory budget (memory_budget_bytes): what calls' estimated peaks "
+            "and the models' resident memory may add up to.", registry=r)
+        self.memory_claimed = Gauge(
+            "hookwire_memory_claimed_bytes", "Estimated peak bytes the running calls hold in the memory budget.",
+            registry=r)
+        self.memory_resident = Gauge(
+            "hookwire_memory_resident_bytes", "Bytes the models keep for good (weights, KV caches), as the memory "
+            "budget counts them.", registry=r)
+        self.memory_waiting = Gauge(
+            "hookwire_memory_waiting_calls", "Calls waiting for room in the memory budget.", registry=r)
+        self.memory_refused = Counter(
+            "hookwire_memory_refused", "Calls refused because their estimated peak can never fit the memory budget.",
+            registry=r)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -111,6 +125,14 @@ class Metrics:
         self.streams.set_function(streams)
         self.buffered_events.set_function(lambda: buffered()[0])
         self.buffered_bytes.set_function(lambda: buffered()[1])
+
+    def watch_memory(self, budget: Any) -> None:
+        """The memory budget's gauges (memory_budget.MemoryBudget), read at scrape time."""
+        self.memory_budget.set_function(lambda: budget.limit)
+        self.memory_claimed.set_function(lambda: budget.claimed)
+        self.memory_resident.set_function(lambda: budget.resident_bytes)
+        self.memory_waiting.set_function(lambda: budget.waiting)
+        budget.on_refused = self.memory_refused.inc
 
     def observe_batch(self, model: str, kind: str, calls: int, rows: int, delays: list[float]) -> None:
         """One pass the scheduler ran: how many calls, rows, and how long each waited."""

@@ -164,3 +164,8 @@ async def test_a_harvest_whose_batch_can_never_fit_is_refused_and_one_that_fits_
         assert last.state == hv.HARVEST_STATE_SUCCEEDED, last
     budget = srv.call(lambda: srv.server.state.budget)
     assert budget.claimed == 0 and 0 < budget.peak <= 64 << 20
+    metrics = srv.server.metrics.registry
+    assert metrics.get_sample_value("hookwire_memory_refused_total") == 1
+    assert metrics.get_sample_value("hookwire_memory_budget_bytes") == 64 << 20
+    assert metrics.get_sample_value("hookwire_memory_claimed_bytes") == 0
+    assert metrics.get_sample_value("hookwire_memory_resident_bytes") > 0  # tiny-lm's weights

@@ -28,6 +28,7 @@ from ..engine.core import Engines
 from ..calls.admission import Admission
 from ..state import ServerState
 from ..limits import Limits
+from ..memory_budget import format_bytes, process_memory_limit
 from ..metrics import Metrics
 from ..engine.core import build_host
 from ..models.model_loading import ConfigError, ModelConfig, check_names, load_models
@@ -201,6 +202,7 @@ class HookwireServer:
         self.metrics.watch_fires(lambda: {host.name: host.fires for host in registry})
         #: The limits, metrics and draining flag every call and stream consults.
         self.state = ServerState(limits=self.settings, metrics=self.metrics)
+        self.metrics.watch_memory(self.state.budget)
         #: Named operands (OperandService), resolved by the specs the hook manager compiles.
         self.operands = OperandStore(self.settings, root=self.settings.operand_root)
         #: Where hooks without a session outlive the process (state_dir), opened by start.
@@ -315,6 +317,11 @@ class HookwireServer:
             await self.restore_hooks()  # on the models loaded already; serve() tries again after loading
         await server.start()
         self._server, self.port = server, port
+        budget = self.state.budget
+        log.info("memory budget: %s for calls' estimated peaks and the models' resident memory (%s)",
+                 format_bytes(budget.limit),
+                 "memory_budget_bytes" if settings.memory_budget_bytes else
+                 f"the default: 70% of {format_bytes(process_memory_limit()[0])}, {process_memory_limit()[1]}")
         if self.settings.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.settings.host, self.metrics_port)
