@@ -18,6 +18,7 @@ from ..models.model_registry import ModelHost
 from .heads import check_heads, head_point
 from .readouts import compile_readout
 from .rules import CompiledRule, OperandSource, compile_rules
+from .widths import check_operand_widths
 
 SCOPE_REQUEST = -1  # internal: InferRequest.hooks, which have no wire scope value
 
@@ -265,6 +266,9 @@ def compile_spec(
             point = head_point(host, modules[0], action.phase)
             assert point is not None
             actions[i] = dataclasses.replace(action, heads=chosen, heads_target=point.target, head_view=view)
+        # Operands checked against the modules' widths where they state them, so that a
+        # wrong-width operand is refused here, not in the first pass.
+        check_operand_widths(host, modules, action.phase, action.rules, field)
     for action in actions:
         if not action.reads_whole:
             continue
