@@ -158,3 +158,9 @@ def test_the_default_is_seventy_percent_of_the_address_space_ceiling() -> None:
         assert int(out[0]) == int(limit * 0.7)
     else:
         assert int(out[0]) == int((8 << 30) * 0.7) and out[1] == "RLIMIT_AS"
+
+
+def test_inputs_that_are_not_tokens_are_estimated_without_a_token_shape() -> None:
+    for shape, dtype in [((2,), torch.float32), ((), torch.float32), ((0, 3), torch.long)]:
+        assert Estimator.token_shape(((TensorShape(shape, dtype),), {})) in (None, (0, 3))
+        assert Estimator(tiny_lm()).infer(((TensorShape(shape, dtype),), {})).bytes >= 0

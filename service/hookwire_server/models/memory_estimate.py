@@ -295,6 +295,8 @@ class Estimator:
         shape = value.shape
         if value.dtype.is_floating_point:  # embeddings: (rows, tokens, hidden) or (tokens, hidden)
             shape = shape[:-1]
+        if not shape:
+            return None
         if len(shape) == 1:
             return 1, shape[0]
         return math.prod(shape[:-1]), shape[-1]
@@ -361,7 +363,7 @@ class Estimator:
             elements = sum(math.prod(v.shape) for v in (*inputs[0], *inputs[1].values()) if isinstance(v, TensorShape))
             parts["activations"] = int(elements * self._per_element)
             return _total(parts)
-        tokens = self.token_shape(inputs)
+        tokens = self.token_shape(inputs) if self.shape is not None else None
         if self.shape is not None and tokens is not None:
             rows, length = tokens
             forward = decoder_forward(self.shape, rows, length)
