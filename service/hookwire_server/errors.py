@@ -71,3 +71,24 @@ def release_failure(exc: BaseException) -> BaseException:
             current.__traceback__ = None
         pending.extend((current.__context__, current.__cause__))
     return exc
+
+
+def drop_tracebacks(exc: BaseException) -> BaseException:
+    """Drops the tracebacks of ``exc`` and of the exceptions it was raised from (its
+    context and cause, ``from None`` included); returns ``exc``. Their frames, and what
+    those frames' locals hold (a refused request's tensors), go with them unless
+    something else holds them.
+
+    For any failure, once it has been logged: unlike release_failure it clears no
+    frame, and clearing one is not safe on every path (the frame of a coroutine that
+    caught an exception and lives on, on its traceback, would be finalized)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending.extend((current.__context__, current.__cause__))
+    return exc

@@ -18,6 +18,7 @@ from .. import errors
 from . import request_bounds
 from ..auth import Unauthenticated
 from ..limits import Limits
+from ..memory import trim_heap
 from .request_bounds import RequestBounds
 
 log = logging.getLogger("hookwire.rpc")
@@ -48,13 +49,27 @@ def status_of(exc: errors.HookwireServerError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN  # pragma: no cover - every subclass is in the table
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+def _refusal(method: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and details a failure becomes (an unexpected one logged as an incident
+    first); then ``exc`` lets go of its frames (errors.drop_tracebacks). gRPC keeps the
+    AbortError it raises in a reference cycle with the call's state, which only a full
+    garbage collection frees, and that error's context is the failure: through the
+    failure's tracebacks, the frames it passed would keep what the call had read (a
+    refused request's 64 MiB operand) until then."""
     if isinstance(exc, errors.HookwireServerError):
-        await context.abort(status_of(exc), str(exc))
-    incident = secrets.token_hex(6)
-    log.exception("incident %s in %s", incident, method, exc_info=exc, extra={"incident": incident})
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}); see the server log")
+        code, details = status_of(exc), str(exc)
+    else:
+        incident = secrets.token_hex(6)
+        log.exception("incident %s in %s", incident, method, exc_info=exc, extra={"incident": incident})
+        code, details = grpc.StatusCode.INTERNAL, f"internal error (incident {incident}); see the server log"
+    errors.drop_tracebacks(exc)
+    return code, details
 
+
+#: A refused request of at least this many bytes gives the heap's freed memory back
+#: (memory.trim_heap, on a thread): its decoded tensors were freed, not returned; no
+#: model worker goes idle after it, to trim (models/worker.py).
+TRIM_AFTER_REFUSED_BYTES = 16 * 1024 * 1024
 
 #: Fields of a request scanned on the event loop: a request holding no more (however
 #: many bytes its tensors take) is checked and parsed right there, in well under a
@@ -126,11 +141,16 @@ async def parse_request(request: Any, servicer: Any) -> Any:
         return request
     limits: Limits = getattr(servicer, "limits", None) or Limits()
     try:
-        return request.parse(RequestBounds(limits, min(limits.max_request_fields, INLINE_FIELDS)))
-    except request_bounds.TooManyFields:
-        if limits.max_request_fields <= INLINE_FIELDS:
-            raise
-    return await asyncio.get_running_loop().run_in_executor(PARSERS, request.parse, RequestBounds(limits))
+        try:
+            return request.parse(RequestBounds(limits, min(limits.max_request_fields, INLINE_FIELDS)))
+        except request_bounds.TooManyFields:
+            if limits.max_request_fields <= INLINE_FIELDS:
+                raise
+        return await asyncio.get_running_loop().run_in_executor(PARSERS, request.parse, RequestBounds(limits))
+    finally:
+        # Parsed or refused, the bytes are done with: an interceptor's frame holding the
+        # RawRequest (kept with a refused call's AbortError, see _refusal) holds no more.
+        request.data = b""
 
 
 async def _parsed_stream(requests: AsyncIterator[Any], servicer: Any) -> AsyncIterator[Any]:
@@ -158,6 +178,7 @@ def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        size = len(request.data) if isinstance(request, RawRequest) else 0
         try:
             if hasattr(request, "__aiter__"):
                 request = _parsed_stream(request, self)  # type: ignore[assignment,arg-type]
@@ -169,10 +190,17 @@ def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -
             _count(self, fn.__name__, _code_of(exc))
             if not isinstance(exc, Exception):
                 raise
-            await _abort(context, fn.__name__, exc)
-            raise  # unreachable: abort raises
-        _count(self, fn.__name__, "OK")
-        return response
+            refusal = _refusal(fn.__name__, exc)
+        else:
+            _count(self, fn.__name__, "OK")
+            return response
+        # Out of the handler, so that the AbortError has no context; and the request let
+        # go: gRPC keeps that error, with its traceback (this frame), until a collection.
+        request = None  # type: ignore[assignment]
+        if size >= TRIM_AFTER_REFUSED_BYTES:
+            await asyncio.to_thread(trim_heap)
+        await context.abort(*refusal)
+        raise AssertionError("unreachable: abort raises")
 
     return wrapper
 
@@ -186,14 +214,22 @@ class _stream_status:  # noqa: N801 - used as a function, in `async with`
     removing its hooks, freeing a generation's KV cache, must run then). A class, not a
     generator: the RPC's wrapper enters and leaves it without a frame of its own."""
 
-    __slots__ = ("servicer", "method", "context", "inner")
+    __slots__ = ("servicer", "method", "context", "inner", "request")
 
-    def __init__(self, servicer: Any, method: str, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, servicer: Any, method: str, context: grpc.aio.ServicerContext, request: Any) -> None:
         self.servicer = servicer
         self.method = method
         self.context = context
         #: The servicer method's iterator, once the wrapper made it.
         self.inner: Any = None
+        #: The request as received, until the wrapper parses it (``parsed``): held here, not
+        #: by the wrapper's frame, which a failure's AbortError keeps (see _refusal).
+        self.request: Any = request
+
+    async def parsed(self) -> Any:
+        """The request, parsed (parse_request); this no longer holds it."""
+        request, self.request = self.request, None
+        return await parse_request(request, self.servicer)
 
     async def __aenter__(self) -> _stream_status:
         return self
@@ -208,7 +244,9 @@ class _stream_status:  # noqa: N801 - used as a function, in `async with`
                 return False
             if self.inner is not None:
                 await self.inner.aclose()
-            await _abort(self.context, self.method, exc)
+            refusal = _refusal(self.method, exc)  # (its frames let go: the AbortError's context is exc)
+            self.request = tb = None  # this frame is on the AbortError's traceback too
+            await self.context.abort(*refusal)
             return False
         finally:
             _count(self.servicer, self.method, code)
@@ -223,12 +261,12 @@ def streaming(
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
-        incoming: Any = request
-        if hasattr(incoming, "__aiter__"):  # client streaming: each message is parsed as it is read
-            incoming = _parsed_stream(incoming, self)
-        async with _stream_status(self, fn.__name__, context) as stream:
-            parsed = await parse_request(incoming, self)
-            stream.inner = fn(self, parsed, context)
+        if hasattr(request, "__aiter__"):  # client streaming: each message is parsed as it is read
+            request = _parsed_stream(request, self)  # type: ignore[assignment,arg-type]
+        status = _stream_status(self, fn.__name__, context, request)
+        del request  # (the status holds it: see _stream_status.request)
+        async with status as stream:
+            stream.inner = fn(self, await stream.parsed(), context)
             async for item in stream.inner:
                 yield item
 
@@ -248,9 +286,10 @@ def paced(setting: str, held: str) -> Callable[[Callable[[Any, Req, grpc.aio.Ser
     ) -> Callable[..., Awaitable[None]]:
         @functools.wraps(fn)
         async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> None:
-            async with _stream_status(self, fn.__name__, context) as stream:
-                parsed = await parse_request(request, self)
-                stream.inner = fn(self, parsed, context)
+            status = _stream_status(self, fn.__name__, context, request)
+            del request  # (the status holds it: see _stream_status.request)
+            async with status as stream:
+                stream.inner = fn(self, await stream.parsed(), context)
                 idle = getattr(self.limits, setting)
                 async for item in stream.inner:
                     try:

@@ -17,7 +17,9 @@ instead of carrying them in every request.
   flight (request-scoped hooks) keeps the tensors it compiled until it ends, without
   holding the name.
 - **Quota.** Bytes and count per principal, bytes for the server (Limits), checked from
-  the upload's header before any data is received; uploads in progress count.
+  the upload's header before any data is received; uploads in progress count, and so
+  does an upload that failed (cut short, stalled, refused) until its buffers are freed
+  (``_unfreed``): a principal never holds more memory than its quota says.
 
 The store is shared by the event loop (uploads, deletes, lifetimes) and the threads
 that compile specs (resolving names): a lock guards its tables.
@@ -26,12 +28,15 @@ that compile specs (resolving names): a lock guards its tables.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import itertools
 import json
 import logging
 import re
 import threading
 import time
+import weakref
 from typing import Any, AsyncIterator, Callable, Mapping
 
 import torch
@@ -44,7 +49,7 @@ from hookwire.wire.framing import RawChunk
 
 from .. import limits as limits_mod
 from ..auth import Principal
-from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, drop_tracebacks
 from ..limits import Limits
 from ..memory import trim_heap
 from .rules import SHARED_CASTS, CompiledSae, OperandSource, all_finite, compile_sae
@@ -176,6 +181,15 @@ class OperandStore:
         self._published: dict[str, StoredOperand] = {}
         #: Uploads in progress: (owner, name) -> bytes claimed.
         self._uploading: dict[tuple[str, str], int] = {}
+        #: The buffers of failed uploads that something still held when the upload ended
+        #: (a traceback, a collection not run yet), by (upload, chunk id): (owner, bytes).
+        #: They count against the quotas until they are freed; their names are free at once.
+        self._unfreed: dict[tuple[int, int], tuple[str, int]] = {}
+        #: Keys of ``_unfreed`` whose buffer was freed, appended by its finalizer: that runs
+        #: on whichever thread drops the last reference, maybe one holding the lock, so it
+        #: only appends (atomic); the lock's holders drain it (``_drain``).
+        self._freed: collections.deque[tuple[int, int]] = collections.deque()
+        self._uploads = itertools.count()
 
     # ------------------------------------------------------------------ accounting
 
@@ -185,12 +199,31 @@ class OperandStore:
             return self._bytes_of(owner)
 
     def _bytes_of(self, owner: str) -> int:
+        self._drain()
         return (sum(op.nbytes for (who, _), op in self._own.items() if who == owner)
-                + sum(n for (who, _), n in self._uploading.items() if who == owner))
+                + sum(n for (who, _), n in self._uploading.items() if who == owner)
+                + sum(n for who, n in self._unfreed.values() if who == owner))
 
     def _total(self) -> int:
+        self._drain()
         return (sum(op.nbytes for op in self._own.values()) + sum(op.nbytes for op in self._published.values())
-                + sum(self._uploading.values()))
+                + sum(self._uploading.values()) + sum(n for _, n in self._unfreed.values()))
+
+    def _drain(self) -> None:
+        """Forgets the failed uploads' buffers that were freed; the caller holds the lock."""
+        while self._freed:
+            self._unfreed.pop(self._freed.popleft(), None)
+
+    def _count_until_freed(self, owner: str, assembler: codec.ChunkAssembler) -> None:
+        """A failed upload's buffers count against ``owner``'s quota until they are freed
+        (a finalizer on each: what a view of one holds is its base, ``_base``);
+        the caller holds the lock."""
+        upload = next(self._uploads)
+        for chunk_id, tensor in assembler.tensors.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes:
+                self._unfreed[(upload, chunk_id)] = (owner, nbytes)
+                weakref.finalize(tensor, self._freed.append, (upload, chunk_id)).atexit = False
 
     @property
     def total_bytes(self) -> int:
@@ -252,38 +285,60 @@ class OperandStore:
         with self._lock:
             self._admit(principal.name, name, nbytes, published=False)
             self._uploading[key] = nbytes
+        received: list[codec.ChunkAssembler] = []  # the upload's buffers, once allocated
         try:
-            try:
-                assembler = codec.ChunkAssembler(header, max_bytes=nbytes)
-                async for chunk in chunks:
-                    if assembler.done:
-                        raise InvalidArgument("UploadOperand: more chunks than the operand's chunked tensors hold")
-                    assembler.feed(chunk)
-            except codec.CodecError as exc:
-                raise InvalidArgument(f"UploadOperand: {exc}") from None
-            if not assembler.done:
-                raise InvalidArgument("UploadOperand: the stream ended before every chunked tensor was complete")
-            # Decoding and checking a few hundred MiB takes a while: off the event loop.
-            stored = await asyncio.to_thread(self._build, principal.name, name, kind, value, assembler.result(), nbytes)
-            stored.session_id = header.session_id
-            if header.session_id:
-                # Again, with no await before the commit: a session that ended while the
-                # data arrived has ended its operands already, and would never end this one.
-                require_session(header.session_id)
+            stored = await self._receive(key, header, kind, value, nbytes, chunks, received, require_session)
+        except BaseException as exc:
             with self._lock:
-                del self._uploading[key]
-                self._own[key] = stored
-        except BaseException:
-            with self._lock:
-                self._uploading.pop(key, None)
-            raise
-        if nbytes >= TRIM_AFTER_BYTES:  # the chunk messages' buffers, freed but kept by the allocator
-            await asyncio.to_thread(trim_heap)
-        if header.ttl_seconds:
-            ttl = min(header.ttl_seconds, self.limits.max_ttl_seconds)
-            stored.expires_ns = time.time_ns() + ttl * 1_000_000_000
-            stored._timer = asyncio.get_running_loop().call_later(ttl, self._end, stored, f"its TTL of {ttl} s passed")
-        log.info("operand %s of %s uploaded (%d bytes)", name, principal.name, nbytes)
+                self._uploading.pop(key, None)  # its name is free at once; its bytes once they are freed
+                if received:
+                    self._count_until_freed(principal.name, received.pop())
+            # What the frames it passed hold (the buffers) goes with them, before the trim.
+            failure = drop_tracebacks(exc)
+        else:
+            if nbytes >= TRIM_AFTER_BYTES:  # the chunk messages' buffers, freed but kept by the allocator
+                await asyncio.to_thread(trim_heap)
+            if header.ttl_seconds:
+                ttl = min(header.ttl_seconds, self.limits.max_ttl_seconds)
+                stored.expires_ns = time.time_ns() + ttl * 1_000_000_000
+                stored._timer = asyncio.get_running_loop().call_later(ttl, self._end, stored, f"its TTL of {ttl} s passed")
+            log.info("operand %s of %s uploaded (%d bytes)", name, principal.name, nbytes)
+            return stored
+        if nbytes >= TRIM_AFTER_BYTES:  # as after an upload: its chunks' buffers, and its own
+            if isinstance(failure, Exception):
+                await asyncio.to_thread(trim_heap)
+            else:  # cancelled: this task awaits nothing more
+                asyncio.get_running_loop().run_in_executor(None, trim_heap)
+        raise failure
+
+    async def _receive(
+        self, key: tuple[str, str], header: op_pb2.OperandUpload, kind: str, value: Any, nbytes: int,
+        chunks: AsyncIterator[tensor_pb2.TensorChunk | RawChunk], received: list[codec.ChunkAssembler],
+        require_session: Callable[[str], Any],
+    ) -> StoredOperand:
+        """The data of an admitted upload, checked and committed under ``key``; its buffers
+        are put in ``received`` as soon as they are allocated."""
+        try:
+            assembler = codec.ChunkAssembler(header, max_bytes=nbytes)
+            received.append(assembler)
+            async for chunk in chunks:
+                if assembler.done:
+                    raise InvalidArgument("UploadOperand: more chunks than the operand's chunked tensors hold")
+                assembler.feed(chunk)
+        except codec.CodecError as exc:
+            raise InvalidArgument(f"UploadOperand: {exc}") from None
+        if not assembler.done:
+            raise InvalidArgument("UploadOperand: the stream ended before every chunked tensor was complete")
+        # Decoding and checking a few hundred MiB takes a while: off the event loop.
+        stored = await asyncio.to_thread(self._build, key[0], key[1], kind, value, assembler.result(), nbytes)
+        stored.session_id = header.session_id
+        if header.session_id:
+            # Again, with no await before the commit: a session that ended while the
+            # data arrived has ended its operands already, and would never end this one.
+            require_session(header.session_id)
+        with self._lock:
+            del self._uploading[key]
+            self._own[key] = stored
         return stored
 
     @staticmethod
@@ -307,6 +362,25 @@ class OperandStore:
         if not self.root:
             raise FailedPrecondition("this server has no operand folder (operand_root)")
         resolved = self._confined(path)
+        try:
+            stored = self._read(name, path, resolved)
+        except BaseException as exc:
+            # What it had read (a refused file's tensors, on the frames it passed) goes with
+            # their tracebacks, and the heap gives it back, as after an upload.
+            failure = drop_tracebacks(exc)
+        else:
+            stored.published = str(resolved)
+            with self._lock:
+                self._admit("", name, stored.nbytes, published=True)
+                self._published[name] = stored
+            log.info("operand %s published from %s (%d bytes)", name, resolved, stored.nbytes)
+            return stored
+        trim_heap()
+        raise failure
+
+    def _read(self, name: str, path: str, resolved: Any) -> StoredOperand:
+        """The operand ``resolved`` holds (``path`` as the caller named it); InvalidArgument
+        naming it for anything it cannot use."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -322,14 +396,20 @@ class OperandStore:
                     raise InvalidArgument(f"{where} is a folder without SAELens' cfg.json and sae_weights.safetensors")
                 if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
                     raise InvalidArgument(f"{where}: cfg.json is over {MAX_CONFIG_BYTES} bytes")
-                config = _sae_config(json.loads(cfg_path.read_text()), f"{where}: cfg.json")
+                try:
+                    config = _sae_config(json.loads(cfg_path.read_text()), f"{where}: cfg.json")
+                except RecursionError:  # arrays or objects nested about a thousand deep, or more
+                    raise InvalidArgument(f"{where}: cfg.json nests arrays or objects too deeply to read "
+                                          "(a SAELens config is one flat object)") from None
                 self._check_room(name, weights_path.stat().st_size)
                 tensors = load_file(str(weights_path))
                 wanted = ["w_enc", "b_enc", "w_dec", "b_dec"] + (["threshold"] if config.architecture == "jumprelu" else [])
                 for field in wanted:
                     if SAE_TENSORS[field] not in tensors:
                         raise InvalidArgument(f"{where}: sae_weights.safetensors has no {SAE_TENSORS[field]!r}")
-                    getattr(config, field).CopyFrom(_header(tensors[SAE_TENSORS[field]]))
+                    tensor = tensors[SAE_TENSORS[field]]
+                    _check_dtype(tensor, f"{where}: sae_weights.safetensors: {SAE_TENSORS[field]}")
+                    getattr(config, field).CopyFrom(_header(tensor))
                 sae = compile_sae(config, where, _Loaded(tensors), {}, "")
                 nbytes = sum(t.numel() * t.element_size() for t in sae.tensors.values())
                 stored = _sae_operand(name, "", sae, config, nbytes)
@@ -340,7 +420,8 @@ class OperandStore:
                     raise InvalidArgument(f"{where} holds {len(tensors)} tensors ({', '.join(sorted(tensors)[:8])}); a "
                                           "tensor operand is a file of one")
                 (tensor,) = tensors.values()
-                if not tensor.is_floating_point() or not all_finite(tensor):
+                _check_dtype(tensor, where)
+                if not all_finite(tensor):
                     raise InvalidArgument(f"{where}: must be a finite floating-point tensor")
                 stored = StoredOperand(name, "", "tensor", {"": _shared(tensor)}, tensor.numel() * tensor.element_size())
             else:
@@ -348,11 +429,6 @@ class OperandStore:
                                       "(only safetensors are read)")
         except (SafetensorError, OSError, ValueError) as exc:
             raise InvalidArgument(f"{where} cannot be read: {exc}") from None
-        stored.published = str(resolved)
-        with self._lock:
-            self._admit("", name, stored.nbytes, published=True)
-            self._published[name] = stored
-        log.info("operand %s published from %s (%d bytes)", name, resolved, stored.nbytes)
         return stored
 
     def _confined(self, path: str) -> Any:
@@ -516,6 +592,19 @@ def _shared(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+#: The dtypes of a published tensor: those a rule computes in and the wire carries
+#: (ListHooks, ListOperands describe them), and whose finiteness torch can check.
+OPERAND_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _check_dtype(t: torch.Tensor, where: str) -> None:
+    """InvalidArgument naming ``where`` unless ``t`` is of an OPERAND_DTYPES dtype (a
+    file may hold float8, integers or anything else safetensors stores)."""
+    if t.dtype not in OPERAND_DTYPES:
+        raise InvalidArgument(f"{where}: a tensor of {str(t.dtype).removeprefix('torch.')}; an operand is "
+                              "float32, float64, float16 or bfloat16 (convert it before publishing)")
+
+
 def _header(t: torch.Tensor) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor(dtype=codec.wire_dtype_of(t.dtype), shape=list(t.shape))
 
@@ -536,10 +625,17 @@ def _sae_config(cfg: Any, where: str) -> rule_pb2.Sae:
     if not isinstance(cfg, dict):
         raise InvalidArgument(f"{where}: not a JSON object")
     architecture = cfg.get("architecture", "standard")
+    normalize = cfg.get("normalize_activations") or "none"
     reshape = cfg.get("reshape_activations", "none")
+    for key, value in (("architecture", architecture), ("normalize_activations", normalize),
+                       ("reshape_activations", reshape or "none")):
+        # A name, or the error quoting it could be as large as the file.
+        if not isinstance(value, str) or len(value) > 64:
+            raise InvalidArgument(f"{where}: {key} must be a name (a short string), not "
+                                  f"{type(value).__name__ if not isinstance(value, str) else f'{len(value)} characters'}")
     if reshape not in (None, "none"):
         raise InvalidArgument(f"{where}: reshape_activations {reshape!r} is not supported (only 'none')")
-    msg = rule_pb2.Sae(architecture=str(architecture), normalize_activations=str(cfg.get("normalize_activations") or "none"))
+    msg = rule_pb2.Sae(architecture=architecture, normalize_activations=normalize)
     if "apply_b_dec_to_input" in cfg:
         msg.apply_b_dec_to_input = bool(cfg["apply_b_dec_to_input"])
     if architecture == "topk":
