@@ -78,9 +78,8 @@ def test_json_logs_carry_request_ids(tmp_path) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        banner = proc.stdout.readline()
-        target = banner.rsplit(" ", 1)[-1].strip()
-        assert proc.stdout.readline().startswith("metrics on http://127.0.0.1:")
+        target = json.loads(proc.stdout.readline())["target"]  # JSON mode: its own lines are JSON too
+        assert json.loads(proc.stdout.readline())["metrics_url"].startswith("http://127.0.0.1:")
 
         async def call() -> str:
             async with hookwire.connect(target) as client:

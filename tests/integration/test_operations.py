@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pathlib
 import select
@@ -136,10 +137,13 @@ def test_settings_precedence_flags_over_env_over_config(tmp_path) -> None:
     proc, log = _spawn("--port", str(port), HOOKWIRE_CONFIG=str(config), HOOKWIRE_MAX_TTL_SECONDS="60",
                        HOOKWIRE_GRACE="3", HOOKWIRE_PORT="1")
     try:
-        lines = [proc.stdout.readline() for _ in range(4)]
+        # log_format = "json": the lines hookwire serve says itself are JSON records too.
+        records = [json.loads(proc.stdout.readline()) for _ in range(4)]
+        lines = [r["message"] for r in records]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+    assert records[3]["settings"]["max_slot_bytes"] == {"value": "1000", "source": "config"}
     assert lines[0].startswith("hookwire serving mlp, tiny-transformer, tiny-lm on 127.0.0.1:" + str(port))
     assert "logs: json" in lines[1]
     assert lines[2].startswith("security: plaintext") and "NO authentication" in lines[2]

@@ -29,9 +29,10 @@ def add_serve(sub: Any, name: str = "serve") -> None:
                     "TOML config's [server] table.")
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (default 50051; 0 picks a free one)")
-    serve.add_argument("--model", action="append", default=[], metavar="NAME=package.module:factory",
-                       help="host the nn.Module a factory returns (repeatable); the module is looked for in the "
-                            "working directory first, then in the installed packages")
+    serve.add_argument("--model", action="append", default=[], metavar="NAME=package.module:factory|NAME=FOLDER",
+                       help="host the nn.Module a factory returns, or a Hugging Face model folder (one holding "
+                            "config.json; needs the transformers extra) (repeatable); a factory's module is looked "
+                            "for in the working directory first, then in the installed packages")
     serve.add_argument("--parameters-readable", action="store_true",
                        help="let users read the weights of the --model entries (GetParameters, hookwire parameters); "
                             "off by default: production weights may be private. Config models say it per model")
@@ -56,10 +57,6 @@ def add_serve(sub: Any, name: str = "serve") -> None:
                        help="operators publish read-only operands (SAEs in SAELens' layout, .safetensors tensors) from "
                             "under this folder (PublishOperand; docs/recipes.md)")
     serve.add_argument("--tokens-file", help="principals and token hashes (see docs/security.md); also HOOKWIRE_TOKENS")
-    serve.add_argument("--state-dir",
-                       help="save hooks without a session (ttl_seconds) in this folder and register them again, "
-                            "with their ids, when the server starts on it again (docs/security.md); "
-                            "also HOOKWIRE_STATE_DIR, [server] state_dir")
     serve.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
     serve.add_argument("--tls-client-ca", help="PEM CA of client certificates: require them (mTLS)")
@@ -81,7 +78,7 @@ def add_token(sub: Any, name: str = "token") -> None:
 
 def run_serve(ns: argparse.Namespace) -> int:
     try:
-        from ..logging_setup import configure
+        from ..logging_setup import announce, configure
         from ..models.model_loading import ConfigError, demo_configs, load_config_file, parse_model_flag
         from .config import pick, resolve_settings
         from .server import serve
@@ -103,7 +100,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                  "batching": False if ns.no_batching else None, "max_batch_size": ns.max_batch_size,
                  "max_batch_delay_ms": ns.max_batch_delay_ms,
                  "harvest_data_root": ns.harvest_data_root, "harvest_output_root": ns.harvest_output_root,
-                 "operand_root": ns.operand_root, "state_dir": ns.state_dir}
+                 "operand_root": ns.operand_root}
         settings, sources = resolve_settings(flags, env, {k: v for k, v in server_table.items() if k not in cli_keys})
         model_flags = ns.model or [m for m in env.get("HOOKWIRE_MODELS", "").split(",") if m.strip()]
         if ns.parameters_readable and not model_flags:
@@ -121,34 +118,39 @@ def run_serve(ns: argparse.Namespace) -> int:
         return 2
     configure(log_format, log_level)
 
+    def say(message: str, *, error: bool = False, **fields: Any) -> None:
+        announce(log_format, message, error=error, **fields)
+
     def ready(server: Any) -> None:
         # Called once the server serves (health SERVING): every model loaded or failed.
         names = ", ".join(h.name for h in server.registry)
-        print(f"hookwire serving {names} on {server.target}", flush=True)
+        say(f"hookwire serving {names} on {server.target}", target=server.target,
+            models=[h.name for h in server.registry])
         for entry in server.registry.entries():
             if entry.host is None:
-                print(f"hookwire serve: model {entry.name!r} failed to load: {entry.reason}", file=sys.stderr, flush=True)
+                say(f"hookwire serve: model {entry.name!r} failed to load: {entry.reason}", error=True,
+                    model=entry.name, reason=entry.reason)
         if server.metrics_port is not None:
-            print(f"metrics on http://{settings.host}:{server.metrics_port}/metrics", flush=True)
+            url = f"http://{settings.host}:{server.metrics_port}/metrics"
+            say(f"metrics on {url}", metrics_url=url)
         extras = ["grpc.health.v1.Health"] + (["reflection"] if settings.reflection else [])
-        print(f"also serving {', '.join(extras)}; logs: {log_format}", flush=True)
+        say(f"also serving {', '.join(extras)}; logs: {log_format}", services=extras, log_format=log_format)
         security = "TLS" if settings.tls_cert else "plaintext"
         if settings.tls_client_ca:
             security += ", client certificates required (mTLS)"
         security += ", tokens required" if server.tokens.enabled else ", NO authentication"
-        print(f"security: {security}", flush=True)
+        say(f"security: {security}", security=security)
         secret = {"tokens"}
-        chosen = ", ".join(
-            f"{k}={'<set>' if k in secret else repr(getattr(settings, k))} ({v})" for k, v in sorted(sources.items())
-        )
+        shown = {k: "<set>" if k in secret else repr(getattr(settings, k)) for k in sources}
+        chosen = ", ".join(f"{k}={shown[k]} ({v})" for k, v in sorted(sources.items()))
         # Every setting's source: the ones listed, else its default.
-        print(f"settings: {chosen + '; every other setting' if chosen else 'every setting'} has its default",
-              flush=True)
+        say(f"settings: {chosen + '; every other setting' if chosen else 'every setting'} has its default",
+            settings={k: {"value": shown[k], "source": v} for k, v in sorted(sources.items())})
 
     try:
         asyncio.run(serve(settings, models, on_ready=ready))
     except (ConfigError, ValueError, OSError) as exc:  # bad token files, refused binds, busy ports, no model loaded
-        print(f"hookwire serve: {exc}", file=sys.stderr)
+        say(f"hookwire serve: {exc}", error=True)
         return 2
     return 0
 

@@ -35,9 +35,9 @@ import torch
 
 from hookwire.wire import codec as _codec
 from hookwire.wire.framing import GENERATE_RESPONSE_CHUNK, Framing
-from hookwire.wire.ids import new_id
 from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
+from ..rpc_context import take_request_id
 from ..auth import ANONYMOUS, Principal
 from ..engine import wakeups
 from ..engine.core import Engines
@@ -484,7 +484,7 @@ class Generation:
             stop_criteria = None
             if options.stop:  # built on the tokenizer's thread: it reads the tokenizer's vocabulary
                 stop_criteria = await host.run_tokenizer(_stop_criteria, host.tokenizer, options.stop)
-            request_id = new_id("req")
+            request_id = take_request_id()  # the RPC's: its audit line names it too
             records, group = await self._admission.request_hooks(host, request.hooks, request_id, session, principal)
             run = self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria,
                             session.stream if session is not None else None,
