@@ -32,17 +32,18 @@ from support import ServerThread  # noqa: E402
 KV_CACHE_BYTES = 64 << 20
 
 
-def save_llama(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
+def save_llama(folder: pathlib.Path, seed: int = 0, **overrides: Any) -> pathlib.Path:
     """A seeded LlamaForCausalLM (float32, 128 hidden, 2 layers, head size 64) with tiny-lm's
-    tokenizer, saved with save_pretrained."""
+    tokenizer, saved with save_pretrained; ``overrides``: LlamaConfig's arguments changed."""
     import transformers
 
     tokenizer = tiny_lm_tokenizer()
-    config = transformers.LlamaConfig(
+    arguments: dict[str, Any] = dict(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     )
+    config = transformers.LlamaConfig(**{**arguments, **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.LlamaForCausalLM(config).eval()

@@ -540,9 +540,11 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
     from hookwire_server.models.model_loading import ModelConfig
     from support import ServerThread, until
 
-    # 1 MiB of KV cache: 8 blocks of 128 tokens (1 KiB a token here), one of them vLLM's.
+    # 1 MiB of KV cache: 8 blocks of 128 tokens (1 KiB a token here), one of them vLLM's;
+    # 64 tokens a step.
     host = build_host(ModelConfig(name="fragile", transformers=str(llama_folder), engine="vllm",
-                                  vllm={"max_model_len": 64, "max_num_seqs": 8, "kv_cache_bytes": 1 << 20}))
+                                  vllm={"max_model_len": 64, "max_num_seqs": 8, "kv_cache_bytes": 1 << 20,
+                                        "max_num_batched_tokens": 64}))
     srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
     engine = host.loaded_engine
     assert engine.capacity_blocks == 7
@@ -566,6 +568,19 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
     assert metrics.get_sample_value("hookwire_time_to_first_token_seconds_count", {"model": "fragile"}) == 4
     assert metrics.get_sample_value("hookwire_inter_token_latency_seconds_count", {"model": "fragile"}) == 4 * 5
     assert srv.call(srv.server.health_statuses)["hookwire.live"]
+    async with hookwire.connect(srv.target) as client:
+        model = client.model("fragile")
+        # The step's token budget: 45 prompt tokens, then 25 (vLLM would run the second
+        # call's first two prompts beside the first call's and leave its third for the next
+        # step): the second waits for room whole; a call over the budget is refused.
+        first, second = ["the cat sat on the mat and the dog"] * 3, ["a", "b", "hello world the model sees every layer of it"]
+        together = await asyncio.gather(model.generate(first, 4, hooks=hooks), model.generate(second, 4, hooks=hooks))
+        for both, prompts in zip(together, (first, second)):
+            one = await model.generate(prompts, 4, hooks=hooks)
+            assert both.token_ids == one.token_ids and [e.step for e in both.events] == list(range(4))
+        with pytest.raises(hookwire.InvalidArgumentError, match=r"prompts: the call's 84 prompt tokens pass model "
+                                                                 r"'fragile''s vllm.max_num_batched_tokens 64"):
+            await model.generate([second[2]] * 4, 2)
     real_step = engine._engine.step
     steps = {"n": 0}
 

@@ -25,8 +25,9 @@ What hookwire keeps vLLM from doing, for correctness:
 
 - prefix caching is off: a request reusing another's cached KV would skip the hooks
   of the cached prompt positions and inherit the other's edits;
-- the prompt runs in one step (a token budget of every sequence's full length): with
-  chunked prefill a hook would fire once per chunk;
+- the prompt runs in one step (no chunked prefill; a call enters vLLM only when its
+  prompts fit the step's token budget beside the running sequences): with chunked
+  prefill a hook would fire once per chunk;
 - the model runs eagerly (``enforce_eager``).
 
 What it refuses (UNIMPLEMENTED naming the engine and the feature): backward hooks and
@@ -68,11 +69,12 @@ from ..models.model_loading import ConfigError, ModelConfig, load_tokenizer
 from ..models.model_registry import BatchConfig, ModelHost, OutputView
 from hookwire.wire import codec
 
-from . import harvest_pass, infer_pass, vllm_names
+from . import harvest_pass, infer_pass, vllm_logs, vllm_names
 from .batching import Shape
 from .seam import FINISHED, GenerateCall, Running, StepResult
 from .packed import PackedBatch, PackedSegment
 from .pass_runner import model_errors, running
+from .vllm_sizing import SizingError, VllmSizes, text_config, vllm_sizes
 from .vllm_link import WorkerLink, proxy_model, run_post, run_pre, taps_of, unedited_modules
 from .seam import GENERATE, HARVEST, INFER, Plan
 
@@ -86,19 +88,18 @@ REFUSED: Mapping[str, str] = {
     "attention_probabilities": "vLLM's fused attention kernels never form the probabilities",
 }
 
-#: Defaults that start on a 2-core, 24 GiB machine (vLLM's own defaults want ~92% of
-#: host memory free for its KV cache).
-DEFAULT_KV_CACHE_BYTES = 512 << 20
-DEFAULT_MAX_NUM_SEQS = 16
-DEFAULT_MAX_MODEL_LEN = 2048
+def folder_config(folder: pathlib.Path) -> dict[str, Any]:
+    """A transformers folder's config.json ({} where it cannot be read: vLLM then says why)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def folder_dtype(folder: pathlib.Path) -> str:
     """The dtype a transformers folder's config.json names (float32 when it names none)."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return "float32"
+    config = folder_config(folder)
     value = config.get("dtype") or config.get("torch_dtype") or "float32"
     return value if value in ("float32", "float16", "bfloat16") else "float32"
 
@@ -134,31 +135,37 @@ def build_host(config: ModelConfig) -> ModelHost:
         os.environ["HOOKWIRE_VLLM_KEEP_WEIGHTS"] = "1" if config.parameters_readable else "0"
     elif _OPERATOR_BIND is None:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # an earlier model's binding is not this one's
+    vllm_logs.follow_server_format()  # its engine's and processes' lines in the server's format
     _forget_cached_environment()
     dtype = settings.get("dtype", "auto")
     if dtype == "auto":
         dtype = folder_dtype(folder)
-    max_len = settings.get("max_model_len", DEFAULT_MAX_MODEL_LEN)
-    seqs = settings.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+    described = folder_config(folder)
+    try:
+        sizes = vllm_sizes(config.name, described, settings, dtype, tp)
+    except SizingError as exc:
+        raise ConfigError(str(exc)) from None
+    _check_cpu_attention(config.name, described)
+    max_len, seqs = sizes.max_model_len, sizes.max_num_seqs
     vllm_names.keep_cpu_linear_weights(config.parameters_readable)  # GetParameters reads them
     extra: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION} if processes else {}
-    try:
-        llm = LLM(
+    with vllm_logs.output_as_json():
+        llm = _start_llm(config.name, LLM, dict(
             model=str(folder), tokenizer=str(folder), dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
-            kv_cache_memory_bytes=settings.get("kv_cache_bytes", DEFAULT_KV_CACHE_BYTES),
+            kv_cache_memory_bytes=sizes.kv_cache_bytes,
             tensor_parallel_size=tp, pipeline_parallel_size=pp,
             enforce_eager=True,  # hooks never fire inside a compiled model
             enable_prefix_caching=False,  # cached prompts skip hooks and carry other requests' edits
             # Every prompt in one step: a chunked prompt would fire each hook once per chunk.
-            max_num_batched_tokens=max_len * seqs,
+            # The engine admits a call only when its prompts fit the step's budget.
+            enable_chunked_prefill=False, max_num_batched_tokens=sizes.max_num_batched_tokens,
             # A step scheduled before the last one's tokens are known would run a sequence
             # that just ended once more (its hooks out of step): off (on by default on GPUs).
             async_scheduling=False,
+            use_tqdm_on_load=False,  # progress bars are not log lines
             seed=0, **extra,
-        )
-    except Exception as exc:  # vLLM's own validation and start-up failures
-        why = " ".join(str(exc).split())  # one line: it becomes the model's FAILED reason
-        raise ConfigError(f"model {config.name!r}: vLLM did not start: {type(exc).__name__}: {why}") from None
+        ))
+        _warm_up(config.name, llm, described, processes)
     link: WorkerLink | None = None
     partial: set[str] = set()
     if processes:
@@ -168,7 +175,7 @@ def build_host(config: ModelConfig) -> ModelHost:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         model = runner.model
     try:
-        return _host(config, llm, runner, model, link, partial, folder, settings, max_len, seqs, tp)
+        return _host(config, llm, runner, model, link, partial, folder, settings, sizes, tp)
     except BaseException:
         if link is not None:  # vLLM's processes and the link are the model's: they go with it
             link.close()
@@ -177,8 +184,9 @@ def build_host(config: ModelConfig) -> ModelHost:
 
 
 def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLink | None, partial: set[str],
-          folder: pathlib.Path, settings: dict[str, Any], max_len: int, seqs: int, tp: int) -> ModelHost:
+          folder: pathlib.Path, settings: dict[str, Any], sizes: VllmSizes, tp: int) -> ModelHost:
     """The model's host and engine once vLLM runs (see build_host)."""
+    seqs = sizes.max_num_seqs
     tokenizer, problem = load_tokenizer(config)
     host = ModelHost(config.name, model, description=config.description, training_allowed=False,
                      tokenizer=tokenizer, tokenizer_problem=problem,
@@ -191,7 +199,8 @@ def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLi
     except (OSError, ValueError):
         host._generation_defaults = {}  # type: ignore[attr-defined]
     host.engine, host.refused = NAME, REFUSED
-    engine = VllmEngine(host, llm, runner, max_len, seqs, link=link)
+    engine = VllmEngine(host, llm, runner, sizes.max_model_len, seqs, link=link,
+                        max_num_batched_tokens=sizes.max_num_batched_tokens)
     host.loaded_engine = engine
     if link is not None:
         host.device = torch.device("cpu")  # rule operands: the server's hooks run on the host
@@ -220,6 +229,66 @@ def _forget_cached_environment() -> None:
     disable = getattr(envs, "disable_envs_cache", None)
     if disable is not None:
         disable()
+
+
+def _start_llm(name: str, make: Any, arguments: dict[str, Any]) -> Any:
+    """vLLM's engine for ``arguments``; ConfigError naming the model and quoting vLLM
+    where its own validation or start-up fails."""
+    try:
+        return make(**arguments)
+    except Exception as exc:
+        why = " ".join(str(exc).split())  # one line: it becomes the model's FAILED reason
+        raise ConfigError(f"model {name!r}: vLLM did not start: {type(exc).__name__}: {why}") from None
+
+
+def _check_cpu_attention(name: str, described: Mapping[str, Any]) -> None:
+    """ConfigError, before vLLM starts, for a head size vLLM's CPU attention does not run
+    (its backend's own list; vLLM itself checks it only in the first step, and in worker
+    processes that step's error dies with vLLM's engine process). Models with another
+    attention (MLA: a latent KV) and the CUDA build are left to the warm-up."""
+    text = text_config(described)
+    if "kv_lora_rank" in text or torch.cuda.is_available():
+        return
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    head = text.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None)
+    if not isinstance(head, int):
+        return
+    try:
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        if not current_platform.is_cpu():
+            return
+        supported = list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # another vLLM layout: the warm-up still checks the model runs
+        return
+    if supported and head not in supported:
+        raise ConfigError(
+            f"model {name!r}: head size {head} (the folder's head_dim, or hidden_size / num_attention_heads) is not one "
+            f"vLLM's CPU attention runs ({', '.join(map(str, supported))}; docs/vllm.md)"
+        )
+
+
+def _warm_up(name: str, llm: Any, described: Mapping[str, Any], processes: bool) -> None:
+    """One greedy token through vLLM before the model is READY, so a model vLLM starts
+    but cannot run (an attention configuration its kernels lack, ...) is FAILED at load
+    with the reason instead of failing its first call and the engine with it.
+    ConfigError naming the model and vLLM's reason (in worker processes, vLLM's engine
+    process dies with the reason: its log lines say it); vLLM's processes are stopped."""
+    from vllm import SamplingParams
+
+    bos = text_config(described).get("bos_token_id")
+    token = bos if isinstance(bos, int) and not isinstance(bos, bool) and bos >= 0 else 0
+    try:
+        llm.generate([{"prompt_token_ids": [token]}], SamplingParams(max_tokens=1, temperature=0.0, detokenize=False),
+                     use_tqdm=False)
+    except Exception as exc:
+        why = " ".join(str(exc).split())
+        if processes:
+            why += " (vLLM's engine process stopped: its log lines above say why)"
+        _shut_down(llm)
+        raise ConfigError(f"model {name!r}: vLLM started but could not run the model (a one-token warm-up failed): "
+                          f"{type(exc).__name__}: {why}") from None
 
 
 #: The operator's VLLM_CPU_OMP_THREADS_BIND, as the server found it (None: unset): kept for
@@ -336,6 +405,10 @@ class _Call:
         #: Times its requests were added again after vLLM split its first step.
         self.resubmits = 0
 
+    def prompt_tokens(self) -> int:
+        """The tokens of its prompts (its first step's, in one vLLM step)."""
+        return sum(len(prompt) for prompt in self.prompts)
+
     @property
     def finished(self) -> bool:
         raise NotImplementedError
@@ -427,7 +500,7 @@ class VllmEngine:
     refused = REFUSED
 
     def __init__(self, host: ModelHost, llm: Any, runner: Any, max_model_len: int, max_num_seqs: int,
-                 *, link: WorkerLink | None = None) -> None:
+                 *, link: WorkerLink | None = None, max_num_batched_tokens: int | None = None) -> None:
         self._host = host
         self.llm = llm
         self._engine = llm.llm_engine
@@ -435,6 +508,9 @@ class VllmEngine:
         self.max_model_len = max_model_len
         #: Sequences vLLM runs at once: a call's prompts must fit one step together.
         self.max_num_seqs = max_num_seqs
+        #: Tokens vLLM runs in one step (no chunked prefill): a call's prompts, beside one
+        #: token of each running sequence, must fit it together.
+        self.max_num_batched_tokens = max_num_batched_tokens or max_model_len * max_num_seqs
         cache = self._engine.vllm_config.cache_config
         self._block_size = int(cache.block_size)
         #: KV-cache blocks calls may reserve (one is vLLM's null block).
@@ -650,6 +726,12 @@ class VllmEngine:
                 f"{field}: {n} sequences in one call pass model {self._host.name!r}'s vllm.max_num_seqs "
                 f"{self.max_num_seqs} (a call's prompts run in one vLLM step)"
             )
+        tokens = state.prompt_tokens()
+        if tokens > self.max_num_batched_tokens:
+            raise InvalidArgument(
+                f"{field}: the call's {tokens} prompt tokens pass model {self._host.name!r}'s "
+                f"vllm.max_num_batched_tokens {self.max_num_batched_tokens} (a call's prompts run in one vLLM step)"
+            )
         if self.capacity_blocks and state.blocks > self.capacity_blocks:
             raise ResourceExhausted(
                 f"{field}: the call's sequences at full length need {state.blocks * self._block_size} tokens of KV "
@@ -661,6 +743,11 @@ class VllmEngine:
         KV cache at full length fit beside the admitted ones: vLLM then never runs part of
         a call's prompts in a step, nor preempts a request (either would fire its hooks
         out of step)."""
+        # The next step's tokens: a prompt not yet run whole, one token for each other
+        # running sequence (vLLM without chunked prefill leaves a prompt that does not fit
+        # the budget, and the ones after it, for a later step).
+        step_tokens = sum(state.prompt_tokens() if state.laid_out == 0 else len(state.running_rows())
+                          for state in {id(r.call): r.call for r in self._rows.values()}.values())
         while self._waiting:
             state = self._waiting[0]
             if state.failure is not None:
@@ -668,8 +755,10 @@ class VllmEngine:
                 continue
             rows, blocks = len(state.prompts), state.blocks
             if self._held_rows + rows > self.max_num_seqs or (
-                    self.capacity_blocks and self._held_blocks + blocks > self.capacity_blocks):
+                    self.capacity_blocks and self._held_blocks + blocks > self.capacity_blocks) or (
+                    step_tokens + state.prompt_tokens() > self.max_num_batched_tokens):
                 return
+            step_tokens += state.prompt_tokens()
             self._waiting.pop(0)
             self._held_rows += rows
             self._held_blocks += blocks
