@@ -82,11 +82,17 @@ def test_serve_model_flag_serves_a_hugging_face_folder(tmp_path: pathlib.Path) -
     assert served.proc.returncode == 0
 
 
-def test_model_flag_words_a_folder_without_config_json(tmp_path: pathlib.Path) -> None:
-    proc = subprocess.run([*HOOKWIRE, "serve", "--port", "0", "--model", f"x={tmp_path}"], capture_output=True,
-                          text=True, timeout=120, env=_env())
-    assert proc.returncode == 2
-    assert f"the folder {tmp_path} holds no config.json" in proc.stderr, proc.stderr
+def test_model_flag_tells_folders_from_factories(tmp_path: pathlib.Path) -> None:
+    from hookwire_server.models.model_loading import ConfigError, parse_model_flag
+
+    folder = parse_model_flag(f"mini={minilm_folder()}")
+    assert folder.transformers == str(minilm_folder().resolve()) and folder.factory is None
+    factory = parse_model_flag("m=support:sleeper_factory", parameters_readable=True)
+    assert factory.factory == "support:sleeper_factory" and factory.transformers is None and factory.parameters_readable
+    with pytest.raises(ConfigError, match=f"the folder {tmp_path} holds no config.json"):
+        parse_model_flag(f"x={tmp_path}")
+    with pytest.raises(ConfigError, match="expected NAME=package.module:factory or NAME=FOLDER"):
+        parse_model_flag(f"x={tmp_path / 'missing'}")
 
 
 def test_json_logs_are_json_on_every_line_and_name_who_called_what(tmp_path: pathlib.Path) -> None:
