@@ -21,7 +21,7 @@ from hookwire_server import HookwireServer, ModelHost, ModelRegistry, ServerSett
 from hookwire_server.auth import hash_token
 from hookwire_server.demo_models import mlp
 from hookwire_server.hooks.hook_store import StateDirError
-from support import ServerThread, serving
+from support import ServerThread, serving, until
 
 TOKENS = {name: f"hwt_durable_{name}" for name in ("alice", "obs", "ops", "gone")}
 ROLE = {"alice": "user", "obs": "observer", "ops": "operator", "gone": "observer"}
@@ -124,6 +124,18 @@ async def test_expired_revoked_and_operand_hooks_are_dropped_with_a_log_line(tmp
     assert "its TTL ran out" in dropped[expiring.id]
     assert "its owner 'gone' is no longer in the token file" in dropped[orphan.id]
     assert "registering it again failed" in dropped[named.id] and "operand" in dropped[named.id]
+
+
+async def test_a_hook_that_expires_while_the_server_runs_leaves_no_file(tmp_path) -> None:
+    state = tmp_path / "state"
+    with serving(_registry(), state_dir=str(state)) as srv:
+        async with hookwire.connect(srv.target) as client:
+            hook = await client.model("mlp").hook("fc1", posthook=hookwire.capture("output"), scope="all",
+                                                  ttl_seconds=1)
+            # (Saved before RegisterHook answered; not checked here: a 1 s TTL may end first.)
+            path = state / "hooks" / f"{hook.id}.hook"
+            await until(lambda: not path.exists(), "the expired hook's file is removed")
+            assert await client.list_hooks() == []
 
 
 async def test_a_state_folder_serves_one_server_at_a_time(tmp_path) -> None:
