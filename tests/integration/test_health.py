@@ -7,7 +7,6 @@ import asyncio
 import pathlib
 import subprocess
 import sys
-import threading
 import urllib.request
 
 import grpc
@@ -15,7 +14,6 @@ import pytest
 import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from torch import nn
 
 import hookwire
 from hookwire_server import ModelRegistry
@@ -116,39 +114,30 @@ async def test_health_follows_models_that_fail_while_serving(make_server) -> Non
     assert cli.returncode == 1 and cli.stdout == f"{target}: NOT_SERVING\n"
 
 
-class Gate(nn.Module):
-    """Returns its input once the test opens the gate: a pass that stays in flight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.opened = threading.Event()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.opened.wait(300), "the test never opened the gate"
-        return x
-
-
 async def test_every_health_service_turns_not_serving_while_the_server_drains() -> None:
-    gate = Gate()
-    registry = ModelRegistry([ModelHost("gate", gate), ModelHost("first", mlp())])
+    registry = ModelRegistry([ModelHost("first", mlp()), ModelHost("second", Scale())])
     srv = ServerThread(registry).start()
+    scheduler = srv.call(lambda: srv.server.engines.scheduler(registry.get("first")))
     stopping: asyncio.Future[None] | None = None
     try:
         services = ("", "hookwire.v1.ModelService", "hookwire.v1.OperandService", "hookwire.live",
-                    "hookwire.model.gate", "hookwire.model.first")
+                    "hookwire.model.first", "hookwire.model.second")
         assert set((await _statuses(srv.target, *services)).values()) == {"SERVING"}
         async with hookwire.connect(srv.target) as client:
-            in_flight = asyncio.ensure_future(client.model("gate")(torch.ones(2)))
-            await until(lambda: registry.get("gate").busy, "the call is running")
+            srv.call(scheduler.hold)  # the call waits in the queue: in flight until released
+            in_flight = asyncio.ensure_future(client.model("first")(torch.zeros(1, 8)))
+            await until(lambda: srv.call(lambda: scheduler.queued) == 1, "the call is queued")
             stopping = asyncio.ensure_future(asyncio.to_thread(srv.stop, 60.0))
             # The in-flight call holds the drain open: health answers meanwhile.
-            await asyncio.wait_for(_turns(srv.target, "hookwire.model.first", "NOT_SERVING"), LIVENESS)
+            await asyncio.wait_for(_turns(srv.target, "hookwire.model.second", "NOT_SERVING"), LIVENESS)
             assert set((await _statuses(srv.target, *services)).values()) == {"NOT_SERVING"}
-            gate.opened.set()
-            assert torch.equal(await in_flight, torch.ones(2))
+            srv.call(scheduler.release)
+            assert torch.equal(await in_flight, mlp()(torch.zeros(1, 8)))  # it finished, as a drain promises
     finally:
-        gate.opened.set()
-        await (stopping if stopping is not None else asyncio.to_thread(srv.stop))
+        if stopping is None:
+            srv.stop()
+        else:
+            await stopping
 
 
 async def test_the_deployment_probes_services_the_server_answers(make_server) -> None:
