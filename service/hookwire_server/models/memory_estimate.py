@@ -88,7 +88,7 @@ def probing() -> bool:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def inputs_bytes(inputs: Inputs) -> int:
@@ -372,7 +372,7 @@ class Estimator:
             parts["response"] = WIRE_COPIES * outputs
             parts["captures"] = captures * WIRE_COPIES * rows * length * self.shape.hidden * self.shape.itemsize
             return _total(parts)
-        key = self._key(inputs)
+        key = self._key(inputs) if self._cache else None
         with self._lock:
             probed = self._cache.get(key) if key is not None else None
         if probed is None:
