@@ -25,7 +25,7 @@ from ._harvest import HarvestJob, HarvestProgress
 from ._operands import OperandInfo, upload_messages
 from ._progress import TransferProgress
 from ._parameters import CastName, parameters_request, read_parameters
-from ._session import CallEnded, EndedCalls, EventRouter, kind_of, pump, stream_items, uncut
+from ._session import EventRouter, kind_of, pump, reader_policy, uncut
 from ._cache import ActivationCache, cache_hooks
 from ._specs import (
     ActionLike, Backward, CastName, HookSpec, HookSpecLike, OnErrorName, PartName, Sampling, ScopeName, StepsLike,
@@ -65,9 +65,10 @@ class ConnectOptions:
     max_message_bytes: int = 1024 * 1024 * 1024
     #: Deadline in seconds for unary calls; None for none.
     timeout: float | None = None
-    #: Buffer of the session stream on the server, in events (0: the server's default).
+    #: Buffer of the session stream on the server, and the SDK's read-ahead of it, in
+    #: events (0: the server's default, 1024).
     session_max_events: int = 0
-    #: Buffer of the session stream on the server, in bytes (0: the server's default).
+    #: The same in bytes of tensor data (0: the server's default, 32 MiB).
     session_max_bytes: int = 0
     #: What the session stream does when its buffer is full: "default" (block for this
     #: client's own calls, drop the oldest of other callers'), "block", "drop_oldest", "drop_newest".
@@ -558,8 +559,10 @@ class Client:
 
         ``policy`` is what the server does when this stream's buffer is full: the
         default drops the oldest events (a subscriber never slows the model);
-        "block" is lossless and makes passes wait for this reader. Lazy: the RPC
-        starts on ``async with`` (which waits until the server has attached the
+        "block" is lossless and makes passes wait for this reader. ``max_events`` and
+        ``max_bytes`` (0: the server's defaults) bound that buffer and the SDK's own
+        read-ahead of the stream, where the same policy applies (see ``start``). Lazy:
+        the RPC starts on ``async with`` (which waits until the server has attached the
         stream, so later events are not missed) or on first iteration.
         """
         request = hook_service_pb2.SubscribeRequest(
@@ -572,12 +575,17 @@ class Client:
 class Session:
     """A server session: its stream of events and the hooks registered in it."""
 
-    def __init__(self, client: Client, call: grpc.aio.UnaryStreamCall, session_id: str) -> None:
+    def __init__(self, client: Client, call: grpc.aio.UnaryStreamCall, session_id: str,
+                 delivery: hook_service_pb2.DeliveryOptions | None = None) -> None:
         self._client = client
         self._call = call
         self.session_id = session_id
-        self.router = EventRouter()
-        self._pump = asyncio.ensure_future(pump(call, self.router))
+        delivery = delivery or hook_service_pb2.DeliveryOptions()
+        #: The stream's events read ahead of the hooks' readers, bounded like the server's
+        #: buffer (see EventRouter).
+        self.router = EventRouter(policy=reader_policy(delivery.policy, session=True),
+                                  max_events=delivery.max_events, max_bytes=delivery.max_bytes)
+        self._pump = asyncio.ensure_future(pump(call, self.router, client.target))
 
     @classmethod
     async def open(cls, client: Client) -> Session:
@@ -595,7 +603,7 @@ class Session:
         if first is grpc.aio.EOF or kind_of(first) != "opened":
             call.cancel()
             raise ConnectionError("the server did not open a session")
-        return cls(client, call, first.opened.session_id)
+        return cls(client, call, first.opened.session_id, request.delivery)
 
     @property
     def ended(self) -> bool:
@@ -613,6 +621,7 @@ class Session:
     async def close(self) -> None:
         """Ends the stream; the server removes the session's hooks. Idempotent."""
         self._call.cancel()
+        self._pump.cancel()  # it may be waiting for its readers (EventRouter.room), not on the stream
         await asyncio.gather(self._pump, return_exceptions=True)
 
 
@@ -745,22 +754,31 @@ class Subscription:
         self._client = client
         self._request = request
         self._call: grpc.aio.UnaryStreamCall | None = None
-        self._items: AsyncIterator[Any] | None = None
-        self._calls = EndedCalls()
-        self._read = 0
-        self._next: asyncio.Future[Any] | None = None
+        self._pump: asyncio.Future[None] | None = None
         self._closed = False
-        #: Notices received so far (drops, removed or disabled hooks).
-        self.notices: list[Notice] = []
+        delivery = request.delivery
+        # Every hook's events in one inbox, in arrival order, read ahead no further than
+        # the stream's policy and limits allow (see EventRouter).
+        self._router = EventRouter(policy=reader_policy(delivery.policy, session=False),
+                                   max_events=delivery.max_events, max_bytes=delivery.max_bytes, one_inbox=True)
+        self._router.resolve = self._resolve_modules
         #: The subscribed hooks' resolved modules, which their compact readout events index
         #: (InterceptEvent.expand); listed (ListHooks) at the first such event of a hook
         #: not here.
-        self.modules: dict[str, Sequence[str]] = {}
-        #: Expanded events of a compact readout event not yet handed out (see events).
-        self._rest: collections.deque[InterceptEvent] = collections.deque()
+        self.modules: dict[str, Sequence[str]] = self._router.modules
+
+    @property
+    def notices(self) -> list[Notice]:
+        """Notices received so far (drops, removed or disabled hooks)."""
+        return self._router.notices
 
     async def start(self) -> None:
-        """Starts the RPC and waits until the server has attached it. Idempotent."""
+        """Starts the RPC and waits until the server has attached it. Idempotent. From
+        then on the SDK reads the stream in the background, ahead of ``events`` by at most
+        the stream's ``max_events`` / ``max_bytes`` (the server's defaults for 0): past
+        that it drops (policy "drop_oldest", the default, or "drop_newest"; counted in
+        each event's ``dropped``) or, for "block", stops reading so that the server's
+        buffer fills and the server's policy applies."""
         if self._call is not None:
             return
         self._call = self._client.tensor_calls.subscribe(self._request)
@@ -770,7 +788,7 @@ class Subscription:
             raise from_rpc_error(exc, target=self._client.target) from None
         if first is grpc.aio.EOF or kind_of(first) != "subscribed":
             raise ConnectionError("the server did not confirm the subscription")
-        self._items = stream_items(self._call)
+        self._pump = asyncio.ensure_future(pump(self._call, self._router, self._client.target))
 
     async def __aenter__(self) -> Subscription:
         await self.start()
@@ -782,11 +800,19 @@ class Subscription:
     async def aclose(self) -> None:
         """Ends the subscription (an iteration running in another task ends quietly)."""
         self._closed = True
-        if self._next is not None:
-            self._next.cancel()
-            self._next = None
         if self._call is not None:
             self._call.cancel()
+        if self._pump is not None:
+            self._pump.cancel()  # it may be waiting for readers (EventRouter.room), not on the stream
+            await asyncio.gather(self._pump, return_exceptions=True)
+        self._router.end()  # also when the pump never ran: its readers stop
+
+    async def _resolve_modules(self, hook_id: str) -> None:
+        try:
+            self.modules.update({h.hook_id: h.modules for h in await self._client.list_hooks()})
+        except HookwireError:
+            pass
+        self.modules.setdefault(hook_id, ())  # not listed (removed): "#INDEX", once
 
     def __aiter__(self) -> AsyncIterator[InterceptEvent]:
         """Events of the subscribed hooks; ends when all of them are removed."""
@@ -794,7 +820,9 @@ class Subscription:
 
     async def events(self, *, until: CallRef | None = None, timeout: float | None = None) -> AsyncIterator[InterceptEvent]:
         """Events of the subscribed hooks, in arrival order; ends when all of them are
-        removed. Starts the subscription if needed (see ``start``).
+        removed (or the subscription is closed); raises the stream's error once the
+        events that came before it are read. Starts the subscription if needed (see
+        ``start``).
 
         ``until`` (a call's result, a started GenerateStream, or a request id) also ends
         it at that call's CallEnded marker: every event the call put on this stream
@@ -808,58 +836,17 @@ class Subscription:
         """
         request_id = None if until is None else request_id_of(until)
         _check_timeout(timeout)
-        await self.start()
-        assert self._items is not None
-        if request_id is not None and self._calls.position(request_id) is not None:
+        if self._closed:
             return
+        await self.start()
+        inner = self._router.events("", until=request_id, timeout=timeout)
         try:
-            while True:
-                if self._rest:  # the rest of a compact readout event a reader stopped in
-                    yield self._rest.popleft()
-                    continue
-                item: Any
-                # A read in flight, kept across timeouts, iterations and a cancelled reader
-                # (a task cancelled, Ctrl-C in the sync client): cancelling the read itself
-                # would cancel the RPC, and the subscription would end for good.
+            async for event in inner:
                 if self._closed:
-                    return
-                pending = self._next
-                if pending is None:
-                    pending = self._next = asyncio.ensure_future(anext(self._items, _END))
-                done, _ = await asyncio.wait((pending,), timeout=timeout)
-                if self._closed or pending.cancelled():
                     return  # aclose() from another task (or remove() of its hook)
-                if not done:
-                    return
-                if self._next is not pending:
-                    continue  # another iteration running at the same time took this item
-                item, self._next = pending.result(), None
-                if item is _END:
-                    return
-                self._read += 1
-                if isinstance(item, CallEnded):
-                    self._calls.add(item.request_id, self._read)
-                    if item.request_id == request_id:
-                        return
-                elif isinstance(item, Notice):
-                    self.notices.append(item)
-                else:
-                    event = item[0]
-                    if event.module_indices and event.hook_id not in self.modules:
-                        try:
-                            self.modules.update({h.hook_id: h.modules for h in await self._client.list_hooks()})
-                        except HookwireError:
-                            pass
-                        self.modules.setdefault(event.hook_id, ())  # not listed (removed): "#INDEX", once
-                    first, *rest = InterceptEvent.expand(event, item[1], modules=self.modules.get(event.hook_id))
-                    self._rest.extend(rest)
-                    yield first
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                raise from_rpc_error(exc) from None
-
-
-_END = object()
+                yield event
+        finally:
+            await inner.aclose()
 
 
 def _check_timeout(timeout: float | None) -> None:

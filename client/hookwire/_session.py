@@ -6,7 +6,8 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, Sequence, Union
+import math
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence, Union
 
 import grpc
 
@@ -14,13 +15,40 @@ from .wire import codec
 from ._errors import HookwireError, from_rpc_error
 from .wire.framing import CutReply, RawChunk
 from ._types import InterceptEvent, Notice
-from .v1 import hook_pb2, tensor_pb2
+from .v1 import hook_pb2, hook_service_pb2, tensor_pb2
 
 log = logging.getLogger("hookwire")
 
 #: How many ended calls a stream reader remembers, so that ``events(until=call)`` also
 #: ends for a call whose end marker was read before the iteration started.
 CALL_ENDS_KEPT = 10_000
+#: What the SDK holds of a stream read ahead of its readers when the stream's
+#: DeliveryOptions leave max_events / max_bytes at 0: the server's own defaults.
+DEFAULT_MAX_EVENTS = 1024
+DEFAULT_MAX_BYTES = 32 << 20
+
+#: A stream's DeliveryPolicy as the SDK's reader applies it to its own buffer. A
+#: session stream's default blocks (the server then blocks the session's own calls
+#: and drops other callers' events); a Subscribe stream's default drops the oldest.
+_READER_POLICY: dict[int, str] = {
+    hook_service_pb2.DELIVERY_POLICY_BLOCK: "block",
+    hook_service_pb2.DELIVERY_POLICY_DROP_OLDEST: "drop_oldest",
+    hook_service_pb2.DELIVERY_POLICY_DROP_NEWEST: "drop_newest",
+}
+
+
+def reader_policy(policy: int, *, session: bool) -> str:
+    """What the SDK does when its buffer of a stream with DeliveryPolicy ``policy`` is
+    full: "block" (stop reading: gRPC's flow control makes the server's buffer fill, and
+    the server applies its policy), "drop_oldest" or "drop_newest" (keep reading, drop
+    in the SDK and count it in the next events' ``dropped``)."""
+    return _READER_POLICY.get(policy, "block" if session else "drop_oldest")
+
+
+def data_bytes(event: hook_pb2.InterceptEvent) -> int:
+    """The bytes of tensor data an event holds (what a stream's max_bytes counts), from
+    the tensors' shapes: reading a bytes field would copy it."""
+    return sum(math.prod(t.shape) * codec.ITEMSIZE.get(t.dtype, 0) for _, t in codec.iter_tensors(event))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,13 +205,25 @@ class EndedCalls:
         return self._at.get(request_id)
 
 
+class _Entry:
+    """An event in an inbox: its stream position, the event (with its chunked tensors),
+    the SDK's drops before it arrived and its bytes of tensor data."""
+
+    __slots__ = ("position", "item", "dropped_before", "nbytes")
+
+    def __init__(self, position: int, item: tuple[hook_pb2.InterceptEvent, dict[int, Any] | None],
+                 dropped_before: int, nbytes: int) -> None:
+        self.position = position
+        self.item = item
+        self.dropped_before = dropped_before
+        self.nbytes = nbytes
+
+
 class _Inbox:
-    """One hook's events not yet read, in stream order, each with its stream position."""
+    """One hook's events not yet read (a Subscription's: every hook's), in stream order."""
 
     def __init__(self) -> None:
-        self.items: collections.deque[tuple[int, tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]]] = (
-            collections.deque()
-        )
+        self.items: collections.deque[_Entry] = collections.deque()
         #: Decoded events of a compact readout event (InterceptEvent.expand) not yet handed
         #: out, with its position: read before ``items``, so a reader that stops in the
         #: middle of one leaves the rest for the next.
@@ -194,10 +234,10 @@ class _Inbox:
         """The stream position of the next event to read; None when there is none."""
         if self.rest:
             return self.rest[0][0]
-        return self.items[0][0] if self.items else None
+        return self.items[0].position if self.items else None
 
-    def put(self, position: int, event: tuple[hook_pb2.InterceptEvent, dict[int, Any] | None]) -> None:
-        self.items.append((position, event))
+    def put(self, entry: _Entry) -> None:
+        self.items.append(entry)
         self._wake.set()
 
     def wake(self) -> None:
@@ -216,16 +256,44 @@ class _Inbox:
 
 
 class EventRouter:
-    """Routes the items of one stream to per-hook inboxes.
+    """Routes the items of one stream to per-hook inboxes (``one_inbox``: all to one, in
+    arrival order, as a Subscription reads them).
 
-    Inboxes are unbounded on the client: the server's buffer is the bounded one,
-    and a reader that falls behind holds events in its own memory instead of
-    stalling the model. Events may arrive before the RegisterHook reply does;
-    they wait in the hook's inbox until its handle reads them. Every item has a
-    position in the stream, so a reader can stop exactly at a call's end marker.
+    The events read ahead of their readers are bounded like the server's buffer of
+    the stream (``max_events``, ``max_bytes`` of tensor data; 0: the server's
+    defaults; a single larger event is still held, alone), and a full buffer applies
+    the stream's policy (see reader_policy): "block" stops reading (``room``), so
+    that gRPC's flow control fills the server's buffer and the server applies its
+    own policy there (a session's own calls wait for the reader); "drop_oldest" and
+    "drop_newest" keep reading and drop here, counted like the server's drops: each
+    event's ``dropped`` is the server's count plus the SDK's drops of events that
+    came before it on the stream. Under "block" the SDK reads past the bound only
+    while a reader waits for an event that has not arrived (one hook's reader waiting
+    behind unread events of another's), so that readers never deadlock.
+
+    Events may arrive before the RegisterHook reply does; they wait in the hook's
+    inbox until its handle reads them. Every item has a position in the stream, so a
+    reader can stop exactly at a call's end marker.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, policy: str = "block", max_events: int = 0, max_bytes: int = 0,
+                 one_inbox: bool = False) -> None:
+        if policy not in ("block", "drop_oldest", "drop_newest"):
+            raise ValueError(f"policy must be block, drop_oldest or drop_newest, not {policy!r}")
+        self.policy = policy
+        self.max_events = max_events or DEFAULT_MAX_EVENTS
+        self.max_bytes = max_bytes or DEFAULT_MAX_BYTES
+        self._one_inbox = one_inbox
+        #: Events held (routed, not yet taken by a reader) and their bytes of tensor data.
+        self.held_events = 0
+        self.held_bytes = 0
+        #: Events of the stream the SDK dropped itself (its buffer was full).
+        self.dropped = 0
+        self._waiting = 0  # readers waiting for an event that has not arrived
+        self._room = asyncio.Event()
+        #: Called with a hook id before an event of a hook whose modules are not known
+        #: is expanded (a Subscription lists the hooks); it must set ``modules[hook_id]``.
+        self.resolve: Callable[[str], Awaitable[None]] | None = None
         self._inboxes: dict[str, _Inbox] = {}
         self._ended: set[str] = set()
         self._position = 0
@@ -265,20 +333,64 @@ class EventRouter:
                     removed.wake()
             return
         event, _ = item
-        if event.hook_id not in self._ended:
-            self._inbox(event.hook_id).put(self._position, item)
+        if event.hook_id in self._ended:
+            return
+        nbytes = data_bytes(event)
+        if self._full(nbytes):
+            if self.policy == "drop_newest":
+                self.dropped += 1
+                return
+            if self.policy == "drop_oldest":
+                while self.held_events and self._full(nbytes):
+                    self._drop_oldest()
+        self.held_events += 1
+        self.held_bytes += nbytes
+        self._inbox("" if self._one_inbox else event.hook_id).put(_Entry(self._position, item, self.dropped, nbytes))
+
+    def _full(self, nbytes: int) -> bool:
+        """Whether an event of ``nbytes`` does not fit beside the held ones."""
+        return self.held_events >= self.max_events or (self.held_events > 0 and self.held_bytes + nbytes > self.max_bytes)
+
+    def _drop_oldest(self) -> None:
+        """Drops the held event that came first on the stream (inboxes are in stream order:
+        it is at the front of one of them)."""
+        oldest = min((i for i in self._inboxes.values() if i.items), key=lambda i: i.items[0].position)
+        self._taken(oldest.items.popleft())
+        self.dropped += 1
+
+    def _taken(self, entry: _Entry) -> None:
+        self.held_events -= 1
+        self.held_bytes -= entry.nbytes
+        self._room.set()
+
+    def _dropped_before(self, entry: _Entry) -> int:
+        """The SDK's drops of events that came before ``entry`` on the stream. Under
+        drop_oldest every drop so far did (the oldest held event goes first, and a reader
+        takes events in order); under drop_newest, those made before it arrived."""
+        return self.dropped if self.policy == "drop_oldest" else entry.dropped_before
+
+    async def room(self) -> None:
+        """Waits until the stream may be read further (the pump calls it between items): at
+        once under a drop policy; under "block" once fewer than the limits are held, a
+        reader waits for an event not yet read, or the stream is over."""
+        while (self.policy == "block" and not self.closed and not self._waiting
+               and (self.held_events >= self.max_events or self.held_bytes >= self.max_bytes)):
+            self._room.clear()
+            await self._room.wait()
 
     def end(self, error: HookwireError | None = None) -> None:
         """The stream is over: every reader stops (with ``error`` if it failed) once it
         has read what had arrived."""
         self.closed = True
-        self.error = error
+        if error is not None or self.error is None:
+            self.error = error
         for inbox in self._inboxes.values():
             inbox.wake()
+        self._room.set()
 
     async def events(
         self, hook_id: str, until: str | None = None, timeout: float | None = None,
-    ) -> AsyncIterator[InterceptEvent]:
+    ) -> AsyncGenerator[InterceptEvent, None]:
         """The hook's events in arrival order, until it is removed or the stream ends;
         with ``until`` (a request id), until that call's end marker has arrived and every
         event of the hook that came before it has been read; with ``timeout``, also once
@@ -313,10 +425,19 @@ class EventRouter:
                 yield inbox.rest.popleft()
                 continue
             if inbox.items:
-                position, (event, chunked) = inbox.items.popleft()
-                first, *rest = InterceptEvent.expand(event, chunked, modules=self.modules.get(hook_id))
-                inbox.rest.extend((position, e) for e in rest)
-                yield position, first
+                entry = inbox.items[0]
+                event, chunked = entry.item
+                if event.module_indices and event.hook_id not in self.modules and self.resolve is not None:
+                    await self.resolve(event.hook_id)  # then look again: another reader may have taken it
+                    continue
+                inbox.items.popleft()
+                self._taken(entry)
+                first, *rest = InterceptEvent.expand(event, chunked, modules=self.modules.get(event.hook_id))
+                dropped = self._dropped_before(entry)
+                if dropped:
+                    first = dataclasses.replace(first, dropped=first.dropped + dropped)
+                inbox.rest.extend((entry.position, e) for e in rest)
+                yield entry.position, first
                 continue
             if self.closed:
                 if self.error is not None:
@@ -325,26 +446,34 @@ class EventRouter:
             if hook_id in self._ended:
                 self._inboxes.pop(hook_id, None)  # removed for good: free its inbox
                 return
-            if timeout is None:
-                await inbox.wait()
-                continue
+            self._waiting += 1  # lets a blocked pump read on (see room)
+            self._room.set()
             try:
-                await asyncio.wait_for(inbox.wait(), timeout)
-            except TimeoutError:  # wait() holds nothing: cancelling it loses no event
-                return
+                if timeout is None:
+                    await inbox.wait()
+                    continue
+                try:
+                    await asyncio.wait_for(inbox.wait(), timeout)
+                except TimeoutError:  # wait() holds nothing: cancelling it loses no event
+                    return
+            finally:
+                self._waiting -= 1
 
 
-async def pump(call: grpc.aio.UnaryStreamCall, router: EventRouter) -> None:
-    """Reads a stream into ``router`` until it ends; records a failure in router.error."""
+async def pump(call: grpc.aio.UnaryStreamCall, router: EventRouter, target: str | None = None) -> None:
+    """Reads a stream into ``router`` until it ends, no further ahead of its readers than
+    ``router.room`` lets it; records a failure in router.error (``target``: the address
+    the channel dials, which a lost connection's message names)."""
     error: HookwireError | None = None
     try:
         async for item in stream_items(call):
             router.route(item)
+            await router.room()
     except asyncio.CancelledError:
         pass
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.CANCELLED:
-            error = from_rpc_error(exc)
+            error = from_rpc_error(exc, target=target)
     except HookwireError as exc:
         error = exc
     except codec.CodecError as exc:

@@ -8,6 +8,8 @@ import ctypes
 import math
 import time
 
+from typing import Any
+
 import grpc
 import pytest
 import torch
@@ -15,7 +17,7 @@ import torch
 import hookwire
 from hookwire.wire import codec, framing
 from hookwire.v1 import hook_pb2, hook_service_pb2, hook_service_pb2_grpc, model_service_pb2, tensor_pb2
-from support import LIVENESS, assert_same, local_models, take
+from support import LIVENESS, assert_same, local_models, take, until
 
 X = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
 
@@ -161,6 +163,97 @@ async def test_a_slow_stream_never_slows_other_callers(server, client) -> None:
         assert server.call(lambda: stream.dropped) > 0
         assert server.call(lambda: stream.waiting_producers) == 0
         session.cancel()
+
+
+def _assert_exact_drops(events: list[hookwire.InterceptEvent]) -> None:
+    """One hook on the stream: each event's ``dropped`` is exactly the seqs missing before it."""
+    for received_before, event in enumerate(events):
+        assert event.dropped == event.seq - 1 - received_before, (event.seq, event.dropped, received_before)
+
+
+@pytest.mark.parametrize(("stream", "policy"), [("subscription", "drop_oldest"), ("session", "drop_oldest"),
+                                                ("session", "drop_newest")])
+async def test_a_drop_policy_protects_a_slow_sdk_reader_end_to_end(server, stream: str, policy: str) -> None:
+    """Regression guard (issue 34): the SDK read every event into memory as it came (a session's
+    unbounded inboxes; a subscription's reads left gRPC's flow-control window to grow), so a
+    slow drop_oldest reader dropped nothing and, after traffic ended, had every event still to
+    read. The SDK's own buffer of the stream is bounded and applies the stream's policy."""
+    calls, bound = 200, 8
+    options = hookwire.ConnectOptions(session_policy=policy, session_max_events=bound)  # type: ignore[arg-type]
+    async with hookwire.connect(server.target, options=options) as reader:
+        if stream == "subscription":
+            hook = await reader.model("mlp").hook("fc1", posthook=hookwire.capture("output"), scope="all",
+                                                  ttl_seconds=600)
+            source: Any = reader.subscribe([hook.id], policy=policy, max_events=bound)  # type: ignore[arg-type]
+            await source.start()
+            router, caller, own = source._router, hookwire.connect(server.target), False
+        else:
+            hook = await reader.model("mlp").hook("fc1", posthook=hookwire.capture("output"))
+            router, caller, own = (await reader.session()).router, reader, True
+        # The reader pauses: every call is made before it reads anything.
+        results = [await caller.model("mlp").infer(X, use_session=own) for _ in range(calls)]
+        last = results[-1].request_id
+        await until(lambda: router.calls.position(last) is not None, "the last call's end marker in the SDK")
+        assert router.held_events <= bound  # what the SDK holds is bounded, whatever the traffic
+        got = [e async for e in (source.events(until=last) if stream == "subscription" else hook.events(until=last))]
+        # The reader gets at most a buffer's worth, not every event, and each says exactly how many it missed.
+        assert 0 < len(got) <= bound, len(got)
+        _assert_exact_drops(got)
+        if policy == "drop_oldest":
+            assert got[-1].seq == calls  # the latest events survive
+        else:
+            assert got[0].seq == 1  # the first ones do; the next event counts the drops after them
+        after = (await caller.model("mlp").infer(X, use_session=own)).request_id
+        (following,) = [e async for e in (source.events(until=after) if stream == "subscription"
+                                          else hook.events(until=after))]
+        assert following.seq == calls + 1
+        _assert_exact_drops(got + [following])
+        if stream == "subscription":
+            await source.aclose()
+            await caller.close()
+        await hook.remove()
+
+
+async def test_a_block_session_that_is_not_read_fills_the_servers_buffer_not_the_sdks(server) -> None:
+    """Regression guard (issue 34): the SDK read a session stream into unbounded inboxes, so the
+    server never saw back-pressure and a BLOCK stream's buffer never filled: the SDK's memory
+    grew instead. Now the SDK stops reading at its bound, the server's buffer fills, and the
+    owner's calls wait for the reader; nothing is lost."""
+    bound = 8
+    options = hookwire.ConnectOptions(session_policy="block", session_max_events=bound)
+    async with hookwire.connect(server.target, options=options) as owner:
+        hook = await owner.model("scale").hook("", posthook=hookwire.capture("output"))
+        session = await owner.session()
+        stream = server.call(lambda: server.server.hooks._sessions[session.session_id].stream)
+        x = torch.ones(4, 16 * 1024)  # 256 KiB an event: gRPC's window holds only a few of them
+        made: list[str] = []
+        stop = asyncio.Event()
+
+        async def produce() -> None:
+            while not stop.is_set():
+                made.append((await owner.model("scale").infer(x)).request_id)
+
+        producer = asyncio.ensure_future(produce())
+        try:
+            await until(lambda: server.call(lambda: stream.occupancy()[0]) >= bound, "the server's buffer to fill")
+            assert session.router.held_events <= bound  # the SDK stopped reading at its bound
+            stop.set()
+            got = []
+
+            async def read() -> None:
+                async for event in hook.events():
+                    got.append(event)
+
+            reader = asyncio.ensure_future(read())
+            await asyncio.wait_for(producer, LIVENESS)  # the waiting call goes on once the reader reads
+            await until(lambda: len(got) == len(made), "every event read")
+            reader.cancel()
+        finally:
+            stop.set()
+            producer.cancel()
+        assert [e.seq for e in got] == list(range(1, len(made) + 1)) and all(e.dropped == 0 for e in got)
+        assert [e.request_id for e in got] == made
+        await hook.remove()
 
 
 async def test_chunked_tensors_round_trip_for_a_client_with_grpc_default_limits(server) -> None:
