@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import difflib
 import importlib
+import importlib.util
 import ipaddress
 import os
 import pathlib
@@ -53,6 +55,76 @@ def _added_commands() -> list[tuple[str, Callable[[Any, str], None]]]:
             continue
         commands.append((name, getattr(module, attr.strip())))
     return commands
+
+
+def _added_command_names() -> list[str]:
+    """The names of the commands other installed packages add (COMMANDS_GROUP), without
+    importing them (only the top-level package of each is looked for: the server's
+    imports torch): what the usage line lists when they are not loaded."""
+    from importlib.metadata import entry_points
+
+    found = [(ep.name, ep.value) for ep in entry_points(group=COMMANDS_GROUP)] or _checkout_commands()
+    return [name for name, value in found
+            if importlib.util.find_spec(value.partition(":")[0].strip().split(".")[0]) is not None]
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The ``hookwire`` parser. Its usage names every command, also those of other
+    packages that this run did not load (see main), and an unrecognized flag gets the
+    nearest flag of its command as a suggestion (argparse before 3.14 offers none)."""
+
+    def _commands(self) -> argparse._SubParsersAction | None:  # type: ignore[type-arg]
+        return next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+    def _name_every_command(self) -> None:
+        commands = self._commands()
+        if commands is None or commands.metavar is not None:
+            return
+        missing = [name for name in _added_command_names() if name not in commands.choices]
+        if missing:
+            commands.metavar = "{" + ",".join([*missing, *commands.choices]) + "}"
+
+    def format_usage(self) -> str:
+        self._name_every_command()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._name_every_command()
+        return super().format_help()
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = _command_parser(self, ns)
+            parser.error(unrecognized(extras, parser))
+        return ns
+
+
+def _command_parser(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command ``ns`` was parsed for (``hookwire hooks rm``'s, say)."""
+    while True:
+        commands = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = None if commands is None else commands.choices.get(getattr(ns, commands.dest, None) or "")
+        if chosen is None:
+            return parser
+        parser = chosen
+
+
+def unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments" error, saying for each unknown flag which of
+    ``parser``'s flags was meant (``unrecognized argument --temprature; did you mean
+    --temperature?``). Words after an unknown flag are taken for its value."""
+    flags = [s for action in parser._actions for s in action.option_strings]
+    unknown = [e.split("=", 1)[0] for e in extras if e.startswith("-") and e != "-"]
+    if not unknown:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    meant = {flag: difflib.get_close_matches(flag, flags, n=1, cutoff=0.6) for flag in unknown}
+    if len(unknown) == 1:
+        (flag, close), = meant.items()
+        return f"unrecognized argument {flag}; did you mean {close[0]}?" if close else (
+            f"unrecognized argument {flag} (see {parser.prog} --help)")
+    return "unrecognized arguments: " + ", ".join(
+        f"{flag} (did you mean {close[0]}?)" if close else flag for flag, close in meant.items())
 
 
 def _checkout_commands() -> list[tuple[str, str]]:
@@ -155,11 +227,51 @@ async def _health(ns: argparse.Namespace) -> int:
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=ns.service), timeout=ns.timeout)
         except grpc.RpcError as exc:
-            print(f"hookwire health: {from_rpc_error(exc, target=target)}", file=sys.stderr)
+            message = str(from_rpc_error(exc, target=target))
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                known = [name or '"" (the server)' for name in await _health_services(ns, stub)]
+                message = (f"NOT_FOUND: {target} has no health service {ns.service!r}"
+                           + (f"; it has: {', '.join(known)}" if known else ""))
+            print(f"hookwire health: {message}", file=sys.stderr)
             return 2
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(f"{target}{' ' + ns.service if ns.service else ''}: {status}")
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+#: Health services a hookwire server may have besides its gRPC services' names: liveness,
+#: and each model's own (this prefix and the model's name).
+_FIXED_HEALTH_SERVICES = ("hookwire.live",)
+_MODEL_HEALTH_PREFIX = "hookwire.model."
+
+
+async def _health_services(ns: argparse.Namespace, stub: Any) -> list[str]:
+    """The health services the server answers for ("" is the server itself): of the
+    names a hookwire server may have (its hookwire.v1 services, the fixed names above, a
+    service per model that ListModels lists), those whose Check answers."""
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    from .v1 import harvest_service_pb2, hook_service_pb2, model_service_pb2, operand_service_pb2
+
+    names = ["", *(service.full_name for module in (model_service_pb2, hook_service_pb2, harvest_service_pb2,
+                                                    operand_service_pb2)
+                   for service in module.DESCRIPTOR.services_by_name.values()), *_FIXED_HEALTH_SERVICES]
+    try:
+        async with connect(ns.target, options=_client_options(ns)) as client:
+            names += [_MODEL_HEALTH_PREFIX + m.name for m in await client.list_models()]
+    except (HookwireError, ValueError, OSError):
+        pass  # listing models may need a token: the other names still help
+
+    async def answers(name: str) -> bool:
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=ns.timeout)
+        except grpc.RpcError:  # NOT_FOUND, or no answer: not one to offer
+            return False
+        return True
+
+    found = await asyncio.gather(*(answers(name) for name in names))
+    return [name for name, ok in zip(names, found) if ok]
 
 
 async def _models(ns: argparse.Namespace) -> int:
@@ -682,7 +794,7 @@ def _harvest_command(ns: argparse.Namespace) -> int:
 def build_parser(added_commands: bool = True) -> argparse.ArgumentParser:
     """The argument parser of the ``hookwire`` command; with ``added_commands`` (the
     default), also the commands other installed packages add (see _added_commands)."""
-    parser = argparse.ArgumentParser(prog="hookwire", description="Remote PyTorch model interception over gRPC.")
+    parser = CommandParser(prog="hookwire", description="Remote PyTorch model interception over gRPC.")
     sub = parser.add_subparsers(dest="command", required=True)
     target_default = os.environ.get("HOOKWIRE_TARGET", DEFAULT_TARGET)
     target_help = (f"server host:port (default {target_default}; env HOOKWIRE_TARGET); "

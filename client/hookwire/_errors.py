@@ -120,7 +120,8 @@ def from_rpc_error(error: grpc.RpcError, *, target: str | None = None) -> Hookwi
     server (UNAVAILABLE from the transport: refused, unresolvable, closed, TLS
     mismatch) gets an UnavailableError whose message names the target, says
     that no server answers there (or why the connection failed) and what to
-    check, and keeps gRPC's own words at the end.
+    check, and keeps gRPC's own words at the end; so does a call whose
+    connection was lost while it ran (the server went away mid-call).
     UNAVAILABLE answers sent by a server (draining, a model loading) are kept as
     they are.
     """
@@ -144,9 +145,17 @@ def _unreachable(target: str, details: str) -> str | None:
                 "a TLS server needs a certificate the client trusts (--tls-ca) that names this host")
     if "connection refused" in text:
         return f"no server answers at {target}: nothing listens on that port (is `hookwire serve` running there?)"
-    if "socket closed" in text or "connection reset" in text:
+    dropped = "socket closed" in text or "connection reset" in text or "broken pipe" in text
+    # gRPC says "failed to connect to all addresses" only while it was still connecting:
+    # a server that drops a connection before any call got through may be a TLS server
+    # reading plaintext. A call already under way on a working connection says "Stream
+    # removed" instead: the server went away, and TLS has nothing to do with it.
+    if dropped and "failed to connect" in text:
         return (f"{target} closed the connection at once: if it serves TLS, connect with --tls, --tls-ca "
                 "or an https:// target")
+    if dropped:
+        return (f"the server at {target} went away: it closed the connection mid-call (it may have crashed "
+                "or been stopped; see its logs)")
     if "failed to connect" in text:
         return f"no server answers at {target} (is `hookwire serve` running there, and reachable from here?)"
     return None

@@ -85,7 +85,9 @@ async def run_tap(
     target: str, model: str, pattern: str, *, stats: bool, every: int, scope: str, interval: float,
     duration: float | None, plain: bool, out: TextIO = sys.stdout, options: ConnectOptions | None = None,
 ) -> int:
-    """Registers a summarizing hook, renders until Ctrl-C (or ``duration``), then removes it."""
+    """Registers a summarizing hook, renders until Ctrl-C (or ``duration``, or the hook's
+    removal), then removes it. Raises the stream's HookwireError when it fails (the
+    server went away)."""
     async with connect(target, options=options) as client:
         async with client.model(model).hook(
             pattern, posthook=capture("output", summarize=True), scope=scope,  # type: ignore[arg-type]
@@ -101,7 +103,10 @@ async def run_tap(
             deadline = None if duration is None else time.monotonic() + duration
             try:
                 while deadline is None or time.monotonic() < deadline:
-                    await asyncio.sleep(interval)
+                    await asyncio.wait((reader,), timeout=interval)
+                    if reader.done():  # the stream failed (the server went away: say so) or the hook was removed
+                        reader.result()
+                        break
                     lines = view.render()
                     if plain:
                         out.write("\n".join(lines) + "\n\n")

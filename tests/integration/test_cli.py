@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import io
 import os
 import pathlib
 import signal
@@ -644,3 +648,102 @@ def test_operands_upload_list_and_rm_and_a_hook_file_that_names_one(demo: Served
     (tmp_path / "w.pt").write_bytes(b"\x80\x04K\x01.")
     pickled = demo.run("operands", "upload", "x", str(tmp_path / "w.pt"))
     assert pickled.returncode == 2 and "not a SAELens folder, a .safetensors file or a .npy file" in pickled.stderr
+
+
+async def test_a_server_killed_mid_call_says_it_went_away_not_tls() -> None:
+    """Regression guard (issue 34): a connection lost while calls ran (the server's process
+    killed) was explained as a TLS mismatch ("closed the connection at once: if it serves
+    TLS, connect with --tls"). Only a connection dropped while connecting gets that hint."""
+    import hookwire
+
+    served = Served("--model", "slow=support:sleeper_factory")
+    tap = subprocess.Popen([*HOOKWIRE, "tap", "slow", "inner", "--interval", "0.1", "--plain", "--target", served.target],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert tap.stdout is not None and tap.stdout.readline().startswith("hookwire tap slow")  # it is watching
+        async with hookwire.connect(served.target) as client:
+            model = client.model("slow")
+            hook = await model.hook("", prehook=hookwire.capture("args"))
+            call = asyncio.ensure_future(model(torch.tensor(600.0)))  # sleeps in its forward pass
+            async for _ in hook.events():
+                break  # the pass has started: the call is under way on a working connection
+            served.proc.send_signal(signal.SIGKILL)
+            served.proc.wait(60)
+            for failed in (call, hook.events().__anext__()):
+                with pytest.raises(hookwire.UnavailableError) as info:
+                    await asyncio.wait_for(failed, 60)
+                message = str(info.value)
+                assert f"the server at {served.target} went away: it closed the connection mid-call" in message
+                assert "--tls" not in message and "TLS" not in message
+        _, err = tap.communicate(timeout=120)
+        assert tap.returncode == 1, err
+        assert f"hookwire tap: UNAVAILABLE: the server at {served.target} went away" in err and "--tls" not in err, err
+    finally:
+        tap.kill()
+        served.proc.kill()
+
+
+def _commands(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -> Iterator[tuple[list[str], argparse.ArgumentParser]]:
+    """Every (sub)command of the hookwire parser: its words and its parser."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if sub is None:
+        yield list(words), parser
+        return
+    for name, child in sub.choices.items():
+        yield from _commands(child, (*words, name))
+
+
+def _parse_error(argv: list[str]) -> str:
+    """What ``hookwire ARGV`` says on stderr when it refuses its arguments (exit 2)."""
+    from hookwire._cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2, argv
+    return err.getvalue()
+
+
+def test_a_misspelled_flag_says_which_flag_was_meant_for_every_command() -> None:
+    from hookwire._cli import build_parser
+
+    said = _parse_error(["generate", "tiny-lm", "hi", "--temprature", "0.5"])
+    assert said.startswith("usage: hookwire generate")
+    assert said.strip().endswith("hookwire generate: error: unrecognized argument --temprature; did you mean --temperature?")
+    checked = 0
+    for words, parser in _commands(build_parser()):
+        positionals = ["x" for a in parser._actions if not a.option_strings and a.nargs not in ("?", "*")]
+        for flag in (s for a in parser._actions for s in a.option_strings if s.startswith("--") and len(s) >= 6):
+            name = flag[2:]
+            typo = "--" + name[:len(name) // 2] + name[len(name) // 2 + 1:]  # a letter left out
+            last = _parse_error([*words, *positionals, typo]).strip().splitlines()[-1]
+            assert last.endswith(f"unrecognized argument {typo}; did you mean {flag}?"), (words, last)
+            checked += 1
+    assert checked > 100  # every command's flags, the server's serve and token included
+    two = _parse_error(["models", "--taget", "x", "--tsl"]).strip().splitlines()[-1]
+    assert two.endswith("unrecognized arguments: --taget (did you mean --target?), --tsl (did you mean --tls?)"), two
+
+
+@pytest.mark.parametrize("argv", [[], ["--help"], ["bogus"], ["--bogus"]], ids=repr)
+def test_the_usage_line_lists_every_command(argv: list[str]) -> None:
+    from hookwire._cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        main(argv)
+    usage = (out.getvalue() + err.getvalue()).split("\n\n")[0]
+    for command in ("serve", "token", "models", "inspect", "parameters", "generate", "tap", "health", "harvest",
+                    "hooks", "operands"):
+        assert command in usage, (argv, usage)
+
+
+def test_an_unknown_health_service_says_which_services_exist(demo: Served) -> None:
+    proc = subprocess.run([*HOOKWIRE, "health", demo.target, "--service", "foo"], capture_output=True, text=True,
+                          timeout=120, env=_env())
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip()
+    assert line.startswith(f"hookwire health: NOT_FOUND: {demo.target} has no health service 'foo'; it has: "), line
+    for service in ('"" (the server)', "hookwire.v1.ModelService", "hookwire.v1.HookService", "hookwire.live",
+                    "hookwire.model.mlp", "hookwire.model.tiny-lm"):
+        assert service in line, line
+    assert "Traceback" not in proc.stderr

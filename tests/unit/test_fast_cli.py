@@ -82,6 +82,21 @@ def test_import_help_argument_parsing_and_token_new_import_no_torch() -> None:
     assert _run(script).strip() == "OK"
 
 
+def test_the_usage_of_an_sdk_commands_run_names_the_servers_commands_without_importing_them() -> None:
+    """Regression guard (issue 34): a run of an SDK command loads no other package's commands
+    (entry points), and its top-level usage left out ``serve`` and ``token``."""
+    script = PRELUDE + textwrap.dedent(
+        """
+        import hookwire._cli as cli
+        usage = cli.build_parser(added_commands=False).format_usage()
+        assert "{serve,token,models," in usage, usage
+        assert heavy() == [] and "hookwire_server" not in sys.modules, (heavy(), usage)
+        print("OK")
+        """
+    )
+    assert _run(script).strip() == "OK"
+
+
 def test_tensors_decode_to_torch_importing_it_on_the_first_one() -> None:
     # The documented behaviour stays: torch tensors when torch is importable. It is
     # decided without importing torch, which the first decoded tensor imports.
