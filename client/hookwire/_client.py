@@ -680,6 +680,11 @@ class HookHandle:
         arrived for that long: a way out for a hook whose events may never come
         (sampled away, another caller's calls). It is an idle limit, not a limit on
         the whole iteration; events that come later stay queued for the next one.
+
+        Events not yet read wait in the SDK up to the stream's limits
+        (``ConnectOptions.session_max_events`` / ``session_max_bytes``), past which the
+        stream's policy applies (``session_policy``; docs/sdk.md): the default and
+        "block" stop reading, so that the session's own calls wait for the reader.
         """
         request_id = None if until is None else request_id_of(until)
         _check_timeout(timeout)

@@ -214,34 +214,46 @@ async def test_a_drop_policy_protects_a_slow_sdk_reader_end_to_end(server, strea
         await hook.remove()
 
 
-async def test_a_block_session_that_is_not_read_fills_the_servers_buffer_not_the_sdks(server) -> None:
+@pytest.mark.parametrize("stream", ["session", "subscription"])
+async def test_a_block_stream_that_is_not_read_fills_the_servers_buffer_not_the_sdks(server, stream: str) -> None:
     """Regression guard (issue 34): the SDK read a session stream into unbounded inboxes, so the
     server never saw back-pressure and a BLOCK stream's buffer never filled: the SDK's memory
     grew instead. Now the SDK stops reading at its bound, the server's buffer fills, and the
-    owner's calls wait for the reader; nothing is lost."""
+    owner's calls wait for the reader; nothing is lost. (A subscription read one message
+    ahead before; it must stay that way through the SDK's buffer.)"""
     bound = 8
     options = hookwire.ConnectOptions(session_policy="block", session_max_events=bound)
     async with hookwire.connect(server.target, options=options) as owner:
-        hook = await owner.model("scale").hook("", posthook=hookwire.capture("output"))
-        session = await owner.session()
-        stream = server.call(lambda: server.server.hooks._sessions[session.session_id].stream)
+        if stream == "session":
+            hook = await owner.model("scale").hook("", posthook=hookwire.capture("output"))
+            session = await owner.session()
+            router = session.router
+            found = server.call(lambda: server.server.hooks._sessions[session.session_id].stream)
+            source: Any = hook
+        else:
+            hook = await owner.model("scale").hook("", posthook=hookwire.capture("output"), scope="all",
+                                                   ttl_seconds=600)
+            source = owner.subscribe([hook.id], policy="block", max_events=bound)
+            await source.start()
+            router = source._router
+            (found,) = server.call(lambda: [s.stream for s in server.server.hooks._subscriptions if hook.id in s.hook_ids])
         x = torch.ones(4, 16 * 1024)  # 256 KiB an event: gRPC's window holds only a few of them
         made: list[str] = []
         stop = asyncio.Event()
 
         async def produce() -> None:
             while not stop.is_set():
-                made.append((await owner.model("scale").infer(x)).request_id)
+                made.append((await owner.model("scale").infer(x, use_session=stream == "session")).request_id)
 
         producer = asyncio.ensure_future(produce())
         try:
-            await until(lambda: server.call(lambda: stream.occupancy()[0]) >= bound, "the server's buffer to fill")
-            assert session.router.held_events <= bound  # the SDK stopped reading at its bound
+            await until(lambda: server.call(lambda: found.occupancy()[0]) >= bound, "the server's buffer to fill")
+            assert router.held_events <= bound  # the SDK stopped reading at its bound
             stop.set()
             got = []
 
             async def read() -> None:
-                async for event in hook.events():
+                async for event in source.events():
                     got.append(event)
 
             reader = asyncio.ensure_future(read())
@@ -253,6 +265,8 @@ async def test_a_block_session_that_is_not_read_fills_the_servers_buffer_not_the
             producer.cancel()
         assert [e.seq for e in got] == list(range(1, len(made) + 1)) and all(e.dropped == 0 for e in got)
         assert [e.request_id for e in got] == made
+        if stream == "subscription":
+            await source.aclose()
         await hook.remove()
 
 
