@@ -23,12 +23,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import logging
 import os
 import resource
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from .errors import ResourceExhausted
+
+log = logging.getLogger("hookwire.memory")
 
 #: The part of the memory the process may use that calls may claim by default.
 DEFAULT_FRACTION = 0.7
@@ -152,9 +155,14 @@ class MemoryBudget:
         return self.limit - self.resident_bytes - self.claimed
 
     def keep(self, model: str, nbytes: int) -> None:
-        """Records what ``model`` keeps for good (replacing what it kept before)."""
+        """Records what ``model`` keeps for good (replacing what it kept before); logs a
+        warning when the models keep more than the budget (every call is refused then)."""
         self.resident[model] = max(0, int(nbytes))
         self._note_peak()
+        if self.resident_bytes > self.limit:
+            log.warning("memory budget: the models keep %s, more than the budget of %s (%s): every call on a "
+                        "model the budget estimates is refused; raise memory_budget_bytes",
+                        format_bytes(self.resident_bytes), format_bytes(self.limit), SETTING)
 
     def forget(self, model: str) -> None:
         """``model`` keeps nothing any more (unloaded)."""

@@ -19,6 +19,7 @@ import torch
 
 import hookwire
 from hookwire import HookSpec, capture, rules
+from conftest import KV_CACHE_BYTES
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 PROMPTS = ["hello world", "the model sees", "a"]
@@ -130,6 +131,10 @@ async def test_greedy_tokens_equal_transformers_generate(vllm_server, oracle) ->
     for text, tokens in zip(PROMPTS, result.token_ids):
         want, _ = _greedy(oracle, _ids(tokenizer, text), 8)
         assert list(tokens) == want, text
+    # The memory budget counts what vLLM keeps (its KV cache and weights) once; its calls
+    # claim nothing of their own (vLLM's scheduler admits them within its KV cache).
+    budget = vllm_server.call(lambda: vllm_server.server.state.budget)
+    assert budget.resident["llama"] > KV_CACHE_BYTES and budget.claimed == 0
 
 
 def oracle_tokenizer() -> Any:

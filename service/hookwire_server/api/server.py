@@ -472,6 +472,8 @@ async def serve(
             failed = [e for e in registry.entries() if e.state is ModelState.FAILED]
             if models and len(failed) == len(models):
                 raise ConfigError("no model could be loaded: " + "; ".join(f"{e.name}: {e.reason}" for e in failed))
+            for host in list(server.registry):  # what the models keep, before their first calls
+                await server.admission.note_resident(host, server.engines.engine(host))
             await server.set_serving(True)
             if on_ready is not None:
                 on_ready(server)

@@ -123,6 +123,16 @@ class Admission:
         """The engine's Estimator (None: it sizes its own memory), the model's weights
         recorded in the budget as what it keeps, once."""
         estimator: Estimator | None = getattr(engine, "estimator", None)
-        if estimator is not None and host.name not in self.state.budget.resident:
-            self.state.budget.keep(host.name, await asyncio.to_thread(estimator.resident_bytes))
+        if host.name not in self.state.budget.resident:
+            await self.note_resident(host, engine)
         return estimator
+
+    async def note_resident(self, host: ModelHost, engine: Any) -> None:
+        """Records in the memory budget what ``host`` keeps for good: its weights in host
+        memory (an Estimator's count), or what its engine says (``resident``: a vLLM
+        engine's KV cache and weights). Event loop."""
+        estimator: Estimator | None = getattr(engine, "estimator", None)
+        if estimator is not None:
+            self.state.budget.keep(host.name, await asyncio.to_thread(estimator.resident_bytes))
+        else:
+            self.state.budget.keep(host.name, int(getattr(engine, "resident", 0)))

@@ -201,6 +201,10 @@ def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLi
     host.engine, host.refused = NAME, REFUSED
     engine = VllmEngine(host, llm, runner, sizes.max_model_len, seqs, link=link,
                         max_num_batched_tokens=sizes.max_num_batched_tokens)
+    # What it keeps for good, in the server's memory budget (memory_budget.py): its KV cache
+    # (allocated at start; vLLM's scheduler admits calls within it, so they claim nothing)
+    # and its weights, in this process or in its workers' on the same machine.
+    engine.resident = sizes.kv_cache_bytes + (_weight_bytes(model) if link is None else _folder_weight_bytes(folder))
     host.loaded_engine = engine
     if link is not None:
         host.device = torch.device("cpu")  # rule operands: the server's hooks run on the host
@@ -493,11 +497,31 @@ class VllmCall(_Call):
         return self.laid_out
 
 
+def _weight_bytes(model: Any) -> int:
+    """Bytes of an in-process model's parameters and buffers (each storage once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _folder_weight_bytes(folder: pathlib.Path) -> int:
+    """Bytes of a folder's weight files: what vLLM's worker processes load."""
+    return sum(p.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.pt") for p in folder.glob(pattern))
+
+
 class VllmEngine:
     """Runs one vLLM-served model's calls (see the module docstring)."""
 
     name = NAME
     refused = REFUSED
+    #: Bytes it keeps for good (KV cache, weights), set when it starts: the server's memory
+    #: budget counts them as the model's resident memory; its calls claim nothing.
+    resident = 0
 
     def __init__(self, host: ModelHost, llm: Any, runner: Any, max_model_len: int, max_num_seqs: int,
                  *, link: WorkerLink | None = None, max_num_batched_tokens: int | None = None) -> None:
