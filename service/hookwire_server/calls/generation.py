@@ -41,7 +41,7 @@ from ..rpc_context import take_request_id
 from ..auth import ANONYMOUS, Principal
 from ..engine import wakeups
 from ..engine.core import Engines
-from .admission import Admission
+from .admission import Admission, captured_modules
 from ..engine.seam import FINISHED, GENERATE, GenerateCall, GenerateOptions, StepResult
 from ..engine.scheduler import Work, in_own_thread
 from ..errors import (
@@ -486,6 +486,13 @@ class Generation:
                 stop_criteria = await host.run_tokenizer(_stop_criteria, host.tokenizer, options.stop)
             request_id = take_request_id()  # the RPC's: its audit line names it too
             records, group = await self._admission.request_hooks(host, request.hooks, request_id, session, principal)
+            # Its prompt pass and its KV cache at full length, claimed in the server's memory
+            # budget for the call's life: one that can never fit is refused before it starts.
+            rows, prompt, captures = int(ids.shape[0]), int(ids.shape[1]), captured_modules(records)
+            claim = await self._admission.claim_memory(
+                host, self._engines.engine(host), f"Generate on {host.name!r}",
+                lambda estimator: estimator.generate(rows, prompt, options.max_new_tokens, captures=captures),
+            )
             run = self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria,
                             session.stream if session is not None else None,
                             group=group)
@@ -496,6 +503,8 @@ class Generation:
                 # Closed now, not when collected: its cleanup (detaching the call's hooks,
                 # CallEnded markers, freeing the KV cache) must run when the call ends.
                 await run.aclose()
+                if claim is not None:
+                    claim.release()
         finally:
             self._active[host.name] -= 1
             self._by_principal[principal.name] -= 1
