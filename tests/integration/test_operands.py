@@ -181,6 +181,47 @@ async def test_operators_publish_saes_saved_by_saelens_for_everyone(make_server,
             await client.publish_operand("x", "refusal.safetensors")
 
 
+async def test_hostile_operator_files_are_invalid_argument_naming_the_file(make_server, tmp_path) -> None:
+    """Files torch cannot check for finiteness (float8), that hold no float (int, bool), or
+    whose cfg.json nests deep enough to exhaust the parser's recursion: each refused with
+    INVALID_ARGUMENT naming the file (no incident), and the server publishes on after them."""
+    import json
+
+    from safetensors.torch import save_file
+
+    root = tmp_path / "operands"
+    root.mkdir()
+
+    def folder(name: str, cfg: str, dtype: torch.dtype = torch.float32) -> str:
+        (root / name).mkdir()
+        (root / name / "cfg.json").write_text(cfg)
+        weights = {"W_enc": torch.randn(4, 8), "b_enc": torch.zeros(8), "W_dec": torch.randn(8, 4), "b_dec": torch.zeros(4)}
+        save_file({k: v.to(dtype) for k, v in weights.items()}, str(root / name / "sae_weights.safetensors"))
+        return name
+
+    bad: dict[str, str] = {}
+    dtypes = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int64, torch.uint8, torch.bool, torch.complex64]
+    for dtype in dtypes:
+        save_file({"v": torch.ones(4).to(dtype)}, str(root / f"{dtype}.safetensors"))
+        bad[f"{dtype}.safetensors"] = f"a tensor of {str(dtype).removeprefix('torch.')}"
+    standard = json.dumps({"architecture": "standard"})
+    bad[folder("f8_sae", standard, torch.float8_e4m3fn)] = "W_enc: a tensor of float8_e4m3fn"
+    bad[folder("deep_arrays", "[" * 200_000 + "]" * 200_000)] = "cfg.json nests arrays or objects too deeply"
+    bad[folder("deep_objects", '{"a":' * 100_000 + "0" + "}" * 100_000)] = "cfg.json nests arrays or objects too deeply"
+    # Just within the parser's reach: then quoting it back (repr) would recurse as deep.
+    bad[folder("deep_name", '{"architecture": ' + "[" * 900 + "]" * 900 + "}")] = "architecture must be a name"
+    bad[folder("long_name", json.dumps({"architecture": "x" * 100_000}))] = "architecture must be a name"
+    good = folder("good", standard)
+    srv = make_server(operand_root=str(root))
+    async with hookwire.connect(srv.target) as client:
+        for path, message in bad.items():
+            with pytest.raises(hookwire.InvalidArgumentError) as info:
+                await client.publish_operand("x", path)
+            assert f"path: {path!r}" in str(info.value) and message in str(info.value), str(info.value)
+            assert len(str(info.value)) < 400
+        assert (await client.publish_operand("good", good)).shape == (4, 8)
+
+
 def test_rules_using_one_operand_share_its_casts() -> None:
     """Every rule naming an operand uses the one stored tensor on its own device and
     dtype (no copy), and one cast per other dtype, made once for all of them."""
