@@ -295,6 +295,39 @@ async def test_an_upload_whose_session_ends_while_it_arrives_is_refused() -> Non
     await until(lambda: store.bytes_of(ANONYMOUS.name) == 0, "the refused upload's buffer freed")
 
 
+async def test_a_failed_upload_counts_against_the_quota_until_its_buffers_are_freed(monkeypatch) -> None:
+    """Its name is free at once; its bytes only once nothing holds its buffers (here the
+    test itself, as a kept traceback or an uncollected cycle would): a principal cannot
+    hold more memory than its quota by failing uploads."""
+    from hookwire.v1 import tensor_pb2
+    from hookwire.wire import codec
+    from hookwire_server.auth import ANONYMOUS
+    from hookwire_server.errors import InvalidArgument, ResourceExhausted
+
+    assemblers: list[Any] = []
+
+    class Kept(codec.ChunkAssembler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            assemblers.append(self)
+
+    monkeypatch.setattr(codec, "ChunkAssembler", Kept)
+    store = OperandStore(Limits(max_operand_bytes_per_principal=6000))
+    header = operand_service_pb2.OperandUpload(name="v", ttl_seconds=60)
+    header.tensor.CopyFrom(tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[1000], chunk_id=1))
+
+    async def half() -> Any:
+        yield tensor_pb2.TensorChunk(chunk_id=1, offset=0, data=bytes(2000))
+
+    with pytest.raises(InvalidArgument, match="before every chunked tensor was complete"):
+        await store.upload(ANONYMOUS, header, half(), require_session=lambda _: None)
+    assert store.listing(ANONYMOUS) == [] and store.bytes_of(ANONYMOUS.name) == 4000
+    with pytest.raises(ResourceExhausted, match="max_operand_bytes_per_principal"):  # the name is free, the bytes not
+        await store.upload(ANONYMOUS, header, half(), require_session=lambda _: None)
+    assemblers.clear()  # the buffers are let go
+    await until(lambda: store.bytes_of(ANONYMOUS.name) == 0, "the failed upload's buffer freed")
+
+
 async def test_a_registration_cancelled_while_its_spec_compiles_holds_nothing_after(monkeypatch) -> None:
     """A spec naming an operand compiles on a thread; the caller cancelling meanwhile must
     not leave the thread's hold behind (the operand could never be deleted or freed)."""
