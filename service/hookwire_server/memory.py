@@ -5,7 +5,8 @@ large transient tensors (a batch's activations, an SAE's feature matrix for eigh
 and gRPC's receive buffers (an upload's few hundred 1 MiB chunk messages) are freed but
 stay in the process's RSS until ``malloc_trim`` returns them. A server whose RSS only
 grows is one that memory-based autoscaling and OOM killers misjudge, so hookwire trims
-after an operand upload and when a model's worker has been idle for a while
+after an operand upload (or a failed one), after refusing a large request
+(api/status_mapping.py) and when a model's worker has been idle for a while
 (models/worker.py), never during a pass.
 """
 
