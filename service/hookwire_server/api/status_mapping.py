@@ -207,7 +207,7 @@ def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -
 
 class _stream_status:  # noqa: N801 - used as a function, in `async with`
     """The status mapping and RPC metrics of a streaming servicer method, as ``async
-    with _stream_status(servicer, method, context) as stream``: a domain error becomes
+    with _stream_status(servicer, method, context, request) as stream``: a domain error becomes
     its status (the method's iterator, ``stream.inner``, is closed first, so that its
     cleanup frees what the call held before the status goes out); the iterator is closed
     when the RPC ends for any reason, not whenever it is collected (ending a session and
