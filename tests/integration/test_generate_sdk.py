@@ -285,7 +285,10 @@ async def test_rules_on_steps_steer_exactly_as_an_in_process_hook(client: hookwi
 
 async def test_notices_about_the_calls_hooks_are_collected(client: hookwire.Client) -> None:
     ids, mask = oracle.batch(PROMPTS)
-    broken = hookwire.HookSpec("model.layers.0", posthook=[rules.add("output", torch.ones(3))], on_error="disable_hook")
+    # A module whose width is not known at registration (an activation): the wrong-width
+    # operand fails when the hook fires (a decoder layer's would be refused at registration).
+    broken = hookwire.HookSpec("model.layers.0.mlp.act_fn", posthook=[rules.add("output", torch.ones(3))],
+                               on_error="disable_hook")
     stream = client.model("tiny-lm").generate(PROMPTS, 3, do_sample=False, hooks=[broken])
     items = [item async for item in stream]
     result = await stream
