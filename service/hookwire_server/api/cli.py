@@ -56,6 +56,10 @@ def add_serve(sub: Any, name: str = "serve") -> None:
     serve.add_argument("--operand-root",
                        help="operators publish read-only operands (SAEs in SAELens' layout, .safetensors tensors) from "
                             "under this folder (PublishOperand; docs/recipes.md)")
+    serve.add_argument("--state-dir",
+                       help="save hooks without a session (ttl_seconds) in this folder and register them again, "
+                            "with their ids, when the server starts on it again (docs/security.md); "
+                            "also HOOKWIRE_STATE_DIR, [server] state_dir")
     serve.add_argument("--tokens-file", help="principals and token hashes (see docs/security.md); also HOOKWIRE_TOKENS")
     serve.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -100,7 +104,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                  "batching": False if ns.no_batching else None, "max_batch_size": ns.max_batch_size,
                  "max_batch_delay_ms": ns.max_batch_delay_ms,
                  "harvest_data_root": ns.harvest_data_root, "harvest_output_root": ns.harvest_output_root,
-                 "operand_root": ns.operand_root}
+                 "operand_root": ns.operand_root, "state_dir": ns.state_dir}
         settings, sources = resolve_settings(flags, env, {k: v for k, v in server_table.items() if k not in cli_keys})
         model_flags = ns.model or [m for m in env.get("HOOKWIRE_MODELS", "").split(",") if m.strip()]
         if ns.parameters_readable and not model_flags:
