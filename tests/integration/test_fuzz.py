@@ -563,6 +563,21 @@ def test_other_rpcs(fuzz_server, name, hook_ids, model, slot, policy, max_events
 
 
 @FUZZ
+@given(request_id=st.one_of(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=12),
+                            st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), min_size=120,
+                                    max_size=300)))
+def test_client_request_ids(fuzz_server, request_id) -> None:
+    # x-request-id metadata (the audit trail's caller id): at most 128 visible ASCII
+    # characters; anything else is INVALID_ARGUMENT, never INTERNAL, and a valid one works.
+    metadata = (("x-request-id", request_id),)
+    try:
+        fuzz_server["models"].ListModels(model_service_pb2.ListModelsRequest(), timeout=10, metadata=metadata)
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{exc.code()}: {exc.details()}"
+        assert not (1 <= len(request_id) <= 128 and request_id.isprintable() and " " not in request_id), request_id
+
+
+@FUZZ
 @given(model=st.one_of(st.sampled_from(["tiny-lm", "tiny-lm", "mlp"]), model_names),
        texts=st.lists(st.one_of(st.text(max_size=40), st.text(alphabet="\x00\ud7ff\U0010ffff \u00e9a", max_size=200)),
                       max_size=6),
