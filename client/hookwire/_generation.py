@@ -212,6 +212,18 @@ class GenerateStream:
             self._cancel()  # the reading task was cancelled: the RPC goes with it
             raise
 
+    async def _finish(self) -> None:
+        """Reads the call's status after its result (the server's last message): the RPC
+        then ends OK on both sides instead of being cancelled when the channel closes
+        (the server's audit log and metrics would count a finished call as CANCELLED).
+        Its result stands whatever the status says."""
+        assert self._call is not None
+        try:
+            await self._call.read()
+        except (grpc.RpcError, asyncio.CancelledError):
+            if asyncio.current_task() is not None and asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                raise
+
     def _fail(self, error: HookwireError) -> HookwireError:
         self._error = error
         if self._call is not None:
@@ -269,6 +281,7 @@ class GenerateStream:
                         self._assembler.check_complete()
                         self._result = GenerateResult.from_stream(started, self._events, msg.done, self.notices)
                         self._events = []
+                        await self._finish()
                         return None
                     else:
                         continue  # a kind this SDK does not know yet
