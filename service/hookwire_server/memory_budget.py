@@ -200,8 +200,9 @@ class MemoryBudget:
             except BaseException:
                 if entry in self._waiting:
                     self._waiting.remove(entry)
-                elif future.done() and not future.cancelled():
+                elif future.done() and not future.cancelled() and future.exception() is None:
                     self.claimed -= nbytes  # granted as it was cancelled: hand it on
+                # (refused by _wake, set_exception: it never claimed anything)
                 self._wake()
                 raise
         else:

@@ -164,3 +164,20 @@ def test_inputs_that_are_not_tokens_are_estimated_without_a_token_shape() -> Non
     for shape, dtype in [((2,), torch.float32), ((), torch.float32), ((0, 3), torch.long)]:
         assert Estimator.token_shape(((TensorShape(shape, dtype),), {})) in (None, (0, 3))
         assert Estimator(tiny_lm()).infer(((TensorShape(shape, dtype),), {})).bytes >= 0
+
+
+async def test_a_wait_refused_when_the_models_grew_claims_nothing() -> None:
+    # A call waits for room; meanwhile a model's resident memory is recorded (its first
+    # call) and the waiting call can never fit: it is refused, and claimed stays right.
+    budget = MemoryBudget(1000)
+    held = await budget.claim(Estimate(600), "a")
+    task = asyncio.ensure_future(budget.claim(Estimate(800), "b"))
+    await asyncio.sleep(0)
+    budget.keep("other", 300)
+    held.release()
+    with pytest.raises(ResourceExhausted):
+        await task
+    assert budget.claimed == 0
+    after = await budget.claim(Estimate(700), "c")
+    assert budget.claimed == 700
+    after.release()
