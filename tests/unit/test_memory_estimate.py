@@ -181,3 +181,15 @@ async def test_a_wait_refused_when_the_models_grew_claims_nothing() -> None:
     after = await budget.claim(Estimate(700), "c")
     assert budget.claimed == 700
     after.release()
+
+
+def test_a_float_input_s_feature_width_is_probed_as_it_is() -> None:
+    # A width outside the rounding steps (10 -> 12) made every probe fail (Linear(10, ...)
+    # refuses 12 features) and the call fell back to 8x its input's bytes, far below
+    # the 400 kB output this model makes.
+    estimator = Estimator(torch.nn.Linear(10, 100_000))
+    inputs = ((TensorShape((3, 10), torch.float32),), {})
+    known, key = estimator.cached(inputs)
+    assert not known
+    estimator.probe(key)
+    assert estimator.infer(inputs).bytes >= 3 * 100_000 * 4

@@ -17,8 +17,9 @@ Two ways, by what is known of the model:
   that tracks every storage the pass allocates and when it dies, which gives the pass's
   exact peak of live tensor bytes for those shapes. It costs one forward's Python
   overhead (tens of milliseconds), so its results are cached per input signature, with
-  each size rounded up to a step of at most 1.5× (an upper bound for the sizes in that
-  step). It runs on a thread of its own, beside the model's passes (it never waits for a
+  each size of an integer input (token ids) and the rows of a floating-point one rounded
+  up to a step of at most 1.5× (an upper bound for the sizes in that step; a float
+  input's other sizes are features, kept exact). It runs on a thread of its own, beside the model's passes (it never waits for a
   running pass); hookwire's hooks do nothing in it (``probing``), whatever pass runs.
   A model whose forward cannot run on fake tensors (data-dependent control flow) is
   estimated from its inputs' bytes (``FALLBACK_FACTOR``) and its config can set
@@ -190,6 +191,17 @@ def _bucket(n: int) -> int:
     return power * 3 // 4 if n <= power * 3 // 4 else power
 
 
+def _bucketed(value: TensorShape) -> tuple[int, ...]:
+    """The shape a probe runs for ``value``: an integer tensor's sizes (token ids, masks)
+    rounded up (_bucket); a floating-point one's first size only (its rows), the others
+    exact: they are features a layer expects as they are (a Linear(10, ...) refuses 12)."""
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        if len(value.shape) < 2:
+            return value.shape
+        return (_bucket(value.shape[0]), *value.shape[1:])
+    return tuple(_bucket(n) for n in value.shape)
+
+
 class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
     """Tracks the storages the ops under it allocate and when each dies: ``peak`` is the
     most bytes alive at once. A storage first seen as an op's input (a parameter, a call's
@@ -317,7 +329,7 @@ class Estimator:
         parts: list[Any] = []
         for name, value in (*enumerate(args), *sorted(kwargs.items())):
             if isinstance(value, TensorShape):
-                parts.append((name, value.dtype, tuple(_bucket(n) for n in value.shape)))
+                parts.append((name, value.dtype, _bucketed(value)))
             elif isinstance(value, (int, float, bool, str, type(None))):
                 parts.append((name, value))
             else:
