@@ -502,9 +502,11 @@ class Generation:
             finally:
                 # Closed now, not when collected: its cleanup (detaching the call's hooks,
                 # CallEnded markers, freeing the KV cache) must run when the call ends.
-                await run.aclose()
-                if claim is not None:
-                    claim.release()
+                try:
+                    await run.aclose()
+                finally:  # (a cleanup that fails must not keep the call's bytes in the budget)
+                    if claim is not None:
+                        claim.release()
         finally:
             self._active[host.name] -= 1
             self._by_principal[principal.name] -= 1
