@@ -5,7 +5,9 @@ Known from the module itself: ``nn.Linear`` (``in_features`` in, ``out_features`
 GPT-2's ``Conv1D`` likewise), ``nn.LayerNorm`` and RMS norms (``normalized_shape``, or
 their 1-D ``weight``), ``nn.Embedding`` (``embedding_dim`` out); from the model's config
 (``hidden_size``, GPT-2's ``n_embd``): the residual stream in and out of a decoder or
-encoder layer (an item of an ``nn.ModuleList`` whose class is a ``*Layer`` or ``*Block``).
+encoder layer (an item of an ``nn.ModuleList`` whose class is a ``*Layer`` or ``*Block``, in a
+list of the config's ``num_hidden_layers`` where it states one: a vision tower's blocks
+are another stack, of another width).
 The value is the module's first input (``args.0``, its gradient ``grad_input.0``) or its
 output (``output``, a layer's ``output.0``, the gradient ``grad_output.0``). A rule with
 ``heads`` sees one head's width (hooks.heads). Elsewhere (activations, attention modules,
@@ -47,9 +49,15 @@ def _hidden_size(host: Any) -> int | None:
 
 
 def _is_layer(host: Any, path: str, module: nn.Module) -> bool:
+    """Whether ``module`` is a layer of the stack whose width the config's hidden_size is:
+    an item of a ModuleList as long as the config's num_hidden_layers, where it states one
+    (a multimodal model's vision blocks are another stack, of another width)."""
     parent, _, item = path.rpartition(".")
-    return (item.isdigit() and isinstance(host.modules.get(parent), nn.ModuleList)
-            and type(module).__name__.endswith(_LAYER_ENDINGS))
+    stack = host.modules.get(parent)
+    if not (item.isdigit() and isinstance(stack, nn.ModuleList) and type(module).__name__.endswith(_LAYER_ENDINGS)):
+        return False
+    layers = _positive(getattr(getattr(host.module, "config", None), "num_hidden_layers", None))
+    return layers is None or len(stack) == layers
 
 
 #: (input width, where it was read), (output width, where it was read); None where unknown.
