@@ -376,7 +376,9 @@ class Inference:
                 async with asyncio.timeout(self.limits.infer_timeout):  # (wait_for would run it in a task of its own)
                     # Its estimated peak, claimed in the server's memory budget before it is
                     # queued: one that can never fit is refused here, before it costs anything.
-                    inputs = request_inputs(request)
+                    # (a request with lists or maps walks every Value: off the loop, as _checked)
+                    inputs = request_inputs(request) if _plain(request) else await asyncio.to_thread(
+                        request_inputs, request)
                     captures = captured_modules(records)
                     claim = await self._admission.claim_memory(
                         host, self._engines.engine(host), f"Infer on {host.name!r}",
