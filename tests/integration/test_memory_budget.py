@@ -36,7 +36,7 @@ from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import harvest_service_pb2_grpc as hv_grpc
 from hookwire.wire.codec import encode_tensor
 from hookwire_server.demo_models import tiny_lm, tiny_transformer
-from support import PROCESS_LIVENESS
+from support import PROCESS_LIVENESS, until
 
 GIB = 1 << 30
 BUDGET = 3 * GIB // 2
@@ -169,3 +169,24 @@ async def test_a_harvest_whose_batch_can_never_fit_is_refused_and_one_that_fits_
     assert metrics.get_sample_value("hookwire_memory_budget_bytes") == 64 << 20
     assert metrics.get_sample_value("hookwire_memory_claimed_bytes") == 0
     assert metrics.get_sample_value("hookwire_memory_resident_bytes") > 0  # tiny-lm's weights
+
+
+async def test_a_call_whose_caller_left_keeps_its_claim_until_its_pass_is_back(make_server: Any) -> None:
+    # The sleeper model sleeps x seconds in its forward: the client stops waiting while the
+    # pass runs; the memory the pass uses stays claimed until the pass is back.
+    srv = make_server()
+    budget = srv.call(lambda: srv.server.state.budget)
+    async with hookwire.connect(srv.target) as client:
+        task = asyncio.ensure_future(client.model("sleeper")(torch.tensor(3.0)))
+        scheduler = srv.call(lambda: srv.server.engines.scheduler(srv.server.registry.get("sleeper")))
+        await until(lambda: srv.call(lambda: scheduler._host._executor.busy), "the pass running")
+        assert srv.call(lambda: budget.claimed) > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: not srv.call(lambda: srv.server.inference._queued.get("sleeper", 0)), "the call ended")
+        # (read together on the server's loop: while the pass runs, its claim must still be held)
+        running, claimed = srv.call(lambda: (scheduler._host._executor.busy, budget.claimed))
+        assert claimed > 0 or not running, "given back while its pass still runs"
+        await until(lambda: srv.call(lambda: budget.claimed) == 0, "given back once the pass is back")
+        assert (await client.model("sleeper")(torch.tensor(0.0))).item() == 0.0

@@ -400,13 +400,21 @@ class Inference:
             return response
         except asyncio.TimeoutError:
             outcome = "timeout"
+            if claim is None:  # it never got its memory: nothing of it ran
+                raise DeadlineExceeded(
+                    f"Infer on {host.name!r} waited past the server's limit of {self.limits.infer_timeout} s "
+                    "(infer_timeout) for room in the memory budget (memory_budget_bytes), behind other calls"
+                ) from None
             raise DeadlineExceeded(
                 f"Infer on {host.name!r} ran past the server's limit of {self.limits.infer_timeout} s (infer_timeout); "
                 "a pass that already started runs to its end, and the model's next calls wait for it"
             ) from None
         finally:
             if claim is not None:
-                claim.release()
+                if work.in_flight:  # its caller stopped waiting while its pass may run: it keeps
+                    work.on_finished = claim.release  # its memory until the pass is back
+                else:
+                    claim.release()
             self._queued[host.name] -= 1
             if not any(self._queued.values()):
                 self._idle.set()

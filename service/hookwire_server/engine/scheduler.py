@@ -91,6 +91,12 @@ class Work:
     #: Set (on the loop) when its caller stopped waiting; read on the worker thread, where a
     #: batch already handed to the model skips it if its pass has not started.
     withdrawn: bool = False
+    #: True while its batch is on the model's thread (its pass may be running). Event loop.
+    in_flight: bool = False
+    #: Called once when its batch is back from the model's thread, for a caller that
+    #: stopped waiting while it was there: what the pass may still be using (the call's
+    #: claim in the memory budget) is given back only then. Event loop.
+    on_finished: Callable[[], None] | None = None
     #: Background work (a harvest batch) runs only when no live work waits, always alone
     #: (key None), and sets no expectation of company for live calls: a live call waits at
     #: most for the one background pass that is running when it arrives.
@@ -389,10 +395,12 @@ class Scheduler:
             short, waited_for = decision.short and waited_for is batch[0], None
             for work in batch:
                 self._queue.remove(work)
+                work.in_flight = True
             started = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._host._executor, _execute, self._engine, batch)
             except BaseException as exc:  # the executor refused (shutdown) or the run itself broke
+                _landed(batch)
                 if isinstance(exc, asyncio.CancelledError):
                     self._finish_running(batch)  # after the plan in flight, on the worker thread
                     for work in batch:
@@ -405,6 +413,8 @@ class Scheduler:
                 # caller that clears the frames of its failure (errors.release_failure)
                 # would finalize this coroutine and stop the model's scheduler for good.
                 results = [exc.with_traceback(None)] * len(batch)
+            else:
+                _landed(batch)
             first = batch[0]
             if not first.background:  # a harvest pass says nothing about the live callers' company
                 rows = sum(w.rows for w in batch)
@@ -491,6 +501,16 @@ def _fail(work: Work, exc: BaseException) -> None:
         work.future.set_result(None)
     else:
         work.future.set_exception(exc)
+
+
+def _landed(batch: list[Work]) -> None:
+    """The batch is back from the model's thread: its works are no longer in flight, and
+    what callers that stopped waiting left to it (``on_finished``) is given back."""
+    for work in batch:
+        work.in_flight = False
+        finished, work.on_finished = work.on_finished, None
+        if finished is not None:
+            finished()
 
 
 def _execute(engine: Engine, batch: list[Work]) -> list[Any]:
