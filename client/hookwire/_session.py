@@ -291,6 +291,7 @@ class EventRouter:
         self.dropped = 0
         self._waiting = 0  # readers waiting for an event that has not arrived
         self._room = asyncio.Event()
+        self._warned = False  # room() said once that the SDK stopped reading
         #: Called with a hook id before an event of a hook whose modules are not known
         #: is expanded (a Subscription lists the hooks); it must set ``modules[hook_id]``.
         self.resolve: Callable[[str], Awaitable[None]] | None = None
@@ -375,6 +376,17 @@ class EventRouter:
         reader waits for an event not yet read, or the stream is over."""
         while (self.policy == "block" and not self.closed and not self._waiting
                and (self.held_events >= self.max_events or self.held_bytes >= self.max_bytes)):
+            if not self._warned:
+                # Once per stream: a session whose calls are awaited before their events
+                # are read otherwise hangs without a word once the unread events outgrow
+                # this buffer and the server's.
+                self._warned = True
+                log.warning(
+                    "the SDK holds %d unread events (%d bytes of tensor data) of a stream, its limit: it "
+                    "stops reading until they are read, and the server then holds the calls this stream "
+                    "blocks (a session's own calls); read hook.events() while calls run, or raise the "
+                    "limits (ConnectOptions.session_max_events / session_max_bytes; docs/sdk.md)",
+                    self.held_events, self.held_bytes)
             self._room.clear()
             await self._room.wait()
 

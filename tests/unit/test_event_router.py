@@ -29,3 +29,21 @@ async def test_without_a_timeout_too() -> None:
     router.route(CallEnded("req_1", "m"))
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(reader, 120)
+
+
+async def test_a_block_stream_that_stops_reading_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Regression guard (issue 34 review): under "block" the SDK stops reading at its bound, so
+    a session whose calls are awaited before their events are read hung without a word once the
+    unread events outgrew the SDK's buffer and the server's. It logs a warning naming the fix."""
+    from hookwire.v1 import hook_pb2
+
+    router = EventRouter(policy="block", max_events=2)
+    for _ in range(2):
+        router.route((hook_pb2.InterceptEvent(hook_id="hk_1"), None))
+    with caplog.at_level("WARNING", logger="hookwire"):
+        for _ in range(2):
+            with pytest.raises(TimeoutError):  # it waits for a reader (the warning comes first)
+                await asyncio.wait_for(router.room(), 0.01)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hookwire"]
+    assert len(warnings) == 1 and "stops reading until they are read" in warnings[0], warnings
+    assert "session_max_events" in warnings[0]
