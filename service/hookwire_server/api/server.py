@@ -256,6 +256,9 @@ class HookwireServer:
             raise ValueError("infer_stream_idle_timeout must be positive (seconds)")
         if settings.generate_idle_timeout <= 0:
             raise ValueError("generate_idle_timeout must be positive (seconds)")
+        if settings.memory_budget_bytes < 0:
+            raise ValueError("memory_budget_bytes must be 0 (70% of the memory the process may use) or a positive "
+                             "number of bytes")
         interceptor = AuthInterceptor(self.tokens, client_certs=bool(settings.tls_client_ca))
         server = grpc.aio.server(
             options=channel_options(settings.max_message_bytes, settings.keepalive_time, settings.keepalive_timeout),

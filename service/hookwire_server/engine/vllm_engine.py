@@ -65,6 +65,7 @@ import torch
 from ..errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unimplemented
 from ..hooks.hook_record import HookRecord
 from ..hooks.passes import Pass
+from ..models.memory_estimate import weight_bytes
 from ..models.model_loading import ConfigError, ModelConfig, load_tokenizer
 from ..models.model_registry import BatchConfig, ModelHost, OutputView
 from hookwire.wire import codec
@@ -204,7 +205,7 @@ def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLi
     # What it keeps for good, in the server's memory budget (memory_budget.py): its KV cache
     # (allocated at start; vLLM's scheduler admits calls within it, so they claim nothing)
     # and its weights, in this process or in its workers' on the same machine.
-    engine.resident = sizes.kv_cache_bytes + (_weight_bytes(model) if link is None else _folder_weight_bytes(folder))
+    engine.resident = _resident_bytes(sizes.kv_cache_bytes, model if link is None else None, folder)
     host.loaded_engine = engine
     if link is not None:
         host.device = torch.device("cpu")  # rule operands: the server's hooks run on the host
@@ -497,21 +498,21 @@ class VllmCall(_Call):
         return self.laid_out
 
 
-def _weight_bytes(model: Any) -> int:
-    """Bytes of an in-process model's parameters and buffers (each storage once)."""
-    seen: set[int] = set()
-    total = 0
-    for t in (*model.parameters(), *model.buffers()):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
+def _resident_bytes(kv_cache_bytes: int, model: Any, folder: pathlib.Path) -> int:
+    """What a vLLM model keeps in host memory: on vLLM's CPU build its KV cache and its
+    weights (an in-process ``model``'s, else the folder's weight files, which its worker
+    processes load); on an accelerator, whatever of the in-process model is on the host."""
+    try:
+        from vllm.platforms import current_platform
 
-
-def _folder_weight_bytes(folder: pathlib.Path) -> int:
-    """Bytes of a folder's weight files: what vLLM's worker processes load."""
-    return sum(p.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.pt") for p in folder.glob(pattern))
+        on_cpu = bool(current_platform.is_cpu())
+    except Exception:  # an older or unusual vLLM: count it, the safe side
+        on_cpu = True
+    if model is not None:
+        weights = weight_bytes(model)
+    else:
+        weights = sum(p.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.pt") for p in folder.glob(pattern))
+    return kv_cache_bytes + weights if on_cpu else (weights if model is not None else 0)
 
 
 class VllmEngine:

@@ -79,13 +79,16 @@ class HookStore:
     # ---------------------------------------------------------------- life
 
     def open(self) -> None:
-        """Creates the folders (mode 0700), takes the folder's lock and reads the clean-stop
+        """Creates the folders (mode 0700; an existing root keeps its mode), takes the folder's lock and reads the clean-stop
         marker (removing it: a crash from now on leaves none). StateDirError when the
         folder cannot be made or is in use by another server. Blocks briefly."""
         try:
-            for folder in (self.root, self.folder):
-                folder.mkdir(mode=0o700, parents=folder is self.root, exist_ok=True)
-                os.chmod(folder, 0o700)  # an existing folder too: hook specs are private
+            # The root may be an operator's existing folder: made 0700 when missing, its mode
+            # otherwise left as it is; the hooks' own folder is ours and private (the files
+            # in it are 0600 too).
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.folder.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(self.folder, 0o700)
             fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise StateDirError(f"state_dir {self.root}: {exc.strerror or exc}") from None

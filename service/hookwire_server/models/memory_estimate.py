@@ -147,6 +147,21 @@ def decoder_shape(module: nn.Module) -> DecoderShape | None:
                         itemsize, int(positions) if positions else None)
 
 
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers in host memory, each storage once
+    (tied weights count once; tensors on an accelerator or the meta device not at all)."""
+    seen: set[int] = set()
+    total = 0
+    for t in (*module.parameters(), *module.buffers()):
+        if t.device.type != "cpu" or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 def decoder_forward(
     shape: DecoderShape, rows: int, tokens: int, *, past: int = 0, logits_tokens: int | None = None,
 ) -> dict[str, int]:
@@ -257,12 +272,16 @@ def probe_forward(module: nn.Module, inputs: Inputs) -> tuple[int, int]:
                   for k, v in inputs[1].items()}
     tracker = _LiveBytes()
     _PROBING.on = True
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # a forward fake tensors cannot run is ours to report, once
     try:
         with torch.no_grad(), fake, tracker:
             out = module(*args, **kwargs)
             outputs = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
     finally:
         _PROBING.on = False
+        quiet.setLevel(level)
     return tracker.peak, outputs
 
 
@@ -280,16 +299,7 @@ class Estimator:
 
     def resident_bytes(self) -> int:
         """Bytes of the model's parameters and buffers in host memory (what it keeps)."""
-        seen: set[int] = set()
-        total = 0
-        for t in (*self._module.parameters(), *self._module.buffers()):
-            if t.device.type != "cpu" or t.is_meta:
-                continue
-            key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-        return total
+        return weight_bytes(self._module)
 
     @staticmethod
     def token_shape(inputs: Inputs) -> tuple[int, int] | None:
