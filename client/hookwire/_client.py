@@ -10,7 +10,7 @@ import logging
 import os
 import urllib.parse
 from types import TracebackType
-from typing import Any, AsyncIterator, Generator, Iterable, Literal, Mapping, Protocol, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Generator, Iterable, Literal, Mapping, Protocol, Sequence, Union
 
 import grpc
 
@@ -495,6 +495,16 @@ class Client:
                 self._session = await Session.open(self)
             return self._session
 
+    def own_call(self, session_id: str) -> Callable[[], None]:
+        """Counts a call made in the client's session ``session_id`` as in flight on the
+        session's stream until the returned function is called: a "block" session stream
+        is read past its bound meanwhile (EventRouter.own_call). A no-op for another or no
+        session."""
+        session = self._session
+        if session_id and session is not None and not session.ended and session.session_id == session_id:
+            return session.router.own_call()
+        return lambda: None
+
     @property
     def session_id(self) -> str:
         """The open session's id, or "" before one is opened."""
@@ -948,6 +958,19 @@ class RemoteModel:
             )
         elif not stream and (chunker.tensors or self._client.options.max_message_bytes < UNARY_MIN_MESSAGE_BYTES):
             stream = True  # large inputs, or a message limit a unary reply may not fit, need the stream
+        # A call in the session waits on the server for the session stream's reader: its
+        # events are read past the SDK's bound while it runs (EventRouter.own_call).
+        release = self._client.own_call(request.session_id)
+        try:
+            return await self._infer_call(request, chunker, stream, progress, kind)
+        finally:
+            release()
+
+    async def _infer_call(
+        self, request: model_service_pb2.InferRequest, chunker: codec.Chunker, stream: bool, progress: bool | None,
+        kind: Any,
+    ) -> InferResult:
+        sizes = self._client.call_sizes
         if not stream:
             reply = await self._client._unary(self._client.tensor_calls.infer, request)
             if type(reply) is CutReply:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from types import TracebackType
-from typing import Any, AsyncIterator, Generator, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Generator, Sequence, Union
 
 import grpc
 import numpy as np
@@ -145,6 +145,8 @@ class GenerateStream:
         self._result: GenerateResult | None = None
         self._error: HookwireError | None = None
         self._cancelled = False
+        #: Ends the call's count among its session's own calls in flight (EventRouter.own_call).
+        self._own: Callable[[], None] = lambda: None
         #: Notices about the call's own hooks received so far (e.g. one disabled by a rule).
         self.notices: list[Notice] = []
 
@@ -186,6 +188,7 @@ class GenerateStream:
         if self._cancelled:
             raise self._fail(CancelledError("the Generate call was cancelled before it started"))
         self._call = self._client.tensor_calls.generate(self.request)
+        self._own = self._client.own_call(self.request.session_id)  # its steps wait for the session's reader
         msg = await self._read()
         if msg is grpc.aio.EOF or kind_of(msg) != "started":
             raise self._fail(HookwireError("the Generate stream did not start with `started`", code="DATA_LOSS"))
@@ -218,6 +221,7 @@ class GenerateStream:
         (the server's audit log and metrics would count a finished call as CANCELLED).
         Its result stands whatever the status says."""
         assert self._call is not None
+        self._own()
         try:
             await self._call.read()
         except (grpc.RpcError, asyncio.CancelledError):
@@ -225,6 +229,7 @@ class GenerateStream:
                 raise
 
     def _fail(self, error: HookwireError) -> HookwireError:
+        self._own()
         self._error = error
         if self._call is not None:
             self._call.cancel()  # a no-op once it has finished
@@ -321,6 +326,7 @@ class GenerateStream:
     # ------------------------------------------------------------------ cancelling
 
     def _cancel(self) -> None:
+        self._own()
         if self._result is None and self._error is None:
             self._cancelled = True
         if self._call is not None:

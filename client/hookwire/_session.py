@@ -290,6 +290,11 @@ class EventRouter:
         #: Events of the stream the SDK dropped itself (its buffer was full).
         self.dropped = 0
         self._waiting = 0  # readers waiting for an event that has not arrived
+        #: The owner's own calls in the stream's session now in flight (Infer awaited,
+        #: Generate streaming): under "block" the SDK reads past its bound while there is
+        #: one, because such a call waits for this stream's reader (see room).
+        self.own_calls = 0
+        self._warned_own = False
         self._room = asyncio.Event()
         self._warned = False  # room() said once that the SDK stopped reading
         #: Called with a hook id before an event of a hook whose modules are not known
@@ -370,12 +375,41 @@ class EventRouter:
         takes events in order); under drop_newest, those made before it arrived."""
         return self.dropped if self.policy == "drop_oldest" else entry.dropped_before
 
+    def own_call(self) -> Callable[[], None]:
+        """Counts one of the owner's calls in the stream's session as in flight until the
+        returned function is called (idempotent). While one is, a "block" stream is read
+        past its bound: that call waits on the server for this stream's reader, and a
+        program that awaits its call before reading the call's events (the quickstart's
+        pattern) would otherwise wait for ever once they outgrow both buffers."""
+        self.own_calls += 1
+        self._room.set()
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.own_calls -= 1
+
+        return release
+
+    def _over(self) -> bool:
+        return self.held_events >= self.max_events or self.held_bytes >= self.max_bytes
+
     async def room(self) -> None:
         """Waits until the stream may be read further (the pump calls it between items): at
         once under a drop policy; under "block" once fewer than the limits are held, a
-        reader waits for an event not yet read, or the stream is over."""
-        while (self.policy == "block" and not self.closed and not self._waiting
-               and (self.held_events >= self.max_events or self.held_bytes >= self.max_bytes)):
+        reader waits for an event not yet read, one of the owner's own calls in the
+        session is in flight (``own_call``), or the stream is over."""
+        if self.own_calls and self.policy == "block" and self._over() and not self._warned_own:
+            self._warned_own = True
+            log.warning(
+                "the SDK holds %d unread events (%d bytes of tensor data) of its session stream, past its "
+                "limit, because the session's own calls wait for them to be read; they are held in memory "
+                "until hook.events() reads them (read them while calls run to keep memory bounded; docs/sdk.md)",
+                self.held_events, self.held_bytes)
+        while (self.policy == "block" and not self.closed and not self._waiting and not self.own_calls
+               and self._over()):
             if not self._warned:
                 # Once per stream: a session whose calls are awaited before their events
                 # are read otherwise hangs without a word once the unread events outgrow

@@ -7,7 +7,7 @@ _client imports _generation and _harvest without an import cycle.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import grpc
 
@@ -42,6 +42,10 @@ class Transport(Protocol):
     def harvest_stub(self) -> harvest_service_pb2_grpc.HarvestServiceStub: ...
 
     def model(self, name: str) -> Any: ...
+
+    def own_call(self, session_id: str) -> Callable[[], None]:
+        """Counts a call made in session ``session_id`` as in flight on that session's
+        stream until the returned function is called (see EventRouter.own_call)."""
 
 
 async def unary(client: Transport, method: Any, request: Any) -> Any:

@@ -223,9 +223,12 @@ async def test_a_block_stream_that_is_not_read_fills_the_servers_buffer_not_the_
     ahead before; it must stay that way through the SDK's buffer.)"""
     bound = 8
     options = hookwire.ConnectOptions(session_policy="block", session_max_events=bound)
-    async with hookwire.connect(server.target, options=options) as owner:
+    async with hookwire.connect(server.target, options=options) as owner, hookwire.connect(server.target) as other:
         if stream == "session":
-            hook = await owner.model("scale").hook("", posthook=hookwire.capture("output"))
+            # The owner's calls made outside the session (another connection of the same
+            # principal) fill it: while a call *in* the session is in flight the SDK reads on
+            # (test_an_own_call_whose_events_outgrow_both_buffers_still_completes).
+            hook = await owner.model("scale").hook("", posthook=hookwire.capture("output"), scope="all")
             session = await owner.session()
             router = session.router
             found = server.call(lambda: server.server.hooks._sessions[session.session_id].stream)
@@ -243,7 +246,7 @@ async def test_a_block_stream_that_is_not_read_fills_the_servers_buffer_not_the_
 
         async def produce() -> None:
             while not stop.is_set():
-                made.append((await owner.model("scale").infer(x, use_session=stream == "session")).request_id)
+                made.append((await other.model("scale").infer(x)).request_id)
 
         producer = asyncio.ensure_future(produce())
         try:
@@ -267,6 +270,22 @@ async def test_a_block_stream_that_is_not_read_fills_the_servers_buffer_not_the_
         assert [e.request_id for e in got] == made
         if stream == "subscription":
             await source.aclose()
+        await hook.remove()
+
+
+async def test_an_own_call_whose_events_outgrow_both_buffers_still_completes(server) -> None:
+    """A session hook on every module of mlp, both buffers (the server's and the SDK's)
+    holding 2 events under BLOCK: one call in the session makes more (and larger) events
+    than both and gRPC's flow-control window hold. Awaiting the call before reading its events (the quickstart's pattern) must not
+    wait for ever: while the session's own call is in flight the SDK reads on."""
+    options = hookwire.ConnectOptions(session_policy="block", session_max_events=2)
+    async with hookwire.connect(server.target, options=options) as client:
+        hook = await client.model("mlp").hook("**", posthook=hookwire.capture("output"))
+        # 4 MiB an event (fc1's and the ReLU's outputs): gRPC's window does not hold them all.
+        result = await asyncio.wait_for(client.model("mlp").infer(torch.ones(32768, 8)), LIVENESS)
+        events = [e async for e in hook.events(until=result)]
+        assert len(events) > 4 and all(e.dropped == 0 for e in events), [e.module for e in events]
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))
         await hook.remove()
 
 
