@@ -287,7 +287,7 @@ def probe_forward(module: nn.Module, inputs: Inputs) -> tuple[int, int]:
 
 class Estimator:
     """One model's estimates (see the module docstring). ``infer`` and ``generate`` are
-    cheap (the event loop); ``needs_probe``/``probe`` are for models without a config."""
+    cheap (the event loop); ``cached``/``probe`` are for models without a config."""
 
     def __init__(self, module: nn.Module, *, bytes_per_input_element: float | None = None) -> None:
         self._module = module
