@@ -7,6 +7,10 @@ import contextlib
 import inspect
 import os
 import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
@@ -384,3 +388,32 @@ def read_dataset(folder: pathlib.Path) -> dict[str, torch.Tensor]:
             for key in f.keys():
                 parts.setdefault(key, []).append(f.get_tensor(key))
     return {k: torch.cat(v) for k, v in parts.items()}
+
+
+@contextlib.contextmanager
+def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``hookwire serve --port 0 ARGS`` in a process of its own (``env`` added to this
+    process's environment); yields the process and its target once it serves, and stops
+    it with SIGTERM after (AssertionError unless it exits cleanly within a minute)."""
+    log = tempfile.TemporaryFile(mode="w+")  # an undrained pipe would stall the server
+    proc = subprocess.Popen([sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})})
+    assert proc.stdout is not None
+    try:
+        line = proc.stdout.readline()
+        if "serving" not in line:
+            proc.kill()
+            log.seek(0)
+            raise AssertionError(f"server did not start: {line!r} {log.read()}")
+        yield proc, line.rsplit(" ", 1)[-1].strip()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+                raise AssertionError("the server did not stop within a minute of SIGTERM") from None
+        log.close()
+        assert proc.returncode in (0, -signal.SIGTERM, -signal.SIGKILL), f"the server exited with {proc.returncode}"

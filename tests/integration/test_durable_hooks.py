@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pathlib
 import signal
 import stat
-import subprocess
-import sys
-import tempfile
 
 import pytest
 import torch
@@ -21,7 +17,7 @@ from hookwire_server import HookwireServer, ModelHost, ModelRegistry, ServerSett
 from hookwire_server.auth import hash_token
 from hookwire_server.demo_models import mlp
 from hookwire_server.hooks.hook_store import StateDirError
-from support import ServerThread, serving, until
+from support import ServerThread, serve_process, serving, until
 
 TOKENS = {name: f"hwt_durable_{name}" for name in ("alice", "obs", "ops", "gone")}
 ROLE = {"alice": "user", "obs": "observer", "ops": "operator", "gone": "observer"}
@@ -164,39 +160,21 @@ async def test_without_authentication_hooks_come_back_too(tmp_path) -> None:
             assert await ops.list_hooks() == []
 
 
-def _serve(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
-    """``hookwire serve`` in a process of its own; its target once it serves."""
-    log = tempfile.TemporaryFile(mode="w+")  # an undrained pipe would stall the server
-    proc = subprocess.Popen([sys.executable, "-m", "hookwire._cli", "serve", "--port", "0",
-                             "--model", "mlp=hookwire_server.demo_models:mlp", *args],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})})
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "serving" not in line:
-        proc.kill()
-        log.seek(0)
-        raise AssertionError(f"server did not start: {line!r} {log.read()}")
-    return proc, line.rsplit(" ", 1)[-1].strip()
-
-
 async def test_hookwire_serve_state_dir_flag_and_variable(tmp_path) -> None:
     """The CLI path: models load after the server starts, so their hooks are restored once
     they have loaded, before the server reports SERVING."""
     state = tmp_path / "state"
-    proc, target = _serve("--state-dir", str(state))
-    try:
+    model_flag = ("--model", "mlp=hookwire_server.demo_models:mlp")
+    with serve_process(*model_flag, "--state-dir", str(state)) as (proc, target):
         async with hookwire.connect(target) as client:
             hook = await client.model("mlp").hook("fc1", posthook=hookwire.capture("output"), scope="all",
                                                   ttl_seconds=600)
-    finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-    proc, target = _serve(env={"HOOKWIRE_STATE_DIR": str(state)})
-    try:
+    with serve_process(*model_flag, env={"HOOKWIRE_STATE_DIR": str(state)}) as (proc, target):
         async with hookwire.connect(target) as client:
             assert [h.hook_id for h in await client.list_hooks()] == [hook.id]
             async with client.subscribe([hook.id]) as sub:
                 assert (await _first_event(sub, client)).module == "fc1"
-    finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

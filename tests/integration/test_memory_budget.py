@@ -16,13 +16,8 @@ asks for fails the call there instead of taking this machine down.
 from __future__ import annotations
 
 import asyncio
-import os
 import pathlib
 import resource
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,7 +31,7 @@ from hookwire.v1 import harvest_service_pb2 as hv
 from hookwire.v1 import harvest_service_pb2_grpc as hv_grpc
 from hookwire.wire.codec import encode_tensor
 from hookwire_server.demo_models import tiny_lm, tiny_transformer
-from support import PROCESS_LIVENESS, until
+from support import PROCESS_LIVENESS, serve_process, until
 
 GIB = 1 << 30
 BUDGET = 3 * GIB // 2
@@ -55,28 +50,10 @@ def _vm_size(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def capped_server() -> Iterator[str]:
-    log = tempfile.TemporaryFile(mode="w+")
-    env = dict(os.environ, HOOKWIRE_MEMORY_BUDGET_BYTES=str(BUDGET))
-    proc = subprocess.Popen([sys.executable, "-m", "hookwire._cli", "serve", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "serving" not in line:
-        proc.kill()
-        log.seek(0)
-        raise AssertionError(f"server did not start: {line!r} {log.read()}")
-    ceiling = _vm_size(proc.pid) + HEADROOM
-    resource.prlimit(proc.pid, resource.RLIMIT_AS, (ceiling, ceiling))
-    try:
-        yield line.rsplit(" ", 1)[-1].strip()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        assert proc.returncode in (0, -signal.SIGTERM), "the server did not exit cleanly"
-        log.close()
+    with serve_process(env={"HOOKWIRE_MEMORY_BUDGET_BYTES": str(BUDGET)}) as (proc, target):
+        ceiling = _vm_size(proc.pid) + HEADROOM
+        resource.prlimit(proc.pid, resource.RLIMIT_AS, (ceiling, ceiling))
+        yield target
 
 
 async def _healthy(target: str) -> None:
