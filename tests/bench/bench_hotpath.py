@@ -87,6 +87,7 @@ import grpc
 import torch
 
 import hookwire
+from hookwire.v1 import hook_service_pb2, hook_service_pb2_grpc
 
 HERE = pathlib.Path(__file__).resolve().parent
 MIB = 1 << 20
@@ -582,9 +583,16 @@ async def p4_p5(s: Setup) -> None:
         async def stalled_subscriber() -> RoundResult:
             hook = await operator.model(name).hook("encoder.layers.*", posthook=hookwire.capture("output"),
                                                    scope="all", ttl_seconds=600)
-            sub = operator.subscribe([hook.id], policy="drop_oldest", max_events=64)
+            # A subscriber that stops reading at the socket (a frozen process): a raw stream
+            # on a channel whose receive window stays small, read up to `subscribed`, then
+            # never. (The SDK's own subscriber keeps reading under DROP_OLDEST and drops in
+            # its bounded buffer, so the server would drop nothing for it.)
+            channel = grpc.aio.insecure_channel(s.target, options=[("grpc.http2.bdp_probe", 0)])
+            sub = hook_service_pb2_grpc.HookServiceStub(channel).Subscribe(hook_service_pb2.SubscribeRequest(
+                hook_ids=[hook.id], delivery=hook_service_pb2.DeliveryOptions(
+                    policy=hook_service_pb2.DELIVERY_POLICY_DROP_OLDEST, max_events=64)))
             try:
-                await sub.start()  # attached; never read
+                await sub.read()  # `subscribed`: attached; never read again
                 before = s.metrics.dropped(name)
                 for i in range(1, 1001):  # until the buffer is full and events are dropped
                     await call()
@@ -600,7 +608,8 @@ async def p4_p5(s: Setup) -> None:
                 stats["rounds"] += 1
                 return result
             finally:
-                await sub.aclose()
+                sub.cancel()
+                await channel.close()
                 await hook.remove()
 
         res5 = await interleaved([
