@@ -135,6 +135,21 @@ def stalling_tiny_lm(passes: int = -1, stalled: str = "") -> nn.Module:
     return model
 
 
+class Hungry(nn.Module):
+    """Allocates x bytes in its forward (a size only the data says: no estimate foresees
+    it), then returns x."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = torch.empty(int(x.item()), dtype=torch.uint8)
+        del scratch
+        return x
+
+
+def hungry_factory() -> nn.Module:
+    """The Hungry model, for a server process."""
+    return Hungry()
+
+
 def failing_factory() -> nn.Module:
     """A factory that fails, as a model with corrupt weights would."""
     raise RuntimeError("weights are corrupt")

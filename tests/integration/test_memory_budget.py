@@ -16,6 +16,7 @@ asks for fails the call there instead of taking this machine down.
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import resource
 from collections.abc import Iterator
@@ -50,7 +51,10 @@ def _vm_size(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def capped_server() -> Iterator[str]:
-    with serve_process(env={"HOOKWIRE_MEMORY_BUDGET_BYTES": str(BUDGET)}) as (proc, target):
+    tests = str(pathlib.Path(__file__).resolve().parents[1])  # support.py's hungry model
+    env = {"HOOKWIRE_MEMORY_BUDGET_BYTES": str(BUDGET),
+           "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)}
+    with serve_process("--demo", "--model", "hungry=support:hungry_factory", env=env) as (proc, target):
         ceiling = _vm_size(proc.pid) + HEADROOM
         resource.prlimit(proc.pid, resource.RLIMIT_AS, (ceiling, ceiling))
         yield target
@@ -167,3 +171,15 @@ async def test_a_call_whose_caller_left_keeps_its_claim_until_its_pass_is_back(m
         assert claimed > 0 or not running, "given back while its pass still runs"
         await until(lambda: srv.call(lambda: budget.claimed) == 0, "given back once the pass is back")
         assert (await client.model("sleeper")(torch.tensor(0.0))).item() == 0.0
+
+
+async def test_an_allocation_no_estimate_foresaw_fails_its_call_as_out_of_memory(capped_server: str) -> None:
+    # The hungry model allocates what its input's value says (100 GiB here): the address-
+    # space ceiling refuses it inside the pass; the call is RESOURCE_EXHAUSTED naming the
+    # model (not INVALID_ARGUMENT blaming a module), and the server goes on.
+    async with hookwire.connect(capped_server) as client:
+        with pytest.raises(hookwire.ResourceExhaustedError) as info:
+            await client.model("hungry")(torch.tensor(100.0 * GIB))
+        assert "ran out of memory" in str(info.value) and "'hungry'" in str(info.value), str(info.value)
+        assert (await client.model("hungry")(torch.tensor(8.0))).item() == 8.0
+    await _healthy(capped_server)

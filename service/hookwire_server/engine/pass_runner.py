@@ -131,11 +131,18 @@ def model_error(host: Any, what: str, exc: Exception) -> Exception:
     InvalidArgument naming the innermost module of the model it failed in."""
     if isinstance(exc, HookwireServerError):
         return exc
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or _cpu_allocation_failed(exc):
         return ResourceExhausted(f"{what} of model {host.name!r} ran out of memory: {exc}")
     where = _failing_module(host, exc)
     log.info("%s of %s failed in %r: %r", what, host.name, where, exc)
     return InvalidArgument(f"{what} failed in {where}: {type(exc).__name__}: {exc}")
+
+
+def _cpu_allocation_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's CPU allocator failing (a RuntimeError, not an
+    OutOfMemoryError: "DefaultCPUAllocator: can't allocate memory"), as under a memory
+    limit (RLIMIT_AS, a cgroup) that the memory budget's estimate did not foresee."""
+    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
 
 
 def _failing_module(host: Any, exc: BaseException) -> str:
