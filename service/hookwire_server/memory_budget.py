@@ -28,6 +28,7 @@ import os
 import resource
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from .errors import ResourceExhausted
 
@@ -109,12 +110,24 @@ class Claim:
         self._budget = budget
         self.bytes = nbytes
         self._released = False
+        self._until: asyncio.Future[Any] | None = None
 
     def release(self) -> None:
-        """Gives the bytes back (waiting calls may start). Event loop; idempotent."""
+        """Gives the bytes back (waiting calls may start); after ``hold_until``, only once
+        its future is done. Event loop; idempotent."""
+        if self._until is not None and not self._until.done():
+            return
         if not self._released:
             self._released = True
             self._budget._give_back(self.bytes)
+
+    def hold_until(self, future: asyncio.Future[Any]) -> None:
+        """Keeps the bytes claimed until ``future`` is done (then gives them back), whatever
+        ``release`` is called before: for a call whose caller left while the model still
+        holds its memory (a Generate call's step in flight and its KV cache, until its
+        engine ends it). Event loop."""
+        self._until = future
+        future.add_done_callback(lambda _: self.release())
 
     def __enter__(self) -> Claim:
         return self

@@ -183,3 +183,29 @@ async def test_an_allocation_no_estimate_foresaw_fails_its_call_as_out_of_memory
         assert "ran out of memory" in str(info.value) and "'hungry'" in str(info.value), str(info.value)
         assert (await client.model("hungry")(torch.tensor(8.0))).item() == 8.0
     await _healthy(capped_server)
+
+
+async def test_a_generate_call_whose_caller_left_keeps_its_claim_until_its_engine_ends_it(make_server: Any) -> None:
+    # The caller closes the stream after its first tokens; the model's scheduler is held,
+    # so the engine cannot end the call yet: its KV cache (and any step in flight) lives
+    # on, and so must its claim in the budget, given back once the engine has ended it.
+    srv = make_server()
+    budget = srv.call(lambda: srv.server.state.budget)
+    scheduler = srv.call(lambda: srv.server.engines.scheduler(srv.server.registry.get("tiny-lm")))
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(6))
+    async with hookwire.connect(srv.target) as client:
+        stream = client.model("tiny-lm").generate(ids, 40)
+        async for item in stream:
+            if isinstance(item, hookwire.GeneratedTokens):
+                break
+        assert srv.call(lambda: budget.claimed) > 0
+        srv.call(scheduler.hold)
+        try:
+            await stream.aclose()
+            await until(lambda: not srv.call(lambda: srv.server.generation._active.get("tiny-lm", 0)),
+                        "the call ended on the server")
+            assert srv.call(lambda: budget.claimed) > 0, "given back before its engine ended the call"
+        finally:
+            srv.call(scheduler.release)
+        await until(lambda: srv.call(lambda: budget.claimed) == 0, "given back once the engine ended it")
+        assert (await client.model("tiny-lm").generate(ids, 2)).steps >= 1

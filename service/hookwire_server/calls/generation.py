@@ -64,6 +64,7 @@ from ..hooks.hook_manager import HookManager
 from ..hooks.hook_record import HookRecord
 from ..hooks.hook_specs import hook_modules
 from .. import limits
+from ..memory_budget import Claim
 from ..models.model_registry import ModelHost
 from ..models.positions import check_positions, position_limit
 from ..hooks.passes import Pass
@@ -495,7 +496,7 @@ class Generation:
             )
             run = self._run(request, host, principal, options, ids, mask, request_id, records, stop_criteria,
                             session.stream if session is not None else None,
-                            group=group)
+                            group=group, claim=claim)
             try:
                 async for message in run:
                     yield message
@@ -544,7 +545,7 @@ class Generation:
     async def _run(
         self, request: model_service_pb2.GenerateRequest, host: ModelHost, principal: Principal,
         options: GenerateOptions, ids: torch.Tensor, mask: torch.Tensor, request_id: str, records: list[HookRecord],
-        stop_criteria: Any, session_stream: Any, *, group: str | None = None,
+        stop_criteria: Any, session_stream: Any, *, group: str | None = None, claim: Claim | None = None,
     ) -> AsyncGenerator[model_service_pb2.GenerateResponse | bytes, None]:
         mailbox = _Mailbox(asyncio.get_running_loop(), self._hooks.held_bytes, principal.name)
         put = mailbox.put
@@ -577,8 +578,10 @@ class Generation:
         # step ("ended"), come through the mailbox.
         items: list[tuple[Any, ...]] = []
         last: tuple[Any, ...] = ()
+        queued = False
         try:
             self._engines.start(host, work)
+            queued = True
             step = 0
             while True:
                 items = await self._take(mailbox, work, host)
@@ -671,6 +674,8 @@ class Generation:
                 # may be gone, and the model is free for others at once.
                 call.ended = call.ended or "cancelled"
                 call.wake()
+                if claim is not None and queued:  # its step in flight and its KV cache live on
+                    claim.hold_until(work.future)  # until then: so does its claim in the budget
             elapsed = time.perf_counter() - started
             metrics = self._state.metrics
             metrics.generate_seconds.labels(host.name).observe(elapsed)
