@@ -209,3 +209,18 @@ async def test_a_generate_call_whose_caller_left_keeps_its_claim_until_its_engin
             srv.call(scheduler.release)
         await until(lambda: srv.call(lambda: budget.claimed) == 0, "given back once the engine ended it")
         assert (await client.model("tiny-lm").generate(ids, 2)).steps >= 1
+
+
+async def test_a_call_on_an_engine_that_sizes_its_own_memory_that_ran_past_its_deadline_says_so(
+    make_server: Any,
+) -> None:
+    # An engine without an estimator (vLLM's: its KV cache is sized when it loads) claims
+    # nothing; a call whose pass ran past infer_timeout never waited for memory.
+    srv = make_server(infer_timeout=0.5)
+    host = srv.call(lambda: srv.server.registry.get("sleeper"))
+    srv.call(lambda: setattr(srv.server.engines.engine(host), "estimator", None))
+    async with hookwire.connect(srv.target) as client:
+        with pytest.raises(hookwire.DeadlineExceededError) as info:
+            await client.model("sleeper")(torch.tensor(1.2))
+        assert "ran past" in str(info.value) and "memory budget" not in str(info.value), str(info.value)
+        await until(lambda: not srv.call(lambda: host._executor.busy), "the stray pass ended")

@@ -363,6 +363,7 @@ class Inference:
         started = time.perf_counter()
         outcome = "error"
         claim = None
+        admitted = False  # past the memory budget (claim stays None for an engine that sizes its own)
         try:
             work = Work(
                 INFER, call, key=shape.key if shape is not None else None,
@@ -384,6 +385,7 @@ class Inference:
                         host, self._engines.engine(host), f"Infer on {host.name!r}",
                         lambda estimator: estimator.infer(inputs, captures=captures), probe=inputs,
                     )
+                    admitted = True
                     response = await self._engines.submit(host, work)
             except HookwireServerError as exc:
                 # Failed (e.g. an output with no wire form): the events its pass kept for a full
@@ -400,7 +402,7 @@ class Inference:
             return response
         except asyncio.TimeoutError:
             outcome = "timeout"
-            if claim is None:  # it never got its memory: nothing of it ran
+            if not admitted:  # it never got its memory: nothing of it ran
                 raise DeadlineExceeded(
                     f"Infer on {host.name!r} waited past the server's limit of {self.limits.infer_timeout} s "
                     "(infer_timeout) for room in the memory budget (memory_budget_bytes), behind other calls"
