@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import weakref
 from types import TracebackType
 from typing import Any, AsyncIterator, Callable, Generator, Sequence, Union
 
@@ -189,6 +190,9 @@ class GenerateStream:
             raise self._fail(CancelledError("the Generate call was cancelled before it started"))
         self._call = self._client.tensor_calls.generate(self.request)
         self._own = self._client.own_call(self.request.session_id)  # its steps wait for the session's reader
+        # A stream dropped without being read to its end or closed (``break``, then nothing)
+        # must not leave its session stream read past its bound for good.
+        weakref.finalize(self, self._own)
         msg = await self._read()
         if msg is grpc.aio.EOF or kind_of(msg) != "started":
             raise self._fail(HookwireError("the Generate stream did not start with `started`", code="DATA_LOSS"))

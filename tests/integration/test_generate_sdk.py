@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import pathlib
 import re
@@ -342,3 +343,22 @@ def test_the_readme_generation_example_runs(server: ServerThread) -> None:
     (greedy,) = oracle.generate(ids, mask, 16, do_sample=False)
     assert lines[0] == f"{oracle.text(greedy)!r} {'eos' if greedy[-1] == oracle.EOS else 'length'}"
     assert lines[-1].endswith("[2, 2, 2, 2, 2, 2, 2, 2]")  # both layers' events at each of the 8 steps
+
+
+async def test_a_generate_stream_dropped_unread_no_longer_counts_as_its_sessions_own_call(server: ServerThread) -> None:
+    # Left with `break` and never closed, then dropped: the session stream must meet
+    # back-pressure again (its "block" bound holds), not be read past it for good.
+    options = hookwire.ConnectOptions(session_policy="block")
+    async with hookwire.connect(server.target, options=options) as client:
+        session = await client.session()
+        stream = client.model("tiny-lm").generate(torch.tensor([[1, 2, 3]]), 20)
+        async for _ in stream:
+            break
+        assert session.router.own_calls == 1
+        del stream
+
+        def collected() -> bool:
+            gc.collect()
+            return session.router.own_calls == 0
+
+        await until(collected, "the dropped stream's count given back")
