@@ -177,11 +177,6 @@ class MemoryBudget:
                         "model the budget estimates is refused; raise memory_budget_bytes",
                         format_bytes(self.resident_bytes), format_bytes(self.limit), SETTING)
 
-    def forget(self, model: str) -> None:
-        """``model`` keeps nothing any more (unloaded)."""
-        self.resident.pop(model, None)
-        self._wake()
-
     def check(self, estimate: Estimate, what: str) -> None:
         """ResourceExhausted when ``estimate`` can never fit: more than the budget less
         what the models keep. ``what`` names the call ("Infer on 'tiny-lm'")."""
