@@ -1,0 +1,424 @@
+"""hookwire on vLLM beside `vllm serve` (issue 35's S1-S4 and F1): the same model folder,
+the same streaming clients, servers alternated, never two at once.
+
+Run in .venv-vllm (make test builds it), from the repository root:
+
+    .venv-vllm/bin/python tests/bench/bench_serving.py [--repeats 5] [--clients 8,32] [--tokens 64]
+        [--variants S1,S1n,S2,S2n,S3,S3n,S2r] [--hookwire default,inproc] [--no-compiled] [--tp 1]
+
+Model: a seeded Llama (hidden 512, 6 layers, 8 heads, vocabulary 32,000, float32) with a
+word-level tokenizer built in code that decodes every id ("t123") and has no end token:
+greedy calls always make their full length (no `ignore_eos` needed on either side).
+
+Servers (each started by the bench, in a process of its own, and stopped before the next):
+
+- `vllm-eager`: `python -m vllm.entrypoints.openai.api_server ... --enforce-eager
+  --no-enable-prefix-caching` (S1's baseline: vLLM with what hookwire had to turn off);
+- `vllm`: the same server with vLLM's defaults (compiled, prefix caching);
+- `hookwire` (`hookwire serve`, engine = "vllm"): `--hookwire default` runs the model
+  with the server's defaults, `inproc` with `worker_processes = false`.
+
+All with `max_model_len` 512, `max_num_seqs` 32, a 512 MiB KV cache and float32; torch
+threads are each server's own choice (what a user who runs it gets), printed.
+
+Variants, each at every client count (C clients x N tokens, streaming, greedy; tokens
+counted from what each client received):
+
+- S1: no hooks (every server);
+- S2: a SCOPE_ALL observer (a TTL hook, no session) capturing every decoder layer's last
+  position every step, read by a Subscribe stream with drop_oldest; its drops are
+  printed (hookwire only);
+- S2r: the same capture as each call's own request hooks, every event read by its client;
+- S3: a SCOPE_ALL steering rule (add a vector to layer 2's output) on every call and step;
+- a trailing `n` (S1n, S2n, S3n): the same while a competing process keeps one core busy
+  (`while True: pass`), started before and stopped after the variant.
+
+F1: each server's front process CPU time (user + system of the process the clients talk
+to, not its children: vLLM's engine core and workers) per generated token, from /proc.
+Start-up time (process start to serving) and the RSS of each process are printed.
+
+Method: per repeat, every server in turn (alternated); on each server the variants in a
+fixed interleaved order; each measured run is preceded by one unmeasured run of the same
+shape on that server start (warm). Medians and min-max spread over the repeats; ratios
+of medians against the baselines of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+VOCAB = 32000
+HIDDEN = 512
+LAYERS = 6
+
+
+def save_model(folder: pathlib.Path) -> None:
+    """The seeded Llama and its word-level tokenizer (no end token), as a folder."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                                               pad_token="<unk>")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=1376, num_hidden_layers=LAYERS,
+        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
+        pad_token_id=0, bos_token_id=1, eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+
+
+def prompts(count: int) -> list[str]:
+    """``count`` distinct 12-token prompts (distinct: no server gains from a shared prefix)."""
+    return [" ".join(f"t{100 + 37 * i + j}" for j in range(12)) for i in range(count)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` alone (all its threads, no children)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_tree(pid: int) -> dict[str, int]:
+    """RSS in MiB of ``pid`` and each of its descendants, by name."""
+    import psutil
+
+    out: dict[str, int] = {}
+    try:
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                name = " ".join(p.cmdline()[1:3])[:40] or p.name()
+                out[f"{p.pid} {name}"] = p.memory_info().rss >> 20
+    except psutil.Error:
+        pass
+    return out
+
+
+@dataclass
+class Server:
+    """One server kind the bench starts."""
+    name: str
+    kind: str  # "vllm" or "hookwire"
+    args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    target: str = ""
+    startup: list[float] = field(default_factory=list)
+    rss: dict[str, int] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def running(server: Server, folder: pathlib.Path, tp: int, work: pathlib.Path) -> Iterator[Server]:
+    """Starts ``server`` and waits until it serves; stops it (SIGTERM, then SIGKILL) after."""
+    log = open(work / f"{server.name}.log", "ab")
+    env = dict(os.environ)
+    started = time.perf_counter()
+    if server.kind == "vllm":
+        port = free_port()
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+               "--served-model-name", "llama", "--host", "127.0.0.1", "--port", str(port),
+               "--max-model-len", "512", "--max-num-seqs", "32", "--kv-cache-memory-bytes", str(512 << 20),
+               "--dtype", "float32", "--seed", "0", "--tensor-parallel-size", str(tp), *server.args]
+        server.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        server.target = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 900
+        while True:
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"{server.name} exited with {server.proc.returncode}: see {log.name}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{server.target}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{server.name} did not start within 15 minutes: see {log.name}")
+            time.sleep(0.5)
+    else:
+        config = work / f"{server.name}.toml"
+        settings = {"max_model_len": 512, "max_num_seqs": 32, "kv_cache_bytes": 512 << 20, "dtype": "float32"}
+        if tp > 1:
+            settings["tensor_parallel_size"] = tp
+        for arg in server.args:
+            key, value = arg.split("=", 1)
+            settings[key] = json.loads(value)
+        body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())
+        config.write_text(f'[[models]]\nname = "llama"\ntransformers = "{folder}"\nengine = "vllm"\n\n'
+                          f"[models.vllm]\n{body}\n")
+        cmd = [sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", "--config", str(config),
+               "--allow-shared-rules"]  # S3: an operator's steering rule for every call
+        server.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+        server.target = serving_target(server.proc, log)
+    server.startup.append(time.perf_counter() - started)
+    try:
+        yield server
+    finally:
+        server.rss = rss_tree(server.proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.proc.pid, signal.SIGTERM)
+        try:
+            server.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait(30)
+        time.sleep(1.0)  # vLLM's engine process busy-polls a while after its last message
+        log.close()
+
+
+def serving_target(proc: subprocess.Popen[bytes], log: Any) -> str:
+    """Reads ``hookwire serve``'s stdout (vLLM's own lines go there too) until the line
+    that names its target; a thread copies the rest to ``log`` (an undrained pipe would
+    stall the server)."""
+    import threading
+
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        log.write(raw)
+        line = raw.decode(errors="replace").strip()
+        if line.startswith("hookwire serving "):
+            threading.Thread(target=lambda: [log.write(more) for more in proc.stdout or ()], daemon=True).start()
+            return line.rsplit(" ", 1)[-1]
+    raise RuntimeError(f"hookwire serve exited with {proc.wait()} before serving: see {log.name}")
+
+
+async def vllm_clients(target: str, count: int, tokens: int) -> int:
+    """``count`` concurrent streaming completions through the OpenAI client; the tokens received."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{target}/v1", api_key="bench", max_retries=0, timeout=600)
+
+    async def one(prompt: str) -> int:
+        got = 0
+        stream = await client.completions.create(model="llama", prompt=prompt, max_tokens=tokens, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                got = chunk.usage.completion_tokens
+        return got
+
+    try:
+        return sum(await asyncio.gather(*(one(p) for p in prompts(count))))
+    finally:
+        await client.close()
+
+
+async def hookwire_clients(target: str, count: int, tokens: int, request_hooks: list[Any]) -> int:
+    """``count`` concurrent streaming Generate calls through the SDK; the tokens received
+    (and, with ``request_hooks``, every event read)."""
+    import hookwire
+
+    async with hookwire.connect(target) as client:
+        model = client.model("llama")
+
+        async def one(prompt: str) -> int:
+            got = 0
+            async for item in model.generate(prompt, tokens, do_sample=False, hooks=request_hooks,
+                                             use_session=False, keep_events=False):
+                if isinstance(item, hookwire.GeneratedTokens):
+                    got += sum(1 for t in item.token_ids if t != hookwire.GeneratedTokens.FINISHED)
+            return got
+
+        return sum(await asyncio.gather(*(one(p) for p in prompts(count))))
+
+
+@contextlib.asynccontextmanager
+async def operator_hooks(target: str, variant: str, drops: list[int]) -> Any:
+    """The SCOPE_ALL hooks of S2 (with a reader that counts its drops) and S3, as TTL
+    hooks an operator would register; removed after."""
+    import hookwire
+    from hookwire import HookSpec, capture, rules
+
+    if variant not in ("S2", "S3"):
+        yield
+        return
+    async with hookwire.connect(target) as client:
+        if variant == "S2":
+            spec = HookSpec("model.layers.*", posthook=capture("output", select="[:, -1]"), scope="all",
+                            ttl_seconds=3600)
+        else:
+            vector = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1))
+            spec = HookSpec("model.layers.2", posthook=[rules.add("output", vector)], scope="all", ttl_seconds=3600)
+        handle = await client.register_hook(spec, model="llama")
+        reader: asyncio.Task[None] | None = None
+        try:
+            if variant == "S2":
+                sub = client.subscribe([handle.id], policy="drop_oldest")
+                await sub.start()
+
+                async def read() -> None:
+                    async for event in sub:
+                        drops[0] += event.dropped
+
+                reader = asyncio.ensure_future(read())
+            yield
+        finally:
+            if reader is not None:
+                await asyncio.sleep(0.2)  # the last step's events
+                await sub.aclose()
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+            await client.deregister_hook(handle.id)
+
+
+@contextlib.contextmanager
+def busy_core(on: bool) -> Iterator[None]:
+    """A competing process that keeps one core busy (the OS places it), while inside."""
+    if not on:
+        yield
+        return
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def run_variant(server: Server, variant: str, clients: int, tokens: int) -> tuple[float, float, int]:
+    """One measured run: (tokens/s, front CPU seconds per token, drops)."""
+    base = variant.rstrip("n")
+    drops = [0]
+    assert server.proc is not None
+
+    async def go() -> tuple[int, float]:
+        async with operator_hooks(server.target, base, drops):
+            if server.kind == "vllm":
+                run = vllm_clients(server.target, clients, tokens)
+            else:
+                hooks: list[Any] = []
+                if base == "S2r":
+                    from hookwire import HookSpec, capture
+
+                    hooks = [HookSpec("model.layers.*", posthook=capture("output", select="[:, -1]"))]
+                run = hookwire_clients(server.target, clients, tokens, hooks)
+            with busy_core(variant.endswith("n")):
+                cpu0 = cpu_seconds(server.proc.pid)
+                t0 = time.perf_counter()
+                got = await run
+                elapsed = time.perf_counter() - t0
+                cpu = cpu_seconds(server.proc.pid) - cpu0
+        assert got == clients * tokens, f"{server.name} {variant}: {got} tokens received, {clients * tokens} asked"
+        return got, elapsed, cpu
+
+    got, elapsed, cpu = asyncio.run(go())
+    return got / elapsed, cpu / got, drops[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--clients", default="8,32")
+    ap.add_argument("--variants", default="S1,S1n,S2,S2n,S3,S3n,S2r")
+    ap.add_argument("--hookwire", default="default,inproc", help="hookwire modes: default, inproc, processes")
+    ap.add_argument("--no-compiled", action="store_true", help="leave out vLLM's compiled default server")
+    ap.add_argument("--tp", type=int, default=1)
+    args = ap.parse_args()
+    counts = [int(c) for c in args.clients.split(",")]
+    variants = args.variants.split(",")
+    work = pathlib.Path(tempfile.mkdtemp(prefix="bench_serving_"))
+    folder = work / "llama"
+    save_model(folder)
+    servers = [Server("vllm-eager", "vllm", ["--enforce-eager", "--no-enable-prefix-caching"])]
+    if not args.no_compiled:
+        servers.append(Server("vllm", "vllm"))
+    modes = {"default": [], "inproc": ["worker_processes=false"], "processes": ["worker_processes=true"]}
+    for mode in args.hookwire.split(","):
+        servers.append(Server(f"hookwire-{mode}", "hookwire", modes[mode]))
+    results: dict[tuple[str, str, int], list[tuple[float, float, int]]] = {}
+    print(f"work folder {work}; {os.cpu_count()} cores; torch {torch.__version__}; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    for repeat in range(args.repeats):
+        order = servers if repeat % 2 == 0 else servers[::-1]  # alternated: neither side always first
+        for server in order:
+            with running(server, folder, args.tp, work):
+                for variant in variants:
+                    if server.kind == "vllm" and variant.rstrip("n") != "S1":
+                        continue
+                    for clients in counts:
+                        run_variant(server, variant.rstrip("n"), clients, args.tokens)  # warm, unmeasured
+                        got = run_variant(server, variant, clients, args.tokens)
+                        results.setdefault((server.name, variant, clients), []).append(got)
+                        print(f"  repeat {repeat + 1} {server.name:18s} {variant:4s} {clients:2d} clients "
+                              f"{got[0]:7.1f} tokens/s  front {got[1] * 1e3:.2f} ms CPU/token"
+                              + (f"  drops {got[2]}" if variant.startswith("S2") else ""), flush=True)
+    report(servers, results, counts, variants, args)
+
+
+def report(servers: list[Server], results: dict[tuple[str, str, int], list[tuple[float, float, int]]],
+           counts: list[int], variants: list[str], args: argparse.Namespace) -> None:
+    def med(name: str, variant: str, clients: int, i: int = 0) -> float:
+        return statistics.median(r[i] for r in results[(name, variant, clients)])
+
+    print(f"\n{args.repeats} repeats, {args.tokens} tokens a call, tensor parallel {args.tp}; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    for s in servers:
+        print(f"  {s.name}: start-up {statistics.median(s.startup):.1f} s (median; {min(s.startup):.1f}-"
+              f"{max(s.startup):.1f}); RSS MiB at the last stop: {s.rss}")
+    print(f"\n  {'server':18s} {'var':4s} {'clients':>7s} {'tokens/s':>9s} {'spread':>15s} {'front ms/token':>14s} drops")
+    for (name, variant, clients), rs in results.items():
+        rates = [r[0] for r in rs]
+        print(f"  {name:18s} {variant:4s} {clients:7d} {statistics.median(rates):9.1f} "
+              f"{min(rates):7.1f}-{max(rates):7.1f} {statistics.median(r[1] for r in rs) * 1e3:14.2f} "
+              f"{sum(r[2] for r in rs) if variant.startswith('S2') else ''}")
+    print("\n  ratios (medians of tokens/s)")
+    for s in servers:
+        if s.kind != "hookwire":
+            continue
+        for clients in counts:
+            for variant in variants:
+                if (s.name, variant, clients) not in results:
+                    continue
+                mine = med(s.name, variant, clients)
+                base = variant.rstrip("n")
+                loaded = variant.endswith("n")
+                if base == "S1":
+                    eager = med("vllm-eager", variant, clients)
+                    line = f"/ vllm serve --enforce-eager --no-enable-prefix-caching {mine / eager:.2f}x"
+                    if ("vllm", variant, clients) in results:
+                        line += f"; / vllm serve (compiled default) {mine / med('vllm', variant, clients):.2f}x"
+                else:
+                    s1 = "S1n" if loaded else "S1"
+                    if (s.name, s1, clients) not in results:
+                        continue
+                    line = f"/ its own {s1} {mine / med(s.name, s1, clients):.2f}x"
+                    if ("vllm-eager", s1, clients) in results:
+                        line += f"; / vllm-eager {s1} {mine / med('vllm-eager', s1, clients):.2f}x"
+                print(f"  {s.name:18s} {variant:4s} {clients:2d} clients: {line}")
+        for clients in counts:
+            if (s.name, "S1", clients) in results:
+                f1 = med(s.name, "S1", clients, 1) / med("vllm-eager", "S1", clients, 1)
+                print(f"  F1 {s.name} {clients} clients: front CPU per token / vllm serve's API server {f1:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
