@@ -959,3 +959,20 @@ async def test_named_operands_steer_and_read_on_vllm_as_the_same_tensors_inline(
     assert len(named.events) == len(inline.events) == 6
     for a, b in zip(named.events, inline.events):
         assert torch.equal(torch.as_tensor(a.output), torch.as_tensor(b.output))
+
+
+async def test_the_models_thread_runs_every_core_but_the_fronts(vllm_server) -> None:
+    """In-process the model runs on its worker thread with all cores but one (vllm_threads:
+    with torch's default, a busy neighbour collapsed throughput tenfold), whatever vLLM's
+    CPU worker did to torch.set_num_threads; the server's other threads keep torch's default."""
+    from hookwire_server.engine import vllm_threads
+
+    async with hookwire.connect(vllm_server.target) as client:
+        await client.model("llama").generate("hello world", 2)
+    host = vllm_server.server.registry.get("llama")
+    want = vllm_threads.model_threads()
+    assert host.loaded_engine.model_threads == want
+    assert host._executor.submit(torch.get_num_threads).result() == want
+    other: list[int] = []
+    vllm_threads._in_fresh_thread(lambda: other.append(torch.get_num_threads()))
+    assert other == [len(vllm_threads.cores())]

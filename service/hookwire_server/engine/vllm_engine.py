@@ -70,7 +70,7 @@ from ..models.model_loading import ConfigError, ModelConfig, load_tokenizer
 from ..models.model_registry import BatchConfig, ModelHost, OutputView
 from hookwire.wire import codec
 
-from . import harvest_pass, infer_pass, vllm_logs, vllm_names
+from . import harvest_pass, infer_pass, vllm_logs, vllm_names, vllm_threads
 from .batching import Shape
 from .seam import FINISHED, GenerateCall, Running, StepResult
 from .packed import PackedBatch, PackedSegment
@@ -134,7 +134,7 @@ def build_host(config: ModelConfig) -> ModelHost:
         _bind_cpu_threads(tp)
         # The worker loads the model: it keeps linear weights for GetParameters (vllm_worker).
         os.environ["HOOKWIRE_VLLM_KEEP_WEIGHTS"] = "1" if config.parameters_readable else "0"
-    elif _OPERATOR_BIND is None:
+    elif vllm_threads.operator_binding() is None:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # an earlier model's binding is not this one's
     vllm_logs.follow_server_format()  # its engine's and processes' lines in the server's format
     _forget_cached_environment()
@@ -296,24 +296,13 @@ def _warm_up(name: str, llm: Any, described: Mapping[str, Any], processes: bool)
                           f"{type(exc).__name__}: {why}") from None
 
 
-#: The operator's VLLM_CPU_OMP_THREADS_BIND, as the server found it (None: unset): kept for
-#: every model; otherwise each model in worker processes gets a binding of its own.
-_OPERATOR_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-
-
 def _bind_cpu_threads(ranks: int) -> None:
     """On vLLM's CPU build, binds each rank's threads to its share of this process's
-    cores (vLLM's own binding wants a NUMA node per rank and leaves one thread to a lone
-    worker), unless the operator set VLLM_CPU_OMP_THREADS_BIND."""
-    if _OPERATOR_BIND is not None or torch.cuda.is_available():
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cores) // ranks)
-    parts = []
-    for rank in range(ranks):
-        mine = cores[rank * share:(rank + 1) * share] or [cores[rank % len(cores)]]
-        parts.append(f"{mine[0]}-{mine[-1]}" if len(mine) > 1 else str(mine[0]))
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(parts)
+    cores, one core left to the front (vllm_threads.worker_binding), unless the operator
+    set VLLM_CPU_OMP_THREADS_BIND."""
+    binding = vllm_threads.worker_binding(ranks)
+    if binding is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
 
 
 def _connect_workers(name: str, llm: Any, folder: pathlib.Path) -> tuple[WorkerLink, Any, set[str]]:
@@ -515,6 +504,10 @@ def _resident_bytes(kv_cache_bytes: int, model: Any, folder: pathlib.Path) -> in
     return kv_cache_bytes + weights if on_cpu else (weights if model is not None else 0)
 
 
+#: Whether the calling thread runs the intra-op threads vllm_threads chose.
+_THIS_THREAD = threading.local()
+
+
 class VllmEngine:
     """Runs one vLLM-served model's calls (see the module docstring)."""
 
@@ -523,6 +516,9 @@ class VllmEngine:
     #: Bytes it keeps for good (KV cache, weights), set when it starts: the server's memory
     #: budget counts them as the model's resident memory; its calls claim nothing.
     resident = 0
+    #: In-process: the intra-op threads its worker thread runs (None: torch's default or
+    #: the operator's OMP_NUM_THREADS), set at its first plan.
+    model_threads: int | None = None
 
     def __init__(self, host: ModelHost, llm: Any, runner: Any, max_model_len: int, max_num_seqs: int,
                  *, link: WorkerLink | None = None, max_num_batched_tokens: int | None = None) -> None:
@@ -653,6 +649,10 @@ class VllmEngine:
         """Runs vLLM steps until every item of ``plan`` has what it waits for: a Generate
         step's tokens, an Infer call's or harvest batch's prompt pass. Never raises: one
         result or exception per item (a failure of vLLM itself fails every item)."""
+        if self._link is None and not getattr(_THIS_THREAD, "limited", False):
+            # In-process the model runs on this thread: all cores but the front's (vllm_threads).
+            _THIS_THREAD.limited = True
+            self.model_threads = vllm_threads.limit_this_thread()
         with self._lock:
             self._flush_aborts()
             return self._execute(plan)

@@ -1,0 +1,91 @@
+"""CPU threads for a vLLM model on vLLM's CPU build: how many intra-op (OpenMP) threads
+the model runs, and which cores its worker processes are bound to.
+
+Why it matters (measured with tests/bench/bench_serving.py, docs/benchmarks.md): torch's
+default gives the model one OpenMP thread per core. On a 2-core host that shares them
+with the gRPC event loop and vLLM's scheduler, and with any neighbour (the clients, a
+harvest job, a metrics scraper), every parallel region of the model then waits for a
+thread the OS has descheduled; libgomp's waiting threads spin meanwhile, taking the core
+the others need. In-process throughput fell from ~400 to ~30 tokens/s with one busy core
+beside it, while ``vllm serve``, whose worker runs one thread per core it keeps after
+reserving one for its scheduler, lost a quarter. hookwire does what vLLM does: the model
+runs on all cores but one (at least one thread), the core left over is the front's (the
+event loop, vLLM's scheduler or engine-core process).
+
+The operator decides where they set it: ``OMP_NUM_THREADS`` (in-process: the model's
+thread count) or ``VLLM_CPU_OMP_THREADS_BIND`` (worker processes: vLLM's binding) are
+then left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+#: torch's own setter: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op
+#: in the process it runs in (in-process: the server's), once it has started.
+_SET_NUM_THREADS = torch._C.set_num_threads
+
+#: What the operator set, as the server found it (None: unset).
+_OPERATOR_THREADS = os.environ.get("OMP_NUM_THREADS")
+_OPERATOR_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+
+
+def cores() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def model_threads(count: int | None = None) -> int:
+    """The intra-op threads of a model that shares ``count`` cores (default: this
+    process's) with the front: all but one, at least one."""
+    count = len(cores()) if count is None else count
+    return max(1, count - 1)
+
+
+def limit_this_thread(threads: int | None = None) -> int | None:
+    """Makes the calling thread (the model's worker thread, where vLLM steps run
+    in-process) run ``threads`` intra-op threads (default ``model_threads()``), unless
+    the operator set OMP_NUM_THREADS; returns the count set (None: left alone). Other
+    threads keep torch's default: torch reads a new thread's count from a process-wide
+    value when that thread first runs a parallel op, which this sets back."""
+    if _OPERATOR_THREADS is not None or torch.cuda.is_available():
+        return None
+    threads = model_threads() if threads is None else threads
+    default: list[int] = []
+    _in_fresh_thread(lambda: default.append(torch.get_num_threads()))
+    torch.get_num_threads()  # this thread takes its count now, so that the restore below leaves it
+    _SET_NUM_THREADS(threads)
+    _in_fresh_thread(lambda: _SET_NUM_THREADS(default[0]))
+    return threads
+
+
+def _in_fresh_thread(fn: object) -> None:
+    t = threading.Thread(target=fn, name="hookwire-threads")  # type: ignore[arg-type]
+    t.start()
+    t.join()
+
+
+def worker_binding(ranks: int, available: list[int] | None = None) -> str | None:
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` worker processes: each rank its
+    share of this process's cores, one core left to the front and vLLM's engine-core
+    process where there are more cores than ranks (vLLM's own binding reserves one too,
+    but wants a NUMA node per rank and refuses otherwise). None where the operator set it
+    or on CUDA (vLLM's own placement)."""
+    if _OPERATOR_BIND is not None or torch.cuda.is_available():
+        return None
+    available = cores() if available is None else available
+    usable = available[:-1] if len(available) > ranks else available
+    share = max(1, len(usable) // ranks)
+    parts = []
+    for rank in range(ranks):
+        mine = usable[rank * share:(rank + 1) * share] or [usable[rank % len(usable)]]
+        parts.append(",".join(str(c) for c in mine))
+    return "|".join(parts)
+
+
+def operator_binding() -> str | None:
+    """The operator's VLLM_CPU_OMP_THREADS_BIND (None: unset)."""
+    return _OPERATOR_BIND
