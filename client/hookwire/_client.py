@@ -1157,6 +1157,7 @@ class RemoteModel:
         use_session: bool = True,
         keep_events: bool = True,
         max_response_message_bytes: int | None = None,
+        stream_interval: int = 0,
     ) -> GenerateStream:
         """Generates up to ``max_new_tokens`` tokens per sequence with a causal language
         model, as transformers' ``generate()`` does (greedy or sampling), streaming the
@@ -1183,7 +1184,10 @@ class RemoteModel:
         ``keep_events=False`` leaves events out of the result (iterate to see them), for
         captures too large to keep. Captured tensors larger than
         ``max_response_message_bytes`` (default: this client's stream limit) arrive in
-        chunks and are reassembled before they are yielded.
+        chunks and are reassembled before they are yielded. ``stream_interval`` N > 1
+        has the server send the tokens of N steps at a time (fewer messages, less CPU per
+        token on both ends, tokens later); they are still yielded one GeneratedTokens per
+        step, after those steps' events.
 
         Lazy: nothing is sent until the stream is iterated, awaited or started. Raises
         ValueError / TypeError at once for arguments it cannot send; everything else
@@ -1196,6 +1200,7 @@ class RemoteModel:
             do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tags=tags,
             session_id=self._client.session_id if use_session else "",
             max_response_message_bytes=limit if max_response_message_bytes is None else max_response_message_bytes,
+            stream_interval=stream_interval,
         )
         return GenerateStream(self._client, request, keep_events=keep_events)
 

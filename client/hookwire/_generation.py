@@ -44,14 +44,18 @@ def generate_request(
     tags: Sequence[str],
     session_id: str,
     max_response_message_bytes: int,
+    stream_interval: int = 0,
 ) -> model_service_pb2.GenerateRequest:
     """The GenerateRequest for ``RemoteModel.generate``'s arguments; ValueError or
     TypeError for one it cannot send (the server checks the rest)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be an integer > 0, not {max_new_tokens!r}")
+    if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 0:
+        raise ValueError(f"stream_interval must be an integer >= 0, not {stream_interval!r}")
     request = model_service_pb2.GenerateRequest(
         model=model, max_new_tokens=max_new_tokens, session_id=session_id,
         max_response_message_bytes=min(max_response_message_bytes, _UINT32_MAX),
+        stream_interval=min(stream_interval, _UINT32_MAX),
     )
     if isinstance(prompt_or_ids, str):
         request.prompts.append(prompt_or_ids)
@@ -142,7 +146,8 @@ class GenerateStream:
         self._call_hooks: CallHooks | None = None
         self._events: list[InterceptEvent] = []
         #: Events of a batch message not yet handed out.
-        self._batched: collections.deque[InterceptEvent] = collections.deque()
+        #: Items received and not yet handed out: events of one batch, tokens of one `steps`.
+        self._batched: collections.deque[GenerateItem] = collections.deque()
         self._result: GenerateResult | None = None
         self._error: HookwireError | None = None
         self._cancelled = False
@@ -273,6 +278,11 @@ class GenerateStream:
                     kind = msg.WhichOneof("kind")
                     if kind == "tokens":
                         return GeneratedTokens.from_proto(msg.tokens)
+                    if kind == "steps":  # stream_interval > 1: several steps' tokens, handed out one by one
+                        self._batched.extend(GeneratedTokens.from_proto(t) for t in msg.steps.steps)
+                        if self._batched:
+                            return self._batched.popleft()
+                        continue
                     if kind == "event":
                         complete = self._assembler.event(msg.event, views)
                     elif kind == "chunk":
@@ -315,7 +325,9 @@ class GenerateStream:
                 if self._keep_events:
                     self._events.append(event)
                 self._batched.append(event)
-        return self._batched.popleft()
+        first = self._batched.popleft()
+        assert isinstance(first, InterceptEvent)  # the deque was empty: only these events are in it
+        return first
 
     async def result(self) -> GenerateResult:
         """Reads the rest of the stream and returns the GenerateResult (see the class)."""

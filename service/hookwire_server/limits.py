@@ -115,6 +115,9 @@ class Limits:
     # max_tokenize_chars, their tokens against max_prompt_tokens.
     #: GenerateRequest.max_new_tokens at most (INVALID_ARGUMENT beyond).
     max_new_tokens: int = 4096
+    #: GenerateRequest.stream_interval at most (INVALID_ARGUMENT beyond): steps whose tokens
+    #: one `steps` message carries (the tokens of a group wait for its last step).
+    max_stream_interval: int = 64
     #: Stop strings (GenerateRequest.stop) in one call, each at most max_name_length bytes.
     max_stop_strings: int = 16
     #: Characters of all the stop strings of one Generate call together: building the

@@ -442,6 +442,7 @@ def generate_requests(draw: Any) -> model_service_pb2.GenerateRequest:
                           st.lists(lm_hooks(), max_size=2))),
         max_response_message_bytes=draw(rarely(st.sampled_from([1, MB - 1, 2**32 - 1]), st.sampled_from([0, MB]))),
         session_id=draw(rarely(st.one_of(st.text(max_size=4), long_strings), st.just(""))),
+        stream_interval=draw(rarely(st.sampled_from([65, 2**32 - 1]), st.sampled_from([0, 1, 2, 3, 64]))),
     )
     source = draw(rarely(st.sampled_from(["both", "neither"]), st.sampled_from(["prompts", "input_ids"])))
     if source in ("prompts", "both"):
@@ -489,11 +490,15 @@ def test_generate(fuzz_server, request, use_session) -> None:
 
     def call() -> None:
         messages = list(fuzz_server["models"].Generate(request, timeout=60))
-        # A call that succeeds is whole: started first, done last, one GeneratedTokens per step.
+        # A call that succeeds is whole: started first, done last, one GeneratedTokens per step
+        # (alone, or stream_interval at a time in a `steps` message).
         kinds = [m.WhichOneof("kind") for m in messages]
         assert kinds[0] == "started" and kinds[-1] == "done" and kinds.count("done") == 1, kinds
         done = messages[-1].done
-        assert kinds.count("tokens") == done.steps and 1 <= done.steps <= request.max_new_tokens
+        steps = [m.tokens.step for m in messages if m.WhichOneof("kind") == "tokens"]
+        steps += [t.step for m in messages if m.WhichOneof("kind") == "steps" for t in m.steps.steps]
+        assert sorted(steps) == list(range(done.steps)) and 1 <= done.steps <= request.max_new_tokens
+        assert ("steps" in kinds) == (request.stream_interval > 1), kinds
         assert len(done.sequences) == messages[0].started.input_ids.shape[0]
 
     _check(call)

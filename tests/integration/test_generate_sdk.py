@@ -362,3 +362,48 @@ async def test_a_generate_stream_dropped_unread_no_longer_counts_as_its_sessions
             return session.router.own_calls == 0
 
         await until(collected, "the dropped stream's count given back")
+
+
+async def test_stream_interval_sends_steps_together_after_their_events_and_the_sdk_yields_each(
+        client: hookwire.Client) -> None:
+    """GenerateRequest.stream_interval N: the tokens of N steps in one `steps` message (the
+    last group shorter), each group after the events of its steps; the SDK hands out one
+    GeneratedTokens per step, the same tokens and texts as without; over the limit,
+    INVALID_ARGUMENT naming the field and the limit."""
+    from hookwire.v1 import model_service_pb2
+
+    model = client.model("tiny-lm")
+    hooks = [hookwire.HookSpec("model.layers.0", posthook=hookwire.capture("output", select="[:, -1]"))]
+    plain = [item async for item in model.generate(PROMPTS, 7, do_sample=False, hooks=hooks)]
+    grouped = [item async for item in model.generate(PROMPTS, 7, do_sample=False, hooks=hooks, stream_interval=3)]
+    assert [(type(i).__name__, i.step) for i in plain] == [(kind, s) for s in range(7)
+                                                            for kind in ("InterceptEvent", "GeneratedTokens")]
+    groups = [range(0, 3), range(3, 6), range(6, 7)]  # each group's events, then its steps' tokens
+    assert [(type(i).__name__, i.step) for i in grouped] == [(kind, s) for g in groups
+                                                              for kind in ("InterceptEvent", "GeneratedTokens")
+                                                              for s in g]
+    tokens = [(i.token_ids, i.texts) for i in plain if isinstance(i, hookwire.GeneratedTokens)]
+    assert [(i.token_ids, i.texts) for i in grouped if isinstance(i, hookwire.GeneratedTokens)] == tokens
+
+    request = model_service_pb2.GenerateRequest(model="tiny-lm", prompts=PROMPTS, max_new_tokens=7, do_sample=False,
+                                                stream_interval=3, hooks=[h.to_proto() for h in hooks])
+    seen: list[tuple[str, list[int]]] = []
+    async for msg in client.model_stub.Generate(request):
+        kind = msg.WhichOneof("kind")
+        if kind == "steps":
+            seen.append(("steps", [t.step for t in msg.steps.steps]))
+        elif kind in ("event", "batch"):
+            events = [msg.event] if kind == "event" else list(msg.batch.events)
+            seen += [("event", [e.step]) for e in events]
+        else:
+            assert kind in ("started", "done"), kind
+    assert seen == [("event", [0]), ("event", [1]), ("event", [2]), ("steps", [0, 1, 2]),
+                    ("event", [3]), ("event", [4]), ("event", [5]), ("steps", [3, 4, 5]),
+                    ("event", [6]), ("steps", [6])]
+
+    limit = 64  # Limits.max_stream_interval's default
+    with pytest.raises(hookwire.InvalidArgumentError, match=rf"^INVALID_ARGUMENT: stream_interval: {limit + 1} steps a message, "
+                                                            rf"over the limit of {limit} \(max_stream_interval\)"):
+        await model.generate(PROMPTS, 2, stream_interval=limit + 1)
+    with pytest.raises(ValueError, match="stream_interval must be an integer >= 0"):
+        model.generate(PROMPTS, 2, stream_interval=-1)

@@ -256,7 +256,7 @@ class TokenPieces(_message.Message):
     def __init__(self, pieces: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompts", "input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "hooks", "tags", "max_response_message_bytes")
+    __slots__ = ("model", "prompts", "input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "hooks", "tags", "max_response_message_bytes", "stream_interval")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,7 @@ class GenerateRequest(_message.Message):
     HOOKS_FIELD_NUMBER: _ClassVar[int]
     TAGS_FIELD_NUMBER: _ClassVar[int]
     MAX_RESPONSE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompts: _containers.RepeatedScalarFieldContainer[str]
     input_ids: _tensor_pb2.Tensor
@@ -287,10 +288,11 @@ class GenerateRequest(_message.Message):
     hooks: _containers.RepeatedCompositeFieldContainer[_hook_pb2.HookSpec]
     tags: _containers.RepeatedScalarFieldContainer[str]
     max_response_message_bytes: int
-    def __init__(self, model: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ..., input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., hooks: _Optional[_Iterable[_Union[_hook_pb2.HookSpec, _Mapping]]] = ..., tags: _Optional[_Iterable[str]] = ..., max_response_message_bytes: _Optional[int] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, model: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ..., input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., hooks: _Optional[_Iterable[_Union[_hook_pb2.HookSpec, _Mapping]]] = ..., tags: _Optional[_Iterable[str]] = ..., max_response_message_bytes: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("started", "tokens", "event", "chunk", "notice", "done", "batch")
+    __slots__ = ("started", "tokens", "event", "chunk", "notice", "done", "batch", "steps")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +300,7 @@ class GenerateResponse(_message.Message):
     NOTICE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     started: GenerateStarted
     tokens: GeneratedTokens
     event: _hook_pb2.InterceptEvent
@@ -305,7 +308,14 @@ class GenerateResponse(_message.Message):
     notice: _hook_service_pb2.Notice
     done: GenerateDone
     batch: _hook_service_pb2.EventBatch
-    def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., tokens: _Optional[_Union[GeneratedTokens, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., notice: _Optional[_Union[_hook_service_pb2.Notice, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ..., batch: _Optional[_Union[_hook_service_pb2.EventBatch, _Mapping]] = ...) -> None: ...
+    steps: GeneratedSteps
+    def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., tokens: _Optional[_Union[GeneratedTokens, _Mapping]] = ..., event: _Optional[_Union[_hook_pb2.InterceptEvent, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., notice: _Optional[_Union[_hook_service_pb2.Notice, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ..., batch: _Optional[_Union[_hook_service_pb2.EventBatch, _Mapping]] = ..., steps: _Optional[_Union[GeneratedSteps, _Mapping]] = ...) -> None: ...
+
+class GeneratedSteps(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[GeneratedTokens]
+    def __init__(self, steps: _Optional[_Iterable[_Union[GeneratedTokens, _Mapping]]] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
     __slots__ = ("request_id", "input_ids", "attention_mask", "hook_ids", "seed", "do_sample", "hook_modules")

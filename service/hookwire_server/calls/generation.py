@@ -306,6 +306,9 @@ class Generation:
         if request.max_new_tokens > limit:
             raise limits.exceeded("max_new_tokens", f"{request.max_new_tokens} new tokens", limit, "max_new_tokens",
                                   error=InvalidArgument)
+        if request.stream_interval > self.limits.max_stream_interval:
+            raise limits.exceeded("stream_interval", f"{request.stream_interval} steps a message",
+                                  self.limits.max_stream_interval, "max_stream_interval", error=InvalidArgument)
         overrides: dict[str, Any] = {}
         if request.HasField("do_sample"):
             overrides["do_sample"] = request.do_sample
@@ -567,7 +570,10 @@ class Generation:
         reasons = [""] * batch
         stopped: Mapping[int, tuple[str, str, int]] = {}  # sequences a stop rule ended (GenerateDone names it)
         texts = [TextDeltas() for _ in range(batch)]
-        streamed = 0  # steps whose tokens the stream sent
+        streamed = 0  # steps whose tokens the stream took (sent, or waiting in `grouped`)
+        # GenerateRequest.stream_interval: steps' tokens sent together, as one `steps` message.
+        interval = request.stream_interval
+        grouped: list[model_service_pb2.GeneratedTokens] = []
         began = False  # the engine started the call (its `started` went out)
         outcome = "error"
         call = GenerateCall(p, records, ids, mask, options, stop_criteria, put, group)
@@ -639,9 +645,14 @@ class Generation:
                         if (token != FINISHED or final or stopping) else ""
                         for i, token in enumerate(result.tokens)
                     ]
-                yield model_service_pb2.GenerateResponse(
-                    tokens=model_service_pb2.GeneratedTokens(step=step, token_ids=result.tokens, texts=deltas)
-                )
+                chosen = model_service_pb2.GeneratedTokens(step=step, token_ids=result.tokens, texts=deltas)
+                if interval <= 1:
+                    yield model_service_pb2.GenerateResponse(tokens=chosen)
+                else:  # after this step's events (yielded above), with the steps before it
+                    grouped.append(chosen)
+                    if len(grouped) == interval or final or stopping:
+                        yield model_service_pb2.GenerateResponse(steps=model_service_pb2.GeneratedSteps(steps=grouped))
+                        grouped = []
                 if final or stopping:
                     call.ended = "length" if final else "shutdown"
                     reasons = [r or call.ended for r in reasons]
