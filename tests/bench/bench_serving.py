@@ -38,8 +38,7 @@ to, not its children: vLLM's engine core and workers) per generated token, from 
 Start-up time (process start to serving) and the RSS of each process are printed.
 
 Method: per repeat, every server in turn (alternated); on each server the variants in a
-fixed interleaved order; each measured run is preceded by one unmeasured run of the same
-shape on that server start (warm). Medians and min-max spread over the repeats; ratios
+fixed interleaved order, after one unmeasured S1 run at each client count (warm). Medians and min-max spread over the repeats; ratios
 of medians against the baselines of the same run.
 """
 
@@ -171,7 +170,9 @@ def running(server: Server, folder: pathlib.Path, tp: int, work: pathlib.Path) -
             key, value = arg.split("=", 1)
             settings[key] = json.loads(value)
         body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())
-        config.write_text(f'[[models]]\nname = "llama"\ntransformers = "{folder}"\nengine = "vllm"\n\n'
+        # 32 clients of one (anonymous) principal: past the default of 16 Generate calls each.
+        config.write_text(f"[server]\nmax_generations_per_principal = 64\n\n"
+                          f'[[models]]\nname = "llama"\ntransformers = "{folder}"\nengine = "vllm"\n\n'
                           f"[models.vllm]\n{body}\n")
         cmd = [sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", "--config", str(config),
                "--allow-shared-rules"]  # S3: an operator's steering rule for every call
@@ -361,11 +362,12 @@ def main() -> None:
         order = servers if repeat % 2 == 0 else servers[::-1]  # alternated: neither side always first
         for server in order:
             with running(server, folder, args.tp, work):
+                for clients in counts:
+                    run_variant(server, "S1", clients, args.tokens)  # warm, unmeasured
                 for variant in variants:
                     if server.kind == "vllm" and variant.rstrip("n") != "S1":
                         continue
                     for clients in counts:
-                        run_variant(server, variant.rstrip("n"), clients, args.tokens)  # warm, unmeasured
                         got = run_variant(server, variant, clients, args.tokens)
                         results.setdefault((server.name, variant, clients), []).append(got)
                         print(f"  repeat {repeat + 1} {server.name:18s} {variant:4s} {clients:2d} clients "

@@ -94,7 +94,10 @@ def vllm_server(llama_folder: pathlib.Path, harvest_roots: tuple[pathlib.Path, p
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     host = build_host(ModelConfig(
         name="llama", transformers=str(llama_folder), engine="vllm",
-        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": KV_CACHE_BYTES}, parameters_readable=True,
+        # 32-token KV blocks: a prompt of this small model fills whole blocks, which vLLM's
+        # prefix cache shares (calls no hook touches).
+        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": KV_CACHE_BYTES, "block_size": 32},
+        parameters_readable=True,
     ))
     torch_host = build_host(ModelConfig(name="llama-torch", transformers=str(llama_folder), attn_implementation="eager",
                                         parameters_readable=True))

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import hookwire
-from hookwire import HookSpec, capture, rules
+from hookwire import HookSpec, capture, edit, rules
 from conftest import KV_CACHE_BYTES
+from support import until
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 PROMPTS = ["hello world", "the model sees", "a"]
@@ -976,3 +977,101 @@ async def test_the_models_thread_runs_every_core_but_the_fronts(vllm_server) -> 
     other: list[int] = []
     vllm_threads._in_fresh_thread(lambda: other.append(torch.get_num_threads()))
     assert other == [len(vllm_threads.cores())]
+
+
+#: A prompt of whole 32-token KV blocks and more (the shared engine's block_size), which
+#: vLLM's prefix cache can share.
+LONG_PROMPT = " ".join(["the model sees a hello world"] * 9)
+
+
+async def test_calls_no_hook_touches_share_the_prefix_cache_and_a_hooked_call_never_does(vllm_server, oracle) -> None:
+    """Unhooked calls reuse the prompt blocks an earlier unhooked call of the prompt left in
+    vLLM's prefix cache (vLLM's own count of cached tokens), with transformers' tokens; a
+    steered call of the same prompt reuses nothing (its own cache salt): its step-0 capture
+    is the whole prompt, its tokens transformers' steered ones; and no later unhooked call
+    inherits its edits."""
+    tokenizer = oracle_tokenizer()
+    ids = _ids(tokenizer, LONG_PROMPT)
+    assert 64 < len(ids) <= 120, len(ids)
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(5)) * 2.0
+    plain_want, _ = _greedy(oracle, ids, 4)
+    steered_want, seen = _greedy(oracle, ids, 4, {"model.layers.0": vector})
+    assert plain_want != steered_want
+    engine = vllm_server.server.registry.get("llama").loaded_engine
+    async with hookwire.connect(vllm_server.target) as client:
+        model = client.model("llama")
+        first = await model.generate([LONG_PROMPT], 4)
+        before = engine.prefix_cached_tokens
+        second = await model.generate([LONG_PROMPT], 4)
+        reused = engine.prefix_cached_tokens - before
+        before = engine.prefix_cached_tokens
+        steer = HookSpec("model.layers.0", posthook=edit(rules.add("output", vector), capture=("output",)))
+        steered = await model.generate([LONG_PROMPT], 4, hooks=[steer])
+        steered_reused = engine.prefix_cached_tokens - before
+        after = await model.generate([LONG_PROMPT], 4)
+    assert [list(r.token_ids[0]) for r in (first, second, after)] == [plain_want] * 3
+    assert reused >= 64, "the second unhooked call did not reuse the first one's cached prompt"
+    assert steered_reused == 0
+    assert list(steered.token_ids[0]) == steered_want
+    step0 = steered.events_by_step[0][0].output
+    assert list(step0.shape) == [1, len(ids), 128]
+    torch.testing.assert_close(step0[0], seen["model.layers.0"][0][0], **TOL)
+
+
+async def test_a_hooked_and_an_unhooked_call_share_a_step_and_each_gets_its_own(vllm_server, oracle) -> None:
+    """A call with hooks of its own (every decoder layer captured, a steering rule) and an
+    unhooked call on a cached prompt, at once: the hooked call's captures and tokens equal
+    transformers' steered run, the unhooked call's tokens transformers' plain ones, and
+    its prompt came from the prefix cache (it was not held to the hooked call's rules)."""
+    tokenizer = oracle_tokenizer()
+    hooked_prompt = PROMPTS[0]
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(6)) * 2.0
+    steered_want, seen = _greedy(oracle, _ids(tokenizer, hooked_prompt), 5, {"model.layers.1": vector})
+    plain_want, _ = _greedy(oracle, _ids(tokenizer, LONG_PROMPT), 5)
+    engine = vllm_server.server.registry.get("llama").loaded_engine
+    hooks = [HookSpec("model.layers.1", posthook=edit(rules.add("output", vector))),
+             HookSpec("model.layers.*", posthook=capture("output"))]
+    async with hookwire.connect(vllm_server.target) as a, hookwire.connect(vllm_server.target) as b:
+        await b.model("llama").generate([LONG_PROMPT], 1)  # its prompt in the cache
+        before = engine.prefix_cached_tokens
+        hooked, plain = await asyncio.gather(a.model("llama").generate([hooked_prompt], 5, hooks=hooks),
+                                             b.model("llama").generate([LONG_PROMPT], 5))
+    assert engine.prefix_cached_tokens - before >= 64
+    assert list(hooked.token_ids[0]) == steered_want
+    assert list(plain.token_ids[0]) == plain_want
+    for step, events in enumerate(hooked.events_by_step):
+        for event in events:
+            torch.testing.assert_close(event.output[0], seen[event.module][step][0], **TOL)
+
+
+async def test_a_hook_registered_while_an_unhooked_call_runs_applies_from_the_next_call(vllm_server) -> None:
+    """Whether a hook can fire on a call is decided when the call enters vLLM: a SCOPE_ALL
+    observer registered while an unhooked call runs sees none of that call's steps (its
+    prompt may have come from the prefix cache), and every step of the next call."""
+    async with hookwire.connect(vllm_server.target) as client, hookwire.connect(vllm_server.target) as watcher:
+        model = client.model("llama")
+        running = model.generate(["hello world"], 20, do_sample=False)
+        first = None
+        async for item in running:  # its first tokens: it runs (and waits for its reader)
+            first = item
+            break
+        assert isinstance(first, hookwire.GeneratedTokens)
+        handle = await watcher.register_hook(
+            HookSpec("model.layers.0", posthook=capture("output"), scope="all", ttl_seconds=600), model="llama")
+        try:
+            seen: list[hookwire.InterceptEvent] = []
+            async with watcher.subscribe([handle.id], policy="block") as sub:
+                async def read() -> None:
+                    async for event in sub:
+                        seen.append(event)
+
+                reader = asyncio.ensure_future(read())
+                rest = [item async for item in running]
+                assert len([i for i in rest if isinstance(i, hookwire.GeneratedTokens)]) == 19
+                nxt = await model.generate(["hello world"], 3, do_sample=False)
+                await until(lambda: len(seen) >= 3, "the next call's events")
+                reader.cancel()
+        finally:
+            await watcher.deregister_hook(handle.id)
+    assert {e.request_id for e in seen} == {nxt.request_id}
+    assert sorted(e.step for e in seen) == [0, 1, 2]

@@ -124,6 +124,27 @@ async def test_a_call_whose_prompts_vllm_took_in_two_steps_runs_again_together(t
         torch.testing.assert_close(step0[row, step0.shape[1] - len(prompt_ids):], seen["model.layers.1"][0][0], **TOL)
 
 
+async def test_steps_no_hook_touches_run_without_the_server_and_hooked_ones_keep_their_hooks(tp_server, oracle) -> None:
+    """A step of calls no hook touched is not told to the server at all (the workers read
+    each request's admission flag): no link message for its steps, transformers' tokens on
+    both ranks; a hooked call's steps go over the link as before, with their captures."""
+    tokenizer = oracle_tokenizer()
+    engine = tp_server.host.loaded_engine
+    want = [_greedy(oracle, _ids(tokenizer, p), 4)[0] for p in PROMPTS[:2]]
+    async with hookwire.connect(tp_server.target) as client:
+        model = client.model("llama-tp")
+        before = engine.linked_steps
+        plain = await asyncio.gather(*(model.generate([p], 4) for p in PROMPTS[:2]))
+        unlinked = engine.linked_steps - before
+        before = engine.linked_steps
+        hooked = await model.generate([PROMPTS[0]], 4, hooks=[HookSpec("model.layers.1", posthook=capture("output"))])
+        linked = engine.linked_steps - before
+    assert [list(r.token_ids[0]) for r in plain] == want
+    assert unlinked == 0
+    assert list(hooked.token_ids[0]) == want[0] and [e.step for e in hooked.events] == [0, 1, 2, 3]
+    assert linked >= 4
+
+
 async def test_infer_and_parameters_from_worker_processes(tp_server, oracle) -> None:
     """Infer (a prompt pass) captures the final norm over every position and returns the
     last position's logits, as transformers computes them; GetParameters reads a weight

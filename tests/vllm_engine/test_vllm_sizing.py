@@ -55,6 +55,10 @@ def test_explicit_settings_win_and_impossible_ones_name_the_setting() -> None:
         vllm_sizes("m", LLAMA, {"max_model_len": 200, "max_num_batched_tokens": 100}, "float32")
     with pytest.raises(SizingError, match=r"vllm.kv_cache_bytes 131072 holds no sequence: one token takes 1024 bytes"):
         vllm_sizes("m", LLAMA, {"kv_cache_bytes": 128 << 10}, "float32")
+    # Smaller blocks (block_size) hold a sequence where 128-token ones do not: 128 KiB = 4 blocks of 32, one back.
+    assert vllm_sizes("m", LLAMA, {"kv_cache_bytes": 128 << 10, "block_size": 32}, "float32").max_model_len == 96
+    with pytest.raises(SizingError, match=r"vLLM keeps 32-token blocks, one of them back; give it at least 65536"):
+        vllm_sizes("m", LLAMA, {"kv_cache_bytes": 32 << 10, "block_size": 32}, "float32")
 
 
 def test_positions_and_sizes_come_from_wherever_the_config_keeps_them() -> None:

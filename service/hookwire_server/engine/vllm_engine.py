@@ -23,8 +23,12 @@ shows the normed tensor, not ``(normed, stream)``.
 
 What hookwire keeps vLLM from doing, for correctness:
 
-- prefix caching is off: a request reusing another's cached KV would skip the hooks
-  of the cached prompt positions and inherit the other's edits;
+- a call that a hook can touch when it enters vLLM (hooks of its own, or a live
+  SCOPE_ALL, session or tagged hook that applies to it; every prompt pass) gets a cache
+  salt of its own: a request reusing another's cached KV would skip the hooks of the
+  cached prompt positions and inherit the other's edits. A call no hook touched then
+  shares vLLM's prefix cache with the others like it, and no hook fires on it later (a
+  hook applies from a call's admission on);
 - the prompt runs in one step (no chunked prefill; a call enters vLLM only when its
   prompts fit the step's token budget beside the running sequences): with chunked
   prefill a hook would fire once per chunk;
@@ -76,6 +80,7 @@ from .seam import FINISHED, GenerateCall, Running, StepResult
 from .packed import PackedBatch, PackedSegment
 from .pass_runner import model_errors, running
 from .vllm_sizing import SizingError, VllmSizes, text_config, vllm_sizes
+from .vllm_worker import TOUCHED
 from .vllm_link import WorkerLink, proxy_model, run_post, run_pre, taps_of, unedited_modules
 from .seam import GENERATE, HARVEST, INFER, Plan
 
@@ -150,13 +155,18 @@ def build_host(config: ModelConfig) -> ModelHost:
     max_len, seqs = sizes.max_model_len, sizes.max_num_seqs
     vllm_names.keep_cpu_linear_weights(config.parameters_readable)  # GetParameters reads them
     extra: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION} if processes else {}
+    if "block_size" in settings:
+        extra["block_size"] = settings["block_size"]
     with vllm_logs.output_as_json():
         llm = _start_llm(config.name, LLM, dict(
             model=str(folder), tokenizer=str(folder), dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
             kv_cache_memory_bytes=sizes.kv_cache_bytes,
             tensor_parallel_size=tp, pipeline_parallel_size=pp,
             enforce_eager=True,  # hooks never fire inside a compiled model
-            enable_prefix_caching=False,  # cached prompts skip hooks and carry other requests' edits
+            # Calls no hook touches share cached prompts; a touched call's requests carry a
+            # cache salt of their own (_add_requests): a cached prompt would skip its hooks
+            # and carry another request's edits.
+            enable_prefix_caching=True,
             # Every prompt in one step: a chunked prompt would fire each hook once per chunk.
             # The engine admits a call only when its prompts fit the step's budget.
             enable_chunked_prefill=False, max_num_batched_tokens=sizes.max_num_batched_tokens,
@@ -398,10 +408,18 @@ class _Call:
         self.laid_out = 0
         #: Times its requests were added again after vLLM split its first step.
         self.resubmits = 0
+        #: Whether a hook could fire on it when it entered vLLM (set then, _add_requests):
+        #: a call no hook touched runs with vLLM's prefix cache and none fires on it later.
+        self.touched = True
 
     def prompt_tokens(self) -> int:
         """The tokens of its prompts (its first step's, in one vLLM step)."""
         return sum(len(prompt) for prompt in self.prompts)
+
+    def prompt_ran(self) -> bool:
+        """Whether vLLM ran its first step (laid out, or, for a call no hook touched, whose
+        steps worker processes may run without the server, its first tokens came)."""
+        return self.laid_out > 0
 
     @property
     def finished(self) -> bool:
@@ -477,6 +495,9 @@ class VllmCall(_Call):
     @property
     def finished(self) -> bool:
         return all(self.reasons)
+
+    def prompt_ran(self) -> bool:
+        return self.laid_out > 0 or any(self.tokens) or any(self.reasons)
 
     def running_rows(self) -> set[int]:
         return {i for i, r in enumerate(self.reasons) if not r}
@@ -574,6 +595,11 @@ class VllmEngine:
         #: Calls a stop rule ended a sequence of in the last step (their step completes
         #: without that sequence's token).
         self._ruled: list[VllmCall] = []
+        #: Prompt tokens vLLM took from its prefix cache so far (calls no hook touched), and
+        #: steps a worker process told the server of (a step of untouched calls only is not
+        #: told): what tests and operators can see of the fast paths.
+        self.prefix_cached_tokens = 0
+        self.linked_steps = 0
         self._install_views()
         self._head = host.modules.get("logits_processor")
         if link is None:
@@ -771,7 +797,7 @@ class VllmEngine:
         # The next step's tokens: a prompt not yet run whole, one token for each other
         # running sequence (vLLM without chunked prefill leaves a prompt that does not fit
         # the budget, and the ones after it, for a later step).
-        step_tokens = sum(state.prompt_tokens() if state.laid_out == 0 else len(state.running_rows())
+        step_tokens = sum(state.prompt_tokens() if not state.prompt_ran() else len(state.running_rows())
                           for state in {id(r.call): r.call for r in self._rows.values()}.values())
         while self._waiting:
             state = self._waiting[0]
@@ -795,14 +821,35 @@ class VllmEngine:
         if self._broken:
             self._fail_call(state, FailedPrecondition(self._broken), abort=False)
             return
+        state.touched = self._touched(state)
         try:
             for row, rid in enumerate(state.request_ids):
                 self._rows[rid] = _Row(state, row)
-                self._engine.add_request(rid, {"prompt_token_ids": state.prompts[row]}, state.params[row])
+                prompt: dict[str, Any] = {"prompt_token_ids": state.prompts[row]}
+                if state.touched:
+                    # Its own cache salt: it never reuses another request's cached prompt
+                    # (whose hooks it would skip, whose edits it would inherit), and nobody
+                    # reuses its KV (which its rules may have edited).
+                    prompt["cache_salt"] = rid
+                params = state.params[row]
+                # Worker processes: a step of untouched requests only is not the server's
+                # business (vllm_worker runs it without a word over the link).
+                params.extra_args = {**(params.extra_args or {}), TOUCHED: state.touched}
+                self._engine.add_request(rid, prompt, params)
                 state.added_ids.append(rid)
             state.added = True
         except Exception as exc:  # vLLM refused one of its requests: the call fails alone
             self._fail_call(state, InvalidArgument(f"vLLM refused the call's prompts: {type(exc).__name__}: {exc}"))
+
+    def _touched(self, state: _Call) -> bool:
+        """Whether a hook can fire on ``state`` as it enters vLLM: a prompt pass always (its
+        logits are read from the step), a Generate call with hooks of its own, or one a live
+        hook applies to (SCOPE_ALL, its session's, its tags'). Worker thread."""
+        if not isinstance(state, VllmCall) or state.records or state.p is None:
+            return True
+        with self._host.hooks_lock:
+            live = list(self._host.live_hooks)
+        return any(record.applies_to(state.p) for record in live)
 
     def _release(self, state: _Call) -> None:
         """Gives back what an admitted call held (once)."""
@@ -1078,6 +1125,8 @@ class VllmEngine:
                 continue
             assert isinstance(state, VllmCall)
             completion = output.outputs[0]
+            if not state.tokens[row.index] and not state.reasons[row.index]:  # its first output
+                self.prefix_cached_tokens += int(getattr(output, "num_cached_tokens", 0) or 0)
             new = list(completion.token_ids)[len(state.tokens[row.index]):]
             stopping = state.stopping.get(row.index)
             # It finished before the stop rule's step (a stop string at s-1 in worker
@@ -1198,6 +1247,12 @@ class VllmEngine:
             mine = spans[key]
             step = state.step_of()
             assert state.p is not None
+            if not state.touched:
+                # No hook could fire on it when it entered vLLM: none fires on it now (a hook
+                # registered since applies from a call's admission on). vLLM may have run
+                # part of its prompt from the prefix cache.
+                state.laid_out += 1
+                continue
             wrong = self._out_of_step(state, mine, step)
             if wrong and self._split_admission(state, mine, step):
                 # vLLM's engine process began stepping between the call's requests (they
@@ -1271,6 +1326,7 @@ class VllmEngine:
             raise RuntimeError("a worker began a step before its last one ended")
         self._lock.acquire()
         self._link_thread = threading.get_ident()
+        self.linked_steps += 1
         batch = PackedBatch([], dim=0, tokens=0, rerun=False)
         stack = contextlib.ExitStack()
         try:

@@ -100,14 +100,15 @@ def vllm_sizes(name: str, config: Mapping[str, Any], settings: Mapping[str, Any]
     kv_bytes = int(settings.get("kv_cache_bytes", DEFAULT_KV_CACHE_BYTES))
     seqs = int(settings.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS))
     per_token = kv_bytes_per_token(config, dtype, tensor_parallel_size)
+    block = int(settings.get("block_size", KV_BLOCK_TOKENS))
     held = None
     if per_token is not None:
-        held = kv_tokens(kv_bytes, per_token)
+        held = kv_tokens(kv_bytes, per_token, block)
         if held < 1:
             raise SizingError(
                 f"model {name!r}: vllm.kv_cache_bytes {kv_bytes} holds no sequence: one token takes {per_token} bytes "
-                f"of KV cache and vLLM keeps {KV_BLOCK_TOKENS}-token blocks, one of them back; give it at least "
-                f"{2 * KV_BLOCK_TOKENS * per_token}"
+                f"of KV cache and vLLM keeps {block}-token blocks, one of them back; give it at least "
+                f"{2 * block * per_token}"
             )
     if "max_model_len" in settings:
         max_len = int(settings["max_model_len"])

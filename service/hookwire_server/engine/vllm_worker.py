@@ -46,6 +46,12 @@ if os.environ.get("HOOKWIRE_VLLM_KEEP_WEIGHTS") == "1":
 
 
 
+#: The key of a request's SamplingParams.extra_args by which the server tells the workers
+#: whether a hook can fire on it (vllm_engine.VllmEngine._touched, decided at its
+#: admission); a request without it counts as touched.
+TOUCHED = "hookwire_touched"
+
+
 def plain(value: Any) -> Any:
     """``value`` with what hookwire's wire form cannot carry (vLLM's attention metadata,
     a layer object, a tensor of a dtype the wire has no form for) as None: the server's
@@ -230,6 +236,13 @@ class _Taps:
         if self.leader:
             batch = self.runner.input_batch
             n = batch.num_reqs
+            if not any(self._touched(rid) for rid in batch.req_ids[:n]):
+                # No hook can fire on any request of the step (the server decided at each
+                # one's admission): it runs as vLLM alone would, without a word to the server.
+                config = b'{"skip": true}'
+        if self.leader and not config:
+            batch = self.runner.input_batch
+            n = batch.num_reqs
             starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
             # Each request's last scheduled token (a decoding step's input token): rules'
             # token-id signals read it, and the server may not have the last step's yet.
@@ -246,7 +259,16 @@ class _Taps:
         # The end of the step goes last among the logits processor's hooks (after a tap there).
         if self._end_handle is not None:
             self._end_handle.remove()
-        self._end_handle = self.head.register_forward_hook(self._end)
+            self._end_handle = None
+        if not header.get("skip"):
+            self._end_handle = self.head.register_forward_hook(self._end)
+
+    def _touched(self, request_id: str) -> bool:
+        """Whether the server said a hook may fire on request ``request_id`` (its
+        SamplingParams' extra_args, set at its admission); unknown ones count as touched."""
+        state = self.runner.requests.get(request_id)
+        extra = getattr(getattr(state, "sampling_params", None), "extra_args", None) or {}
+        return bool(extra.get(TOUCHED, True))
 
     def _sync(self, taps: list[list[Any]]) -> None:
         wanted = {(path, phase): (roots, bool(edits)) for path, phase, roots, edits in taps

@@ -148,10 +148,15 @@ class HookRecord:
                     module = self.host.hook_targets.get(path) or self.host.modules[path]
                     for action in self.compiled.actions:
                         self._handles.append(_install(module, action, self._make_hook(action, path)))
+            self.host.live_hooks.add(self)
         else:
-            handles, self._handles = self._handles, []
-            for handle in handles:
-                handle.remove()
+            self._remove_handles()
+
+    def _remove_handles(self) -> None:
+        self.host.live_hooks.discard(self)
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
 
     def listeners_changed(self) -> None:
         """After ``streams`` changed (a subscription came or went): installs or removes the
@@ -163,9 +168,7 @@ class HookRecord:
         """Removes the torch hooks. Runs on the model's worker thread; idempotent."""
         with self.host.hooks_lock:
             self.active = False
-            handles, self._handles = self._handles, []
-            for handle in handles:
-                handle.remove()
+            self._remove_handles()
 
     def _make_hook(self, action: Action, path: str) -> Callable[..., Any]:
         """The torch hook: its signature and return value are torch's for the phase. It
@@ -228,6 +231,11 @@ class HookRecord:
         self.fire_count, self.errors, self.last_fired_ns, sampler = state
         if self._sampler is not None and sampler is not None:
             self._sampler.restore(sampler)
+
+    def applies_to(self, p: Pass) -> bool:
+        """Whether it fires for the calls of ``p`` (its scope: every call, its request's,
+        its tags', its session's)."""
+        return self._applies_to(p)
 
     def _applies_to(self, p: Pass) -> bool:
         scope = self.compiled.scope

@@ -42,11 +42,12 @@ ENGINES = ("torch", "vllm")
 #: The [models.vllm] settings and their types (docs/vllm.md): the dtype the weights are
 #: served in ("auto": the folder's own, not vLLM's "auto", which turns float32 into
 #: bfloat16 on CPUs), the longest sequence, concurrent sequences, the KV cache's bytes,
-#: tensor and pipeline parallel sizes, and whether the model runs in vLLM's engine and
-#: worker processes (``worker_processes``; tensor parallel always does).
+#: tensor and pipeline parallel sizes, whether the model runs in vLLM's engine and
+#: worker processes (``worker_processes``; tensor parallel always does), and the tokens of
+#: a KV-cache block (``block_size``: the unit vLLM's prefix cache shares).
 VLLM_SETTINGS: dict[str, type] = {
     "dtype": str, "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int, "kv_cache_bytes": int,
-    "tensor_parallel_size": int, "pipeline_parallel_size": int, "worker_processes": bool,
+    "tensor_parallel_size": int, "pipeline_parallel_size": int, "worker_processes": bool, "block_size": int,
 }
 VLLM_DTYPES = ("auto", "float32", "float16", "bfloat16")
 

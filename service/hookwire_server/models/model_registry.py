@@ -248,6 +248,10 @@ class ModelHost:
         #: whose passes run elsewhere (vLLM's worker processes) makes hook changes wait for
         #: the end of a pass; a no-op lock otherwise.
         self.hooks_lock: Any = contextlib.nullcontext()
+        #: The hooks whose torch hooks are installed on its modules (hook_record: a live hook
+        #: that edits or is listened to), changed under hooks_lock: an engine that decides at
+        #: a call's admission whether any hook can touch it (vLLM) reads it.
+        self.live_hooks: set[Any] = set()
         #: Called once at shutdown (an engine's processes stop).
         self.closers: list[Callable[[], None]] = []
         self._executor = DaemonWorker(f"model:{name}", idle_trim=True)
