@@ -30,6 +30,7 @@ counted from what each client received):
   printed (hookwire only);
 - S2r: the same capture as each call's own request hooks, every event read by its client;
 - S3: a SCOPE_ALL steering rule (add a vector to layer 2's output) on every call and step;
+- S1i: S1 with `stream_interval` 4 (hookwire only): four steps' tokens a message;
 - a trailing `n` (S1n, S2n, S3n): the same while a competing process keeps one core busy
   (`while True: pass`), started before and stopped after the variant.
 
@@ -231,7 +232,7 @@ async def vllm_clients(target: str, count: int, tokens: int) -> int:
         await client.close()
 
 
-async def hookwire_clients(target: str, count: int, tokens: int, request_hooks: list[Any]) -> int:
+async def hookwire_clients(target: str, count: int, tokens: int, request_hooks: list[Any], interval: int = 0) -> int:
     """``count`` concurrent streaming Generate calls through the SDK; the tokens received
     (and, with ``request_hooks``, every event read)."""
     import hookwire
@@ -242,7 +243,7 @@ async def hookwire_clients(target: str, count: int, tokens: int, request_hooks: 
         async def one(prompt: str) -> int:
             got = 0
             async for item in model.generate(prompt, tokens, do_sample=False, hooks=request_hooks,
-                                             use_session=False, keep_events=False):
+                                             use_session=False, keep_events=False, stream_interval=interval):
                 if isinstance(item, hookwire.GeneratedTokens):
                     got += sum(1 for t in item.token_ids if t != hookwire.GeneratedTokens.FINISHED)
             return got
@@ -276,7 +277,7 @@ async def operator_hooks(target: str, variant: str, drops: list[int]) -> Any:
 
                 async def read() -> None:
                     async for event in sub:
-                        drops[0] += event.dropped
+                        drops[0] = max(drops[0], event.dropped)  # the stream's count so far
 
                 reader = asyncio.ensure_future(read())
             yield
@@ -310,7 +311,7 @@ def run_variant(server: Server, variant: str, clients: int, tokens: int) -> tupl
     drops = [0]
     assert server.proc is not None
 
-    async def go() -> tuple[int, float]:
+    async def go() -> tuple[int, float, float]:
         async with operator_hooks(server.target, base, drops):
             if server.kind == "vllm":
                 run = vllm_clients(server.target, clients, tokens)
@@ -320,7 +321,7 @@ def run_variant(server: Server, variant: str, clients: int, tokens: int) -> tupl
                     from hookwire import HookSpec, capture
 
                     hooks = [HookSpec("model.layers.*", posthook=capture("output", select="[:, -1]"))]
-                run = hookwire_clients(server.target, clients, tokens, hooks)
+                run = hookwire_clients(server.target, clients, tokens, hooks, 4 if base == "S1i" else 0)
             with busy_core(variant.endswith("n")):
                 cpu0 = cpu_seconds(server.proc.pid)
                 t0 = time.perf_counter()
@@ -339,7 +340,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--clients", default="8,32")
-    ap.add_argument("--variants", default="S1,S1n,S2,S2n,S3,S3n,S2r")
+    ap.add_argument("--variants", default="S1,S1n,S1i,S2,S2n,S3,S3n,S2r")
     ap.add_argument("--hookwire", default="default,inproc", help="hookwire modes: default, inproc, processes")
     ap.add_argument("--no-compiled", action="store_true", help="leave out vLLM's compiled default server")
     ap.add_argument("--tp", type=int, default=1)
@@ -403,7 +404,10 @@ def report(servers: list[Server], results: dict[tuple[str, str, int], list[tuple
                 mine = med(s.name, variant, clients)
                 base = variant.rstrip("n")
                 loaded = variant.endswith("n")
-                if base == "S1":
+                if base == "S1i":
+                    line = f"/ its own S1 {mine / med(s.name, 'S1', clients):.2f}x; front CPU per token / S1's " \
+                           f"{med(s.name, variant, clients, 1) / med(s.name, 'S1', clients, 1):.2f}x"
+                elif base == "S1":
                     eager = med("vllm-eager", variant, clients)
                     line = f"/ vllm serve --enforce-eager --no-enable-prefix-caching {mine / eager:.2f}x"
                     if ("vllm", variant, clients) in results:

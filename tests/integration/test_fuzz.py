@@ -498,7 +498,8 @@ def test_generate(fuzz_server, request, use_session) -> None:
         steps = [m.tokens.step for m in messages if m.WhichOneof("kind") == "tokens"]
         steps += [t.step for m in messages if m.WhichOneof("kind") == "steps" for t in m.steps.steps]
         assert sorted(steps) == list(range(done.steps)) and 1 <= done.steps <= request.max_new_tokens
-        assert ("steps" in kinds) == (request.stream_interval > 1), kinds
+        # stream_interval > 1: step 0's tokens alone (as `tokens`), the later steps in `steps` messages.
+        assert ("steps" in kinds) == (request.stream_interval > 1 and done.steps > 1), kinds
         assert len(done.sequences) == messages[0].started.input_ids.shape[0]
 
     _check(call)

@@ -366,8 +366,9 @@ async def test_a_generate_stream_dropped_unread_no_longer_counts_as_its_sessions
 
 async def test_stream_interval_sends_steps_together_after_their_events_and_the_sdk_yields_each(
         client: hookwire.Client) -> None:
-    """GenerateRequest.stream_interval N: the tokens of N steps in one `steps` message (the
-    last group shorter), each group after the events of its steps; the SDK hands out one
+    """GenerateRequest.stream_interval N: step 0's tokens alone, as soon as it ends (time to
+    first token unchanged), then the tokens of N steps in one `steps` message (the last
+    group shorter), each group after the events of its steps; the SDK hands out one
     GeneratedTokens per step, the same tokens and texts as without; over the limit,
     INVALID_ARGUMENT naming the field and the limit."""
     from hookwire.v1 import model_service_pb2
@@ -378,7 +379,7 @@ async def test_stream_interval_sends_steps_together_after_their_events_and_the_s
     grouped = [item async for item in model.generate(PROMPTS, 7, do_sample=False, hooks=hooks, stream_interval=3)]
     assert [(type(i).__name__, i.step) for i in plain] == [(kind, s) for s in range(7)
                                                             for kind in ("InterceptEvent", "GeneratedTokens")]
-    groups = [range(0, 3), range(3, 6), range(6, 7)]  # each group's events, then its steps' tokens
+    groups = [range(0, 1), range(1, 4), range(4, 7)]  # each group's events, then its steps' tokens
     assert [(type(i).__name__, i.step) for i in grouped] == [(kind, s) for g in groups
                                                               for kind in ("InterceptEvent", "GeneratedTokens")
                                                               for s in g]
@@ -392,14 +393,16 @@ async def test_stream_interval_sends_steps_together_after_their_events_and_the_s
         kind = msg.WhichOneof("kind")
         if kind == "steps":
             seen.append(("steps", [t.step for t in msg.steps.steps]))
+        elif kind == "tokens":
+            seen.append(("tokens", [msg.tokens.step]))
         elif kind in ("event", "batch"):
             events = [msg.event] if kind == "event" else list(msg.batch.events)
             seen += [("event", [e.step]) for e in events]
         else:
             assert kind in ("started", "done"), kind
-    assert seen == [("event", [0]), ("event", [1]), ("event", [2]), ("steps", [0, 1, 2]),
-                    ("event", [3]), ("event", [4]), ("event", [5]), ("steps", [3, 4, 5]),
-                    ("event", [6]), ("steps", [6])]
+    assert seen == [("event", [0]), ("tokens", [0]),
+                    ("event", [1]), ("event", [2]), ("event", [3]), ("steps", [1, 2, 3]),
+                    ("event", [4]), ("event", [5]), ("event", [6]), ("steps", [4, 5, 6])]
 
     limit = 64  # Limits.max_stream_interval's default
     with pytest.raises(hookwire.InvalidArgumentError, match=rf"^INVALID_ARGUMENT: stream_interval: {limit + 1} steps a message, "
@@ -407,3 +410,25 @@ async def test_stream_interval_sends_steps_together_after_their_events_and_the_s
         await model.generate(PROMPTS, 2, stream_interval=limit + 1)
     with pytest.raises(ValueError, match="stream_interval must be an integer >= 0"):
         model.generate(PROMPTS, 2, stream_interval=-1)
+
+
+async def test_a_call_that_fails_mid_group_first_sends_the_steps_it_holds(client: hookwire.Client) -> None:
+    """stream_interval 4, a rule that fails its call at step 3 (an index past a decoding
+    step's one position, on_error fail_call): steps 1 and 2, held for their group, arrive
+    before the call's error, as they would have one by one."""
+    from hookwire.v1 import model_service_pb2
+
+    bad = hookwire.HookSpec("model.layers.0", posthook=[rules.scale("output", 2.0, index="[:, 3]")],
+                            on_error="fail_call", steps=(3, None))
+    request = model_service_pb2.GenerateRequest(model="tiny-lm", prompts=PROMPTS, max_new_tokens=8, do_sample=False,
+                                                stream_interval=4, hooks=[bad.to_proto()])
+    got: list[tuple[str, list[int]]] = []
+    with pytest.raises(Exception) as info:
+        async for msg in client.model_stub.Generate(request):
+            kind = msg.WhichOneof("kind")
+            if kind == "tokens":
+                got.append(("tokens", [msg.tokens.step]))
+            elif kind == "steps":
+                got.append(("steps", [t.step for t in msg.steps.steps]))
+    assert "INVALID_ARGUMENT" in str(info.value) or "invalid" in str(info.value).lower(), info.value
+    assert got == [("tokens", [0]), ("steps", [1, 2])]

@@ -12,6 +12,12 @@ import torch
 from hookwire_server.engine import vllm_threads
 
 
+@pytest.fixture(autouse=True)
+def cpu_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU build's behaviour, also where torch sees a GPU (CUDA: vLLM places threads itself)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def test_the_model_gets_every_core_but_the_fronts_and_at_least_one() -> None:
     assert [vllm_threads.model_threads(n) for n in (1, 2, 3, 16)] == [1, 1, 2, 15]
 

@@ -609,11 +609,17 @@ class Generation:
                     yield out
                 last = items[-1]
                 if last[0] == "ended":  # ended without its last step: the failure that ended it
+                    if grouped:  # the steps it holds go first (their events went already)
+                        yield model_service_pb2.GenerateResponse(steps=model_service_pb2.GeneratedSteps(steps=grouped))
+                        grouped = []
                     raise last[1] or Unavailable(f"model {host.name!r} ended the Generate call (it is shutting down)")
                 if last[0] != "step":
                     continue
                 result: StepResult = last[1]
                 if mailbox.failure is not None:  # steps ahead of the stream kept more than the principal may
+                    if grouped:
+                        yield model_service_pb2.GenerateResponse(steps=model_service_pb2.GeneratedSteps(steps=grouped))
+                        grouped = []
                     raise mailbox.failure
                 if p.backlog:  # a stream that blocks for the call was full: wait for its reader here, alone
                     await self._backlog_delivered(p, host)
@@ -646,7 +652,7 @@ class Generation:
                         for i, token in enumerate(result.tokens)
                     ]
                 chosen = model_service_pb2.GeneratedTokens(step=step, token_ids=result.tokens, texts=deltas)
-                if interval <= 1:
+                if interval <= 1 or step == 0:  # the first tokens at once: time to first token unchanged
                     yield model_service_pb2.GenerateResponse(tokens=chosen)
                 else:  # after this step's events (yielded above), with the steps before it
                     grouped.append(chosen)
@@ -671,6 +677,12 @@ class Generation:
             raise
         except BaseException as exc:
             call.ended = "error"
+            if grouped:  # a timeout or failure after steps it holds: they go first
+                try:
+                    yield model_service_pb2.GenerateResponse(steps=model_service_pb2.GeneratedSteps(steps=grouped))
+                except BaseException:  # the stream itself is gone: the failure below is what counts
+                    pass
+                grouped = []
             if isinstance(exc, DeadlineExceeded):
                 outcome = call.ended = "timeout"
                 p.abandon()  # events kept for a stalled reader are dropped with the call

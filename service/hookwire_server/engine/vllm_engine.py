@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -508,6 +509,11 @@ class VllmCall(_Call):
         return self.laid_out
 
 
+def _principal_salt(principal: str) -> str:
+    """The prefix-cache salt of a principal's untouched calls (vLLM's cache_salt)."""
+    return "principal:" + hashlib.sha256(principal.encode()).hexdigest()[:32]
+
+
 def _resident_bytes(kv_cache_bytes: int, model: Any, folder: pathlib.Path) -> int:
     """What a vLLM model keeps in host memory: on vLLM's CPU build its KV cache and its
     weights (an in-process ``model``'s, else the folder's weight files, which its worker
@@ -825,12 +831,13 @@ class VllmEngine:
         try:
             for row, rid in enumerate(state.request_ids):
                 self._rows[rid] = _Row(state, row)
-                prompt: dict[str, Any] = {"prompt_token_ids": state.prompts[row]}
-                if state.touched:
-                    # Its own cache salt: it never reuses another request's cached prompt
-                    # (whose hooks it would skip, whose edits it would inherit), and nobody
-                    # reuses its KV (which its rules may have edited).
-                    prompt["cache_salt"] = rid
+                # A touched call's requests have a cache salt of their own: they never reuse
+                # another request's cached prompt (whose hooks they would skip, whose edits
+                # they would inherit), and nobody reuses their KV (which rules may have
+                # edited). Untouched calls share the cache within their principal only: a
+                # prompt's speed would otherwise tell one tenant what another sent.
+                salt = rid if state.touched else _principal_salt(state.p.principal if state.p is not None else "")
+                prompt: dict[str, Any] = {"prompt_token_ids": state.prompts[row], "cache_salt": salt}
                 params = state.params[row]
                 # Worker processes: a step of untouched requests only is not the server's
                 # business (vllm_worker runs it without a word over the link).
@@ -1205,7 +1212,7 @@ class VllmEngine:
     def _fail_step(self, batch: PackedBatch, exc: BaseException) -> None:
         """Every hookwire call of the step fails with ``exc``; no more hooks fire in it."""
         for row in self._rows.values():
-            if row.call.p is not None:
+            if row.call.p is not None and row.call.touched:  # no hook ran on an untouched call
                 batch.fail_call(row.call.p, exc)
         batch.segments, batch.shared = [], False
 
@@ -1275,7 +1282,9 @@ class VllmEngine:
         batch.segments = list(segments)
         batch.sequences = n
         batch.tokens = batch.rows = end
-        batch.shared = len(segments) > 1
+        # A call is alone in the step only if every request of it is its own: rows of an
+        # untouched call (or not hookwire's) are another's, never shown to its hooks.
+        batch.shared = len(segments) > 1 or len(calls) > len(segments) or None in order
 
     def _split_admission(self, state: _Call, mine: dict[int, tuple[int, int]], step: int) -> bool:
         """Whether ``state``'s first step has some of its prompts, whole, and not the others:

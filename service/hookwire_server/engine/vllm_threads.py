@@ -6,7 +6,7 @@ default gives the model one OpenMP thread per core. On a 2-core host that shares
 with the gRPC event loop and vLLM's scheduler, and with any neighbour (the clients, a
 harvest job, a metrics scraper), every parallel region of the model then waits for a
 thread the OS has descheduled; libgomp's waiting threads spin meanwhile, taking the core
-the others need. In-process throughput fell from ~400 to ~30 tokens/s with one busy core
+the others need. In-process throughput fell from ~400 to ~32 tokens/s with one busy core
 beside it, while ``vllm serve``, whose worker runs one thread per core it keeps after
 reserving one for its scheduler, lost a quarter. hookwire does what vLLM does: the model
 runs on all cores but one (at least one thread), the core left over is the front's (the
@@ -27,6 +27,10 @@ import torch
 #: torch's own setter: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op
 #: in the process it runs in (in-process: the server's), once it has started.
 _SET_NUM_THREADS = torch._C.set_num_threads
+
+#: The intra-op threads a new thread of this process gets (torch's default, or the
+#: operator's OMP_NUM_THREADS), as limit_this_thread found it; None until it ran.
+process_default: int | None = None
 
 #: What the operator set, as the server found it (None: unset).
 _OPERATOR_THREADS = os.environ.get("OMP_NUM_THREADS")
@@ -53,9 +57,11 @@ def limit_this_thread(threads: int | None = None) -> int | None:
     value when that thread first runs a parallel op, which this sets back."""
     if _OPERATOR_THREADS is not None or torch.cuda.is_available():
         return None
+    global process_default
     threads = model_threads() if threads is None else threads
     default: list[int] = []
     _in_fresh_thread(lambda: default.append(torch.get_num_threads()))
+    process_default = default[0]
     torch.get_num_threads()  # this thread takes its count now, so that the restore below leaves it
     _SET_NUM_THREADS(threads)
     _in_fresh_thread(lambda: _SET_NUM_THREADS(default[0]))
