@@ -32,6 +32,8 @@ def _vllm(**fields: object) -> ModelConfig:
     (_vllm(vllm={"tensor_parallel_size": -2}), "vllm.tensor_parallel_size must be a positive integer"),
     (_vllm(vllm=["dtype"]), "vllm must be a table"),
     (_vllm(vllm={"worker_processes": 1}), "vllm.worker_processes must be true or false, not 1"),
+    (_vllm(vllm={"link_address": 7000}), "vllm.link_address must be a non-empty string, not 7000"),
+    (_vllm(vllm={"block_size": 0}), "vllm.block_size"),
 ])
 def test_a_bad_engine_setting_is_a_config_error_naming_the_model_and_key(config: ModelConfig, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -135,3 +135,56 @@ def test_values_cross_the_link_as_data_and_come_back_with_what_could_not_travel(
     assert len(tensors) == 2
     rebuilt = with_tensors(parts, [t.clone() for t in tensors])
     assert torch.equal(rebuilt["args"][1], hidden * 2) and rebuilt["args"][2] is meta
+
+
+class _Ends:
+    """An engine that only counts the ends of steps (the link's protocol, nothing else)."""
+
+    def __init__(self) -> None:
+        self.ended = 0
+        self.closed = 0
+
+    def link_end(self) -> None:
+        self.ended += 1
+
+    def link_closed(self) -> None:
+        self.closed += 1
+
+    def lost(self, why: str) -> None:
+        pass
+
+
+def test_a_tcp_link_refuses_a_connection_without_the_key_and_serves_the_worker_that_has_it() -> None:
+    """vllm.link_address: the link listens on TCP (ranks on other machines); a connection
+    that fails multiprocessing's HMAC challenge is refused before anything of it is read,
+    and the rank's slot stays open for the real worker, whose messages are served."""
+    import json
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    from hookwire_server.engine.vllm_link import WorkerLink, tcp_address
+
+    link = WorkerLink("m", "127.0.0.1:0")
+    try:
+        assert link.address.startswith("tcp://127.0.0.1:")
+        host, port = tcp_address(link.address[len("tcp://"):])
+        engine = _Ends()
+        link.engine = engine  # type: ignore[assignment]
+        link.start(1)
+        with pytest.raises(AuthenticationError):
+            Client((host, port), authkey=b"not the key").close()
+        with Client((host, port), authkey=link.authkey) as conn:
+            conn.send_bytes(json.dumps({"t": "end"}).encode())
+            assert conn.recv_bytes() == b"{}"
+        assert engine.ended == 1
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("text", ["", "host", "host:", ":80", "host:http", "host:70000"])
+def test_a_link_address_that_is_not_host_port_says_so(text: str) -> None:
+    from hookwire_server.engine.vllm_link import tcp_address
+
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        tcp_address(text)
+    assert tcp_address("[::1]:0") == ("::1", 0) and tcp_address("10.0.0.2:7000") == ("10.0.0.2", 7000)

@@ -300,3 +300,40 @@ async def test_a_worker_process_that_dies_fails_its_calls_and_the_model(tp_serve
         with pytest.raises(hookwire.FailedPreconditionError, match="failed while serving"):
             await model.generate(["hello"], 2)
 
+
+
+async def test_workers_linked_over_tcp_serve_hooks_as_over_a_unix_socket(llama_folder: pathlib.Path, oracle) -> None:
+    """vllm.link_address: the worker reaches the server over TCP (as ranks on another
+    machine would: the link authenticates with the server's key either way); a captured
+    and a steered call equal transformers, and a config that asks for the link without
+    worker processes is refused naming the setting."""
+    from hookwire_server import ModelRegistry, ServerSettings
+    from hookwire_server.engine.core import build_host
+    from hookwire_server.models.model_loading import ConfigError, ModelConfig
+    from support import ServerThread
+
+    with pytest.raises(ConfigError, match=r"vllm.link_address is where vLLM's worker processes reach the server: it "
+                                          r"needs worker_processes = true"):
+        build_host(ModelConfig(name="x", transformers=str(llama_folder), engine="vllm",
+                               vllm={"link_address": "127.0.0.1:0"}))
+    host = build_host(ModelConfig(
+        name="llama-tcp", transformers=str(llama_folder), engine="vllm",
+        vllm={"max_model_len": 128, "max_num_seqs": 4, "kv_cache_bytes": 16 << 20, "worker_processes": True,
+              "link_address": "127.0.0.1:0"},
+    ))
+    srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
+    try:
+        assert host.loaded_engine._link.address.startswith("tcp://127.0.0.1:")
+        tokenizer = oracle_tokenizer()
+        ids = _ids(tokenizer, PROMPTS[0])
+        vector = torch.randn(128, generator=torch.Generator().manual_seed(4)) * 2.0
+        want, seen = _greedy(oracle, ids, 3, {"model.layers.0": vector})
+        async with hookwire.connect(srv.target) as client:
+            result = await client.model("llama-tcp").generate([PROMPTS[0]], 3, hooks=[
+                HookSpec("model.layers.0", posthook=[rules.add("output", vector)]),
+                HookSpec("model.layers.1", posthook=capture("output"))])
+        assert list(result.token_ids[0]) == want
+        for event in result.events:
+            torch.testing.assert_close(torch.as_tensor(event.output)[0], seen["model.layers.1"][event.step][0], **TOL)
+    finally:
+        srv.stop()

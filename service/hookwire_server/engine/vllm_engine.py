@@ -82,7 +82,7 @@ from .packed import PackedBatch, PackedSegment
 from .pass_runner import model_errors, running
 from .vllm_sizing import SizingError, VllmSizes, text_config, vllm_sizes
 from .vllm_worker import TOUCHED
-from .vllm_link import WorkerLink, proxy_model, run_post, run_pre, taps_of, unedited_modules
+from .vllm_link import WorkerLink, proxy_model, tcp_address, run_post, run_pre, taps_of, unedited_modules
 from .seam import GENERATE, HARVEST, INFER, Plan
 
 log = logging.getLogger("hookwire.vllm")
@@ -132,6 +132,15 @@ def build_host(config: ModelConfig) -> ModelHost:
             "parallel yet (its stages run different steps at once); tensor parallel works (docs/scaling.md)"
         )
     processes = bool(settings.get("worker_processes", False)) or tp > 1
+    link_address = settings.get("link_address")
+    if link_address is not None:
+        if not processes:
+            raise ConfigError(f"model {config.name!r}: vllm.link_address is where vLLM's worker processes reach the "
+                              "server: it needs worker_processes = true (or tensor_parallel_size > 1)")
+        try:
+            tcp_address(link_address)
+        except ValueError as exc:
+            raise ConfigError(f"model {config.name!r}: vllm.link_address {exc}") from None
     # vLLM reads these when the engine is made: each model sets its own.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if processes else "0"
     if processes:
@@ -181,7 +190,7 @@ def build_host(config: ModelConfig) -> ModelHost:
     link: WorkerLink | None = None
     partial: set[str] = set()
     if processes:
-        link, model, partial = _connect_workers(config.name, llm, folder)
+        link, model, partial = _connect_workers(config.name, llm, folder, link_address)
         runner = None
     else:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -316,7 +325,8 @@ def _bind_cpu_threads(ranks: int) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
 
 
-def _connect_workers(name: str, llm: Any, folder: pathlib.Path) -> tuple[WorkerLink, Any, set[str]]:
+def _connect_workers(name: str, llm: Any, folder: pathlib.Path,
+                     tcp: str | None = None) -> tuple[WorkerLink, Any, set[str]]:
     """Links the workers to this server (vllm_link) and returns the link and the model's
     stand-in module tree (with the folder's transformers config). ConfigError if they
     cannot be linked."""
@@ -324,7 +334,7 @@ def _connect_workers(name: str, llm: Any, folder: pathlib.Path) -> tuple[WorkerL
 
     link: WorkerLink | None = None
     try:
-        link = WorkerLink(name)
+        link = WorkerLink(name, tcp)
         link.start(1)  # the first rank of the tensor-parallel group talks (pipeline parallel is refused)
         linked = llm.collective_rpc("hookwire_connect", args=(link.address, link.authkey.hex()))
         link.pids = [int(info["pid"]) for info in linked]

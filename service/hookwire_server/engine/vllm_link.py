@@ -23,6 +23,7 @@ import os
 import secrets
 import tempfile
 import threading
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener
 from typing import Any, Protocol
 
@@ -185,15 +186,40 @@ class LinkEngine(Protocol):
     def lost(self, why: str) -> None: ...
 
 
-class WorkerLink:
-    """Listens for the workers' connections and serves each on a thread of its own."""
+def tcp_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for an IPv6 host) as a socket address; ValueError
+    saying what is wrong."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT (a port from 0 to 65535; 0 picks a free one)")
+    return host, int(port)
 
-    def __init__(self, name: str) -> None:
+
+class WorkerLink:
+    """Listens for the workers' connections and serves each on a thread of its own.
+
+    By default on a Unix socket in a private folder (ranks on this machine); with
+    ``tcp`` (``HOST:PORT``, port 0 for a free one) on a TCP socket, which ranks on other
+    machines reach at that host (``address`` is then ``tcp://HOST:PORT``). Either way a
+    connection must prove it holds ``authkey`` (multiprocessing's HMAC challenge, both
+    ways) before anything is read from it; what travels is not encrypted (bytes of the
+    model's activations): keep a TCP link on a private network."""
+
+    def __init__(self, name: str, tcp: str | None = None) -> None:
         self.name = name
         self._folder = tempfile.TemporaryDirectory(prefix="hookwire-vllm-")
-        self.address = os.path.join(self._folder.name, "link")
         self.authkey = secrets.token_bytes(32)
-        self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        if tcp is None:
+            self.address = os.path.join(self._folder.name, "link")
+            self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        else:
+            host, port = tcp_address(tcp)
+            self._listener = Listener((host, port), family="AF_INET6" if ":" in host else "AF_INET",
+                                      authkey=self.authkey)
+            bound = self._listener.address
+            shown = f"[{host}]" if ":" in host else host
+            self.address = f"tcp://{shown}:{bound[1]}"
         #: What the workers' messages go to (set before their first step).
         self.engine: LinkEngine | None = None
         self._closed = False
@@ -211,14 +237,21 @@ class WorkerLink:
             self._threads.append(thread)
 
     def _accept(self) -> None:
-        try:
-            conn = self._listener.accept()
-        except Exception as exc:  # closed before a worker connected
-            if not self._closed:
-                log.error("model %r: a vLLM worker could not connect: %r", self.name, exc)
+        while True:
+            try:
+                conn = self._listener.accept()
+            except AuthenticationError as exc:
+                # Not a worker of this model (a stray or hostile connection on a TCP link):
+                # refused before anything of it was read; the worker's slot stays open.
+                log.warning("model %r: a connection to the vLLM link failed authentication: %s", self.name, exc)
+                continue
+            except Exception as exc:  # closed before a worker connected
+                if not self._closed:
+                    log.error("model %r: a vLLM worker could not connect: %r", self.name, exc)
+                return
+            with conn:
+                self._serve(conn)
             return
-        with conn:
-            self._serve(conn)
 
     def _serve(self, conn: Connection) -> None:
         engine: LinkEngine | None = None

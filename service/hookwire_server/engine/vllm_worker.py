@@ -164,7 +164,12 @@ class _Taps:
         self.group = parallel_state.get_tp_group()
         self.parallel = self.group.world_size > 1
         self.leader = self.group.rank_in_group == 0
-        self.conn = Client(address, authkey=authkey) if self.leader else None
+        # A Unix socket's path, or tcp://HOST:PORT (ranks on other machines: vllm_link).
+        target: Any = address
+        if address.startswith("tcp://"):
+            host, _, port = address[len("tcp://"):].rpartition(":")
+            target = (host.strip("[]"), int(port))
+        self.conn = Client(target, authkey=authkey) if self.leader else None
         model = runner.model
         self.modules = dict(model.named_modules())
         # The end of a step goes after its logits: the logits processor, wherever the model

@@ -44,10 +44,13 @@ ENGINES = ("torch", "vllm")
 #: bfloat16 on CPUs), the longest sequence, concurrent sequences, the KV cache's bytes,
 #: tensor and pipeline parallel sizes, whether the model runs in vLLM's engine and
 #: worker processes (``worker_processes``; tensor parallel always does), and the tokens of
-#: a KV-cache block (``block_size``: the unit vLLM's prefix cache shares).
+#: a KV-cache block (``block_size``: the unit vLLM's prefix cache shares), and where the
+#: workers' link listens (``link_address``, HOST:PORT: TCP, for ranks on other machines;
+#: unset: a Unix socket).
 VLLM_SETTINGS: dict[str, type] = {
     "dtype": str, "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int, "kv_cache_bytes": int,
     "tensor_parallel_size": int, "pipeline_parallel_size": int, "worker_processes": bool, "block_size": int,
+    "link_address": str,
 }
 VLLM_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -171,9 +174,12 @@ class ModelConfig:
             kind = VLLM_SETTINGS.get(key)
             if kind is None:
                 raise ConfigError(f"model {name!r}: vllm.{key} is not a setting (known: {', '.join(VLLM_SETTINGS)})")
-            if kind is str:
+            if key == "dtype":
                 if value not in VLLM_DTYPES:
                     raise ConfigError(f"model {name!r}: vllm.{key} must be one of {', '.join(VLLM_DTYPES)}, not {value!r}")
+            elif kind is str:
+                if not isinstance(value, str) or not value:
+                    raise ConfigError(f"model {name!r}: vllm.{key} must be a non-empty string, not {value!r}")
             elif kind is bool:
                 if not isinstance(value, bool):
                     raise ConfigError(f"model {name!r}: vllm.{key} must be true or false, not {value!r}")
