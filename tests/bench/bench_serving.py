@@ -343,6 +343,8 @@ def main() -> None:
     ap.add_argument("--variants", default="S1,S1n,S1i,S2,S2n,S3,S3n,S2r")
     ap.add_argument("--hookwire", default="default,inproc", help="hookwire modes: default, inproc, processes")
     ap.add_argument("--no-compiled", action="store_true", help="leave out vLLM's compiled default server")
+    ap.add_argument("--no-vllm", action="store_true",
+                    help="hookwire only (S4: its ratios to its own S1; vllm serve's CPU build may refuse the binding)")
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
@@ -350,8 +352,8 @@ def main() -> None:
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench_serving_"))
     folder = work / "llama"
     save_model(folder)
-    servers = [Server("vllm-eager", "vllm", ["--enforce-eager", "--no-enable-prefix-caching"])]
-    if not args.no_compiled:
+    servers = [] if args.no_vllm else [Server("vllm-eager", "vllm", ["--enforce-eager", "--no-enable-prefix-caching"])]
+    if not args.no_compiled and not args.no_vllm:
         servers.append(Server("vllm", "vllm"))
     modes = {"default": [], "inproc": ["worker_processes=false"], "processes": ["worker_processes=true"]}
     for mode in args.hookwire.split(","):
@@ -404,7 +406,9 @@ def report(servers: list[Server], results: dict[tuple[str, str, int], list[tuple
                 mine = med(s.name, variant, clients)
                 base = variant.rstrip("n")
                 loaded = variant.endswith("n")
-                if base == "S1i":
+                if base == "S1" and ("vllm-eager", variant, clients) not in results:
+                    line = f"{mine:.1f} tokens/s (no vllm serve in this run)"
+                elif base == "S1i":
                     line = f"/ its own S1 {mine / med(s.name, 'S1', clients):.2f}x; front CPU per token / S1's " \
                            f"{med(s.name, variant, clients, 1) / med(s.name, 'S1', clients, 1):.2f}x"
                 elif base == "S1":
@@ -417,11 +421,11 @@ def report(servers: list[Server], results: dict[tuple[str, str, int], list[tuple
                     if (s.name, s1, clients) not in results:
                         continue
                     line = f"/ its own {s1} {mine / med(s.name, s1, clients):.2f}x"
-                    if ("vllm-eager", s1, clients) in results:
+                    if ("vllm-eager", s1, clients) in results:  # (not with --no-vllm)
                         line += f"; / vllm-eager {s1} {mine / med('vllm-eager', s1, clients):.2f}x"
                 print(f"  {s.name:18s} {variant:4s} {clients:2d} clients: {line}")
         for clients in counts:
-            if (s.name, "S1", clients) in results:
+            if (s.name, "S1", clients) in results and ("vllm-eager", "S1", clients) in results:
                 f1 = med(s.name, "S1", clients, 1) / med("vllm-eager", "S1", clients, 1)
                 print(f"  F1 {s.name} {clients} clients: front CPU per token / vllm serve's API server {f1:.2f}x")
 
