@@ -135,3 +135,19 @@ async def _check_models(target: str) -> None:
             await model.generate(["hello"], 600)
         assert (await model.generate(["hello"], 2)).steps == 2
 
+
+
+def test_the_ray_executor_is_refused_before_vllm_starts_where_it_cannot_serve(llama_folder: pathlib.Path) -> None:
+    """vllm.distributed_executor_backend "ray": vLLM's CPU build refuses Ray, and says so
+    only inside its engine process ("Engine core initialization failed"): hookwire refuses
+    it at once with vLLM's reason; an executor vLLM does not have is a config error."""
+    from hookwire_server.engine.core import build_host
+    from hookwire_server.models.model_loading import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match=r"model 'r': vllm.distributed_executor_backend \"ray\": vLLM's CPU build "
+                                          r"does not run Ray \(\"current platform cpu does not support ray\"\)"):
+        build_host(ModelConfig(name="r", transformers=str(llama_folder), engine="vllm",
+                               vllm={"distributed_executor_backend": "ray", "link_address": "127.0.0.1:0"}))
+    with pytest.raises(ConfigError, match=r"vllm.distributed_executor_backend must be one of mp, ray, not 'slurm'"):
+        ModelConfig(name="r", transformers=str(llama_folder), engine="vllm",
+                    vllm={"distributed_executor_backend": "slurm"}).check()

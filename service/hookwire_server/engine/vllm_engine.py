@@ -131,7 +131,10 @@ def build_host(config: ModelConfig) -> ModelHost:
             f"model {config.name!r}: vllm.pipeline_parallel_size {pp}: hookwire does not run vLLM's pipeline "
             "parallel yet (its stages run different steps at once); tensor parallel works (docs/scaling.md)"
         )
-    processes = bool(settings.get("worker_processes", False)) or tp > 1
+    executor = settings.get("distributed_executor_backend", "mp")
+    processes = bool(settings.get("worker_processes", False)) or tp > 1 or executor == "ray"
+    if executor == "ray":
+        _check_ray(config.name, settings)
     link_address = settings.get("link_address")
     if link_address is not None:
         if not processes:
@@ -165,6 +168,8 @@ def build_host(config: ModelConfig) -> ModelHost:
     max_len, seqs = sizes.max_model_len, sizes.max_num_seqs
     vllm_names.keep_cpu_linear_weights(config.parameters_readable)  # GetParameters reads them
     extra: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION} if processes else {}
+    if executor == "ray":
+        extra["distributed_executor_backend"] = "ray"
     if "block_size" in settings:
         extra["block_size"] = settings["block_size"]
     with vllm_logs.output_as_json():
@@ -202,6 +207,30 @@ def build_host(config: ModelConfig) -> ModelHost:
             link.close()
             _shut_down(llm)
         raise
+
+
+def _check_ray(name: str, settings: Mapping[str, Any]) -> None:
+    """ConfigError, before vLLM starts, where vLLM's Ray executor cannot serve the model
+    with hooks: on vLLM's CPU build (it refuses Ray, and says so only inside its engine
+    process), without the ``ray`` package, or without a TCP link (Ray places the first
+    rank on any node: it must reach the server over the network)."""
+    try:
+        from vllm.platforms import current_platform
+
+        on_cpu = bool(current_platform.is_cpu())
+    except Exception:
+        on_cpu = False
+    if on_cpu:
+        raise ConfigError(f"model {name!r}: vllm.distributed_executor_backend \"ray\": vLLM's CPU build does not run Ray "
+                          "(\"current platform cpu does not support ray\"); use \"mp\" here, Ray with the CUDA build")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"model {name!r}: vllm.distributed_executor_backend \"ray\" needs the ray package "
+                          "(pip install '.[vllm-ray]')") from None
+    if "link_address" not in settings:
+        raise ConfigError(f"model {name!r}: vllm.distributed_executor_backend \"ray\" needs vllm.link_address "
+                          "(HOST:PORT the ranks reach the server at: Ray may place the first rank on another node)")
 
 
 def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLink | None, partial: set[str],

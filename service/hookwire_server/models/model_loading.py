@@ -46,12 +46,15 @@ ENGINES = ("torch", "vllm")
 #: worker processes (``worker_processes``; tensor parallel always does), and the tokens of
 #: a KV-cache block (``block_size``: the unit vLLM's prefix cache shares), and where the
 #: workers' link listens (``link_address``, HOST:PORT: TCP, for ranks on other machines;
-#: unset: a Unix socket).
+#: unset: a Unix socket), and vLLM's executor (``distributed_executor_backend``: "mp", its
+#: own processes on this machine, or "ray", ranks wherever Ray places them).
 VLLM_SETTINGS: dict[str, type] = {
     "dtype": str, "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int, "kv_cache_bytes": int,
     "tensor_parallel_size": int, "pipeline_parallel_size": int, "worker_processes": bool, "block_size": int,
-    "link_address": str,
+    "link_address": str, "distributed_executor_backend": str,
 }
+#: vLLM's executors for worker processes hookwire runs: its own processes, or Ray's.
+VLLM_EXECUTORS = ("mp", "ray")
 VLLM_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -177,6 +180,10 @@ class ModelConfig:
             if key == "dtype":
                 if value not in VLLM_DTYPES:
                     raise ConfigError(f"model {name!r}: vllm.{key} must be one of {', '.join(VLLM_DTYPES)}, not {value!r}")
+            elif key == "distributed_executor_backend":
+                if value not in VLLM_EXECUTORS:
+                    raise ConfigError(f"model {name!r}: vllm.{key} must be one of {', '.join(VLLM_EXECUTORS)}, "
+                                      f"not {value!r}")
             elif kind is str:
                 if not isinstance(value, str) or not value:
                     raise ConfigError(f"model {name!r}: vllm.{key} must be a non-empty string, not {value!r}")
