@@ -680,8 +680,8 @@ class Generation:
             if grouped:  # a timeout or failure after steps it holds: they go first
                 try:
                     yield model_service_pb2.GenerateResponse(steps=model_service_pb2.GeneratedSteps(steps=grouped))
-                except BaseException:  # the stream itself is gone: the failure below is what counts
-                    pass
+                except Exception:  # the stream itself failed: the failure below is what counts
+                    pass  # (its reader closing the stream, GeneratorExit, goes on out)
                 grouped = []
             if isinstance(exc, DeadlineExceeded):
                 outcome = call.ended = "timeout"
