@@ -337,3 +337,47 @@ async def test_workers_linked_over_tcp_serve_hooks_as_over_a_unix_socket(llama_f
             torch.testing.assert_close(torch.as_tensor(event.output)[0], seen["model.layers.1"][event.step][0], **TOL)
     finally:
         srv.stop()
+
+
+async def test_hooks_run_in_the_workers_without_a_round_trip(tp_server, oracle) -> None:
+    """The hook runtime in the workers (runtime/): a capture of the last position cast to
+    float16 and a steering rule run on the ranks themselves, so no module value crosses
+    the link for them, and give transformers' values and steered tokens; a hook that
+    needs the server (a readout) runs there as before, with the same values; a
+    request's own rule that fails at run time in a worker fails its call with the
+    rule's words, and the server and the model stay healthy."""
+    tokenizer = oracle_tokenizer()
+    engine = tp_server.host.loaded_engine
+    text = PROMPTS[0]
+    ids = _ids(tokenizer, text)
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(5)) * 2.0
+    steered_want, seen = _greedy(oracle, ids, 4, {"model.layers.0": vector})
+    last = HookSpec("model.layers.1", posthook=capture("output", select="[:, -1]", cast="float16"))
+    steer = HookSpec("model.layers.0", posthook=[rules.add("output", vector)])
+    async with hookwire.connect(tp_server.target) as client:
+        model = client.model("llama-tp")
+        taps, ran = engine.tapped_values, engine.worker_hook_steps
+        result = await model.generate([text], 4, hooks=[steer, last])
+        assert engine.tapped_values == taps and engine.worker_hook_steps >= ran + 4
+        assert list(result.token_ids[0]) == steered_want
+        assert [e.step for e in result.events] == [0, 1, 2, 3]
+        for event in result.events:
+            got = torch.as_tensor(event.output)
+            assert got.dtype == torch.float16 and list(got.shape) == [1, 128]
+            want = seen["model.layers.1"][event.step][0][-1:].to(torch.float16)
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+        # A readout is made in the server (readouts.py): beside it, the steps run there.
+        taps = engine.tapped_values
+        read = await model.generate([text], 4, hooks=[steer, last, HookSpec("model.layers.0", posthook=capture(
+            "output", readout=rules.probe_scores(torch.ones(128))))])
+        assert engine.tapped_values > taps
+        assert list(read.token_ids[0]) == steered_want
+        front = [torch.as_tensor(e.output) for e in read.events if e.module == "model.layers.1"]
+        assert all(torch.equal(a, torch.as_tensor(b.output)) for a, b in zip(front, result.events, strict=True))
+        # A rule reading a signal no hook kept fails in the worker: the call fails, naming it.
+        with pytest.raises(hookwire.HookwireError) as failed:
+            await model.generate([text], 3, hooks=[HookSpec("model.layers.0", posthook=[
+                rules.when(rules.stored("never") > 0.0, rules.zero("output"))])])
+        assert failed.value.code == "FAILED_PRECONDITION" and "no signal 'never'" in str(failed.value)
+        again = await model.generate([text], 4, hooks=[steer])
+        assert list(again.token_ids[0]) == steered_want

@@ -73,9 +73,11 @@ from ..hooks.passes import Pass
 from ..models.memory_estimate import weight_bytes
 from ..models.model_loading import ConfigError, ModelConfig, load_tokenizer
 from ..models.model_registry import BatchConfig, ModelHost, OutputView
+from ..runtime import views
 from hookwire.wire import codec
 
 from . import harvest_pass, infer_pass, vllm_logs, vllm_names, vllm_threads
+from .vllm_runtime import RuntimePlanner
 from .batching import Shape
 from .seam import FINISHED, GenerateCall, Running, StepResult
 from .packed import PackedBatch, PackedSegment
@@ -250,7 +252,8 @@ def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLi
         host._generation_defaults = {}  # type: ignore[attr-defined]
     host.engine, host.refused = NAME, REFUSED
     engine = VllmEngine(host, llm, runner, sizes.max_model_len, seqs, link=link,
-                        max_num_batched_tokens=sizes.max_num_batched_tokens)
+                        max_num_batched_tokens=sizes.max_num_batched_tokens,
+                        hooks_in_workers=bool(settings.get("hooks_in_workers", True)))
     # What it keeps for good, in the server's memory budget (memory_budget.py): its KV cache
     # (allocated at start; vLLM's scheduler admits calls within it, so they claim nothing)
     # and its weights, in this process or in its workers' on the same machine.
@@ -394,32 +397,6 @@ def _shut_down(llm: Any) -> None:
         llm.llm_engine.engine_core.shutdown()
     except Exception as exc:
         log.debug("vLLM shutdown: %r", exc)
-
-
-def _pair(output: Any) -> bool:
-    return (isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor)
-            and isinstance(output[1], torch.Tensor))
-
-
-def _show_stream(output: Any) -> Any:
-    """A decoder layer's output as transformers' layer returns it: vLLM's layer returns
-    ``(hidden, residual)`` and the next layer's fused norm adds them first."""
-    return output[0] + output[1] if _pair(output) else output
-
-
-def _put_stream(output: Any, new: Any) -> Any:
-    """The layer's output once a rule edited the stream: ``(stream, 0)``, which the next
-    layer's fused norm turns back into the same stream (it adds the residual first)."""
-    return (new, torch.zeros_like(output[1])) if _pair(output) else new
-
-
-def _show_first(output: Any) -> Any:
-    """An output projection's output without vLLM's ``(out, bias)`` tuple."""
-    return output[0] if isinstance(output, tuple) else output
-
-
-def _put_first(output: Any, new: Any) -> Any:
-    return (new, *output[1:]) if isinstance(output, tuple) else new
 
 
 class _Call:
@@ -587,7 +564,8 @@ class VllmEngine:
     model_threads: int | None = None
 
     def __init__(self, host: ModelHost, llm: Any, runner: Any, max_model_len: int, max_num_seqs: int,
-                 *, link: WorkerLink | None = None, max_num_batched_tokens: int | None = None) -> None:
+                 *, link: WorkerLink | None = None, max_num_batched_tokens: int | None = None,
+                 hooks_in_workers: bool = True) -> None:
         self._host = host
         self.llm = llm
         self._engine = llm.llm_engine
@@ -626,6 +604,13 @@ class VllmEngine:
         self._lock = threading.RLock()
         #: The link to vLLM's worker processes (vllm_link.py), or None: vLLM runs in this process.
         self._link = link
+        #: In worker processes: the steps whose hooks run in the workers (runtime/), planned
+        #: here (vllm.hooks_in_workers; None: every hook runs here, on what the workers send).
+        self._planner = RuntimePlanner(host, self._vocab or 0) if link is not None and hooks_in_workers else None
+        #: Steps whose hooks ran in the workers (the others with hooks ran them here), and
+        #: module values the workers sent for hooks to run here.
+        self.worker_hook_steps = 0
+        self.tapped_values = 0
         #: In worker processes: the step the link is in (its batch and pass), the link
         #: thread's id while it is, the requests to abort once the worker thread may
         #: (vLLM's client is the worker thread's), and why a worker went away ("").
@@ -683,13 +668,13 @@ class VllmEngine:
         for path, module in self._host.modules.items():
             kind = type(module).__name__
             if kind.endswith("DecoderLayer"):  # layers that return a tensor are shown as they are
-                self._host.output_views[path] = OutputView(_show_stream, _put_stream)
+                self._host.output_views[path] = OutputView(views.show_stream, views.put_stream, "stream")
             elif kind.endswith("ParallelLinear") or kind == "ReplicatedLinear":  # (out, bias), or out alone
-                self._host.output_views[path] = OutputView(_show_first, _put_first)
+                self._host.output_views[path] = OutputView(views.show_first, views.put_first, "first")
             elif kind.endswith("RMSNorm"):
                 # A norm given the residual too adds it first and returns (normed, stream):
                 # transformers' norm returns the normed tensor (the stream goes on untouched).
-                self._host.output_views[path] = OutputView(_show_first, _put_first)
+                self._host.output_views[path] = OutputView(views.show_first, views.put_first, "first")
         # vLLM's lm_head never runs its own forward: the logits processor applies its weight
         # to the sampled positions. Hooks on lm_head go there, and see the vocabulary's
         # logits (without vLLM's padding) of each sequence's last position.
@@ -697,10 +682,7 @@ class VllmEngine:
         if head is not None and "lm_head" in self._host.modules:
             vocab = self._vocab
             self._host.hook_targets["lm_head"] = head
-            self._host.output_views["lm_head"] = OutputView(
-                lambda out: out[..., :vocab] if vocab else out,
-                lambda out, new: torch.cat([new, out[..., new.shape[-1]:]], dim=-1) if vocab else new,
-            )
+            self._host.output_views["lm_head"] = OutputView(*views.vocabulary(vocab), "vocabulary")
 
     # ------------------------------------------------------------------ the seam
 
@@ -1367,9 +1349,11 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ worker processes (vllm_link)
 
-    def link_step(self, ids: list[str], starts: list[int], last: list[int] | None = None) -> dict[str, Any]:
-        """A worker's step begins: lays it out and says what to tap. Link thread; holds
-        the lock until ``link_end``."""
+    def link_step(self, ids: list[str], starts: list[int],
+                  last: list[int] | None = None) -> tuple[dict[str, Any], list[bytes]]:
+        """A worker's step begins: lays it out and says what to tap, and (when the workers
+        run the step's hooks) the firings and the specs they lack (runtime.plan). Link
+        thread; holds the lock until ``link_end``."""
         if self._open is not None and self._link_thread == threading.get_ident():
             raise RuntimeError("a worker began a step before its last one ended")
         self._lock.acquire()
@@ -1383,7 +1367,13 @@ class VllmEngine:
             self._logits = None
             self._lay_out_safely(batch, ids, starts, last)
             prompts = any(r is not None and isinstance(r.call, PromptCall) for r in self._order)
-            return {"taps": taps_of(self._host.modules) if batch.segments else [], "logits": prompts}
+            planned = self._planner.plan(batch) if self._planner is not None and batch.segments else None
+            if planned is not None:
+                self.worker_hook_steps += 1
+                header, blobs = planned
+                header["logits"] = prompts
+                return header, blobs
+            return {"taps": taps_of(self._host.modules) if batch.segments else [], "logits": prompts}, []
         except BaseException:
             if self._open is not None:
                 self.link_end()  # the lock goes back: the link then reports the failure (lost)
@@ -1395,6 +1385,7 @@ class VllmEngine:
     def link_tap(self, path: str, phase: str, parts: dict[str, Any]) -> dict[str, Any] | None:
         """What a tapped module saw: its hooks fire here, per call; returns the parts they
         changed (None: none). Link thread, inside a step."""
+        self.tapped_values += 1
         module = self._host.modules.get(path)
         if module is None or self._open is None:
             return None
@@ -1410,14 +1401,26 @@ class VllmEngine:
         """The step's logits (one row per request), for prompt passes. Link thread."""
         self._logits = logits
 
-    def link_end(self) -> None:
-        """The worker's step ends: its captures go out, failed calls fail, prompt passes
-        take their logits; the lock goes back. Link thread."""
+    def link_end(self, fired: list[Any] | None = None, values: list[Any] | None = None) -> None:
+        """The worker's step ends: the firings the workers ran (``fired``, with the
+        ``values`` they captured) into their hooks, its captures go out, failed calls
+        fail, prompt passes take their logits; the lock goes back. Link thread."""
         opened, self._open = self._open, None
         if opened is None:
+            if self._planner is not None:
+                self._planner.abandon()
             return
         batch, stack = opened
         try:
+            if self._planner is not None:
+                if fired is not None:
+                    try:
+                        self._planner.finish(batch, fired, list(values or []))
+                    except Exception as exc:
+                        log.exception("taking a vLLM step's hook results failed")
+                        self._fail_step(batch, exc)
+                else:
+                    self._planner.abandon()
             stack.close()
         except Exception as exc:
             log.exception("finishing a vLLM step failed")

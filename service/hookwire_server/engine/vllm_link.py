@@ -33,6 +33,7 @@ from torch import nn
 from hookwire.v1 import hook_pb2, tensor_pb2
 from hookwire.wire import codec
 
+from ..runtime import plan
 from .vllm_worker import plain
 
 log = logging.getLogger("hookwire.vllm")
@@ -178,10 +179,11 @@ def run_post(module: nn.Module, parts: dict[str, Any]) -> dict[str, Any] | None:
 class LinkEngine(Protocol):
     """What the link calls in the engine (vllm_engine.VllmEngine), on a connection's thread."""
 
-    def link_step(self, ids: list[str], starts: list[int], last: list[int] | None = None) -> dict[str, Any]: ...
+    def link_step(self, ids: list[str], starts: list[int],
+                  last: list[int] | None = None) -> tuple[dict[str, Any], list[bytes]]: ...
     def link_tap(self, path: str, phase: str, parts: dict[str, Any]) -> dict[str, Any] | None: ...
     def link_logits(self, logits: torch.Tensor) -> None: ...
-    def link_end(self) -> None: ...
+    def link_end(self, fired: list[Any] | None = None, values: list[Any] | None = None) -> None: ...
     def link_closed(self) -> None: ...
     def lost(self, why: str) -> None: ...
 
@@ -264,9 +266,9 @@ class WorkerLink:
                 kind = header.get("t")
                 if kind == "step":
                     last = header.get("last")
-                    reply = engine.link_step(list(header["ids"]), list(header["starts"]),
-                                             [int(t) for t in last] if isinstance(last, list) else None)
-                    conn.send_bytes(json.dumps(reply).encode())
+                    reply, blobs = engine.link_step(list(header["ids"]), list(header["starts"]),
+                                                    [int(t) for t in last] if isinstance(last, list) else None)
+                    conn.send_bytes(plan.pack(reply, blobs))
                 elif kind == "tap":
                     parts = _receive_value(conn)
                     new = engine.link_tap(str(header["path"]), str(header["phase"]), parts)
@@ -275,7 +277,9 @@ class WorkerLink:
                 elif kind == "logits":
                     engine.link_logits(_receive_value(conn))
                 elif kind == "end":
-                    engine.link_end()
+                    fired = header.get("fired")
+                    values = _receive_value(conn) if header.get("value") else []
+                    engine.link_end(fired if isinstance(fired, list) else None, values)
                     conn.send_bytes(b"{}")
                 else:
                     raise ValueError(f"unknown message {kind!r}")

@@ -70,6 +70,10 @@ def plain(value: Any) -> Any:
         return {str(k): plain(v) for k, v in value.items()}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    from hookwire.v1 import tensor_pb2
+
+    if isinstance(value, tensor_pb2.TensorSummary):  # a capture's summary (runtime.step)
+        return value
     return None
 
 
@@ -182,6 +186,12 @@ class _Taps:
         self.taps: dict[tuple[str, str], list[Any]] = {}
         self.logits = False
         self._end_handle: Any = None
+        # The hooks themselves, for steps the server plans to run here (runtime.step):
+        # captures on the first rank only, rules on every rank (their values are whole).
+        from ..runtime.step import StepRunner
+
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.runtime = StepRunner(device, captures=self.leader)
         model.register_forward_pre_hook(self._begin)
 
     # -------------------------------------------------------------- the link
@@ -237,6 +247,8 @@ class _Taps:
 
     def _begin(self, module: Any, args: Any) -> None:
         """Root pre-hook: tells the server the step's requests, installs its taps."""
+        from ..runtime import plan
+
         config = b""
         if self.leader:
             batch = self.runner.input_batch
@@ -244,7 +256,7 @@ class _Taps:
             if not any(self._touched(rid) for rid in batch.req_ids[:n]):
                 # No hook can fire on any request of the step (the server decided at each
                 # one's admission): it runs as vLLM alone would, without a word to the server.
-                config = b'{"skip": true}'
+                config = plan.pack({"skip": True})
         if self.leader and not config:
             batch = self.runner.input_batch
             n = batch.num_reqs
@@ -254,11 +266,12 @@ class _Taps:
             ids = self.runner.input_ids.cpu
             last = [int(ids[end - 1]) for end in starts[1:]]
             self._send({"t": "step", "ids": list(batch.req_ids[:n]), "starts": starts, "last": last})
-            header, _ = self._receive()
-            config = json.dumps(header).encode()
+            assert self.conn is not None
+            config = self.conn.recv_bytes()  # the step's plan (runtime.plan)
         if self.parallel:
             config = self._broadcast_bytes(config if self.leader else None)
-        header = json.loads(config)
+        header, blobs = plan.unpack(config)
+        self.runtime.configure(header, blobs, self._input_ids)
         self._sync(header.get("taps", []))
         self.logits = bool(header.get("logits"))
         # The end of the step goes last among the logits processor's hooks (after a tap there).
@@ -267,6 +280,11 @@ class _Taps:
             self._end_handle = None
         if not header.get("skip"):
             self._end_handle = self.head.register_forward_hook(self._end)
+
+    def _input_ids(self) -> torch.Tensor | None:
+        """The step's token ids, flat (rules' token-id signals)."""
+        ids = getattr(self.runner, "input_ids", None)
+        return getattr(ids, "cpu", None) if ids is not None else None
 
     def _touched(self, request_id: str) -> bool:
         """Whether the server said a hook may fire on request ``request_id`` (its
@@ -313,6 +331,9 @@ class _Taps:
 
     def _pre(self, path: str, roots: list[str], edits: bool) -> Any:
         def pre(module: Any, args: Any, kwargs: Any) -> Any:
+            if self.runtime.active:  # the hooks run here (runtime.step)
+                new = self.runtime.fire(path, "pre", {"args": args, "kwargs": kwargs})
+                return None if new is None else (new["args"], new["kwargs"])
             parts = {k: v for k, v in (("args", args), ("kwargs", kwargs)) if k in roots or edits}
             new = self._tap(path, "pre", parts, edits)
             if new is None:
@@ -322,6 +343,9 @@ class _Taps:
 
     def _post(self, path: str, roots: list[str], edits: bool) -> Any:
         def post(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+            if self.runtime.active:  # the hooks run here (runtime.step)
+                new = self.runtime.fire(path, "post", {"args": args, "kwargs": kwargs, "output": output})
+                return None if new is None else new["output"]
             parts = {k: v for k, v in (("args", args), ("kwargs", kwargs), ("output", output)) if k in roots}
             parts["output"] = output
             new = self._tap(path, "post", parts, edits)
@@ -330,9 +354,15 @@ class _Taps:
 
     def _end(self, module: Any, args: Any, output: Any) -> None:
         """After the step's logits: the server finishes the step."""
+        ran = self.runtime.active
+        fired, values = self.runtime.results() if ran else ([], [])
         if not self.leader:
             return
         if self.logits:
             self._send({"t": "logits"}, output, has_value=True)
-        self._send({"t": "end"})
+        if ran:
+            # The step's firings and every value they captured: one message (runtime.plan).
+            self._send({"t": "end", "fired": fired, "value": bool(values)}, values, has_value=bool(values))
+        else:
+            self._send({"t": "end"})
         self._receive()

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -31,14 +31,16 @@ from hookwire.v1 import hook_pb2, hook_service_pb2
 from ..auth import ANONYMOUS, Principal
 from .capture import Sampler
 from .deferred import HostCopies, wants_deferral
-from . import compact, heads
-from ..errors import InvalidArgument, Unimplemented
+from . import compact
+from ..errors import HookwireServerError
 from .event_bus import EventStream, HookCounters
-from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec, _part_name
+from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec
 from ..metrics import Metrics
 from ..models.memory_estimate import probing
 from ..models.model_registry import ModelHost
 from .rules import RuleFailure, Signals, apply_rules, operand_tensors, tensor_fields
+from ..runtime.plan import names_operands
+from ..runtime.captures import Captured, capture_error as _capture_error, captured as _captured, prepare as _prepare
 from .slots import SlotStore
 
 if TYPE_CHECKING:
@@ -103,6 +105,8 @@ class HookRecord:
         #: gap in its events the restart made (HookManager.subscribe sends it once).
         self.restored_notice = ""
         self._sampler = Sampler.compile(spec.sampling)
+        #: Whether its rules name operands (the front's store holds them: runs_elsewhere).
+        self._names_operands = names_operands(self.spec)
         #: Called once when the hook is removed (cancels a TTL timer).
         self.on_removed: Callable[[], Any] | None = None
         #: The background detach, once removed.
@@ -177,6 +181,8 @@ class HookRecord:
         hook = self._make_torch_hook(action, path)
         setattr(hook, "hookwire_roots", tuple(action.roots))
         setattr(hook, "hookwire_edits", bool(action.rules))
+        # What an engine that runs hooks elsewhere (runtime.step, in vLLM's workers) plans from.
+        setattr(hook, "hookwire_firing", (self, action, path))
         return hook
 
     def _make_torch_hook(self, action: Action, path: str) -> Callable[..., Any]:
@@ -343,6 +349,88 @@ class HookRecord:
         if capture and not action.capture_before_rules:
             self._capture(action, path, p, call_index, training, new_parts)
         return new_parts if changed else None
+
+    # ------------------------------------------- firings run elsewhere (runtime.step)
+
+    def runs_elsewhere(self, action: Action) -> bool:
+        """Whether a hook runtime without this record (a vLLM worker's) can run ``action``:
+        not what needs the front's stores or state while it fires (slots, named operands,
+        readouts, heads, sampling)."""
+        return (action.phase in (hook_pb2.PHASE_FORWARD_PRE, hook_pb2.PHASE_FORWARD) and not action.uses_slots
+                and not action.heads and not any(rule.heads for rule in action.rules)
+                and action.options.readout is None and self._sampler is None and not self._names_operands)
+
+    def plan_firing(self, action: Action, path: str, module: Any, p: Pass) -> tuple[int, bool] | None:
+        """The decisions of one call's firing that the values do not change, made before
+        the step runs elsewhere (``_fire_call`` up to its rules): None when it does not fire
+        there (out of scope or steps, gated off, nobody to tell and nothing to change:
+        counted here as ``_fire_call`` counts it), else its call index and whether it
+        captures. ``finish_firing`` takes its outcome."""
+        if not self.active or not self._applies_to(p):
+            return None
+        steps = self.compiled.steps
+        if steps is not None and not (steps[0] <= p.step and (steps[1] is None or p.step <= steps[1])):
+            return None
+        listened = self.compiled.scope == SCOPE_REQUEST or bool(self.streams)
+        gated_on = self.compiled.train_update if module.training else self.compiled.eval_update
+        if not listened and not action.rules:
+            if gated_on:
+                self.fire_count += 1
+                self.host.fires += 1
+            return None
+        call_index = p.next_call_index(self.hook_id, path, action.phase)
+        if not gated_on:
+            return None
+        capture = bool(action.capture) and listened
+        if not capture and not action.rules:
+            self.fire_count += 1
+            self.host.fires += 1
+            self.last_fired_ns = time.time_ns()
+            return None
+        return call_index, capture
+
+    def finish_firing(
+        self, action: Action, path: str, p: Pass, call_index: int, training: bool, fired_ns: int,
+        before: list[Captured] | None, after: list[Captured] | None, devices: list[str], stops: list[int],
+        error: tuple[str, HookwireServerError] | None,
+    ) -> None:
+        """One firing that ran elsewhere (``plan_firing``), as ``_fire_call`` ends it: its
+        counts, its captures' events (``before``/``after`` the rules: values on the host),
+        its stops, a failure. Raises the error that fails the call (the caller keeps it
+        for the call: PackedBatch.fail_call)."""
+        if self.disabled_reason:
+            return  # disabled by an earlier firing of this step (its edits were made already)
+        self.fire_count += 1
+        self.host.fires += 1
+        self.last_fired_ns = fired_ns
+        fired = timestamp_pb2.Timestamp()
+        fired.FromNanoseconds(fired_ns)
+        if before is not None:
+            self._send_ran(action, path, p, call_index, training, before, devices, fired)
+        if error is not None:
+            stage, exc = error
+            if stage == "rule":
+                self.errors += 1
+                if self.compiled.fail_call_on_error:
+                    raise exc
+                self._disable(str(exc), hook_service_pb2.NOTICE_KIND_HOOK_DISABLED, p)
+                return
+            if stage == "capture" and self.compiled.scope != SCOPE_REQUEST:
+                self.errors += 1
+                self._disable(f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}",
+                              hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, p)
+                return
+            raise exc  # the call's failure (a request's own capture, a layout that does not fit)
+        for row in stops:  # the first stop rule to fire for a sequence in the pass names it
+            p.stops.setdefault(row, (self.hook_id, path, p.step))
+        if after is not None:
+            self._send_ran(action, path, p, call_index, training, after, devices, fired)
+
+    def _send_ran(self, action: Action, path: str, p: Pass, call_index: int, training: bool,
+                  items: list[Captured], devices: list[str], fired: timestamp_pb2.Timestamp) -> None:
+        if self.compiled.scope == SCOPE_REQUEST:
+            p.count_event()  # past max_events_per_call the call fails here, as it always did
+        self._send(action, path, p, call_index, training, {}, (items, list(devices), fired))
 
     def _disable(self, reason: str, kind: hook_service_pb2.NoticeKind, p: Pass | None = None) -> None:
         """Stops the hook for good (it stays listed) and tells its streams (a request-scoped
@@ -611,80 +699,8 @@ def _install(module: Any, action: Action, fn: Callable[..., None]) -> RemovableH
     return module.register_full_backward_hook(fn, prepend=action.prepend)
 
 
-#: One captured value: its part, the InterceptEvent field it goes to, its kwargs key
-#: (else None), and the value.
-Captured = tuple[int, str, "str | None", Any]
 #: An asynchronous capture's values on the host, their devices, and when its hook fired.
 Prepared = tuple[list[Captured], list[str], timestamp_pb2.Timestamp]
-_FIELDS = {hook_pb2.PART_GRAD_INPUT: "grad_input", hook_pb2.PART_GRAD_OUTPUT: "grad_output"}
-
-
-def _captured(action: Action, parts: dict[str, Any]) -> Iterator[Captured]:
-    """The values a capture sends, in the event's order (args, kwargs, output, grads)."""
-    for part in action.capture:
-        if part == hook_pb2.PART_ARGS:
-            for value in parts["args"]:
-                yield part, "args", None, value
-        elif part == hook_pb2.PART_KWARGS:
-            for key, value in parts["kwargs"].items():
-                yield part, "kwargs", key, value
-        elif part == hook_pb2.PART_OUTPUT:
-            yield part, "output", None, parts["output"]
-        else:
-            field = _FIELDS[part]
-            for value in parts[field]:
-                yield part, field, None, value
-
-
-def _prepare(
-    hook_id: str, action: Action, path: str, parts: dict[str, Any], then: Callable[[Any], Any] | None,
-) -> tuple[list[Captured], list[str]]:
-    """The captured values selected, cast or summarized (on their device), each passed
-    through ``then`` (an asynchronous capture's host copies), and the devices the
-    captured tensors were on (InterceptEvent.devices)."""
-    options = action.options
-    items: list[Captured] = []
-    devices: list[str] = []
-    if action.heads:  # the named heads only, where the module's heads are separate (hooks.heads)
-        assert action.head_view is not None
-        parts = heads.view_parts(parts, action.heads_target, action.heads, *action.head_view)
-    for part, field, key, value in _captured(action, parts):
-        _devices_of(value, devices)
-        try:
-            value = options.prepare(value) if options.transforms else value
-            if then is not None:
-                value = then(value)
-        except Exception as exc:
-            raise _capture_error(exc, hook_id, path, part) from None
-        items.append((part, field, key, value))
-    return items, devices
-
-
-def _capture_error(exc: BaseException, hook_id: str, path: str, part: int) -> BaseException:
-    """What a capture that cannot be made raises: UNIMPLEMENTED for a value with no wire
-    form, INVALID_ARGUMENT for a selection that does not fit and the like; anything else
-    as it is."""
-    if isinstance(exc, codec.CodecError):
-        return Unimplemented(f"hook {hook_id} on module {path!r} cannot capture {_part_name(part)}: {exc}")
-    if isinstance(exc, (IndexError, RuntimeError, ValueError, TypeError)):
-        return InvalidArgument(
-            f"hook {hook_id} on module {path!r} cannot capture {_part_name(part)}: {type(exc).__name__}: {exc}")
-    return exc
-
-
-def _devices_of(value: Any, out: list[str]) -> None:
-    """Adds the devices of the tensors in ``value`` that ``out`` lacks, in order
-    (InterceptEvent.devices). Plain walks of the few containers a hook sees."""
-    if isinstance(value, torch.Tensor):
-        name = str(value.device)
-        if name not in out:
-            out.append(name)
-    elif isinstance(value, (tuple, list)):  # named tuples and torch.return_types too
-        for v in value:
-            _devices_of(v, out)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _devices_of(v, out)
 
 
 def _copy(msg: hook_service_pb2.SessionMessage) -> hook_service_pb2.SessionMessage:

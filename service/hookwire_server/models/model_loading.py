@@ -47,11 +47,13 @@ ENGINES = ("torch", "vllm")
 #: a KV-cache block (``block_size``: the unit vLLM's prefix cache shares), and where the
 #: workers' link listens (``link_address``, HOST:PORT: TCP, for ranks on other machines;
 #: unset: a Unix socket), and vLLM's executor (``distributed_executor_backend``: "mp", its
-#: own processes on this machine, or "ray", ranks wherever Ray places them).
+#: own processes on this machine, or "ray", ranks wherever Ray places them), and whether
+#: hooks run in the worker processes (``hooks_in_workers``, default true: runtime/; false:
+#: in the server, on what the workers send).
 VLLM_SETTINGS: dict[str, type] = {
     "dtype": str, "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int, "kv_cache_bytes": int,
     "tensor_parallel_size": int, "pipeline_parallel_size": int, "worker_processes": bool, "block_size": int,
-    "link_address": str, "distributed_executor_backend": str,
+    "link_address": str, "distributed_executor_backend": str, "hooks_in_workers": bool,
 }
 #: vLLM's executors for worker processes hookwire runs: its own processes, or Ray's.
 VLLM_EXECUTORS = ("mp", "ray")

@@ -131,6 +131,9 @@ class OutputView:
 
     show: Callable[[Any], Any]
     put: Callable[[Any, Any], Any]
+    #: Its name in runtime.views, by which a worker's hook runtime applies the same view
+    #: ("" for one that exists only here).
+    name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,156 @@
+"""The front's half of the hook runtime in vLLM's worker processes (runtime/ has the
+worker's half and the plan's format): per step, the firings planned from the hooks on
+the stand-in modules and the step's layout, the specs the workers lack, and the
+firings' outcomes taken back into the hooks' records at the step's end.
+
+A step runs its hooks in the workers only when every hook on a tapped module can run
+there (``HookRecord.runs_elsewhere``) and no call of the step is a harvest batch (whose
+captures go to the job's writer, not to events); otherwise ``plan`` answers None and
+the step's hooks run here, on what the workers send (vllm_link).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from ..errors import HookwireServerError, InvalidArgument
+from .. import errors
+from ..hooks.hook_specs import SCOPE_REQUEST
+from ..models.model_registry import ModelHost
+from .packed import PackedBatch, PackedSegment
+
+log = logging.getLogger("hookwire.vllm")
+
+
+class RuntimePlanner:
+    """Plans the steps of one model's workers (link thread, under the engine's lock)."""
+
+    def __init__(self, host: ModelHost, vocab: int) -> None:
+        self._host = host
+        self._vocab = vocab
+        #: Keys of the programs the workers hold.
+        self._shipped: set[str] = set()
+        #: The open step's firings, by number: (record, action, path, Pass, call index, training).
+        self._firings: list[tuple[Any, Any, str, Any, int, bool]] = []
+
+    def plan(self, batch: PackedBatch) -> tuple[dict[str, Any], list[bytes]] | None:
+        """The step's plan (header fields taps, run, specs, drop: runtime.plan), or None when
+        its hooks must run here. Decides every firing (``HookRecord.plan_firing``)."""
+        self._firings = []
+        if any(getattr(seg.p, "tap", None) is not None for seg in batch.segments):
+            return None
+        phases: list[tuple[str, str, nn.Module, list[Any]]] = []
+        live: dict[str, Any] = {}
+        for path, module in self._host.modules.items():
+            for phase, hooks in (("pre", module._forward_pre_hooks), ("post", module._forward_hooks)):
+                if not hooks:
+                    continue
+                firings = [getattr(fn, "hookwire_firing", None) for fn in hooks.values()]
+                for firing in firings:
+                    if firing is None:
+                        return None  # not a hookwire hook's
+                    record, action, hook_path = firing
+                    if not record.runs_elsewhere(action):
+                        return None
+                    view = self._host.output_views.get(hook_path) if phase == "post" else None
+                    if view is not None and not view.name:
+                        return None
+                    live[_key(record)] = record
+                phases.append((path, phase, module, firings))
+        fire: list[list[Any]] = []
+        taps: list[list[Any]] = []
+        wanted: dict[str, Any] = {}
+        for path, phase, module, firings in phases:
+            entries: list[list[Any]] = []
+            roots: set[str] = set()
+            edits = False
+            for record, action, hook_path in firings:
+                view = self._host.output_views.get(hook_path) if phase == "post" else None
+                for i, seg in enumerate(batch.segments):
+                    decided = record.plan_firing(action, hook_path, module, seg.p)
+                    if decided is None:
+                        continue
+                    call_index, capture = decided
+                    entries.append([len(self._firings), _key(record), i, capture, view.name if view is not None else ""])
+                    self._firings.append((record, action, hook_path, seg.p, call_index, bool(module.training)))
+                    roots.update(action.roots)
+                    edits = edits or bool(action.rules)
+                    wanted[_key(record)] = record
+            if entries:
+                fire.append([path, phase, entries])
+                taps.append([path, phase, sorted(roots), edits])
+        specs: list[dict[str, Any]] = []
+        blobs: list[bytes] = []
+        for key, record in wanted.items():
+            if key in self._shipped:
+                continue
+            blob = record.to_proto(include_operand_data=True).spec.SerializeToString()
+            specs.append({"key": key, "size": len(blob), "hook_id": record.hook_id, "owner": record.owner.name,
+                          "fail_call": bool(record.compiled.fail_call_on_error),
+                          "request_scoped": record.compiled.scope == SCOPE_REQUEST})
+            blobs.append(blob)
+            self._shipped.add(key)
+        drop = sorted(self._shipped - set(live))
+        self._shipped -= set(drop)
+        segments = []
+        for seg in batch.segments:
+            assert isinstance(seg, PackedSegment)
+            segments.append([[list(s) for s in seg.spans], list(seg.rows), seg.side, seg.length])
+        run = {"model": self._host.name, "vocab": self._vocab, "tokens": batch.tokens, "sequences": batch.sequences,
+               "shared": bool(batch.shared), "segments": segments, "fire": fire}
+        return {"taps": taps, "run": run, "specs": specs, "drop": drop}, blobs
+
+    def forget(self) -> None:
+        """The workers hold no programs (they were started again)."""
+        self._shipped.clear()
+
+    def finish(self, batch: PackedBatch, fired: list[list[Any]], values: list[Any]) -> None:
+        """The open step's firings as the workers ran them (runtime.plan's ``fired``), into
+        their records, in the order they ran: events, counts, stops, failures (a call's
+        failure is kept for it: PackedBatch.fail_call)."""
+        firings, self._firings = self._firings, []
+        at = 0
+
+        def take(meta: list[list[Any]] | None) -> list[Any] | None:
+            nonlocal at
+            if meta is None:
+                return None
+            items = []
+            for part, field, key in meta:
+                items.append((int(part), str(field), key, values[at]))
+                at += 1
+            return items
+
+        for number, fired_ns, before_meta, after_meta, devices, stops, error in fired:
+            before, after = take(before_meta), take(after_meta)
+            record, action, path, p, call_index, training = firings[int(number)]
+            failure = None
+            if error is not None:
+                failure = (str(error[0]), _error(str(error[1]), str(error[2])))
+            try:
+                record.finish_firing(action, path, p, call_index, training, int(fired_ns), before, after,
+                                     [str(d) for d in devices], [int(r) for r in stops], failure)
+            except Exception as exc:
+                if not batch.fail_call(p, exc):
+                    raise
+
+    def abandon(self) -> None:
+        """The open step ended without results (its worker went away)."""
+        self._firings = []
+
+
+def _key(record: Any) -> str:
+    """The workers' name for a hook's program: its id and record (a hook id is never
+    reused, but a record is the compiled spec's identity)."""
+    return f"{record.hook_id}#{id(record):x}"
+
+
+def _error(kind: str, message: str) -> HookwireServerError:
+    """The domain error a worker named (errors.py's class), with its message."""
+    cls = getattr(errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, HookwireServerError)):
+        cls = InvalidArgument
+    return cls(message)

@@ -1,0 +1,68 @@
+"""A step's plan as it travels from the front to a worker, and the firings' results back:
+bytes only (JSON and protobuf), nothing pickled, no code.
+
+The plan (``pack``): a JSON header, then the bytes of each ``HookSpec`` it ships. The
+header's fields:
+
+- ``taps``: [path, "pre"/"post", roots, edits] of each module phase to tap (as before);
+  ``logits``: whether the front wants the step's logits; ``skip``: no hook runs this step.
+- ``specs``: one entry per shipped spec, in the blobs' order: ``key`` (the front's name
+  for the hook), ``hook_id``, ``owner``, ``fail_call``, ``request_scoped``; ``drop``: keys
+  of programs the worker may forget.
+- ``run``: present when the worker runs the step's hooks itself (step.StepRunner):
+  ``model`` (for messages), ``vocab`` (the lm_head view's width), ``tokens``,
+  ``sequences``, ``shared``, ``segments`` ([spans, rows, side, width] per call, as
+  engine.packed lays a call out) and ``fire``: [path, phase, entries] per tapped module
+  phase, each entry [number, key, segment, capture, view] in firing order.
+
+The results (the worker's ``end`` message): ``fired``, one entry per firing as it ran, in
+the order the model ran them: [number, fired_ns, before, after, devices, stops, error],
+where before/after list [part, field, key] per value captured before or after the
+rules (null: no capture), and error is null or [stage ("rule", "capture", "call"),
+error class, message]; then one ``Value`` holding every captured value, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+_LENGTH = struct.Struct("<I")
+
+
+def pack(header: dict[str, Any], blobs: list[bytes] = ()) -> bytes:  # type: ignore[assignment]
+    """The plan's bytes: the header's length, the header (JSON), the blobs."""
+    head = json.dumps(header).encode()
+    return b"".join([_LENGTH.pack(len(head)), head, *blobs])
+
+
+def unpack(data: bytes) -> tuple[dict[str, Any], list[bytes]]:
+    """``pack``'s header and blobs (their sizes are the specs' ``size``)."""
+    (n,) = _LENGTH.unpack_from(data, 0)
+    header = json.loads(data[_LENGTH.size:_LENGTH.size + n])
+    blobs: list[bytes] = []
+    at = _LENGTH.size + n
+    for meta in header.get("specs", ()):
+        size = int(meta["size"])
+        blobs.append(bytes(data[at:at + size]))
+        at += size
+    return header, blobs
+
+
+def names_operands(msg: Any) -> bool:
+    """Whether protobuf message ``msg`` names an operand anywhere (a Tensor's or an
+    SAE's ``operand`` field): named operands live in the front's store."""
+    for field, value in msg.ListFields():
+        if field.name == "operand" and isinstance(value, str) and value:
+            return True
+        if field.message_type is None:
+            continue
+        if hasattr(value, "ListFields"):
+            if names_operands(value):
+                return True
+            continue
+        items = value.values() if hasattr(value, "values") else value  # a map, or a repeated field
+        if any(names_operands(v) for v in items if hasattr(v, "ListFields")):
+            return True
+    return False
