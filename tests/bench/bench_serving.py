@@ -16,7 +16,8 @@ Servers (each started by the bench, in a process of its own, and stopped before 
   --no-enable-prefix-caching` (S1's baseline: vLLM with what hookwire had to turn off);
 - `vllm`: the same server with vLLM's defaults (compiled, prefix caching);
 - `hookwire` (`hookwire serve`, engine = "vllm"): `--hookwire default` runs the model
-  with the server's defaults, `inproc` with `worker_processes = false`.
+  with the server's defaults, `inproc` with `worker_processes = false`, `processes` with
+  `worker_processes = true`, `processes-front` with it and `hooks_in_workers = false`.
 
 All with `max_model_len` 512, `max_num_seqs` 32, a 512 MiB KV cache and float32; torch
 threads are each server's own choice (what a user who runs it gets), printed.
@@ -341,7 +342,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--clients", default="8,32")
     ap.add_argument("--variants", default="S1,S1n,S1i,S2,S2n,S3,S3n,S2r")
-    ap.add_argument("--hookwire", default="default,inproc", help="hookwire modes: default, inproc, processes")
+    ap.add_argument("--hookwire", default="default,inproc", help="hookwire modes: default, inproc, processes, processes-front")
     ap.add_argument("--no-compiled", action="store_true", help="leave out vLLM's compiled default server")
     ap.add_argument("--no-vllm", action="store_true",
                     help="hookwire only (S4: its ratios to its own S1; vllm serve's CPU build may refuse the binding)")
@@ -355,7 +356,10 @@ def main() -> None:
     servers = [] if args.no_vllm else [Server("vllm-eager", "vllm", ["--enforce-eager", "--no-enable-prefix-caching"])]
     if not args.no_compiled and not args.no_vllm:
         servers.append(Server("vllm", "vllm"))
-    modes = {"default": [], "inproc": ["worker_processes=false"], "processes": ["worker_processes=true"]}
+    modes = {"default": [], "inproc": ["worker_processes=false"], "processes": ["worker_processes=true"],
+             # Worker processes with every hook run in the server, on what the workers send
+             # (the design before the hook runtime moved into the workers).
+             "processes-front": ["worker_processes=true", "hooks_in_workers=false"]}
     for mode in args.hookwire.split(","):
         servers.append(Server(f"hookwire-{mode}", "hookwire", modes[mode]))
     results: dict[tuple[str, str, int], list[tuple[float, float, int]]] = {}

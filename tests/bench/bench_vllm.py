@@ -107,7 +107,8 @@ def main() -> None:
     save_model(folder)
     started = time.perf_counter()
     host = build_host(ModelConfig(name="llama", transformers=str(folder), engine="vllm",
-                                  vllm={"max_model_len": 256, "max_num_seqs": 8, "kv_cache_bytes": 256 << 20}))
+                                  vllm={"max_model_len": 256, "max_num_seqs": 8, "kv_cache_bytes": 256 << 20,
+                                        "worker_processes": False}))
     startup = time.perf_counter() - started
     threads = torch.get_num_threads()  # what vLLM left this process
     import transformers

@@ -95,9 +95,28 @@ def _cycles(pkg: str, ignore: set[tuple[str, str]]) -> list[list[str]]:
     return cycles
 
 
+#: Packages that belong to a layer of another name: the hook runtime (runtime/) is the
+#: engine layer's (engines run it, in the front's process or a vLLM worker; it lays steps
+#: out as the engine packs them), and nothing below the engine imports it.
+SUBLAYERS = {"runtime": "engine"}
+
+
 def _layer(module: str) -> str:
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] in SUBLAYERS:
+        return SUBLAYERS[parts[1]]
     return parts[1] if len(parts) > 2 and parts[1] in LAYERS else "root"
+
+
+def test_the_hook_runtime_needs_neither_grpc_nor_the_servicers_nor_the_model_registry() -> None:
+    """runtime/ runs in vLLM's workers too: what it imports must load there, on bytes alone."""
+    runtime = [m for m in IMPORTS if m.startswith("hookwire_server.runtime")]
+    assert "hookwire_server.runtime.step" in runtime
+    for module in runtime:
+        ours = _ours(IMPORTS[module])
+        assert not any(m.startswith("grpc") for m in IMPORTS[module]), module
+        assert not {m for m in ours if m.startswith(("hookwire_server.api", "hookwire_server.calls"))}, module
+        assert "hookwire_server.models.model_registry" not in ours, module
 
 
 def test_the_server_and_the_sdk_have_no_import_cycles() -> None:

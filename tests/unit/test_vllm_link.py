@@ -144,7 +144,7 @@ class _Ends:
         self.ended = 0
         self.closed = 0
 
-    def link_end(self) -> None:
+    def link_end(self, fired: Any = None, values: Any = None) -> None:
         self.ended += 1
 
     def link_closed(self) -> None:
@@ -175,8 +175,8 @@ def test_a_tcp_link_refuses_a_connection_without_the_key_and_serves_the_worker_t
             Client((host, port), authkey=b"not the key").close()
         with Client((host, port), authkey=link.authkey) as conn:
             conn.send_bytes(json.dumps({"t": "end"}).encode())
-            assert conn.recv_bytes() == b"{}"
-        assert engine.ended == 1
+            assert conn.recv_bytes() == b"{}"  # answered first: the step's hooks finish after
+        _until(lambda: engine.ended == 1)
     finally:
         link.close()
 
@@ -188,3 +188,105 @@ def test_a_link_address_that_is_not_host_port_says_so(text: str) -> None:
     with pytest.raises(ValueError, match="is not HOST:PORT"):
         tcp_address(text)
     assert tcp_address("[::1]:0") == ("::1", 0) and tcp_address("10.0.0.2:7000") == ("10.0.0.2", 7000)
+
+
+@pytest.mark.parametrize("text", ["0.0.0.0:7000", "[::]:0"])
+def test_a_link_address_no_rank_can_dial_is_refused(text: str) -> None:
+    from hookwire_server.engine.vllm_link import tcp_address
+
+    with pytest.raises(ValueError, match="is no address a rank can dial"):
+        tcp_address(text)
+
+
+def _served(address: str, link: Any, engine: _Ends) -> None:
+    """A worker's connection (the worker's own dial) is served: a step's end is answered."""
+    import json
+
+    from hookwire_server.engine.vllm_worker import dial
+
+    conn = dial(address, link.authkey)
+    try:
+        conn.send_bytes(json.dumps({"t": "end"}).encode())
+        assert conn.recv_bytes() == b"{}"
+    finally:
+        conn.close()
+    _until(lambda: engine.ended == 1)
+
+
+def _until(ok: Any, seconds: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not ok():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_peer_that_connects_and_says_nothing_or_hangs_up_does_not_hold_the_ranks_accept(monkeypatch) -> None:
+    """The challenge has a deadline (HANDSHAKE_SECONDS, shortened here): a silent peer is
+    dropped when it passes, one that hangs up mid-challenge at once, and the worker that
+    connects after them is served."""
+    import socket
+
+    from hookwire_server.engine import vllm_link
+    from hookwire_server.engine.vllm_link import WorkerLink, tcp_address
+
+    monkeypatch.setattr(vllm_link, "HANDSHAKE_SECONDS", 1.0)
+    link = WorkerLink("m", "127.0.0.1:0")
+    try:
+        engine = _Ends()
+        link.engine = engine  # type: ignore[assignment]
+        link.start(1)
+        host, port = tcp_address(link.address[len("tcp://"):])
+        silent = socket.create_connection((host, port))
+        hangs_up = socket.create_connection((host, port))
+        hangs_up.recv(1)  # the challenge began
+        hangs_up.close()
+        try:
+            _served(link.address, link, engine)
+        finally:
+            silent.close()
+    finally:
+        link.close()
+
+
+def test_a_unix_socket_link_and_an_ipv6_link_serve_the_worker() -> None:
+    import socket
+
+    from hookwire_server.engine.vllm_link import WorkerLink
+
+    link = WorkerLink("m")
+    try:
+        engine = _Ends()
+        link.engine = engine  # type: ignore[assignment]
+        link.start(1)
+        _served(link.address, link, engine)
+    finally:
+        link.close()
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        probe.bind(("::1", 0))
+        probe.close()
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    link = WorkerLink("m", "[::1]:0")
+    try:
+        assert link.address.startswith("tcp://[::1]:")
+        engine = _Ends()
+        link.engine = engine  # type: ignore[assignment]
+        link.start(1)
+        _served(link.address, link, engine)
+    finally:
+        link.close()
+
+
+def test_a_link_address_in_use_is_refused_when_the_link_listens() -> None:
+    from hookwire_server.engine.vllm_link import WorkerLink, tcp_address
+
+    first = WorkerLink("m", "127.0.0.1:0")
+    try:
+        _, port = tcp_address(first.address[len("tcp://"):])
+        with pytest.raises(OSError):
+            WorkerLink("m", f"127.0.0.1:{port}")
+    finally:
+        first.close()

@@ -96,7 +96,9 @@ def vllm_server(llama_folder: pathlib.Path, harvest_roots: tuple[pathlib.Path, p
         name="llama", transformers=str(llama_folder), engine="vllm",
         # 32-token KV blocks: a prompt of this small model fills whole blocks, which vLLM's
         # prefix cache shares (calls no hook touches).
-        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": KV_CACHE_BYTES, "block_size": 32},
+        # In-process (worker_processes = false): these tests read the engine's own state.
+        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": KV_CACHE_BYTES, "block_size": 32,
+              "worker_processes": False},
         parameters_readable=True,
     ))
     torch_host = build_host(ModelConfig(name="llama-torch", transformers=str(llama_folder), attn_implementation="eager",

@@ -282,7 +282,7 @@ def test_a_setting_vllm_refuses_fails_the_model_with_vllms_reason(llama_folder) 
 
     with pytest.raises(ConfigError, match="model 'big': vLLM did not start: .*max_model_len"):
         build_host(ModelConfig(name="big", transformers=str(llama_folder), engine="vllm",
-                               vllm={"max_model_len": 100000, "kv_cache_bytes": 16 << 20}))
+                               vllm={"max_model_len": 100000, "kv_cache_bytes": 16 << 20, "worker_processes": False}))
 
 
 async def test_infer_is_a_prompt_pass_whose_captures_and_last_logits_equal_transformers(vllm_server, oracle) -> None:
@@ -550,7 +550,7 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
     # 64 tokens a step.
     host = build_host(ModelConfig(name="fragile", transformers=str(llama_folder), engine="vllm",
                                   vllm={"max_model_len": 64, "max_num_seqs": 8, "kv_cache_bytes": 1 << 20,
-                                        "max_num_batched_tokens": 64}))
+                                        "max_num_batched_tokens": 64, "worker_processes": False}))
     srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
     engine = host.loaded_engine
     assert engine.capacity_blocks == 7

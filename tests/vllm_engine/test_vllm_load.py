@@ -40,7 +40,7 @@ def test_a_model_vllm_starts_but_cannot_run_fails_at_load_with_vllms_reason(tmp_
                                           r"warm-up failed\): RuntimeError: Unsupported CPU attention configuration: "
                                           r"head_dim=16"):
         build_host(ModelConfig(name="heads16", transformers=str(folder), engine="vllm",
-                               vllm={"kv_cache_bytes": 16 << 20}))
+                               vllm={"kv_cache_bytes": 16 << 20, "worker_processes": False}))
 
 
 def _reader(stream: Any, lines: list[str]) -> threading.Thread:
@@ -151,3 +151,33 @@ def test_the_ray_executor_is_refused_before_vllm_starts_where_it_cannot_serve(ll
     with pytest.raises(ConfigError, match=r"vllm.distributed_executor_backend must be one of mp, ray, not 'slurm'"):
         ModelConfig(name="r", transformers=str(llama_folder), engine="vllm",
                     vllm={"distributed_executor_backend": "slurm"}).check()
+
+
+def test_worker_processes_are_the_default_and_a_taken_link_address_is_refused_before_vllm_starts(
+        llama_folder, monkeypatch) -> None:
+    """A model without ``worker_processes`` runs in vLLM's processes (tensor parallel and
+    Ray always do); the link listens before vLLM starts, so a port in use is a ConfigError
+    naming the setting before vLLM is started at all (it would take minutes)."""
+    import socket
+
+    from hookwire_server.engine import vllm_engine
+    from hookwire_server.engine.core import build_host
+    from hookwire_server.engine.vllm_engine import uses_worker_processes
+    from hookwire_server.models.model_loading import ConfigError, ModelConfig
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("vLLM was started")
+
+    monkeypatch.setattr(vllm_engine, "_start_llm", never)
+    assert uses_worker_processes({}) and not uses_worker_processes({"worker_processes": False})
+    assert uses_worker_processes({"worker_processes": False, "tensor_parallel_size": 2})
+    assert uses_worker_processes({"worker_processes": False, "distributed_executor_backend": "ray"})
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"model 'x': the link to vLLM's workers cannot listen on "
+                                              rf"vllm.link_address '127.0.0.1:{port}': Address already in use"):
+            build_host(ModelConfig(name="x", transformers=str(llama_folder), engine="vllm",
+                                   vllm={"link_address": f"127.0.0.1:{port}", "kv_cache_bytes": 16 << 20}))
+    finally:
+        taken.close()

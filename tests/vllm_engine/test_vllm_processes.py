@@ -275,70 +275,6 @@ async def test_a_logit_lens_needs_the_weights_the_workers_hold(tp_server) -> Non
         assert len({id(e.raw) for e in compact.events}) == 2  # one wire event per step, from the worker processes' taps
 
 
-async def test_a_worker_process_that_dies_fails_its_calls_and_the_model(tp_server) -> None:
-    """Last (the model does not come back): killing the first worker while a call
-    generates fails that call with FAILED_PRECONDITION naming the failure, the model is
-    listed as failed with the reason and refuses later calls; the server keeps serving."""
-    pids = tp_server.host.loaded_engine.worker_pids
-    assert len(pids) == 2 and os.getpid() not in pids
-    async with hookwire.connect(tp_server.target) as client:
-        model = client.model("llama-tp")
-        stream = model.generate(["hello"], 100, hooks=[HookSpec("model.layers.0", posthook=capture("output"))])
-        seen = 0
-        with pytest.raises(hookwire.HookwireError) as failure:
-            async for item in stream:
-                seen += 1
-                if seen == 3:
-                    os.kill(pids[0], signal.SIGKILL)
-        assert failure.value.code in ("FAILED_PRECONDITION", "UNAVAILABLE"), failure.value
-        for _ in range(100):  # the registry hears of it from the worker thread
-            (info,) = await client.list_models()
-            if info.state == "failed":
-                break
-            await asyncio.sleep(0.1)
-        assert info.state == "failed" and "vLLM" in info.state_message, info.state_message
-        with pytest.raises(hookwire.FailedPreconditionError, match="failed while serving"):
-            await model.generate(["hello"], 2)
-
-
-
-async def test_workers_linked_over_tcp_serve_hooks_as_over_a_unix_socket(llama_folder: pathlib.Path, oracle) -> None:
-    """vllm.link_address: the worker reaches the server over TCP (as ranks on another
-    machine would: the link authenticates with the server's key either way); a captured
-    and a steered call equal transformers, and a config that asks for the link without
-    worker processes is refused naming the setting."""
-    from hookwire_server import ModelRegistry, ServerSettings
-    from hookwire_server.engine.core import build_host
-    from hookwire_server.models.model_loading import ConfigError, ModelConfig
-    from support import ServerThread
-
-    with pytest.raises(ConfigError, match=r"vllm.link_address is where vLLM's worker processes reach the server: it "
-                                          r"needs worker_processes = true"):
-        build_host(ModelConfig(name="x", transformers=str(llama_folder), engine="vllm",
-                               vllm={"link_address": "127.0.0.1:0"}))
-    host = build_host(ModelConfig(
-        name="llama-tcp", transformers=str(llama_folder), engine="vllm",
-        vllm={"max_model_len": 128, "max_num_seqs": 4, "kv_cache_bytes": 16 << 20, "worker_processes": True,
-              "link_address": "127.0.0.1:0"},
-    ))
-    srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
-    try:
-        assert host.loaded_engine._link.address.startswith("tcp://127.0.0.1:")
-        tokenizer = oracle_tokenizer()
-        ids = _ids(tokenizer, PROMPTS[0])
-        vector = torch.randn(128, generator=torch.Generator().manual_seed(4)) * 2.0
-        want, seen = _greedy(oracle, ids, 3, {"model.layers.0": vector})
-        async with hookwire.connect(srv.target) as client:
-            result = await client.model("llama-tcp").generate([PROMPTS[0]], 3, hooks=[
-                HookSpec("model.layers.0", posthook=[rules.add("output", vector)]),
-                HookSpec("model.layers.1", posthook=capture("output"))])
-        assert list(result.token_ids[0]) == want
-        for event in result.events:
-            torch.testing.assert_close(torch.as_tensor(event.output)[0], seen["model.layers.1"][event.step][0], **TOL)
-    finally:
-        srv.stop()
-
-
 async def test_hooks_run_in_the_workers_without_a_round_trip(tp_server, oracle) -> None:
     """The hook runtime in the workers (runtime/): a capture of the last position cast to
     float16 and a steering rule run on the ranks themselves, so no module value crosses
@@ -381,3 +317,70 @@ async def test_hooks_run_in_the_workers_without_a_round_trip(tp_server, oracle) 
         assert failed.value.code == "FAILED_PRECONDITION" and "no signal 'never'" in str(failed.value)
         again = await model.generate([text], 4, hooks=[steer])
         assert list(again.token_ids[0]) == steered_want
+
+
+async def test_a_worker_process_that_dies_fails_its_calls_and_the_model(tp_server) -> None:
+    """Last (the model does not come back): killing the first worker while a call
+    generates fails that call with FAILED_PRECONDITION naming the failure, the model is
+    listed as failed with the reason and refuses later calls; the server keeps serving."""
+    pids = tp_server.host.loaded_engine.worker_pids
+    assert len(pids) == 2 and os.getpid() not in pids
+    async with hookwire.connect(tp_server.target) as client:
+        model = client.model("llama-tp")
+        stream = model.generate(["hello"], 100, hooks=[HookSpec("model.layers.0", posthook=capture("output"))])
+        seen = 0
+        with pytest.raises(hookwire.HookwireError) as failure:
+            async for item in stream:
+                seen += 1
+                if seen == 3:
+                    os.kill(pids[0], signal.SIGKILL)
+        assert failure.value.code in ("FAILED_PRECONDITION", "UNAVAILABLE"), failure.value
+        for _ in range(100):  # the registry hears of it from the worker thread
+            (info,) = await client.list_models()
+            if info.state == "failed":
+                break
+            await asyncio.sleep(0.1)
+        assert info.state == "failed" and "vLLM" in info.state_message, info.state_message
+        with pytest.raises(hookwire.FailedPreconditionError, match="failed while serving"):
+            await model.generate(["hello"], 2)
+
+
+
+async def test_workers_linked_over_tcp_serve_hooks_as_over_a_unix_socket(llama_folder: pathlib.Path, oracle) -> None:
+    """vllm.link_address: the worker reaches the server over TCP (as ranks on another
+    machine would: the link authenticates with the server's key either way); a captured
+    and a steered call equal transformers, and a config that asks for the link without
+    worker processes (worker_processes = false) is refused naming the setting; the
+    model runs in worker processes without saying so (the default)."""
+    from hookwire_server import ModelRegistry, ServerSettings
+    from hookwire_server.engine.core import build_host
+    from hookwire_server.models.model_loading import ConfigError, ModelConfig
+    from support import ServerThread
+
+    with pytest.raises(ConfigError, match=r"vllm.link_address is where vLLM's worker processes reach the server: it "
+                                          r"needs worker_processes = true"):
+        build_host(ModelConfig(name="x", transformers=str(llama_folder), engine="vllm",
+                               vllm={"link_address": "127.0.0.1:0", "worker_processes": False}))
+    host = build_host(ModelConfig(
+        name="llama-tcp", transformers=str(llama_folder), engine="vllm",
+        vllm={"max_model_len": 128, "max_num_seqs": 4, "kv_cache_bytes": 16 << 20,
+              "link_address": "127.0.0.1:0"},
+    ))
+    srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
+    try:
+        assert host.loaded_engine._link.address.startswith("tcp://127.0.0.1:")
+        assert len(host.loaded_engine.worker_pids) == 1
+        tokenizer = oracle_tokenizer()
+        ids = _ids(tokenizer, PROMPTS[0])
+        vector = torch.randn(128, generator=torch.Generator().manual_seed(4)) * 2.0
+        want, seen = _greedy(oracle, ids, 3, {"model.layers.0": vector})
+        async with hookwire.connect(srv.target) as client:
+            result = await client.model("llama-tcp").generate([PROMPTS[0]], 3, hooks=[
+                HookSpec("model.layers.0", posthook=[rules.add("output", vector)]),
+                HookSpec("model.layers.1", posthook=capture("output"))])
+        assert list(result.token_ids[0]) == want
+        for event in result.events:
+            torch.testing.assert_close(torch.as_tensor(event.output)[0], seen["model.layers.1"][event.step][0], **TOL)
+    finally:
+        srv.stop()
+

@@ -134,7 +134,7 @@ def build_host(config: ModelConfig) -> ModelHost:
             "parallel yet (its stages run different steps at once); tensor parallel works (docs/scaling.md)"
         )
     executor = settings.get("distributed_executor_backend", "mp")
-    processes = bool(settings.get("worker_processes", False)) or tp > 1 or executor == "ray"
+    processes = uses_worker_processes(settings)
     if executor == "ray":
         _check_ray(config.name, settings)
     link_address = settings.get("link_address")
@@ -174,8 +174,43 @@ def build_host(config: ModelConfig) -> ModelHost:
         extra["distributed_executor_backend"] = "ray"
     if "block_size" in settings:
         extra["block_size"] = settings["block_size"]
+    link: WorkerLink | None = None
+    if processes:
+        # The link listens before vLLM starts: an address that is taken or not this
+        # machine's is refused now, not after the minutes vLLM takes to start.
+        try:
+            link = WorkerLink(config.name, link_address)
+        except OSError as exc:
+            where = f"vllm.link_address {link_address!r}" if link_address is not None else "its Unix socket"
+            raise ConfigError(f"model {config.name!r}: the link to vLLM's workers cannot listen on {where}: "
+                              f"{exc.strerror or exc}") from None
+    try:
+        llm = _start_linked(config.name, LLM, folder, dtype, max_len, seqs, sizes, tp, pp, extra, described, processes)
+    except BaseException:
+        if link is not None:
+            link.close()
+        raise
+    partial: set[str] = set()
+    if link is not None:
+        model, partial = _connect_workers(config.name, llm, folder, link)
+        runner = None
+    else:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        model = runner.model
+    try:
+        return _host(config, llm, runner, model, link, partial, folder, settings, sizes, tp)
+    except BaseException:
+        if link is not None:  # vLLM's processes and the link are the model's: they go with it
+            link.close()
+            _shut_down(llm)
+        raise
+
+
+def _start_linked(name: str, LLM: Any, folder: pathlib.Path, dtype: str, max_len: int, seqs: int, sizes: VllmSizes,
+                  tp: int, pp: int, extra: dict[str, Any], described: Any, processes: bool) -> Any:
+    """vLLM's engine for the model, started with hookwire's settings and warmed up."""
     with vllm_logs.output_as_json():
-        llm = _start_llm(config.name, LLM, dict(
+        llm = _start_llm(name, LLM, dict(
             model=str(folder), tokenizer=str(folder), dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
             kv_cache_memory_bytes=sizes.kv_cache_bytes,
             tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -193,22 +228,17 @@ def build_host(config: ModelConfig) -> ModelHost:
             use_tqdm_on_load=False,  # progress bars are not log lines
             seed=0, **extra,
         ))
-        _warm_up(config.name, llm, described, processes)
-    link: WorkerLink | None = None
-    partial: set[str] = set()
-    if processes:
-        link, model, partial = _connect_workers(config.name, llm, folder, link_address)
-        runner = None
-    else:
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        model = runner.model
-    try:
-        return _host(config, llm, runner, model, link, partial, folder, settings, sizes, tp)
-    except BaseException:
-        if link is not None:  # vLLM's processes and the link are the model's: they go with it
-            link.close()
-            _shut_down(llm)
-        raise
+        _warm_up(name, llm, described, processes)
+    return llm
+
+
+def uses_worker_processes(settings: Mapping[str, Any]) -> bool:
+    """Whether a model's ``[models.vllm]`` settings run it in vLLM's engine and worker
+    processes: by default (``worker_processes`` true: the front never shares the model's
+    process, and hooks run in the workers), always under tensor parallel or Ray; in the
+    server's own process only with ``worker_processes = false`` (tests, small machines)."""
+    return (bool(settings.get("worker_processes", True)) or int(settings.get("tensor_parallel_size", 1)) > 1
+            or settings.get("distributed_executor_backend", "mp") == "ray")
 
 
 def _check_ray(name: str, settings: Mapping[str, Any]) -> None:
@@ -357,16 +387,13 @@ def _bind_cpu_threads(ranks: int) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
 
 
-def _connect_workers(name: str, llm: Any, folder: pathlib.Path,
-                     tcp: str | None = None) -> tuple[WorkerLink, Any, set[str]]:
-    """Links the workers to this server (vllm_link) and returns the link and the model's
-    stand-in module tree (with the folder's transformers config). ConfigError if they
-    cannot be linked."""
+def _connect_workers(name: str, llm: Any, folder: pathlib.Path, link: WorkerLink) -> tuple[Any, set[str]]:
+    """Links the workers to this server over ``link`` (vllm_link, listening) and returns
+    the model's stand-in module tree (with the folder's transformers config). ConfigError
+    if they cannot be linked (the link is closed and vLLM shut down)."""
     import transformers
 
-    link: WorkerLink | None = None
     try:
-        link = WorkerLink(name, tcp)
         link.start(1)  # the first rank of the tensor-parallel group talks (pipeline parallel is refused)
         linked = llm.collective_rpc("hookwire_connect", args=(link.address, link.authkey.hex()))
         link.pids = [int(info["pid"]) for info in linked]
@@ -375,11 +402,10 @@ def _connect_workers(name: str, llm: Any, folder: pathlib.Path,
         model = proxy_model(description)
         model.config = transformers.AutoConfig.from_pretrained(str(folder))
     except Exception as exc:
-        if link is not None:
-            link.close()
+        link.close()
         _shut_down(llm)
         raise ConfigError(f"model {name!r}: hookwire could not link to vLLM's workers: {type(exc).__name__}: {exc}") from None
-    return link, model, partial
+    return model, partial
 
 
 def _worker_parameter(llm: Any, name: str) -> torch.Tensor:

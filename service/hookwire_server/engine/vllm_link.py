@@ -23,8 +23,11 @@ import os
 import secrets
 import tempfile
 import threading
+import contextlib
+import socket
+import struct
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, Protocol
 
 import torch
@@ -195,6 +198,9 @@ def tcp_address(text: str) -> tuple[str, int]:
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"{text!r} is not HOST:PORT (a port from 0 to 65535; 0 picks a free one)")
+    if host in ("0.0.0.0", "::", "0:0:0:0:0:0:0:0"):
+        raise ValueError(f"{text!r}: {host} is no address a rank can dial (the ranks connect to HOST): name this "
+                         "server's address on the ranks' network")
     return host, int(port)
 
 
@@ -209,19 +215,26 @@ class WorkerLink:
     model's activations): keep a TCP link on a private network."""
 
     def __init__(self, name: str, tcp: str | None = None) -> None:
+        """Listens at once (OSError: the address is taken or not this machine's)."""
         self.name = name
         self._folder = tempfile.TemporaryDirectory(prefix="hookwire-vllm-")
         self.authkey = secrets.token_bytes(32)
-        if tcp is None:
-            self.address = os.path.join(self._folder.name, "link")
-            self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
-        else:
-            host, port = tcp_address(tcp)
-            self._listener = Listener((host, port), family="AF_INET6" if ":" in host else "AF_INET",
-                                      authkey=self.authkey)
-            bound = self._listener.address
-            shown = f"[{host}]" if ":" in host else host
-            self.address = f"tcp://{shown}:{bound[1]}"
+        try:
+            if tcp is None:
+                self.address = os.path.join(self._folder.name, "link")
+                self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._socket.bind(self.address)
+                self._socket.listen(4)
+            else:
+                host, port = tcp_address(tcp)
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                self._socket = socket.create_server((host, port), family=family, backlog=4)
+                bound = self._socket.getsockname()
+                shown = f"[{host}]" if ":" in host else host
+                self.address = f"tcp://{shown}:{bound[1]}"
+        except BaseException:
+            self._folder.cleanup()
+            raise
         #: What the workers' messages go to (set before their first step).
         self.engine: LinkEngine | None = None
         self._closed = False
@@ -241,16 +254,18 @@ class WorkerLink:
     def _accept(self) -> None:
         while True:
             try:
-                conn = self._listener.accept()
-            except AuthenticationError as exc:
-                # Not a worker of this model (a stray or hostile connection on a TCP link):
-                # refused before anything of it was read; the worker's slot stays open.
-                log.warning("model %r: a connection to the vLLM link failed authentication: %s", self.name, exc)
-                continue
-            except Exception as exc:  # closed before a worker connected
+                sock, _ = self._socket.accept()
+            except OSError as exc:  # closed before a worker connected
                 if not self._closed:
                     log.error("model %r: a vLLM worker could not connect: %r", self.name, exc)
                 return
+            conn = _authenticated(sock, self.authkey)
+            if conn is None:
+                # Not a worker of this model (a stray, silent or hostile connection on a TCP
+                # link): refused before anything of it was read; the rank's slot stays open.
+                log.warning("model %r: a connection to the vLLM link failed authentication within %.0f s",
+                            self.name, HANDSHAKE_SECONDS)
+                continue
             with conn:
                 self._serve(conn)
             return
@@ -279,8 +294,12 @@ class WorkerLink:
                 elif kind == "end":
                     fired = header.get("fired")
                     values = _receive_value(conn) if header.get("value") else []
-                    engine.link_end(fired if isinstance(fired, list) else None, values)
+                    # The worker goes on at once (vLLM samples, its engine core schedules the
+                    # next step) while the step's hooks finish here. Its tokens cannot overtake
+                    # its events: the engine's worker thread takes a step's outputs under the
+                    # engine's lock, which this thread holds from link_step until link_end returns.
                     conn.send_bytes(b"{}")
+                    engine.link_end(fired if isinstance(fired, list) else None, values)
                 else:
                     raise ValueError(f"unknown message {kind!r}")
         except (EOFError, OSError) as exc:
@@ -300,9 +319,45 @@ class WorkerLink:
     def close(self) -> None:
         self._closed = True
         try:
-            self._listener.close()
+            # shutdown wakes a thread blocked in accept (close alone does not on Linux).
+            with contextlib.suppress(OSError):
+                self._socket.shutdown(socket.SHUT_RDWR)
+            self._socket.close()
         finally:
             self._folder.cleanup()
+
+
+#: How long a new connection has to pass the key's challenge (both ways) before it is
+#: dropped: a peer that connects and says nothing must not hold the rank's accept.
+HANDSHAKE_SECONDS = 10.0
+
+
+def _authenticated(sock: socket.socket, authkey: bytes) -> Connection | None:
+    """The connection on ``sock`` once it proved it holds ``authkey`` and this side proved
+    it too (multiprocessing's HMAC challenge, as its Listener does, server first), each
+    read bounded by HANDSHAKE_SECONDS; None (closed) when it fails, stalls or hangs up."""
+    # A receive timeout of the socket itself: the fd stays blocking, which Connection needs.
+    timeout = struct.pack("ll", int(HANDSHAKE_SECONDS), 0)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
+    except OSError:
+        sock.close()
+        return None
+    conn = Connection(sock.detach())
+    try:
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+        fd = socket.socket(fileno=os.dup(conn.fileno()))  # to clear the timeouts: steps may be far apart
+        try:
+            fd.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+            fd.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
+        finally:
+            fd.close()
+    except (AuthenticationError, EOFError, OSError, ValueError):
+        conn.close()
+        return None
+    return conn
 
 
 def _receive_value(conn: Connection) -> Any:

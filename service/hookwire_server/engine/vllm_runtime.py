@@ -74,7 +74,8 @@ class RuntimePlanner:
                     if decided is None:
                         continue
                     call_index, capture = decided
-                    entries.append([len(self._firings), _key(record), i, capture, view.name if view is not None else ""])
+                    entries.append([len(self._firings), _key(record), i, capture, view.name if view is not None else "",
+                                    hook_path])
                     self._firings.append((record, action, hook_path, seg.p, call_index, bool(module.training)))
                     roots.update(action.roots)
                     edits = edits or bool(action.rules)

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import json
 import os
-from multiprocessing.connection import Client
+import socket
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
 import torch
@@ -50,6 +51,31 @@ if os.environ.get("HOOKWIRE_VLLM_KEEP_WEIGHTS") == "1":
 #: whether a hook can fire on it (vllm_engine.VllmEngine._touched, decided at its
 #: admission); a request without it counts as touched.
 TOUCHED = "hookwire_touched"
+
+
+def dial(address: str, authkey: bytes) -> Connection:
+    """A connection to the server's link at ``address`` (a Unix socket's path, or
+    tcp://HOST:PORT for ranks on other machines, ``[v6]`` for an IPv6 host), once both
+    sides proved they hold ``authkey`` (multiprocessing's HMAC challenge, as its Client
+    answers it)."""
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://"):].rpartition(":")
+        sock = socket.create_connection((host.strip("[]"), int(port)))  # IPv4 or IPv6, as the name resolves
+    else:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(address)
+        except BaseException:
+            sock.close()
+            raise
+    conn = Connection(sock.detach())
+    try:
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 def plain(value: Any) -> Any:
@@ -168,12 +194,7 @@ class _Taps:
         self.group = parallel_state.get_tp_group()
         self.parallel = self.group.world_size > 1
         self.leader = self.group.rank_in_group == 0
-        # A Unix socket's path, or tcp://HOST:PORT (ranks on other machines: vllm_link).
-        target: Any = address
-        if address.startswith("tcp://"):
-            host, _, port = address[len("tcp://"):].rpartition(":")
-            target = (host.strip("[]"), int(port))
-        self.conn = Client(target, authkey=authkey) if self.leader else None
+        self.conn = dial(address, authkey) if self.leader else None
         model = runner.model
         self.modules = dict(model.named_modules())
         # The end of a step goes after its logits: the logits processor, wherever the model

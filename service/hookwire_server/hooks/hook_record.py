@@ -38,9 +38,8 @@ from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec
 from ..metrics import Metrics
 from ..models.memory_estimate import probing
 from ..models.model_registry import ModelHost
-from .rules import RuleFailure, Signals, apply_rules, operand_tensors, tensor_fields
-from ..runtime.plan import names_operands
-from ..runtime.captures import Captured, capture_error as _capture_error, captured as _captured, prepare as _prepare
+from .rules import RuleFailure, Signals, apply_rules, names_operands, operand_tensors, tensor_fields
+from .captured import Captured, capture_error as _capture_error, captured as _captured, prepare as _prepare
 from .slots import SlotStore
 
 if TYPE_CHECKING:

@@ -1022,3 +1022,21 @@ def _misfit(rule: CompiledRule, parts: dict[str, Any], slots: SlotStore | None) 
     operands = ", ".join(f"{name} is {shape}" for name, shape, _, _ in operand_widths(rule)) or "its operands"
     need = f" (the operand's width must be {seen[-1]})" if seen else ""
     return f"{operands} and {saw}: they do not fit{need}"
+
+
+def names_operands(msg: Any) -> bool:
+    """Whether protobuf message ``msg`` names an operand anywhere (a Tensor's or an
+    SAE's ``operand`` field): named operands live in the front's store."""
+    for field, value in msg.ListFields():
+        if field.name == "operand" and isinstance(value, str) and value:
+            return True
+        if field.message_type is None:
+            continue
+        if hasattr(value, "ListFields"):
+            if names_operands(value):
+                return True
+            continue
+        items = value.values() if hasattr(value, "values") else value  # a map, or a repeated field
+        if any(names_operands(v) for v in items if hasattr(v, "ListFields")):
+            return True
+    return False

@@ -12,7 +12,8 @@ there and come back once per step and rank, in one message. Its interface:
 - ``step.StepRunner(device, captures=...)``: ``configure(header, blobs, input_ids)`` at
   the step's start, ``fire(path, phase, parts)`` at each tapped module phase (the parts
   as the rules left them, or None), ``results()`` at its end (what to send the front);
-- ``captures.prepare``: a capture's values selected, cast or summarized (both sides);
+- ``hooks.captured.prepare`` (below it): a capture's values selected, cast or summarized,
+  on either side;
 - ``views``: how hooks see a vLLM module's output, by name (both sides).
 
 It imports neither grpc, the servicers nor the front's model registry.

@@ -13,7 +13,9 @@ header's fields:
   ``model`` (for messages), ``vocab`` (the lm_head view's width), ``tokens``,
   ``sequences``, ``shared``, ``segments`` ([spans, rows, side, width] per call, as
   engine.packed lays a call out) and ``fire``: [path, phase, entries] per tapped module
-  phase, each entry [number, key, segment, capture, view] in firing order.
+  phase, each entry [number, key, segment, capture, view, hook path] in firing order
+  (the hook path names the module in messages: lm_head's hooks fire in the logits
+  processor).
 
 The results (the worker's ``end`` message): ``fired``, one entry per firing as it ran, in
 the order the model ran them: [number, fired_ns, before, after, devices, stops, error],
@@ -48,21 +50,3 @@ def unpack(data: bytes) -> tuple[dict[str, Any], list[bytes]]:
         blobs.append(bytes(data[at:at + size]))
         at += size
     return header, blobs
-
-
-def names_operands(msg: Any) -> bool:
-    """Whether protobuf message ``msg`` names an operand anywhere (a Tensor's or an
-    SAE's ``operand`` field): named operands live in the front's store."""
-    for field, value in msg.ListFields():
-        if field.name == "operand" and isinstance(value, str) and value:
-            return True
-        if field.message_type is None:
-            continue
-        if hasattr(value, "ListFields"):
-            if names_operands(value):
-                return True
-            continue
-        items = value.values() if hasattr(value, "values") else value  # a map, or a repeated field
-        if any(names_operands(v) for v in items if hasattr(v, "ListFields")):
-            return True
-    return False

@@ -30,10 +30,10 @@ from hookwire.v1 import hook_pb2, rule_pb2
 from ..engine.packed import PackedBatch, PackedSegment
 from ..errors import HookwireServerError, InvalidArgument
 from ..hooks.capture import CaptureOptions
+from ..hooks.captured import Captured, prepare
 from ..hooks.hook_specs import PHASES, Action
 from ..hooks.rules import RuleFailure, Signals, apply_rules, compile_rules
 from . import views
-from .captures import Captured, prepare
 
 #: The phases a worker's modules run (no backward pass on vLLM).
 _PHASES = {"pre": hook_pb2.PHASE_FORWARD_PRE, "post": hook_pb2.PHASE_FORWARD}
@@ -89,13 +89,15 @@ def compile_program(meta: dict[str, Any], spec_bytes: bytes, device: torch.devic
 @dataclasses.dataclass
 class _Entry:
     """One planned firing: its number in the plan, the hook, the call's segment, whether
-    it captures, and the output view its hook sees."""
+    it captures, the output view its hook sees, and the module path its hook names (the
+    tapped module's, except lm_head's hooks, which fire in the logits processor)."""
 
     number: int
     key: str
     segment: int
     capture: bool
     view: str
+    path: str
 
 
 class StepRunner:
@@ -147,8 +149,8 @@ class StepRunner:
         self._batch = batch
         self._fire = {}
         for path, phase, entries in run["fire"]:
-            self._fire[(str(path), str(phase))] = [_Entry(int(n), str(k), int(s), bool(c), str(v))
-                                                   for n, k, s, c, v in entries]
+            self._fire[(str(path), str(phase))] = [_Entry(int(n), str(k), int(s), bool(c), str(v), str(h))
+                                                   for n, k, s, c, v, h in entries]
         self._input_ids = input_ids
 
     def results(self) -> tuple[list[list[Any]], list[Any]]:
@@ -188,7 +190,8 @@ class StepRunner:
             shown = dict(parts)
             if view is not None:
                 shown["output"] = view[0](parts["output"])
-            where = f"hook {program.hook_id} on module {path!r} of {self._model!r}"
+            named = group[0].path
+            where = f"hook {program.hook_id} on module {named!r} of {self._model!r}"
             cloned: set[int] = set()
             changed = False
             for entry in group:
@@ -205,7 +208,7 @@ class StepRunner:
                 try:
                     mine = {**shown, **{root: batch.take(shown[root], seg, where)
                                         for root in action.roots if root in shown}}
-                    new = self._fire_one(program, action, path, entry, seg, mine, where)
+                    new = self._fire_one(program, action, named, entry, seg, mine, where)
                     if new is None:
                         continue
                     shown = {**shown, **{root: batch.put(shown[root], mine[root], new[root], seg, where, cloned)

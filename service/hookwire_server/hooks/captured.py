@@ -1,5 +1,5 @@
-"""What a capture sends, made where the hook fires (the front's own process, or a vLLM
-worker's hook runtime): the captured parts in an event's order, selected, cast or
+"""What a capture sends, made where the hook fires (the front's own process, or the hook
+runtime in a vLLM worker: runtime.step): the captured parts in an event's order, selected, cast or
 summarized on their device, and the devices they were on."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from hookwire.wire import codec
 from hookwire.v1 import hook_pb2
 
 from ..errors import InvalidArgument, Unimplemented
-from ..hooks import heads
-from ..hooks.hook_specs import _part_name
+from . import heads
+from .hook_specs import _part_name
 
 if TYPE_CHECKING:
-    from ..hooks.hook_specs import Action
+    from .hook_specs import Action
 
 
 #: One captured value: its part, the InterceptEvent field it goes to, its kwargs key

@@ -1,0 +1,94 @@
+"""The hook runtime a vLLM worker runs (service/hookwire_server/runtime/), on its own:
+a step's plan as the front packs it, firings on a packed step of two calls, against
+the same edits and selections written in plain torch (the oracle)."""
+
+from __future__ import annotations
+
+import torch
+
+from hookwire import HookSpec, capture, rules
+from hookwire_server.runtime import plan
+from hookwire_server.runtime.step import StepRunner
+
+
+def _runner(specs: dict[str, HookSpec], fire: list[list], *, fail_call: bool = True) -> StepRunner:
+    """A runner given a step of two calls packed as [tokens, 4]: call 0 has two sequences
+    (tokens 0-2 and 3-4: left-padded to 3), call 1 one (tokens 5-7)."""
+    metas = [{"key": key, "size": 0, "hook_id": key, "owner": "alice", "fail_call": fail_call,
+              "request_scoped": True} for key in specs]
+    blobs = [spec.to_proto().SerializeToString() for spec in specs.values()]
+    for meta, blob in zip(metas, blobs):
+        meta["size"] = len(blob)
+    header = {"specs": metas, "run": {
+        "model": "m", "vocab": 0, "tokens": 8, "sequences": 3, "shared": True,
+        "segments": [[[[0, 3], [3, 5]], [0, 1], "left", None], [[[5, 8]], [2], "left", None]],
+        "fire": fire}}
+    header, blobs = plan.unpack(plan.pack(header, blobs))  # as it travels
+    runner = StepRunner(torch.device("cpu"))
+    runner.configure(header, blobs, lambda: torch.arange(100, 108))
+    return runner
+
+
+def test_a_rule_edits_its_calls_rows_only_and_captures_come_back_selected_and_cast() -> None:
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    runner = _runner({"steer": HookSpec("layer", posthook=[rules.add("output", v)]),
+                      "look": HookSpec("layer", posthook=capture("output", select="[:, -1]", cast="float16"))},
+                     [["layer", "post", [[0, "steer", 0, False, "", "layer"], [1, "look", 0, True, "", "layer"], [2, "look", 1, True, "", "layer"]]]])
+    new = runner.fire("layer", "post", {"args": (), "kwargs": {}, "output": x})
+    assert new is not None
+    want = x.clone()
+    want[0:5] += v  # call 0's tokens; call 1's untouched
+    assert torch.equal(new["output"], want)
+    assert torch.equal(x, torch.randn(8, 4, generator=torch.Generator().manual_seed(0)))  # out of place
+    fired, values = runner.results()
+    assert [f[0] for f in fired] == [0, 1, 2]
+    assert fired[0][2] is None and fired[0][3] is None and fired[0][6] is None  # a rule alone: no capture
+    assert fired[1][2] == [[3, "output", None]] and fired[1][4] == ["cpu"]
+    # Call 0's layout: [2 sequences, 3 positions], the second left-padded; the last position of each.
+    assert torch.equal(values[0], torch.stack([want[2], want[4]]).to(torch.float16))
+    assert torch.equal(values[1], want[7:8].to(torch.float16))
+    assert not runner.active
+
+
+def test_a_failing_rule_is_reported_with_its_words_and_changes_nothing() -> None:
+    x = torch.randn(8, 4)
+    runner = _runner({"bad": HookSpec("layer", posthook=[rules.when(rules.stored("never") > 0.0, rules.zero("output"))])},
+                     [["layer", "post", [[0, "bad", 0, False, "", "layer"], [1, "bad", 1, False, "", "layer"]]]], fail_call=False)
+    assert runner.fire("layer", "post", {"args": (), "kwargs": {}, "output": x}) is None
+    fired, values = runner.results()
+    # Not fail_call: the first failure stops the hook for the rest of the step (the front disables it).
+    assert len(fired) == 1 and values == []
+    stage, kind, message = fired[0][6]
+    assert (stage, kind) == ("rule", "FailedPrecondition") and "no signal 'never'" in message
+    assert "hook bad on module 'layer' of 'm'" in message
+
+
+def test_token_id_conditions_read_the_steps_tokens_in_the_calls_layout() -> None:
+    x = torch.ones(8, 4)
+    runner = _runner({"gate": HookSpec("layer", posthook=[rules.when(rules.token_id().eq(106), rules.zero("output"))])},
+                     [["layer", "post", [[0, "gate", 1, False, "", "layer"]]]])
+    new = runner.fire("layer", "post", {"args": (), "kwargs": {}, "output": x})
+    assert new is not None
+    zeroed = [i for i in range(8) if not bool(new["output"][i].any())]
+    assert zeroed == [6]  # token 106 sits at packed position 6, in call 1
+
+
+def test_a_spec_that_cannot_be_compiled_fails_its_firings_not_the_step() -> None:
+    header = {"specs": [{"key": "k", "size": 3, "hook_id": "k", "owner": "", "fail_call": True,
+                         "request_scoped": True}],
+              "run": {"model": "m", "vocab": 0, "tokens": 2, "sequences": 1, "shared": False,
+                      "segments": [[[[0, 2]], [0], "left", None]], "fire": [["layer", "post", [[0, "k", 0, True, "", "layer"]]]]}}
+    header, blobs = plan.unpack(plan.pack(header, [b"\xff\xff\xff"]))
+    runner = StepRunner(torch.device("cpu"))
+    runner.configure(header, blobs)
+    assert runner.fire("layer", "post", {"args": (), "kwargs": {}, "output": torch.zeros(2, 4)}) is None
+    fired, _ = runner.results()
+    assert fired[0][6][0] == "rule" and "could not compile hook k" in fired[0][6][2]
+
+
+def test_named_operands_are_found_anywhere_in_a_spec() -> None:
+    from hookwire_server.hooks.rules import names_operands
+
+    assert names_operands(HookSpec("m", posthook=[rules.add("output", rules.operand("v"))]).to_proto())
+    assert not names_operands(HookSpec("m", posthook=[rules.add("output", torch.ones(2))]).to_proto())
