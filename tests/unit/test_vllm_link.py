@@ -144,7 +144,7 @@ class _Ends:
         self.ended = 0
         self.closed = 0
 
-    def link_end(self, fired: Any = None, values: Any = None) -> None:
+    def link_end(self, fired: Any = None, values: Any = None, bad: Any = None) -> None:
         self.ended += 1
 
     def link_closed(self) -> None:
@@ -223,10 +223,13 @@ def _until(ok: Any, seconds: float = 30.0) -> None:
 
 
 def test_a_peer_that_connects_and_says_nothing_or_hangs_up_does_not_hold_the_ranks_accept(monkeypatch) -> None:
-    """The challenge has a deadline (HANDSHAKE_SECONDS, shortened here): a silent peer is
-    dropped when it passes, one that hangs up mid-challenge at once, and the worker that
-    connects after them is served."""
+    """The challenge has a deadline for the whole of it (HANDSHAKE_SECONDS, shortened
+    here): a silent peer and one that trickles its answer a byte at a time are dropped
+    when it passes, one that hangs up mid-challenge at once, and the worker that connects
+    after them is served."""
+    import contextlib
     import socket
+    import threading
 
     from hookwire_server.engine import vllm_link
     from hookwire_server.engine.vllm_link import WorkerLink, tcp_address
@@ -239,13 +242,24 @@ def test_a_peer_that_connects_and_says_nothing_or_hangs_up_does_not_hold_the_ran
         link.start(1)
         host, port = tcp_address(link.address[len("tcp://"):])
         silent = socket.create_connection((host, port))
-        hangs_up = socket.create_connection((host, port))
-        hangs_up.recv(1)  # the challenge began
-        hangs_up.close()
+        trickles = socket.create_connection((host, port))
+        socket.create_connection((host, port)).close()  # hangs up before the challenge ends
+        stop = threading.Event()
+
+        def trickle() -> None:  # a length prefix of 256, then a byte now and then
+            with contextlib.suppress(OSError):
+                trickles.sendall(b"\x00\x00\x01\x00")
+                while not stop.wait(0.2):
+                    trickles.sendall(b"x")
+
+        feeder = threading.Thread(target=trickle, daemon=True)
+        feeder.start()
         try:
             _served(link.address, link, engine)
         finally:
+            stop.set()
             silent.close()
+            trickles.close()
     finally:
         link.close()
 

@@ -1,7 +1,10 @@
 """The vLLM engine: a transformers folder served by vLLM behind the engine seam (seam.py).
 
-vLLM runs the model in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), on the
-model's worker thread: its scheduler decides which requests' tokens a step runs (its
+By default vLLM runs its engine core and the model in processes of its own (worker
+processes: vllm_link.py and vllm_worker.py link them to this engine, and the hook
+runtime, runtime/, runs the hooks there); with ``worker_processes = false`` it runs in
+this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), on the model's worker thread, as
+described here. Either way its scheduler decides which requests' tokens a step runs (its
 own continuous batching and paged KV cache), its model runner packs them into one
 ``[tokens, hidden]`` layout, its sampler picks the tokens. hookwire's hooks are plain
 torch hooks on vLLM's modules (they fire because the model runs eagerly: in a compiled
@@ -708,7 +711,7 @@ class VllmEngine:
         if head is not None and "lm_head" in self._host.modules:
             vocab = self._vocab
             self._host.hook_targets["lm_head"] = head
-            self._host.output_views["lm_head"] = OutputView(*views.vocabulary(vocab), "vocabulary")
+            self._host.output_views["lm_head"] = OutputView(*views.vocabulary(vocab or 0), "vocabulary")
 
     # ------------------------------------------------------------------ the seam
 
@@ -1393,13 +1396,23 @@ class VllmEngine:
             self._logits = None
             self._lay_out_safely(batch, ids, starts, last)
             prompts = any(r is not None and isinstance(r.call, PromptCall) for r in self._order)
-            planned = self._planner.plan(batch) if self._planner is not None and batch.segments else None
+            planned = None
+            if self._planner is not None and batch.segments:
+                try:
+                    planned = self._planner.plan(batch)
+                except Exception as exc:  # the step's calls fail; the model goes on
+                    log.exception("planning a vLLM step's hooks failed")
+                    self._planner.abandon()
+                    self._fail_step(batch, InvalidArgument(f"hookwire could not plan a vLLM step's hooks: {exc}"))
             if planned is not None:
                 self.worker_hook_steps += 1
                 header, blobs = planned
                 header["logits"] = prompts
                 return header, blobs
-            return {"taps": taps_of(self._host.modules) if batch.segments else [], "logits": prompts}, []
+            reply: dict[str, Any] = {"taps": taps_of(self._host.modules) if batch.segments else [], "logits": prompts}
+            if self._planner is not None:
+                reply["drop"] = self._planner.sweep()
+            return reply, []
         except BaseException:
             if self._open is not None:
                 self.link_end()  # the lock goes back: the link then reports the failure (lost)
@@ -1427,9 +1440,11 @@ class VllmEngine:
         """The step's logits (one row per request), for prompt passes. Link thread."""
         self._logits = logits
 
-    def link_end(self, fired: list[Any] | None = None, values: list[Any] | None = None) -> None:
+    def link_end(self, fired: list[Any] | None = None, values: list[Any] | None = None,
+                 bad: dict[int, str] | None = None) -> None:
         """The worker's step ends: the firings the workers ran (``fired``, with the
-        ``values`` they captured) into their hooks, its captures go out, failed calls
+        ``values`` they captured; ``bad``: values that could not be encoded, by index)
+        into their hooks, its captures go out, failed calls
         fail, prompt passes take their logits; the lock goes back. Link thread."""
         opened, self._open = self._open, None
         if opened is None:
@@ -1441,7 +1456,7 @@ class VllmEngine:
             if self._planner is not None:
                 if fired is not None:
                     try:
-                        self._planner.finish(batch, fired, list(values or []))
+                        self._planner.finish(batch, fired, list(values or []), bad or {})
                     except Exception as exc:
                         log.exception("taking a vLLM step's hook results failed")
                         self._fail_step(batch, exc)

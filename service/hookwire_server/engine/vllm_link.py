@@ -5,10 +5,11 @@ in workers, and the thread that runs the server's hooks on what the workers tap.
 The server holds a stand-in module per vLLM module (``ProxyModule``: the same path and
 class name, parameters on the meta device with vLLM's shapes and dtypes), so hooks,
 rules, module patterns, output views, the module tree and GetParameters' names work
-unchanged. Hooks register on the stand-ins as on any module; per step the workers tap
-the module phases that have hooks (``taps_of``), and the link runs those hooks on what
-the workers saw (``run_pre``/``run_post``, in torch's order and with torch's return
-conventions), sending back what a rule changed.
+unchanged. Hooks register on the stand-ins as on any module; per step the engine plans
+the firings the workers run themselves (vllm_runtime.py), or, for a step whose hooks
+need the server, the workers tap the module phases that have hooks (``taps_of``) and the
+link runs those hooks on what the workers saw (``run_pre``/``run_post``, in torch's order
+and with torch's return conventions), sending back what a rule changed.
 
 One thread per worker connection reads its messages in order and calls the engine
 (``LinkEngine``): a step's layout, its taps, its logits, its end. A connection that
@@ -25,7 +26,6 @@ import tempfile
 import threading
 import contextlib
 import socket
-import struct
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, Protocol
@@ -186,7 +186,8 @@ class LinkEngine(Protocol):
                   last: list[int] | None = None) -> tuple[dict[str, Any], list[bytes]]: ...
     def link_tap(self, path: str, phase: str, parts: dict[str, Any]) -> dict[str, Any] | None: ...
     def link_logits(self, logits: torch.Tensor) -> None: ...
-    def link_end(self, fired: list[Any] | None = None, values: list[Any] | None = None) -> None: ...
+    def link_end(self, fired: list[Any] | None = None, values: list[Any] | None = None,
+                 bad: dict[int, str] | None = None) -> None: ...
     def link_closed(self) -> None: ...
     def lost(self, why: str) -> None: ...
 
@@ -293,13 +294,15 @@ class WorkerLink:
                     engine.link_logits(_receive_value(conn))
                 elif kind == "end":
                     fired = header.get("fired")
-                    values = _receive_value(conn) if header.get("value") else []
+                    values = [_receive_value(conn) for _ in range(int(header.get("values", 0)))]
+                    bad = header.get("bad") or {}
                     # The worker goes on at once (vLLM samples, its engine core schedules the
                     # next step) while the step's hooks finish here. Its tokens cannot overtake
                     # its events: the engine's worker thread takes a step's outputs under the
                     # engine's lock, which this thread holds from link_step until link_end returns.
                     conn.send_bytes(b"{}")
-                    engine.link_end(fired if isinstance(fired, list) else None, values)
+                    engine.link_end(fired if isinstance(fired, list) else None, values,
+                                    {int(k): str(v) for k, v in bad.items()})
                 else:
                     raise ValueError(f"unknown message {kind!r}")
         except (EOFError, OSError) as exc:
@@ -334,35 +337,50 @@ HANDSHAKE_SECONDS = 10.0
 
 def _authenticated(sock: socket.socket, authkey: bytes) -> Connection | None:
     """The connection on ``sock`` once it proved it holds ``authkey`` and this side proved
-    it too (multiprocessing's HMAC challenge, as its Listener does, server first), each
-    read bounded by HANDSHAKE_SECONDS; None (closed) when it fails, stalls or hangs up."""
-    # A receive timeout of the socket itself: the fd stays blocking, which Connection needs.
-    timeout = struct.pack("ll", int(HANDSHAKE_SECONDS), 0)
+    it too (multiprocessing's HMAC challenge, as its Listener does, server first), all
+    within HANDSHAKE_SECONDS of accepting it; None (closed) when it fails, stalls,
+    trickles or hangs up."""
+    # A deadline for the whole challenge, not for each read: at it, the socket is shut
+    # down, which ends any read the challenge is blocked in (EOFError or OSError).
+    expired: list[bool] = []
+    watchdog = threading.Timer(HANDSHAKE_SECONDS, _shut, args=(sock, expired))
+    watchdog.daemon = True
+    watchdog.start()
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
+        conn = Connection(os.dup(sock.fileno()))
     except OSError:
+        watchdog.cancel()
         sock.close()
         return None
-    conn = Connection(sock.detach())
     try:
         deliver_challenge(conn, authkey)
         answer_challenge(conn, authkey)
-        fd = socket.socket(fileno=os.dup(conn.fileno()))  # to clear the timeouts: steps may be far apart
-        try:
-            fd.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
-            fd.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
-        finally:
-            fd.close()
     except (AuthenticationError, EOFError, OSError, ValueError):
+        watchdog.cancel()
+        conn.close()
+        sock.close()
+        return None
+    watchdog.cancel()
+    watchdog.join()
+    sock.close()  # the connection holds its own descriptor of the socket
+    if expired:  # the deadline passed as the challenge ended: the socket is shut down
         conn.close()
         return None
     return conn
 
 
+def _shut(sock: socket.socket, expired: list[bool]) -> None:
+    expired.append(True)
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 def _receive_value(conn: Connection) -> Any:
+    data = conn.recv_bytes()
+    if not data:
+        return None  # a value the worker could not encode (it says so in the header)
     msg = tensor_pb2.Value()
-    msg.ParseFromString(conn.recv_bytes())
+    msg.ParseFromString(data)
     return codec.decode_value(msg, where="tap")
 
 

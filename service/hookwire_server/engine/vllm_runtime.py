@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import HookwireServerError, InvalidArgument
+from ..errors import HookwireServerError, InvalidArgument, Unimplemented
 from .. import errors
 from ..hooks.hook_specs import SCOPE_REQUEST
 from ..models.model_registry import ModelHost
@@ -93,9 +93,9 @@ class RuntimePlanner:
                           "fail_call": bool(record.compiled.fail_call_on_error),
                           "request_scoped": record.compiled.scope == SCOPE_REQUEST})
             blobs.append(blob)
-            self._shipped.add(key)
-        drop = sorted(self._shipped - set(live))
-        self._shipped -= set(drop)
+        # Counted as the workers' only once the whole plan is made (a failure before sends none).
+        self._shipped.update(meta["key"] for meta in specs)
+        drop = self._dropped(set(live))
         segments = []
         for seg in batch.segments:
             assert isinstance(seg, PackedSegment)
@@ -104,16 +104,29 @@ class RuntimePlanner:
                "shared": bool(batch.shared), "segments": segments, "fire": fire}
         return {"taps": taps, "run": run, "specs": specs, "drop": drop}, blobs
 
-    def forget(self) -> None:
-        """The workers hold no programs (they were started again)."""
-        self._shipped.clear()
+    def sweep(self) -> list[str]:
+        """For a step whose hooks run here: the programs the workers may forget (their hooks
+        are gone), so that a removed hook's operands do not stay on the ranks."""
+        firings = [getattr(fn, "hookwire_firing", None) for module in self._host.modules.values()
+                   for hooks in (module._forward_pre_hooks, module._forward_hooks) for fn in hooks.values()]
+        live = {_key(firing[0]) for firing in firings if firing is not None}
+        return self._dropped(live)
 
-    def finish(self, batch: PackedBatch, fired: list[list[Any]], values: list[Any]) -> None:
+    def _dropped(self, live: set[str]) -> list[str]:
+        drop = sorted(self._shipped - live)
+        self._shipped -= set(drop)
+        return drop
+
+    def finish(self, batch: PackedBatch, fired: list[list[Any]], values: list[Any],
+               bad: dict[int, str] | None = None) -> None:
         """The open step's firings as the workers ran them (runtime.plan's ``fired``), into
         their records, in the order they ran: events, counts, stops, failures (a call's
-        failure is kept for it: PackedBatch.fail_call)."""
+        failure is kept for it: PackedBatch.fail_call). ``bad``: the values the worker
+        could not encode (by index), each its firing's capture failure."""
         firings, self._firings = self._firings, []
+        bad = bad or {}
         at = 0
+        unencoded: list[str] = []
 
         def take(meta: list[list[Any]] | None) -> list[Any] | None:
             nonlocal at
@@ -121,16 +134,23 @@ class RuntimePlanner:
                 return None
             items = []
             for part, field, key in meta:
+                if at in bad:
+                    unencoded.append(bad[at])
                 items.append((int(part), str(field), key, values[at]))
                 at += 1
             return items
 
         for number, fired_ns, before_meta, after_meta, devices, stops, error in fired:
+            unencoded.clear()
             before, after = take(before_meta), take(after_meta)
             record, action, path, p, call_index, training = firings[int(number)]
             failure = None
             if error is not None:
                 failure = (str(error[0]), _error(str(error[1]), str(error[2])))
+            elif unencoded:
+                failure = ("capture", Unimplemented(f"hook {record.hook_id} on module {path!r} cannot capture a "
+                                                    f"value: {unencoded[0]}"))
+                before = after = None
             try:
                 record.finish_firing(action, path, p, call_index, training, int(fired_ns), before, after,
                                      [str(d) for d in devices], [int(r) for r in stops], failure)

@@ -1,31 +1,35 @@
 """hookwire's part of a vLLM worker process (vLLM's ``worker_extension_cls``): when vLLM
-runs the model in worker processes (``worker_processes = true``, or tensor parallel),
-the model's modules are there, not in the server, and this class, mixed into vLLM's
-worker, is what hookwire has there. It runs no hook of a client: it taps the modules the
-server says, sends what they see to the server and puts back what the server's hooks
-changed. The hooks, rules, slots and events stay in the server (vllm_link.py), so every
-hook feature works the same as in the server's own process.
+runs the model in worker processes (the default, and always under tensor parallel), the
+model's modules are there, not in the server, and this class, mixed into vLLM's worker,
+is what hookwire has there: the hook runtime (runtime/), fed each step's plan by the
+server, and the taps for steps whose hooks run in the server.
 
-The link is a socket of ``multiprocessing.connection`` (a Unix socket, authenticated
-with a key the server made), carrying only bytes: a JSON header, and the values as
-hookwire's wire ``Value`` protobuf (tensors as raw bytes). Nothing is pickled either
-way. Per vLLM step (one forward of the model and its logits):
+The link is a socket (Unix, or TCP for ranks on other machines), authenticated both
+ways with a key the server made (multiprocessing's HMAC challenge: ``dial``), carrying
+only bytes: JSON headers, ``HookSpec`` protobuf and hookwire's wire ``Value`` (tensors
+as raw bytes). Nothing is pickled either way. Per vLLM step (one forward of the model
+and its logits):
 
 - ``step`` (worker -> server): the step's requests in vLLM's order, their query start
-  offsets and each one's last scheduled token; the server lays the step out per call and answers which module phases to tap
-  (``taps``: path, "pre"/"post", the parts its hooks read, whether they may edit) and
-  whether it wants the step's logits;
-- ``tap``: what a tapped module saw (the parts asked for); for a tap that may edit, the
-  server answers with the parts its hooks changed (or none) before the module goes on;
-  other taps are not answered (their captures need no answer);
+  offsets and each one's last scheduled token; the server lays the step out per call
+  and answers with the step's plan (runtime/plan.py): the module phases to tap, whether
+  it wants the step's logits, and either the step's firings (``run``: the hooks run
+  here, with the specs this worker lacks) or none (the taps send what they see);
+- ``tap`` (steps whose hooks run in the server): what a tapped module saw (the parts
+  asked for); for a tap that may edit, the server answers with the parts its hooks
+  changed (or none) before the module goes on; other taps are not answered;
 - ``logits``: the step's logits (one row per request), when asked for;
-- ``end`` (after the logits): the server finishes the step (its events, failed calls) and
-  answers, so a step's outputs never reach the server before its captures.
+- ``end`` (after the logits): the firings that ran here and each value they captured
+  (one frame per value); the server answers at once and finishes the step (its events,
+  failed calls) while vLLM goes on; a step's outputs still never reach its calls before
+  its captures (the engine's lock: vllm_link).
 
 Under tensor parallel only the first rank of the tensor-parallel group talks to the
-server; it broadcasts the step's taps and each edit to the other ranks (torch.distributed
-on vLLM's groups), which apply the same edits. A module whose output is one rank's shard
-is tapped on the first rank only (docs/scaling.md).
+server; it broadcasts each step's plan to the other ranks (torch.distributed on vLLM's
+groups). Every rank runs the step's rules on its own copy of the (whole) value, and the
+first rank alone captures; in a step whose hooks run in the server the first rank
+broadcasts each edit instead. A module whose output is one rank's shard is tapped on
+the first rank only (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -382,8 +386,23 @@ class _Taps:
         if self.logits:
             self._send({"t": "logits"}, output, has_value=True)
         if ran:
-            # The step's firings and every value they captured: one message (runtime.plan).
-            self._send({"t": "end", "fired": fired, "value": bool(values)}, values, has_value=bool(values))
+            # The step's firings, then each value they captured as a frame of its own
+            # (runtime.plan): a value that cannot be encoded is reported, never raised out
+            # of the step.
+            from hookwire.wire import codec
+
+            frames: list[bytes] = []
+            bad: dict[str, str] = {}
+            for i, value in enumerate(values):
+                try:
+                    frames.append(codec.encode_value(plain(value)).SerializeToString())
+                except Exception as exc:
+                    frames.append(b"")
+                    bad[str(i)] = f"{type(exc).__name__}: {exc}"
+            assert self.conn is not None
+            self.conn.send_bytes(json.dumps({"t": "end", "fired": fired, "values": len(frames), "bad": bad}).encode())
+            for frame in frames:
+                self.conn.send_bytes(frame)
         else:
             self._send({"t": "end"})
         self._receive()

@@ -397,6 +397,8 @@ class HookRecord:
         counts, its captures' events (``before``/``after`` the rules: values on the host),
         its stops, a failure. Raises the error that fails the call (the caller keeps it
         for the call: PackedBatch.fail_call)."""
+        if error is not None and error[0] == "call":
+            raise error[1]  # the call's rows could not be cut or put back: the call fails
         if self.disabled_reason:
             return  # disabled by an earlier firing of this step (its edits were made already)
         self.fire_count += 1
@@ -404,6 +406,8 @@ class HookRecord:
         self.last_fired_ns = fired_ns
         fired = timestamp_pb2.Timestamp()
         fired.FromNanoseconds(fired_ns)
+        for row in stops:  # the first stop rule to fire for a sequence in the pass names it
+            p.stops.setdefault(row, (self.hook_id, path, p.step))
         if before is not None:
             self._send_ran(action, path, p, call_index, training, before, devices, fired)
         if error is not None:
@@ -414,14 +418,12 @@ class HookRecord:
                     raise exc
                 self._disable(str(exc), hook_service_pb2.NOTICE_KIND_HOOK_DISABLED, p)
                 return
-            if stage == "capture" and self.compiled.scope != SCOPE_REQUEST:
-                self.errors += 1
-                self._disable(f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}",
-                              hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, p)
-                return
-            raise exc  # the call's failure (a request's own capture, a layout that does not fit)
-        for row in stops:  # the first stop rule to fire for a sequence in the pass names it
-            p.stops.setdefault(row, (self.hook_id, path, p.step))
+            if self.compiled.scope == SCOPE_REQUEST:
+                raise exc  # a request's own capture that cannot be made fails its call
+            self.errors += 1
+            self._disable(f"hook {self.hook_id} on {self.host.name}:{path or '<root>'} could not capture: {exc}",
+                          hook_service_pb2.NOTICE_KIND_CAPTURE_FAILED, p)
+            return
         if after is not None:
             self._send_ran(action, path, p, call_index, training, after, devices, fired)
 

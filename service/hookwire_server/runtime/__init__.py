@@ -16,5 +16,7 @@ there and come back once per step and rank, in one message. Its interface:
   on either side;
 - ``views``: how hooks see a vLLM module's output, by name (both sides).
 
-It imports neither grpc, the servicers nor the front's model registry.
+Its modules import neither grpc, the servicers nor the front's model registry themselves
+(tests/unit/test_architecture.py; what they import below, hooks/ and the SDK's wire
+package, loads the SDK package, which imports grpc, as any server module does).
 """

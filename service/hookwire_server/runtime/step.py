@@ -14,7 +14,7 @@ captures (``hook_record.finish_firing``), so delivery, drops and notices are its
 
 What a firing cannot do here (slots, named operands, readouts, heads, sampling, harvest
 taps) the front keeps: a step whose hooks need any of it runs as before, every tapped
-value sent to the front (``plan.runs_here``).
+value sent to the front (``HookRecord.runs_elsewhere``, ``engine.vllm_runtime``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class HookProgram:
 
 
 def compile_program(meta: dict[str, Any], spec_bytes: bytes, device: torch.device) -> HookProgram:
-    """The hook ``meta`` describes (plan.ship), compiled from its ``HookSpec`` bytes on
+    """The hook ``meta`` describes (a plan's ``specs`` entry), compiled from its ``HookSpec`` bytes on
     ``device``. The front validated the spec against the model at registration; what
     fails here (it should not) makes every firing of the hook fail as a rule would."""
     program = HookProgram(str(meta["hook_id"]), str(meta["owner"]), bool(meta["fail_call"]),
@@ -179,72 +179,96 @@ class StepRunner:
         i = 0
         while i < len(entries):
             j = i
-            while j < len(entries) and entries[j].key == entries[i].key:
+            first = entries[i]
+            while j < len(entries) and (entries[j].key, entries[j].view, entries[j].path) == (
+                    first.key, first.view, first.path):
                 j += 1
             group, i = entries[i:j], j
-            program = self.programs.get(group[0].key)
-            if program is None:
-                continue  # (the front ships every program a plan names)
-            action = program.actions.get(_PHASES[phase])
-            view = views.by_name(group[0].view, self._vocab) if phase == "post" and group[0].view else None
-            shown = dict(parts)
-            if view is not None:
-                shown["output"] = view[0](parts["output"])
-            named = group[0].path
-            where = f"hook {program.hook_id} on module {named!r} of {self._model!r}"
-            cloned: set[int] = set()
-            changed = False
-            for entry in group:
-                if entry.key in self._stopped:
-                    break  # a failure disabled it earlier in the step
-                seg = batch.segments[entry.segment]
-                assert isinstance(seg, PackedSegment)
-                if program.broken or action is None:
-                    self._record(entry, [], None, None, [], ("rule", program.broken_kind or "InvalidArgument",
-                                                            program.broken or f"{where}: no action for {phase}"))
-                    if not program.fail_call:
-                        self._stopped.add(entry.key)
-                    continue
-                try:
-                    mine = {**shown, **{root: batch.take(shown[root], seg, where)
-                                        for root in action.roots if root in shown}}
-                    new = self._fire_one(program, action, named, entry, seg, mine, where)
-                    if new is None:
-                        continue
-                    shown = {**shown, **{root: batch.put(shown[root], mine[root], new[root], seg, where, cloned)
-                                         for root in action.roots if root in shown}}
-                    changed = True
-                except Exception as exc:  # the call's failure, not the step's
-                    self._record(entry, [], None, None, [], ("call", _kind(exc), str(exc)))
-            if not changed:
+            recorded = len(self._fired)
+            try:
+                new = self._fire_group(batch, group, phase, parts)
+            except Exception as exc:  # never out of the step: its calls fail, the model goes on
+                done = {f[0] for f in self._fired[recorded:]}
+                for entry in group:
+                    if entry.number not in done:
+                        self._record(entry, [], None, None, [], ("call", _kind(exc), f"{exc}"))
                 continue
-            changed_any = True
-            if phase == "post":
-                parts = {**parts, "output": view[1](parts["output"], shown["output"]) if view else shown["output"]}
-            else:
-                parts = {**parts, **{k: shown[k] for k in ("args", "kwargs") if k in shown}}
+            if new is not None:
+                parts, changed_any = new, True
         return parts if changed_any else None
+
+    def _fire_group(self, batch: PackedBatch, group: list[_Entry], phase: str,
+                    parts: dict[str, Any]) -> dict[str, Any] | None:
+        """One hook's consecutive firings at a module (one per call), as its torch hook runs
+        them in the front (hook_record._fire): the parts it left, or None."""
+        first = group[0]
+        program = self.programs.get(first.key)
+        if program is None:
+            return None  # (the front ships every program a plan names)
+        action = program.actions.get(_PHASES[phase])
+        view = views.by_name(first.view, self._vocab) if phase == "post" and first.view else None
+        shown = dict(parts)
+        if view is not None:
+            shown["output"] = view[0](parts["output"])
+        named = first.path
+        where = f"hook {program.hook_id} on module {named!r} of {self._model!r}"
+        cloned: set[int] = set()
+        changed = False
+        for entry in group:
+            if entry.key in self._stopped:
+                break  # a failing rule disabled it earlier in the step (on every rank alike)
+            if program.broken or action is None:
+                self._record(entry, [], None, None, [], ("rule", program.broken_kind or "InvalidArgument",
+                                                        program.broken or f"{where}: no action for {phase}"))
+                if not program.fail_call:
+                    self._stopped.add(entry.key)
+                continue
+            seg = batch.segments[entry.segment]
+            assert isinstance(seg, PackedSegment)
+            try:
+                mine = {**shown, **{root: batch.take(shown[root], seg, where) for root in action.roots if root in shown}}
+            except Exception as exc:  # the call's failure: its hooks do not fire (counted nowhere)
+                self._record(entry, [], None, None, [], ("call", _kind(exc), str(exc)))
+                continue
+            new = self._fire_one(program, action, named, entry, seg, mine, where)
+            if new is None:
+                continue
+            try:
+                shown = {**shown, **{root: batch.put(shown[root], mine[root], new[root], seg, where, cloned)
+                                     for root in action.roots if root in shown}}
+            except Exception as exc:  # the call's failure (its firing was counted, as in the front)
+                self._record(entry, [], None, None, [], ("call", _kind(exc), str(exc)))
+                continue
+            changed = True
+        if not changed:
+            return None
+        if phase == "post":
+            return {**parts, "output": view[1](parts["output"], shown["output"]) if view else shown["output"]}
+        return {**parts, **{k: shown[k] for k in ("args", "kwargs") if k in shown}}
 
     # ---------------------------------------------------------------- one firing
 
     def _fire_one(self, program: HookProgram, action: Action, path: str, entry: _Entry, seg: PackedSegment,
                   parts: dict[str, Any], where: str) -> dict[str, Any] | None:
         """One call's firing (hook_record._fire_call after its decisions, which the front
-        made): captures before or after the rules, the rules, the stops they put."""
+        made): captures before or after the rules, the rules, the stops they put.
+
+        A capture that cannot be made is reported (the front disables the hook, or fails a
+        request's own call) but changes nothing here: the firing's rules still apply, and
+        the hook's later firings in the step too, because only the first rank captures and
+        every rank must make the same edits."""
         fired_ns = time.time_ns()
         capture = entry.capture and self.captures
         before: list[Captured] | None = None
         devices: list[str] = []
+        failed: tuple[str, str, str] | None = None
         if capture and (not action.rules or action.capture_before_rules):
             try:
                 before, devices = self._capture(program, action, path, parts)
             except Exception as exc:
-                self._record(entry, [], None, None, [], ("capture", _kind(exc), str(exc)), fired_ns)
-                if not program.request_scoped:
-                    self._stopped.add(entry.key)
-                return None
+                failed = ("capture", _kind(exc), str(exc))
         if not action.rules:
-            self._record(entry, devices, before, None, [], None, fired_ns)
+            self._record(entry, devices, before, None, [], failed, fired_ns)
             return None
         signals = self._signals.get((entry.segment, program.owner))
         if signals is None:
@@ -253,7 +277,9 @@ class StepRunner:
         try:
             new_parts, changed = apply_rules(action.rules, parts, None, where, signals, stops)
         except RuleFailure as failure:
-            self._record(entry, devices, before, None, [], ("rule", _kind(failure.error), str(failure.error)), fired_ns)
+            # The same values on every rank: every rank fails alike and stops alike.
+            self._record(entry, devices, before, None, [], failed or ("rule", _kind(failure.error), str(failure.error)),
+                         fired_ns)
             if not program.fail_call:
                 self._stopped.add(entry.key)
             return None
@@ -262,11 +288,8 @@ class StepRunner:
             try:
                 after, devices = self._capture(program, action, path, new_parts)
             except Exception as exc:
-                self._record(entry, devices, before, None, stops, ("capture", _kind(exc), str(exc)), fired_ns)
-                if not program.request_scoped:
-                    self._stopped.add(entry.key)
-                return new_parts if changed else None
-        self._record(entry, devices, before, after, stops, None, fired_ns)
+                failed = ("capture", _kind(exc), str(exc))
+        self._record(entry, devices, before, after, stops, failed, fired_ns)
         return new_parts if changed else None
 
     def _capture(self, program: HookProgram, action: Action, path: str,
