@@ -92,3 +92,22 @@ def test_named_operands_are_found_anywhere_in_a_spec() -> None:
 
     assert names_operands(HookSpec("m", posthook=[rules.add("output", rules.operand("v"))]).to_proto())
     assert not names_operands(HookSpec("m", posthook=[rules.add("output", torch.ones(2))]).to_proto())
+
+
+def test_a_capture_that_cannot_be_made_is_reported_and_the_rules_still_apply() -> None:
+    """Only the first tensor-parallel rank captures: a capture that fails there must not
+    change the edits, or the ranks would hold different values. The firing's rules apply
+    (as in-process), its failure goes to the front, and the hook's next firing runs too."""
+    x = torch.zeros(8, 4)
+    from hookwire import HookAction
+
+    spec = HookSpec("layer", posthook=HookAction(capture=("output",), rules=(rules.add("output", torch.ones(4)),),
+                                                 select="[:, 9]"))
+    runner = _runner({"h": spec}, [["layer", "post", [[0, "h", 0, True, "", "layer"], [1, "h", 1, True, "", "layer"]]]],
+                     fail_call=False)
+    new = runner.fire("layer", "post", {"args": (), "kwargs": {}, "output": x})
+    assert new is not None and torch.equal(new["output"], torch.ones(8, 4))
+    fired, values = runner.results()
+    assert [f[0] for f in fired] == [0, 1] and values == []
+    stage, kind, message = fired[0][6]
+    assert (stage, kind) == ("capture", "InvalidArgument") and "cannot capture PART_OUTPUT" in message
