@@ -264,34 +264,32 @@ def test_a_peer_that_connects_and_says_nothing_or_hangs_up_does_not_hold_the_ran
         link.close()
 
 
-def test_a_unix_socket_link_and_an_ipv6_link_serve_the_worker() -> None:
-    import socket
-
+def _serves_a_worker(tcp: str | None, prefix: str) -> None:
     from hookwire_server.engine.vllm_link import WorkerLink
 
-    link = WorkerLink("m")
+    link = WorkerLink("m", tcp)
     try:
+        assert link.address.startswith(prefix)
         engine = _Ends()
         link.engine = engine  # type: ignore[assignment]
         link.start(1)
         _served(link.address, link, engine)
     finally:
         link.close()
+
+
+def test_a_unix_socket_link_and_an_ipv6_link_serve_the_worker() -> None:
+    import socket
+    import tempfile
+
+    _serves_a_worker(None, tempfile.gettempdir())
     try:
         probe = socket.socket(socket.AF_INET6)
         probe.bind(("::1", 0))
         probe.close()
     except OSError:
         pytest.skip("this machine has no IPv6 loopback")
-    link = WorkerLink("m", "[::1]:0")
-    try:
-        assert link.address.startswith("tcp://[::1]:")
-        engine = _Ends()
-        link.engine = engine  # type: ignore[assignment]
-        link.start(1)
-        _served(link.address, link, engine)
-    finally:
-        link.close()
+    _serves_a_worker("[::1]:0", "tcp://[::1]:")
 
 
 def test_a_link_address_in_use_is_refused_when_the_link_listens() -> None:
