@@ -4,8 +4,8 @@ where vLLM is not installed (the main suite's environment).
 
 One engine start-up serves most of the tests (the session's `vllm_server`): a seeded
 Llama (hidden 128, 2 layers, tiny-lm's tokenizer) saved as a transformers folder, built
-in code, nothing downloaded. One more engine (1 MiB of KV cache) is started by the
-fault-injection test, and vLLM refuses a third before it allocates anything; KV caches
+in code, nothing downloaded. One more engine (256 KiB of KV cache) is started by the
+scheduling and fault-injection test, and vLLM refuses a third before it allocates anything; KV caches
 of at most 64 MiB (the issue's bound: 3 start-ups, 512 MiB).
 """
 

@@ -532,13 +532,20 @@ async def test_a_long_prompt_is_one_step_0_event_and_too_many_prompts_are_refuse
 
 
 async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_failed(llama_folder) -> None:
-    """A second engine (fault injection: vLLM's own step raises, as when its worker
-    dies): the calls in flight fail at once with FAILED_PRECONDITION naming the failure
-    (none is left waiting), the model is listed as failed with the reason, and later
-    calls are refused with it; the server stays up, its health says so (the model's own
-    service, readiness and liveness turn NOT_SERVING: the pod must be restarted), and
-    Generate's time to first token and inter-token latency were observed on this engine
-    too. (It does not restart: docs/vllm.md.)"""
+    """A second engine, small (7 KV blocks of 32 tokens, 64 tokens a step). While it is
+    healthy: touched calls start whole and wait for room instead of being preempted or
+    split, each stream equal to its call alone, and one that could never run at once
+    is refused; calls no hook touches get vLLM's own admission (more sequences running
+    than full-length reservations allow), chunked prefill and preemption, with the tokens
+    they would have alone (the scheduler's own cases: tests/vllm_engine/test_vllm_scheduler.py).
+
+    Then fault injection (vLLM's own step raises, as when its worker dies): the calls in
+    flight fail at once with FAILED_PRECONDITION naming the failure (none is left
+    waiting), the model is listed as failed with the reason, and later calls are refused
+    with it; the server stays up, its health says so (the model's own service, readiness
+    and liveness turn NOT_SERVING: the pod must be restarted), and Generate's time to
+    first token and inter-token latency were observed on this engine too. (It does not
+    restart: docs/vllm.md.)"""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from hookwire_server import ModelRegistry, ServerSettings
@@ -546,17 +553,19 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
     from hookwire_server.models.model_loading import ModelConfig
     from support import ServerThread, until
 
-    # 1 MiB of KV cache: 8 blocks of 128 tokens (1 KiB a token here), one of them vLLM's;
+    # 256 KiB of KV cache: 8 blocks of 32 tokens (1 KiB a token here), one of them vLLM's;
     # 64 tokens a step.
     host = build_host(ModelConfig(name="fragile", transformers=str(llama_folder), engine="vllm",
-                                  vllm={"max_model_len": 64, "max_num_seqs": 8, "kv_cache_bytes": 1 << 20,
-                                        "max_num_batched_tokens": 64, "worker_processes": False}))
+                                  vllm={"max_model_len": 64, "max_num_seqs": 8, "kv_cache_bytes": 256 << 10,
+                                        "block_size": 32, "max_num_batched_tokens": 64, "worker_processes": False}))
     srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
     engine = host.loaded_engine
     assert engine.capacity_blocks == 7
-    # First, while vLLM is healthy: two calls of 4 sequences each (4 blocks each) cannot
-    # run at once; the second waits for room instead of being preempted or split, and
-    # both stream one event per hook and step, equal to each call alone.
+    scheduler = engine.scheduler
+    assert type(scheduler).__name__ == "HookwireScheduler"
+    # Touched calls: two of 4 sequences each (4 blocks each at full length) cannot run at
+    # once; the second waits for room instead of being preempted or split, and both
+    # stream one event per hook and step, equal to each call alone.
     async with hookwire.connect(srv.target) as client:
         model = client.model("fragile")
         hooks = [HookSpec("model.layers.1", posthook=capture("output", select="[:, -1]"))]
@@ -568,17 +577,37 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
             assert [e.step for e in both.events] == list(range(6))
             for a, b in zip(both.events, one.events):
                 torch.testing.assert_close(torch.as_tensor(a.output), torch.as_tensor(b.output), **TOL)
-        with pytest.raises(hookwire.ResourceExhaustedError, match=r"prompts: .* KV cache; model 'fragile' has 896"):
-            await model.generate(["x"] * 8, 6)
+        with pytest.raises(hookwire.ResourceExhaustedError, match=r"prompts: .* KV cache; model 'fragile' has 224"):
+            await model.generate(["x"] * 8, 6, hooks=hooks)
     metrics = srv.server.metrics.registry
     assert metrics.get_sample_value("hookwire_time_to_first_token_seconds_count", {"model": "fragile"}) == 4
     assert metrics.get_sample_value("hookwire_inter_token_latency_seconds_count", {"model": "fragile"}) == 4 * 5
     assert srv.call(srv.server.health_statuses)["hookwire.live"]
     async with hookwire.connect(srv.target) as client:
         model = client.model("fragile")
+        # The same call without hooks is vLLM's: it runs (7 sequences at once, the eighth
+        # when one is preempted or ends); with a rule of its session it is touched again,
+        # and refused when it enters vLLM.
+        untouched = await model.generate(["x"] * 8, 6)
+        assert len(set(untouched.token_ids)) == 1
+        async with hookwire.connect(srv.target) as other:
+            session = other.model("fragile")
+            await session.hook("model.layers.0", posthook=[rules.scale("output", 1.0)])
+            with pytest.raises(hookwire.ResourceExhaustedError, match=r"prompts: .* KV cache; model 'fragile' has 224"):
+                await session.generate(["x"] * 8, 6)
+        # vLLM's admission: 6 untouched sequences of 41 tokens (12 blocks at full length,
+        # refused if touched) all start at once, and are preempted and recomputed as their
+        # cache runs out, with each sequence's tokens alone.
+        plain = ["a b", "c d", "e f", "g h", "i j", "k l"]
+        scheduler.most_running = 0
+        crowd = await model.generate(plain, 40)
+        assert scheduler.most_running == 6
+        assert list(crowd.token_ids) == [(await model.generate([p], 40)).token_ids[0] for p in plain]
+    async with hookwire.connect(srv.target) as client:
+        model = client.model("fragile")
         # The step's token budget: 45 prompt tokens, then 25 (vLLM would run the second
         # call's first two prompts beside the first call's and leave its third for the next
-        # step): the second waits for room whole; a call over the budget is refused.
+        # step): the touched second call waits for room whole; one over the budget is refused.
         first, second = ["the cat sat on the mat and the dog"] * 3, ["a", "b", "hello world the model sees every layer of it"]
         together = await asyncio.gather(model.generate(first, 4, hooks=hooks), model.generate(second, 4, hooks=hooks))
         for both, prompts in zip(together, (first, second)):
@@ -586,7 +615,20 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
             assert both.token_ids == one.token_ids and [e.step for e in both.events] == list(range(4))
         with pytest.raises(hookwire.InvalidArgumentError, match=r"prompts: the call's 84 prompt tokens pass model "
                                                                  r"'fragile''s vllm.max_num_batched_tokens 64"):
-            await model.generate([second[2]] * 4, 2)
+            await model.generate([second[2]] * 4, 2, hooks=hooks)
+        # Without hooks the same prompts are chunked across steps, beside a touched call
+        # whose prompt runs whole in its step 0 (its capture equals the call alone).
+        chunked = scheduler.chunked_prefills
+        steer = [HookSpec("model.layers.1", posthook=capture("output"))]
+        mixed = await asyncio.gather(model.generate([second[2]] * 4, 2), model.generate(first[:1], 2, hooks=steer))
+        assert scheduler.chunked_prefills > chunked
+        assert mixed[0].token_ids == (await model.generate([second[2]] * 4, 2)).token_ids
+        hooked_alone = await model.generate(first[:1], 2, hooks=steer)
+        assert mixed[1].token_ids == hooked_alone.token_ids
+        assert list(torch.as_tensor(mixed[1].events[0].output).shape)[:2] == [1, len(hooked_alone.events[0].output[0])]
+        torch.testing.assert_close(torch.as_tensor(mixed[1].events[0].output),
+                                   torch.as_tensor(hooked_alone.events[0].output), **TOL)
+        assert scheduler.touched_chunked == 0
     real_step = engine._engine.step
     steps = {"n": 0}
 

@@ -32,9 +32,11 @@ What hookwire keeps vLLM from doing, for correctness:
   cached prompt positions and inherit the other's edits. A call no hook touched then
   shares vLLM's prefix cache with the others like it, and no hook fires on it later (a
   hook applies from a call's admission on);
-- the prompt runs in one step (no chunked prefill; a call enters vLLM only when its
-  prompts fit the step's token budget beside the running sequences): with chunked
-  prefill a hook would fire once per chunk;
+- a touched call's requests start together, each prompt in one step, and are never
+  preempted (vllm_scheduler, hookwire's scheduler for vLLM: a chunked prompt would fire
+  its hooks once per chunk, a preempted request would run its prompt again); its KV
+  cache is reserved at full length among the touched calls. A call no hook touched is
+  vLLM's like any other: chunked prefill, vLLM's admission and preemption;
 - the model runs eagerly (``enforce_eager``).
 
 What it refuses (UNIMPLEMENTED naming the engine and the feature): backward hooks and
@@ -86,7 +88,12 @@ from .seam import FINISHED, GenerateCall, Running, StepResult
 from .packed import PackedBatch, PackedSegment
 from .pass_runner import model_errors, running
 from .vllm_sizing import SizingError, VllmSizes, text_config, vllm_sizes
-from .vllm_worker import TOUCHED
+from .vllm_worker import CALL, SEQUENCES, TOUCHED
+
+#: hookwire's scheduler for vLLM (vllm_scheduler), by the name vLLM imports it with in
+#: whichever process runs vLLM's scheduler (that module imports vLLM; this one does not
+#: at import).
+SCHEDULER = "hookwire_server.engine.vllm_scheduler.HookwireScheduler"
 from .vllm_link import WorkerLink, proxy_model, tcp_address, run_post, run_pre, taps_of, unedited_modules
 from .seam import GENERATE, HARVEST, INFER, Plan
 
@@ -222,9 +229,12 @@ def _start_linked(name: str, LLM: Any, folder: pathlib.Path, dtype: str, max_len
             # cache salt of their own (_add_requests): a cached prompt would skip its hooks
             # and carry another request's edits.
             enable_prefix_caching=True,
-            # Every prompt in one step: a chunked prompt would fire each hook once per chunk.
-            # The engine admits a call only when its prompts fit the step's budget.
-            enable_chunked_prefill=False, max_num_batched_tokens=sizes.max_num_batched_tokens,
+            # Chunked prefill and vLLM's admission and preemption for calls no hook
+            # touches; a touched call starts whole, each prompt in one step, and is never
+            # preempted (hookwire's scheduler: a chunked or recomputed prompt would fire
+            # its hooks out of step; the priority policy is how it picks whom to preempt).
+            enable_chunked_prefill=True, max_num_batched_tokens=sizes.max_num_batched_tokens,
+            scheduler_cls=SCHEDULER, scheduling_policy="priority",
             # A step scheduled before the last one's tokens are known would run a sequence
             # that just ended once more (its hooks out of step): off (on by default on GPUs).
             async_scheduling=False,
@@ -446,26 +456,20 @@ class _Call:
         #: The ids vLLM holds (added and not yet aborted by the engine).
         self.added_ids: list[str] = []
         self.added = False
-        #: KV-cache blocks reserved for it while admitted (its every sequence at full length).
+        #: KV-cache blocks it needs at full length, reserved while admitted (a touched
+        #: call: untouched ones take vLLM's cache as vLLM gives it).
         self.blocks = sum(engine.blocks_for(len(prompt) + new_tokens) for prompt in prompts)
         self.admitted = False
         self.failure: BaseException | None = None
         #: vLLM steps its sequences ran in (laid out by the engine).
         self.laid_out = 0
-        #: Times its requests were added again after vLLM split its first step.
-        self.resubmits = 0
-        #: Whether a hook could fire on it when it entered vLLM (set then, _add_requests):
+        #: Whether a hook could fire on it when it entered vLLM (set then, _admit_waiting):
         #: a call no hook touched runs with vLLM's prefix cache and none fires on it later.
         self.touched = True
 
     def prompt_tokens(self) -> int:
         """The tokens of its prompts (its first step's, in one vLLM step)."""
         return sum(len(prompt) for prompt in self.prompts)
-
-    def prompt_ran(self) -> bool:
-        """Whether vLLM ran its first step (laid out, or, for a call no hook touched, whose
-        steps worker processes may run without the server, its first tokens came)."""
-        return self.laid_out > 0
 
     @property
     def finished(self) -> bool:
@@ -541,9 +545,6 @@ class VllmCall(_Call):
     @property
     def finished(self) -> bool:
         return all(self.reasons)
-
-    def prompt_ran(self) -> bool:
-        return self.laid_out > 0 or any(self.tokens) or any(self.reasons)
 
     def running_rows(self) -> set[int]:
         return {i for i, r in enumerate(self.reasons) if not r}
@@ -647,10 +648,6 @@ class VllmEngine:
         self._link_thread: int | None = None
         self._aborts: list[str] = []
         self._lost = ""
-        #: Calls whose first step vLLM split (laid out this step), and those whose requests
-        #: the worker thread adds again (see _split_admission).
-        self._split: list[_Call] = []
-        self._readd: list[_Call] = []
         #: Calls a stop rule ended a sequence of in the last step (their step completes
         #: without that sequence's token).
         self._ruled: list[VllmCall] = []
@@ -675,6 +672,14 @@ class VllmEngine:
         """What hook changes hold in worker processes (ModelHost.hooks_lock): they happen
         between the workers' steps."""
         return self._lock
+
+    @property
+    def scheduler(self) -> Any:
+        """vLLM's scheduler of this model (hookwire's: vllm_scheduler.HookwireScheduler)
+        when it runs in this process (``worker_processes = false``), with its counts of
+        chunked prefills and preemptions; None when it runs in vLLM's engine process."""
+        core = getattr(getattr(self._engine, "engine_core", None), "engine_core", None)
+        return getattr(core, "scheduler", None)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -824,15 +829,24 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ admission
 
-    def _check_fits(self, state: _Call, field: str) -> None:
+    def _check_fits(self, state: _Call, field: str, *, touched: bool = True) -> None:
         """InvalidArgument / ResourceExhausted for a call that could never run at once:
-        more sequences than vLLM runs together, or more KV cache than it has."""
+        more sequences than vLLM runs together, and for a ``touched`` call (one whose
+        prompts must run in one step, its KV cache reserved), more prompt tokens than a
+        step runs or more KV cache than vLLM has. A Generate call without hooks of its
+        own is checked for those at admission, once it is known whether a hook touches it
+        (``_admit_waiting``): vLLM chunks and preempts an untouched one."""
         n = len(state.prompts)
         if n > self.max_num_seqs:
             raise InvalidArgument(
                 f"{field}: {n} sequences in one call pass model {self._host.name!r}'s vllm.max_num_seqs "
                 f"{self.max_num_seqs} (a call's prompts run in one vLLM step)"
             )
+        if touched:
+            self._check_whole(state, field)
+
+    def _check_whole(self, state: _Call, field: str) -> None:
+        """_check_fits' checks of a touched call: its prompts in one step, its KV cache."""
         tokens = state.prompt_tokens()
         if tokens > self.max_num_batched_tokens:
             raise InvalidArgument(
@@ -846,27 +860,33 @@ class VllmEngine:
             )
 
     def _admit_waiting(self) -> None:
-        """Adds waiting calls to vLLM, in arrival order, while their sequences and their
-        KV cache at full length fit beside the admitted ones: vLLM then never runs part of
-        a call's prompts in a step, nor preempts a request (either would fire its hooks
-        out of step)."""
-        # The next step's tokens: a prompt not yet run whole, one token for each other
-        # running sequence (vLLM without chunked prefill leaves a prompt that does not fit
-        # the budget, and the ones after it, for a later step).
-        step_tokens = sum(state.prompt_tokens() if not state.prompt_ran() else len(state.running_rows())
-                          for state in {id(r.call): r.call for r in self._rows.values()}.values())
-        while self._waiting:
-            state = self._waiting[0]
+        """Adds waiting calls to vLLM, in arrival order. A call no hook touches goes at once,
+        to be admitted, chunked and preempted as vLLM does. A touched call goes while its
+        sequences and their KV cache at full length fit beside the other touched calls'
+        (hookwire's scheduler in vLLM then starts its requests together, each prompt in
+        one step, preempting untouched requests for room: touched calls never need to
+        preempt each other); the touched calls after one that does not fit wait too."""
+        blocked = False
+        for state in list(self._waiting):
             if state.failure is not None:
-                self._waiting.pop(0)
+                self._waiting.remove(state)
+                continue
+            state.touched = self._touched(state)
+            if not state.touched:
+                self._waiting.remove(state)
+                self._add_requests(state)
+                continue
+            try:  # a call without hooks of its own was not checked for this at its start
+                self._check_whole(state, "prompts")
+            except (InvalidArgument, ResourceExhausted) as exc:
+                self._fail_call(state, exc)
                 continue
             rows, blocks = len(state.prompts), state.blocks
-            if self._held_rows + rows > self.max_num_seqs or (
-                    self.capacity_blocks and self._held_blocks + blocks > self.capacity_blocks) or (
-                    step_tokens + state.prompt_tokens() > self.max_num_batched_tokens):
-                return
-            step_tokens += state.prompt_tokens()
-            self._waiting.pop(0)
+            if blocked or self._held_rows + rows > self.max_num_seqs or (
+                    self.capacity_blocks and self._held_blocks + blocks > self.capacity_blocks):
+                blocked = True
+                continue
+            self._waiting.remove(state)
             self._held_rows += rows
             self._held_blocks += blocks
             state.admitted = True
@@ -877,7 +897,6 @@ class VllmEngine:
         if self._broken:
             self._fail_call(state, FailedPrecondition(self._broken), abort=False)
             return
-        state.touched = self._touched(state)
         try:
             for row, rid in enumerate(state.request_ids):
                 self._rows[rid] = _Row(state, row)
@@ -891,7 +910,9 @@ class VllmEngine:
                 params = state.params[row]
                 # Worker processes: a step of untouched requests only is not the server's
                 # business (vllm_worker runs it without a word over the link).
-                params.extra_args = {**(params.extra_args or {}), TOUCHED: state.touched}
+                # hookwire's scheduler starts a touched call's requests together.
+                params.extra_args = {**(params.extra_args or {}), TOUCHED: state.touched,
+                                     CALL: state.request_ids[0], SEQUENCES: len(state.request_ids)}
                 self._engine.add_request(rid, prompt, params)
                 state.added_ids.append(rid)
             state.added = True
@@ -937,10 +958,6 @@ class VllmEngine:
                 self._engine.abort_request(ids)  # vLLM ignores requests that already finished
             except Exception as exc:
                 log.debug("abort: %r", exc)
-        readd, self._readd = self._readd, []
-        for state in readd:
-            if state.failure is None and state.admitted:
-                self._add_requests(state)
 
     def _fail_call(self, state: _Call, exc: BaseException, *, abort: bool = True) -> None:
         if state.failure is None:
@@ -1123,14 +1140,10 @@ class VllmEngine:
             self._fail(p, failure)
         logits, order = self._logits, self._order
         self._logits, self._order = None, []
-        split, self._split = self._split, []
         if logits is not None:
             for i, entry in enumerate(order):
                 if entry is not None and isinstance(entry.call, PromptCall) and i < logits.shape[0]:
                     entry.call.logits[entry.index] = logits[i, : self._vocab]
-        for state in split:
-            if state.failure is None:
-                self._resubmit(state)
         self._rule_stops(batch)
 
     def _rule_stops(self, batch: PackedBatch) -> None:
@@ -1311,12 +1324,6 @@ class VllmEngine:
                 state.laid_out += 1
                 continue
             wrong = self._out_of_step(state, mine, step)
-            if wrong and self._split_admission(state, mine, step):
-                # vLLM's engine process began stepping between the call's requests (they
-                # reach it one message each): none of its hooks fire now; it runs again
-                # from its prompt with new requests (``_after_pass``).
-                self._split.append(state)
-                continue
             state.laid_out += 1
             if wrong:
                 # Never raised here: an exception out of a vLLM step leaves its requests stuck.
@@ -1335,27 +1342,6 @@ class VllmEngine:
         # A call is alone in the step only if every request of it is its own: rows of an
         # untouched call (or not hookwire's) are another's, never shown to its hooks.
         batch.shared = len(segments) > 1 or len(calls) > len(segments) or None in order
-
-    def _split_admission(self, state: _Call, mine: dict[int, tuple[int, int]], step: int) -> bool:
-        """Whether ``state``'s first step has some of its prompts, whole, and not the others:
-        in worker processes, vLLM's engine process took the call's requests in two steps."""
-        return (self._link is not None and step == 0 and state.resubmits < MAX_RESUBMITS
-                and set(mine) < set(range(len(state.prompts)))
-                and all(b - a == len(state.prompts[r]) for r, (a, b) in mine.items()))
-
-    def _resubmit(self, state: _Call) -> None:
-        """Takes a split call's requests out of vLLM and queues new ones for its prompts
-        (the worker thread adds them: ``_flush_aborts``). Its old requests' outputs are
-        nobody's."""
-        state.resubmits += 1
-        log.info("model %r: vLLM took call %s's %d prompts in two steps; they run again together",
-                 self._host.name, state.p.request_id if state.p is not None else "?", len(state.prompts))
-        self._aborts.extend(state.added_ids)
-        for rid in state.request_ids:
-            self._rows.pop(rid, None)
-        state.request_ids = [self.next_id() for _ in state.prompts]
-        state.added_ids, state.added = [], False
-        self._readd.append(state)
 
     def _out_of_step(self, state: _Call, mine: dict[int, tuple[int, int]], step: int) -> str:
         """Why vLLM's step does not run ``state``'s sequences in step ("" when it does):
@@ -1533,7 +1519,7 @@ class VllmEngine:
             kwargs["temperature"] = 0.0
         params = [SamplingParams(seed=(options.seed + i) % (1 << 63), **kwargs) for i in range(len(prompts))]
         state = VllmCall(self, call, prompts, params, do_sample)
-        self._check_fits(state, "prompts")
+        self._check_fits(state, "prompts", touched=bool(state.records))
         if self._link is not None:
             # vLLM's engine process runs steps while this thread is elsewhere: a step's events
             # wait here until its tokens go out (_complete_steps), events first, as in-process.
@@ -1612,10 +1598,6 @@ def _state(call: GenerateCall) -> VllmCall:
     assert isinstance(state, VllmCall)
     return state
 
-
-#: Times a call's requests are added again after vLLM's engine process split its first
-#: step (it runs on its own in worker processes); then the call fails as out of step.
-MAX_RESUBMITS = 8
 
 #: The join key of every vLLM Generate call: vLLM packs whatever it schedules.
 _JOINS = ("vllm",)

@@ -55,6 +55,11 @@ if os.environ.get("HOOKWIRE_VLLM_KEEP_WEIGHTS") == "1":
 #: whether a hook can fire on it (vllm_engine.VllmEngine._touched, decided at its
 #: admission); a request without it counts as touched.
 TOUCHED = "hookwire_touched"
+#: The keys by which hookwire's scheduler for vLLM (vllm_scheduler) knows a touched
+#: request's call, to start its requests together: the call's id (its first request's
+#: when it entered vLLM) and how many requests it has.
+CALL = "hookwire_call"
+SEQUENCES = "hookwire_sequences"
 
 
 def dial(address: str, authkey: bytes) -> Connection:
