@@ -4,6 +4,8 @@ the same edits and selections written in plain torch (the oracle)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hookwire import HookSpec, capture, rules
@@ -111,3 +113,59 @@ def test_a_capture_that_cannot_be_made_is_reported_and_the_rules_still_apply() -
     assert [f[0] for f in fired] == [0, 1] and values == []
     stage, kind, message = fired[0][6]
     assert (stage, kind) == ("capture", "InvalidArgument") and "cannot capture PART_OUTPUT" in message
+
+
+def test_named_operands_arrive_once_beside_the_specs_that_name_them_and_go_when_dropped() -> None:
+    """A plan's ``operands``: a tensor and an SAE, each once, named by key in two specs;
+    the rules use them as they would inline; one the worker cannot decode fails only the
+    programs naming it (saying why); ``drop_operands`` frees them."""
+    from hookwire.rules import Sae
+    from hookwire.v1 import rule_pb2, tensor_pb2
+    from hookwire.wire import codec
+
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    g = torch.Generator().manual_seed(3)
+    sae = Sae.of(torch.randn(4, 6, generator=g), torch.zeros(6), torch.randn(6, 4, generator=g), torch.zeros(4))
+    sae_msg = rule_pb2.Sae()
+    sae_msg.CopyFrom(sae.message)
+    vec_msg = tensor_pb2.Tensor()
+    codec.encode_tensor_into(v, vec_msg)
+    specs = {"a": HookSpec("layer", posthook=[rules.add("output", rules.operand("alice/v@1"))]),
+             "b": HookSpec("layer", posthook=[rules.sae("output", Sae.named("alice/s@2"), [1], edit="zero")]),
+             "c": HookSpec("layer", posthook=[rules.add("output", rules.operand("alice/bad@3"))])}
+    metas = [{"key": k, "size": 0, "hook_id": k, "owner": "alice", "fail_call": True, "request_scoped": True}
+             for k in specs]
+    blobs = [s.to_proto().SerializeToString() for s in specs.values()]
+    for meta, blob in zip(metas, blobs):
+        meta["size"] = len(blob)
+    operands = [(("alice/v@1", "tensor"), vec_msg.SerializeToString()), (("alice/s@2", "sae"), sae_msg.SerializeToString()),
+                (("alice/bad@3", "tensor"), b"\xff\x00")]
+    header = {"specs": metas, "operands": [{"key": k, "kind": kind, "size": len(b)} for (k, kind), b in operands],
+              "run": {"model": "m", "vocab": 0, "tokens": 3, "sequences": 1, "shared": False,
+                      "segments": [[[[0, 3]], [0], "left", None]],
+                      "fire": [["layer", "post", [[0, "a", 0, False, "", "layer"], [1, "b", 0, False, "", "layer"]]]]}}
+    header, unpacked = plan.unpack(plan.pack(header, blobs + [b for _, b in operands]))
+    runner = StepRunner(torch.device("cpu"))
+    runner.configure(header, unpacked)
+    assert set(runner.operands.tensors) == {"alice/v@1"} and set(runner.operands.saes) == {"alice/s@2"}
+    assert not runner.programs["a"].broken and not runner.programs["b"].broken
+    assert "named operand 'alice/bad' could not be taken" in runner.programs["c"].broken
+    x = torch.randn(3, 4, generator=g)
+    new = runner.fire("layer", "post", {"args": (), "kwargs": {}, "output": x})
+    assert new is not None
+    added = x + v
+    want = rules_oracle_sae_zero(runner.operands.saes["alice/s@2"], added, 1)
+    torch.testing.assert_close(new["output"], want)
+    runner.results()
+    runner.configure({"drop": ["a", "b", "c"], "drop_operands": ["alice/v@1", "alice/s@2", "alice/bad@3"]}, [])
+    assert not runner.operands.tensors and not runner.operands.saes and not runner.operands.broken
+
+
+def rules_oracle_sae_zero(sae: Any, t: torch.Tensor, feature: int) -> torch.Tensor:
+    """SAELens' edit with the error term, in plain torch: feature ``feature`` zeroed."""
+    w_enc, b_enc, w_dec, b_dec = (sae.tensors[k] for k in ("w_enc", "b_enc", "w_dec", "b_dec"))
+    f = torch.relu((t - b_dec) @ w_enc + b_enc)
+    recon = f @ w_dec + b_dec
+    edited = f.clone()
+    edited[..., feature] = 0.0
+    return edited @ w_dec + b_dec + (t - recon)

@@ -616,8 +616,8 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
         with pytest.raises(hookwire.InvalidArgumentError, match=r"prompts: the call's 84 prompt tokens pass model "
                                                                  r"'fragile''s vllm.max_num_batched_tokens 64"):
             await model.generate([second[2]] * 4, 2, hooks=hooks)
-        # Without hooks the same prompts are chunked across steps, beside a touched call
-        # whose prompt runs whole in its step 0 (its capture equals the call alone).
+        # Without hooks the same prompts are chunked across steps; a touched call sent with
+        # them runs its prompt whole in its step 0 (its capture equals the call alone).
         chunked = scheduler.chunked_prefills
         steer = [HookSpec("model.layers.1", posthook=capture("output"))]
         mixed = await asyncio.gather(model.generate([second[2]] * 4, 2), model.generate(first[:1], 2, hooks=steer))
@@ -731,7 +731,7 @@ async def test_bad_input_fails_its_own_call_and_the_model_keeps_serving(vllm_ser
     """A token id outside the vocabulary (Infer and Generate), an Infer whose request
     rule fails with on_error="fail_call", and two Generate calls whose sequences together
     pass vllm.max_num_seqs (8): each bad call fails alone with a clear status, the
-    crowded calls both finish (the second waits for room), and the model answers after
+    crowded calls both finish (vLLM runs what fits), and the model answers after
     every one of them."""
     bad_rule = HookSpec("model.layers.0", posthook=[rules.add("output", torch.ones(7))], on_error="fail_call")
     async with hookwire.connect(vllm_server.target) as client:

@@ -318,6 +318,53 @@ async def test_hooks_run_in_the_workers_without_a_round_trip(tp_server, oracle) 
         assert list(again.token_ids[0]) == steered_want
 
 
+async def test_named_operands_travel_to_the_ranks_once_and_count_per_rank(tp_server) -> None:
+    """A steering vector and an SAE uploaded as named operands, named by a session hook
+    and by a call's own hook: the steps run in the workers (no module value crosses the
+    link), each operand is shipped once and held by both ranks, counted against its
+    owner's quota once per rank while a program there names it (and no more once the
+    hooks are gone), and the tokens equal the same hooks with the operands inline."""
+    from hookwire.rules import Sae
+
+    engine = tp_server.host.loaded_engine
+    store = tp_server.server.hooks.operands
+    g = torch.Generator().manual_seed(11)
+    vector = torch.randn(128, generator=g) * 2.0
+    sae = Sae.of(torch.randn(128, 16, generator=g) * 0.1, torch.zeros(16), torch.randn(16, 128, generator=g) * 0.1,
+                 torch.zeros(128))
+    text = PROMPTS[1]
+
+    def hooks(steer: Any, autoencoder: Sae) -> tuple[HookSpec, HookSpec]:
+        return (HookSpec("model.layers.0", posthook=[rules.add("output", steer)]),
+                HookSpec("model.layers.1", posthook=[rules.sae("output", autoencoder, [1, 2], edit="clamp", value=4.0)]))
+
+    async with hookwire.connect(tp_server.target) as client:
+        model = client.model("llama-tp")
+        await client.upload_operand("steer", vector)
+        await client.upload_operand("sae", sae)
+        (steer_op,) = [op for op in store._own.values() if op.name == "steer"]
+        (sae_op,) = [op for op in store._own.values() if op.name == "sae"]
+        own_hook = hooks(rules.operand("steer"), Sae.named("sae"))[1]
+        inline = await model.generate([text], 4, hooks=list(hooks(vector, sae)))
+        assert inline.token_ids != (await model.generate([text], 4)).token_ids
+        taps, ran = engine.tapped_values, engine.worker_hook_steps
+        async with model.hook("model.layers.0", posthook=[rules.add("output", rules.operand("steer"))]):
+            named = await model.generate([text], 4, hooks=[own_hook])
+            assert (steer_op.rank_copies, sae_op.rank_copies) == (2, 2)
+            assert store._bytes_of(steer_op.owner) == 3 * (steer_op.nbytes + sae_op.nbytes)
+            again = await model.generate([text], 4)  # the session hook alone: its operand stays
+            assert (steer_op.rank_copies, sae_op.rank_copies) == (2, 0)
+        assert engine.tapped_values == taps and engine.worker_hook_steps >= ran + 8
+        assert named.token_ids == inline.token_ids
+        steered_only = await model.generate([text], 4, hooks=[hooks(vector, sae)[0]])
+        assert again.token_ids == steered_only.token_ids
+        await model.generate([text], 2, hooks=[HookSpec("model.layers.0", posthook=capture("output"))])
+        assert (steer_op.rank_copies, sae_op.rank_copies) == (0, 0)
+        assert store._bytes_of(steer_op.owner) == steer_op.nbytes + sae_op.nbytes
+        await client.delete_operand("steer")
+        await client.delete_operand("sae")
+
+
 async def test_a_worker_process_that_dies_fails_its_calls_and_the_model(tp_server) -> None:
     """Last (the model does not come back): killing the first worker while a call
     generates fails that call with FAILED_PRECONDITION naming the failure, the model is

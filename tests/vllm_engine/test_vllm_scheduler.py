@@ -137,19 +137,21 @@ def test_untouched_requests_are_preempted_newest_first_to_start_a_touched_call(v
     assert engine.scheduler.touched_chunked == 0
 
 
-def test_a_touched_call_waits_for_touched_ones_without_preempting_them(vllm_config):
-    """Touched requests hold the seats (4): another touched call waits, nothing touched is
-    preempted, an untouched request arriving behind it waits too (it would take the room
-    back), and the call starts as soon as the touched ones end."""
+def test_a_touched_call_waits_for_touched_ones_without_preempting_them_or_holding_up_the_rest(vllm_config):
+    """Three touched requests hold 3 of the 4 seats: a touched call of two waits for them
+    to end (nothing touched is preempted), while an untouched request arriving after it
+    starts at once (only touched requests ending can make the call's room, so it does
+    not wait for it); the call starts when the touched ones end."""
     engine = Engine(vllm_config)
-    for i in range(4):
+    for i in range(3):
         engine.add(f"t{i}", 5, touched=True, first=10 * (i + 1), new_tokens=3)
-    assert len(engine.step()) == 4
-    engine.add("w", 5, touched=True, first=500)
-    engine.add("u", 5, touched=False, first=600)
-    assert set(engine.step()) == {"t0", "t1", "t2", "t3"}
-    assert set(engine.step()) == {"t0", "t1", "t2", "t3"}  # their last token
-    assert engine.step() == {"w": 5, "u": 5}
+    assert len(engine.step()) == 3
+    engine.add("w1", 5, touched=True, call="w", sequences=2, first=500)
+    engine.add("w2", 5, touched=True, call="w", sequences=2, first=550)
+    engine.add("u", 5, touched=False, first=600, new_tokens=6)
+    assert engine.step() == {"t0": 1, "t1": 1, "t2": 1, "u": 5}
+    assert set(engine.step()) == {"t0", "t1", "t2", "u"}  # the touched ones' last token
+    assert engine.step() == {"u": 1, "w1": 5, "w2": 5}
     assert engine.scheduler.preempted_for_touched == 0
 
 

@@ -296,7 +296,7 @@ def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLi
     host.engine, host.refused = NAME, REFUSED
     engine = VllmEngine(host, llm, runner, sizes.max_model_len, seqs, link=link,
                         max_num_batched_tokens=sizes.max_num_batched_tokens,
-                        hooks_in_workers=bool(settings.get("hooks_in_workers", True)))
+                        hooks_in_workers=bool(settings.get("hooks_in_workers", True)), ranks=int(tp))
     # What it keeps for good, in the server's memory budget (memory_budget.py): its KV cache
     # (allocated at start; vLLM's scheduler admits calls within it, so they claim nothing)
     # and its weights, in this process or in its workers' on the same machine.
@@ -595,7 +595,7 @@ class VllmEngine:
 
     def __init__(self, host: ModelHost, llm: Any, runner: Any, max_model_len: int, max_num_seqs: int,
                  *, link: WorkerLink | None = None, max_num_batched_tokens: int | None = None,
-                 hooks_in_workers: bool = True) -> None:
+                 hooks_in_workers: bool = True, ranks: int = 1) -> None:
         self._host = host
         self.llm = llm
         self._engine = llm.llm_engine
@@ -603,8 +603,8 @@ class VllmEngine:
         self.max_model_len = max_model_len
         #: Sequences vLLM runs at once: a call's prompts must fit one step together.
         self.max_num_seqs = max_num_seqs
-        #: Tokens vLLM runs in one step (no chunked prefill): a call's prompts, beside one
-        #: token of each running sequence, must fit it together.
+        #: Tokens vLLM runs in one step: a touched call's prompts must fit it together
+        #: (hookwire's scheduler starts them in one step; untouched ones are chunked).
         self.max_num_batched_tokens = max_num_batched_tokens or max_model_len * max_num_seqs
         cache = self._engine.vllm_config.cache_config
         self._block_size = int(cache.block_size)
@@ -636,7 +636,8 @@ class VllmEngine:
         self._link = link
         #: In worker processes: the steps whose hooks run in the workers (runtime/), planned
         #: here (vllm.hooks_in_workers; None: every hook runs here, on what the workers send).
-        self._planner = RuntimePlanner(host, self._vocab or 0) if link is not None and hooks_in_workers else None
+        self._planner = (RuntimePlanner(host, self._vocab or 0, ranks)
+                         if link is not None and hooks_in_workers else None)
         #: Steps whose hooks ran in the workers (the others with hooks ran them here), and
         #: module values the workers sent for hooks to run here.
         self.worker_hook_steps = 0
@@ -866,6 +867,8 @@ class VllmEngine:
         (hookwire's scheduler in vLLM then starts its requests together, each prompt in
         one step, preempting untouched requests for room: touched calls never need to
         preempt each other); the touched calls after one that does not fit wait too."""
+        # Requests of dropped calls leave vLLM before new ones arrive (their room was given back).
+        self._flush_aborts()
         blocked = False
         for state in list(self._waiting):
             if state.failure is not None:
@@ -1398,6 +1401,7 @@ class VllmEngine:
             reply: dict[str, Any] = {"taps": taps_of(self._host.modules) if batch.segments else [], "logits": prompts}
             if self._planner is not None:
                 reply["drop"] = self._planner.sweep()
+                reply["drop_operands"] = self._planner.sweep_operands()
             return reply, []
         except BaseException:
             if self._open is not None:
@@ -1471,6 +1475,9 @@ class VllmEngine:
         self._lost = why
         log.error("model %r: %s", self._host.name, why)
         self.link_closed()
+        if self._planner is not None:  # what the workers held is gone with them
+            with self._lock:
+                self._planner.forget()
         self._broken = self._broken or (f"the vLLM engine of model {self._host.name!r} serves no more calls "
                                         f"(restart the server): {why}")
         self._host.failed(f"{why} (restart the server)")

@@ -16,9 +16,13 @@ from typing import Any
 
 from torch import nn
 
+from hookwire.v1 import rule_pb2, tensor_pb2
+from hookwire.wire import codec
+
 from ..errors import HookwireServerError, InvalidArgument, Unimplemented
 from .. import errors
 from ..hooks.hook_specs import SCOPE_REQUEST
+from ..hooks.rules import named_references
 from ..models.model_registry import ModelHost
 from .packed import PackedBatch, PackedSegment
 
@@ -28,11 +32,16 @@ log = logging.getLogger("hookwire.vllm")
 class RuntimePlanner:
     """Plans the steps of one model's workers (link thread, under the engine's lock)."""
 
-    def __init__(self, host: ModelHost, vocab: int) -> None:
+    def __init__(self, host: ModelHost, vocab: int, ranks: int = 1) -> None:
         self._host = host
         self._vocab = vocab
+        #: The ranks every plan reaches (each holds its own copy of what it ships).
+        self._ranks = ranks
         #: Keys of the programs the workers hold.
         self._shipped: set[str] = set()
+        #: The named operands the workers hold, by their key there: the operand
+        #: (operands.StoredOperand) and the keys of the programs that name it.
+        self._operands: dict[str, tuple[Any, set[str]]] = {}
         #: The open step's firings, by number: (record, action, path, Pass, call index, training).
         self._firings: list[tuple[Any, Any, str, Any, int, bool]] = []
 
@@ -85,24 +94,49 @@ class RuntimePlanner:
                 taps.append([path, phase, sorted(roots), edits])
         specs: list[dict[str, Any]] = []
         blobs: list[bytes] = []
+        named: dict[str, tuple[Any, set[str]]] = {}
         for key, record in wanted.items():
             if key in self._shipped:
                 continue
-            blob = record.to_proto(include_operand_data=True).spec.SerializeToString()
+            spec = record.to_proto(include_operand_data=True).spec
+            for ref in named_references(spec):
+                # A named operand travels once per rank, on its own (``operands``); the
+                # spec names it by its key there.
+                stored = record.compiled.named.get(ref.operand)
+                if stored is None:
+                    return None  # not resolved when it compiled (it should have been): run it here
+                okey = _operand_key(stored)
+                ref.operand = okey
+                named.setdefault(okey, (stored, set()))[1].add(key)
+            blob = spec.SerializeToString()
             specs.append({"key": key, "size": len(blob), "hook_id": record.hook_id, "owner": record.owner.name,
                           "fail_call": bool(record.compiled.fail_call_on_error),
                           "request_scoped": record.compiled.scope == SCOPE_REQUEST})
             blobs.append(blob)
+        operands: list[dict[str, Any]] = []
+        for okey, (stored, users) in named.items():
+            if okey in self._operands:
+                continue
+            blob = _operand_bytes(stored)
+            operands.append({"key": okey, "kind": stored.kind, "size": len(blob)})
+            blobs.append(blob)
         # Counted as the workers' only once the whole plan is made (a failure before sends none).
         self._shipped.update(meta["key"] for meta in specs)
+        for okey, (stored, users) in named.items():
+            if okey not in self._operands:
+                self._operands[okey] = (stored, set())
+                stored.rank_copies += self._ranks  # each rank's copy counts against its owner's quota
+            self._operands[okey][1].update(users)
         drop = self._dropped(set(live))
+        drop_operands = self._unused_operands()
         segments = []
         for seg in batch.segments:
             assert isinstance(seg, PackedSegment)
             segments.append([[list(s) for s in seg.spans], list(seg.rows), seg.side, seg.length])
         run = {"model": self._host.name, "vocab": self._vocab, "tokens": batch.tokens, "sequences": batch.sequences,
                "shared": bool(batch.shared), "segments": segments, "fire": fire}
-        return {"taps": taps, "run": run, "specs": specs, "drop": drop}, blobs
+        return {"taps": taps, "run": run, "specs": specs, "drop": drop, "operands": operands,
+                "drop_operands": drop_operands}, blobs
 
     def sweep(self) -> list[str]:
         """For a step whose hooks run here: the programs the workers may forget (their hooks
@@ -112,10 +146,34 @@ class RuntimePlanner:
         live = {_key(firing[0]) for firing in firings if firing is not None}
         return self._dropped(live)
 
+    def sweep_operands(self) -> list[str]:
+        """After ``sweep``: the named operands the workers may free (no program they keep
+        names them)."""
+        return self._unused_operands()
+
     def _dropped(self, live: set[str]) -> list[str]:
         drop = sorted(self._shipped - live)
         self._shipped -= set(drop)
         return drop
+
+    def _unused_operands(self) -> list[str]:
+        """The operands no program the workers keep names any more: forgotten here, and
+        their copies on the ranks no longer count against their owners' quotas."""
+        unused = []
+        for okey, (stored, users) in list(self._operands.items()):
+            users &= self._shipped
+            if not users:
+                del self._operands[okey]
+                stored.rank_copies -= self._ranks
+                unused.append(okey)
+        return sorted(unused)
+
+    def forget(self) -> None:
+        """The workers are gone: nothing they held counts any more."""
+        for stored, _ in self._operands.values():
+            stored.rank_copies -= self._ranks
+        self._operands.clear()
+        self._shipped.clear()
 
     def finish(self, batch: PackedBatch, fired: list[list[Any]], values: list[Any],
                bad: dict[int, str] | None = None) -> None:
@@ -167,6 +225,29 @@ def _key(record: Any) -> str:
     """The workers' name for a hook's program: its id and record (a hook id is never
     reused, but a record is the compiled spec's identity)."""
     return f"{record.hook_id}#{id(record):x}"
+
+
+def _operand_key(stored: Any) -> str:
+    """The workers' name for a named operand: its owner, name and identity (the same
+    name uploaded again is another operand; the hooks holding one keep it alive, so its
+    identity is not reused while the workers hold it)."""
+    return f"{stored.owner}/{stored.name}@{id(stored):x}"
+
+
+def _operand_bytes(stored: Any) -> bytes:
+    """A named operand as the workers receive it: a tensor operand's ``Tensor`` message,
+    an SAE's ``Sae`` message with its tensors inline (protobuf, data only)."""
+    if stored.kind == "sae":
+        msg = rule_pb2.Sae()
+        msg.CopyFrom(stored.sae_config)
+        for field, tensor in stored.tensors.items():
+            part = getattr(msg, field)
+            part.Clear()
+            codec.encode_tensor_into(tensor, part)
+        return msg.SerializeToString()
+    out = tensor_pb2.Tensor()
+    codec.encode_tensor_into(stored.tensor, out)
+    return out.SerializeToString()
 
 
 def _error(kind: str, message: str) -> HookwireServerError:

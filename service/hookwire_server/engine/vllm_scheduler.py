@@ -18,14 +18,15 @@ call's request count ``SEQUENCES``):
 - **a touched request** (priority 0) starts with every other request of its call, in one
   step, each prompt whole. Its call waits in vLLM's queue until all its requests have
   arrived and fit the step beside what the running requests may take (seats, the step's
-  tokens, free KV blocks). For seats and blocks, running requests no hook touches are
-  preempted to make room, newest first (they are recomputed later, their full blocks
-  from the prefix cache); for the step's tokens it waits the few steps until the
-  untouched prompts being chunked are done, rather than throw their work away. A
+  tokens, free KV blocks). Running requests no hook touches are preempted to make room,
+  newest first, if that makes it fit (they are recomputed later, their full blocks from
+  the prefix cache); where the untouched prompts being chunked will give the step's
+  tokens back within a few steps it waits for them instead, rather than throw their
+  work away, and no untouched request starts meanwhile. Where only touched requests
+  ending can make room, it waits for them and untouched requests go on. A
   touched request is never chunked (the last check before vLLM schedules a prompt's
   tokens), and vLLM's priority policy preempts untouched requests before it would a
-  touched one. While a touched call waits, untouched requests do not start (they would
-  take its room), and touched calls start in arrival order.
+  touched one. Touched calls start in arrival order.
 
 The front reserves every touched call's KV cache at full length among the touched calls
 (``VllmEngine._admit_waiting``), so touched requests never need to preempt each other;
@@ -72,9 +73,10 @@ class HookwireScheduler(Scheduler):
         self._released: set[str] = set()
         #: Whether a touched call waits for room in the step being scheduled.
         self._holding = False
-        #: For tests and docs (in-process: VllmEngine.scheduler): prompts of untouched
-        #: requests vLLM ran in part in a step; touched ones (never); untouched requests
-        #: preempted to make room for a touched call; the most requests running at once.
+        #: For tests and docs (in-process: VllmEngine.scheduler): steps in which vLLM ran
+        #: part of an untouched request's prompt (a chunk that is not its last); the same
+        #: for touched ones (never); untouched requests preempted to make room for a
+        #: touched call; the most requests running at once.
         self.chunked_prefills = 0
         self.touched_chunked = 0
         self.preempted_for_touched = 0
@@ -122,12 +124,13 @@ class HookwireScheduler(Scheduler):
                 continue  # never fits (the front refuses such calls): it must not hold the others
             victims = sorted((r for r in self.running if not touched(r) and self._request_blocks_can_be_freed(r)),
                              key=lambda r: r.arrival_time)
-            # Preempt only if taking every untouched request out would make room.
+            # Preempt only if taking every untouched request out would make room; else it
+            # waits for touched requests to end, and so do the touched calls after it, but
+            # untouched ones go on meanwhile (they are preempted once that makes room).
             if not (need_seats <= seats + len(victims)
                     and need_tokens <= tokens + sum(self._wants(r) for r in victims)
                     and need_blocks <= pool.get_num_free_blocks() - growth
-                    + sum(self._grows(r) + _cdiv(r.num_computed_tokens, self.block_size) for r in victims)):
-                self._holding = True  # it waits for touched requests to end, and so do the calls after it
+                    + sum(self._grows(r) + self._freed_by(r) for r in victims)):
                 return
             while not (need_seats <= seats and need_tokens <= tokens
                        and need_blocks <= pool.get_num_free_blocks() - growth):
@@ -135,16 +138,20 @@ class HookwireScheduler(Scheduler):
                 # being chunked are done (none starts meanwhile): wait for them rather than
                 # throw their work away. Seats and blocks come back only when requests end.
                 soon = tokens + sum(self._wants(r) - 1 for r in victims if self._wants(r) > 1)
-                if not victims or (need_seats <= seats and need_tokens <= soon
-                                   and need_blocks <= pool.get_num_free_blocks() - growth):
+                if need_seats <= seats and need_tokens <= soon and need_blocks <= pool.get_num_free_blocks() - growth:
                     self._holding = True
                     return
+                if not victims:
+                    return  # the estimate above was off (shared blocks): it waits as above
                 victim = victims.pop()  # the newest
                 seats += 1
                 tokens += self._wants(victim)
                 growth -= self._grows(victim)
                 self.running.remove(victim)
                 self._preempt_request(victim, time.monotonic())
+                # As vLLM's reset_prefix_cache does: the runner forgets it (it is not
+                # resumed in this step: _handle_blocked_waiting_request).
+                self.prev_step_scheduled_req_ids.discard(victim.request_id)
                 self.preempted_for_touched += 1
             seats -= need_seats
             tokens -= need_tokens
@@ -155,6 +162,12 @@ class HookwireScheduler(Scheduler):
     def _wants(request: Request) -> int:
         """The most tokens a running request takes in the next step (vLLM's count)."""
         return max(0, request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens)
+
+    def _freed_by(self, request: Request) -> int:
+        """The KV blocks preempting a running request gives back: those no other request
+        shares (a shared prefix block stays held)."""
+        blocks = self.kv_cache_manager.get_blocks(request.request_id).blocks
+        return sum(1 for group in blocks for block in group if block.ref_cnt <= 1)
 
     def _grows(self, request: Request) -> int:
         """The most KV blocks a running request takes in the next step (it holds blocks
@@ -170,15 +183,17 @@ class HookwireScheduler(Scheduler):
             if (request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
                     and request.request_id not in self._released):
                 return False
-        elif self._holding:
-            return False
+        elif self._holding or request.request_id in self.reset_preempted_req_ids:
+            return False  # it would take a waiting touched call's room, or the room it just gave
         return bool(super()._handle_blocked_waiting_request(request))
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         # The last cut of a request's tokens before vLLM allocates them: a touched prompt
         # runs whole or not at all (0: vLLM leaves it, and the requests after it, waiting).
+        # (A touched request vLLM preempted anyway runs out of step whatever happens: the
+        # front fails its call; it may be chunked, so as not to stop the queue.)
         n = int(super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens))
-        if n and touched(request) and num_computed_tokens + n < request.num_tokens:
+        if n and touched(request) and not request.num_preemptions and num_computed_tokens + n < request.num_tokens:
             return 0
         return n
 

@@ -28,7 +28,8 @@ from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
 from .hook_store import HookStore, StoredHook
 from ..state import SHUTDOWN_REASON, ServerState
 from ..models.model_registry import ModelHost, ModelRegistry, ModelState
-from .operands import OperandStore, names_operands
+from .operands import OperandStore
+from .rules import names_operands
 from .slots import DEFAULT_MAX_SLOT_BYTES, SlotStore
 
 log = logging.getLogger("hookwire.hooks")

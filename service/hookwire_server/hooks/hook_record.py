@@ -38,7 +38,7 @@ from .hook_specs import PHASES, SCOPE_REQUEST, Action, CompiledSpec
 from ..metrics import Metrics
 from ..models.memory_estimate import probing
 from ..models.model_registry import ModelHost
-from .rules import RuleFailure, Signals, apply_rules, names_operands, operand_tensors, tensor_fields
+from .rules import RuleFailure, Signals, apply_rules, operand_tensors, tensor_fields
 from .captured import Captured, capture_error as _capture_error, captured as _captured, prepare as _prepare
 from .slots import SlotStore
 
@@ -105,7 +105,6 @@ class HookRecord:
         self.restored_notice = ""
         self._sampler = Sampler.compile(spec.sampling)
         #: Whether its rules name operands (the front's store holds them: runs_elsewhere).
-        self._names_operands = names_operands(self.spec)
         #: Called once when the hook is removed (cancels a TTL timer).
         self.on_removed: Callable[[], Any] | None = None
         #: The background detach, once removed.
@@ -353,11 +352,11 @@ class HookRecord:
 
     def runs_elsewhere(self, action: Action) -> bool:
         """Whether a hook runtime without this record (a vLLM worker's) can run ``action``:
-        not what needs the front's stores or state while it fires (slots, named operands,
-        readouts, heads, sampling)."""
+        not what needs the front's stores or state while it fires (slots, readouts, heads,
+        sampling). Named operands travel with the plan (engine/vllm_runtime.py)."""
         return (action.phase in (hook_pb2.PHASE_FORWARD_PRE, hook_pb2.PHASE_FORWARD) and not action.uses_slots
                 and not action.heads and not any(rule.heads for rule in action.rules)
-                and action.options.readout is None and self._sampler is None and not self._names_operands)
+                and action.options.readout is None and self._sampler is None)
 
     def plan_firing(self, action: Action, path: str, module: Any, p: Pass) -> tuple[int, bool] | None:
         """The decisions of one call's firing that the values do not change, made before

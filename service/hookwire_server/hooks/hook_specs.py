@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Mapping
 
 from hookwire.v1 import hook_pb2, rule_pb2
 
@@ -118,6 +118,9 @@ class CompiledSpec:
     fail_call_on_error: bool
     #: The steps it fires in (first, last or None for no end), inclusive; None for every step.
     steps: tuple[int, int | None] | None = None
+    #: The named operands it uses, by the name it gives them (operands.StoredOperand; the
+    #: hook holds them): what a vLLM worker is sent to run it (engine/vllm_runtime.py).
+    named: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
     def uses_slots(self) -> bool:
@@ -287,6 +290,7 @@ def compile_spec(
         tags=tags,
         fail_call_on_error=fail_call,
         steps=steps,
+        named=dict(getattr(source, "used", None) or {}),
     )
 
 

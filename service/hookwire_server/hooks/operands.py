@@ -91,7 +91,15 @@ class StoredOperand:
     ended: bool = False
     #: Holder id (a hook or harvest job id) -> (what it is, its owner's name).
     used_by: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    #: Copies vLLM's worker ranks hold (one per rank of each model whose workers run a hook
+    #: naming it: engine/vllm_runtime.py): each counts against the quotas as the operand does.
+    rank_copies: int = 0
     _timer: asyncio.TimerHandle | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """Its bytes here and on the ranks: what the quotas count."""
+        return self.nbytes * (1 + max(0, self.rank_copies))
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -200,13 +208,13 @@ class OperandStore:
 
     def _bytes_of(self, owner: str) -> int:
         self._drain()
-        return (sum(op.nbytes for (who, _), op in self._own.items() if who == owner)
+        return (sum(op.held_bytes for (who, _), op in self._own.items() if who == owner)
                 + sum(n for (who, _), n in self._uploading.items() if who == owner)
                 + sum(n for who, n in self._unfreed.values() if who == owner))
 
     def _total(self) -> int:
         self._drain()
-        return (sum(op.nbytes for op in self._own.values()) + sum(op.nbytes for op in self._published.values())
+        return (sum(op.held_bytes for op in self._own.values()) + sum(op.held_bytes for op in self._published.values())
                 + sum(self._uploading.values()) + sum(n for _, n in self._unfreed.values()))
 
     def _drain(self) -> None:
@@ -566,24 +574,6 @@ class NamedSource(OperandSource):
         if extra:
             raise InvalidArgument(f"{where}: a named SAE ({msg.operand!r}) sets nothing else (it sets {', '.join(extra)})")
         return self._resolve(msg.operand, where, "sae").compiled_sae
-
-
-def names_operands(msg: Any) -> bool:
-    """Whether a message (a HookSpec) names an operand anywhere (Tensor.operand, Sae.operand)."""
-    for field, value in msg.ListFields():
-        if field.type != field.TYPE_MESSAGE:
-            if field.name == "operand" and value and field.containing_type.full_name in _REFERENCES:
-                return True
-            continue
-        items = value if field.is_repeated else [value]
-        if field.message_type.GetOptions().map_entry:
-            items = list(value.values()) if field.message_type.fields_by_name["value"].message_type else []
-        if any(names_operands(item) for item in items):
-            return True
-    return False
-
-
-_REFERENCES = frozenset({tensor_pb2.Tensor.DESCRIPTOR.full_name, rule_pb2.Sae.DESCRIPTOR.full_name})
 
 
 def _shared(t: torch.Tensor) -> torch.Tensor:

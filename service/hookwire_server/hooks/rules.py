@@ -1024,19 +1024,31 @@ def _misfit(rule: CompiledRule, parts: dict[str, Any], slots: SlotStore | None) 
     return f"{operands} and {saw}: they do not fit{need}"
 
 
+def named_references(msg: Any) -> list[Any]:
+    """The Tensor and Sae messages inside protobuf message ``msg`` (a HookSpec, ...) that
+    name an operand (their ``operand`` field), in field order."""
+    out: list[Any] = []
+    _named_in(msg, out)
+    return out
+
+
+def _named_in(msg: Any, out: list[Any]) -> None:
+    for field, value in msg.ListFields():
+        if field.type != field.TYPE_MESSAGE:
+            if field.name == "operand" and value and field.containing_type.full_name in _REFERENCES:
+                out.append(msg)
+            continue
+        items = value if field.is_repeated else [value]
+        if field.message_type.GetOptions().map_entry:
+            items = list(value.values()) if field.message_type.fields_by_name["value"].message_type else []
+        for item in items:
+            _named_in(item, out)
+
+
 def names_operands(msg: Any) -> bool:
     """Whether protobuf message ``msg`` names an operand anywhere (a Tensor's or an
-    SAE's ``operand`` field): named operands live in the front's store."""
-    for field, value in msg.ListFields():
-        if field.name == "operand" and isinstance(value, str) and value:
-            return True
-        if field.message_type is None:
-            continue
-        if hasattr(value, "ListFields"):
-            if names_operands(value):
-                return True
-            continue
-        items = value.values() if hasattr(value, "values") else value  # a map, or a repeated field
-        if any(names_operands(v) for v in items if hasattr(v, "ListFields")):
-            return True
-    return False
+    SAE's ``operand`` field)."""
+    return bool(named_references(msg))
+
+
+_REFERENCES = frozenset({tensor_pb2.Tensor.DESCRIPTOR.full_name, rule_pb2.Sae.DESCRIPTOR.full_name})

@@ -7,8 +7,13 @@ header's fields:
 - ``taps``: [path, "pre"/"post", roots, edits] of each module phase to tap (as before);
   ``logits``: whether the front wants the step's logits; ``skip``: no hook runs this step.
 - ``specs``: one entry per shipped spec, in the blobs' order: ``key`` (the front's name
-  for the hook), ``hook_id``, ``owner``, ``fail_call``, ``request_scoped``; ``drop``: keys
-  of programs the worker may forget.
+  for the hook), ``hook_id``, ``owner``, ``fail_call``, ``request_scoped``, ``size`` (of
+  its blob); ``drop``: keys of programs the worker may forget.
+- ``operands``: one entry per named operand shipped, its blob after the specs': ``key``
+  (the name the specs give it: each ``Tensor.operand`` / ``Sae.operand`` in a shipped
+  spec is such a key), ``kind`` ("tensor": the blob is a ``Tensor`` message; "sae": an
+  ``Sae`` message with its tensors inline), ``size``; each is sent once, and every rank
+  keeps it until ``drop_operands`` lists its key (no program it keeps names it).
 - ``run``: present when the worker runs the step's hooks itself (step.StepRunner):
   ``model`` (for messages), ``vocab`` (the lm_head view's width), ``tokens``,
   ``sequences``, ``shared``, ``segments`` ([spans, rows, side, width] per call, as
@@ -40,12 +45,13 @@ def pack(header: dict[str, Any], blobs: list[bytes] = ()) -> bytes:  # type: ign
 
 
 def unpack(data: bytes) -> tuple[dict[str, Any], list[bytes]]:
-    """``pack``'s header and blobs (their sizes are the specs' ``size``)."""
+    """``pack``'s header and blobs: the specs', then the operands' (their sizes are the
+    entries' ``size``)."""
     (n,) = _LENGTH.unpack_from(data, 0)
     header = json.loads(data[_LENGTH.size:_LENGTH.size + n])
     blobs: list[bytes] = []
     at = _LENGTH.size + n
-    for meta in header.get("specs", ()):
+    for meta in [*header.get("specs", ()), *header.get("operands", ())]:
         size = int(meta["size"])
         blobs.append(bytes(data[at:at + size]))
         at += size

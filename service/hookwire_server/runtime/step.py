@@ -12,7 +12,7 @@ selected, cast or summarized and copied out. An edit goes back into the module's
 before the module goes on: no round trip. The front numbers, encodes and delivers the
 captures (``hook_record.finish_firing``), so delivery, drops and notices are its own.
 
-What a firing cannot do here (slots, named operands, readouts, heads, sampling, harvest
+What a firing cannot do here (slots, readouts, heads, sampling, harvest
 taps) the front keeps: a step whose hooks need any of it runs as before, every tapped
 value sent to the front (``HookRecord.runs_elsewhere``, ``engine.vllm_runtime``).
 """
@@ -25,14 +25,15 @@ from typing import Any
 
 import torch
 
-from hookwire.v1 import hook_pb2, rule_pb2
+from hookwire.v1 import hook_pb2, rule_pb2, tensor_pb2
 
 from ..engine.packed import PackedBatch, PackedSegment
 from ..errors import HookwireServerError, InvalidArgument
 from ..hooks.capture import CaptureOptions
 from ..hooks.captured import Captured, prepare
 from ..hooks.hook_specs import PHASES, Action
-from ..hooks.rules import RuleFailure, Signals, apply_rules, compile_rules
+from ..hooks.rules import (SHARED_CASTS, CompiledSae, OperandSource, RuleFailure, Signals, apply_rules, compile_rules,
+                           compile_sae, decode_operand)
 from . import views
 
 #: The phases a worker's modules run (no backward pass on vLLM).
@@ -57,10 +58,60 @@ class HookProgram:
     broken_kind: str = ""
 
 
-def compile_program(meta: dict[str, Any], spec_bytes: bytes, device: torch.device) -> HookProgram:
+class ShippedOperands(OperandSource):
+    """The named operands the front shipped to this rank (a plan's ``operands``), by the
+    key the shipped specs name them with, on the rank's device: one copy each, shared by
+    every program naming it (a tensor's casts too: rules.shared_cast)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.saes: dict[str, CompiledSae] = {}
+        #: Why an operand could not be taken (its programs fail to compile, saying so).
+        self.broken: dict[str, str] = {}
+
+    def take(self, meta: dict[str, Any], blob: bytes) -> None:
+        """An operand of the plan (never raises: a bad one breaks the programs naming it)."""
+        key = str(meta["key"])
+        where = f"named operand {key.split('@')[0]!r}"
+        try:
+            if meta.get("kind") == "sae":
+                sae = rule_pb2.Sae()
+                sae.ParseFromString(blob)
+                self.saes[key] = compile_sae(sae, where, OperandSource(self.device), {}, "")
+            else:
+                msg = tensor_pb2.Tensor()
+                msg.ParseFromString(blob)
+                tensor = decode_operand(msg, where, self.device)
+                setattr(tensor, SHARED_CASTS, {})
+                self.tensors[key] = tensor
+        except Exception as exc:
+            self.broken[key] = f"{where} could not be taken in a vLLM worker: {exc}"
+
+    def drop(self, key: str) -> None:
+        self.tensors.pop(key, None)
+        self.saes.pop(key, None)
+        self.broken.pop(key, None)
+
+    def named_tensor(self, msg: tensor_pb2.Tensor, where: str) -> torch.Tensor:
+        found = self.tensors.get(msg.operand)
+        if found is None:
+            raise InvalidArgument(self.broken.get(msg.operand) or f"{where}.operand: {msg.operand!r} is not on this worker")
+        return found
+
+    def sae(self, msg: Any, where: str) -> CompiledSae:
+        found = self.saes.get(msg.operand)
+        if found is None:
+            raise InvalidArgument(self.broken.get(msg.operand) or f"{where}.operand: {msg.operand!r} is not on this worker")
+        return found
+
+
+def compile_program(meta: dict[str, Any], spec_bytes: bytes, device: torch.device,
+                    source: OperandSource | None = None) -> HookProgram:
     """The hook ``meta`` describes (a plan's ``specs`` entry), compiled from its ``HookSpec`` bytes on
-    ``device``. The front validated the spec against the model at registration; what
-    fails here (it should not) makes every firing of the hook fail as a rule would."""
+    ``device``, its named operands from ``source`` (the rank's ShippedOperands). The front
+    validated the spec against the model at registration; what fails here (it should
+    not) makes every firing of the hook fail as a rule would."""
     program = HookProgram(str(meta["hook_id"]), str(meta["owner"]), bool(meta["fail_call"]),
                           bool(meta["request_scoped"]), {})
     try:
@@ -76,7 +127,7 @@ def compile_program(meta: dict[str, Any], spec_bytes: bytes, device: torch.devic
                 capture=tuple(dict.fromkeys(msg.capture)),
                 with_kwargs=with_kwargs,
                 rules=compile_rules(msg.rules, phase=info.phase, phase_field=info.field, with_kwargs=with_kwargs,
-                                    device=device),
+                                    device=device, source=source),
                 capture_before_rules=msg.capture_stage == rule_pb2.CAPTURE_STAGE_BEFORE_RULES,
                 options=CaptureOptions.compile(msg, info.field),
             )
@@ -109,6 +160,7 @@ class StepRunner:
         self.device = device
         self.captures = captures
         self.programs: dict[str, HookProgram] = {}
+        self.operands = ShippedOperands(device)
         self.active = False
         self._model = ""
         self._vocab = 0
@@ -130,8 +182,13 @@ class StepRunner:
         signals (read only if a rule asks)."""
         for key in header.get("drop", ()):
             self.programs.pop(str(key), None)
-        for meta, blob in zip(header.get("specs", ()), blobs):
-            self.programs[str(meta["key"])] = compile_program(meta, blob, self.device)
+        for key in header.get("drop_operands", ()):
+            self.operands.drop(str(key))
+        specs = list(header.get("specs", ()))
+        for meta, blob in zip(header.get("operands", ()), blobs[len(specs):]):
+            self.operands.take(meta, blob)
+        for meta, blob in zip(specs, blobs):
+            self.programs[str(meta["key"])] = compile_program(meta, blob, self.device, self.operands)
         run = header.get("run")
         self._fired, self._values = [], []
         self._signals, self._token_ids, self._stopped = {}, {}, set()
