@@ -639,3 +639,25 @@ def test_wire_dtype_of_unknown_raises():
 def test_dtype_name():
     assert codec.dtype_name(tensor_pb2.DTYPE_BFLOAT16) == "DTYPE_BFLOAT16"
     assert "77" in codec.dtype_name(77)
+
+
+def test_a_value_in_wire_form_is_copied_as_the_tensor_would_be_encoded():
+    """A capture a vLLM worker sent as a Value message: encode_value_into copies it, inline
+    or through a chunker that keeps its size, byte for byte what encoding the tensor gives;
+    a value that is not a plain tensor is decoded and encoded again."""
+    t = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
+    wire = codec.encode_value(t)
+    direct, copied = tensor_pb2.Value(), tensor_pb2.Value()
+    assert codec.encode_value_into(t, direct) == codec.encode_value_into(wire, copied) == t.numel() * 4
+    assert copied.SerializeToString() == direct.SerializeToString()
+    want_chunker, got_chunker = codec.Chunker(snapshot=False), codec.Chunker(snapshot=False)
+    want_chunker.INLINE_TENSOR_MAX = got_chunker.INLINE_TENSOR_MAX = 8  # both keep it
+    direct, copied = tensor_pb2.Value(), tensor_pb2.Value()
+    codec.encode_value_into(t, direct, chunker=want_chunker)
+    codec.encode_value_into(wire, copied, chunker=got_chunker)
+    assert copied.tensor.chunk_id and not copied.tensor.data
+    assert [c.SerializeToString() for c in got_chunker.chunks(16)] == [c.SerializeToString() for c in want_chunker.chunks(16)]
+    nested = codec.encode_value((t, 2))
+    out = tensor_pb2.Value()
+    codec.encode_value_into(nested, out)
+    assert out.SerializeToString() == codec.encode_value((t, 2)).SerializeToString()

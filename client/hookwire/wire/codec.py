@@ -327,6 +327,24 @@ def encode_tensor_into(tensor: Any, out: tensor_pb2.Tensor, chunker: Chunker | S
     return nbytes
 
 
+def _copy_value(msg: tensor_pb2.Value, out: tensor_pb2.Value, chunker: Chunker | Splicer | None,
+                opaque_caches: bool) -> int:
+    """A value already in its wire form (a capture a vLLM worker encoded): a tensor is
+    copied as it is (never decoded and encoded again), its data through ``chunker``
+    when it keeps tensors of that size; anything else is decoded and encoded."""
+    if msg.WhichOneof("kind") == "tensor" and not msg.tensor.chunk_id:
+        tensor = msg.tensor
+        nbytes = len(tensor.data)
+        if chunker is not None and nbytes and chunker.keeps(nbytes):
+            out.tensor.dtype = tensor.dtype
+            out.tensor.shape.extend(tensor.shape)
+            chunker.place(out.tensor, np.frombuffer(tensor.data, dtype=np.uint8))
+        else:
+            out.CopyFrom(msg)
+        return nbytes
+    return encode_value_into(decode_value(msg, where="value"), out, chunker=chunker, opaque_caches=opaque_caches)
+
+
 def is_opaque_cache(obj: Any) -> bool:
     """Whether ``obj`` is a transformers KV cache (``transformers.cache_utils.Cache``
     and its subclasses, e.g. DynamicCache): state a causal LM passes between its
@@ -350,6 +368,8 @@ def encode_value_into(
     torch = _torch_mod or _torch_loaded()
     if (torch is not None and isinstance(obj, torch.Tensor)) or isinstance(obj, np.ndarray):
         return encode_tensor_into(obj, out.tensor, chunker)
+    if isinstance(obj, tensor_pb2.Value):
+        return _copy_value(obj, out, chunker, opaque_caches)
     if isinstance(obj, tensor_pb2.TensorSummary):
         out.summary.CopyFrom(obj)
         return 0

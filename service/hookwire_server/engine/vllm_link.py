@@ -294,7 +294,7 @@ class WorkerLink:
                     engine.link_logits(_receive_value(conn))
                 elif kind == "end":
                     fired = header.get("fired")
-                    values = [_receive_value(conn) for _ in range(int(header.get("values", 0)))]
+                    values = [_receive_value(conn, wire=True) for _ in range(int(header.get("values", 0)))]
                     bad = header.get("bad") or {}
                     # The worker goes on at once (vLLM samples, its engine core schedules the
                     # next step) while the step's hooks finish here. Its tokens cannot overtake
@@ -375,13 +375,15 @@ def _shut(sock: socket.socket, expired: list[bool]) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-def _receive_value(conn: Connection) -> Any:
+def _receive_value(conn: Connection, *, wire: bool = False) -> Any:
+    """The next value frame, decoded; with ``wire``, a captured value as its ``Value``
+    message (events copy its bytes as they are: codec.encode_value_into)."""
     data = conn.recv_bytes()
     if not data:
         return None  # a value the worker could not encode (it says so in the header)
     msg = tensor_pb2.Value()
     msg.ParseFromString(data)
-    return codec.decode_value(msg, where="tap")
+    return msg if wire else codec.decode_value(msg, where="tap")
 
 
 def _answer(conn: Connection, new: dict[str, Any] | None) -> None:
