@@ -380,3 +380,34 @@ def _limits() -> Any:
     from hookwire_server.hooks.event_bus import DeliveryLimits
 
     return DeliveryLimits.from_proto(hook_service_pb2.DeliveryOptions())
+
+
+async def test_copies_on_vllms_ranks_count_against_the_quotas_and_never_pass_them() -> None:
+    """An operand a vLLM model's ranks hold (engine/vllm_runtime.py) counts once more per
+    rank against its owner's quota and the server's; copies that would pass either are
+    refused (nothing counted: the hooks then run in the front), and giving them back frees
+    the quota for uploads."""
+    from hookwire_server.auth import ANONYMOUS
+    from hookwire_server.errors import ResourceExhausted
+
+    store = OperandStore(Limits(max_operand_bytes_per_principal=4096))
+    header = operand_service_pb2.OperandUpload(name="v", ttl_seconds=60)
+    header.tensor.CopyFrom(hookwire.wire.codec.encode_tensor(torch.ones(256)))  # 1 KiB
+
+    async def nothing() -> Any:
+        return
+        yield
+
+    stored = await store.upload(ANONYMOUS, header, nothing(), require_session=lambda _: None)
+    assert store.bytes_of(ANONYMOUS.name) == 1024
+    assert stored.add_rank_copies(2)  # two ranks: 3 KiB in all
+    assert store.bytes_of(ANONYMOUS.name) == 3 * 1024 and stored.rank_copies == 2
+    assert not stored.add_rank_copies(2)  # 5 KiB would pass 4 KiB: refused, nothing counted
+    assert stored.rank_copies == 2
+    big = operand_service_pb2.OperandUpload(name="w", ttl_seconds=60)
+    big.tensor.CopyFrom(hookwire.wire.codec.encode_tensor(torch.ones(512)))  # 2 KiB more: 5 KiB
+    with pytest.raises(ResourceExhausted, match="max_operand_bytes_per_principal"):
+        await store.upload(ANONYMOUS, big, nothing(), require_session=lambda _: None)
+    assert stored.add_rank_copies(-2)
+    assert store.bytes_of(ANONYMOUS.name) == 1024
+    await store.upload(ANONYMOUS, big, nothing(), require_session=lambda _: None)

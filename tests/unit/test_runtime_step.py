@@ -132,7 +132,8 @@ def test_named_operands_arrive_once_beside_the_specs_that_name_them_and_go_when_
     codec.encode_tensor_into(v, vec_msg)
     specs = {"a": HookSpec("layer", posthook=[rules.add("output", rules.operand("alice/v@1"))]),
              "b": HookSpec("layer", posthook=[rules.sae("output", Sae.named("alice/s@2"), [1], edit="zero")]),
-             "c": HookSpec("layer", posthook=[rules.add("output", rules.operand("alice/bad@3"))])}
+             "c": HookSpec("layer", posthook=[rules.add("output", rules.operand("alice/bad@3"))]),
+             "d": HookSpec("layer", posthook=[rules.affine("output", torch.eye(4), rules.operand("alice/v@1"))])}
     metas = [{"key": k, "size": 0, "hook_id": k, "owner": "alice", "fail_call": True, "request_scoped": True}
              for k in specs]
     blobs = [s.to_proto().SerializeToString() for s in specs.values()]
@@ -148,8 +149,8 @@ def test_named_operands_arrive_once_beside_the_specs_that_name_them_and_go_when_
     runner = StepRunner(torch.device("cpu"))
     runner.configure(header, unpacked)
     assert set(runner.operands.tensors) == {"alice/v@1"} and set(runner.operands.saes) == {"alice/s@2"}
-    assert not runner.programs["a"].broken and not runner.programs["b"].broken
-    assert "named operand 'alice/bad' could not be taken" in runner.programs["c"].broken
+    assert not any(runner.programs[k].broken for k in "abd")  # "d" shares "a"'s one copy of the vector
+    assert "operand 'bad' could not be taken" in runner.programs["c"].broken
     x = torch.randn(3, 4, generator=g)
     new = runner.fire("layer", "post", {"args": (), "kwargs": {}, "output": x})
     assert new is not None
@@ -157,7 +158,7 @@ def test_named_operands_arrive_once_beside_the_specs_that_name_them_and_go_when_
     want = rules_oracle_sae_zero(runner.operands.saes["alice/s@2"], added, 1)
     torch.testing.assert_close(new["output"], want)
     runner.results()
-    runner.configure({"drop": ["a", "b", "c"], "drop_operands": ["alice/v@1", "alice/s@2", "alice/bad@3"]}, [])
+    runner.configure({"drop": ["a", "b", "c", "d"], "drop_operands": ["alice/v@1", "alice/s@2", "alice/bad@3"]}, [])
     assert not runner.operands.tensors and not runner.operands.saes and not runner.operands.broken
 
 

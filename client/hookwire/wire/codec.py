@@ -332,13 +332,15 @@ def _copy_value(msg: tensor_pb2.Value, out: tensor_pb2.Value, chunker: Chunker |
     """A value already in its wire form (a capture a vLLM worker encoded): a tensor is
     copied as it is (never decoded and encoded again), its data through ``chunker``
     when it keeps tensors of that size; anything else is decoded and encoded."""
-    if msg.WhichOneof("kind") == "tensor" and not msg.tensor.chunk_id:
+    if msg.WhichOneof("kind") == "tensor" and not msg.tensor.chunk_id and not msg.tensor.operand:
         tensor = msg.tensor
-        nbytes = len(tensor.data)
+        data = tensor.data  # a copy of the message's bytes: read once
+        check_tensor(tensor, "value", data=data)  # as decoding it would: bytes that fit dtype and shape
+        nbytes = len(data)
         if chunker is not None and nbytes and chunker.keeps(nbytes):
             out.tensor.dtype = tensor.dtype
             out.tensor.shape.extend(tensor.shape)
-            chunker.place(out.tensor, np.frombuffer(tensor.data, dtype=np.uint8))
+            chunker.place(out.tensor, np.frombuffer(data, dtype=np.uint8))
         else:
             out.CopyFrom(msg)
         return nbytes

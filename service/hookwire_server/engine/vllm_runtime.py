@@ -69,9 +69,74 @@ class RuntimePlanner:
                         return None
                     live[_key(record)] = record
                 phases.append((path, phase, module, firings))
+        # The programs the workers lack, with the named operands they name, before any
+        # firing is decided (deciding counts: a step that falls back must not have counted).
+        shipping = self._programs([(key, record) for key, record in live.items() if key not in self._shipped])
+        if shipping is None:
+            return None
+        specs, blobs, operands, named, reserved = shipping
+        try:
+            header = self._decide(batch, phases, specs, operands)
+        except BaseException:
+            for stored in reserved:
+                stored.add_rank_copies(-self._ranks)
+            raise
+        # Counted as the workers' only once the whole plan is made (a failure before sends none).
+        self._shipped.update(meta["key"] for meta in specs)
+        for okey, (stored, users) in named.items():
+            self._operands.setdefault(okey, (stored, set()))[1].update(users)
+        header["drop"] = self._dropped(set(live))
+        header["drop_operands"] = self._unused_operands()
+        return header, blobs
+
+    def _programs(self, records: list[tuple[str, Any]]) -> tuple[Any, ...] | None:
+        """The specs (plan ``specs`` and their blobs) of ``records`` and the named operands
+        they name that the workers lack (``operands``, their blobs after the specs'), with
+        each operand's users and the operands whose rank copies were counted; None (nothing
+        counted) when one cannot go: a name not resolved when it compiled, or copies past
+        the owner's or the server's operand quota (the step's hooks then run here)."""
+        specs: list[dict[str, Any]] = []
+        blobs: list[bytes] = []
+        named: dict[str, tuple[Any, set[str]]] = {}
+        for key, record in records:
+            spec = record.to_proto(include_operand_data=True).spec
+            for ref in named_references(spec):
+                # A named operand travels once per rank, on its own (``operands``); the
+                # spec names it by its key there.
+                stored = record.compiled.named.get(ref.operand)
+                if stored is None:
+                    return None
+                okey = _operand_key(stored)
+                ref.operand = okey
+                named.setdefault(okey, (stored, set()))[1].add(key)
+            blob = spec.SerializeToString()
+            specs.append({"key": key, "size": len(blob), "hook_id": record.hook_id, "owner": record.owner.name,
+                          "fail_call": bool(record.compiled.fail_call_on_error),
+                          "request_scoped": record.compiled.scope == SCOPE_REQUEST})
+            blobs.append(blob)
+        operands: list[dict[str, Any]] = []
+        reserved: list[Any] = []
+        for okey, (stored, _) in named.items():
+            if okey in self._operands:
+                continue
+            if not stored.add_rank_copies(self._ranks):  # each rank's copy counts against the quotas
+                for done in reserved:
+                    done.add_rank_copies(-self._ranks)
+                log.info("model %r: operand %r's copies on %d ranks pass its quota: hooks naming it run in the "
+                         "server", self._host.name, stored.name, self._ranks)
+                return None
+            reserved.append(stored)
+            blob = _operand_bytes(stored)
+            operands.append({"key": okey, "kind": stored.kind, "size": len(blob)})
+            blobs.append(blob)
+        return specs, blobs, operands, named, reserved
+
+    def _decide(self, batch: PackedBatch, phases: list[tuple[str, str, nn.Module, list[Any]]],
+                specs: list[dict[str, Any]], operands: list[dict[str, Any]]) -> dict[str, Any]:
+        """The step's firings (``HookRecord.plan_firing`` for each hook and call) and the
+        plan's header but for its drops."""
         fire: list[list[Any]] = []
         taps: list[list[Any]] = []
-        wanted: dict[str, Any] = {}
         for path, phase, module, firings in phases:
             entries: list[list[Any]] = []
             roots: set[str] = set()
@@ -88,55 +153,16 @@ class RuntimePlanner:
                     self._firings.append((record, action, hook_path, seg.p, call_index, bool(module.training)))
                     roots.update(action.roots)
                     edits = edits or bool(action.rules)
-                    wanted[_key(record)] = record
             if entries:
                 fire.append([path, phase, entries])
                 taps.append([path, phase, sorted(roots), edits])
-        specs: list[dict[str, Any]] = []
-        blobs: list[bytes] = []
-        named: dict[str, tuple[Any, set[str]]] = {}
-        for key, record in wanted.items():
-            if key in self._shipped:
-                continue
-            spec = record.to_proto(include_operand_data=True).spec
-            for ref in named_references(spec):
-                # A named operand travels once per rank, on its own (``operands``); the
-                # spec names it by its key there.
-                stored = record.compiled.named.get(ref.operand)
-                if stored is None:
-                    return None  # not resolved when it compiled (it should have been): run it here
-                okey = _operand_key(stored)
-                ref.operand = okey
-                named.setdefault(okey, (stored, set()))[1].add(key)
-            blob = spec.SerializeToString()
-            specs.append({"key": key, "size": len(blob), "hook_id": record.hook_id, "owner": record.owner.name,
-                          "fail_call": bool(record.compiled.fail_call_on_error),
-                          "request_scoped": record.compiled.scope == SCOPE_REQUEST})
-            blobs.append(blob)
-        operands: list[dict[str, Any]] = []
-        for okey, (stored, users) in named.items():
-            if okey in self._operands:
-                continue
-            blob = _operand_bytes(stored)
-            operands.append({"key": okey, "kind": stored.kind, "size": len(blob)})
-            blobs.append(blob)
-        # Counted as the workers' only once the whole plan is made (a failure before sends none).
-        self._shipped.update(meta["key"] for meta in specs)
-        for okey, (stored, users) in named.items():
-            if okey not in self._operands:
-                self._operands[okey] = (stored, set())
-                stored.rank_copies += self._ranks  # each rank's copy counts against its owner's quota
-            self._operands[okey][1].update(users)
-        drop = self._dropped(set(live))
-        drop_operands = self._unused_operands()
         segments = []
         for seg in batch.segments:
             assert isinstance(seg, PackedSegment)
             segments.append([[list(s) for s in seg.spans], list(seg.rows), seg.side, seg.length])
         run = {"model": self._host.name, "vocab": self._vocab, "tokens": batch.tokens, "sequences": batch.sequences,
                "shared": bool(batch.shared), "segments": segments, "fire": fire}
-        return {"taps": taps, "run": run, "specs": specs, "drop": drop, "operands": operands,
-                "drop_operands": drop_operands}, blobs
+        return {"taps": taps, "run": run, "specs": specs, "operands": operands}
 
     def sweep(self) -> list[str]:
         """For a step whose hooks run here: the programs the workers may forget (their hooks
@@ -164,14 +190,14 @@ class RuntimePlanner:
             users &= self._shipped
             if not users:
                 del self._operands[okey]
-                stored.rank_copies -= self._ranks
+                stored.add_rank_copies(-self._ranks)
                 unused.append(okey)
         return sorted(unused)
 
     def forget(self) -> None:
         """The workers are gone: nothing they held counts any more."""
         for stored, _ in self._operands.values():
-            stored.rank_copies -= self._ranks
+            stored.add_rank_copies(-self._ranks)
         self._operands.clear()
         self._shipped.clear()
 

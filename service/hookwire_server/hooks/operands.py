@@ -92,9 +92,20 @@ class StoredOperand:
     #: Holder id (a hook or harvest job id) -> (what it is, its owner's name).
     used_by: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     #: Copies vLLM's worker ranks hold (one per rank of each model whose workers run a hook
-    #: naming it: engine/vllm_runtime.py): each counts against the quotas as the operand does.
+    #: naming it: engine/vllm_runtime.py): each counts against the quotas as the operand
+    #: does. Changed only through its store (``add_rank_copies``), under the store's lock.
     rank_copies: int = 0
+    #: The store that holds it (set when it is stored).
+    store: OperandStore | None = dataclasses.field(default=None, repr=False, compare=False)
     _timer: asyncio.TimerHandle | None = None
+
+    def add_rank_copies(self, copies: int) -> bool:
+        """Counts ``copies`` more (or, negative, fewer) copies of it on vLLM's ranks against
+        its owner's quota and the server's; False (nothing counted) when more would pass
+        either: its hooks then run in the front."""
+        if self.store is None:
+            return copies <= 0
+        return self.store.add_rank_copies(self, copies)
 
     @property
     def held_bytes(self) -> int:
@@ -233,6 +244,18 @@ class OperandStore:
                 self._unfreed[(upload, chunk_id)] = (owner, nbytes)
                 weakref.finalize(tensor, self._freed.append, (upload, chunk_id)).atexit = False
 
+    def add_rank_copies(self, stored: StoredOperand, copies: int) -> bool:
+        """StoredOperand.add_rank_copies."""
+        with self._lock:
+            if copies > 0:
+                more = stored.nbytes * copies
+                if self._total() + more > self.limits.max_operand_bytes:
+                    return False
+                if stored.owner and self._bytes_of(stored.owner) + more > self.limits.max_operand_bytes_per_principal:
+                    return False
+            stored.rank_copies = max(0, stored.rank_copies + copies)
+            return True
+
     @property
     def total_bytes(self) -> int:
         """Bytes every operand takes (uploads in progress included)."""
@@ -347,6 +370,7 @@ class OperandStore:
         with self._lock:
             del self._uploading[key]
             self._own[key] = stored
+            stored.store = self
         return stored
 
     @staticmethod
@@ -381,6 +405,7 @@ class OperandStore:
             with self._lock:
                 self._admit("", name, stored.nbytes, published=True)
                 self._published[name] = stored
+                stored.store = self
             log.info("operand %s published from %s (%d bytes)", name, resolved, stored.nbytes)
             return stored
         trim_heap()
