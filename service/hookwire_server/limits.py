@@ -40,11 +40,12 @@ class Limits:
     max_hooks_per_principal: int = 1024
     #: Rules per hook action.
     max_rules_per_action: int = 64
-    #: Bytes of named operands (OperandService) one principal may keep, uploads in progress included.
+    #: Bytes of named operands (OperandService) one principal may keep, uploads in progress included,
+    #: with each copy a vLLM worker rank holds (engine/vllm_runtime.py).
     max_operand_bytes_per_principal: int = 1024 * 1024 * 1024
     #: Named operands one principal may keep.
     max_operands_per_principal: int = 64
-    #: Bytes of all named operands on the server, published ones included.
+    #: Bytes of all named operands on the server, published ones included, with the ranks' copies.
     max_operand_bytes: int = 8 * 1024 * 1024 * 1024
     #: Open sessions per principal.
     max_sessions_per_principal: int = 64

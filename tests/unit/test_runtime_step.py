@@ -125,7 +125,8 @@ def test_named_operands_arrive_once_beside_the_specs_that_name_them_and_go_when_
 
     v = torch.tensor([1.0, 2.0, 3.0, 4.0])
     g = torch.Generator().manual_seed(3)
-    sae = Sae.of(torch.randn(4, 6, generator=g), torch.zeros(6), torch.randn(6, 4, generator=g), torch.zeros(4))
+    w_enc, w_dec = torch.randn(4, 6, generator=g), torch.randn(6, 4, generator=g)
+    sae = Sae.of(w_enc, torch.zeros(6), w_dec, torch.zeros(4))
     sae_msg = rule_pb2.Sae()
     sae_msg.CopyFrom(sae.message)
     vec_msg = tensor_pb2.Tensor()
@@ -141,7 +142,8 @@ def test_named_operands_arrive_once_beside_the_specs_that_name_them_and_go_when_
         meta["size"] = len(blob)
     operands = [(("alice/v@1", "tensor"), vec_msg.SerializeToString()), (("alice/s@2", "sae"), sae_msg.SerializeToString()),
                 (("alice/bad@3", "tensor"), b"\xff\x00")]
-    header = {"specs": metas, "operands": [{"key": k, "kind": kind, "size": len(b)} for (k, kind), b in operands],
+    header = {"specs": metas, "operands": [{"key": k, "name": k.split("/")[1].split("@")[0], "kind": kind, "size": len(b)}
+                                           for (k, kind), b in operands],
               "run": {"model": "m", "vocab": 0, "tokens": 3, "sequences": 1, "shared": False,
                       "segments": [[[[0, 3]], [0], "left", None]],
                       "fire": [["layer", "post", [[0, "a", 0, False, "", "layer"], [1, "b", 0, False, "", "layer"]]]]}}
@@ -155,7 +157,8 @@ def test_named_operands_arrive_once_beside_the_specs_that_name_them_and_go_when_
     new = runner.fire("layer", "post", {"args": (), "kwargs": {}, "output": x})
     assert new is not None
     added = x + v
-    want = rules_oracle_sae_zero(runner.operands.saes["alice/s@2"], added, 1)
+    want = rules_oracle_sae_zero({"w_enc": w_enc, "b_enc": torch.zeros(6), "w_dec": w_dec, "b_dec": torch.zeros(4)},
+                                 added, 1)  # the tensors as sent, not the worker's copy
     torch.testing.assert_close(new["output"], want)
     runner.results()
     runner.configure({"drop": ["a", "b", "c", "d"], "drop_operands": ["alice/v@1", "alice/s@2", "alice/bad@3"]}, [])
@@ -164,7 +167,7 @@ def test_named_operands_arrive_once_beside_the_specs_that_name_them_and_go_when_
 
 def rules_oracle_sae_zero(sae: Any, t: torch.Tensor, feature: int) -> torch.Tensor:
     """SAELens' edit with the error term, in plain torch: feature ``feature`` zeroed."""
-    w_enc, b_enc, w_dec, b_dec = (sae.tensors[k] for k in ("w_enc", "b_enc", "w_dec", "b_dec"))
+    w_enc, b_enc, w_dec, b_dec = (sae[k] for k in ("w_enc", "b_enc", "w_dec", "b_dec"))
     f = torch.relu((t - b_dec) @ w_enc + b_enc)
     recon = f @ w_dec + b_dec
     edited = f.clone()

@@ -351,7 +351,7 @@ async def test_named_operands_travel_to_the_ranks_once_and_count_per_rank(tp_ser
         async with model.hook("model.layers.0", posthook=[rules.add("output", rules.operand("steer"))]):
             named = await model.generate([text], 4, hooks=[own_hook])
             assert (steer_op.rank_copies, sae_op.rank_copies) == (2, 2)
-            assert store._bytes_of(steer_op.owner) == 3 * (steer_op.nbytes + sae_op.nbytes)
+            assert store.bytes_of(steer_op.owner) == 3 * (steer_op.nbytes + sae_op.nbytes)
             again = await model.generate([text], 4)  # the session hook alone: its operand stays
             assert (steer_op.rank_copies, sae_op.rank_copies) == (2, 0)
         assert engine.tapped_values == taps and engine.worker_hook_steps >= ran + 8
@@ -360,7 +360,7 @@ async def test_named_operands_travel_to_the_ranks_once_and_count_per_rank(tp_ser
         assert again.token_ids == steered_only.token_ids
         await model.generate([text], 2, hooks=[HookSpec("model.layers.0", posthook=capture("output"))])
         assert (steer_op.rank_copies, sae_op.rank_copies) == (0, 0)
-        assert store._bytes_of(steer_op.owner) == steer_op.nbytes + sae_op.nbytes
+        assert store.bytes_of(steer_op.owner) == steer_op.nbytes + sae_op.nbytes
         await client.delete_operand("steer")
         await client.delete_operand("sae")
 

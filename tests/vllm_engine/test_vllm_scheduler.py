@@ -120,9 +120,13 @@ def test_untouched_requests_are_preempted_newest_first_to_start_a_touched_call(v
     engine = Engine(vllm_config)
     for i in range(3):
         engine.add(f"u{i}", 40, touched=False, first=100 * (i + 1), new_tokens=10)
-    while len(engine.running()) < 3 or any(
-            engine.scheduler.requests[f"u{i}"].num_computed_tokens < 40 for i in range(3)):
+    for _ in range(10):  # their prompts, chunked: a few steps
+        if len(engine.running()) == 3 and all(
+                engine.scheduler.requests[f"u{i}"].num_computed_tokens >= 40 for i in range(3)):
+            break
         engine.step()
+    else:
+        raise AssertionError("the untouched prompts did not finish in 10 steps")
     free = engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     assert free == 1  # 2 blocks each
     engine.add("t1", 33, touched=True, call="t", sequences=2, first=1000)

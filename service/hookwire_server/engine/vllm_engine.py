@@ -89,15 +89,15 @@ from .packed import PackedBatch, PackedSegment
 from .pass_runner import model_errors, running
 from .vllm_sizing import SizingError, VllmSizes, text_config, vllm_sizes
 from .vllm_worker import CALL, SEQUENCES, TOUCHED
+from .vllm_link import WorkerLink, proxy_model, tcp_address, run_post, run_pre, taps_of, unedited_modules
+from .seam import GENERATE, HARVEST, INFER, Plan
+
+log = logging.getLogger("hookwire.vllm")
 
 #: hookwire's scheduler for vLLM (vllm_scheduler), by the name vLLM imports it with in
 #: whichever process runs vLLM's scheduler (that module imports vLLM; this one does not
 #: at import).
 SCHEDULER = "hookwire_server.engine.vllm_scheduler.HookwireScheduler"
-from .vllm_link import WorkerLink, proxy_model, tcp_address, run_post, run_pre, taps_of, unedited_modules
-from .seam import GENERATE, HARVEST, INFER, Plan
-
-log = logging.getLogger("hookwire.vllm")
 
 NAME = "vllm"
 
@@ -1475,12 +1475,12 @@ class VllmEngine:
         self._lost = why
         log.error("model %r: %s", self._host.name, why)
         self.link_closed()
-        if self._planner is not None:  # what the workers held is gone with them
-            with self._lock:
-                self._planner.forget()
         self._broken = self._broken or (f"the vLLM engine of model {self._host.name!r} serves no more calls "
                                         f"(restart the server): {why}")
         self._host.failed(f"{why} (restart the server)")
+        if self._planner is not None:  # what the workers held is gone with them
+            with self._lock:
+                self._planner.forget()
 
     def close(self) -> None:
         """Stops vLLM's engine and worker processes (the server shuts down)."""

@@ -42,6 +42,8 @@ class RuntimePlanner:
         #: The named operands the workers hold, by their key there: the operand
         #: (operands.StoredOperand) and the keys of the programs that name it.
         self._operands: dict[str, tuple[Any, set[str]]] = {}
+        #: Operands whose copies could not go to the ranks (logged once each).
+        self._refused: set[str] = set()
         #: The open step's firings, by number: (record, action, path, Pass, call index, training).
         self._firings: list[tuple[Any, Any, str, Any, int, bool]] = []
 
@@ -119,17 +121,30 @@ class RuntimePlanner:
         for okey, (stored, _) in named.items():
             if okey in self._operands:
                 continue
+            why = ""
             if not stored.add_rank_copies(self._ranks):  # each rank's copy counts against the quotas
+                why = f"its copies on {self._ranks} rank(s) would pass the operand quotas"
+            else:
+                reserved.append(stored)
+                try:
+                    blob = _operand_bytes(stored)
+                except Exception as exc:  # (a protobuf message holds at most 2 GiB)
+                    why = f"it cannot be sent to the ranks: {exc}"
+            if why:
                 for done in reserved:
                     done.add_rank_copies(-self._ranks)
-                log.info("model %r: operand %r's copies on %d ranks pass its quota: hooks naming it run in the "
-                         "server", self._host.name, stored.name, self._ranks)
+                self._refuse(okey, f"model {self._host.name!r}: operand {stored.name!r}: {why}; the steps of this "
+                                   "model's hooks run in the server while a hook names it")
                 return None
-            reserved.append(stored)
-            blob = _operand_bytes(stored)
-            operands.append({"key": okey, "kind": stored.kind, "size": len(blob)})
+            operands.append({"key": okey, "kind": stored.kind, "name": stored.name, "size": len(blob)})
             blobs.append(blob)
         return specs, blobs, operands, named, reserved
+
+    def _refuse(self, okey: str, why: str) -> None:
+        """Logs, once per operand, why its hooks' steps run in the server."""
+        if okey not in self._refused:
+            self._refused.add(okey)
+            log.warning("%s", why)
 
     def _decide(self, batch: PackedBatch, phases: list[tuple[str, str, nn.Module, list[Any]]],
                 specs: list[dict[str, Any]], operands: list[dict[str, Any]]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ call's request count ``SEQUENCES``):
   ending can make room, it waits for them and untouched requests go on. A
   touched request is never chunked (the last check before vLLM schedules a prompt's
   tokens), and vLLM's priority policy preempts untouched requests before it would a
-  touched one. Touched calls start in arrival order.
+  touched one. Touched calls whose requests have all arrived start in arrival order.
 
 The front reserves every touched call's KV cache at full length among the touched calls
 (``VllmEngine._admit_waiting``), so touched requests never need to preempt each other;

@@ -104,7 +104,6 @@ class HookRecord:
         #: gap in its events the restart made (HookManager.subscribe sends it once).
         self.restored_notice = ""
         self._sampler = Sampler.compile(spec.sampling)
-        #: Whether its rules name operands (the front's store holds them: runs_elsewhere).
         #: Called once when the hook is removed (cancels a TTL timer).
         self.on_removed: Callable[[], Any] | None = None
         #: The background detach, once removed.

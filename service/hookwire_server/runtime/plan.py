@@ -11,8 +11,9 @@ header's fields:
   its blob); ``drop``: keys of programs the worker may forget.
 - ``operands``: one entry per named operand shipped, its blob after the specs': ``key``
   (the name the specs give it: each ``Tensor.operand`` / ``Sae.operand`` in a shipped
-  spec is such a key), ``kind`` ("tensor": the blob is a ``Tensor`` message; "sae": an
-  ``Sae`` message with its tensors inline), ``size``; each is sent once, and every rank
+  spec is such a key), ``name`` (the operand's, for messages), ``kind`` ("tensor": the
+  blob is a ``Tensor`` message; "sae": an ``Sae`` message with its tensors inline),
+  ``size``; each is sent once, and every rank
   keeps it until ``drop_operands`` lists its key (no program it keeps names it).
 - ``run``: present when the worker runs the step's hooks itself (step.StepRunner):
   ``model`` (for messages), ``vocab`` (the lm_head view's width), ``tokens``,

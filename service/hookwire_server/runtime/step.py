@@ -73,8 +73,7 @@ class ShippedOperands(OperandSource):
     def take(self, meta: dict[str, Any], blob: bytes) -> None:
         """An operand of the plan (never raises: a bad one breaks the programs naming it)."""
         key = str(meta.get("key", ""))
-        # The key is owner/name@identity (engine.vllm_runtime): messages name the operand.
-        where = f"operand {key.split('@')[0].partition('/')[2]!r}"
+        where = f"operand {str(meta.get('name', key))!r}"
         try:
             if meta.get("kind") == "sae":
                 sae = rule_pb2.Sae()
