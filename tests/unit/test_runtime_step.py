@@ -13,20 +13,24 @@ from hookwire_server.runtime import plan
 from hookwire_server.runtime.step import StepRunner
 
 
-def _runner(specs: dict[str, HookSpec], fire: list[list], *, fail_call: bool = True) -> StepRunner:
+def _runner(specs: dict[str, HookSpec], fire: list[list], *, fail_call: bool = True, slots: str = "",
+            extra: dict[str, Any] | None = None, more: list[bytes] = (), runner: StepRunner | None = None) -> StepRunner:
     """A runner given a step of two calls packed as [tokens, 4]: call 0 has two sequences
-    (tokens 0-2 and 3-4: left-padded to 3), call 1 one (tokens 5-7)."""
+    (tokens 0-2 and 3-4: left-padded to 3), call 1 one (tokens 5-7). ``slots``: the
+    session store the hooks keep slots in; ``extra``: more header fields, ``more``: the
+    blobs after the specs' (operands', slots'); ``runner``: a runner's next step."""
     metas = [{"key": key, "size": 0, "hook_id": key, "owner": "alice", "fail_call": fail_call,
-              "request_scoped": True} for key in specs]
+              "request_scoped": True, "slots": slots} for key in specs]
     blobs = [spec.to_proto().SerializeToString() for spec in specs.values()]
     for meta, blob in zip(metas, blobs):
         meta["size"] = len(blob)
-    header = {"specs": metas, "run": {
+    header = {**(extra or {}), "specs": metas, "run": {
         "model": "m", "vocab": 0, "tokens": 8, "sequences": 3, "shared": True,
         "segments": [[[[0, 3], [3, 5]], [0, 1], "left", None], [[[5, 8]], [2], "left", None]],
         "fire": fire}}
+    blobs += list(more)
     header, blobs = plan.unpack(plan.pack(header, blobs))  # as it travels
-    runner = StepRunner(torch.device("cpu"))
+    runner = runner or StepRunner(torch.device("cpu"))
     runner.configure(header, blobs, lambda: torch.arange(100, 108))
     return runner
 
@@ -173,3 +177,42 @@ def rules_oracle_sae_zero(sae: Any, t: torch.Tensor, feature: int) -> torch.Tens
     edited = f.clone()
     edited[..., feature] = 0.0
     return edited @ w_dec + b_dec + (t - recon)
+
+
+def test_slots_saved_on_a_rank_are_bounded_reported_patched_and_freed() -> None:
+    """A save on the rank keeps the slot there within the budget the plan gives the
+    session (one byte short: the save fails as it would in the server, naming
+    max_slot_bytes), and the step reports its name, dtype, shape and bytes; a slot the
+    front sends with a plan is patched from; a drop frees the session's slots."""
+    from hookwire.wire import codec
+
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+    post = {"args": (), "kwargs": {}, "output": x}
+    save = {"save": HookSpec("layer", posthook=[rules.save("output", slot="s")])}
+    fire = [["layer", "post", [[0, "save", 1, False, "", "layer"]]]]
+    short = _runner(save, fire, slots="k", extra={"slot_budget": {"k": 47}})
+    assert short.fire("layer", "post", post) is None
+    (fired,), _ = short.results()
+    assert fired[6][:2] == ["rule", "ResourceExhausted"] and "max_slot_bytes" in fired[6][2]
+    assert short.slots.saved() == []
+    runner = _runner(save, fire, slots="k", extra={"slot_budget": {"k": 48}})
+    assert runner.fire("layer", "post", post) is None
+    (fired,), _ = runner.results()
+    assert fired[6] is None
+    assert runner.slots.saved() == [["k", "s", "float32", [1, 3, 4], 48]]
+    assert torch.equal(runner.slots.stores["k"].get("s"), x[5:8].reshape(1, 3, 4))
+    # A slot the front held comes with the next plan, and call 0's last positions take it.
+    held = torch.full((4,), 7.0)
+    sent = codec.encode_tensor(held).SerializeToString()
+    patch = {"patch": HookSpec("layer", posthook=[rules.patch("output", slot="p", index="[:, -1]")])}
+    _runner(patch, [["layer", "post", [[0, "patch", 0, False, "", "layer"]]]], slots="k", runner=runner,
+            extra={"slots": [{"key": "k", "name": "p", "size": len(sent)}]}, more=[sent])
+    new = runner.fire("layer", "post", post)
+    assert new is not None
+    want = x.clone()
+    want[2] = want[4] = held
+    assert torch.equal(new["output"], want)
+    runner.results()
+    assert runner.slots.held_bytes == 48 + 16
+    _runner({}, [], runner=runner, extra={"drop_slots": [["k", None]]})
+    assert runner.slots.held_bytes == 0 and runner.slots.stores == {}

@@ -43,7 +43,8 @@ def tp_server(llama_folder: pathlib.Path) -> Iterator[Any]:
         name="llama-tp", transformers=str(llama_folder), engine="vllm", parameters_readable=True,
         vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": 32 << 20, "tensor_parallel_size": 2},
     ))
-    srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
+    # 16 KiB of slots per session: each of the two ranks' copies of a slot counts.
+    srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0, max_slot_bytes=16 << 10)).start()
     srv.host = host
     yield srv
     srv.stop()
@@ -316,6 +317,83 @@ async def test_hooks_run_in_the_workers_without_a_round_trip(tp_server, oracle) 
         assert failed.value.code == "FAILED_PRECONDITION" and "no signal 'never'" in str(failed.value)
         again = await model.generate([text], 4, hooks=[steer])
         assert list(again.token_ids[0]) == steered_want
+
+
+async def test_slots_live_on_the_ranks_and_move_to_where_they_are_used(tp_server, oracle) -> None:
+    """Session slots on the ranks (hooks/slots.py, runtime.step.RankSlots): a session hook
+    saves layer 0's output, scaled by 3, and another patches it into layer 1's last
+    position, every step. The steps run in the workers (no module value crosses the link)
+    and give transformers' tokens with the same edits; ListSlots describes the slot as the
+    server knows it while the tensor stays on the ranks, and GetSlot reads it from the
+    first rank: the oracle's last saved value. A step whose hooks need the server (a
+    readout beside them) reads the slot back first and patches it there, with the same
+    tokens; the next worker step takes it along again. A save whose two rank copies pass
+    max_slot_bytes (16 KiB here) fails as a save in the server does, naming the setting;
+    when the session ends, every rank frees its copies."""
+    tokenizer = oracle_tokenizer()
+    engine = tp_server.host.loaded_engine
+    text = PROMPTS[1]
+    kept: dict[str, torch.Tensor] = {}
+
+    def save(module: Any, args: Any, output: Any) -> Any:
+        out = (output[0] if isinstance(output, tuple) else output) * 3.0
+        kept["s"] = out.clone()
+        return (out, *output[1:]) if isinstance(output, tuple) else out
+
+    def patch(module: Any, args: Any, output: Any) -> Any:
+        out = (output[0] if isinstance(output, tuple) else output).clone()
+        out[:, -1] = kept["s"][:, -1]
+        return (out, *output[1:]) if isinstance(output, tuple) else out
+
+    handles = [oracle.model.layers[0].register_forward_hook(save), oracle.model.layers[1].register_forward_hook(patch)]
+    try:
+        want, _ = _greedy(oracle, _ids(tokenizer, text), 5)
+    finally:
+        for h in handles:
+            h.remove()
+    last_saved = kept["s"]
+
+    async def held() -> list[list[int]]:
+        return await asyncio.to_thread(engine.call_workers, "hookwire_slots_held")
+
+    async with hookwire.connect(tp_server.target) as client:
+        model = client.model("llama-tp")
+        await model.hook("model.layers.0", posthook=[rules.scale("output", 3.0), rules.save("output", slot="s")])
+        await model.hook("model.layers.1", posthook=[rules.patch("output", slot="s", index="[:, -1]")])
+        taps, ran = engine.tapped_values, engine.worker_hook_steps
+        result = await model.generate([text], 5)
+        assert list(result.token_ids[0]) == want
+        assert engine.tapped_values == taps and engine.worker_hook_steps >= ran + 5
+        (info,) = await client.list_slots()
+        assert (info.name, info.dtype, tuple(info.shape)) == ("s", "float32", tuple(last_saved.shape))
+        assert [rank[0] for rank in await held()] == [1, 1]  # a copy on each rank, none in the server
+        torch.testing.assert_close(await client.get_slot("s"), last_saved, **TOL)
+        # Beside a readout the steps' hooks run in the server: the slot comes back first.
+        taps = engine.tapped_values
+        readout = HookSpec("model.layers.1", posthook=capture("output", readout=rules.probe_scores(torch.ones(128))))
+        read = await model.generate([text], 5, hooks=[readout])
+        assert engine.tapped_values > taps
+        assert list(read.token_ids[0]) == want
+        assert [rank[0] for rank in await held()] == [0, 0]
+        torch.testing.assert_close(await client.get_slot("s"), last_saved, **TOL)
+        taps = engine.tapped_values
+        again = await model.generate([text], 5)
+        assert list(again.token_ids[0]) == want and engine.tapped_values == taps
+        assert [rank[0] for rank in await held()] == [1, 1]
+        # 40 prompt positions of 128 floats, twice: 40 KiB of copies, past 16 KiB.
+        async with hookwire.connect(tp_server.target) as other:
+            await other.model("llama-tp").hook("model.layers.0", posthook=[rules.save("output", slot="big")],
+                                               on_error="fail_call")
+            with pytest.raises(hookwire.ResourceExhaustedError, match="max_slot_bytes"):
+                await other.model("llama-tp").generate([" ".join(["a"] * 39)], 2)
+            assert await other.list_slots() == []
+        again = await model.generate([text], 2)
+        assert list(again.token_ids[0]) == want[:2]
+    for _ in range(600):  # the session ended with the client: its slots go from every rank
+        if [rank[0] for rank in await held()] == [0, 0]:
+            break
+        await asyncio.sleep(0.1)
+    assert await held() == [[0, 0], [0, 0]]
 
 
 async def test_named_operands_travel_to_the_ranks_once_and_count_per_rank(tp_server) -> None:

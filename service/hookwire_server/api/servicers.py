@@ -32,7 +32,7 @@ from ..auth import MINIMUM_ROLE, TokenStore
 from ..metrics import Metrics
 from .security import principal_of
 from ..models.model_registry import ModelRegistry
-from ..hooks.slots import slot_to_proto
+from ..hooks.slots import info_of, slot_to_proto
 from ..calls.generation import Generation
 from ..calls.parameters import Parameters
 from ..calls.tokenization import Tokenization
@@ -171,14 +171,16 @@ class HookServicer(hook_service_pb2_grpc.HookServiceServicer):
 
     @unary
     async def GetSlot(self, request: hook_service_pb2.GetSlotRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.Slot:
-        tensor = self._hooks.slots(request.session_id, principal_of(context, self._tokens)).require(request.name)
-        return slot_to_proto(request.name, tensor, with_data=True)
+        store = self._hooks.slots(request.session_id, principal_of(context, self._tokens))
+        # A slot on a vLLM model's ranks is read there, between the model's steps: off the loop.
+        tensor = await asyncio.to_thread(store.read, request.name)
+        return slot_to_proto(info_of(request.name, tensor), tensor)
 
     @unary
     async def ListSlots(self, request: hook_service_pb2.ListSlotsRequest, context: grpc.aio.ServicerContext) -> hook_service_pb2.ListSlotsResponse:
         store = self._hooks.slots(request.session_id, principal_of(context, self._tokens))
         return hook_service_pb2.ListSlotsResponse(
-            slots=[slot_to_proto(name, tensor, with_data=False) for name, tensor in store.items()],
+            slots=[slot_to_proto(info) for info in store.describe()],
             total_bytes=store.total_bytes, max_bytes=store.max_bytes,
         )
 

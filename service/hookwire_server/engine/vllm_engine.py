@@ -315,6 +315,10 @@ def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLi
     return host
 
 
+#: How long a call to the workers between steps (``VllmEngine.call_workers``: GetSlot of a
+#: slot on the ranks, freeing a session's slots) may wait for vLLM's engine core.
+WORKER_CALL_SECONDS = 120.0
+
 #: The class vLLM mixes into its workers when the model runs in worker processes.
 WORKER_EXTENSION = "hookwire_server.engine.vllm_worker.HookwireWorker"
 
@@ -636,8 +640,11 @@ class VllmEngine:
         self._link = link
         #: In worker processes: the steps whose hooks run in the workers (runtime/), planned
         #: here (vllm.hooks_in_workers; None: every hook runs here, on what the workers send).
-        self._planner = (RuntimePlanner(host, self._vocab or 0, ranks)
+        self._planner = (RuntimePlanner(host, self._vocab or 0, ranks, self.call_workers)
                          if link is not None and hooks_in_workers else None)
+        #: Held while this process sends to vLLM's engine core (its client is not safe
+        #: across threads): the worker thread's calls, and ``call_workers`` from others.
+        self._client = threading.Lock()
         #: Steps whose hooks ran in the workers (the others with hooks ran them here), and
         #: module values the workers sent for hooks to run here.
         self.worker_hook_steps = 0
@@ -820,7 +827,9 @@ class VllmEngine:
             waiting = pending()
             if not waiting:
                 return
-            if not self._engine.has_unfinished_requests():
+            with self._client:
+                unfinished = self._engine.has_unfinished_requests()
+            if not unfinished:
                 why = FailedPrecondition("vLLM holds no request of this call any more")
                 for item in waiting:
                     state = item if isinstance(item, _Call) else _state(item)
@@ -916,7 +925,8 @@ class VllmEngine:
                 # hookwire's scheduler starts a touched call's requests together.
                 params.extra_args = {**(params.extra_args or {}), TOUCHED: state.touched,
                                      CALL: state.request_ids[0], SEQUENCES: len(state.request_ids)}
-                self._engine.add_request(rid, prompt, params)
+                with self._client:
+                    self._engine.add_request(rid, prompt, params)
                 state.added_ids.append(rid)
             state.added = True
         except Exception as exc:  # vLLM refused one of its requests: the call fails alone
@@ -958,7 +968,8 @@ class VllmEngine:
         ids, self._aborts = self._aborts, []
         if ids and not self._broken:
             try:
-                self._engine.abort_request(ids)  # vLLM ignores requests that already finished
+                with self._client:
+                    self._engine.abort_request(ids)  # vLLM ignores requests that already finished
             except Exception as exc:
                 log.debug("abort: %r", exc)
 
@@ -1132,7 +1143,8 @@ class VllmEngine:
         lock, while the link runs the steps' hooks."""
         self._lock.release()
         try:
-            return list(self._engine.step())
+            with self._client:
+                return list(self._engine.step())
         finally:
             self._lock.acquire()
 
@@ -1402,6 +1414,9 @@ class VllmEngine:
             if self._planner is not None:
                 reply["drop"] = self._planner.sweep()
                 reply["drop_operands"] = self._planner.sweep_operands()
+                reply["drop_slots"] = self._planner.slots.take_drops()
+                if batch.segments:
+                    reply["pull_slots"] = self._planner.pulls()
             return reply, []
         except BaseException:
             if self._open is not None:
@@ -1426,16 +1441,56 @@ class VllmEngine:
             self._fail_step(batch, exc)
             return None
 
+    def link_slots(self, pairs: list[list[str]], values: list[Any]) -> None:
+        """Slots a worker read back before a step whose hooks run here. Link thread."""
+        if self._planner is not None:
+            self._planner.restore(pairs, values)
+
+    def call_workers(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """vLLM's collective_rpc of ``method`` on every worker, each one's answer (vLLM's
+        engine core runs it between steps). Blocks up to a step and more; from any
+        thread but the link's and the model's worker thread, holding none of the engine's
+        locks (a step it waits for may need them). FailedPrecondition when the engine
+        serves no more, or does not answer within WORKER_CALL_SECONDS.
+
+        The request goes out under the client lock, and the answer is awaited without it:
+        vLLM's ``collective_rpc`` would hold the client for the whole wait, while the
+        worker thread needs it to go on stepping (private to vLLM 0.32's SyncMPClient:
+        ``utility_results``, ``_send_input``)."""
+        import concurrent.futures
+        import uuid
+
+        from vllm.v1.engine import EngineCoreRequestType
+
+        if self._broken:
+            raise FailedPrecondition(self._broken)
+        core = self._engine.engine_core
+        call_id = uuid.uuid1().int >> 64
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._client:
+            core.utility_results[call_id] = future
+            core._send_input(EngineCoreRequestType.UTILITY, (0, call_id, "collective_rpc", (method, None, args, None)))
+        try:
+            return list(future.result(timeout=WORKER_CALL_SECONDS))
+        except concurrent.futures.TimeoutError:
+            core.utility_results.pop(call_id, None)
+            raise FailedPrecondition(f"model {self._host.name!r}: its vLLM workers did not answer {method} within "
+                                     f"{WORKER_CALL_SECONDS:.0f} s") from None
+        except Exception as exc:
+            raise FailedPrecondition(f"model {self._host.name!r}: its vLLM workers could not answer {method}: "
+                                     f"{exc}") from None
+
     def link_logits(self, logits: torch.Tensor) -> None:
         """The step's logits (one row per request), for prompt passes. Link thread."""
         self._logits = logits
 
     def link_end(self, fired: list[Any] | None = None, values: list[Any] | None = None,
-                 bad: dict[int, str] | None = None) -> None:
-        """The worker's step ends: the firings the workers ran (``fired``, with the
-        ``values`` they captured; ``bad``: values that could not be encoded, by index)
-        into their hooks, its captures go out, failed calls
-        fail, prompt passes take their logits; the lock goes back. Link thread."""
+                 bad: dict[int, str] | None = None, saved: list[list[Any]] | None = None) -> None:
+        """The worker's step ends: the slots it saved (``saved``) live on the ranks, the
+        firings the workers ran (``fired``, with the ``values`` they captured; ``bad``:
+        values that could not be encoded, by index) go into their hooks, its captures go
+        out, failed calls fail, prompt passes take their logits; the lock goes back. Link
+        thread."""
         opened, self._open = self._open, None
         if opened is None:
             if self._planner is not None:
@@ -1444,6 +1499,8 @@ class VllmEngine:
         batch, stack = opened
         try:
             if self._planner is not None:
+                if saved:
+                    self._planner.saved(saved)
                 if fired is not None:
                     try:
                         self._planner.finish(batch, fired, list(values or []), bad or {})
@@ -1480,7 +1537,7 @@ class VllmEngine:
         self._host.failed(f"{why} (restart the server)")
         if self._planner is not None:  # what the workers held is gone with them
             with self._lock:
-                self._planner.forget()
+                self._planner.forget(why)
 
     def close(self) -> None:
         """Stops vLLM's engine and worker processes (the server shuts down)."""

@@ -179,6 +179,15 @@ def run_post(module: nn.Module, parts: dict[str, Any]) -> dict[str, Any] | None:
     return {"output": output} if changed else None
 
 
+_LINK = threading.local()
+
+
+def on_link_thread() -> bool:
+    """Whether this thread serves a worker's connection (it runs a step's hooks: it must
+    not wait for another model's steps)."""
+    return bool(getattr(_LINK, "serving", False))
+
+
 class LinkEngine(Protocol):
     """What the link calls in the engine (vllm_engine.VllmEngine), on a connection's thread."""
 
@@ -186,8 +195,9 @@ class LinkEngine(Protocol):
                   last: list[int] | None = None) -> tuple[dict[str, Any], list[bytes]]: ...
     def link_tap(self, path: str, phase: str, parts: dict[str, Any]) -> dict[str, Any] | None: ...
     def link_logits(self, logits: torch.Tensor) -> None: ...
+    def link_slots(self, pairs: list[list[str]], values: list[Any]) -> None: ...
     def link_end(self, fired: list[Any] | None = None, values: list[Any] | None = None,
-                 bad: dict[int, str] | None = None) -> None: ...
+                 bad: dict[int, str] | None = None, saved: list[list[Any]] | None = None) -> None: ...
     def link_closed(self) -> None: ...
     def lost(self, why: str) -> None: ...
 
@@ -273,6 +283,7 @@ class WorkerLink:
 
     def _serve(self, conn: Connection) -> None:
         engine: LinkEngine | None = None
+        _LINK.serving = True
         try:
             while True:
                 header = json.loads(conn.recv_bytes())
@@ -290,19 +301,24 @@ class WorkerLink:
                     new = engine.link_tap(str(header["path"]), str(header["phase"]), parts)
                     if header.get("edits"):
                         _answer(conn, new)
+                elif kind == "slots":  # read back before a step whose hooks run here
+                    pairs = [[str(k), str(n)] for k, n in header.get("slots", ())]
+                    engine.link_slots(pairs, [_receive_value(conn) for _ in pairs])
                 elif kind == "logits":
                     engine.link_logits(_receive_value(conn))
                 elif kind == "end":
                     fired = header.get("fired")
                     values = [_receive_value(conn, wire=True) for _ in range(int(header.get("values", 0)))]
                     bad = header.get("bad") or {}
+                    saved = header.get("slots")
                     # The worker goes on at once (vLLM samples, its engine core schedules the
                     # next step) while the step's hooks finish here. Its tokens cannot overtake
                     # its events: the engine's worker thread takes a step's outputs under the
                     # engine's lock, which this thread holds from link_step until link_end returns.
                     conn.send_bytes(b"{}")
                     engine.link_end(fired if isinstance(fired, list) else None, values,
-                                    {int(k): str(v) for k, v in bad.items()})
+                                    {int(k): str(v) for k, v in bad.items()},
+                                    saved if isinstance(saved, list) else None)
                 else:
                     raise ValueError(f"unknown message {kind!r}")
         except (EOFError, OSError) as exc:

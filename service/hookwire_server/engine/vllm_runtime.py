@@ -7,34 +7,129 @@ A step runs its hooks in the workers only when every hook on a tapped module can
 there (``HookRecord.runs_elsewhere``) and no call of the step is a harvest batch (whose
 captures go to the job's writer, not to events); otherwise ``plan`` answers None and
 the step's hooks run here, on what the workers send (vllm_link).
+
+Sessions' slots follow their hooks (``WorkerSlots``, the ranks as a home of slots:
+hooks.slots): a save in a worker's step leaves the slot on the ranks, a step there that
+patches a slot held in the server takes it with its plan, and a step whose hooks run
+here first reads back the slots of its sessions that live on the ranks (``pulls``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import threading
+import weakref
+from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from hookwire.v1 import rule_pb2, tensor_pb2
 from hookwire.wire import codec
 
-from ..errors import HookwireServerError, InvalidArgument, Unimplemented
+from ..errors import FailedPrecondition, HookwireServerError, InvalidArgument, NotFound, Unimplemented
 from .. import errors
 from ..hooks.hook_specs import SCOPE_REQUEST
 from ..hooks.rules import named_references
+from ..hooks.slots import SlotStore
+from .vllm_link import on_link_thread
 from ..models.model_registry import ModelHost
 from .packed import PackedBatch, PackedSegment
 
 log = logging.getLogger("hookwire.vllm")
 
 
+class WorkerSlots:
+    """One vLLM model's ranks as the home of sessions' slots (hooks.slots.SlotHome): what
+    they hold is known by each session's store; this object frees and reads it there.
+
+    ``call``: the engine's ``call_workers`` (vLLM's collective_rpc on every rank, between
+    steps). Frees ride on the next plan (``take_drops``, in step order with the ranks'
+    saves); a session's end also frees its slots at once."""
+
+    def __init__(self, model: str, ranks: int, call: Callable[[str, tuple[Any, ...]], list[Any]]) -> None:
+        self.label = f"model {model!r}'s vLLM workers"
+        self.copies = ranks
+        self._call = call
+        self._lock = threading.Lock()
+        self._drops: list[list[Any]] = []
+        #: The stores whose slots may live here, by key (weak: a store ends with its session).
+        self._stores: weakref.WeakValueDictionary[str, SlotStore] = weakref.WeakValueDictionary()
+        self._gone = ""
+
+    def remember(self, store: SlotStore) -> None:
+        if store.key not in self._stores:
+            self._stores[store.key] = store
+            store.visited(self)
+
+    def store(self, key: str) -> SlotStore | None:
+        return self._stores.get(key)
+
+    def read(self, key: str, name: str) -> torch.Tensor:
+        if self._gone:
+            raise NotFound(f"slot {name!r} was on {self.label}, which went away: {self._gone}")
+        if on_link_thread():
+            # A step of a vLLM model runs its hooks on a link thread: waiting there for
+            # another model's ranks could wait for a step that waits for this one.
+            raise FailedPrecondition(f"slot {name!r} lives on {self.label} (it was saved there): a step of another "
+                                     "vLLM model in worker processes cannot read it; patch it in that model's calls, "
+                                     "or save it again in this one's")
+        answers = self._call("hookwire_slot", (key, name))
+        answer = answers[0] if answers else []
+        if not answer:
+            raise NotFound(f"no slot {name!r} in this session (it is not on {self.label})")
+        data, shape, dtype = answer
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return flat.view(getattr(torch, str(dtype))).reshape([int(n) for n in shape]).clone()
+
+    def discard(self, key: str, names: list[str] | None) -> None:
+        with self._lock:
+            self._drops.append([key, names])
+        if names is None and not self._gone:
+            # The session ended: its slots are freed on every rank now, not at the next step
+            # (which may never come). Off this thread: the engine answers between steps.
+            threading.Thread(target=self._free_now, args=(key,), name="vllm-slots-free", daemon=True).start()
+
+    def _free_now(self, key: str) -> None:
+        try:
+            self._call("hookwire_drop_slots", ([[key, None]],))
+        except Exception as exc:  # the next plan frees them (or the model is gone)
+            log.debug("freeing a session's slots on the ranks: %r", exc)
+
+    def keep(self, key: str, name: str) -> None:
+        """A save of ``name`` on the ranks: a free asked for an older copy must not take it."""
+        with self._lock:
+            kept = []
+            for k, names in self._drops:
+                if k == key and names is not None:
+                    names = [n for n in names if n != name]
+                    if not names:
+                        continue
+                kept.append([k, names])
+            self._drops = kept
+
+    def take_drops(self) -> list[list[Any]]:
+        """What the next plan frees on the ranks ([key, names or None] each)."""
+        with self._lock:
+            drops, self._drops = self._drops, []
+        return drops
+
+    def lost(self, why: str) -> None:
+        """The ranks are gone: the slots that lived there are lost."""
+        self._gone = why
+        for store in list(self._stores.values()):
+            store.forget_home(self, why)
+
+
 class RuntimePlanner:
     """Plans the steps of one model's workers (link thread, under the engine's lock)."""
 
-    def __init__(self, host: ModelHost, vocab: int, ranks: int = 1) -> None:
+    def __init__(self, host: ModelHost, vocab: int, ranks: int = 1,
+                 call: Callable[[str, tuple[Any, ...]], list[Any]] | None = None) -> None:
         self._host = host
         self._vocab = vocab
+        #: The ranks as a home of sessions' slots.
+        self.slots = WorkerSlots(host.name, ranks, call or _no_call)
         #: The ranks every plan reaches (each holds its own copy of what it ships).
         self._ranks = ranks
         #: Keys of the programs the workers hold.
@@ -77,12 +172,36 @@ class RuntimePlanner:
         if shipping is None:
             return None
         specs, blobs, operands, named, reserved = shipping
+        stores = {record.slots.key: record.slots for record in live.values()
+                  if record.compiled.uses_slots and record.slots is not None}
+        moving: list[tuple[SlotStore, str, torch.Tensor]] = []
+        for store in stores.values():
+            self.slots.remember(store)
+            candidates, blocked = store.ship_to(self.slots)
+            if blocked:  # a slot that cannot come: the step's hooks run here (which reads it)
+                for stored in reserved:
+                    stored.add_rank_copies(-self._ranks)
+                return None
+            moving.extend((store, name, tensor) for name, tensor in candidates)
         try:
             header = self._decide(batch, phases, specs, operands)
+            slot_meta = []
+            for store, name, tensor in moving:
+                out = tensor_pb2.Tensor()
+                codec.encode_tensor_into(tensor.detach().to("cpu"), out)
+                blob = out.SerializeToString()
+                slot_meta.append({"key": store.key, "name": name, "size": len(blob)})
+                blobs.append(blob)
         except BaseException:
             for stored in reserved:
                 stored.add_rank_copies(-self._ranks)
             raise
+        # The slots sent live on the ranks from now on (each still the tensor read above).
+        for store, name, tensor in moving:
+            store.moved_to(name, tensor, self.slots)
+        header["slots"] = slot_meta
+        header["slot_budget"] = {key: store.budget_for(self.slots) for key, store in stores.items()}
+        header["drop_slots"] = self.slots.take_drops()
         # Counted as the workers' only once the whole plan is made (a failure before sends none).
         self._shipped.update(meta["key"] for meta in specs)
         for okey, (stored, users) in named.items():
@@ -114,7 +233,8 @@ class RuntimePlanner:
             blob = spec.SerializeToString()
             specs.append({"key": key, "size": len(blob), "hook_id": record.hook_id, "owner": record.owner.name,
                           "fail_call": bool(record.compiled.fail_call_on_error),
-                          "request_scoped": record.compiled.scope == SCOPE_REQUEST})
+                          "request_scoped": record.compiled.scope == SCOPE_REQUEST,
+                          "slots": record.slots.key if record.compiled.uses_slots and record.slots is not None else ""})
             blobs.append(blob)
         operands: list[dict[str, Any]] = []
         reserved: list[Any] = []
@@ -187,6 +307,45 @@ class RuntimePlanner:
         live = {_key(firing[0]) for firing in firings if firing is not None}
         return self._dropped(live)
 
+    def pulls(self) -> list[list[str]]:
+        """For a step whose hooks run here: the slots of its slot-keeping hooks' sessions
+        that live on the ranks ([key, name] each), which the worker sends back before the
+        step (``restore``) and the ranks then free."""
+        out: list[list[str]] = []
+        seen: set[str] = set()
+        for module in self._host.modules.values():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for fn in hooks.values():
+                    firing = getattr(fn, "hookwire_firing", None)
+                    if firing is None:
+                        continue
+                    record = firing[0]
+                    store = getattr(record, "slots", None)
+                    if store is None or not record.compiled.uses_slots or store.key in seen:
+                        continue
+                    seen.add(store.key)
+                    self.slots.remember(store)
+                    out.extend([store.key, name] for name in store.placed_on(self.slots))
+        return out
+
+    def restore(self, pairs: list[list[str]], values: list[Any]) -> None:
+        """The slots a worker sent back (``pulls``): they live here again."""
+        for (key, name), value in zip(pairs, values):
+            store = self.slots.store(key)
+            if store is not None:
+                store.restore(name, value if isinstance(value, torch.Tensor) else None, self.slots)
+
+    def saved(self, saved: list[list[Any]]) -> None:
+        """The slots the workers' step saved ([key, name, dtype, shape, bytes] each): they
+        live on the ranks."""
+        for key, name, dtype, shape, nbytes in saved:
+            self.slots.keep(str(key), str(name))
+            store = self.slots.store(str(key))
+            if store is None:
+                self.slots.discard(str(key), [str(name)])
+                continue
+            store.place(str(name), self.slots, getattr(torch, str(dtype)), tuple(int(n) for n in shape), int(nbytes))
+
     def sweep_operands(self) -> list[str]:
         """After ``sweep``: the named operands the workers may free (no program they keep
         names them)."""
@@ -209,8 +368,9 @@ class RuntimePlanner:
                 unused.append(okey)
         return sorted(unused)
 
-    def forget(self) -> None:
+    def forget(self, why: str = "its workers went away") -> None:
         """The workers are gone: nothing they held counts any more."""
+        self.slots.lost(why)
         for stored, _ in self._operands.values():
             stored.add_rank_copies(-self._ranks)
         self._operands.clear()
@@ -260,6 +420,10 @@ class RuntimePlanner:
     def abandon(self) -> None:
         """The open step ended without results (its worker went away)."""
         self._firings = []
+
+
+def _no_call(method: str, args: tuple[Any, ...]) -> list[Any]:
+    raise FailedPrecondition("this model's workers cannot be called")
 
 
 def _key(record: Any) -> str:

@@ -182,6 +182,28 @@ class HookwireWorker:
         packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
         return {"modules": modules, "parameters": params, "packed": packed}
 
+    def hookwire_slot(self, key: str, name: str) -> list[Any]:
+        """Slot ``name`` of session ``key`` as this rank holds it: [bytes, shape, dtype], or
+        [] when it holds none (GetSlot reads the first rank's)."""
+        store = self._hookwire.runtime.slots.stores.get(key)  # type: ignore[attr-defined]
+        tensor = store.get(name) if store is not None else None
+        if tensor is None:
+            return []
+        tensor = tensor.detach().to("cpu").contiguous()
+        return [tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"", list(tensor.shape),
+                str(tensor.dtype).removeprefix("torch.")]
+
+    def hookwire_drop_slots(self, drops: list[list[Any]]) -> None:
+        """Frees slots on this rank: [session key, names or None (all)] each."""
+        slots = self._hookwire.runtime.slots  # type: ignore[attr-defined]
+        for key, names in drops:
+            slots.drop(str(key), None if names is None else [str(n) for n in names])
+
+    def hookwire_slots_held(self) -> list[int]:
+        """[sessions, bytes] of the slots this rank holds (what tests and operators see)."""
+        slots = self._hookwire.runtime.slots  # type: ignore[attr-defined]
+        return [len(slots.stores), slots.held_bytes]
+
     def hookwire_parameter(self, name: str) -> list[Any]:
         """Parameter ``name``'s value on this rank: [bytes, shape, dtype] (on the first rank
         only: the others answer empty, so their shards do not travel for nothing)."""
@@ -301,6 +323,8 @@ class _Taps:
         if self.parallel:
             config = self._broadcast_bytes(config if self.leader else None)
         header, blobs = plan.unpack(config)
+        if self.leader and header.get("pull_slots"):
+            self._send_slots(header["pull_slots"])
         self.runtime.configure(header, blobs, self._input_ids)
         self._sync(header.get("taps", []))
         self.logits = bool(header.get("logits"))
@@ -310,6 +334,21 @@ class _Taps:
             self._end_handle = None
         if not header.get("skip"):
             self._end_handle = self.head.register_forward_hook(self._end)
+
+    def _send_slots(self, pairs: list[list[str]]) -> None:
+        """The slots the server reads back before a step whose hooks run there (each
+        [session key, name]): one frame each (empty: not here); every rank then frees them."""
+        from hookwire.wire import codec
+
+        assert self.conn is not None
+        frames = []
+        for key, name in pairs:
+            store = self.runtime.slots.stores.get(str(key))
+            tensor = store.get(str(name)) if store is not None else None
+            frames.append(codec.encode_value(tensor.to("cpu")).SerializeToString() if tensor is not None else b"")
+        self.conn.send_bytes(json.dumps({"t": "slots", "slots": pairs}).encode())
+        for frame in frames:
+            self.conn.send_bytes(frame)
 
     def _input_ids(self) -> torch.Tensor | None:
         """The step's token ids, flat (rules' token-id signals)."""
@@ -386,6 +425,7 @@ class _Taps:
         """After the step's logits: the server finishes the step."""
         ran = self.runtime.active
         fired, values = self.runtime.results() if ran else ([], [])
+        saved = self.runtime.slots.saved() if ran else []
         if not self.leader:
             return
         if self.logits:
@@ -405,7 +445,8 @@ class _Taps:
                     frames.append(b"")
                     bad[str(i)] = f"{type(exc).__name__}: {exc}"
             assert self.conn is not None
-            self.conn.send_bytes(json.dumps({"t": "end", "fired": fired, "values": len(frames), "bad": bad}).encode())
+            self.conn.send_bytes(json.dumps({"t": "end", "fired": fired, "values": len(frames), "bad": bad,
+                                             "slots": saved}).encode())
             for frame in frames:
                 self.conn.send_bytes(frame)
         else:

@@ -351,9 +351,9 @@ class HookRecord:
 
     def runs_elsewhere(self, action: Action) -> bool:
         """Whether a hook runtime without this record (a vLLM worker's) can run ``action``:
-        not what needs the front's stores or state while it fires (slots, readouts, heads,
-        sampling). Named operands travel with the plan (engine/vllm_runtime.py)."""
-        return (action.phase in (hook_pb2.PHASE_FORWARD_PRE, hook_pb2.PHASE_FORWARD) and not action.uses_slots
+        not what needs the front's state while it fires (readouts, heads, sampling). Named
+        operands and the session's slots travel with the plan (engine/vllm_runtime.py)."""
+        return (action.phase in (hook_pb2.PHASE_FORWARD_PRE, hook_pb2.PHASE_FORWARD)
                 and not action.heads and not any(rule.heads for rule in action.rules)
                 and action.options.readout is None and self._sampler is None)
 

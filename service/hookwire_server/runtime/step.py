@@ -12,9 +12,12 @@ selected, cast or summarized and copied out. An edit goes back into the module's
 before the module goes on: no round trip. The front numbers, encodes and delivers the
 captures (``hook_record.finish_firing``), so delivery, drops and notices are its own.
 
-What a firing cannot do here (slots, readouts, heads, sampling, harvest
-taps) the front keeps: a step whose hooks need any of it runs as before, every tapped
-value sent to the front (``HookRecord.runs_elsewhere``, ``engine.vllm_runtime``).
+Slots live here once saved here (``RankSlots``: a session's saves and patches on this
+rank, bounded by what the front says the session may still hold; the front learns each
+save's name, dtype and shape with the step's results). What a firing cannot do here
+(readouts, heads, sampling, harvest taps) the front keeps: a step whose hooks need any of
+it runs as before, every tapped value sent to the front (``HookRecord.runs_elsewhere``,
+``engine.vllm_runtime``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ..errors import HookwireServerError, InvalidArgument
 from ..hooks.capture import CaptureOptions
 from ..hooks.captured import Captured, prepare
 from ..hooks.hook_specs import PHASES, Action
+from ..hooks.slots import SlotStore
 from ..hooks.rules import (SHARED_CASTS, CompiledSae, OperandSource, RuleFailure, Signals, apply_rules, compile_rules,
                            compile_sae, decode_operand)
 from . import views
@@ -53,6 +57,8 @@ class HookProgram:
     #: A request's own hook: a capture that cannot be made fails its call.
     request_scoped: bool
     actions: dict[int, Action]
+    #: The key of its session's slots on the ranks ("" when it keeps none).
+    slots: str = ""
     #: Why it could not be compiled here ("" when it was): its firings fail as its rules would.
     broken: str = ""
     broken_kind: str = ""
@@ -106,6 +112,69 @@ class ShippedOperands(OperandSource):
         return found
 
 
+class _SessionSlots(SlotStore):
+    """One session's slots on this rank; remembers what the step saved (the front is told)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes)
+        self.saved: set[str] = set()
+
+    def save(self, name: str, tensor: torch.Tensor) -> None:
+        super().save(name, tensor)
+        self.saved.add(name)
+
+
+class RankSlots:
+    """The sessions' slots on this rank, by the key the front names each session's store
+    with (hooks.slots.SlotStore.key). Every rank of a tensor-parallel group keeps its own
+    copy (rules run on every rank); the first tells the front what was saved."""
+
+    def __init__(self) -> None:
+        self.stores: dict[str, _SessionSlots] = {}
+
+    def store(self, key: str) -> _SessionSlots:
+        found = self.stores.get(key)
+        if found is None:
+            found = self.stores[key] = _SessionSlots(0)  # until the plan says what it may hold
+        return found
+
+    def drop(self, key: str, names: list[str] | None) -> None:
+        """Frees ``names`` of session ``key`` (None: all of them)."""
+        if names is None:
+            self.stores.pop(key, None)
+            return
+        store = self.stores.get(key)
+        if store is not None:
+            for name in names:
+                store.remove(name)
+            if not store.total_bytes:
+                del self.stores[key]
+
+    def put(self, key: str, name: str, tensor: torch.Tensor) -> None:
+        """A slot the front sent (it counted its copies already)."""
+        store = self.store(key)
+        store.remove(name)
+        store.max_bytes = max(store.max_bytes, store.total_bytes + tensor.numel() * tensor.element_size())
+        SlotStore.save(store, name, tensor)
+
+    def saved(self) -> list[list[Any]]:
+        """What the step saved, as the front records it: [key, name, dtype, shape, bytes]
+        each; forgotten here."""
+        out = []
+        for key, store in self.stores.items():
+            for name in sorted(store.saved):
+                tensor = store.get(name)
+                if tensor is not None:
+                    out.append([key, name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
+                                tensor.numel() * tensor.element_size()])
+            store.saved.clear()
+        return out
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(store.total_bytes for store in self.stores.values())
+
+
 def compile_program(meta: dict[str, Any], spec_bytes: bytes, device: torch.device,
                     source: OperandSource | None = None) -> HookProgram:
     """The hook ``meta`` describes (a plan's ``specs`` entry), compiled from its ``HookSpec`` bytes on
@@ -113,7 +182,7 @@ def compile_program(meta: dict[str, Any], spec_bytes: bytes, device: torch.devic
     validated the spec against the model at registration; what fails here (it should
     not) makes every firing of the hook fail as a rule would."""
     program = HookProgram(str(meta["hook_id"]), str(meta["owner"]), bool(meta["fail_call"]),
-                          bool(meta["request_scoped"]), {})
+                          bool(meta["request_scoped"]), {}, str(meta.get("slots", "")))
     try:
         spec = hook_pb2.HookSpec()
         spec.ParseFromString(spec_bytes)
@@ -161,6 +230,7 @@ class StepRunner:
         self.captures = captures
         self.programs: dict[str, HookProgram] = {}
         self.operands = ShippedOperands(device)
+        self.slots = RankSlots()
         self.active = False
         self._model = ""
         self._vocab = 0
@@ -184,9 +254,18 @@ class StepRunner:
             self.programs.pop(str(key), None)
         for key in header.get("drop_operands", ()):
             self.operands.drop(str(key))
+        for key, names in header.get("drop_slots", ()):
+            self.slots.drop(str(key), None if names is None else [str(n) for n in names])
+        for key, name in header.get("pull_slots", ()):  # sent to the front (vllm_worker): they live there now
+            self.slots.drop(str(key), [str(name)])
         specs = list(header.get("specs", ()))
-        for meta, blob in zip(header.get("operands", ()), blobs[len(specs):]):
+        operands = list(header.get("operands", ()))
+        for meta, blob in zip(operands, blobs[len(specs):]):
             self.operands.take(meta, blob)
+        for meta, blob in zip(header.get("slots", ()), blobs[len(specs) + len(operands):]):
+            self.slots.put(str(meta["key"]), str(meta["name"]), _slot_tensor(blob, self.device))
+        for key, budget in (header.get("slot_budget") or {}).items():
+            self.slots.store(str(key)).max_bytes = int(budget)
         for meta, blob in zip(specs, blobs):
             self.programs[str(meta["key"])] = compile_program(meta, blob, self.device, self.operands)
         run = header.get("run")
@@ -332,7 +411,8 @@ class StepRunner:
             signals = self._signals[(entry.segment, program.owner)] = _StepSignals(self, entry.segment, seg)
         stops: list[int] = []
         try:
-            new_parts, changed = apply_rules(action.rules, parts, None, where, signals, stops)
+            slots = self.slots.store(program.slots) if program.slots else None
+            new_parts, changed = apply_rules(action.rules, parts, slots, where, signals, stops)
         except RuleFailure as failure:
             # The same values on every rank: every rank fails alike and stops alike.
             self._record(entry, devices, before, None, [], failed or ("rule", _kind(failure.error), str(failure.error)),
@@ -392,6 +472,15 @@ class _StepSignals(Signals):
     def token_ids(self) -> Any:
         runner, segment, seg = self._of
         return runner.token_ids(segment, seg)
+
+
+def _slot_tensor(blob: bytes, device: torch.device) -> torch.Tensor:
+    """A slot the front sent (a ``Tensor`` message), on this rank's device."""
+    from hookwire.wire import codec
+
+    msg = tensor_pb2.Tensor()
+    msg.ParseFromString(blob)
+    return codec.decode_tensor(msg).to(device)
 
 
 def _snapshot(value: Any) -> Any:
