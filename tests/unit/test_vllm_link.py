@@ -14,7 +14,7 @@ from torch import nn
 
 from hookwire.v1 import hook_pb2
 from hookwire.wire import codec
-from hookwire_server.engine.vllm_link import proxy_model, run_post, run_pre, taps_of, unedited_modules
+from hookwire_server.engine.vllm_link import merge_stages, proxy_model, run_post, run_pre, taps_of, unedited_modules
 from hookwire_server.engine.vllm_worker import merge, plain, tensors_of, with_tensors
 
 DESCRIPTION = {
@@ -41,6 +41,34 @@ def test_the_stand_in_tree_has_vllms_paths_classes_and_parameter_shapes_on_meta(
     assert model.packed_modules_mapping == {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     with pytest.raises(RuntimeError, match="runs there, not in the server"):
         modules["model.norm"](torch.zeros(1))
+
+
+def test_pipeline_stages_descriptions_merge_into_the_whole_tree_and_say_who_holds_what() -> None:
+    """Under pipeline parallel each stage describes the layers of the others as vLLM's
+    PPMissingLayer (without children) and lacks the head: the merged tree is the whole
+    model in the first stage's order, each stage's modules as that stage holds them."""
+    first = {"stage": 0, "packed": {}, "modules": [
+        ["", "LlamaForCausalLM"], ["model", "LlamaModel"], ["model.embed_tokens", "VocabParallelEmbedding"],
+        ["model.layers", "ModuleList"], ["model.layers.0", "LlamaDecoderLayer"], ["model.layers.0.mlp", "LlamaMLP"],
+        ["model.layers.1", "PPMissingLayer"], ["model.norm", "PPMissingLayer"], ["lm_head", "PPMissingLayer"]],
+        "parameters": [["model.embed_tokens.weight", [64, 4], "float32"]]}
+    second = {"stage": 1, "packed": {}, "modules": [
+        ["", "LlamaForCausalLM"], ["model", "LlamaModel"], ["model.embed_tokens", "PPMissingLayer"],
+        ["model.layers", "ModuleList"], ["model.layers.0", "PPMissingLayer"], ["model.layers.1", "LlamaDecoderLayer"],
+        ["model.layers.1.mlp", "LlamaMLP"], ["model.norm", "RMSNorm"], ["lm_head", "ParallelLMHead"],
+        ["logits_processor", "LogitsProcessor"]],
+        "parameters": [["model.norm.weight", [4], "float32"], ["lm_head.weight", [64, 4], "float32"]]}
+    merged, held = merge_stages([first, second])
+    assert merged["modules"] == [
+        ["", "LlamaForCausalLM"], ["model", "LlamaModel"], ["model.embed_tokens", "VocabParallelEmbedding"],
+        ["model.layers", "ModuleList"], ["model.layers.0", "LlamaDecoderLayer"], ["model.layers.0.mlp", "LlamaMLP"],
+        ["model.layers.1", "LlamaDecoderLayer"], ["model.layers.1.mlp", "LlamaMLP"], ["model.norm", "RMSNorm"],
+        ["lm_head", "ParallelLMHead"], ["logits_processor", "LogitsProcessor"]]
+    assert [p[0] for p in merged["parameters"]] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert held[0] == {"", "model", "model.embed_tokens", "model.layers", "model.layers.0", "model.layers.0.mlp"}
+    assert held[1] == {"", "model", "model.layers", "model.layers.1", "model.layers.1.mlp", "model.norm", "lm_head",
+                       "logits_processor"}
+    assert list(dict(proxy_model(merged).named_modules())) == [path for path, _ in merged["modules"]]
 
 
 def _hook(fn: Any, roots: tuple[str, ...], edits: bool) -> Any:
@@ -144,7 +172,7 @@ class _Ends:
         self.ended = 0
         self.closed = 0
 
-    def link_end(self, fired: Any = None, values: Any = None, bad: Any = None) -> None:
+    def link_end(self, fired: Any = None, values: Any = None, bad: Any = None, saved: Any = None, stage: int = 0) -> None:
         self.ended += 1
 
     def link_closed(self) -> None:

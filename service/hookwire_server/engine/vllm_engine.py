@@ -89,7 +89,7 @@ from .packed import PackedBatch, PackedSegment
 from .pass_runner import model_errors, running
 from .vllm_sizing import SizingError, VllmSizes, text_config, vllm_sizes
 from .vllm_worker import CALL, SEQUENCES, TOUCHED
-from .vllm_link import WorkerLink, proxy_model, tcp_address, run_post, run_pre, taps_of, unedited_modules
+from .vllm_link import WorkerLink, merge_stages, proxy_model, tcp_address, run_post, run_pre, taps_of, unedited_modules
 from .seam import GENERATE, HARVEST, INFER, Plan
 
 log = logging.getLogger("hookwire.vllm")
@@ -138,11 +138,6 @@ def build_host(config: ModelConfig) -> ModelHost:
         ) from None
     tp = settings.get("tensor_parallel_size", 1)
     pp = settings.get("pipeline_parallel_size", 1)
-    if pp > 1:
-        raise ConfigError(
-            f"model {config.name!r}: vllm.pipeline_parallel_size {pp}: hookwire does not run vLLM's pipeline "
-            "parallel yet (its stages run different steps at once); tensor parallel works (docs/scaling.md)"
-        )
     executor = settings.get("distributed_executor_backend", "mp")
     processes = uses_worker_processes(settings)
     if executor == "ray":
@@ -161,7 +156,7 @@ def build_host(config: ModelConfig) -> ModelHost:
     if processes:
         # Forking a server that runs gRPC's and the models' threads is not safe: spawn.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        _bind_cpu_threads(tp)
+        _bind_cpu_threads(tp * pp)
         # The worker loads the model: it keeps linear weights for GetParameters (vllm_worker).
         os.environ["HOOKWIRE_VLLM_KEEP_WEIGHTS"] = "1" if config.parameters_readable else "0"
     elif vllm_threads.operator_binding() is None:
@@ -201,14 +196,15 @@ def build_host(config: ModelConfig) -> ModelHost:
             link.close()
         raise
     partial: set[str] = set()
+    stages: list[set[str]] = []
     if link is not None:
-        model, partial = _connect_workers(config.name, llm, folder, link)
+        model, partial, stages = _connect_workers(config.name, llm, folder, link, pp)
         runner = None
     else:
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         model = runner.model
     try:
-        return _host(config, llm, runner, model, link, partial, folder, settings, sizes, tp)
+        return _host(config, llm, runner, model, link, partial, folder, settings, sizes, tp, stages)
     except BaseException:
         if link is not None:  # vLLM's processes and the link are the model's: they go with it
             link.close()
@@ -241,6 +237,12 @@ def _start_linked(name: str, LLM: Any, folder: pathlib.Path, dtype: str, max_len
             use_tqdm_on_load=False,  # progress bars are not log lines
             seed=0, **extra,
         ))
+        if pp > 1:
+            try:
+                llm.collective_rpc("hookwire_pipeline_buffers")
+            except Exception as exc:
+                _shut_down(llm)
+                raise ConfigError(f"model {name!r}: vLLM's pipeline stages could not be prepared: {exc}") from None
         _warm_up(name, llm, described, processes)
     return llm
 
@@ -248,9 +250,11 @@ def _start_linked(name: str, LLM: Any, folder: pathlib.Path, dtype: str, max_len
 def uses_worker_processes(settings: Mapping[str, Any]) -> bool:
     """Whether a model's ``[models.vllm]`` settings run it in vLLM's engine and worker
     processes: by default (``worker_processes`` true: the front never shares the model's
-    process, and hooks run in the workers), always under tensor parallel or Ray; in the
-    server's own process only with ``worker_processes = false`` (tests, small machines)."""
+    process, and hooks run in the workers), always under tensor or pipeline parallel or
+    Ray; in the server's own process only with ``worker_processes = false`` (tests, small
+    machines)."""
     return (bool(settings.get("worker_processes", True)) or int(settings.get("tensor_parallel_size", 1)) > 1
+            or int(settings.get("pipeline_parallel_size", 1)) > 1
             or settings.get("distributed_executor_backend", "mp") == "ray")
 
 
@@ -279,7 +283,8 @@ def _check_ray(name: str, settings: Mapping[str, Any]) -> None:
 
 
 def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLink | None, partial: set[str],
-          folder: pathlib.Path, settings: dict[str, Any], sizes: VllmSizes, tp: int) -> ModelHost:
+          folder: pathlib.Path, settings: dict[str, Any], sizes: VllmSizes, tp: int,
+          stages: list[set[str]] | None = None) -> ModelHost:
     """The model's host and engine once vLLM runs (see build_host)."""
     seqs = sizes.max_num_seqs
     tokenizer, problem = load_tokenizer(config)
@@ -296,7 +301,8 @@ def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLi
     host.engine, host.refused = NAME, REFUSED
     engine = VllmEngine(host, llm, runner, sizes.max_model_len, seqs, link=link,
                         max_num_batched_tokens=sizes.max_num_batched_tokens,
-                        hooks_in_workers=bool(settings.get("hooks_in_workers", True)), ranks=int(tp))
+                        hooks_in_workers=bool(settings.get("hooks_in_workers", True)), ranks=int(tp),
+                        stages=stages)
     # What it keeps for good, in the server's memory budget (memory_budget.py): its KV cache
     # (allocated at start; vLLM's scheduler admits calls within it, so they claim nothing)
     # and its weights, in this process or in its workers' on the same machine.
@@ -307,12 +313,46 @@ def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLi
         host.parameter_source = functools.partial(_worker_parameter, llm)
         host.closers.append(engine.close)
         host.hooks_lock = engine.lock  # hooks change between the workers' steps, never within one
+        if stages and len(stages) > 1:
+            _pipeline_stages(host, stages)
         if tp > 1:
             host.unedited.update(unedited_modules(host.modules, tp, partial))
             log.warning("model %r: tensor_parallel_size %d: hooks capture rank 0's values (one rank's shard where "
                         "a module's value is sharded), and rules edit only values every rank holds whole "
                         "(docs/scaling.md)", config.name, tp)
     return host
+
+
+class _BetweenSteps:
+    """Holds an engine's lock while no step is open (a pipeline stage that has one to go
+    on with has its turn first); reentrant, as the lock is."""
+
+    def __init__(self, engine: VllmEngine) -> None:
+        self._engine = engine
+
+    def __enter__(self) -> None:
+        self._engine._lock.acquire()
+        self._engine._wait_turn()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._engine._lock.release()
+
+
+def _pipeline_stages(host: ModelHost, stages: list[set[str]]) -> None:
+    """Which pipeline stage runs each module (``ModelHost.stage_of``), and the modules no
+    hook may go on: those every stage runs (the model and its root), whose value on a
+    stage before the last is vLLM's intermediate tensors, not the module's output."""
+    why = (f"under pipeline_parallel_size {len(stages)} every stage runs it (on a stage before the last its value is "
+           "the stage's intermediate tensors); hook a decoder layer, the embeddings, the final norm or a module inside "
+           "one of them")
+    for path in host.modules:
+        owners = [i for i, held in enumerate(stages) if path in held]
+        if len(owners) == 1:
+            host.stage_of[path] = owners[0]
+        else:
+            host.unhooked[path] = why
+    log.warning("model %r: pipeline_parallel_size %d: each stage runs the hooks of its own modules; a slot saved on "
+                "one stage cannot be patched on another (docs/scaling.md)", host.name, len(stages))
 
 
 #: How long a call to the workers between steps (``VllmEngine.call_workers``: GetSlot of a
@@ -404,30 +444,36 @@ def _bind_cpu_threads(ranks: int) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
 
 
-def _connect_workers(name: str, llm: Any, folder: pathlib.Path, link: WorkerLink) -> tuple[Any, set[str]]:
+def _connect_workers(name: str, llm: Any, folder: pathlib.Path, link: WorkerLink,
+                     pp: int = 1) -> tuple[Any, set[str], list[set[str]]]:
     """Links the workers to this server over ``link`` (vllm_link, listening) and returns
-    the model's stand-in module tree (with the folder's transformers config). ConfigError
-    if they cannot be linked (the link is closed and vLLM shut down)."""
+    the model's stand-in module tree (with the folder's transformers config), the
+    row-parallel layers whose outputs are partial sums, and under pipeline parallel the
+    module paths each stage holds. ConfigError if they cannot be linked (the link is
+    closed and vLLM shut down)."""
     import transformers
 
     try:
-        link.start(1)  # the first rank of the tensor-parallel group talks (pipeline parallel is refused)
+        link.start(pp)  # the first rank of each stage's tensor-parallel group talks
         linked = llm.collective_rpc("hookwire_connect", args=(link.address, link.authkey.hex()))
         link.pids = [int(info["pid"]) for info in linked]
-        description = llm.collective_rpc("hookwire_describe")[0]
-        partial = set(llm.collective_rpc("hookwire_partial")[0])
+        descriptions = llm.collective_rpc("hookwire_describe")
+        description, stages = merge_stages(descriptions) if pp > 1 else (descriptions[0], [])
+        partial = {path for answer in llm.collective_rpc("hookwire_partial") for path in answer}
         model = proxy_model(description)
         model.config = transformers.AutoConfig.from_pretrained(str(folder))
     except Exception as exc:
         link.close()
         _shut_down(llm)
         raise ConfigError(f"model {name!r}: hookwire could not link to vLLM's workers: {type(exc).__name__}: {exc}") from None
-    return model, partial
+    return model, partial, stages
 
 
 def _worker_parameter(llm: Any, name: str) -> torch.Tensor:
-    """Parameter ``name``'s value from the first worker (one rank's shard under tensor parallel)."""
-    data, shape, dtype = llm.collective_rpc("hookwire_parameter", args=(name,))[0]
+    """Parameter ``name``'s value from the first worker that holds it (the first rank of
+    its pipeline stage: one rank's shard under tensor parallel)."""
+    answers = llm.collective_rpc("hookwire_parameter", args=(name,))
+    data, shape, dtype = next((a for a in answers if a[2]), answers[0])
     kind = getattr(torch, str(dtype))
     if not data:
         return torch.empty([int(n) for n in shape], dtype=kind)
@@ -599,7 +645,7 @@ class VllmEngine:
 
     def __init__(self, host: ModelHost, llm: Any, runner: Any, max_model_len: int, max_num_seqs: int,
                  *, link: WorkerLink | None = None, max_num_batched_tokens: int | None = None,
-                 hooks_in_workers: bool = True, ranks: int = 1) -> None:
+                 hooks_in_workers: bool = True, ranks: int = 1, stages: list[set[str]] | None = None) -> None:
         self._host = host
         self.llm = llm
         self._engine = llm.llm_engine
@@ -640,8 +686,14 @@ class VllmEngine:
         self._link = link
         #: In worker processes: the steps whose hooks run in the workers (runtime/), planned
         #: here (vllm.hooks_in_workers; None: every hook runs here, on what the workers send).
-        self._planner = (RuntimePlanner(host, self._vocab or 0, ranks, self.call_workers)
-                         if link is not None and hooks_in_workers else None)
+        #: Under pipeline parallel, the module paths each stage runs ([]: one stage).
+        self._stage_paths = list(stages or [])
+        self._stages = max(1, len(self._stage_paths))
+        #: One planner per pipeline stage (each stage's workers hold their own programs,
+        #: operands and slots).
+        self._planners = ([RuntimePlanner(host, self._vocab or 0, ranks, self.call_workers,
+                                          paths=self._stage_paths[i] if self._stage_paths else None)
+                           for i in range(self._stages)] if link is not None and hooks_in_workers else [])
         #: Held while this process sends to vLLM's engine core (its client is not safe
         #: across threads): the worker thread's calls, and ``call_workers`` from others.
         self._client = threading.Lock()
@@ -653,6 +705,14 @@ class VllmEngine:
         #: thread's id while it is, the requests to abort once the worker thread may
         #: (vLLM's client is the worker thread's), and why a worker went away ("").
         self._open: tuple[PackedBatch, contextlib.ExitStack] | None = None
+        #: Under pipeline parallel: the stage the open step waits for and its requests; a
+        #: step stays open from the first stage's begin to the last stage's end, and
+        #: whoever waits for it (another stage's next step, the worker thread) waits on
+        #: ``_turn``.
+        self._open_stage = 0
+        self._open_ids: list[str] = []
+        self._turn = threading.Condition(self._lock)
+        self._between_steps = _BetweenSteps(self)
         self._link_thread: int | None = None
         self._aborts: list[str] = []
         self._lost = ""
@@ -676,10 +736,16 @@ class VllmEngine:
         return self._host
 
     @property
-    def lock(self) -> threading.RLock:
+    def lock(self) -> Any:
         """What hook changes hold in worker processes (ModelHost.hooks_lock): they happen
-        between the workers' steps."""
-        return self._lock
+        between the workers' steps (under pipeline parallel, between whole steps)."""
+        return self._between_steps
+
+    def _wait_turn(self) -> None:
+        """With the lock held: waits while a step a later pipeline stage has to go on with
+        is open (never under one stage: whoever holds the lock then has no step open)."""
+        while self._open is not None and self._link_thread is None and not self._broken:
+            self._turn.wait()
 
     @property
     def scheduler(self) -> Any:
@@ -749,6 +815,7 @@ class VllmEngine:
             _THIS_THREAD.limited = True
             self.model_threads = vllm_threads.limit_this_thread()
         with self._lock:
+            self._wait_turn()
             self._flush_aborts()
             return self._execute(plan)
 
@@ -1147,6 +1214,7 @@ class VllmEngine:
                 return list(self._engine.step())
         finally:
             self._lock.acquire()
+            self._wait_turn()
 
     def _after_pass(self, batch: PackedBatch) -> None:
         """After a step's forward: the calls a hook failed for fail; prompt passes take
@@ -1380,51 +1448,80 @@ class VllmEngine:
     # ------------------------------------------------------------------ worker processes (vllm_link)
 
     def link_step(self, ids: list[str], starts: list[int],
-                  last: list[int] | None = None) -> tuple[dict[str, Any], list[bytes]]:
+                  last: list[int] | None = None, stage: int = 0) -> tuple[dict[str, Any], list[bytes]]:
         """A worker's step begins: lays it out and says what to tap, and (when the workers
         run the step's hooks) the firings and the specs they lack (runtime.plan). Link
-        thread; holds the lock until ``link_end``."""
+        thread; holds the lock until ``link_end``.
+
+        Under pipeline parallel each ``stage`` begins its part of the step in turn: the
+        first lays the step out, each later one plans its own modules' hooks on that
+        layout. A stage that begins its next step while a later stage has the last one to
+        run waits for that step's end (hooked steps run one at a time)."""
         if self._open is not None and self._link_thread == threading.get_ident():
             raise RuntimeError("a worker began a step before its last one ended")
         self._lock.acquire()
-        self._link_thread = threading.get_ident()
-        self.linked_steps += 1
-        batch = PackedBatch([], dim=0, tokens=0, rerun=False)
-        stack = contextlib.ExitStack()
         try:
-            stack.enter_context(running(self._host, batch))
-            self._open = (batch, stack)
-            self._logits = None
-            self._lay_out_safely(batch, ids, starts, last)
-            prompts = any(r is not None and isinstance(r.call, PromptCall) for r in self._order)
+            while self._open is not None and self._open_stage != stage and not self._broken:
+                self._turn.wait()
+            if self._broken:
+                raise RuntimeError(self._broken)
+            if stage and (self._open is None or self._open_stage != stage or self._open_ids != ids):
+                raise RuntimeError(f"pipeline stage {stage} began a step its earlier stages did not run")
+        except BaseException:
+            self._lock.release()
+            raise
+        self._link_thread = threading.get_ident()
+        planner = self._planners[stage] if self._planners else None
+        if stage:
+            batch = self._open[0]  # type: ignore[index]
+        else:
+            self.linked_steps += 1
+            batch = PackedBatch([], dim=0, tokens=0, rerun=False)
+            stack = contextlib.ExitStack()
+        try:
+            if not stage:
+                stack.enter_context(running(self._host, batch))
+                self._open, self._open_stage, self._open_ids = (batch, stack), 0, list(ids)
+                self._logits = None
+                self._lay_out_safely(batch, ids, starts, last)
+            prompts = stage == self._stages - 1 and any(
+                r is not None and isinstance(r.call, PromptCall) for r in self._order)
             planned = None
-            if self._planner is not None and batch.segments:
+            if planner is not None and batch.segments:
                 try:
-                    planned = self._planner.plan(batch)
+                    planned = planner.plan(batch)
                 except Exception as exc:  # the step's calls fail; the model goes on
                     log.exception("planning a vLLM step's hooks failed")
-                    self._planner.abandon()
+                    planner.abandon()
                     self._fail_step(batch, InvalidArgument(f"hookwire could not plan a vLLM step's hooks: {exc}"))
             if planned is not None:
-                self.worker_hook_steps += 1
+                self.worker_hook_steps += 1 if not stage else 0
                 header, blobs = planned
                 header["logits"] = prompts
                 return header, blobs
-            reply: dict[str, Any] = {"taps": taps_of(self._host.modules) if batch.segments else [], "logits": prompts}
-            if self._planner is not None:
-                reply["drop"] = self._planner.sweep()
-                reply["drop_operands"] = self._planner.sweep_operands()
-                reply["drop_slots"] = self._planner.slots.take_drops()
+            modules = self._stage_modules(stage)
+            reply: dict[str, Any] = {"taps": taps_of(modules) if batch.segments else [], "logits": prompts}
+            if planner is not None:
+                reply["drop"] = planner.sweep()
+                reply["drop_operands"] = planner.sweep_operands()
+                reply["drop_slots"] = planner.slots.take_drops()
                 if batch.segments:
-                    reply["pull_slots"] = self._planner.pulls()
+                    reply["pull_slots"] = planner.pulls()
             return reply, []
         except BaseException:
             if self._open is not None:
-                self.link_end()  # the lock goes back: the link then reports the failure (lost)
+                self.link_end(stage=self._stages - 1)  # the lock goes back: the link then reports the failure (lost)
             else:
                 self._link_thread = None
                 self._lock.release()
             raise
+
+    def _stage_modules(self, stage: int) -> dict[str, Any]:
+        """The stand-in modules pipeline stage ``stage`` runs (all of them on one stage)."""
+        if not self._stage_paths:
+            return self._host.modules
+        held = self._stage_paths[stage]
+        return {path: m for path, m in self._host.modules.items() if path in held}
 
     def link_tap(self, path: str, phase: str, parts: dict[str, Any]) -> dict[str, Any] | None:
         """What a tapped module saw: its hooks fire here, per call; returns the parts they
@@ -1441,10 +1538,10 @@ class VllmEngine:
             self._fail_step(batch, exc)
             return None
 
-    def link_slots(self, pairs: list[list[str]], values: list[Any]) -> None:
+    def link_slots(self, pairs: list[list[str]], values: list[Any], stage: int = 0) -> None:
         """Slots a worker read back before a step whose hooks run here. Link thread."""
-        if self._planner is not None:
-            self._planner.restore(pairs, values)
+        if self._planners:
+            self._planners[stage].restore(pairs, values)
 
     def call_workers(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         """vLLM's collective_rpc of ``method`` on every worker, each one's answer (vLLM's
@@ -1485,46 +1582,56 @@ class VllmEngine:
         self._logits = logits
 
     def link_end(self, fired: list[Any] | None = None, values: list[Any] | None = None,
-                 bad: dict[int, str] | None = None, saved: list[list[Any]] | None = None) -> None:
+                 bad: dict[int, str] | None = None, saved: list[list[Any]] | None = None, stage: int = 0) -> None:
         """The worker's step ends: the slots it saved (``saved``) live on the ranks, the
         firings the workers ran (``fired``, with the ``values`` they captured; ``bad``:
         values that could not be encoded, by index) go into their hooks, its captures go
         out, failed calls fail, prompt passes take their logits; the lock goes back. Link
-        thread."""
-        opened, self._open = self._open, None
+        thread. Under pipeline parallel a stage before the last ends its part only: its
+        firings' events go out, and the step stays open for the next stage."""
+        opened = self._open
+        planner = self._planners[stage] if self._planners else None
         if opened is None:
-            if self._planner is not None:
-                self._planner.abandon()
+            if planner is not None:
+                planner.abandon()
             return
         batch, stack = opened
+        more = stage < self._stages - 1 and not self._broken
+        if not more:
+            self._open = None
         try:
-            if self._planner is not None:
+            if planner is not None:
                 if saved:
-                    self._planner.saved(saved)
+                    planner.saved(saved)
                 if fired is not None:
                     try:
-                        self._planner.finish(batch, fired, list(values or []), bad or {})
+                        planner.finish(batch, fired, list(values or []), bad or {})
                     except Exception as exc:
                         log.exception("taking a vLLM step's hook results failed")
                         self._fail_step(batch, exc)
                 else:
-                    self._planner.abandon()
-            stack.close()
+                    planner.abandon()
+            if not more:
+                stack.close()
         except Exception as exc:
             log.exception("finishing a vLLM step failed")
             self._fail_step(batch, exc)
         finally:
             try:
-                self._after_pass(batch)
+                if not more:
+                    self._after_pass(batch)
             finally:
+                if more:
+                    self._open_stage = stage + 1
                 self._link_thread = None
+                self._turn.notify_all()
                 self._lock.release()
 
     def link_closed(self) -> None:
         """The link thread's connection ended (a worker went away, the model shuts down):
         a step it had open ends, so the worker thread is never left waiting for the lock."""
         if self._open is not None and self._link_thread == threading.get_ident():
-            self.link_end()
+            self.link_end(stage=self._stages - 1)
 
     def lost(self, why: str) -> None:
         """A worker process went away: the model is FAILED with ``why``; its calls fail in
@@ -1535,9 +1642,16 @@ class VllmEngine:
         self._broken = self._broken or (f"the vLLM engine of model {self._host.name!r} serves no more calls "
                                         f"(restart the server): {why}")
         self._host.failed(f"{why} (restart the server)")
-        if self._planner is not None:  # what the workers held is gone with them
-            with self._lock:
-                self._planner.forget(why)
+        with self._lock:
+            if self._open is not None and self._link_thread is None:
+                # A step a later pipeline stage was to go on with: it ends here (its calls fail
+                # with the engine), and whoever waits for it wakes.
+                self._link_thread = threading.get_ident()
+                self._lock.acquire()
+                self.link_end(stage=self._stages - 1)
+            self._turn.notify_all()
+            for planner in self._planners:  # what the workers held is gone with them
+                planner.forget(why)
 
     def close(self) -> None:
         """Stops vLLM's engine and worker processes (the server shuts down)."""

@@ -82,6 +82,53 @@ def proxy_model(description: dict[str, Any]) -> nn.Module:
     return root
 
 
+#: vLLM's stand-in for a module another pipeline stage holds.
+MISSING = "PPMissingLayer"
+
+
+def merge_stages(descriptions: list[dict[str, Any]]) -> tuple[dict[str, Any], list[set[str]]]:
+    """The whole model's description from its ranks' (``hookwire_describe`` of every rank,
+    under pipeline parallel: each stage holds its own layers, the others are vLLM's
+    ``PPMissingLayer`` without children), and the module paths each stage holds (the
+    root and containers every stage runs are in each stage's set)."""
+    by_stage: dict[int, dict[str, Any]] = {}
+    for answer in descriptions:
+        by_stage.setdefault(int(answer.get("stage", 0)), answer)
+    stages = [by_stage[k] for k in sorted(by_stage)]
+    held: list[set[str]] = []
+    for answer in stages:
+        missing = [path for path, kind in answer["modules"] if kind == MISSING]
+        held.append({path for path, kind in answer["modules"] if kind != MISSING
+                     and not any(path == m or path.startswith(m + ".") for m in missing)})
+    modules: list[list[str]] = []
+    seen: set[str] = set()
+    # In the first stage's order, each module as the stage that holds it describes it (with
+    # its children), then what only later stages have (their head).
+    for path, kind in stages[0]["modules"]:
+        if path in seen:
+            continue
+        owner = next((i for i, paths in enumerate(held) if path in paths), 0)
+        for sub, sub_kind in stages[owner]["modules"]:
+            if sub not in seen and (sub == path or (path and sub.startswith(path + ".")) or (not path and sub == "")):
+                if sub == path or sub in held[owner]:
+                    modules.append([sub, sub_kind])
+                    seen.add(sub)
+    for i, answer in enumerate(stages):
+        for path, kind in answer["modules"]:
+            if path not in seen and path in held[i]:
+                modules.append([path, kind])
+                seen.add(path)
+    parameters: list[list[Any]] = []
+    named: set[str] = set()
+    for answer in stages:
+        for entry in answer["parameters"]:
+            if entry[0] not in named:
+                named.add(entry[0])
+                parameters.append(entry)
+    merged = {"modules": modules, "parameters": parameters, "packed": stages[0].get("packed", {})}
+    return merged, held
+
+
 def unedited_modules(modules: dict[str, nn.Module], ranks: int, partial: set[str]) -> dict[tuple[str, int], str]:
     """(path, hook phase) -> why, for every module phase a rule may not edit under tensor
     parallel over ``ranks``: all but those whose values are whole and the same on every
@@ -192,12 +239,12 @@ class LinkEngine(Protocol):
     """What the link calls in the engine (vllm_engine.VllmEngine), on a connection's thread."""
 
     def link_step(self, ids: list[str], starts: list[int],
-                  last: list[int] | None = None) -> tuple[dict[str, Any], list[bytes]]: ...
+                  last: list[int] | None = None, stage: int = 0) -> tuple[dict[str, Any], list[bytes]]: ...
     def link_tap(self, path: str, phase: str, parts: dict[str, Any]) -> dict[str, Any] | None: ...
     def link_logits(self, logits: torch.Tensor) -> None: ...
-    def link_slots(self, pairs: list[list[str]], values: list[Any]) -> None: ...
+    def link_slots(self, pairs: list[list[str]], values: list[Any], stage: int = 0) -> None: ...
     def link_end(self, fired: list[Any] | None = None, values: list[Any] | None = None,
-                 bad: dict[int, str] | None = None, saved: list[list[Any]] | None = None) -> None: ...
+                 bad: dict[int, str] | None = None, saved: list[list[Any]] | None = None, stage: int = 0) -> None: ...
     def link_closed(self) -> None: ...
     def lost(self, why: str) -> None: ...
 
@@ -284,6 +331,7 @@ class WorkerLink:
     def _serve(self, conn: Connection) -> None:
         engine: LinkEngine | None = None
         _LINK.serving = True
+        stage = 0  # the pipeline stage this connection serves (its step messages name it)
         try:
             while True:
                 header = json.loads(conn.recv_bytes())
@@ -293,8 +341,9 @@ class WorkerLink:
                 kind = header.get("t")
                 if kind == "step":
                     last = header.get("last")
+                    stage = int(header.get("stage", 0))
                     reply, blobs = engine.link_step(list(header["ids"]), list(header["starts"]),
-                                                    [int(t) for t in last] if isinstance(last, list) else None)
+                                                    [int(t) for t in last] if isinstance(last, list) else None, stage)
                     conn.send_bytes(plan.pack(reply, blobs))
                 elif kind == "tap":
                     parts = _receive_value(conn)
@@ -303,7 +352,7 @@ class WorkerLink:
                         _answer(conn, new)
                 elif kind == "slots":  # read back before a step whose hooks run here
                     pairs = [[str(k), str(n)] for k, n in header.get("slots", ())]
-                    engine.link_slots(pairs, [_receive_value(conn) for _ in pairs])
+                    engine.link_slots(pairs, [_receive_value(conn) for _ in pairs], stage)
                 elif kind == "logits":
                     engine.link_logits(_receive_value(conn))
                 elif kind == "end":
@@ -318,7 +367,7 @@ class WorkerLink:
                     conn.send_bytes(b"{}")
                     engine.link_end(fired if isinstance(fired, list) else None, values,
                                     {int(k): str(v) for k, v in bad.items()},
-                                    saved if isinstance(saved, list) else None)
+                                    saved if isinstance(saved, list) else None, stage)
                 else:
                     raise ValueError(f"unknown message {kind!r}")
         except (EOFError, OSError) as exc:

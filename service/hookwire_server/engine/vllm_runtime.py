@@ -125,8 +125,11 @@ class RuntimePlanner:
     """Plans the steps of one model's workers (link thread, under the engine's lock)."""
 
     def __init__(self, host: ModelHost, vocab: int, ranks: int = 1,
-                 call: Callable[[str, tuple[Any, ...]], list[Any]] | None = None) -> None:
+                 call: Callable[[str, tuple[Any, ...]], list[Any]] | None = None, paths: set[str] | None = None) -> None:
+        """``ranks``: the ranks each plan reaches (one pipeline stage's); ``paths``: the
+        modules its workers run (one pipeline stage's; None: all)."""
         self._host = host
+        self._paths = paths
         self._vocab = vocab
         #: The ranks as a home of sessions' slots.
         self.slots = WorkerSlots(host.name, ranks, call or _no_call)
@@ -150,7 +153,7 @@ class RuntimePlanner:
             return None
         phases: list[tuple[str, str, nn.Module, list[Any]]] = []
         live: dict[str, Any] = {}
-        for path, module in self._host.modules.items():
+        for path, module in self._modules():
             for phase, hooks in (("pre", module._forward_pre_hooks), ("post", module._forward_hooks)):
                 if not hooks:
                     continue
@@ -260,6 +263,10 @@ class RuntimePlanner:
             blobs.append(blob)
         return specs, blobs, operands, named, reserved
 
+    def _modules(self) -> list[tuple[str, nn.Module]]:
+        """The stand-in modules its workers run."""
+        return [(p, m) for p, m in self._host.modules.items() if self._paths is None or p in self._paths]
+
     def _refuse(self, okey: str, why: str) -> None:
         """Logs, once per operand, why its hooks' steps run in the server."""
         if okey not in self._refused:
@@ -302,7 +309,7 @@ class RuntimePlanner:
     def sweep(self) -> list[str]:
         """For a step whose hooks run here: the programs the workers may forget (their hooks
         are gone), so that a removed hook's operands do not stay on the ranks."""
-        firings = [getattr(fn, "hookwire_firing", None) for module in self._host.modules.values()
+        firings = [getattr(fn, "hookwire_firing", None) for _, module in self._modules()
                    for hooks in (module._forward_pre_hooks, module._forward_hooks) for fn in hooks.values()]
         live = {_key(firing[0]) for firing in firings if firing is not None}
         return self._dropped(live)
@@ -313,7 +320,7 @@ class RuntimePlanner:
         step (``restore``) and the ranks then free."""
         out: list[list[str]] = []
         seen: set[str] = set()
-        for module in self._host.modules.values():
+        for _, module in self._modules():
             for hooks in (module._forward_pre_hooks, module._forward_hooks):
                 for fn in hooks.values():
                     firing = getattr(fn, "hookwire_firing", None)

@@ -24,8 +24,11 @@ and its logits):
   failed calls) while vLLM goes on; a step's outputs still never reach its calls before
   its captures (the engine's lock: vllm_link).
 
-Under tensor parallel only the first rank of the tensor-parallel group talks to the
-server; it broadcasts each step's plan to the other ranks (torch.distributed on vLLM's
+Under pipeline parallel each stage's first rank talks to the server on a connection of
+its own (the step message names its stage): each stage runs the hooks of the modules it
+holds, in stage order, and a stage that is not the last ends its part of the step when
+its forward returns (the last ends after the logits). Under tensor parallel only the
+first rank of each stage's tensor-parallel group talks to the server; it broadcasts each step's plan to the other ranks (torch.distributed on vLLM's
 groups). Every rank runs the step's rules on its own copy of the (whole) value, and the
 first rank alone captures; in a step whose hooks run in the server the first rank
 broadcasts each edit instead. A module whose output is one rank's shard is tapped on
@@ -158,12 +161,24 @@ class HookwireWorker:
     data: vLLM's msgpack). ``self`` is vLLM's worker (``model_runner``, ``rank``)."""
 
     def hookwire_connect(self, address: str, authkey: str) -> dict[str, Any]:
-        """Connects the first rank of the tensor-parallel group to the server's link at
-        ``address`` and installs the step taps on every rank. Returns this process's pid
-        and ranks (VllmEngine.worker_pids)."""
+        """Connects the first rank of each stage's tensor-parallel group to the server's
+        link at ``address`` and installs the step taps on every rank. Returns this
+        process's pid, rank and stage (VllmEngine.worker_pids)."""
         tap = _Taps(self.model_runner, address, bytes.fromhex(authkey))  # type: ignore[attr-defined]
         self._hookwire = tap  # type: ignore[attr-defined]
-        return {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)), "leader": tap.leader}
+        return {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)), "leader": tap.leader, "stage": tap.stage}
+
+    def hookwire_pipeline_buffers(self) -> None:
+        """Makes the buffer a later pipeline stage receives the earlier stage's values in
+        (vLLM 0.32's model runner makes it only when it warms up a compiled model, so an
+        eager one fails its first step on a later stage)."""
+        from vllm.distributed import parallel_state
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if parallel_state.get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
+            return
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
 
     def hookwire_partial(self) -> list[str]:
         """The row-parallel layers whose output is each rank's partial sum (reduced later
@@ -174,13 +189,18 @@ class HookwireWorker:
 
     def hookwire_describe(self) -> dict[str, Any]:
         """The model's module tree (path, class name), parameters (name, shape, dtype)
-        and vLLM's fused-module mapping, as this rank holds them."""
+        and vLLM's fused-module mapping, as this rank holds them (under pipeline parallel,
+        the modules of other stages are vLLM's ``PPMissingLayer``, without children), and
+        this rank's stage."""
+        from vllm.distributed import parallel_state
+
         model = self.model_runner.model  # type: ignore[attr-defined]
         modules = [[path, type(m).__name__] for path, m in model.named_modules()]
         params = [[name, list(p.shape), str(p.dtype).removeprefix("torch.")]
                   for name, p in model.named_parameters(remove_duplicate=False)]
         packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
-        return {"modules": modules, "parameters": params, "packed": packed}
+        return {"modules": modules, "parameters": params, "packed": packed,
+                "stage": int(parallel_state.get_pp_group().rank_in_group)}
 
     def hookwire_slot(self, key: str, name: str) -> list[Any]:
         """Slot ``name`` of session ``key`` as this rank holds it: [bytes, shape, dtype], or
@@ -205,12 +225,16 @@ class HookwireWorker:
         return [len(slots.stores), slots.held_bytes]
 
     def hookwire_parameter(self, name: str) -> list[Any]:
-        """Parameter ``name``'s value on this rank: [bytes, shape, dtype] (on the first rank
-        only: the others answer empty, so their shards do not travel for nothing)."""
-        if int(getattr(self, "rank", 0)) != 0:
-            return [b"", [], ""]
+        """Parameter ``name``'s value on this rank: [bytes, shape, dtype], from the first
+        rank of the tensor-parallel group of the stage that holds it (the others answer
+        empty, so their shards do not travel for nothing)."""
+        from vllm.distributed import parallel_state
+
         model = self.model_runner.model  # type: ignore[attr-defined]
-        param = dict(model.named_parameters(remove_duplicate=False))[name].detach().to("cpu").contiguous()
+        held = dict(model.named_parameters(remove_duplicate=False)).get(name)
+        if held is None or parallel_state.get_tp_group().rank_in_group != 0:
+            return [b"", [], ""]
+        param = held.detach().to("cpu").contiguous()
         return [param.view(torch.uint8).numpy().tobytes() if param.numel() else b"", list(param.shape),
                 str(param.dtype).removeprefix("torch.")]
 
@@ -225,15 +249,21 @@ class _Taps:
         self.group = parallel_state.get_tp_group()
         self.parallel = self.group.world_size > 1
         self.leader = self.group.rank_in_group == 0
+        pipeline = parallel_state.get_pp_group()
+        #: This rank's pipeline stage; a stage before the last ends its part of a step when
+        #: the model's forward returns (no logits there).
+        self.stage = int(pipeline.rank_in_group)
+        self.last_stage = bool(pipeline.is_last_rank)
         self.conn = dial(address, authkey) if self.leader else None
         model = runner.model
         self.modules = dict(model.named_modules())
         # The end of a step goes after its logits: the logits processor, wherever the model
-        # keeps it (multimodal models nest it in their language model).
+        # keeps it (multimodal models nest it in their language model); on an earlier
+        # pipeline stage, the model itself.
         head = next((m for m in self.modules.values() if type(m).__name__ == "LogitsProcessor"), None)
-        if head is None:
+        if head is None and self.last_stage:
             raise RuntimeError("hookwire found no LogitsProcessor module in the model: it cannot tell when a step ends")
-        self.head: Any = head
+        self.head: Any = head if self.last_stage else model
         #: (path, phase) -> [roots, edits, handle]
         self.taps: dict[tuple[str, str], list[Any]] = {}
         self.logits = False
@@ -317,7 +347,8 @@ class _Taps:
             # token-id signals read it, and the server may not have the last step's yet.
             ids = self.runner.input_ids.cpu
             last = [int(ids[end - 1]) for end in starts[1:]]
-            self._send({"t": "step", "ids": list(batch.req_ids[:n]), "starts": starts, "last": last})
+            self._send({"t": "step", "stage": self.stage, "ids": list(batch.req_ids[:n]), "starts": starts,
+                        "last": last})
             assert self.conn is not None
             config = self.conn.recv_bytes()  # the step's plan (runtime.plan)
         if self.parallel:
@@ -428,7 +459,7 @@ class _Taps:
         saved = self.runtime.slots.saved() if ran else []
         if not self.leader:
             return
-        if self.logits:
+        if self.logits and self.last_stage:
             self._send({"t": "logits"}, output, has_value=True)
         if ran:
             # The step's firings, then each value they captured as a frame of its own

@@ -24,7 +24,7 @@ from ..auth import ANONYMOUS, MINIMUM_ROLE, Principal, TokenStore
 from ..errors import FailedPrecondition, HookwireServerError, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from .event_bus import DeliveryGate, DeliveryLimits, EventStream, HeldBytes
 from .hook_record import HookRecord, Subscription, _notice
-from .hook_specs import CompiledSpec, compile_spec, require_hook_roles
+from .hook_specs import CompiledSpec, check_slot_stages, compile_spec, require_hook_roles
 from .hook_store import HookStore, StoredHook
 from ..state import SHUTDOWN_REASON, ServerState
 from ..models.model_registry import ModelHost, ModelRegistry, ModelState
@@ -261,6 +261,8 @@ class HookManager:
                 raise InvalidArgument("save and patch rules keep slots in a session: register with a session_id")
         elif spec.ttl_seconds:
             raise InvalidArgument("spec.ttl_seconds: session hooks live as long as their session")
+        if session is not None and compiled.uses_slots:
+            check_slot_stages(host, [*self._session_specs(session, host), compiled])
         if session is not None:
             limits.check(len(session.hook_ids), self.limits.max_hooks_per_session,
                          f"session {session_id} has {len(session.hook_ids)} hooks", "max_hooks_per_session")
@@ -430,7 +432,7 @@ class HookManager:
         """Compiles InferRequest.hooks; the pass attaches and detaches them on the worker.
         ``holder``: (id, description) that holds the named operands they use (a harvest job,
         which releases them when it ends); without one a call keeps only the tensors."""
-        records = []
+        records: list[HookRecord] = []
         for i, spec in enumerate(specs):
             if spec.model and spec.model != host.name:
                 raise InvalidArgument(f"hooks[{i}].model: {spec.model!r} is not the request's model {host.name!r}")
@@ -440,12 +442,19 @@ class HookManager:
                 raise type(exc)(f"hooks[{i}]: {exc}") from None
             if compiled.uses_slots and session is None:
                 raise InvalidArgument(f"hooks[{i}]: save and patch rules keep slots in a session: set session_id")
+            if compiled.uses_slots and session is not None:
+                check_slot_stages(host, [*self._session_specs(session, host), *(r.compiled for r in records), compiled])
             records.append(HookRecord(
                 new_id(ids.HOOK), host, spec, compiled, request_id=request_id,
                 slots=session.slots if session is not None else None, metrics=self.metrics, owner=principal,
                 request_index=i + 1,
             ))
         return records
+
+    def _session_specs(self, session: Session, host: ModelHost) -> list[CompiledSpec]:
+        """The compiled specs of ``session``'s hooks on ``host``."""
+        return [record.compiled for hook_id in session.hook_ids
+                if (record := self._hooks.get(hook_id)) is not None and record.host is host]
 
     def session_uses_slots(self, session: Session) -> bool:
         """Whether a hook of ``session`` saves or patches slots (its calls then never share

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from hookwire.v1 import hook_pb2, rule_pb2
 
@@ -254,6 +254,11 @@ def compile_spec(
             )
         steps = (spec.steps.first, last)
     modules = tuple(host.resolve(spec.module))
+    for path in modules:  # where no hook can fire (a module every vLLM pipeline stage runs)
+        why = host.unhooked.get(path)
+        if why:
+            raise FailedPrecondition(f"module: model {host.name!r} runs on the {host.engine} engine, whose module "
+                                     f"{path!r} takes no hooks: {why}")
     for i, action in enumerate(actions):
         field = next(info.field for info in PHASES if info.phase == action.phase)
         for rule in action.rules:
@@ -292,6 +297,30 @@ def compile_spec(
         steps=steps,
         named=dict(getattr(source, "used", None) or {}),
     )
+
+
+def check_slot_stages(host: Any, specs: Iterable[CompiledSpec]) -> None:
+    """FailedPrecondition where ``specs`` (a session's hooks, with a call's own) save a
+    slot on one pipeline stage of ``host`` and patch it on another: a slot lives on the
+    ranks of the stage that saved it and does not travel between stages (vLLM under
+    pipeline parallel: ``ModelHost.stage_of``)."""
+    if not host.stage_of:
+        return
+    uses: dict[str, dict[str, list[tuple[int, str]]]] = {"save": {}, "patch": {}}
+    for compiled in specs:
+        for action in compiled.actions:
+            for rule in action.rules:
+                if rule.kind in uses:
+                    for path in compiled.modules:
+                        uses[rule.kind].setdefault(rule.slot, []).append((host.stage_of.get(path, -1), path))
+    for name, saves in uses["save"].items():
+        for stage, path in saves:
+            for other, where in uses["patch"].get(name, ()):
+                if other != stage:
+                    raise FailedPrecondition(
+                        f"slot {name!r}: saved on module {path!r} (pipeline stage {stage}) and patched on module "
+                        f"{where!r} (stage {other}) of model {host.name!r}: under pipeline parallel a slot stays on "
+                        "the stage that saved it; save and patch it on modules of one stage")
 
 
 def require_hook_roles(principal: Principal, spec: hook_pb2.HookSpec, compiled: CompiledSpec, *, sessionless: bool) -> None:

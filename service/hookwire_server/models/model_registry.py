@@ -247,6 +247,12 @@ class ModelHost:
         #: (module path, hook phase) -> why rules may not edit there on this engine (vLLM's
         #: modules whose values are one rank's shard under tensor parallel); {}: anywhere.
         self.unedited: dict[tuple[str, int], str] = {}
+        #: module path -> why no hook may be registered there on this engine (the modules
+        #: every vLLM pipeline stage runs); {}: any module.
+        self.unhooked: dict[str, str] = {}
+        #: module path -> the pipeline stage that runs it (vLLM under pipeline parallel);
+        #: {}: one stage runs them all.
+        self.stage_of: dict[str, int] = {}
         #: Held while hooks are attached, synced or detached on the worker thread: an engine
         #: whose passes run elsewhere (vLLM's worker processes) makes hook changes wait for
         #: the end of a pass; a no-op lock otherwise.

@@ -1,0 +1,135 @@
+"""hookwire on vLLM's pipeline parallel 2 (one core per stage): the seeded Llama's two
+decoder layers run on two stages, each in a worker process of its own, each stage's
+first rank linked to the server on a connection of its own (engine/vllm_worker.py). Each
+stage runs the hooks of its own modules; checked from outside with real clients against
+transformers in process.
+
+Tolerance: a stage hands the next its hidden states and residual as they are, so the
+values are those of one process; the bound is the processes tests' (test_vllm_processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+import hookwire
+from hookwire import HookSpec, capture, rules
+
+from test_vllm_engine import PROMPTS, _greedy, _ids, oracle_tokenizer
+
+TOL = dict(rtol=1e-5, atol=5e-6)
+
+
+@pytest.fixture(scope="module")
+def pp_server(llama_folder: pathlib.Path) -> Iterator[Any]:
+    """A real server whose model "llama-pp" runs on vLLM in worker processes, pipeline
+    parallel 2, parameters readable."""
+    from hookwire_server import ModelRegistry, ServerSettings
+    from hookwire_server.engine.core import build_host
+    from hookwire_server.models.model_loading import ModelConfig
+    from support import ServerThread
+
+    host = build_host(ModelConfig(
+        name="llama-pp", transformers=str(llama_folder), engine="vllm", parameters_readable=True,
+        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": 32 << 20, "pipeline_parallel_size": 2},
+    ))
+    srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
+    srv.host = host
+    yield srv
+    srv.stop()
+
+
+async def test_each_pipeline_stage_runs_the_hooks_of_its_own_modules(pp_server, oracle) -> None:
+    """Captures of the last position of both decoder layers (layer 0 on stage 0, layer 1 on
+    stage 1) and a steering rule on layer 0 run in the stages' workers (no module value
+    crosses the link) and give transformers' values and steered tokens, each step's events
+    in module order; concurrent callers see and edit only their own rows; a readout (made
+    in the server) runs on what each stage taps, with the same values; Infer returns the
+    last stage's logits; GetParameters reads each stage's weights bit for bit."""
+    tokenizer = oracle_tokenizer()
+    engine = pp_server.host.loaded_engine
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(7)) * 2.0
+    steered_want, seen = _greedy(oracle, _ids(tokenizer, PROMPTS[0]), 4, {"model.layers.0": vector})
+    plain_want, plain_seen = _greedy(oracle, _ids(tokenizer, PROMPTS[1]), 4)
+    last = HookSpec("model.layers.*", posthook=capture("output", select="[:, -1]"))
+    steer = HookSpec("model.layers.0", posthook=[rules.add("output", vector)])
+    async with hookwire.connect(pp_server.target) as client:
+        model = client.model("llama-pp")
+        taps, ran = engine.tapped_values, engine.worker_hook_steps
+        steered, plain = await asyncio.gather(model.generate([PROMPTS[0]], 4, hooks=[steer, last]),
+                                              model.generate([PROMPTS[1]], 4, hooks=[last]))
+        assert engine.tapped_values == taps and engine.worker_hook_steps >= ran + 4
+        assert list(steered.token_ids[0]) == steered_want
+        assert list(plain.token_ids[0]) == plain_want
+        for result, oracle_seen in ((steered, seen), (plain, plain_seen)):
+            assert [(e.step, e.module) for e in result.events] == [
+                (step, f"model.layers.{i}") for step in range(4) for i in range(2)]
+            for event in result.events:
+                want = oracle_seen[event.module][event.step][0][-1:]
+                torch.testing.assert_close(torch.as_tensor(event.output), want, **TOL)
+        taps = engine.tapped_values
+        read = await model.generate([PROMPTS[0]], 4, hooks=[steer, last, HookSpec("model.norm", posthook=capture(
+            "output", readout=rules.probe_scores(torch.ones(128))))])
+        assert engine.tapped_values > taps
+        assert list(read.token_ids[0]) == steered_want
+        front = [torch.as_tensor(e.output) for e in read.events if e.module != "model.norm"]
+        assert all(torch.equal(a, torch.as_tensor(b.output)) for a, b in zip(front, steered.events, strict=True))
+        ids = _ids(tokenizer, PROMPTS[0])
+        result = await model.infer(torch.tensor([ids]), hooks=[HookSpec("model.norm", posthook=capture("output"))])
+        with torch.no_grad():
+            want = oracle(torch.tensor([ids]), output_hidden_states=True)
+        torch.testing.assert_close(torch.as_tensor(result.events[0].output), want.hidden_states[-1], **TOL)
+        torch.testing.assert_close(torch.as_tensor(result.output["logits"])[:, -1], want.logits[:, -1], **TOL)
+        got = await model.parameters("model.embed_tokens.weight", "model.norm.weight")
+        assert torch.equal(torch.as_tensor(got["model.embed_tokens.weight"]), oracle.model.embed_tokens.weight.detach())
+        assert torch.equal(torch.as_tensor(got["model.norm.weight"]), oracle.model.norm.weight.detach())
+
+
+async def test_what_no_stage_can_run_alone_is_refused_at_registration(pp_server, oracle) -> None:
+    """A hook on a module every stage runs (the model) is refused with FAILED_PRECONDITION
+    naming it; a slot saved on stage 0 and patched on stage 1 is refused at registration,
+    whichever comes second, and nothing stays registered; a save and a patch on one stage
+    work, against transformers with the same edits."""
+    tokenizer = oracle_tokenizer()
+    async with hookwire.connect(pp_server.target) as client:
+        model = client.model("llama-pp")
+        with pytest.raises(hookwire.FailedPreconditionError, match="'model' takes no hooks.*every stage runs it"):
+            await model.generate([PROMPTS[0]], 2, hooks=[HookSpec("model", posthook=capture("output"))])
+        await model.hook("model.layers.0", posthook=[rules.save("output", slot="s")])
+        with pytest.raises(hookwire.FailedPreconditionError, match="slot 's'.*stage 0.*stage 1"):
+            await model.hook("model.layers.1", posthook=[rules.patch("output", slot="s", index="[:, -1]")])
+        with pytest.raises(hookwire.FailedPreconditionError, match="slot 's'.*stage 0.*stage 1"):
+            await model.generate([PROMPTS[0]], 2, hooks=[
+                HookSpec("model.layers.1", posthook=[rules.patch("output", slot="s", index="[:, -1]")])])
+        assert len(await client.list_hooks(session_id=client.session_id)) == 1
+        # Saved and patched on stage 1: layer 1's output, tripled, into the final norm's
+        # last position.
+        kept: dict[str, torch.Tensor] = {}
+
+        def save(module: Any, args: Any, output: Any) -> Any:
+            out = (output[0] if isinstance(output, tuple) else output) * 3.0
+            kept["s"] = out.clone()
+            return (out, *output[1:]) if isinstance(output, tuple) else out
+
+        def patch(module: Any, args: Any, output: Any) -> Any:
+            out = output.clone()
+            out[:, -1] = kept["s"][:, -1]
+            return out
+
+    handles = [oracle.model.layers[1].register_forward_hook(save), oracle.model.norm.register_forward_hook(patch)]
+    try:
+        want, _ = _greedy(oracle, _ids(tokenizer, PROMPTS[1]), 4)
+    finally:
+        for h in handles:
+            h.remove()
+    async with hookwire.connect(pp_server.target) as client:
+        model = client.model("llama-pp")
+        await model.hook("model.layers.1", posthook=[rules.scale("output", 3.0), rules.save("output", slot="s")])
+        await model.hook("model.norm", posthook=[rules.patch("output", slot="s", index="[:, -1]")])
+        result = await model.generate([PROMPTS[1]], 4)
+        assert list(result.token_ids[0]) == want
