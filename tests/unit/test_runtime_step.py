@@ -190,12 +190,12 @@ def test_slots_saved_on_a_rank_are_bounded_reported_patched_and_freed() -> None:
     post = {"args": (), "kwargs": {}, "output": x}
     save = {"save": HookSpec("layer", posthook=[rules.save("output", slot="s")])}
     fire = [["layer", "post", [[0, "save", 1, False, "", "layer"]]]]
-    short = _runner(save, fire, slots="k", extra={"slot_budget": {"k": 47}})
+    short = _runner(save, fire, slots="k", extra={"slot_budget": {"k": [47, 94, 2]}})
     assert short.fire("layer", "post", post) is None
     (fired,), _ = short.results()
     assert fired[6][:2] == ["rule", "ResourceExhausted"] and "max_slot_bytes" in fired[6][2]
     assert short.slots.saved() == []
-    runner = _runner(save, fire, slots="k", extra={"slot_budget": {"k": 48}})
+    runner = _runner(save, fire, slots="k", extra={"slot_budget": {"k": [48, 96, 2]}})
     assert runner.fire("layer", "post", post) is None
     (fired,), _ = runner.results()
     assert fired[6] is None

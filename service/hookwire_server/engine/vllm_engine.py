@@ -310,7 +310,7 @@ def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLi
     host.loaded_engine = engine
     if link is not None:
         host.device = torch.device("cpu")  # rule operands: the server's hooks run on the host
-        host.parameter_source = functools.partial(_worker_parameter, llm)
+        host.parameter_source = functools.partial(_worker_parameter, engine.call_workers)
         host.closers.append(engine.close)
         host.hooks_lock = engine.lock  # hooks change between the workers' steps, never within one
         if stages and len(stages) > 1:
@@ -469,10 +469,11 @@ def _connect_workers(name: str, llm: Any, folder: pathlib.Path, link: WorkerLink
     return model, partial, stages
 
 
-def _worker_parameter(llm: Any, name: str) -> torch.Tensor:
+def _worker_parameter(call: Any, name: str) -> torch.Tensor:
     """Parameter ``name``'s value from the first worker that holds it (the first rank of
-    its pipeline stage: one rank's shard under tensor parallel)."""
-    answers = llm.collective_rpc("hookwire_parameter", args=(name,))
+    its pipeline stage: one rank's shard under tensor parallel); ``call``: the engine's
+    call_workers (vLLM's client is shared with the worker thread)."""
+    answers = call("hookwire_parameter", (name,))
     data, shape, dtype = next((a for a in answers if a[2]), answers[0])
     kind = getattr(torch, str(dtype))
     if not data:
@@ -1182,6 +1183,9 @@ class VllmEngine:
                 self._fail_call(stuck, FailedPrecondition(self._broken), abort=False)
             for waiting in list(self._waiting):
                 self._fail_call(waiting, FailedPrecondition(self._broken), abort=False)
+            for planner in self._planners:  # what the workers held no longer counts
+                planner.forget(why)
+            self._turn.notify_all()
             raise FailedPrecondition(self._broken) from None
         self._flush_aborts()
         self._take_outputs(outputs)
@@ -1564,13 +1568,15 @@ class VllmEngine:
         core = self._engine.engine_core
         call_id = uuid.uuid1().int >> 64
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._client:
-            core.utility_results[call_id] = future
-            core._send_input(EngineCoreRequestType.UTILITY, (0, call_id, "collective_rpc", (method, None, args, None)))
         try:
+            with self._client:
+                core.utility_results[call_id] = future
+                core._send_input(EngineCoreRequestType.UTILITY,
+                                 (0, call_id, "collective_rpc", (method, None, args, None)))
             return list(future.result(timeout=WORKER_CALL_SECONDS))
         except concurrent.futures.TimeoutError:
-            core.utility_results.pop(call_id, None)
+            # The future stays in vLLM's table: its answer may still come, and vLLM's client
+            # fails (for good) on an answer it has no future for.
             raise FailedPrecondition(f"model {self._host.name!r}: its vLLM workers did not answer {method} within "
                                      f"{WORKER_CALL_SECONDS:.0f} s") from None
         except Exception as exc:
@@ -1602,7 +1608,11 @@ class VllmEngine:
         try:
             if planner is not None:
                 if saved:
-                    planner.saved(saved)
+                    try:
+                        planner.saved(saved)
+                    except Exception as exc:
+                        log.exception("taking the slots a vLLM step saved failed")
+                        self._fail_step(batch, exc)
                 if fired is not None:
                     try:
                         planner.finish(batch, fired, list(values or []), bad or {})

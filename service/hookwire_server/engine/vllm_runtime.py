@@ -75,7 +75,7 @@ class WorkerSlots:
                                      "vLLM model in worker processes cannot read it; patch it in that model's calls, "
                                      "or save it again in this one's")
         answers = self._call("hookwire_slot", (key, name))
-        answer = answers[0] if answers else []
+        answer: list[Any] = next((a for a in answers if a), [])  # the first rank of the stage that holds it
         if not answer:
             raise NotFound(f"no slot {name!r} in this session (it is not on {self.label})")
         data, shape, dtype = answer
@@ -175,42 +175,54 @@ class RuntimePlanner:
         if shipping is None:
             return None
         specs, blobs, operands, named, reserved = shipping
-        stores = {record.slots.key: record.slots for record in live.values()
-                  if record.compiled.uses_slots and record.slots is not None}
-        moving: list[tuple[SlotStore, str, torch.Tensor]] = []
-        for store in stores.values():
+        stores: dict[str, SlotStore] = {}
+        patched: dict[str, set[str]] = {}
+        for record in live.values():
+            if record.compiled.uses_slots and record.slots is not None:
+                stores[record.slots.key] = record.slots
+                patched.setdefault(record.slots.key, set()).update(_patched(record))
+        moving: list[tuple[SlotStore, str, torch.Tensor, bytes]] = []
+        for key, store in stores.items():
             self.slots.remember(store)
-            candidates, blocked = store.ship_to(self.slots)
-            if blocked:  # a slot that cannot come: the step's hooks run here (which reads it)
+            candidates, blocked = store.ship_to(self.slots, patched[key])
+            why = f"slots {', '.join(map(repr, blocked))} cannot come to the ranks (another model's workers hold them, " \
+                  "or their copies would pass max_slot_bytes)" if blocked else ""
+            for name, tensor in candidates if not why else ():
+                try:
+                    out = tensor_pb2.Tensor()
+                    codec.encode_tensor_into(tensor.detach().to("cpu"), out)
+                    moving.append((store, name, tensor, out.SerializeToString()))
+                except Exception as exc:  # no wire form, or past protobuf's 2 GiB
+                    why = f"slot {name!r} cannot be sent to the ranks: {exc}"
+                    break
+            if why:  # the step's hooks run here (which reads them)
                 for stored in reserved:
                     stored.add_rank_copies(-self._ranks)
+                self._refuse(f"slot:{key}", f"model {self._host.name!r}: {why}; the steps of this model's hooks run "
+                                            "in the server while they need them")
                 return None
-            moving.extend((store, name, tensor) for name, tensor in candidates)
         try:
             header = self._decide(batch, phases, specs, operands)
-            slot_meta = []
-            for store, name, tensor in moving:
-                out = tensor_pb2.Tensor()
-                codec.encode_tensor_into(tensor.detach().to("cpu"), out)
-                blob = out.SerializeToString()
-                slot_meta.append({"key": store.key, "name": name, "size": len(blob)})
-                blobs.append(blob)
         except BaseException:
             for stored in reserved:
                 stored.add_rank_copies(-self._ranks)
             raise
-        # The slots sent live on the ranks from now on (each still the tensor read above).
-        for store, name, tensor in moving:
-            store.moved_to(name, tensor, self.slots)
-        header["slots"] = slot_meta
-        header["slot_budget"] = {key: store.budget_for(self.slots) for key, store in stores.items()}
-        header["drop_slots"] = self.slots.take_drops()
+        header["slots"] = []
+        for store, name, tensor, blob in moving:
+            header["slots"].append({"key": store.key, "name": name, "size": len(blob)})
+            blobs.append(blob)
+        header["slot_budget"] = {key: [store.budget_for(self.slots), store.max_bytes, self.slots.copies]
+                                 for key, store in stores.items()}
         # Counted as the workers' only once the whole plan is made (a failure before sends none).
         self._shipped.update(meta["key"] for meta in specs)
         for okey, (stored, users) in named.items():
             self._operands.setdefault(okey, (stored, set()))[1].update(users)
         header["drop"] = self._dropped(set(live))
         header["drop_operands"] = self._unused_operands()
+        # The slots sent live on the ranks from now on (each still the tensor read above).
+        for store, name, tensor, _ in moving:
+            store.moved_to(name, tensor, self.slots)
+        header["drop_slots"] = self.slots.take_drops()
         return header, blobs
 
     def _programs(self, records: list[tuple[str, Any]]) -> tuple[Any, ...] | None:
@@ -427,6 +439,18 @@ class RuntimePlanner:
     def abandon(self) -> None:
         """The open step ended without results (its worker went away)."""
         self._firings = []
+
+
+def _patched(record: Any) -> set[str]:
+    """The slots ``record``'s rules patch (rules.CompiledRule.slot of each patch)."""
+    names: set[str] = set()
+    for action in record.compiled.actions:
+        for rule in action.rules:
+            while rule is not None:
+                if rule.kind == "patch":
+                    names.add(rule.slot)
+                rule = getattr(rule, "inner", None)
+    return names
 
 
 def _no_call(method: str, args: tuple[Any, ...]) -> list[Any]:

@@ -204,14 +204,17 @@ class HookwireWorker:
 
     def hookwire_slot(self, key: str, name: str) -> list[Any]:
         """Slot ``name`` of session ``key`` as this rank holds it: [bytes, shape, dtype], or
-        [] when it holds none (GetSlot reads the first rank's)."""
+        [] when it holds none; only the first rank of each tensor-parallel group answers
+        (GetSlot reads the first answer: every rank's copy is the same)."""
+        if not self._hookwire.leader:  # type: ignore[attr-defined]
+            return []
         store = self._hookwire.runtime.slots.stores.get(key)  # type: ignore[attr-defined]
         tensor = store.get(name) if store is not None else None
         if tensor is None:
             return []
         tensor = tensor.detach().to("cpu").contiguous()
-        return [tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"", list(tensor.shape),
-                str(tensor.dtype).removeprefix("torch.")]
+        return [tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"",
+                list(tensor.shape), str(tensor.dtype).removeprefix("torch.")]
 
     def hookwire_drop_slots(self, drops: list[list[Any]]) -> None:
         """Frees slots on this rank: [session key, names or None (all)] each."""

@@ -156,16 +156,18 @@ class SlotStore:
                             if not (isinstance(e, PlacedSlot) and e.home is home))
         return max(0, self.max_bytes - elsewhere) // max(1, home.copies)
 
-    def ship_to(self, home: SlotHome) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-        """For a step on ``home``'s ranks: the slots held here, which the caller sends with
-        the step's plan (then ``moved_to``), and the names of those that cannot go: living
-        on another home, or whose copies on every rank would pass the bound (the step's
-        hooks then run in the server)."""
+    def ship_to(self, home: SlotHome, names: set[str]) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+        """For a step on ``home``'s ranks whose hooks patch ``names``: those held here, which
+        the caller sends with the step's plan (then ``moved_to``), and those that cannot
+        go: living on another home, or whose copies on every rank would pass the bound
+        (the step's hooks then run in the server)."""
         out: list[tuple[str, torch.Tensor]] = []
         blocked: list[str] = []
         with self._lock:
             total = self._bytes
             for name, entry in self._slots.items():
+                if name not in names:
+                    continue
                 if isinstance(entry, PlacedSlot):
                     if entry.home is not home:
                         blocked.append(name)
@@ -184,6 +186,8 @@ class SlotStore:
             if self._slots.get(name) is tensor:
                 self._replace(name, PlacedSlot(home, tensor.dtype, tuple(tensor.shape),
                                                tensor.numel() * tensor.element_size()))
+                return
+        home.discard(self.key, [name])  # saved again meanwhile: the copy sent is not the slot
 
     def placed_on(self, home: SlotHome) -> list[str]:
         """The names of the slots living on ``home``."""
@@ -218,9 +222,26 @@ class SlotStore:
             entry = self._slots.get(name)
         if not isinstance(entry, PlacedSlot):
             return entry
-        tensor = entry.home.read(self.key, name)
-        self.restore(name, tensor, entry.home)
-        entry.home.discard(self.key, [name])
+        try:
+            tensor = entry.home.read(self.key, name)
+        except NotFound:
+            self._taken_back(name, entry, None)  # the ranks no longer hold it: it is empty
+            return None
+        return self._taken_back(name, entry, tensor)
+
+    def _taken_back(self, name: str, entry: PlacedSlot, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """``entry``, read back from its home as ``tensor``, lives here now and its copies
+        there go, unless it was saved again meanwhile (then the newer one stands)."""
+        with self._lock:
+            current = self._slots.get(name)
+            if current is not entry:
+                return current if isinstance(current, torch.Tensor) else tensor
+            self._bytes -= self._size(entry)
+            del self._slots[name]
+            if tensor is not None:
+                self._slots[name] = tensor
+                self._bytes += self._size(tensor)
+            entry.home.discard(self.key, [name])
         return tensor
 
     def get_as(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -265,7 +286,11 @@ class SlotStore:
         if entry is None:
             raise NotFound(f"no slot {name!r} in this session")
         if isinstance(entry, PlacedSlot):
-            return entry.home.read(self.key, name)
+            try:
+                return entry.home.read(self.key, name)
+            except NotFound:
+                self._taken_back(name, entry, None)  # the ranks no longer hold it: forgotten
+                raise
         return entry
 
     def describe(self) -> list[SlotInfo]:

@@ -18,8 +18,9 @@ header's fields:
 - ``slots``: the sessions' slots sent to the ranks (they lived in the server), one entry
   each, its blob (a ``Tensor`` message) after the operands': ``key`` (the session's
   store: ``HookSpec`` programs name it as their ``slots``), ``name``, ``size``;
-  ``slot_budget``: {key: bytes} one rank may hold for each session in the step (a save
-  past it fails as in the server, ResourceExhausted naming max_slot_bytes);
+  ``slot_budget``: {key: [bytes one rank may hold, the session's max_slot_bytes, the
+  ranks whose copies count]} for each session in the step (a save past it fails as in
+  the server, ResourceExhausted naming max_slot_bytes);
   ``drop_slots``: [key, names or null (all)] the ranks free before the step;
   ``pull_slots``: [key, name] the first rank sends back at once (a ``slots`` message: one
   ``Value`` frame each, empty when it holds none) and every rank then frees, for a step

@@ -36,6 +36,7 @@ from ..hooks.capture import CaptureOptions
 from ..hooks.captured import Captured, prepare
 from ..hooks.hook_specs import PHASES, Action
 from ..hooks.slots import SlotStore
+from ..limits import exceeded
 from ..hooks.rules import (SHARED_CASTS, CompiledSae, OperandSource, RuleFailure, Signals, apply_rules, compile_rules,
                            compile_sae, decode_operand)
 from . import views
@@ -118,10 +119,20 @@ class _SessionSlots(SlotStore):
     def __init__(self, max_bytes: int) -> None:
         super().__init__(max_bytes)
         self.saved: set[str] = set()
+        #: The session's max_slot_bytes and the ranks whose copies count against it (the
+        #: plan's ``slot_budget``): for the words of a save past the budget.
+        self.limit = max_bytes
+        self.copies = 1
 
     def save(self, name: str, tensor: torch.Tensor) -> None:
         super().save(name, tensor)
         self.saved.add(name)
+
+    def _check(self, name: str, size: int, total: int) -> None:
+        if total > self.max_bytes:
+            raise exceeded(f"slot {name!r}", f"saving {size} bytes on each of {self.copies} vLLM rank(s) would put the "
+                           f"session's slots past the {self.max_bytes} bytes each rank may hold (every rank's copy "
+                           "counts)", self.limit, "max_slot_bytes")
 
 
 class RankSlots:
@@ -147,7 +158,7 @@ class RankSlots:
         if store is not None:
             for name in names:
                 store.remove(name)
-            if not store.total_bytes:
+            if not store.describe():
                 del self.stores[key]
 
     def put(self, key: str, name: str, tensor: torch.Tensor) -> None:
@@ -264,8 +275,9 @@ class StepRunner:
             self.operands.take(meta, blob)
         for meta, blob in zip(header.get("slots", ()), blobs[len(specs) + len(operands):]):
             self.slots.put(str(meta["key"]), str(meta["name"]), _slot_tensor(blob, self.device))
-        for key, budget in (header.get("slot_budget") or {}).items():
-            self.slots.store(str(key)).max_bytes = int(budget)
+        for key, (budget, limit, copies) in (header.get("slot_budget") or {}).items():
+            store = self.slots.store(str(key))
+            store.max_bytes, store.limit, store.copies = int(budget), int(limit), int(copies)
         for meta, blob in zip(specs, blobs):
             self.programs[str(meta["key"])] = compile_program(meta, blob, self.device, self.operands)
         run = header.get("run")
