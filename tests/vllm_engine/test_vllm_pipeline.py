@@ -91,14 +91,15 @@ async def test_each_pipeline_stage_runs_the_hooks_of_its_own_modules(pp_server, 
 
 
 async def test_what_no_stage_can_run_alone_is_refused_at_registration(pp_server, oracle) -> None:
-    """A hook on a module every stage runs (the model) is refused with FAILED_PRECONDITION
-    naming it; a slot saved on stage 0 and patched on stage 1 is refused at registration,
-    whichever comes second, and nothing stays registered; a save and a patch on one stage
-    work, against transformers with the same edits."""
+    """A hook on a module whose modules run on both stages (the model) is refused with
+    FAILED_PRECONDITION naming it; a slot saved on stage 0 and patched on stage 1 is
+    refused at registration, whichever comes second, as is a save on every layer, and
+    nothing stays registered; a save and a patch on one stage work, against transformers
+    with the same edits, and GetSlot reads the slot from that stage."""
     tokenizer = oracle_tokenizer()
     async with hookwire.connect(pp_server.target) as client:
         model = client.model("llama-pp")
-        with pytest.raises(hookwire.FailedPreconditionError, match="'model' takes no hooks.*every stage runs it"):
+        with pytest.raises(hookwire.FailedPreconditionError, match="'model' takes no hooks.*run on several stages"):
             await model.generate([PROMPTS[0]], 2, hooks=[HookSpec("model", posthook=capture("output"))])
         await model.hook("model.layers.0", posthook=[rules.save("output", slot="s")])
         with pytest.raises(hookwire.FailedPreconditionError, match="slot 's'.*stage 0.*stage 1"):
@@ -106,6 +107,8 @@ async def test_what_no_stage_can_run_alone_is_refused_at_registration(pp_server,
         with pytest.raises(hookwire.FailedPreconditionError, match="slot 's'.*stage 0.*stage 1"):
             await model.generate([PROMPTS[0]], 2, hooks=[
                 HookSpec("model.layers.1", posthook=[rules.patch("output", slot="s", index="[:, -1]")])])
+        with pytest.raises(hookwire.FailedPreconditionError, match="slot 'all'.*stage 0.*stage 1"):
+            await model.hook("model.layers.*", posthook=[rules.save("output", slot="all")])
         assert len(await client.list_hooks(session_id=client.session_id)) == 1
         # Saved and patched on stage 1: layer 1's output, tripled, into the final norm's
         # last position.
@@ -133,3 +136,5 @@ async def test_what_no_stage_can_run_alone_is_refused_at_registration(pp_server,
         await model.hook("model.norm", posthook=[rules.patch("output", slot="s", index="[:, -1]")])
         result = await model.generate([PROMPTS[1]], 4)
         assert list(result.token_ids[0]) == want
+        # The slot lives on stage 1's rank, which GetSlot reads.
+        torch.testing.assert_close(await client.get_slot("s"), kept["s"], **TOL)

@@ -72,7 +72,7 @@ from typing import Any
 
 import torch
 
-from ..errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unimplemented
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unimplemented
 from ..hooks.hook_record import HookRecord
 from ..hooks.passes import Pass
 from ..models.memory_estimate import weight_bytes
@@ -299,6 +299,8 @@ def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLi
     except (OSError, ValueError):
         host._generation_defaults = {}  # type: ignore[attr-defined]
     host.engine, host.refused = NAME, REFUSED
+    if stages and len(stages) > 1:
+        stages = pipeline_stages(host, stages)
     engine = VllmEngine(host, llm, runner, sizes.max_model_len, seqs, link=link,
                         max_num_batched_tokens=sizes.max_num_batched_tokens,
                         hooks_in_workers=bool(settings.get("hooks_in_workers", True)), ranks=int(tp),
@@ -313,8 +315,6 @@ def _host(config: ModelConfig, llm: Any, runner: Any, model: Any, link: WorkerLi
         host.parameter_source = functools.partial(_worker_parameter, engine.call_workers)
         host.closers.append(engine.close)
         host.hooks_lock = engine.lock  # hooks change between the workers' steps, never within one
-        if stages and len(stages) > 1:
-            _pipeline_stages(host, stages)
         if tp > 1:
             host.unedited.update(unedited_modules(host.modules, tp, partial))
             log.warning("model %r: tensor_parallel_size %d: hooks capture rank 0's values (one rank's shard where "
@@ -338,21 +338,31 @@ class _BetweenSteps:
         self._engine._lock.release()
 
 
-def _pipeline_stages(host: ModelHost, stages: list[set[str]]) -> None:
+def pipeline_stages(host: ModelHost, stages: list[set[str]]) -> list[set[str]]:
     """Which pipeline stage runs each module (``ModelHost.stage_of``), and the modules no
-    hook may go on: those every stage runs (the model and its root), whose value on a
-    stage before the last is vLLM's intermediate tensors, not the module's output."""
-    why = (f"under pipeline_parallel_size {len(stages)} every stage runs it (on a stage before the last its value is "
-           "the stage's intermediate tensors); hook a decoder layer, the embeddings, the final norm or a module inside "
-           "one of them")
-    for path in host.modules:
-        owners = [i for i, held in enumerate(stages) if path in held]
-        if len(owners) == 1:
-            host.stage_of[path] = owners[0]
-        else:
+    hook may go on (``ModelHost.unhooked``): those whose modules run on several stages
+    (the root, the model, its list of layers: on a stage before the last their value is
+    the stage's intermediate tensors). A module several stages hold but one runs (the
+    embeddings a tied last stage keeps for its head) is the first holder's. Returns the
+    paths each stage runs hooks on (``stages``: the paths each stage holds)."""
+    why = (f"under pipeline_parallel_size {len(stages)} its modules run on several stages (on a stage before the last "
+           "its value is the stage's intermediate tensors); hook a decoder layer, the embeddings, the final norm or a "
+           "module inside one of them")
+    owners = {path: [i for i, held in enumerate(stages) if path in held] for path in host.modules}
+    runs: list[set[str]] = [set() for _ in stages]
+    for path, holders in owners.items():
+        if not holders:
+            continue
+        below = {stage for sub, subs in owners.items() if len(subs) == 1 and (not path or sub.startswith(path + "."))
+                 for stage in subs}
+        if len(below) > 1:
             host.unhooked[path] = why
-    log.warning("model %r: pipeline_parallel_size %d: each stage runs the hooks of its own modules; a slot saved on "
-                "one stage cannot be patched on another (docs/scaling.md)", host.name, len(stages))
+            continue
+        host.stage_of[path] = holders[0] if len(holders) == 1 or not below else min(below)
+        runs[host.stage_of[path]].add(path)
+    log.warning("model %r: pipeline_parallel_size %d: each stage runs the hooks of its own modules; a slot is saved "
+                "and patched on one stage only (docs/scaling.md)", host.name, len(stages))
+    return runs
 
 
 #: How long a call to the workers between steps (``VllmEngine.call_workers``: GetSlot of a
@@ -474,7 +484,10 @@ def _worker_parameter(call: Any, name: str) -> torch.Tensor:
     its pipeline stage: one rank's shard under tensor parallel); ``call``: the engine's
     call_workers (vLLM's client is shared with the worker thread)."""
     answers = call("hookwire_parameter", (name,))
-    data, shape, dtype = next((a for a in answers if a[2]), answers[0])
+    found: list[Any] = next((a for a in answers if a[2]), [b"", [], ""])
+    data, shape, dtype = found
+    if not dtype:
+        raise NotFound(f"parameter {name!r}: no vLLM worker holds it")
     kind = getattr(torch, str(dtype))
     if not data:
         return torch.empty([int(n) for n in shape], dtype=kind)
@@ -693,7 +706,7 @@ class VllmEngine:
         #: One planner per pipeline stage (each stage's workers hold their own programs,
         #: operands and slots).
         self._planners = ([RuntimePlanner(host, self._vocab or 0, ranks, self.call_workers,
-                                          paths=self._stage_paths[i] if self._stage_paths else None)
+                                          paths=self._stage_paths[i] if self._stage_paths else None, stage=i)
                            for i in range(self._stages)] if link is not None and hooks_in_workers else [])
         #: Held while this process sends to vLLM's engine core (its client is not safe
         #: across threads): the worker thread's calls, and ``call_workers`` from others.
@@ -1668,6 +1681,19 @@ class VllmEngine:
         if self._link is not None:
             self._link.close()
         _shut_down(self.llm)
+        # The link threads end their parts of a step as their connections close; a step a
+        # later pipeline stage had to go on with is no thread's: it ends here, and whoever
+        # waits for it wakes.
+        if self._lock.acquire(timeout=30.0):
+            try:
+                self._broken = self._broken or f"model {self._host.name!r} is shutting down"
+                if self._open is not None and self._link_thread is None:
+                    self._link_thread = threading.get_ident()
+                    self._lock.acquire()
+                    self.link_end(stage=self._stages - 1)
+                self._turn.notify_all()
+            finally:
+                self._lock.release()
 
     # ------------------------------------------------------------------ calls
 

@@ -47,8 +47,11 @@ class WorkerSlots:
     steps). Frees ride on the next plan (``take_drops``, in step order with the ranks'
     saves); a session's end also frees its slots at once."""
 
-    def __init__(self, model: str, ranks: int, call: Callable[[str, tuple[Any, ...]], list[Any]]) -> None:
-        self.label = f"model {model!r}'s vLLM workers"
+    def __init__(self, model: str, ranks: int, call: Callable[[str, tuple[Any, ...]], list[Any]],
+                 stage: int = 0) -> None:
+        self.label = f"model {model!r}'s vLLM workers" + (f" (pipeline stage {stage})" if stage else "")
+        #: The pipeline stage whose ranks these are (its first rank answers reads).
+        self.stage = stage
         self.copies = ranks
         self._call = call
         self._lock = threading.Lock()
@@ -74,7 +77,7 @@ class WorkerSlots:
             raise FailedPrecondition(f"slot {name!r} lives on {self.label} (it was saved there): a step of another "
                                      "vLLM model in worker processes cannot read it; patch it in that model's calls, "
                                      "or save it again in this one's")
-        answers = self._call("hookwire_slot", (key, name))
+        answers = self._call("hookwire_slot", (key, name, self.stage))
         answer: list[Any] = next((a for a in answers if a), [])  # the first rank of the stage that holds it
         if not answer:
             raise NotFound(f"no slot {name!r} in this session (it is not on {self.label})")
@@ -125,14 +128,15 @@ class RuntimePlanner:
     """Plans the steps of one model's workers (link thread, under the engine's lock)."""
 
     def __init__(self, host: ModelHost, vocab: int, ranks: int = 1,
-                 call: Callable[[str, tuple[Any, ...]], list[Any]] | None = None, paths: set[str] | None = None) -> None:
+                 call: Callable[[str, tuple[Any, ...]], list[Any]] | None = None, paths: set[str] | None = None,
+                 stage: int = 0) -> None:
         """``ranks``: the ranks each plan reaches (one pipeline stage's); ``paths``: the
-        modules its workers run (one pipeline stage's; None: all)."""
+        modules its workers run (pipeline stage ``stage``'s; None: all)."""
         self._host = host
         self._paths = paths
         self._vocab = vocab
         #: The ranks as a home of sessions' slots.
-        self.slots = WorkerSlots(host.name, ranks, call or _no_call)
+        self.slots = WorkerSlots(host.name, ranks, call or _no_call, stage)
         #: The ranks every plan reaches (each holds its own copy of what it ships).
         self._ranks = ranks
         #: Keys of the programs the workers hold.

@@ -202,11 +202,12 @@ class HookwireWorker:
         return {"modules": modules, "parameters": params, "packed": packed,
                 "stage": int(parallel_state.get_pp_group().rank_in_group)}
 
-    def hookwire_slot(self, key: str, name: str) -> list[Any]:
+    def hookwire_slot(self, key: str, name: str, stage: int = 0) -> list[Any]:
         """Slot ``name`` of session ``key`` as this rank holds it: [bytes, shape, dtype], or
-        [] when it holds none; only the first rank of each tensor-parallel group answers
-        (GetSlot reads the first answer: every rank's copy is the same)."""
-        if not self._hookwire.leader:  # type: ignore[attr-defined]
+        [] when it holds none; only the first rank of pipeline stage ``stage``'s
+        tensor-parallel group answers (every rank's copy is the same; another stage's may
+        be an older one, not yet freed)."""
+        if not self._hookwire.leader or self._hookwire.stage != stage:  # type: ignore[attr-defined]
             return []
         store = self._hookwire.runtime.slots.stores.get(key)  # type: ignore[attr-defined]
         tensor = store.get(name) if store is not None else None

@@ -443,7 +443,11 @@ class HookManager:
             if compiled.uses_slots and session is None:
                 raise InvalidArgument(f"hooks[{i}]: save and patch rules keep slots in a session: set session_id")
             if compiled.uses_slots and session is not None:
-                check_slot_stages(host, [*self._session_specs(session, host), *(r.compiled for r in records), compiled])
+                try:
+                    check_slot_stages(host, [*self._session_specs(session, host), *(r.compiled for r in records),
+                                             compiled])
+                except FailedPrecondition as exc:
+                    raise FailedPrecondition(f"hooks[{i}]: {exc}") from None
             records.append(HookRecord(
                 new_id(ids.HOOK), host, spec, compiled, request_id=request_id,
                 slots=session.slots if session is not None else None, metrics=self.metrics, owner=principal,

@@ -300,27 +300,25 @@ def compile_spec(
 
 
 def check_slot_stages(host: Any, specs: Iterable[CompiledSpec]) -> None:
-    """FailedPrecondition where ``specs`` (a session's hooks, with a call's own) save a
-    slot on one pipeline stage of ``host`` and patch it on another: a slot lives on the
-    ranks of the stage that saved it and does not travel between stages (vLLM under
-    pipeline parallel: ``ModelHost.stage_of``)."""
+    """FailedPrecondition where ``specs`` (a session's hooks, with a call's own) save or
+    patch one slot on modules of more than one pipeline stage of ``host``: a slot lives
+    on the ranks of one stage and does not travel between stages (vLLM under pipeline
+    parallel: ``ModelHost.stage_of``)."""
     if not host.stage_of:
         return
-    uses: dict[str, dict[str, list[tuple[int, str]]]] = {"save": {}, "patch": {}}
+    uses: dict[str, dict[int, str]] = {}
     for compiled in specs:
         for action in compiled.actions:
             for rule in action.rules:
-                if rule.kind in uses:
+                if rule.kind in ("save", "patch"):
                     for path in compiled.modules:
-                        uses[rule.kind].setdefault(rule.slot, []).append((host.stage_of.get(path, -1), path))
-    for name, saves in uses["save"].items():
-        for stage, path in saves:
-            for other, where in uses["patch"].get(name, ()):
-                if other != stage:
-                    raise FailedPrecondition(
-                        f"slot {name!r}: saved on module {path!r} (pipeline stage {stage}) and patched on module "
-                        f"{where!r} (stage {other}) of model {host.name!r}: under pipeline parallel a slot stays on "
-                        "the stage that saved it; save and patch it on modules of one stage")
+                        uses.setdefault(rule.slot, {}).setdefault(host.stage_of.get(path, -1), path)
+    for name, stages in uses.items():
+        if len(stages) > 1:
+            where = ", ".join(f"module {path!r} (stage {stage})" for stage, path in sorted(stages.items()))
+            raise FailedPrecondition(
+                f"slot {name!r}: saved or patched on {where} of model {host.name!r}: under pipeline parallel a slot "
+                "lives on one stage's ranks; save and patch it on modules of one stage")
 
 
 def require_hook_roles(principal: Principal, spec: hook_pb2.HookSpec, compiled: CompiledSpec, *, sessionless: bool) -> None:
