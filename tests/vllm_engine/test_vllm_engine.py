@@ -30,6 +30,32 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
+def scaled_save_and_patch(oracle: Any, ids: list[int], n: int, saved: Any, patched: Any) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy generate() of ``n`` tokens with module ``saved``'s output
+    tripled and kept, and the kept value's last position patched into module
+    ``patched``'s output, every forward (the oracle of ``scale`` + ``save`` and
+    ``patch(index="[:, -1]")`` hooks); the tokens and the last value kept."""
+    kept: dict[str, torch.Tensor] = {}
+
+    def save(module: Any, args: Any, output: Any) -> Any:
+        out = (output[0] if isinstance(output, tuple) else output) * 3.0
+        kept["s"] = out.clone()
+        return (out, *output[1:]) if isinstance(output, tuple) else out
+
+    def patch(module: Any, args: Any, output: Any) -> Any:
+        out = (output[0] if isinstance(output, tuple) else output).clone()
+        out[:, -1] = kept["s"][:, -1]
+        return (out, *output[1:]) if isinstance(output, tuple) else out
+
+    handles = [saved.register_forward_hook(save), patched.register_forward_hook(patch)]
+    try:
+        want, _ = _greedy(oracle, ids, n)
+    finally:
+        for h in handles:
+            h.remove()
+    return want, kept["s"]
+
+
 def _greedy(oracle: Any, ids: list[int], n: int, edits: dict[str, torch.Tensor] | None = None) -> tuple[list[int], dict[str, list[torch.Tensor]]]:
     """transformers' greedy generate() of ``n`` tokens on one prompt, alone, with forward
     hooks adding ``edits[path]`` to that decoder layer's output; returns the new tokens and
@@ -697,24 +723,7 @@ async def test_a_calls_own_save_and_patch_slots_work_within_its_vllm_steps(vllm_
     are the call's own, in firing order). Tokenize answers with the folder's tokenizer."""
     tokenizer = oracle_tokenizer()
     prompt = "the model sees"
-    kept: dict[str, torch.Tensor] = {}
-
-    def save(module: Any, args: Any, output: Any) -> Any:
-        out = (output[0] if isinstance(output, tuple) else output) * 3.0
-        kept["s"] = out.clone()
-        return (out, *output[1:]) if isinstance(output, tuple) else out
-
-    def patch(module: Any, args: Any, output: Any) -> Any:
-        out = (output[0] if isinstance(output, tuple) else output).clone()
-        out[:, -1] = kept["s"][:, -1]
-        return (out, *output[1:]) if isinstance(output, tuple) else out
-
-    handles = [oracle.model.layers[0].register_forward_hook(save), oracle.model.layers[1].register_forward_hook(patch)]
-    try:
-        want, _ = _greedy(oracle, _ids(tokenizer, prompt), 5)
-    finally:
-        for h in handles:
-            h.remove()
+    want, _ = scaled_save_and_patch(oracle, _ids(tokenizer, prompt), 5, oracle.model.layers[0], oracle.model.layers[1])
     async with hookwire.connect(vllm_server.target) as client:
         model = client.model("llama")
         # Slots live in the session: session hooks, then a call in that session.

@@ -20,7 +20,7 @@ import torch
 import hookwire
 from hookwire import HookSpec, capture, rules
 
-from test_vllm_engine import PROMPTS, _greedy, _ids, oracle_tokenizer
+from test_vllm_engine import PROMPTS, _greedy, _ids, oracle_tokenizer, scaled_save_and_patch
 
 TOL = dict(rtol=1e-5, atol=5e-6)
 
@@ -110,26 +110,9 @@ async def test_what_no_stage_can_run_alone_is_refused_at_registration(pp_server,
         with pytest.raises(hookwire.FailedPreconditionError, match="slot 'all'.*stage 0.*stage 1"):
             await model.hook("model.layers.*", posthook=[rules.save("output", slot="all")])
         assert len(await client.list_hooks(session_id=client.session_id)) == 1
-        # Saved and patched on stage 1: layer 1's output, tripled, into the final norm's
-        # last position.
-        kept: dict[str, torch.Tensor] = {}
-
-        def save(module: Any, args: Any, output: Any) -> Any:
-            out = (output[0] if isinstance(output, tuple) else output) * 3.0
-            kept["s"] = out.clone()
-            return (out, *output[1:]) if isinstance(output, tuple) else out
-
-        def patch(module: Any, args: Any, output: Any) -> Any:
-            out = output.clone()
-            out[:, -1] = kept["s"][:, -1]
-            return out
-
-    handles = [oracle.model.layers[1].register_forward_hook(save), oracle.model.norm.register_forward_hook(patch)]
-    try:
-        want, _ = _greedy(oracle, _ids(tokenizer, PROMPTS[1]), 4)
-    finally:
-        for h in handles:
-            h.remove()
+    # Saved and patched on stage 1: layer 1's output, tripled, into the final norm's last position.
+    want, last_saved = scaled_save_and_patch(oracle, _ids(tokenizer, PROMPTS[1]), 4, oracle.model.layers[1],
+                                             oracle.model.norm)
     async with hookwire.connect(pp_server.target) as client:
         model = client.model("llama-pp")
         await model.hook("model.layers.1", posthook=[rules.scale("output", 3.0), rules.save("output", slot="s")])
@@ -137,4 +120,4 @@ async def test_what_no_stage_can_run_alone_is_refused_at_registration(pp_server,
         result = await model.generate([PROMPTS[1]], 4)
         assert list(result.token_ids[0]) == want
         # The slot lives on stage 1's rank, which GetSlot reads.
-        torch.testing.assert_close(await client.get_slot("s"), kept["s"], **TOL)
+        torch.testing.assert_close(await client.get_slot("s"), last_saved, **TOL)

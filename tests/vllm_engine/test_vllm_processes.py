@@ -25,7 +25,8 @@ import torch
 import hookwire
 from hookwire import HookSpec, capture, rules
 
-from test_vllm_engine import PROMPTS, _greedy, _ids, check_stops, oracle_tokenizer, stop_case, token_gated_tokens
+from test_vllm_engine import (PROMPTS, _greedy, _ids, check_stops, oracle_tokenizer, scaled_save_and_patch, stop_case,
+                              token_gated_tokens)
 
 TOL = dict(rtol=1e-5, atol=5e-6)
 
@@ -333,25 +334,8 @@ async def test_slots_live_on_the_ranks_and_move_to_where_they_are_used(tp_server
     tokenizer = oracle_tokenizer()
     engine = tp_server.host.loaded_engine
     text = PROMPTS[1]
-    kept: dict[str, torch.Tensor] = {}
-
-    def save(module: Any, args: Any, output: Any) -> Any:
-        out = (output[0] if isinstance(output, tuple) else output) * 3.0
-        kept["s"] = out.clone()
-        return (out, *output[1:]) if isinstance(output, tuple) else out
-
-    def patch(module: Any, args: Any, output: Any) -> Any:
-        out = (output[0] if isinstance(output, tuple) else output).clone()
-        out[:, -1] = kept["s"][:, -1]
-        return (out, *output[1:]) if isinstance(output, tuple) else out
-
-    handles = [oracle.model.layers[0].register_forward_hook(save), oracle.model.layers[1].register_forward_hook(patch)]
-    try:
-        want, _ = _greedy(oracle, _ids(tokenizer, text), 5)
-    finally:
-        for h in handles:
-            h.remove()
-    last_saved = kept["s"]
+    want, last_saved = scaled_save_and_patch(oracle, _ids(tokenizer, text), 5, oracle.model.layers[0],
+                                             oracle.model.layers[1])
 
     async def held() -> list[list[int]]:
         return await asyncio.to_thread(engine.call_workers, "hookwire_slots_held")
