@@ -48,38 +48,42 @@ def test_pipeline_stages_descriptions_merge_into_the_whole_tree_and_say_who_hold
     PPMissingLayer (without children) and lacks the head: the merged tree is the whole
     model in the first stage's order, each stage's modules as that stage holds them. Each
     module's hooks run on one stage: the embeddings a tied last stage also holds (for its
-    head) are the first stage's, and the modules whose modules run on both stages take
-    no hooks."""
+    head) are the first stage's, and the modules whose modules run on both stages, or that
+    both stages hold and may run (a model-wide rotary embedding), take no hooks."""
     from hookwire_server.engine.vllm_engine import pipeline_stages
     from hookwire_server.models.model_registry import ModelHost
 
     first = {"stage": 0, "packed": {}, "modules": [
         ["", "LlamaForCausalLM"], ["model", "LlamaModel"], ["model.embed_tokens", "VocabParallelEmbedding"],
         ["model.layers", "ModuleList"], ["model.layers.0", "LlamaDecoderLayer"], ["model.layers.0.mlp", "LlamaMLP"],
-        ["model.layers.1", "PPMissingLayer"], ["model.norm", "PPMissingLayer"], ["lm_head", "PPMissingLayer"]],
-        "parameters": [["model.embed_tokens.weight", [64, 4], "float32"]]}
+        ["model.layers.1", "PPMissingLayer"], ["model.norm", "PPMissingLayer"], ["model.rotary_emb", "RotaryEmbedding"],
+        ["lm_head", "PPMissingLayer"]],
+        "parameters": [["model.embed_tokens.weight", [64, 4], "float32"]], "tied": []}
     second = {"stage": 1, "packed": {}, "modules": [
         ["", "LlamaForCausalLM"], ["model", "LlamaModel"], ["model.embed_tokens", "VocabParallelEmbedding"],
         ["model.layers", "ModuleList"], ["model.layers.0", "PPMissingLayer"], ["model.layers.1", "LlamaDecoderLayer"],
-        ["model.layers.1.mlp", "LlamaMLP"], ["model.norm", "RMSNorm"], ["lm_head", "ParallelLMHead"],
-        ["logits_processor", "LogitsProcessor"]],
-        "parameters": [["model.norm.weight", [4], "float32"], ["lm_head.weight", [64, 4], "float32"]]}
+        ["model.layers.1.mlp", "LlamaMLP"], ["model.norm", "RMSNorm"], ["model.rotary_emb", "RotaryEmbedding"],
+        ["lm_head", "ParallelLMHead"], ["logits_processor", "LogitsProcessor"]],
+        "parameters": [["model.embed_tokens.weight", [64, 4], "float32"], ["model.norm.weight", [4], "float32"],
+                       ["lm_head.weight", [64, 4], "float32"]], "tied": ["lm_head", "model.embed_tokens"]}
     merged, held = merge_stages([first, second])
     assert merged["modules"] == [
         ["", "LlamaForCausalLM"], ["model", "LlamaModel"], ["model.embed_tokens", "VocabParallelEmbedding"],
         ["model.layers", "ModuleList"], ["model.layers.0", "LlamaDecoderLayer"], ["model.layers.0.mlp", "LlamaMLP"],
         ["model.layers.1", "LlamaDecoderLayer"], ["model.layers.1.mlp", "LlamaMLP"], ["model.norm", "RMSNorm"],
-        ["lm_head", "ParallelLMHead"], ["logits_processor", "LogitsProcessor"]]
+        ["model.rotary_emb", "RotaryEmbedding"], ["lm_head", "ParallelLMHead"], ["logits_processor", "LogitsProcessor"]]
     assert [p[0] for p in merged["parameters"]] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    assert held[0] == {"", "model", "model.embed_tokens", "model.layers", "model.layers.0", "model.layers.0.mlp"}
-    assert held[1] == {"", "model", "model.embed_tokens", "model.layers", "model.layers.1", "model.layers.1.mlp",
-                       "model.norm", "lm_head", "logits_processor"}
+    assert held[0] == {"", "model", "model.embed_tokens", "model.layers", "model.layers.0", "model.layers.0.mlp",
+                       "model.rotary_emb"}
+    assert held[1] == {"", "model", "model.layers", "model.layers.1", "model.layers.1.mlp", "model.norm", "lm_head",
+                       "logits_processor", "model.rotary_emb"}
     assert list(dict(proxy_model(merged).named_modules())) == [path for path, _ in merged["modules"]]
     host = ModelHost("m", proxy_model(merged))
     runs = pipeline_stages(host, held)
     assert runs == [{"model.embed_tokens", "model.layers.0", "model.layers.0.mlp"},
                     {"model.layers.1", "model.layers.1.mlp", "model.norm", "lm_head", "logits_processor"}]
-    assert set(host.unhooked) == {"", "model", "model.layers"}
+    assert set(host.unhooked) == {"", "model", "model.layers", "model.rotary_emb"}
+    assert "stages 0, 1 each hold it" in host.unhooked["model.rotary_emb"]
     assert host.stage_of["model.embed_tokens"] == 0 and host.stage_of["lm_head"] == 1
 
 

@@ -95,7 +95,8 @@ async def test_what_no_stage_can_run_alone_is_refused_at_registration(pp_server,
     FAILED_PRECONDITION naming it; a slot saved on stage 0 and patched on stage 1 is
     refused at registration, whichever comes second, as is a save on every layer, and
     nothing stays registered; a save and a patch on one stage work, against transformers
-    with the same edits, and GetSlot reads the slot from that stage."""
+    with the same edits, the slot lives on that stage's rank alone and GetSlot reads it
+    there; once its hooks are gone, a patch of it on the other stage is refused."""
     tokenizer = oracle_tokenizer()
     async with hookwire.connect(pp_server.target) as client:
         model = client.model("llama-pp")
@@ -115,9 +116,20 @@ async def test_what_no_stage_can_run_alone_is_refused_at_registration(pp_server,
                                              oracle.model.norm)
     async with hookwire.connect(pp_server.target) as client:
         model = client.model("llama-pp")
-        await model.hook("model.layers.1", posthook=[rules.scale("output", 3.0), rules.save("output", slot="s")])
-        await model.hook("model.norm", posthook=[rules.patch("output", slot="s", index="[:, -1]")])
+        saver = await model.hook("model.layers.1", posthook=[rules.scale("output", 3.0),
+                                                             rules.save("output", slot="s")])
+        patcher = await model.hook("model.norm", posthook=[rules.patch("output", slot="s", index="[:, -1]")])
         result = await model.generate([PROMPTS[1]], 4)
         assert list(result.token_ids[0]) == want
-        # The slot lives on stage 1's rank, which GetSlot reads.
+        # The slot lives on stage 1's rank (rank 1), which GetSlot reads.
+        held = await asyncio.to_thread(pp_server.host.loaded_engine.call_workers, "hookwire_slots_held")
+        assert held == [[0, 0], [1, last_saved.numel() * last_saved.element_size()]]
         torch.testing.assert_close(await client.get_slot("s"), last_saved, **TOL)
+        # Its hooks gone, the slot stays on stage 1: a patch on stage 0 could not read it.
+        await saver.remove()
+        await patcher.remove()
+        with pytest.raises(hookwire.FailedPreconditionError,
+                           match=r"slot 's' lives on model 'llama-pp''s vLLM workers \(pipeline stage 1\).*"
+                                 r"module 'model.layers.0' \(stage 0\)"):
+            await model.hook("model.layers.0", posthook=[rules.patch("output", slot="s", index="[:, -1]")])
+        assert await client.list_hooks(session_id=client.session_id) == []

@@ -350,7 +350,8 @@ async def test_slots_live_on_the_ranks_and_move_to_where_they_are_used(tp_server
         assert engine.tapped_values == taps and engine.worker_hook_steps >= ran + 5
         (info,) = await client.list_slots()
         assert (info.name, info.dtype, tuple(info.shape)) == ("s", "float32", tuple(last_saved.shape))
-        assert [rank[0] for rank in await held()] == [1, 1]  # a copy on each rank, none in the server
+        nbytes = last_saved.numel() * last_saved.element_size()
+        assert await held() == [[1, nbytes], [1, nbytes]]  # a copy on each rank, none in the server
         torch.testing.assert_close(await client.get_slot("s"), last_saved, **TOL)
         # Beside a readout the steps' hooks run in the server: the slot comes back first.
         taps = engine.tapped_values
@@ -363,7 +364,7 @@ async def test_slots_live_on_the_ranks_and_move_to_where_they_are_used(tp_server
         taps = engine.tapped_values
         again = await model.generate([text], 5)
         assert list(again.token_ids[0]) == want and engine.tapped_values == taps
-        assert [rank[0] for rank in await held()] == [1, 1]
+        assert await held() == [[1, nbytes], [1, nbytes]]
         # 40 prompt positions of 128 floats, twice: 40 KiB of copies, past 16 KiB.
         async with hookwire.connect(tp_server.target) as other:
             await other.model("llama-tp").hook("model.layers.0", posthook=[rules.save("output", slot="big")],

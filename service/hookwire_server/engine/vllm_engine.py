@@ -342,9 +342,10 @@ def pipeline_stages(host: ModelHost, stages: list[set[str]]) -> list[set[str]]:
     """Which pipeline stage runs each module (``ModelHost.stage_of``), and the modules no
     hook may go on (``ModelHost.unhooked``): those whose modules run on several stages
     (the root, the model, its list of layers: on a stage before the last their value is
-    the stage's intermediate tensors). A module several stages hold but one runs (the
-    embeddings a tied last stage keeps for its head) is the first holder's. Returns the
-    paths each stage runs hooks on (``stages``: the paths each stage holds)."""
+    the stage's intermediate tensors), or that several stages hold and may each run (a
+    rotary embedding every stage keeps). Returns the paths each stage runs hooks on
+    (``stages``: the paths each stage holds; merge_stages leaves the embeddings a tied
+    last stage keeps for its head to the first stage alone)."""
     why = (f"under pipeline_parallel_size {len(stages)} its modules run on several stages (on a stage before the last "
            "its value is the stage's intermediate tensors); hook a decoder layer, the embeddings, the final norm or a "
            "module inside one of them")
@@ -358,7 +359,12 @@ def pipeline_stages(host: ModelHost, stages: list[set[str]]) -> list[set[str]]:
         if len(below) > 1:
             host.unhooked[path] = why
             continue
-        host.stage_of[path] = holders[0] if len(holders) == 1 or not below else min(below)
+        if len(holders) > 1 and not below:
+            host.unhooked[path] = (f"under pipeline_parallel_size {len(stages)} stages "
+                                   f"{', '.join(map(str, holders))} each hold it and may each run it; hook a decoder "
+                                   "layer, the embeddings, the final norm or a module inside one of them")
+            continue
+        host.stage_of[path] = holders[0] if len(holders) == 1 else min(below)
         runs[host.stage_of[path]].add(path)
     log.warning("model %r: pipeline_parallel_size %d: each stage runs the hooks of its own modules; a slot is saved "
                 "and patched on one stage only (docs/scaling.md)", host.name, len(stages))
@@ -1683,8 +1689,8 @@ class VllmEngine:
         _shut_down(self.llm)
         # The link threads end their parts of a step as their connections close; a step a
         # later pipeline stage had to go on with is no thread's: it ends here, and whoever
-        # waits for it wakes.
-        if self._lock.acquire(timeout=30.0):
+        # waits for it wakes (under one stage every open step is a link thread's).
+        if self._stages > 1 and self._lock.acquire(timeout=30.0):
             try:
                 self._broken = self._broken or f"model {self._host.name!r} is shutting down"
                 if self._open is not None and self._link_thread is None:

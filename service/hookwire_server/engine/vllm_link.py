@@ -90,7 +90,9 @@ def merge_stages(descriptions: list[dict[str, Any]]) -> tuple[dict[str, Any], li
     """The whole model's description from its ranks' (``hookwire_describe`` of every rank,
     under pipeline parallel: each stage holds its own layers, the others are vLLM's
     ``PPMissingLayer`` without children), and the module paths each stage holds (the
-    root and containers every stage runs are in each stage's set)."""
+    root and containers every stage runs are in each stage's set; a module a later stage
+    keeps only for weights tied to another of its modules, the embeddings of a tied head,
+    is the earlier stage's alone)."""
     by_stage: dict[int, dict[str, Any]] = {}
     for answer in descriptions:
         by_stage.setdefault(int(answer.get("stage", 0)), answer)
@@ -98,26 +100,33 @@ def merge_stages(descriptions: list[dict[str, Any]]) -> tuple[dict[str, Any], li
     held: list[set[str]] = []
     for answer in stages:
         missing = [path for path, kind in answer["modules"] if kind == MISSING]
+        tied = set(answer.get("tied", ()))
         held.append({path for path, kind in answer["modules"] if kind != MISSING
-                     and not any(path == m or path.startswith(m + ".") for m in missing)})
+                     and not any(path == m or path.startswith(m + ".") for m in missing)
+                     and not (path in tied and any(path in earlier for earlier in held))})
+    # The tree walked from the root: each module as the first stage that holds it describes
+    # it, its children in that stage's order, then those only other stages have (the head).
+    kinds = [dict((path, kind) for path, kind in answer["modules"]) for answer in stages]
+    children: list[dict[str, list[str]]] = []
+    for answer in stages:
+        kids: dict[str, list[str]] = {}
+        for path, _ in answer["modules"]:
+            if path:
+                kids.setdefault(path.rpartition(".")[0], []).append(path)
+        children.append(kids)
     modules: list[list[str]] = []
     seen: set[str] = set()
-    # In the first stage's order, each module as the stage that holds it describes it (with
-    # its children), then what only later stages have (their head).
-    for path, kind in stages[0]["modules"]:
-        if path in seen:
-            continue
-        owner = next((i for i, paths in enumerate(held) if path in paths), 0)
-        for sub, sub_kind in stages[owner]["modules"]:
-            if sub not in seen and (sub == path or (path and sub.startswith(path + ".")) or (not path and sub == "")):
-                if sub == path or sub in held[owner]:
-                    modules.append([sub, sub_kind])
-                    seen.add(sub)
-    for i, answer in enumerate(stages):
-        for path, kind in answer["modules"]:
-            if path not in seen and path in held[i]:
-                modules.append([path, kind])
-                seen.add(path)
+    pending = [""] if "" in kinds[0] else []
+    while pending:
+        path = pending.pop()
+        owner = next((i for i, paths in enumerate(held) if path in paths),
+                     next(i for i, k in enumerate(kinds) if path in k))
+        modules.append([path, kinds[owner][path]])
+        seen.add(path)
+        order = list(children[owner].get(path, ()))
+        for kids in children:
+            order += [c for c in kids.get(path, ()) if c not in order]
+        pending += reversed([c for c in order if c not in seen])
     parameters: list[list[Any]] = []
     named: set[str] = set()
     for answer in stages:
@@ -375,9 +384,12 @@ class WorkerLink:
             if not self._closed and engine is not None:
                 engine.lost(f"a vLLM worker process of model {self.name!r} went away ({type(exc).__name__})")
         except Exception as exc:  # a protocol error: the model cannot go on
-            log.exception("model %r: the link to a vLLM worker failed", self.name)
             engine = self.engine
-            if engine is not None:
+            if self._closed:  # shutting down: a stage waiting for its turn is told so
+                log.debug("model %r: a link thread ends at shutdown: %r", self.name, exc)
+            else:
+                log.exception("model %r: the link to a vLLM worker failed", self.name)
+            if engine is not None and not self._closed:
                 engine.lost(f"the link to a vLLM worker of model {self.name!r} failed: {type(exc).__name__}: {exc}")
         finally:
             engine = self.engine

@@ -50,6 +50,8 @@ class WorkerSlots:
     def __init__(self, model: str, ranks: int, call: Callable[[str, tuple[Any, ...]], list[Any]],
                  stage: int = 0) -> None:
         self.label = f"model {model!r}'s vLLM workers" + (f" (pipeline stage {stage})" if stage else "")
+        #: The model whose ranks these are.
+        self.model = model
         #: The pipeline stage whose ranks these are (its first rank answers reads).
         self.stage = stage
         self.copies = ranks
@@ -215,18 +217,23 @@ class RuntimePlanner:
         for store, name, tensor, blob in moving:
             header["slots"].append({"key": store.key, "name": name, "size": len(blob)})
             blobs.append(blob)
-        header["slot_budget"] = {key: [store.budget_for(self.slots), store.max_bytes, self.slots.copies]
-                                 for key, store in stores.items()}
         # Counted as the workers' only once the whole plan is made (a failure before sends none).
         self._shipped.update(meta["key"] for meta in specs)
         for okey, (stored, users) in named.items():
             self._operands.setdefault(okey, (stored, set()))[1].update(users)
         header["drop"] = self._dropped(set(live))
         header["drop_operands"] = self._unused_operands()
+        # Frees asked for so far, taken before the moves below: a copy sent while its slot
+        # was saved again is freed by the next plan (the ranks free before they store, so
+        # the same plan would free the old copy and keep the new one).
+        header["drop_slots"] = self.slots.take_drops()
         # The slots sent live on the ranks from now on (each still the tensor read above).
         for store, name, tensor, _ in moving:
             store.moved_to(name, tensor, self.slots)
-        header["drop_slots"] = self.slots.take_drops()
+        # Each session's per-rank budget once the moves are counted (a slot sent counts as
+        # the ranks', not also as the server's).
+        header["slot_budget"] = {key: [store.budget_for(self.slots), store.max_bytes, self.slots.copies]
+                                 for key, store in stores.items()}
         return header, blobs
 
     def _programs(self, records: list[tuple[str, Any]]) -> tuple[Any, ...] | None:

@@ -190,8 +190,8 @@ class HookwireWorker:
     def hookwire_describe(self) -> dict[str, Any]:
         """The model's module tree (path, class name), parameters (name, shape, dtype)
         and vLLM's fused-module mapping, as this rank holds them (under pipeline parallel,
-        the modules of other stages are vLLM's ``PPMissingLayer``, without children), and
-        this rank's stage."""
+        the modules of other stages are vLLM's ``PPMissingLayer``, without children), the
+        modules whose weights are tied to another's, and this rank's stage."""
         from vllm.distributed import parallel_state
 
         model = self.model_runner.model  # type: ignore[attr-defined]
@@ -199,7 +199,14 @@ class HookwireWorker:
         params = [[name, list(p.shape), str(p.dtype).removeprefix("torch.")]
                   for name, p in model.named_parameters(remove_duplicate=False)]
         packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
-        return {"modules": modules, "parameters": params, "packed": packed,
+        # Modules whose weights another module here also holds (a tied head and the
+        # embeddings): under pipeline parallel the last stage keeps the embeddings for its
+        # head without running them.
+        owners: dict[int, set[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(p), set()).add(name.rpartition(".")[0])
+        tied = sorted({path for paths in owners.values() if len(paths) > 1 for path in paths})
+        return {"modules": modules, "parameters": params, "packed": packed, "tied": tied,
                 "stage": int(parallel_state.get_pp_group().rank_in_group)}
 
     def hookwire_slot(self, key: str, name: str, stage: int = 0) -> list[Any]:

@@ -262,7 +262,7 @@ class HookManager:
         elif spec.ttl_seconds:
             raise InvalidArgument("spec.ttl_seconds: session hooks live as long as their session")
         if session is not None and compiled.uses_slots:
-            check_slot_stages(host, [*self._session_specs(session, host), compiled])
+            check_slot_stages(host, [*self._session_specs(session, host), compiled], session.slots.homes())
         if session is not None:
             limits.check(len(session.hook_ids), self.limits.max_hooks_per_session,
                          f"session {session_id} has {len(session.hook_ids)} hooks", "max_hooks_per_session")
@@ -445,7 +445,7 @@ class HookManager:
             if compiled.uses_slots and session is not None:
                 try:
                     check_slot_stages(host, [*self._session_specs(session, host), *(r.compiled for r in records),
-                                             compiled])
+                                             compiled], session.slots.homes())
                 except FailedPrecondition as exc:
                     raise FailedPrecondition(f"hooks[{i}]: {exc}") from None
             records.append(HookRecord(

@@ -299,26 +299,43 @@ def compile_spec(
     )
 
 
-def check_slot_stages(host: Any, specs: Iterable[CompiledSpec]) -> None:
+def check_slot_stages(host: Any, specs: Iterable[CompiledSpec], placed: Mapping[str, Any] | None = None) -> None:
     """FailedPrecondition where ``specs`` (a session's hooks, with a call's own) save or
-    patch one slot on modules of more than one pipeline stage of ``host``: a slot lives
-    on the ranks of one stage and does not travel between stages (vLLM under pipeline
-    parallel: ``ModelHost.stage_of``)."""
+    patch one slot on modules of more than one pipeline stage of ``host``, or patch a slot
+    that lives on another stage's ranks (``placed``: the session's slots on ranks, by name:
+    ``SlotStore.homes``): a slot lives on the ranks of one stage and does not travel between
+    stages (vLLM under pipeline parallel: ``ModelHost.stage_of``)."""
     if not host.stage_of:
         return
     uses: dict[str, dict[int, str]] = {}
+    patches: dict[str, dict[int, str]] = {}
     for compiled in specs:
         for action in compiled.actions:
             for rule in action.rules:
                 if rule.kind in ("save", "patch"):
                     for path in compiled.modules:
-                        uses.setdefault(rule.slot, {}).setdefault(host.stage_of.get(path, -1), path)
+                        stage = host.stage_of.get(path, -1)
+                        uses.setdefault(rule.slot, {}).setdefault(stage, path)
+                        if rule.kind == "patch":
+                            patches.setdefault(rule.slot, {}).setdefault(stage, path)
     for name, stages in uses.items():
         if len(stages) > 1:
             where = ", ".join(f"module {path!r} (stage {stage})" for stage, path in sorted(stages.items()))
             raise FailedPrecondition(
                 f"slot {name!r}: saved or patched on {where} of model {host.name!r}: under pipeline parallel a slot "
                 "lives on one stage's ranks; save and patch it on modules of one stage")
+    for name, home in (placed or {}).items():
+        # An earlier hook (since removed) saved it on one stage: a patch on another stage
+        # could not read it (every such step would run its hooks in the server, and fail).
+        if getattr(home, "model", None) != host.name or name not in patches:
+            continue
+        elsewhere = {stage: path for stage, path in patches[name].items() if stage != home.stage}
+        if elsewhere:
+            stage, path = min(elsewhere.items())
+            raise FailedPrecondition(
+                f"slot {name!r} lives on {home.label} (an earlier hook saved it there): a patch on module {path!r} "
+                f"(stage {stage}) cannot read it, since a slot does not travel between pipeline stages; patch it on "
+                f"stage {home.stage}'s modules, or use another slot name (or a new session)")
 
 
 def require_hook_roles(principal: Principal, spec: hook_pb2.HookSpec, compiled: CompiledSpec, *, sessionless: bool) -> None:

@@ -189,6 +189,11 @@ class SlotStore:
                 return
         home.discard(self.key, [name])  # saved again meanwhile: the copy sent is not the slot
 
+    def homes(self) -> dict[str, SlotHome]:
+        """The home of each slot that lives outside the server, by name."""
+        with self._lock:
+            return {n: e.home for n, e in self._slots.items() if isinstance(e, PlacedSlot)}
+
     def placed_on(self, home: SlotHome) -> list[str]:
         """The names of the slots living on ``home``."""
         with self._lock:
