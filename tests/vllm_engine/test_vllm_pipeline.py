@@ -11,7 +11,9 @@ values are those of one process; the bound is the processes tests' (test_vllm_pr
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
+import signal
 from typing import Any, Iterator
 
 import pytest
@@ -133,3 +135,32 @@ async def test_what_no_stage_can_run_alone_is_refused_at_registration(pp_server,
                                  r"module 'model.layers.0' \(stage 0\)"):
             await model.hook("model.layers.0", posthook=[rules.patch("output", slot="s", index="[:, -1]")])
         assert await client.list_hooks(session_id=client.session_id) == []
+
+
+async def test_a_later_stage_that_dies_fails_its_calls_and_the_model(pp_server) -> None:
+    """Last (the model does not come back): killing the last stage's worker while a call
+    whose hook runs on that stage generates fails the call (nothing waits for the stage
+    that is gone), the model is listed as failed with the reason and refuses later calls;
+    the server keeps serving."""
+    pids = pp_server.host.loaded_engine.worker_pids
+    assert len(pids) == 2 and os.getpid() not in pids
+    async with hookwire.connect(pp_server.target) as client:
+        model = client.model("llama-pp")
+        stream = model.generate([PROMPTS[0]], 100, hooks=[HookSpec("model.layers.1", posthook=capture("output"))])
+        seen = 0
+        with pytest.raises(hookwire.HookwireError) as failure:
+            async with asyncio.timeout(120):  # a stage left waiting would hang here
+                async for item in stream:
+                    seen += 1
+                    if seen == 3:
+                        os.kill(pids[-1], signal.SIGKILL)
+        assert failure.value.code in ("FAILED_PRECONDITION", "UNAVAILABLE"), failure.value
+        for _ in range(100):  # the registry hears of it from the link thread
+            (info,) = await client.list_models()
+            if info.state == "failed":
+                break
+            await asyncio.sleep(0.1)
+        assert info.state == "failed" and "vLLM" in info.state_message, info.state_message
+        with pytest.raises(hookwire.FailedPreconditionError, match="failed while serving"):
+            await model.generate([PROMPTS[0]], 2)
+        assert [m.name for m in await client.list_models()] == ["llama-pp"]  # the server still answers
