@@ -1437,7 +1437,9 @@ class VllmEngine:
                                                            "its hooks would have fired out of step"))
                 continue
             state.p.begin_step(step)
-            state.p.token_ids = _token_ids(state, step, order_of_last(seq_rows.get(key, {}), last))
+            # Made only if a hook fires here (in worker processes the ranks read their own).
+            state.p.token_ids = functools.partial(_token_ids, state, step,
+                                                  order_of_last(seq_rows.get(key, {}), last))
             rows = [mine.get(r, (end, end)) for r in range(len(state.prompts))]
             order_of = seq_rows.get(key, {})
             segments.append(PackedSegment.of(state.p, rows, state.side, state.width if step == 0 else None,

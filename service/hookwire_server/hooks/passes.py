@@ -77,10 +77,9 @@ class Pass:
         #: (hook id, module, step). The engine reads it after the pass; emptied (the same
         #: dict) when a pass begins.
         self.stops: dict[int, tuple[str, str, int]] = {}
-        #: The token ids at the running pass's positions, ``[sequences, positions]`` in the
-        #: call's layout (a Generate step 0: the prompt as padded; later steps: each new
-        #: token), for rules' token-id signals; None where the engine does not know them.
-        self.token_ids: Any = None
+        #: ``token_ids``, or a function that makes them (an engine whose hooks mostly run
+        #: elsewhere builds them only when a hook here reads them).
+        self._token_ids: Any = None
         self._calls: dict[tuple[str, str, int], int] = {}
         self._seqs: dict[str, int] = {}
         #: Session and subscription streams this call offered events to (ordered set), and
@@ -105,6 +104,21 @@ class Pass:
         self._end_lock = threading.Lock()
         self._flushing = False
         self._end_pending = False
+
+    @property
+    def token_ids(self) -> Any:
+        """The token ids at the running pass's positions, ``[sequences, positions]`` in the
+        call's layout (a Generate step 0: the prompt as padded; later steps: each new
+        token), for rules' token-id signals; None where the engine does not know them.
+        Lazy where the engine set a function: made on first read, then kept."""
+        ids = self._token_ids
+        if callable(ids):
+            ids = self._token_ids = ids()
+        return ids
+
+    @token_ids.setter
+    def token_ids(self, value: Any) -> None:
+        self._token_ids = value
 
     def begin_step(self, step: int) -> None:
         """Starts pass ``step``: call indices start again from 0. Worker thread, between passes."""
