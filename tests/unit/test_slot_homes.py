@@ -61,17 +61,17 @@ class Ranks:
         return [r.stores[key].get(name) if key in r.stores else None for r in self.ranks]
 
 
-def _plan(store: SlotStore, home: WorkerSlots, ranks: Ranks, names: set[str]) -> list[str]:
-    """One plan whose hooks patch ``names``, in RuntimePlanner.plan's order: the slots to
-    send are read, the frees asked for so far are taken, the ranks apply both, and the
-    slots sent then live on the ranks. Returns the names that could not go."""
-    home.remember(store)
-    moving, blocked = store.ship_to(home, names)
-    drops = home.take_drops()  # before the moves (a copy saved again meanwhile is freed next time)
-    ranks.apply(drops, [(store.key, name, tensor) for name, tensor in moving] if not blocked else [])
-    for name, tensor in moving if not blocked else ():
-        store.moved_to(name, tensor, home)
-    return blocked
+def _plan(store: SlotStore, home: WorkerSlots, ranks: Ranks, names: set[str]) -> str:
+    """One plan whose hooks patch ``names``, made as RuntimePlanner.plan makes its slots'
+    part (``WorkerSlots.outgoing``, then ``settle``) and applied on every rank. Returns
+    why a slot could not go ("" when the plan was made)."""
+    moving, _, why = home.outgoing({store.key: store}, {store.key: names})
+    if why:
+        return why
+    drops, budget = home.settle({store.key: store}, moving)
+    ranks.apply(drops, [(s.key, name, tensor) for s, name, tensor, _ in moving])
+    assert budget == {store.key: [store.budget_for(home), store.max_bytes, home.copies]}
+    return ""
 
 
 def _setup(copies: int = 2, max_bytes: int = 1000) -> tuple[SlotStore, WorkerSlots, Ranks]:
@@ -86,11 +86,14 @@ def test_a_slot_sent_to_the_ranks_counts_each_copy_once_and_leaves_the_server() 
     store.save("b", b)
     # Before the move 'a' is the server's: one rank's share of what is left.
     assert home.store(store.key) is None and store.budget_for(home) == (1000 - 140) // 2
-    assert _plan(store, home, ranks, {"a"}) == []
+    moving, _, why = home.outgoing({store.key: store}, {store.key: {"a"}})
+    assert why == "" and [(name, len(blob) > 100) for _, name, _, blob in moving] == [("a", True)]
+    drops, budget = home.settle({store.key: store}, moving)
+    ranks.apply(drops, [(s.key, name, tensor) for s, name, tensor, _ in moving])
     assert store.homes() == {"a": home} and store.placed_on(home) == ["a"]
     assert store.total_bytes == 2 * 100 + 40  # each rank's copy counts
-    # After it, 'a' is the ranks' (not also the server's): the budget a plan sends them.
-    assert store.budget_for(home) == (1000 - 40) // 2
+    # After it, 'a' is the ranks' (not also the server's): the budget the plan sends them.
+    assert budget == {store.key: [(1000 - 40) // 2, 1000, 2]}
     assert all(torch.equal(t, a) for t in ranks.held(store.key, "a"))
     assert [(s.name, s.home) for s in store.describe()] == [("a", "model 'm''s vLLM workers"), ("b", "")]
     assert [name for name, _ in store.items()] == ["b"]
@@ -100,20 +103,17 @@ def test_a_slot_saved_again_while_its_copy_is_sent_is_freed_on_the_ranks_by_the_
     store, home, ranks = _setup()
     old, new = torch.zeros(4), torch.full((4,), 7.0)
     store.save("a", old)
-    home.remember(store)
-    moving, blocked = store.ship_to(home, {"a"})
-    assert [n for n, _ in moving] == ["a"] and blocked == []
-    store.save("a", new)  # the front's own step saves it again before the plan is made
-    drops = home.take_drops()
-    ranks.apply(drops, [(store.key, n, t) for n, t in moving])
-    for name, tensor in moving:
-        store.moved_to(name, tensor, home)
+    moving, _, why = home.outgoing({store.key: store}, {store.key: {"a"}})
+    assert why == "" and [name for _, name, _, _ in moving] == ["a"]
+    store.save("a", new)  # saved again (another model's step) while the plan is made
+    drops, _ = home.settle({store.key: store}, moving)
+    ranks.apply(drops, [(s.key, name, tensor) for s, name, tensor, _ in moving])
     # The server's copy is the slot; the one sent is stale and is freed by the next plan
     # (had the frees been taken after the moves, this plan would have freed it before
     # storing it, and the stale copy would have stayed on the ranks for good).
     assert store.homes() == {} and torch.equal(store.read("a"), new)
     assert all(torch.equal(t, old) for t in ranks.held(store.key, "a"))
-    assert _plan(store, home, ranks, set()) == []
+    assert _plan(store, home, ranks, set()) == ""
     assert ranks.held(store.key, "a") == [None, None] and all(r.held_bytes == 0 for r in ranks.ranks)
 
 
@@ -121,7 +121,7 @@ def test_a_slot_on_the_ranks_saved_in_the_server_frees_the_ranks_copy_and_a_save
     store, home, ranks = _setup()
     store.save("a", torch.zeros(4))
     store.save("b", torch.zeros(2))
-    assert _plan(store, home, ranks, {"a", "b"}) == []
+    assert _plan(store, home, ranks, {"a", "b"}) == ""
     assert sorted(store.homes()) == ["a", "b"]
     store.save("a", torch.ones(4))  # a step whose hooks ran in the server saved it
     store.save("b", torch.ones(2))
@@ -140,10 +140,10 @@ def test_what_cannot_go_to_the_ranks_is_named() -> None:
     store, home, ranks = _setup(copies=2, max_bytes=100)
     other = WorkerSlots("n", 1, Ranks(1).call)
     store.save("c", torch.zeros(2))
-    assert _plan(store, other, Ranks(1), {"c"}) == []  # 'c' lives on another model's ranks
+    assert _plan(store, other, Ranks(1), {"c"}) == ""  # 'c' lives on another model's ranks
     store.save("d", torch.zeros(14))  # 56 bytes: two copies and 'c' pass the bound of 100
-    assert _plan(store, home, ranks, {"c"}) == ["c"]
-    assert _plan(store, home, ranks, {"d"}) == ["d"]
+    assert "'c' cannot come to the ranks" in _plan(store, home, ranks, {"c"})
+    assert "'d' cannot come to the ranks" in _plan(store, home, ranks, {"d"})
     assert store.homes() == {"c": other} and ranks.held(store.key, "d") == [None, None]
     with pytest.raises(ResourceExhausted, match="max_slot_bytes"):
         store.save("e", torch.zeros(20))
@@ -153,7 +153,8 @@ def test_reading_a_slot_on_the_ranks_reads_the_first_rank_and_taking_it_back_fre
     store, home, ranks = _setup()
     value = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     store.save("a", value)
-    assert _plan(store, home, ranks, {"a"}) == []
+    assert _plan(store, home, ranks, {"a"}) == ""
+    ranks.ranks[1].put(store.key, "a", torch.zeros(2, 3))  # only the first rank's copy is read
     assert torch.equal(store.read("a"), value) and store.homes() == {"a": home}  # GetSlot: it stays there
     assert torch.equal(store.get("a"), value) and store.homes() == {}  # a patch in the server: it comes back
     assert store.total_bytes == 24 and home.take_drops() == [[store.key, ["a"]]]
@@ -164,7 +165,7 @@ def test_reading_a_slot_on_the_ranks_reads_the_first_rank_and_taking_it_back_fre
 def test_a_session_that_ends_frees_every_ranks_copy_at_once() -> None:
     store, home, ranks = _setup()
     store.save("a", torch.zeros(4))
-    assert _plan(store, home, ranks, {"a"}) == []
+    assert _plan(store, home, ranks, {"a"}) == ""
     store.clear()
     assert ranks.done.wait(30), "the ranks were not asked to free the session's slots"
     assert ranks.held(store.key, "a") == [None, None] and store.total_bytes == 0
@@ -175,7 +176,7 @@ def test_slots_on_ranks_that_went_away_are_lost_with_the_reason() -> None:
     store, home, ranks = _setup()
     store.save("a", torch.zeros(4))
     store.save("b", torch.zeros(1))
-    assert _plan(store, home, ranks, {"a"}) == []
+    assert _plan(store, home, ranks, {"a"}) == ""
     home.lost("worker 1 died")
     assert store.homes() == {} and store.total_bytes == 4 and store.get("a") is None
     with pytest.raises(NotFound, match="went away: worker 1 died"):

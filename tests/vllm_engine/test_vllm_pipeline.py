@@ -147,20 +147,23 @@ async def test_a_later_stage_that_dies_fails_its_calls_and_the_model(pp_server) 
     async with hookwire.connect(pp_server.target) as client:
         model = client.model("llama-pp")
         stream = model.generate([PROMPTS[0]], 100, hooks=[HookSpec("model.layers.1", posthook=capture("output"))])
-        seen = 0
+        seen: list[Any] = []
         with pytest.raises(hookwire.HookwireError) as failure:
             async with asyncio.timeout(120):  # a stage left waiting would hang here
                 async for item in stream:
-                    seen += 1
-                    if seen == 3:
+                    seen.append(item)
+                    if len(seen) == 3:
                         os.kill(pids[-1], signal.SIGKILL)
         assert failure.value.code in ("FAILED_PRECONDITION", "UNAVAILABLE"), failure.value
+        assert "model.layers.1" in {getattr(item, "module", None) for item in seen}  # the hook ran on stage 1
         for _ in range(100):  # the registry hears of it from the link thread
             (info,) = await client.list_models()
             if info.state == "failed":
                 break
             await asyncio.sleep(0.1)
-        assert info.state == "failed" and "vLLM" in info.state_message, info.state_message
+        # The stage's death is the reason (stage 0's link, refused its next step, does not replace it).
+        assert info.state == "failed" and "a vLLM worker process of model 'llama-pp' went away" in info.state_message \
+            and "serves no more calls" not in info.state_message, info.state_message
         with pytest.raises(hookwire.FailedPreconditionError, match="failed while serving"):
             await model.generate([PROMPTS[0]], 2)
         assert [m.name for m in await client.list_models()] == ["llama-pp"]  # the server still answers

@@ -1203,7 +1203,7 @@ class VllmEngine:
             for waiting in list(self._waiting):
                 self._fail_call(waiting, FailedPrecondition(self._broken), abort=False)
             for planner in self._planners:  # what the workers held no longer counts
-                planner.forget(why)
+                planner.forget(self._lost)
             self._turn.notify_all()
             raise FailedPrecondition(self._broken) from None
         self._flush_aborts()
@@ -1438,7 +1438,8 @@ class VllmEngine:
                 continue
             state.p.begin_step(step)
             # Made only if a hook fires here (in worker processes the ranks read their own).
-            state.p.token_ids = functools.partial(_token_ids, state, step,
+            # (What it reads, not the call: a call kept by its pass would be a cycle.)
+            state.p.token_ids = functools.partial(_token_ids, state.prompts, state.width, state.side, step,
                                                   order_of_last(seq_rows.get(key, {}), last))
             rows = [mine.get(r, (end, end)) for r in range(len(state.prompts))]
             order_of = seq_rows.get(key, {})
@@ -1667,12 +1668,19 @@ class VllmEngine:
     def lost(self, why: str) -> None:
         """A worker process went away: the model is FAILED with ``why``; its calls fail in
         the step vLLM's client then fails, and calls not yet in vLLM at once. Link thread."""
-        self._lost = why
-        log.error("model %r: %s", self._host.name, why)
+        # The first reason stands: another stage's link then fails because of it (its
+        # next step is refused), which is not news.
+        first = not self._lost
+        if first:
+            self._lost = why
+            log.error("model %r: %s", self._host.name, why)
+        else:
+            log.debug("model %r: also %s", self._host.name, why)
         self.link_closed()
-        self._broken = self._broken or (f"the vLLM engine of model {self._host.name!r} serves no more calls "
-                                        f"(restart the server): {why}")
-        self._host.failed(f"{why} (restart the server)")
+        if first:
+            self._broken = self._broken or (f"the vLLM engine of model {self._host.name!r} serves no more calls "
+                                            f"(restart the server): {why}")
+            self._host.failed(f"{why} (restart the server)")
         with self._lock:
             if self._open is not None and self._link_thread is None:
                 # A step a later pipeline stage was to go on with: it ends here (its calls fail
@@ -1682,7 +1690,7 @@ class VllmEngine:
                 self.link_end(stage=self._stages - 1)
             self._turn.notify_all()
             for planner in self._planners:  # what the workers held is gone with them
-                planner.forget(why)
+                planner.forget(self._lost)
 
     def close(self) -> None:
         """Stops vLLM's engine and worker processes (the server shuts down)."""
@@ -1790,18 +1798,20 @@ def order_of_last(rows: dict[int, int], last: list[int] | None) -> dict[int, int
     return {seq: last[i] for seq, i in rows.items() if i < len(last)}
 
 
-def _token_ids(state: _Call, step: int, last: dict[int, int] | None) -> torch.Tensor | None:
-    """The call's token ids at a step's positions, in its layout (rules' token-id
-    signals): step 0 its prompts padded as the step is laid out, later steps each
-    sequence's input token of the step (``last``, as vLLM's runner scheduled it; 0 for a
-    sequence not in the step); None where the runner did not show them."""
-    n = len(state.prompts)
+def _token_ids(prompts: list[list[int]], width: int | None, side: str, step: int,
+               last: dict[int, int] | None) -> torch.Tensor | None:
+    """A call's token ids at a step's positions, in its layout (rules' token-id
+    signals): step 0 its ``prompts`` padded as the step is laid out (to ``width``, on
+    ``side``), later steps each sequence's input token of the step (``last``, as vLLM's
+    runner scheduled it; 0 for a sequence not in the step); None where the runner did
+    not show them."""
+    n = len(prompts)
     if step == 0:
-        width = state.width or max(len(prompt) for prompt in state.prompts)
+        width = width or max(len(prompt) for prompt in prompts)
         out = torch.zeros((n, width), dtype=torch.int64)
-        for r, prompt in enumerate(state.prompts):
+        for r, prompt in enumerate(prompts):
             row = torch.tensor(prompt, dtype=torch.int64)
-            if state.side == "left":
+            if side == "left":
                 out[r, width - len(prompt):] = row
             else:
                 out[r, :len(prompt)] = row

@@ -119,6 +119,42 @@ class WorkerSlots:
             drops, self._drops = self._drops, []
         return drops
 
+    def outgoing(self, stores: dict[str, SlotStore], patched: dict[str, set[str]]
+                 ) -> tuple[list[tuple[SlotStore, str, torch.Tensor, bytes]], str, str]:
+        """The slots a plan for these ranks sends: of each session's store (by key) those
+        held in the server that the plan's hooks patch (``patched``), each with its wire
+        form. When one cannot go (another home holds it, its copies would pass the
+        session's bound, it has no wire form): nothing, the store's key and why (the
+        step's hooks then run in the server)."""
+        moving: list[tuple[SlotStore, str, torch.Tensor, bytes]] = []
+        for key, store in stores.items():
+            self.remember(store)
+            candidates, blocked = store.ship_to(self, patched.get(key, set()))
+            if blocked:
+                return [], key, (f"slots {', '.join(map(repr, blocked))} cannot come to the ranks (another model's "
+                                 "workers hold them, or their copies would pass max_slot_bytes)")
+            for name, tensor in candidates:
+                try:
+                    out = tensor_pb2.Tensor()
+                    codec.encode_tensor_into(tensor.detach().to("cpu"), out)
+                except Exception as exc:  # no wire form, or past protobuf's 2 GiB
+                    return [], key, f"slot {name!r} cannot be sent to the ranks: {exc}"
+                moving.append((store, name, tensor, out.SerializeToString()))
+        return moving, "", ""
+
+    def settle(self, stores: dict[str, SlotStore], moving: list[tuple[SlotStore, str, torch.Tensor, bytes]]
+               ) -> tuple[list[list[Any]], dict[str, list[int]]]:
+        """A plan that sends ``moving`` is made: its frees (``take_drops``) and each
+        session's per-rank budget (its ``slot_budget``: [bytes, max_slot_bytes, copies]).
+        The frees are taken before the moves: a copy sent while its slot was saved again
+        is freed by the next plan (the ranks free before they store, so this plan would
+        free the old copy and keep the one sent). The budget is reckoned after them (a
+        slot sent counts as the ranks', not also as the server's)."""
+        drops = self.take_drops()
+        for store, name, tensor, _ in moving:  # each still the tensor read when it was sent
+            store.moved_to(name, tensor, self)
+        return drops, {key: [store.budget_for(self), store.max_bytes, self.copies] for key, store in stores.items()}
+
     def lost(self, why: str) -> None:
         """The ranks are gone: the slots that lived there are lost."""
         self._gone = why
@@ -187,26 +223,13 @@ class RuntimePlanner:
             if record.compiled.uses_slots and record.slots is not None:
                 stores[record.slots.key] = record.slots
                 patched.setdefault(record.slots.key, set()).update(_patched(record))
-        moving: list[tuple[SlotStore, str, torch.Tensor, bytes]] = []
-        for key, store in stores.items():
-            self.slots.remember(store)
-            candidates, blocked = store.ship_to(self.slots, patched[key])
-            why = f"slots {', '.join(map(repr, blocked))} cannot come to the ranks (another model's workers hold them, " \
-                  "or their copies would pass max_slot_bytes)" if blocked else ""
-            for name, tensor in candidates if not why else ():
-                try:
-                    out = tensor_pb2.Tensor()
-                    codec.encode_tensor_into(tensor.detach().to("cpu"), out)
-                    moving.append((store, name, tensor, out.SerializeToString()))
-                except Exception as exc:  # no wire form, or past protobuf's 2 GiB
-                    why = f"slot {name!r} cannot be sent to the ranks: {exc}"
-                    break
-            if why:  # the step's hooks run here (which reads them)
-                for stored in reserved:
-                    stored.add_rank_copies(-self._ranks)
-                self._refuse(f"slot:{key}", f"model {self._host.name!r}: {why}; the steps of this model's hooks run "
+        moving, refused, why = self.slots.outgoing(stores, patched)
+        if why:  # the step's hooks run here (which reads them)
+            for stored in reserved:
+                stored.add_rank_copies(-self._ranks)
+            self._refuse(f"slot:{refused}", f"model {self._host.name!r}: {why}; the steps of this model's hooks run "
                                             "in the server while they need them")
-                return None
+            return None
         try:
             header = self._decide(batch, phases, specs, operands)
         except BaseException:
@@ -223,17 +246,7 @@ class RuntimePlanner:
             self._operands.setdefault(okey, (stored, set()))[1].update(users)
         header["drop"] = self._dropped(set(live))
         header["drop_operands"] = self._unused_operands()
-        # Frees asked for so far, taken before the moves below: a copy sent while its slot
-        # was saved again is freed by the next plan (the ranks free before they store, so
-        # the same plan would free the old copy and keep the new one).
-        header["drop_slots"] = self.slots.take_drops()
-        # The slots sent live on the ranks from now on (each still the tensor read above).
-        for store, name, tensor, _ in moving:
-            store.moved_to(name, tensor, self.slots)
-        # Each session's per-rank budget once the moves are counted (a slot sent counts as
-        # the ranks', not also as the server's).
-        header["slot_budget"] = {key: [store.budget_for(self.slots), store.max_bytes, self.slots.copies]
-                                 for key, store in stores.items()}
+        header["drop_slots"], header["slot_budget"] = self.slots.settle(stores, moving)
         return header, blobs
 
     def _programs(self, records: list[tuple[str, Any]]) -> tuple[Any, ...] | None:
