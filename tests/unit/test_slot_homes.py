@@ -181,3 +181,16 @@ def test_slots_on_ranks_that_went_away_are_lost_with_the_reason() -> None:
     assert store.homes() == {} and store.total_bytes == 4 and store.get("a") is None
     with pytest.raises(NotFound, match="went away: worker 1 died"):
         home.read(store.key, "a")
+
+
+def test_a_slot_without_a_wire_form_keeps_the_plan_from_sending_any() -> None:
+    """The first store whose slot cannot be encoded refuses the whole plan's moves (the
+    step's hooks then run in the server), naming the slot; nothing moved, nothing freed."""
+    store, home, ranks = _setup()
+    other = SlotStore(1000)
+    store.save("a", torch.zeros(4))
+    other.save("z", torch.zeros(2, dtype=torch.complex64))
+    moving, refused, why = home.outgoing({store.key: store, other.key: other},
+                                         {store.key: {"a"}, other.key: {"z"}})
+    assert (moving, refused) == ([], other.key) and "slot 'z' cannot be sent to the ranks" in why and "wire" in why
+    assert store.homes() == {} and other.homes() == {} and home.take_drops() == []

@@ -137,9 +137,10 @@ class WorkerSlots:
                 try:
                     out = tensor_pb2.Tensor()
                     codec.encode_tensor_into(tensor.detach().to("cpu"), out)
+                    blob = out.SerializeToString()  # where protobuf's 2 GiB bound fails
                 except Exception as exc:  # no wire form, or past protobuf's 2 GiB
                     return [], key, f"slot {name!r} cannot be sent to the ranks: {exc}"
-                moving.append((store, name, tensor, out.SerializeToString()))
+                moving.append((store, name, tensor, blob))
         return moving, "", ""
 
     def settle(self, stores: dict[str, SlotStore], moving: list[tuple[SlotStore, str, torch.Tensor, bytes]]
