@@ -1203,7 +1203,7 @@ class VllmEngine:
             for waiting in list(self._waiting):
                 self._fail_call(waiting, FailedPrecondition(self._broken), abort=False)
             for planner in self._planners:  # what the workers held no longer counts
-                planner.forget(self._lost)
+                planner.forget(why)
             self._turn.notify_all()
             raise FailedPrecondition(self._broken) from None
         self._flush_aborts()
