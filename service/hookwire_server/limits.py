@@ -121,6 +121,12 @@ class Limits:
     max_stream_interval: int = 64
     #: Stop strings (GenerateRequest.stop) in one call, each at most max_name_length bytes.
     max_stop_strings: int = 16
+    #: GenerateRequest.top_logprobs and prompt_logprobs at most (INVALID_ARGUMENT beyond):
+    #: the most likely tokens reported per position (OpenAI's own limit for top_logprobs).
+    max_top_logprobs: int = 20
+    #: GenerateRequest.n at most (INVALID_ARGUMENT beyond): sequences per prompt, each
+    #: with its KV cache; prompts times n also meet max_tokenize_texts.
+    max_generate_n: int = 16
     #: Characters of all the stop strings of one Generate call together: building the
     #: matcher for them costs the vocabulary size times this, on the model's tokenizer thread.
     max_stop_chars: int = 128

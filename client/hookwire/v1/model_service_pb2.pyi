@@ -256,7 +256,7 @@ class TokenPieces(_message.Message):
     def __init__(self, pieces: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompts", "input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "hooks", "tags", "max_response_message_bytes", "stream_interval")
+    __slots__ = ("model", "prompts", "input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "hooks", "tags", "max_response_message_bytes", "stream_interval", "logprobs", "top_logprobs", "prompt_logprobs", "ignore_eos", "min_new_tokens", "n")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +273,12 @@ class GenerateRequest(_message.Message):
     TAGS_FIELD_NUMBER: _ClassVar[int]
     MAX_RESPONSE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompts: _containers.RepeatedScalarFieldContainer[str]
     input_ids: _tensor_pb2.Tensor
@@ -289,7 +295,13 @@ class GenerateRequest(_message.Message):
     tags: _containers.RepeatedScalarFieldContainer[str]
     max_response_message_bytes: int
     stream_interval: int
-    def __init__(self, model: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ..., input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., hooks: _Optional[_Iterable[_Union[_hook_pb2.HookSpec, _Mapping]]] = ..., tags: _Optional[_Iterable[str]] = ..., max_response_message_bytes: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    prompt_logprobs: int
+    ignore_eos: bool
+    min_new_tokens: int
+    n: int
+    def __init__(self, model: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ..., input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., hooks: _Optional[_Iterable[_Union[_hook_pb2.HookSpec, _Mapping]]] = ..., tags: _Optional[_Iterable[str]] = ..., max_response_message_bytes: _Optional[int] = ..., stream_interval: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "tokens", "event", "chunk", "notice", "done", "batch", "steps")
@@ -336,14 +348,34 @@ class GenerateStarted(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hook_ids: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., do_sample: _Optional[bool] = ..., hook_modules: _Optional[_Iterable[_Union[_hook_pb2.ModuleList, _Mapping]]] = ...) -> None: ...
 
 class GeneratedTokens(_message.Message):
-    __slots__ = ("step", "token_ids", "texts")
+    __slots__ = ("step", "token_ids", "texts", "logprobs", "prompt_logprobs")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[SequenceLogprobs]
+    def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SequenceLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SequenceLogprobs(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
     __slots__ = ("sequences", "steps")

@@ -42,7 +42,7 @@ from ..auth import ANONYMOUS, Principal
 from ..engine import wakeups
 from ..engine.core import Engines
 from .admission import Admission, captured_modules
-from ..engine.seam import FINISHED, GENERATE, GenerateCall, GenerateOptions, StepResult
+from ..engine.seam import FINISHED, GENERATE, GenerateCall, GenerateOptions, StepResult, TokenLogprobs
 from ..engine.scheduler import Work, in_own_thread
 from ..errors import (
     DeadlineExceeded,
@@ -339,13 +339,34 @@ class Generation:
             # The model's own stop strings (its operator's choice, so not the request's limits):
             # generate() cannot build them here (see start_call), the call's criteria carry them.
             stop = (configured,) if isinstance(configured, str) else tuple(configured)
+        top = self.limits.max_top_logprobs
+        if request.top_logprobs and not request.logprobs:
+            raise InvalidArgument("top_logprobs: goes with logprobs (set logprobs to report log-probabilities)")
+        if request.top_logprobs > top:
+            raise limits.exceeded("top_logprobs", f"{request.top_logprobs} tokens a position", top, "max_top_logprobs",
+                                  error=InvalidArgument)
+        if request.HasField("prompt_logprobs") and request.prompt_logprobs > top:
+            raise limits.exceeded("prompt_logprobs", f"{request.prompt_logprobs} tokens a position", top,
+                                  "max_top_logprobs", error=InvalidArgument)
+        if request.min_new_tokens > request.max_new_tokens:
+            raise InvalidArgument(
+                f"min_new_tokens: {request.min_new_tokens} is more than max_new_tokens {request.max_new_tokens}"
+            )
+        if request.n > self.limits.max_generate_n:
+            raise limits.exceeded("n", f"{request.n} sequences a prompt", self.limits.max_generate_n, "max_generate_n",
+                                  error=InvalidArgument)
         seed = request.seed if request.HasField("seed") else secrets.randbits(64)
         if request.max_response_message_bytes and request.max_response_message_bytes < MIN_MAX_MESSAGE_BYTES:
             raise InvalidArgument(
                 f"max_response_message_bytes: {request.max_response_message_bytes} is below the minimum "
                 f"{MIN_MAX_MESSAGE_BYTES} (0 for 4 MiB)"
             )
-        return GenerateOptions(request.max_new_tokens, overrides, seed, stop)
+        return GenerateOptions(
+            request.max_new_tokens, overrides, seed, stop,
+            logprobs=request.top_logprobs if request.logprobs else None,
+            prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+            ignore_eos=request.ignore_eos, min_new_tokens=request.min_new_tokens,
+        )
 
     def _check_prompt_source(self, request: model_service_pb2.GenerateRequest, host: ModelHost) -> None:
         has_ids = request.HasField("input_ids")
@@ -459,6 +480,12 @@ class Generation:
             )
         self._check_prompt_source(request, host)
         options = self._options(request, host)
+        n = max(1, request.n)
+        if n > 1:  # counted before anything is tokenized or decoded
+            count = len(request.prompts) or (int(request.input_ids.shape[0]) if request.input_ids.shape else 0)
+            if count * n > self.limits.max_tokenize_texts:
+                raise limits.exceeded("n", f"{count} prompts times n {n}: {count * n} sequences",
+                                      self.limits.max_tokenize_texts, "max_tokenize_texts")
         positions = position_limit(host.module)
         active = self._active.get(host.name, 0)
         limits.check(active, self.limits.max_active_generations,
@@ -482,6 +509,8 @@ class Generation:
                 ids, mask = batch.input_ids, batch.attention_mask
             else:
                 ids, mask = self._decode_ids(request, host)
+            if n > 1:  # each prompt's n sequences together, as num_return_sequences lays them out
+                ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
             # Prompt and new tokens must fit, as serving engines require.
             check_positions(positions, host.name, ids.shape[1] + options.max_new_tokens,
                             f"max_new_tokens: the prompt's {ids.shape[1]} tokens and {options.max_new_tokens} new tokens")
@@ -652,6 +681,8 @@ class Generation:
                         for i, token in enumerate(result.tokens)
                     ]
                 chosen = model_service_pb2.GeneratedTokens(step=step, token_ids=result.tokens, texts=deltas)
+                if result.logprobs is not None or result.prompt_logprobs is not None:
+                    _encode_logprobs(chosen, result)
                 if interval <= 1 or step == 0:  # the first tokens at once: time to first token unchanged
                     yield model_service_pb2.GenerateResponse(tokens=chosen)
                 else:  # after this step's events (yielded above), with the steps before it
@@ -713,6 +744,23 @@ class Generation:
             # Not kept with this frame, which a failure's traceback (held by gRPC for a while)
             # keeps: the mailbox's items hold the failure, and the call its decoding state.
             del work, call, items, last
+
+
+def _encode_logprobs(chosen: model_service_pb2.GeneratedTokens, result: StepResult) -> None:
+    """A step's log-probabilities (StepResult.logprobs, .prompt_logprobs) into its
+    GeneratedTokens message."""
+    def fill(out: model_service_pb2.TokenLogprobs, entry: TokenLogprobs | None) -> None:
+        if entry is not None:
+            out.logprob = entry.logprob
+            out.top_token_ids.extend(token for token, _ in entry.top)
+            out.top_logprobs.extend(value for _, value in entry.top)
+
+    for entry in result.logprobs or ():
+        fill(chosen.logprobs.add(), entry)
+    for sequence in result.prompt_logprobs or ():
+        run = chosen.prompt_logprobs.add()
+        for entry in sequence:
+            fill(run.tokens.add(), entry)
 
 
 def _idle_error(host: ModelHost, what: str, idle: float) -> DeadlineExceeded:

@@ -123,6 +123,28 @@ class GenerateOptions:
     overrides: dict[str, Any]
     seed: int
     stop: tuple[str, ...]
+    #: Each chosen token's log-probability and this many most likely tokens beside it
+    #: (StepResult.logprobs); None: none (GenerateRequest.logprobs unset).
+    logprobs: int | None = None
+    #: Each prompt token's log-probability (after the first) and this many most likely
+    #: tokens beside it (StepResult.prompt_logprobs, step 0); None: none.
+    prompt_logprobs: int | None = None
+    #: An end-of-sequence token does not end a sequence (GenerateRequest.ignore_eos).
+    ignore_eos: bool = False
+    #: No EOS token or stop string ends a sequence before it has this many new tokens;
+    #: 0: the model's generation_config.
+    min_new_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probabilities at one position of a sequence: its token's (the chosen one,
+    or the prompt's own) and the ``top`` most likely tokens', most likely first, as
+    (token id, log-probability); float32 log-softmax of the model's raw logits (before
+    temperature, top-k, top-p and the other processors)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +161,12 @@ class StepResult:
     #: Sequences a stop rule ended so far (finish reason "rule"): row -> (hook id,
     #: module, step).
     stopped: Mapping[int, tuple[str, str, int]] = dataclasses.field(default_factory=dict)
+    #: With GenerateOptions.logprobs: per sequence, the chosen token's log-probabilities
+    #: (None for a sequence that had already ended); None otherwise.
+    logprobs: list[TokenLogprobs | None] | None = None
+    #: With GenerateOptions.prompt_logprobs, at step 0 only: per sequence, one entry per
+    #: prompt token after the first (padding skipped); None otherwise.
+    prompt_logprobs: list[list[TokenLogprobs]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
