@@ -46,8 +46,8 @@ $(SERVE_STAMP): pyproject.toml
 	touch $(SERVE_STAMP)
 
 serve: $(SERVE_STAMP)
-	@echo "==> starting the server on the demo models (hookwire serve; it prints its address once they load; Ctrl-C stops it) ..."
-	$(BIN)/hookwire serve
+	@echo "==> starting the server on the demo models (hookwire serve, gRPC on 50051, the OpenAI-compatible API on 8000; it prints its addresses once they load; Ctrl-C stops it) ..."
+	$(BIN)/hookwire serve --openai-port 8000
 
 $(NOTEBOOK_STAMP): $(SERVE_STAMP)
 	@echo "==> installing hookwire[notebook] into .venv (JupyterLab, nbconvert; first run: a minute or two)"

@@ -1158,6 +1158,11 @@ class RemoteModel:
         keep_events: bool = True,
         max_response_message_bytes: int | None = None,
         stream_interval: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        ignore_eos: bool = False,
+        min_new_tokens: int = 0,
+        n: int = 1,
     ) -> GenerateStream:
         """Generates up to ``max_new_tokens`` tokens per sequence with a causal language
         model, as transformers' ``generate()`` does (greedy or sampling), streaming the
@@ -1189,6 +1194,16 @@ class RemoteModel:
         token on both ends, tokens later); they are still yielded one GeneratedTokens per
         step, after those steps' events.
 
+        ``logprobs`` k (0 included) reports each chosen token's log-probability and the k
+        most likely tokens beside it (``GeneratedTokens.logprobs``,
+        ``GenerateResult.logprobs``); ``prompt_logprobs`` k scores each prompt token after
+        the first the same way (``GenerateResult.prompt_logprobs``: what evaluation
+        harnesses score prompts with); both raw log-softmax of the logits, k at most the
+        server's max_top_logprobs. ``ignore_eos`` keeps generating after an
+        end-of-sequence token; no sequence ends before ``min_new_tokens`` (0: the model's
+        generation_config). ``n`` sequences per prompt, sampled apart from one random
+        generator (a prompt's n sequences are consecutive rows).
+
         Lazy: nothing is sent until the stream is iterated, awaited or started. Raises
         ValueError / TypeError at once for arguments it cannot send; everything else
         (the server's errors) where the stream is read: see GenerateStream, which also
@@ -1200,7 +1215,8 @@ class RemoteModel:
             do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tags=tags,
             session_id=self._client.session_id if use_session else "",
             max_response_message_bytes=limit if max_response_message_bytes is None else max_response_message_bytes,
-            stream_interval=stream_interval,
+            stream_interval=stream_interval, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, n=n,
         )
         return GenerateStream(self._client, request, keep_events=keep_events)
 

@@ -45,6 +45,11 @@ def generate_request(
     session_id: str,
     max_response_message_bytes: int,
     stream_interval: int = 0,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    ignore_eos: bool = False,
+    min_new_tokens: int = 0,
+    n: int = 1,
 ) -> model_service_pb2.GenerateRequest:
     """The GenerateRequest for ``RemoteModel.generate``'s arguments; ValueError or
     TypeError for one it cannot send (the server checks the rest)."""
@@ -52,11 +57,22 @@ def generate_request(
         raise ValueError(f"max_new_tokens must be an integer > 0, not {max_new_tokens!r}")
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 0:
         raise ValueError(f"stream_interval must be an integer >= 0, not {stream_interval!r}")
+    for name, value, least in (("logprobs", logprobs, 0), ("prompt_logprobs", prompt_logprobs, 0),
+                               ("min_new_tokens", min_new_tokens, 0), ("n", n, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"{name} must be an integer >= {least}{' or None' if 'logprobs' in name else ''}, "
+                             f"not {value!r}")
     request = model_service_pb2.GenerateRequest(
         model=model, max_new_tokens=max_new_tokens, session_id=session_id,
         max_response_message_bytes=min(max_response_message_bytes, _UINT32_MAX),
         stream_interval=min(stream_interval, _UINT32_MAX),
+        ignore_eos=bool(ignore_eos), min_new_tokens=min(min_new_tokens, _UINT32_MAX), n=min(n, _UINT32_MAX),
     )
+    if logprobs is not None:
+        request.logprobs = True
+        request.top_logprobs = min(logprobs, _UINT32_MAX)
+    if prompt_logprobs is not None:
+        request.prompt_logprobs = min(prompt_logprobs, _UINT32_MAX)
     if isinstance(prompt_or_ids, str):
         request.prompts.append(prompt_or_ids)
     elif isinstance(prompt_or_ids, (list, tuple)) and prompt_or_ids and all(isinstance(p, str) for p in prompt_or_ids):
@@ -145,6 +161,8 @@ class GenerateStream:
         self._started: model_service_pb2.GenerateStarted | None = None
         self._call_hooks: CallHooks | None = None
         self._events: list[InterceptEvent] = []
+        #: The steps that carried log-probabilities (generate(logprobs=...)), for the result.
+        self._scored: list[GeneratedTokens] = []
         #: Events of a batch message not yet handed out.
         #: Items received and not yet handed out: events of one batch, tokens of one `steps`.
         self._batched: collections.deque[GenerateItem] = collections.deque()
@@ -277,9 +295,9 @@ class GenerateStream:
                     msg, views = uncut(msg)
                     kind = msg.WhichOneof("kind")
                     if kind == "tokens":
-                        return GeneratedTokens.from_proto(msg.tokens)
+                        return self._tokens(GeneratedTokens.from_proto(msg.tokens))
                     if kind == "steps":  # stream_interval > 1: several steps' tokens, handed out one by one
-                        self._batched.extend(GeneratedTokens.from_proto(t) for t in msg.steps.steps)
+                        self._batched.extend(self._tokens(GeneratedTokens.from_proto(t)) for t in msg.steps.steps)
                         if self._batched:
                             return self._batched.popleft()
                         continue
@@ -298,8 +316,9 @@ class GenerateStream:
                         continue
                     elif kind == "done":
                         self._assembler.check_complete()
-                        self._result = GenerateResult.from_stream(started, self._events, msg.done, self.notices)
-                        self._events = []
+                        self._result = GenerateResult.from_stream(started, self._events, msg.done, self.notices,
+                                                                  self._scored)
+                        self._events, self._scored = [], []
                         await self._finish()
                         return None
                     else:
@@ -312,6 +331,12 @@ class GenerateStream:
                 if exc is not self._error:  # the assembler's DATA_LOSS
                     raise self._fail(exc) from None
                 raise
+
+    def _tokens(self, tokens: GeneratedTokens) -> GeneratedTokens:
+        """Keeps a step's log-probabilities for the result (when the call asked for them)."""
+        if tokens.logprobs or tokens.prompt_logprobs:
+            self._scored.append(tokens)
+        return tokens
 
     def _hand_out(self, received: list[tuple[Any, Any]]) -> InterceptEvent:
         """Decodes received events (a compact readout event expands into the per-module

@@ -439,6 +439,22 @@ class Notice:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probabilities at one position of a sequence (``generate(logprobs=...)``,
+    ``prompt_logprobs=...``): its token's and the ``top`` most likely tokens', most
+    likely first, as (token id, log-probability). float32 log-softmax of the model's
+    raw logits, before temperature, top-k, top-p and the other processors."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_proto(cls, msg: model_service_pb2.TokenLogprobs) -> TokenLogprob:
+        """Builds it from the wire message."""
+        return cls(msg.logprob, tuple(zip((int(t) for t in msg.top_token_ids), (float(v) for v in msg.top_logprobs))))
+
+
+@dataclasses.dataclass(frozen=True)
 class GeneratedTokens:
     """The tokens one step of a Generate call chose, one entry per sequence (an item of
     ``model.generate``). Step 0 is the pass over the prompt, so the first new tokens
@@ -457,11 +473,21 @@ class GeneratedTokens:
     #: character is incomplete.
     texts: tuple[str, ...]
     raw: model_service_pb2.GeneratedTokens = dataclasses.field(repr=False, compare=False)
+    #: With ``generate(logprobs=...)``: per sequence, the chosen token's log-probabilities
+    #: (None for a FINISHED entry); empty otherwise.
+    logprobs: tuple[TokenLogprob | None, ...] = ()
+    #: With ``generate(prompt_logprobs=...)``, at step 0 only: per sequence, one entry per
+    #: prompt token after the first (padding skipped); empty otherwise.
+    prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
 
     @classmethod
     def from_proto(cls, msg: model_service_pb2.GeneratedTokens) -> GeneratedTokens:
         """Builds it from the wire message."""
-        return cls(step=msg.step, token_ids=tuple(msg.token_ids), texts=tuple(msg.texts), raw=msg)
+        logprobs = tuple(None if token == cls.FINISHED else TokenLogprob.from_proto(entry)
+                         for token, entry in zip(msg.token_ids, msg.logprobs))
+        prompt = tuple(tuple(TokenLogprob.from_proto(t) for t in run.tokens) for run in msg.prompt_logprobs)
+        return cls(step=msg.step, token_ids=tuple(msg.token_ids), texts=tuple(msg.texts), raw=msg,
+                   logprobs=logprobs, prompt_logprobs=prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,11 +528,18 @@ class GenerateResult:
     #: Per sequence: for one a stop rule ended (finish reason "rule"), the rule that
     #: fired as (hook id, module, step); None for the others.
     stopped_by: tuple[tuple[str, str, int] | None, ...] = ()
+    #: With ``generate(logprobs=...)``: per sequence, one entry per token of ``token_ids``;
+    #: empty otherwise.
+    logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
+    #: With ``generate(prompt_logprobs=...)``: per sequence, one entry per prompt token
+    #: after the first (padding skipped); empty otherwise.
+    prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
 
     @classmethod
     def from_stream(
         cls, started: model_service_pb2.GenerateStarted, events: Sequence[InterceptEvent],
         done: model_service_pb2.GenerateDone, notices: Sequence[Notice] = (),
+        steps: Sequence[GeneratedTokens] = (),
     ) -> GenerateResult:
         """Builds it from the stream's first and last messages and the events between."""
         by_step: list[list[InterceptEvent]] = [[] for _ in range(done.steps)]
@@ -531,4 +564,19 @@ class GenerateResult:
             raw=done,
             stopped_by=tuple((s.stopped_by.hook_id, s.stopped_by.module, s.stopped_by.step)
                              if s.HasField("stopped_by") else None for s in done.sequences),
+            logprobs=_sequence_logprobs(steps, len(done.sequences)),
+            prompt_logprobs=next((step.prompt_logprobs for step in steps if step.prompt_logprobs), ()),
         )
+
+
+def _sequence_logprobs(steps: Sequence[GeneratedTokens], sequences: int) -> tuple[tuple[TokenLogprob, ...], ...]:
+    """Per sequence, the log-probabilities of its tokens over ``steps`` (empty when no
+    step carried any)."""
+    if not any(step.logprobs for step in steps):
+        return ()
+    out: list[list[TokenLogprob]] = [[] for _ in range(sequences)]
+    for step in steps:
+        for i, entry in enumerate(step.logprobs[:sequences]):
+            if entry is not None:
+                out[i].append(entry)
+    return tuple(tuple(run) for run in out)

@@ -171,6 +171,14 @@ _TINY_LM_WORDS = (
 )
 
 
+#: tiny-lm's chat template (/v1/chat/completions formats messages with it): each message
+#: as "role: content" on a line of its own after <bos>, and "assistant:" to answer.
+TINY_LM_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def tiny_lm_tokenizer() -> Any:
     """tiny-lm's tokenizer: byte-level BPE (every text round-trips, any language) over the
     256 byte symbols plus the prefixes of a fixed word list, built in code with no files
@@ -196,7 +204,7 @@ def tiny_lm_tokenizer() -> Any:
     )
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        padding_side="left", model_max_length=TINY_LM_MAX_POSITIONS,
+        padding_side="left", model_max_length=TINY_LM_MAX_POSITIONS, chat_template=TINY_LM_CHAT_TEMPLATE,
     )
 
 

@@ -124,6 +124,11 @@ class Limits:
     #: GenerateRequest.top_logprobs and prompt_logprobs at most (INVALID_ARGUMENT beyond):
     #: the most likely tokens reported per position (OpenAI's own limit for top_logprobs).
     max_top_logprobs: int = 20
+    #: An event's JSON size at most, for events the OpenAI-compatible front carries in its
+    #: chunks (``hookwire.events``): a call whose hooks make a larger one ends with
+    #: RESOURCE_EXHAUSTED (429), and hooks capturing whole tensors are refused there
+    #: (gRPC carries those).
+    max_http_event_bytes: int = 256 << 10
     #: GenerateRequest.n at most (INVALID_ARGUMENT beyond): sequences per prompt, each
     #: with its KV cache; prompts times n also meet max_tokenize_texts.
     max_generate_n: int = 16

@@ -32,6 +32,9 @@ class RpcContext:
     client_request_id: str = ""
     #: Whether a call of this RPC took ``request_id`` already (the rest get new ids).
     taken: bool = False
+    #: The API the call came through: "grpc", or "http" (the OpenAI-compatible front);
+    #: the ``front`` label of the RPC and latency metrics.
+    front: str = "grpc"
 
 
 CURRENT: contextvars.ContextVar[RpcContext | None] = contextvars.ContextVar("hookwire_rpc", default=None)
@@ -46,3 +49,9 @@ def take_request_id() -> str:
         return ids.new_id(ids.REQUEST)
     rpc.taken = True
     return rpc.request_id
+
+
+def current_front() -> str:
+    """The API the current call came through ("grpc" outside any RPC). Never blocks."""
+    rpc = CURRENT.get()
+    return "grpc" if rpc is None else rpc.front

@@ -355,6 +355,16 @@ def infer_requests(draw: Any) -> model_service_pb2.InferRequest:
         request.backward.return_input_grads = draw(st.booleans())
     if draw(st.booleans()):
         request.seed = draw(st.integers(0, 2**64 - 1))
+    # The fields OpenAI's API maps onto: within the limits (max_top_logprobs 20,
+    # max_generate_n 16) or past them, and in combinations the server refuses.
+    if draw(st.booleans()):
+        request.logprobs = draw(st.booleans())
+        request.top_logprobs = draw(rarely(st.sampled_from([21, 2**32 - 1]), st.integers(0, 3)))
+    if draw(st.booleans()):
+        request.prompt_logprobs = draw(rarely(st.sampled_from([21, 2**32 - 1]), st.integers(0, 3)))
+    request.ignore_eos = draw(st.booleans())
+    request.min_new_tokens = draw(rarely(st.sampled_from([5, 2**32 - 1]), st.integers(0, 2)))
+    request.n = draw(rarely(st.sampled_from([17, 2**32 - 1]), st.integers(0, 3)))
     return request
 
 
@@ -468,6 +478,16 @@ def generate_requests(draw: Any) -> model_service_pb2.GenerateRequest:
         request.top_p = draw(rarely(probabilities, st.floats(0.05, 1)))
     if draw(st.booleans()):
         request.seed = draw(st.integers(0, 2**64 - 1))
+    # The fields OpenAI's API maps onto: within the limits (max_top_logprobs 20,
+    # max_generate_n 16) or past them, and in combinations the server refuses.
+    if draw(st.booleans()):
+        request.logprobs = draw(st.booleans())
+        request.top_logprobs = draw(rarely(st.sampled_from([21, 2**32 - 1]), st.integers(0, 3)))
+    if draw(st.booleans()):
+        request.prompt_logprobs = draw(rarely(st.sampled_from([21, 2**32 - 1]), st.integers(0, 3)))
+    request.ignore_eos = draw(st.booleans())
+    request.min_new_tokens = draw(rarely(st.sampled_from([5, 2**32 - 1]), st.integers(0, 2)))
+    request.n = draw(rarely(st.sampled_from([17, 2**32 - 1]), st.integers(0, 3)))
     return request
 
 
@@ -501,6 +521,11 @@ def test_generate(fuzz_server, request, use_session) -> None:
         # stream_interval > 1: step 0's tokens alone (as `tokens`), the later steps in `steps` messages.
         assert ("steps" in kinds) == (request.stream_interval > 1 and done.steps > 1), kinds
         assert len(done.sequences) == messages[0].started.input_ids.shape[0]
+        for m in messages:  # logprobs: one entry per sequence in every step, top_logprobs beside each
+            if m.WhichOneof("kind") == "tokens":
+                assert len(m.tokens.logprobs) == (len(m.tokens.token_ids) if request.logprobs else 0)
+                for token, entry in zip(m.tokens.token_ids, m.tokens.logprobs):
+                    assert len(entry.top_token_ids) == (request.top_logprobs if token != -1 else 0)
 
     _check(call)
 

@@ -696,6 +696,47 @@ def test_a_generation_ends_when_every_sequence_has_finished(env: Env) -> None:
     assert result.done.sequences[0].finish_reason == "eos"
 
 
+def test_ignore_eos_runs_past_the_eos_token_and_min_new_tokens_masks_it(env: Env) -> None:
+    ids, mask = batch_of(env.tokenizer, FINISH_PROMPTS[:1])
+    # ignore_eos: lm-eos's EOS at step 1 is a token like any other; the sequence runs to
+    # max_new_tokens as the same weights without that EOS (tiny-lm) decode it.
+    plain = run_oracle(env.lm, ids, mask, 8, do_sample=False).new_tokens[0].tolist()
+    assert len(plain) == 8 and env.eos_lm.generation_config.eos_token_id in plain
+    result = generate(env.models, GenerateRequest(model="lm-eos", prompts=FINISH_PROMPTS[:1], max_new_tokens=8,
+                                                  ignore_eos=True))
+    assert [s.finish_reason for s in result.done.sequences] == ["length"] and result.done.steps == 8
+    assert list(result.done.sequences[0].token_ids) == plain
+    # min_new_tokens: the EOS logits are masked until then, as in-process generate(min_new_tokens=...).
+    result = generate(env.models, GenerateRequest(model="lm-eos", prompts=FINISH_PROMPTS[:1], max_new_tokens=8,
+                                                  min_new_tokens=4))
+    oracle = run_oracle(env.eos_lm, ids, mask, 8, do_sample=False, min_new_tokens=4)
+    assert_tokens_match(result, oracle, pad=0)
+    assert len(result.done.sequences[0].token_ids) >= 4
+
+
+def test_no_stop_string_ends_a_sequence_before_min_new_tokens(env: Env) -> None:
+    ids, mask = batch_of(env.tokenizer, FINISH_PROMPTS)
+    plain = run_oracle(env.lm, ids, mask, FINISH_NEW_TOKENS, do_sample=False).new_tokens.tolist()
+    stop = _stop_string(plain, env.tokenizer)
+    one = batch_of(env.tokenizer, FINISH_PROMPTS[1:2])
+    alone = run_oracle(env.eos_lm, *one, FINISH_NEW_TOKENS, do_sample=False).new_tokens[0].tolist()
+    request = GenerateRequest(model="lm-eos", prompts=FINISH_PROMPTS[1:2], max_new_tokens=FINISH_NEW_TOKENS, stop=[stop])
+    stopped = generate(env.models, request)
+    assert stopped.done.sequences[0].finish_reason == "stop"
+    short = len(stopped.done.sequences[0].token_ids)
+    assert short < FINISH_NEW_TOKENS
+    request.min_new_tokens = FINISH_NEW_TOKENS
+    result = generate(env.models, request)
+    # The stop string completed at token `short` does not end it: it goes on to min_new_tokens.
+    assert list(result.done.sequences[0].token_ids) == alone and len(alone) == FINISH_NEW_TOKENS
+    assert result.done.sequences[0].finish_reason in ("length", "stop")
+
+
+def test_min_new_tokens_past_max_new_tokens_is_refused(env: Env) -> None:
+    error = expect_error(env.models, GenerateRequest(model="tiny-lm", prompts=["a"], max_new_tokens=2, min_new_tokens=3))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_new_tokens" in error.details()
+
+
 def test_input_ids_with_a_mask_and_no_tokenizer(env: Env) -> None:
     """A model without a tokenizer generates from input_ids: texts are empty."""
     ids, mask = batch_of(env.gpt_tokenizer, ["the cat", "hello world, the"])

@@ -146,7 +146,7 @@ class Lab:
             "hookwire_batch_calls_bucket", {**labels, "le": "1.0"})
 
     def ended_calls(self) -> float:
-        return self.sample("hookwire_generate_seconds_count", {"model": MODEL})
+        return self.sample("hookwire_generate_seconds_count", {"model": MODEL, "front": "grpc"})
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ PROMPTS = ["Hello world, the model", "the"]
 def _generate_count(server: ServerThread) -> float:
     """Generate calls that have ended on the server (its Prometheus histogram's count)."""
     registry = server.server.metrics.registry
-    return server.call(lambda: registry.get_sample_value("hookwire_generate_seconds_count", {"model": "tiny-lm"}) or 0.0)
+    return server.call(lambda: registry.get_sample_value("hookwire_generate_seconds_count", {"model": "tiny-lm", "front": "grpc"}) or 0.0)
 
 
 def _generated_tokens(server: ServerThread) -> float:

@@ -224,14 +224,14 @@ def test_make_serve_installs_what_serving_needs_and_make_test_s_install_counts(t
     calls = _make(tree, "serve")
     installs = [c for c in calls if c.startswith("pip install -q -e")]
     assert installs == ["pip install -q -e .[server,transformers]"], calls  # no dev toolchain (mypy, sae-lens)
-    assert calls[-1] == "hookwire serve"
-    assert _make(tree, "serve") == ["hookwire serve"]  # installed once
+    assert calls[-1] == "hookwire serve --openai-port 8000"  # the OpenAI-compatible front too
+    assert _make(tree, "serve") == ["hookwire serve --openai-port 8000"]  # installed once
     # make test's install (the dev extra, which holds transformers) makes serve install nothing more.
     assert _make(tree, ".venv/.installed") == ["pip install -q --upgrade pip", "pip install -q -e .[server,dev]"]
-    assert _make(tree, "serve") == ["hookwire serve"]
+    assert _make(tree, "serve") == ["hookwire serve --openai-port 8000"]
     # A dev install from before serve had a stamp of its own still counts.
     (tree / ".venv" / ".serve-installed").unlink()
-    assert _make(tree, "serve") == ["hookwire serve"]
+    assert _make(tree, "serve") == ["hookwire serve --openai-port 8000"]
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

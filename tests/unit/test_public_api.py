@@ -70,6 +70,7 @@ EXPECTED_ALL = [
     "SyncModel",
     "SyncSubscription",
     "TensorSummary",
+    "TokenLogprob",
     "Tokenized",
     "UnauthenticatedError",
     "UnavailableError",

@@ -606,8 +606,8 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
         with pytest.raises(hookwire.ResourceExhaustedError, match=r"prompts: .* KV cache; model 'fragile' has 224"):
             await model.generate(["x"] * 8, 6, hooks=hooks)
     metrics = srv.server.metrics.registry
-    assert metrics.get_sample_value("hookwire_time_to_first_token_seconds_count", {"model": "fragile"}) == 4
-    assert metrics.get_sample_value("hookwire_inter_token_latency_seconds_count", {"model": "fragile"}) == 4 * 5
+    assert metrics.get_sample_value("hookwire_time_to_first_token_seconds_count", {"model": "fragile", "front": "grpc"}) == 4
+    assert metrics.get_sample_value("hookwire_inter_token_latency_seconds_count", {"model": "fragile", "front": "grpc"}) == 4 * 5
     assert srv.call(srv.server.health_statuses)["hookwire.live"]
     async with hookwire.connect(srv.target) as client:
         model = client.model("fragile")

@@ -39,6 +39,10 @@ def add_serve(sub: Any, name: str = "serve") -> None:
     serve.add_argument("--config", help="a TOML config file with [server] settings and [[models]]")
     serve.add_argument("--demo", action="store_true", help="also host the demo models when --model/--config are given")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    serve.add_argument("--openai-port", type=int,
+                       help="serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, "
+                            "/health) at http://HOST:PORT, with the same TLS and tokens (docs/openai.md); also "
+                            "HOOKWIRE_OPENAI_PORT, [server] openai_port; off by default; 0 picks a free port")
     serve.add_argument("--log-format", choices=["text", "json"], help="log lines as text (default) or JSON")
     serve.add_argument("--log-level", help="debug, info (default), warning, error")
     serve.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
@@ -96,7 +100,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         cli_keys = {"log_format", "log_level", "models"}
         log_format = pick("log_format", ns.log_format, env, server_table, "text")
         log_level = pick("log_level", ns.log_level, env, server_table, "info")
-        flags = {"host": ns.host, "port": ns.port, "metrics_port": ns.metrics_port,
+        flags = {"host": ns.host, "port": ns.port, "metrics_port": ns.metrics_port, "openai_port": ns.openai_port,
                  "allow_shared_rules": True if ns.allow_shared_rules else None,
                  "reflection": False if ns.no_reflection else None,
                  "tokens_file": ns.tokens_file, "tls_cert": ns.tls_cert, "tls_key": ns.tls_key,
@@ -137,6 +141,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         if server.metrics_port is not None:
             url = f"http://{settings.host}:{server.metrics_port}/metrics"
             say(f"metrics on {url}", metrics_url=url)
+        if server.openai_port is not None:
+            url = f"{'https' if settings.tls_cert else 'http'}://{settings.host}:{server.openai_port}/v1"
+            say(f"OpenAI-compatible API on {url}", openai_url=url)
         extras = ["grpc.health.v1.Health"] + (["reflection"] if settings.reflection else [])
         say(f"also serving {', '.join(extras)}; logs: {log_format}", services=extras, log_format=log_format)
         security = "TLS" if settings.tls_cert else "plaintext"

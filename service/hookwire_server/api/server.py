@@ -7,7 +7,7 @@ import dataclasses
 import ipaddress
 import logging
 import signal
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -93,6 +93,10 @@ class ServerSettings(Limits):
     tls_client_ca: str | None = None
     #: Allow listening beyond loopback without authentication.
     insecure: bool = False
+    #: Port of the OpenAI-compatible HTTP front (/v1/completions, /v1/chat/completions,
+    #: /v1/models, /health; api/openai_front.py), on ``host``, with the same TLS and tokens;
+    #: None for none (the default), 0 for a free one.
+    openai_port: int | None = None
     #: Port of the Prometheus /metrics endpoint (on ``host``); None for none, 0 for a free one.
     metrics_port: int | None = None
     #: Serve gRPC server reflection (grpcurl, buf curl, Postman discover the API from it).
@@ -224,6 +228,9 @@ class HookwireServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        #: The OpenAI-compatible front (openai_port), once started, and its bound port.
+        self.openai: Any = None
+        self.openai_port: int | None = None
         self.health = health.aio.HealthServicer()
         #: Whether the server takes calls (set_serving), and whether it has begun to stop:
         #: with the models' states, what health says (health_statuses).
@@ -325,6 +332,23 @@ class HookwireServer:
                  format_bytes(budget.limit),
                  "memory_budget_bytes" if settings.memory_budget_bytes else
                  f"the default: 70% of {format_bytes(process_memory_limit()[0])}, {process_memory_limit()[1]}")
+        if settings.openai_port is not None:
+            from .openai_front import OpenAIFront  # FastAPI and uvicorn only where the front is on
+
+            self.openai = OpenAIFront(
+                self.registry, self.generation, self.engines, self.tokens, self.metrics, self.settings,
+                lambda: self.health_statuses().get("", False), client_certs=bool(settings.tls_client_ca),
+            )
+            try:
+                self.openai_port = await self.openai.start(
+                    settings.host, settings.openai_port, tls_cert=settings.tls_cert if tls else None,
+                    tls_key=settings.tls_key if tls else None, tls_client_ca=settings.tls_client_ca,
+                )
+            except BaseException:
+                await server.stop(None)
+                raise
+            log.info("OpenAI-compatible front on %s://%s:%d/v1", "https" if tls else "http", settings.host,
+                     self.openai_port)
         if self.settings.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.settings.host, self.metrics_port)
@@ -411,6 +435,8 @@ class HookwireServer:
             self.inference.drained(grace), self.generation.drained(grace), self.harvests.close(grace),
         )
         self.hooks.begin_shutdown()
+        if self.openai is not None:  # its streams ended with their calls (drained above)
+            await self.openai.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
         await self.hooks.close(timeout=max(0.0, deadline - asyncio.get_running_loop().time()))

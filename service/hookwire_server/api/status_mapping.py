@@ -161,7 +161,7 @@ async def _parsed_stream(requests: AsyncIterator[Any], servicer: Any) -> AsyncIt
 def _count(servicer: Any, method: str, code: str) -> None:
     metrics = getattr(servicer, "metrics", None)
     if metrics is not None:
-        metrics.rpcs.labels(method, code).inc()
+        metrics.rpcs.labels(method, code, "grpc").inc()
 
 
 def _code_of(exc: BaseException) -> str:

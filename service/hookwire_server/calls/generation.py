@@ -37,7 +37,7 @@ from hookwire.wire import codec as _codec
 from hookwire.wire.framing import GENERATE_RESPONSE_CHUNK, Framing
 from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
-from ..rpc_context import take_request_id
+from ..rpc_context import current_front, take_request_id
 from ..auth import ANONYMOUS, Principal
 from ..engine import wakeups
 from ..engine.core import Engines
@@ -580,6 +580,7 @@ class Generation:
         stop_criteria: Any, session_stream: Any, *, group: str | None = None, claim: Claim | None = None,
     ) -> AsyncGenerator[model_service_pb2.GenerateResponse | bytes, None]:
         mailbox = _Mailbox(asyncio.get_running_loop(), self._hooks.held_bytes, principal.name)
+        front = current_front()  # the metrics' label: the call's RPC context, read once
         put = mailbox.put
         p = Pass(
             request_id, request.session_id, frozenset(request.tags), principal=principal.name,
@@ -672,7 +673,7 @@ class Generation:
                 streamed = step + 1
                 # TTFT and inter-token latency, as each step's tokens go to the stream.
                 tokens_at, since = time.perf_counter(), tokens_at
-                self._state.metrics.observe_tokens(host.name, tokens_at - since, first=step == 0)
+                self._state.metrics.observe_tokens(host.name, tokens_at - since, first=step == 0, front=front)
                 deltas = [""] * batch
                 if detokenizer is not None:  # a sequence that ended now flushes its held-back text
                     deltas = [
@@ -732,7 +733,7 @@ class Generation:
                     claim.hold_until(work.future)  # until then: so does its claim in the budget
             elapsed = time.perf_counter() - started
             metrics = self._state.metrics
-            metrics.generate_seconds.labels(host.name).observe(elapsed)
+            metrics.generate_seconds.labels(host.name, front).observe(elapsed)
             if began:
                 metrics.generated_tokens.labels(host.name).inc(sum(len(t) for t in tokens))
             log.info(

@@ -22,7 +22,7 @@ from hookwire.wire.codec import Chunker
 from hookwire.wire.framing import INFER_STREAM_CHUNK, Framing, RawChunk, Splicer
 from hookwire.v1 import model_service_pb2, tensor_pb2
 
-from ..rpc_context import take_request_id
+from ..rpc_context import current_front, take_request_id
 from ..errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -421,7 +421,7 @@ class Inference:
             if not any(self._queued.values()):
                 self._idle.set()
             elapsed = time.perf_counter() - started
-            self._admission.state.metrics.infer_seconds.labels(host.name).observe(elapsed)
+            self._admission.state.metrics.infer_seconds.labels(host.name, current_front()).observe(elapsed)
             log.info(
                 "infer %s", outcome,
                 extra={"request_id": request_id, "model": host.name, "session_id": request.session_id,

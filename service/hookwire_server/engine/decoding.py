@@ -35,7 +35,7 @@ from ..models.model_registry import ModelHost, forward_parameters
 from .batching import Batch, Segment, padded_length
 from . import wakeups
 from .pass_runner import model_error, model_errors, run_joined, running
-from .seam import FINISHED, GenerateCall, GenerateOptions, Running, StepResult
+from .seam import FINISHED, GenerateCall, GenerateOptions, Running, StepResult, TokenLogprobs
 
 log = logging.getLogger("hookwire.generate")
 
@@ -106,6 +106,19 @@ class Decoder:
         #: and that DecodeBatch): from then on its steps are the batch's passes.
         self.member: Any = None
         self.batch: Any = None
+        #: What the call reports beside its tokens (GenerateOptions.logprobs,
+        #: .prompt_logprobs: top-k counts, None for none) and its min_new_tokens (stop
+        #: strings do not end a sequence before it; the EOS logits are masked by
+        #: generate()'s own processor). Set by start_call.
+        self.logprobs: int | None = None
+        self.prompt_logprobs: int | None = None
+        self.min_new_tokens = 0
+        #: The prefill keeps every position's logits (logits_to_keep 0, for prompt
+        #: logprobs): the steps after it go back to the last position's.
+        self.full_prefill = False
+        #: What the last choose reported (StepResult.logprobs, .prompt_logprobs).
+        self.chosen_logprobs: list[TokenLogprobs | None] | None = None
+        self.scored_prompt: list[list[TokenLogprobs]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -181,16 +194,28 @@ class Decoder:
             self.model_kwargs = kwargs = model._update_model_kwargs_for_generation(
                 outputs, kwargs, is_encoder_decoder=False
             )
+            if self.full_prefill:  # the steps after the prefill need the last position only
+                kwargs["logits_to_keep"] = 1
             logits = outputs.logits
             del outputs
         return self.choose(logits)
+
+    def result(self, tokens: list[int]) -> StepResult:
+        """The StepResult of the step whose tokens ``choose`` returned."""
+        prompt, self.scored_prompt = self.scored_prompt, None
+        return StepResult(tokens, tuple(self.reasons), self.finished, dict(self.stopped), self.chosen_logprobs, prompt)
 
     def choose(self, logits: torch.Tensor) -> list[int]:
         """Chooses the next tokens from a pass's logits of this call's rows (as
         generate()'s ``_sample``: processors, greedy or seeded sampling, the stopping
         criteria); returns them per sequence (FINISHED for one that had already ended)."""
         with torch.no_grad():
+            if self.step_index == 0 and self.prompt_logprobs is not None:
+                self.scored_prompt = self._score_prompt(logits)
             logits = logits[:, -1].to(copy=True, dtype=torch.float32, device=self.input_ids.device)
+            # The raw logits' log-probabilities, before the processors (which may change
+            # their input in place) see them: what the contract reports.
+            raw = torch.log_softmax(logits, dim=-1) if self.logprobs is not None else None
             scores = self.logits_processor(self.input_ids, logits)
             if self.do_sample:
                 probs = torch.nn.functional.softmax(scores, dim=-1)
@@ -211,6 +236,14 @@ class Decoder:
                 reason = _REASONS.get(type(criterion).__name__, "length")
                 done = criterion(self.input_ids, None).to(torch.bool)
                 ended[reason] = done | ended[reason] if reason in ended else done
+            if self.min_new_tokens and any(len(seq) + 1 < self.min_new_tokens for seq in self.tokens):
+                # Neither an EOS token nor a stop string ends a sequence short of
+                # min_new_tokens (generate()'s processor masks the EOS logits already).
+                young = torch.tensor([len(seq) + 1 < self.min_new_tokens for seq in self.tokens],
+                                     device=next_tokens.device)
+                for reason in ("eos", "stop"):
+                    if reason in ended:
+                        ended[reason] = ended[reason] & ~young
         # Read as lists once: indexing tensors element by element costs a decoding step of
         # many calls more than its model pass (tiny-lm).
         was_running = self.unfinished.bool().tolist()
@@ -218,6 +251,8 @@ class Decoder:
         ends = {reason: done.tolist() for reason, done in ended.items()}
         out = []
         ruled = []
+        reported = None if raw is None else _token_logprobs(raw, next_tokens, self.logprobs or 0)
+        self.chosen_logprobs = None if reported is None else [None] * len(was_running)
         for i, alive in enumerate(was_running):
             if not alive:
                 out.append(FINISHED)
@@ -228,6 +263,8 @@ class Decoder:
                 self.stopped[i] = self.stops[i]
                 ruled.append(i)
                 continue
+            if reported is not None and self.chosen_logprobs is not None:
+                self.chosen_logprobs[i] = reported[i]
             out.append(int(chosen[i]))
             self.tokens[i].append(int(chosen[i]))
             for reason in _PRECEDENCE:
@@ -243,10 +280,43 @@ class Decoder:
         self.step_index += 1
         return out
 
+    def _score_prompt(self, logits: torch.Tensor) -> list[list[TokenLogprobs]]:
+        """Each sequence's prompt tokens after its first, scored by the prefill's logits
+        (``logits`` [sequences, positions, vocabulary], the call's own prompt in its last
+        ``prompt_length`` positions): per sequence, one TokenLogprobs per token, its own
+        left padding skipped."""
+        length = self.prompt_length
+        if int(logits.shape[1]) < length:
+            raise Unimplemented("prompt_logprobs: the model returned the last position's logits only")
+        scored: list[list[TokenLogprobs]] = []
+        keep = self.prompt_mask.bool().tolist()
+        k = self.prompt_logprobs or 0
+        for row in range(int(logits.shape[0])):
+            # Position j's logits score token j + 1: the tokens after the sequence's first.
+            first = keep[row].index(True) if True in keep[row] else length
+            if first + 1 >= length:
+                scored.append([])
+                continue
+            raw = torch.log_softmax(logits[row, first - length:-1].to(dtype=torch.float32), dim=-1)
+            targets = self.input_ids[row, first + 1:length].to(raw.device)
+            scored.append(_token_logprobs(raw, targets, k))
+        return scored
+
     def release(self) -> None:
         """Frees the KV cache and the other tensors the call holds."""
         self.model_kwargs = None
         self.logits_processor = None
+
+
+def _token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Per row of ``logprobs`` [rows, vocabulary]: the log-probability of its token in
+    ``tokens`` [rows] and the ``k`` most likely tokens beside it (most likely first)."""
+    own = logprobs.gather(-1, tokens.to(logprobs.device)[:, None].long()).squeeze(-1).tolist()
+    if not k:
+        return [TokenLogprobs(float(v)) for v in own]
+    values, ids = logprobs.topk(min(k, int(logprobs.shape[-1])), dim=-1)
+    return [TokenLogprobs(float(v), tuple(zip(map(int, i), map(float, t))))
+            for v, i, t in zip(own, ids.tolist(), values.tolist())]
 
 
 def batchable_model(model: Any) -> bool:
@@ -284,6 +354,11 @@ def start_call(
     extra: dict[str, Any] = {"num_beams": 1, "num_return_sequences": 1, "stop_strings": None, **options.overrides}
     if stop_criteria is not None:
         extra["stopping_criteria"] = stop_criteria
+    if options.min_new_tokens:  # generate()'s processor masks the EOS logits until then
+        extra["min_new_tokens"] = options.min_new_tokens
+    full_prefill = options.prompt_logprobs is not None and model._supports_logits_to_keep()
+    if full_prefill:  # every prompt position's logits (generate() would keep the last one's)
+        extra["logits_to_keep"] = 0
     device = host.device
     try:
         prepared = model.generate(
@@ -296,9 +371,17 @@ def start_call(
         raise ResourceExhausted(f"preparing the generation on model {host.name!r} ran out of memory: {exc}") from None
     if not isinstance(prepared, _Prepared):  # pragma: no cover - a transformers that ignores custom_generate
         raise Unimplemented(f"model {host.name!r}: this transformers version does not support Generate")
+    if options.ignore_eos:  # an EOS token is a token like any other: no criterion ends on it
+        from transformers import StoppingCriteriaList
+
+        prepared.stopping_criteria = StoppingCriteriaList(
+            c for c in prepared.stopping_criteria if type(c).__name__ != "EosTokenCriteria")
     generator = torch.Generator(device=prepared.input_ids.device)
     generator.manual_seed(options.seed)
-    return Decoder(model, prepared, generator)
+    decoder = Decoder(model, prepared, generator)
+    decoder.logprobs, decoder.prompt_logprobs = options.logprobs, options.prompt_logprobs
+    decoder.min_new_tokens, decoder.full_prefill = options.min_new_tokens, full_prefill
+    return decoder
 
 
 def cache_argument(model: Any) -> str:
@@ -394,7 +477,7 @@ def _run_step(host: ModelHost, call: GenerateCall) -> StepResult:
         except Exception as exc:  # e.g. out of memory: it keeps its own cache and decodes alone
             log.warning("Generate call %s could not join a decoding batch of %s (%s); it decodes alone",
                         p.request_id, host.name, exc)
-    result = StepResult(tokens, tuple(decoder.reasons), decoder.finished, dict(decoder.stopped))
+    result = decoder.result(tokens)
     call.step += 1
     call.put(("step", result))
     return result
@@ -522,20 +605,25 @@ def _run_prompts(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
         else:
             started.append(i)
     position = {id(calls[i]): i for i in started}
-    for group in _prompt_groups([calls[i] for i in started]):
-        keys = {call.decoder.batch_key() for call in group}
-        if len(group) > 1 and None not in keys and len(keys) == 1:
-            out = run_joined(host, group, lambda cs: _run_shared_prompt(host, cs), lambda call: _run_step(host, call),
-                             what="batched prompt pass", logger=log)
-        else:
-            out = []
-            for call in group:
-                try:
-                    out.append(_run_step(host, call))
-                except Exception as exc:
-                    out.append(exc)
-        for call, result in zip(group, out):
-            results[position[id(call)]] = result
+    for padded in _prompt_groups([calls[i] for i in started]):
+        # Calls of equal inputs share a pass (a call that scores its prompt keeps every
+        # position's logits, its own key); the others run theirs alone.
+        by_key: dict[Any, list[GenerateCall]] = {}
+        for call in padded:
+            by_key.setdefault(call.decoder.batch_key(), []).append(call)
+        for key, group in by_key.items():
+            if len(group) > 1 and key is not None:
+                out = run_joined(host, group, lambda cs: _run_shared_prompt(host, cs),
+                                 lambda call: _run_step(host, call), what="batched prompt pass", logger=log)
+            else:
+                out = []
+                for call in group:
+                    try:
+                        out.append(_run_step(host, call))
+                    except Exception as exc:
+                        out.append(exc)
+            for call, result in zip(group, out):
+                results[position[id(call)]] = result
     return results
 
 
@@ -617,7 +705,7 @@ def _run_shared_prompt(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
         except Exception as exc:  # e.g. its sampling settings leave no distribution: only it fails
             result = exc
         else:
-            result = StepResult(tokens, tuple(d.reasons), d.finished, dict(d.stopped))
+            result = d.result(tokens)
             if not d.finished and call.options.max_new_tokens > 1:
                 try:  # e.g. out of memory growing the batch's block: only it fails (RESOURCE_EXHAUSTED)
                     with model_errors(host, "forward"):
@@ -669,7 +757,7 @@ def _run_batch_step(host: ModelHost, calls: list[GenerateCall]) -> list[Any]:
         except Exception as exc:  # e.g. its sampling settings leave no distribution: only it fails
             result = exc
         else:
-            result = StepResult(tokens, tuple(d.reasons), d.finished, dict(d.stopped))
+            result = d.result(tokens)
         if len(calls) > 1:
             try:
                 call.p.release()  # its events of the pass go out (also when it failed, as a step alone delivers them)

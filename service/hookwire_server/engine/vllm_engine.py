@@ -84,7 +84,7 @@ from hookwire.wire import codec
 from . import harvest_pass, infer_pass, vllm_logs, vllm_names, vllm_threads
 from .vllm_runtime import RuntimePlanner
 from .batching import Shape
-from .seam import FINISHED, GenerateCall, Running, StepResult
+from .seam import FINISHED, GenerateCall, Running, StepResult, TokenLogprobs
 from .packed import PackedBatch, PackedSegment
 from .pass_runner import model_errors, running
 from .vllm_sizing import SizingError, VllmSizes, text_config, vllm_sizes
@@ -106,6 +106,11 @@ REFUSED: Mapping[str, str] = {
     "train": "vLLM runs the model in inference mode",
     "attention_probabilities": "vLLM's fused attention kernels never form the probabilities",
 }
+
+#: The most likely tokens vLLM reports per position (its max_logprobs, set when it starts):
+#: Limits.max_top_logprobs' default, so every request the call side lets through fits.
+MAX_LOGPROBS = 20
+
 
 def folder_config(folder: pathlib.Path) -> dict[str, Any]:
     """A transformers folder's config.json ({} where it cannot be read: vLLM then says why)."""
@@ -235,6 +240,9 @@ def _start_linked(name: str, LLM: Any, folder: pathlib.Path, dtype: str, max_len
             # that just ended once more (its hooks out of step): off (on by default on GPUs).
             async_scheduling=False,
             use_tqdm_on_load=False,  # progress bars are not log lines
+            # GenerateRequest.top_logprobs and prompt_logprobs (at most Limits.max_top_logprobs),
+            # of the raw logits (the contract's: before temperature and the other processors).
+            max_logprobs=MAX_LOGPROBS, logprobs_mode="raw_logprobs",
             seed=0, **extra,
         ))
         if pp > 1:
@@ -611,6 +619,13 @@ class VllmCall(_Call):
         #: tokens), and where they go then (the Pass's own sink).
         self.held: list[tuple[Any, Any]] = []
         self.sink: Any = None
+        #: With GenerateOptions.logprobs: each sequence's chosen tokens' log-probabilities,
+        #: aligned with ``tokens``; with prompt_logprobs: each sequence's prompt's (None
+        #: until vLLM gave them). None when the call did not ask.
+        self.logprobs: list[list[TokenLogprobs]] | None = (
+            [[] for _ in range(batch)] if call.options.logprobs is not None else None)
+        self.prompt_logprobs: list[list[TokenLogprobs] | None] | None = (
+            [None] * batch if call.options.prompt_logprobs is not None else None)
 
     @property
     def finished(self) -> bool:
@@ -678,6 +693,8 @@ class VllmEngine:
         self.max_num_batched_tokens = max_num_batched_tokens or max_model_len * max_num_seqs
         cache = self._engine.vllm_config.cache_config
         self._block_size = int(cache.block_size)
+        #: The most likely tokens vLLM reports per position (GenerateRequest.top_logprobs).
+        self.max_logprobs = int(getattr(self._engine.vllm_config.model_config, "max_logprobs", MAX_LOGPROBS))
         #: KV-cache blocks calls may reserve (one is vLLM's null block).
         self.capacity_blocks = max(0, int(cache.num_gpu_blocks or 0) - 1)
         self._ids = 0
@@ -897,7 +914,8 @@ class VllmEngine:
                     # vLLM ended it in a step that gave it no token: its stream still gets a
                     # last step that says so (its GenerateDone follows).
                     last = StepResult([FINISHED] * len(state.prompts), tuple(r or "length" for r in state.reasons), True,
-                                      dict(state.stopped))
+                                      dict(state.stopped),
+                                      [None] * len(state.prompts) if state.logprobs is not None else None)
                     self._release_events(state, len(state.results))
                     state.results.append(last)
                     state.step_index = call.step = len(state.results)
@@ -1303,7 +1321,8 @@ class VllmEngine:
             completion = output.outputs[0]
             if not state.tokens[row.index] and not state.reasons[row.index]:  # its first output
                 self.prefix_cached_tokens += int(getattr(output, "num_cached_tokens", 0) or 0)
-            new = list(completion.token_ids)[len(state.tokens[row.index]):]
+            had = len(state.tokens[row.index])
+            new = list(completion.token_ids)[had:]
             stopping = state.stopping.get(row.index)
             # It finished before the stop rule's step (a stop string at s-1 in worker
             # processes): that is why it ended, as in-process, where step s never runs it.
@@ -1311,6 +1330,15 @@ class VllmEngine:
             if stopping is not None:
                 new = new[: max(0, stopping[2] - len(state.tokens[row.index]))]  # not the stopped step's token
             state.tokens[row.index].extend(int(t) for t in new)
+            if state.logprobs is not None and new:
+                k = state.call.options.logprobs or 0
+                state.logprobs[row.index].extend(
+                    _token_logprobs(entry, token, k)
+                    for entry, token in zip((completion.logprobs or [])[had:had + len(new)], new))
+            if state.prompt_logprobs is not None and state.prompt_logprobs[row.index] is None:
+                state.prompt_logprobs[row.index] = _prompt_logprobs(
+                    state.prompts[row.index], getattr(output, "prompt_logprobs", None),
+                    state.call.options.prompt_logprobs or 0)
             if finished_first:
                 state.reasons[row.index] = _reason(completion)
                 state.stopping.pop(row.index, None)
@@ -1345,7 +1373,16 @@ class VllmEngine:
             # before it may come in together with the stop in worker processes).
             reasons = tuple(r if len(state.tokens[i]) <= step + 1 and (i not in state.stopped or step >= state.stopped[i][2])
                             else "" for i, r in enumerate(state.reasons))
-            result = StepResult(tokens, reasons, all(reasons), dict(state.stopped))
+            logprobs = None
+            if state.logprobs is not None:
+                logprobs = [None if t == FINISHED or step >= len(lps) else lps[step]
+                            for t, lps in zip(tokens, state.logprobs)]
+            prompt_logprobs = None
+            if state.prompt_logprobs is not None and step == 0:
+                # A sequence whose request left vLLM before its first output (a stop rule
+                # at step 0) has none.
+                prompt_logprobs = [lps if lps is not None else [] for lps in state.prompt_logprobs]
+            result = StepResult(tokens, reasons, all(reasons), dict(state.stopped), logprobs, prompt_logprobs)
             self._release_events(state, step)
             state.results.append(result)
             state.step_index = state.call.step = len(state.results)
@@ -1741,6 +1778,20 @@ class VllmEngine:
             value = generation.get(name)
             if value is not None:
                 kwargs[vllm_name] = value
+        if options.min_new_tokens > 0:
+            kwargs["min_tokens"] = options.min_new_tokens
+        if options.ignore_eos:
+            kwargs["ignore_eos"] = True
+        for field, count in (("top_logprobs", options.logprobs), ("prompt_logprobs", options.prompt_logprobs)):
+            if count is not None and count > self.max_logprobs:
+                raise InvalidArgument(
+                    f"{field}: {count} tokens a position pass model {self._host.name!r}'s vLLM max_logprobs "
+                    f"{self.max_logprobs}"
+                )
+        if options.logprobs is not None:
+            kwargs["logprobs"] = options.logprobs
+        if options.prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = options.prompt_logprobs
         if do_sample:  # transformers' defaults where neither the call nor the folder sets one
             kwargs["temperature"] = float(over.get("temperature", generation.get("temperature", 1.0)))
             kwargs["top_k"] = int(over.get("top_k", generation.get("top_k", 50)) or 0) or -1
@@ -1843,6 +1894,27 @@ def _reason(completion: Any) -> str:
     if completion.finish_reason == "stop":
         return "stop" if isinstance(completion.stop_reason, str) else "eos"
     return completion.finish_reason or "length"
+
+
+def _token_logprobs(entry: Any, token: int, k: int) -> TokenLogprobs:
+    """One position's TokenLogprobs from vLLM's (token id -> Logprob: ``token``'s and the
+    ``k`` most likely tokens', ranked from 1)."""
+    if entry is None:  # not vLLM's way: the position has none
+        return TokenLogprobs(float("nan"))
+    items = entry.items()
+    own = entry.get(token)
+    top = sorted(((lp.rank, tid, lp.logprob) for tid, lp in items if lp.rank is not None and lp.rank <= k),
+                 key=lambda item: item[0])[:k] if k else []
+    return TokenLogprobs(float(own.logprob) if own is not None else float("nan"),
+                         tuple((int(tid), float(value)) for _, tid, value in top))
+
+
+def _prompt_logprobs(prompt: list[int], entries: Any, k: int) -> list[TokenLogprobs] | None:
+    """A sequence's prompt logprobs, one TokenLogprobs per prompt token after the first
+    (vLLM's first entry is None), or None while vLLM has not given them."""
+    if entries is None:
+        return None
+    return [_token_logprobs(entry, token, k) for entry, token in zip(list(entries)[1:], prompt[1:])]
 
 
 def _generation_defaults(host: ModelHost) -> dict[str, Any]:
