@@ -206,6 +206,9 @@ class OpenAIFront:
             self.app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30,
             ssl_certfile=tls_cert, ssl_keyfile=tls_key, ssl_ca_certs=tls_client_ca,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls_client_ca else ssl.CERT_NONE,
+            # mTLS: each request's scope carries its connection's verified client certificate
+            # subject (the ASGI TLS extension's client_cert_name), which uvicorn leaves out.
+            http=_client_cert_protocol() if tls_client_ca else "auto",
         )
         self._server = _uvicorn_server(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
@@ -524,9 +527,21 @@ class OpenAIFront:
             return ANONYMOUS
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise Unauthenticated("missing credentials: send 'Authorization: Bearer <token>'")
-        return self._tokens.authenticate(token.strip())
+        if scheme.lower() == "bearer" and token.strip():
+            return self._tokens.authenticate(token.strip())
+        # As gRPC: without a token, a verified client certificate's subject (mTLS) names
+        # the principal, as "CN=..." (RFC 2253) or by its common name alone.
+        tls = request.scope.get("extensions", {}).get("tls", {})
+        subject = tls.get("client_cert_name")
+        if subject:
+            names = [subject] + [part for part in subject.split(",") if part.startswith("CN=")]
+            try:
+                return self._tokens.authenticate(None, names)
+            except Unauthenticated:
+                raise Unauthenticated(f"the client certificate {subject!r} names no principal: send "
+                                      "'Authorization: Bearer <token>'") from None
+        raise Unauthenticated("missing credentials: send 'Authorization: Bearer <token>'"
+                              + (" or a client certificate" if self._client_certs else ""))
 
     def _failure(self, rpc: RpcContext, exc: BaseException, *, chat: bool | None = None) -> JSONResponse:
         """OpenAI's error body for a failure, with its HTTP status; an unexpected one is
@@ -791,6 +806,43 @@ def _uvicorn_server(config: Any) -> Any:
             pass
 
     return Server(config)
+
+
+#: OpenSSL's short names of a certificate subject's attributes (what gRPC's x509_subject
+#: spells, RFC 2253).
+_SHORT_NAMES = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU", "countryName": "C",
+                "stateOrProvinceName": "ST", "localityName": "L", "emailAddress": "emailAddress",
+                "domainComponent": "DC", "serialNumber": "serialNumber"}
+
+
+def client_cert_name(peer: dict[str, Any] | None) -> str | None:
+    """A verified peer certificate's subject (``ssl.SSLSocket.getpeercert()``) as RFC
+    2253 spells it ("CN=svc,O=acme": the last attribute first), or None without one."""
+    if not peer or not peer.get("subject"):
+        return None
+    parts = [f"{_SHORT_NAMES.get(key, key)}={value}" for rdn in peer["subject"] for key, value in rdn]
+    return ",".join(reversed(parts))
+
+
+def _client_cert_protocol() -> type:
+    """uvicorn's HTTP/1.1 protocol (h11) whose requests carry their connection's client
+    certificate subject in ``scope["extensions"]["tls"]["client_cert_name"]`` (the ASGI TLS
+    extension; uvicorn does not fill it)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class ClientCertProtocol(H11Protocol):  # type: ignore[misc]  # uvicorn is untyped here
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            name = client_cert_name(transport.get_extra_info("peercert"))
+            inner = self.app
+
+            async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+                scope.setdefault("extensions", {})["tls"] = {"client_cert_name": name}
+                await inner(scope, receive, send)
+
+            self.app = app
+
+    return ClientCertProtocol
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
