@@ -35,6 +35,19 @@ counted from what each client received):
 - a trailing `n` (S1n, S2n, S3n): the same while a competing process keeps one core busy
   (`while True: pass`), started before and stopped after the variant.
 
+O1-O3 (issue 37: the OpenAI-compatible front), with vLLM's own load generator
+(`vllm.benchmarks.serve`, called through its `add_cli_args` / `main`: `--dataset-name
+random --random-input-len 128 --random-output-len 64 --ignore-eos --num-prompts 200
+--max-concurrency 8 --request-rate inf`) against each server's `/v1/completions`
+(hookwire's `--openai-port`):
+
+- O1: no hooks (every server): output tokens/s, TTFT p50, inter-token latency p99;
+- O2: the same with S2's SCOPE_ALL observer on gRPC (hookwire only);
+- O3: the same load through hookwire's gRPC Generate (the SDK, 8 calls at a time, 200
+  prompts of 128 random token ids, 64 tokens each): output tokens/s (hookwire only).
+
+    .venv-vllm/bin/python tests/bench/bench_serving.py --variants O1,O2,O3 --clients 8 --repeats 3
+
 F1: each server's front process CPU time (user + system of the process the clients talk
 to, not its children: vLLM's engine core and workers) per generated token, from /proc.
 Start-up time (process start to serving) and the RSS of each process are printed.
@@ -134,6 +147,8 @@ class Server:
     args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     target: str = ""
+    #: Its OpenAI-compatible base URL (vllm serve's own; hookwire's --openai-port).
+    openai: str = ""
     startup: list[float] = field(default_factory=list)
     rss: dict[str, int] = field(default_factory=dict)
 
@@ -151,7 +166,7 @@ def running(server: Server, folder: pathlib.Path, tp: int, work: pathlib.Path) -
                "--max-model-len", "512", "--max-num-seqs", "32", "--kv-cache-memory-bytes", str(512 << 20),
                "--dtype", "float32", "--seed", "0", "--tensor-parallel-size", str(tp), *server.args]
         server.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
-        server.target = f"http://127.0.0.1:{port}"
+        server.target = server.openai = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 900
         while True:
             if server.proc.poll() is not None:
@@ -176,10 +191,13 @@ def running(server: Server, folder: pathlib.Path, tp: int, work: pathlib.Path) -
         config.write_text(f"[server]\nmax_generations_per_principal = 64\n\n"
                           f'[[models]]\nname = "llama"\ntransformers = "{folder}"\nengine = "vllm"\n\n'
                           f"[models.vllm]\n{body}\n")
+        openai_port = free_port()
         cmd = [sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", "--config", str(config),
-               "--allow-shared-rules"]  # S3: an operator's steering rule for every call
+               "--allow-shared-rules",  # S3: an operator's steering rule for every call
+               "--openai-port", str(openai_port)]  # O1-O3: the OpenAI-compatible front
         server.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
         server.target = serving_target(server.proc, log)
+        server.openai = f"http://127.0.0.1:{openai_port}"
     server.startup.append(time.perf_counter() - started)
     try:
         yield server
@@ -291,6 +309,76 @@ async def operator_hooks(target: str, variant: str, drops: list[int]) -> Any:
             await client.deregister_hook(handle.id)
 
 
+#: vLLM's load generator's settings for O1-O3 (the issue's), beside the URL and folder.
+LOAD = {"input_len": 128, "output_len": 64, "prompts": 200, "concurrency": 8}
+
+
+def load_generator(base_url: str, folder: pathlib.Path) -> dict[str, float]:
+    """One run of vLLM's own load generator (``vllm.benchmarks.serve``) against an
+    OpenAI-compatible server's /v1/completions: its output tokens/s, TTFT p50 and
+    inter-token latency p99 (ms)."""
+    from vllm.benchmarks.serve import add_cli_args, main as serve_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([
+        "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", "llama",
+        "--tokenizer", str(folder), "--dataset-name", "random", "--random-input-len", str(LOAD["input_len"]),
+        "--random-output-len", str(LOAD["output_len"]), "--ignore-eos", "--num-prompts", str(LOAD["prompts"]),
+        "--max-concurrency", str(LOAD["concurrency"]), "--request-rate", "inf", "--seed", "0",
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--disable-tqdm",
+    ])
+    with contextlib.redirect_stdout(open(os.devnull, "w")):  # its own report: the bench prints its figures
+        result = serve_main(args)
+    assert result["completed"] == LOAD["prompts"], f"{base_url}: {result['completed']} of {LOAD['prompts']} completed"
+    return {"tokens/s": float(result["output_throughput"]), "ttft_p50": float(result["p50_ttft_ms"]),
+            "itl_p99": float(result["p99_itl_ms"])}
+
+
+async def grpc_load(target: str) -> tuple[int, float]:
+    """O3: LOAD through hookwire's gRPC Generate (the SDK): ``prompts`` calls of
+    ``input_len`` random token ids, ``output_len`` tokens each, ``concurrency`` at a time;
+    (tokens received, seconds)."""
+    import hookwire
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, VOCAB, (LOAD["prompts"], LOAD["input_len"]), generator=g)
+    gate = asyncio.Semaphore(LOAD["concurrency"])
+    async with hookwire.connect(target) as client:
+        model = client.model("llama")
+
+        async def one(row: torch.Tensor) -> int:
+            async with gate:
+                got = 0
+                async for item in model.generate(row[None], LOAD["output_len"], do_sample=False, ignore_eos=True,
+                                                 use_session=False, keep_events=False):
+                    if isinstance(item, hookwire.GeneratedTokens):
+                        got += sum(1 for t in item.token_ids if t != hookwire.GeneratedTokens.FINISHED)
+                return got
+
+        t0 = time.perf_counter()
+        got = sum(await asyncio.gather(*(one(row) for row in ids)))
+        return got, time.perf_counter() - t0
+
+
+def run_load(server: Server, variant: str, folder: pathlib.Path) -> dict[str, float]:
+    """One measured O1 / O2 / O3 run."""
+    drops = [0]
+
+    async def go() -> dict[str, float]:
+        async with operator_hooks(server.target, "S2" if variant == "O2" else "", drops):
+            if variant == "O3":
+                got, elapsed = await grpc_load(server.target)
+                assert got == LOAD["prompts"] * LOAD["output_len"], f"{server.name} O3: {got} tokens"
+                return {"tokens/s": got / elapsed}
+            return await asyncio.to_thread(load_generator, server.openai, folder)
+
+    out = asyncio.run(go())
+    out["drops"] = drops[0]
+    return out
+
+
 @contextlib.contextmanager
 def busy_core(on: bool) -> Iterator[None]:
     """A competing process that keeps one core busy (the OS places it), while inside."""
@@ -347,7 +435,9 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true",
                     help="hookwire only (S4: its ratios to its own S1; vllm serve's CPU build may refuse the binding)")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--load-prompts", type=int, default=LOAD["prompts"], help="O1-O3: prompts a run (the issue's 200)")
     args = ap.parse_args()
+    LOAD["prompts"] = args.load_prompts
     counts = [int(c) for c in args.clients.split(",")]
     variants = args.variants.split(",")
     work = pathlib.Path(tempfile.mkdtemp(prefix="bench_serving_"))
@@ -363,6 +453,7 @@ def main() -> None:
     for mode in args.hookwire.split(","):
         servers.append(Server(f"hookwire-{mode}", "hookwire", modes[mode]))
     results: dict[tuple[str, str, int], list[tuple[float, float, int]]] = {}
+    loads: dict[tuple[str, str], list[dict[str, float]]] = {}
     print(f"work folder {work}; {os.cpu_count()} cores; torch {torch.__version__}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     for repeat in range(args.repeats):
@@ -372,6 +463,14 @@ def main() -> None:
                 for clients in counts:
                     run_variant(server, "S1", clients, args.tokens)  # warm, unmeasured
                 for variant in variants:
+                    if variant.startswith("O"):
+                        if server.kind == "vllm" and variant != "O1":
+                            continue
+                        load = run_load(server, variant, folder)
+                        loads.setdefault((server.name, variant), []).append(load)
+                        print(f"  repeat {repeat + 1} {server.name:18s} {variant:4s} " + "  ".join(
+                            f"{k} {v:.1f}" for k, v in load.items()), flush=True)
+                        continue
                     if server.kind == "vllm" and variant.rstrip("n") != "S1":
                         continue
                     for clients in counts:
@@ -381,6 +480,42 @@ def main() -> None:
                               f"{got[0]:7.1f} tokens/s  front {got[1] * 1e3:.2f} ms CPU/token"
                               + (f"  drops {got[2]}" if variant.startswith("S2") else ""), flush=True)
     report(servers, results, counts, variants, args)
+    report_loads(servers, loads)
+
+
+def report_loads(servers: list[Server], loads: dict[tuple[str, str], list[dict[str, float]]]) -> None:
+    """O1-O3: medians, spreads and the issue's ratios (against the same run's baselines)."""
+    if not loads:
+        return
+
+    def med(name: str, variant: str, key: str) -> float:
+        return statistics.median(r[key] for r in loads[(name, variant)])
+
+    print(f"\n  vLLM's load generator: {LOAD}")
+    for (name, variant), rs in loads.items():
+        parts = []
+        for key in rs[0]:
+            values = [r[key] for r in rs]
+            parts.append(f"{key} {statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})")
+        print(f"  {name:18s} {variant}  " + "  ".join(parts))
+    # The issue's baseline: vllm serve --enforce-eager --no-enable-prefix-caching until hooks
+    # survive compilation (issue 36), then vLLM's compiled default.
+    base = "vllm-eager"
+    for s in servers:
+        if s.kind != "hookwire" or (s.name, "O1") not in loads:
+            continue
+        for other in ("vllm", "vllm-eager"):
+            if (other, "O1") in loads:
+                print(f"  O1 {s.name} / {other}: tokens/s {med(s.name, 'O1', 'tokens/s') / med(other, 'O1', 'tokens/s'):.2f}x"
+                      f"  TTFT p50 {med(s.name, 'O1', 'ttft_p50') / med(other, 'O1', 'ttft_p50'):.2f}x"
+                      f"  ITL p99 {med(s.name, 'O1', 'itl_p99') / med(other, 'O1', 'itl_p99'):.2f}x"
+                      + ("  (the issue's baseline)" if other == base else ""))
+        if (s.name, "O2") in loads:
+            print(f"  O2 {s.name} / its O1: {med(s.name, 'O2', 'tokens/s') / med(s.name, 'O1', 'tokens/s'):.2f}x "
+                  f"(observer drops {sum(r['drops'] for r in loads[(s.name, 'O2')]):.0f})")
+        if (s.name, "O3") in loads:
+            print(f"  O3 {s.name} OpenAI front / gRPC Generate: "
+                  f"{med(s.name, 'O1', 'tokens/s') / med(s.name, 'O3', 'tokens/s'):.2f}x")
 
 
 def report(servers: list[Server], results: dict[tuple[str, str, int], list[tuple[float, float, int]]],

@@ -90,7 +90,7 @@ def harvest_roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Pat
 def vllm_server(llama_folder: pathlib.Path, harvest_roots: tuple[pathlib.Path, pathlib.Path]) -> Iterator[ServerThread]:
     """A real server whose model "llama" runs on the vLLM engine (in-process vLLM), beside
     "llama-torch", the same folder on the torch engine; harvest jobs enabled; both with
-    readable parameters."""
+    readable parameters; the OpenAI-compatible front on a free port (server.openai_port)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     host = build_host(ModelConfig(
         name="llama", transformers=str(llama_folder), engine="vllm",
@@ -104,7 +104,8 @@ def vllm_server(llama_folder: pathlib.Path, harvest_roots: tuple[pathlib.Path, p
     torch_host = build_host(ModelConfig(name="llama-torch", transformers=str(llama_folder), attn_implementation="eager",
                                         parameters_readable=True))
     data, out = harvest_roots
-    settings = ServerSettings(port=0, harvest_data_root=str(data), harvest_output_root=str(out))
+    # openai_port=0: the OpenAI-compatible front too, on a free port (test_openai_front.py).
+    settings = ServerSettings(port=0, harvest_data_root=str(data), harvest_output_root=str(out), openai_port=0)
     srv = ServerThread(ModelRegistry([host, torch_host]), settings).start()
     yield srv
     srv.stop()
