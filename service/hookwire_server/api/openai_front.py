@@ -674,8 +674,9 @@ class _Answer:
 
     def _entry(self, token: int, values: Any) -> dict[str, Any]:
         """One position's log-probabilities as the front reports them (internal form)."""
-        return {"token": token, "logprob": values.logprob if values is not None else None,
-                "top": list(zip(values.top_token_ids, values.top_logprobs)) if values is not None else []}
+        return {"token": token, "logprob": _json_logprob(values.logprob) if values is not None else None,
+                "top": [(t, _json_logprob(v)) for t, v in zip(values.top_token_ids, values.top_logprobs)]
+                if values is not None else []}
 
     def _step(self, step: Any) -> list[dict[str, Any]]:
         choices = []
@@ -843,6 +844,14 @@ def _client_cert_protocol() -> type:
             self.app = app
 
     return ClientCertProtocol
+
+
+def _json_logprob(value: float) -> float | None:
+    """A log-probability JSON can carry: -inf (a token the model rules out) as -9999.0,
+    as vLLM's OpenAI server reports it; NaN as null."""
+    if value != value:
+        return None
+    return max(float(value), -9999.0)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
