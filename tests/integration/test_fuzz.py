@@ -8,6 +8,7 @@ CI runs a bounded number of examples; `tests/bench/fuzz_long.py` runs many more
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -59,7 +60,8 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     srv = ServerThread(registry, ServerSettings(port=0, allow_shared_rules=True, max_slot_bytes=1 * MB,
                                                 infer_timeout=10.0, harvest_data_root=str(data),
                                                 harvest_output_root=str(out),
-                                                harvest_max_jobs_per_principal=1000)).start()
+                                                harvest_max_jobs_per_principal=1000,
+                                                openai_port=0)).start()  # test_openai_bodies
     channel = grpc.insecure_channel(srv.target, options=[("grpc.max_receive_message_length", 64 * MB)])
     hooks = hook_service_pb2_grpc.HookServiceStub(channel)
     session = hooks.OpenSession(hook_service_pb2.OpenSessionRequest())
@@ -528,6 +530,87 @@ def test_generate(fuzz_server, request, use_session) -> None:
                     assert len(entry.top_token_ids) == (request.top_logprobs if token != -1 else 0)
 
     _check(call)
+
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False),
+                        st.text(max_size=6))
+json_values = st.recursive(json_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)), max_leaves=8)
+
+
+@st.composite
+def openai_bodies(draw: Any) -> tuple[str, dict[str, Any]]:
+    """A body for the OpenAI-compatible front: mostly well-formed (small max_tokens), with
+    fields out of range, of the wrong type, unknown or unserved, and hookwire members
+    holding hooks that are HookSpec JSON or not."""
+    chat = draw(st.booleans())
+    body: dict[str, Any] = {"model": draw(rarely(st.one_of(st.text(max_size=4), json_values), st.just("tiny-lm")))}
+    if chat:
+        body["messages"] = draw(rarely(json_values, st.lists(st.fixed_dictionaries({
+            "role": rarely(st.text(max_size=5), st.sampled_from(["system", "user", "assistant"])),
+            "content": rarely(json_values, st.text(max_size=12))}), min_size=1, max_size=3)))
+    else:
+        body["prompt"] = draw(rarely(json_values, st.one_of(
+            st.text(max_size=16), st.lists(st.text(max_size=8), min_size=1, max_size=3),
+            st.lists(st.integers(-5, 600), min_size=1, max_size=6))))
+    body["max_tokens"] = draw(rarely(st.one_of(st.integers(-3, 2**40), json_values), st.integers(1, 3)))
+    optional = {
+        "temperature": rarely(st.one_of(st.floats(-2, 1e6), json_values), st.floats(0, 2)),
+        "top_p": rarely(st.floats(-1, 2), st.floats(0.1, 1)),
+        "top_k": st.integers(-2, 1000),
+        "seed": rarely(st.integers(-2, 2**70), st.integers(0, 2**32)),
+        "stop": rarely(json_values, st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(max_size=3), max_size=3))),
+        "n": rarely(st.integers(-1, 40), st.integers(1, 3)),
+        "stream": st.booleans(),
+        "stream_options": rarely(json_values, st.fixed_dictionaries({"include_usage": st.booleans()})),
+        "logprobs": rarely(st.one_of(st.integers(-1, 40), json_values), st.booleans() if chat else st.integers(0, 3)),
+        "top_logprobs": st.integers(-1, 25),
+        "echo": st.booleans(),
+        "ignore_eos": st.booleans(),
+        "min_tokens": st.integers(-1, 5),
+        "presence_penalty": st.sampled_from([0, 0.0, 0.5]),
+        "logit_bias": st.one_of(st.none(), st.just({"3": 1.0})),
+        "user": st.text(max_size=5),
+        "hookwire": rarely(json_values, st.fixed_dictionaries({}, optional={
+            "tags": st.lists(st.text(max_size=4), max_size=2),
+            "session_id": st.text(max_size=4),
+            "hooks": st.lists(st.one_of(json_values, st.fixed_dictionaries({
+                "module": st.sampled_from(["model.layers.0", "model.layers.*", "nowhere", ""]),
+                "posthook": st.one_of(json_values, st.just({"capture": ["PART_OUTPUT"], "select": "[:, -1]"}),
+                                      st.just({"capture": ["PART_OUTPUT"]}))})), max_size=2)})),
+        draw(st.text(min_size=1, max_size=5)): json_values,  # an unknown member, mostly
+    }
+    for key, strategy in optional.items():
+        if draw(st.integers(0, 3)) == 0:
+            body[key] = draw(strategy)
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+@FUZZ
+@given(case=openai_bodies())
+def test_openai_bodies(fuzz_server, case) -> None:
+    """The OpenAI-compatible front: every body gets a 2xx or 4xx/5xx other than 500 with
+    OpenAI's error body; a stream that started ends with [DONE]."""
+    import httpx
+
+    path, body = case
+    srv = fuzz_server["srv"]
+    url = f"http://127.0.0.1:{srv.server.openai_port}{path}"
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", url, json=body) as response:
+            text = response.read().decode()
+    assert response.status_code != 500, text
+    if response.status_code >= 400:
+        error = json.loads(text)["error"]
+        assert set(error) >= {"message", "type", "code"} and error["message"], error
+    elif body.get("stream") is True:
+        events = [line for line in text.split("\n\n") if line]
+        assert events[-1] == "data: [DONE]", text[-400:]
+        for event in events[:-1]:
+            chunk = json.loads(event.removeprefix("data: "))
+            assert "error" not in chunk or chunk["error"]["code"] not in ("INTERNAL", "UNKNOWN"), chunk
+    else:
+        assert json.loads(text)["choices"], text
 
 
 @FUZZ
