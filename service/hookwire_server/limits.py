@@ -129,6 +129,11 @@ class Limits:
     #: RESOURCE_EXHAUSTED (429), and hooks capturing whole tensors are refused there
     #: (gRPC carries those).
     max_http_event_bytes: int = 256 << 10
+    #: Bytes of one request body of the OpenAI-compatible front (413 beyond, before more
+    #: is read): prompts, messages and hooks as JSON, never bulk tensors (an operand too
+    #: large for it is uploaded over gRPC, OperandService, and named). Also at most
+    #: max_message_bytes.
+    max_http_body_bytes: int = 8 << 20
     #: GenerateRequest.n at most (INVALID_ARGUMENT beyond): sequences per prompt, each
     #: with its KV cache; prompts times n also meet max_tokenize_texts.
     max_generate_n: int = 16

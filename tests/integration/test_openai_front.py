@@ -402,6 +402,17 @@ async def test_bad_bodies_answer_400_naming_the_field_in_the_bodys_words(front: 
         ({"model": "nope", "stream": True}, openai.NotFoundError, "no model 'nope'"),
         ({"prompt": [[1, 2, 3]], "model": "mlp"}, openai.APIStatusError, "model 'mlp' cannot generate"),
         ({"prompt": "x" * (3 << 20)}, openai.APIStatusError, r"request body: .* \(max_message_bytes\)"),
+        ({"max_tokens": 2**32}, openai.BadRequestError, "max_tokens: Input should be less than or equal"),
+        ({"prompt": [2**63]}, openai.BadRequestError, "prompt: expected a text, a list of texts, a list of token ids"),
+        ({"prompt": [True, False]}, openai.BadRequestError, "prompt: expected a text"),
+        # Counted before a row is padded (rows x the longest row would be built otherwise).
+        ({"prompt": [[5] * 300] * 300}, openai.RateLimitError, r"prompt: 300 prompts x n 1, .*max_tokenize_texts"),
+        ({"prompt": [[5] * 9000]}, openai.RateLimitError, r"prompt: a prompt of 9000 tokens, .*max_prompt_tokens"),
+        ({"stop": ""}, openai.BadRequestError, r"stop\[0\]: a stop string cannot be empty"),
+        # An event over max_http_event_bytes in the first step: its status, not a 200 stream.
+        ({"stream": True, "extra_body": {"hookwire": {"hooks": [
+            {"module": LAYER, "posthook": {"capture": ["PART_OUTPUT"], "select": "[:, :]"}}]}},
+          "prompt": "word " * 200, "n": 8}, openai.RateLimitError, "max_http_event_bytes"),
     ]
     for fields, error, message in cases:
         with pytest.raises(error, match=message) as raised:
@@ -414,6 +425,14 @@ async def test_bad_bodies_answer_400_naming_the_field_in_the_bodys_words(front: 
         assert set(body) >= {"message", "type", "code"}, body
     ok = await asyncio.to_thread(create, user="someone", presence_penalty=0, frequency_penalty=0, logit_bias=None)
     assert ok.choices[0].finish_reason == "length"
+    assert (await asyncio.to_thread(client.models.retrieve, "tiny-lm")).id == "tiny-lm"
+    with pytest.raises(openai.NotFoundError, match="no model 'mlp' that generates"):
+        await asyncio.to_thread(client.models.retrieve, "mlp")
+    async with httpx.AsyncClient(timeout=60) as http:  # unknown paths and methods: OpenAI's error body too
+        nowhere = await http.get(f"{_url(front)}/embeddings")
+        wrong = await http.delete(f"{_url(front)}/completions")
+    assert nowhere.status_code == 404 and nowhere.json()["error"]["code"] == "NOT_FOUND"
+    assert wrong.status_code == 405 and "not allowed" in wrong.json()["error"]["message"]
 
     with pytest.raises(openai.BadRequestError, match="has no chat template"):
         await asyncio.to_thread(lambda: client.chat.completions.create(

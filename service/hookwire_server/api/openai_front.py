@@ -33,6 +33,7 @@ from typing import Any, cast
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from google.protobuf import json_format
 
 from hookwire.wire import codec
@@ -74,6 +75,7 @@ HTTP_STATUS: dict[str, int] = {
 #: OpenAI's error ``type`` for each HTTP status.
 ERROR_TYPE: dict[int, str] = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    405: "invalid_request_error",
     409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled",
     500: "server_error", 501: "not_implemented_error", 503: "service_unavailable", 504: "timeout_error",
 }
@@ -238,6 +240,8 @@ class OpenAIFront:
         app = FastAPI(title="hookwire OpenAI-compatible front", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/health", self._health, methods=["GET"])
         app.add_api_route("/v1/models", self._models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self._model, methods=["GET"])
+        app.add_exception_handler(StarletteHTTPException, self._http_exception)
         app.add_api_route("/v1/completions", self._completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
         return app
@@ -248,6 +252,14 @@ class OpenAIFront:
         return JSONResponse({"status": "ok" if ready else "not serving"}, status_code=200 if ready else 503)
 
     async def _models(self, request: Request) -> Response:
+        """GET /v1/models: the models that can generate."""
+        return self._listing(request, None)
+
+    async def _model(self, request: Request, model_id: str) -> Response:
+        """GET /v1/models/{id} (the ``openai`` client's ``models.retrieve``)."""
+        return self._listing(request, model_id)
+
+    def _listing(self, request: Request, model_id: str | None) -> Response:
         rpc = self._context(request, "ListModels")
         try:
             principal = self._principal(request)
@@ -255,14 +267,26 @@ class OpenAIFront:
             principal.require(MINIMUM_ROLE["ListModels"], "listing models")
             data = [{"id": host.name, "object": "model", "created": self._started, "owned_by": "hookwire",
                      "root": host.name, "parent": None, "max_model_len": self._max_len(host)}
-                    for host in self._registry if host.can_generate]
-            response: Response = JSONResponse({"object": "list", "data": data})
+                    for host in self._registry if host.can_generate and model_id in (None, host.name)]
+            if model_id is not None and not data:
+                raise HttpError(404, "NOT_FOUND", f"model: no model {model_id!r} that generates", "model")
+            response: Response = JSONResponse(data[0] if model_id is not None else {"object": "list", "data": data})
             code = "OK"
         except Exception as exc:
             response, code = self._failure(rpc, exc), code_of(exc)
         self._done(rpc, code, response.status_code)
         response.headers[REQUEST_ID_HEADER] = rpc.request_id
         return response
+
+    async def _http_exception(self, request: Request, exc: Exception) -> Response:
+        """An unknown path or method, in OpenAI's error body (not FastAPI's {"detail"})."""
+        status = int(getattr(exc, "status_code", 500))
+        code = {404: "NOT_FOUND", 405: "UNIMPLEMENTED"}.get(status, "INVALID_ARGUMENT" if status < 500 else "INTERNAL")
+        what = f"{request.method} {request.url.path}"
+        message = {404: f"{what}: no such endpoint (the front serves /v1/completions, /v1/chat/completions, "
+                        "/v1/models and /health)",
+                   405: f"{what}: the method is not allowed on this endpoint"}.get(status, f"{what}: {exc}")
+        return JSONResponse(error_body(status, code, message), status_code=status)
 
     async def _completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
@@ -274,34 +298,47 @@ class OpenAIFront:
         rpc = self._context(request, "Generate")
         CURRENT.set(rpc)  # the Generate call takes its request id; log records carry it
         started = time.perf_counter()
+        messages: AsyncGenerator[Any, None] | None = None
         try:
             principal = self._principal(request)
             rpc.principal = principal.name
+            # Before the body is read or the chat template runs: a role that may not
+            # generate costs nothing more.
+            principal.require(MINIMUM_ROLE["Generate"], "generating")
             body = await self._read_body(request)
+            kind = ChatCompletionRequest if chat else CompletionRequest
             try:
-                parsed: CompletionRequest | ChatCompletionRequest = (
-                    ChatCompletionRequest if chat else CompletionRequest).model_validate_json(body)
+                # Off the event loop: a large body's validation would hold every other call.
+                parsed: CompletionRequest | ChatCompletionRequest = await asyncio.to_thread(
+                    kind.model_validate_json, body)
             except pydantic.ValidationError as exc:
                 raise _validation_error(exc) from None
             for field, why in parsed.unserved():
                 raise HttpError(400, "INVALID_ARGUMENT", f"{field}: {why}", field)
             generate, call = await self._request(parsed, rpc, chat=chat)
             messages = cast(AsyncGenerator[Any, None], self._generation.generate(generate, principal))
-            # Up to the first tokens (or the end) before answering: a call that fails before
-            # its first token answers with its HTTP status, not a 200 event stream.
+            # Up to the first tokens (or the end) before answering, each message turned into
+            # its chunks: a call that fails before its first token (an event over
+            # max_http_event_bytes included) answers with its HTTP status, not a 200 stream.
             head: list[Any] = []
+            state = _Answer(self, call)
+            first: list[dict[str, Any]] = []
             async for message in messages:
                 head.append(message)
+                if call.stream:
+                    first.extend(state.take(message))
                 if not isinstance(message, bytes) and message.WhichOneof("kind") in ("tokens", "steps", "done"):
                     break
         except Exception as exc:
+            if messages is not None:
+                await messages.aclose()
             response = self._failure(rpc, exc, chat=chat)
             self._done(rpc, code_of(exc), response.status_code, started)
             return response
         headers = {REQUEST_ID_HEADER: rpc.request_id}
         if call.stream:
-            return StreamingResponse(self._events(call, head, messages, started), media_type="text/event-stream",
-                                     headers={**headers, "cache-control": "no-cache"})
+            return StreamingResponse(self._events(call, state, first, messages, started),
+                                     media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
         try:
             answer = await self._collect(call, head, messages, request)
         except Exception as exc:
@@ -342,14 +379,20 @@ class OpenAIFront:
                 out.prompts.extend(prompt)  # type: ignore[arg-type]
                 prompt_texts = list(prompt)  # type: ignore[arg-type]
             else:
-                rows = [prompt] if isinstance(prompt[0], int) else prompt
+                rows = cast(list[list[int]], [prompt] if isinstance(prompt[0], int) else prompt)
                 if any(not row for row in rows):
                     raise HttpError(400, "INVALID_ARGUMENT", "prompt: a prompt has no token ids", "prompt")
-                width = max(len(row) for row in rows)  # type: ignore[arg-type]
-                padded = [[0] * (width - len(row)) + list(row) for row in rows]  # type: ignore[arg-type]
-                mask = [[0] * (width - len(row)) + [1] * len(row) for row in rows]  # type: ignore[arg-type]
-                codec.encode_tensor_into(_long(padded), out.input_ids)
-                codec.encode_tensor_into(_long(mask), out.attention_mask)
+                # Counted before anything is padded: rows x the longest row could be large.
+                if len(rows) * n > self._limits.max_tokenize_texts:
+                    raise exceeded("prompt", f"{len(rows)} prompts x n {n}", self._limits.max_tokenize_texts,
+                                   "max_tokenize_texts")
+                longest = max(len(row) for row in rows)
+                if longest > self._limits.max_prompt_tokens:
+                    raise exceeded("prompt", f"a prompt of {longest} tokens", self._limits.max_prompt_tokens,
+                                   "max_prompt_tokens")
+                ids, mask = _left_padded(rows)
+                codec.encode_tensor_into(ids, out.input_ids)
+                codec.encode_tensor_into(mask, out.attention_mask)
             max_tokens = body.max_tokens or 16  # OpenAI's default for completions
             logprobs = body.logprobs
             echo = bool(body.echo)
@@ -370,7 +413,7 @@ class OpenAIFront:
             out.top_k = max(0, body.top_k)  # vLLM's -1 and hookwire's 0 both disable it
         if body.seed is not None:
             out.seed = body.seed
-        if body.stop:
+        if body.stop is not None:  # "" too: Generate refuses an empty stop string, naming it
             out.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
         out.n = n
         if logprobs is not None:
@@ -457,34 +500,40 @@ class OpenAIFront:
         return limit.positions if limit is not None else None
 
     async def _read_body(self, request: Request) -> bytes:
-        """The body, refused with 413 past the server's max_message_bytes before more is read."""
-        limit = self._limits.max_message_bytes
+        """The body, refused with 413 past max_http_body_bytes (and the server's
+        max_message_bytes) before more is read."""
+        from starlette.requests import ClientDisconnect
+
+        limit, name = self._limits.max_http_body_bytes, "max_http_body_bytes"
+        if self._limits.max_message_bytes < limit:
+            limit, name = self._limits.max_message_bytes, "max_message_bytes"
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise HttpError(413, "RESOURCE_EXHAUSTED",
-                            f"request body: {declared} bytes, over the limit of {limit} (max_message_bytes)")
+                            f"request body: {declared} bytes, over the limit of {limit} ({name})")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HttpError(413, "RESOURCE_EXHAUSTED",
-                                f"request body: over the limit of {limit} bytes (max_message_bytes)")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise HttpError(413, "RESOURCE_EXHAUSTED", f"request body: over the limit of {limit} bytes ({name})")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise HttpError(499, "CANCELLED", "the client went away while sending its body") from None
         return b"".join(chunks)
 
     # ------------------------------------------------------------------ answers
 
-    async def _events(self, call: _Call, head: list[Any], messages: AsyncGenerator[Any, None],
-                      started: float) -> AsyncIterator[bytes]:
-        """The event stream: a chunk per step (and the events of its hooks), the finish
-        reasons, the usage when asked, then [DONE]. Closing it (the client went away)
-        cancels the call."""
+    async def _events(self, call: _Call, state: _Answer, first: list[dict[str, Any]],
+                      messages: AsyncGenerator[Any, None], started: float) -> AsyncIterator[bytes]:
+        """The event stream: ``first`` (the chunks of the messages up to the first tokens,
+        which ``state`` took already), a chunk per step (and the events of its hooks), the
+        finish reasons, the usage when asked, then [DONE]. Closing it (the client went
+        away) cancels the call."""
         status, code = 200, "OK"
-        state = _Answer(self, call)
         try:
-            for message in head:
-                for chunk in state.take(message):
-                    yield _sse(chunk)
+            for chunk in first:
+                yield _sse(chunk)
             async for message in messages:
                 for chunk in state.take(message):
                     yield _sse(chunk)
@@ -511,8 +560,8 @@ class OpenAIFront:
             state.take(message)
         async for message in messages:
             state.take(message)
-            if await request.is_disconnected():
-                raise errors.Unavailable("the client went away")  # (ends the call: see _generate)
+            if await request.is_disconnected():  # (ends the call: see _generate)
+                raise HttpError(499, "CANCELLED", "the client went away")
         return state.whole()
 
     # ------------------------------------------------------------------ context
@@ -859,15 +908,40 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 def _long(rows: list[list[int]]) -> Any:
-    import torch
+    import numpy as np
 
-    return torch.tensor(rows, dtype=torch.int64)
+    return np.asarray(rows, dtype=np.int64)
+
+
+def _left_padded(rows: list[list[int]]) -> tuple[Any, Any]:
+    """Token id rows padded on the left to the longest (pad id 0, masked) and their
+    attention mask, int64 arrays [rows, longest]."""
+    import numpy as np
+
+    width = max(len(row) for row in rows)
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a pydantic error location part names a union's member type ("str",
+    "list[int]", "function-after[...]") rather than a field or an index."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict",
+                                                              "constrained-int", "constrained-str"))
 
 
 def _validation_error(exc: pydantic.ValidationError) -> HttpError:
     """400 naming the first field pydantic refused, in the body's own words."""
     first = exc.errors()[0]
-    path = ".".join(str(p) for p in first.get("loc", ()) if not str(p).startswith("function-"))
+    path = ".".join(str(p) for p in first.get("loc", ()) if not _union_tag(p))
+    if first.get("loc", ())[:1] == ("prompt",) and any(_union_tag(p) for p in first.get("loc", ())):
+        # Every form failed: say which forms there are, not why the first one did.
+        return HttpError(400, "INVALID_ARGUMENT", "prompt: expected a text, a list of texts, a list of token ids "
+                         "or a list of such lists (token ids are integers from 0 to 2**63 - 1)", "prompt")
     kind = first.get("type", "")
     if kind == "extra_forbidden":
         message = f"{path}: hookwire does not serve this field"

@@ -13,9 +13,15 @@ is the front's (openai_front.py); this module only says what a valid body is.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+#: What a GenerateRequest's uint32 fields carry: a larger count is refused here (400),
+#: the server's own limits refuse most of what is below it, naming them.
+UINT32 = (1 << 32) - 1
+#: A token id as the wire carries it (int64), never negative; a JSON bool is not one.
+TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 63)]
 
 #: OpenAI's own limit for completions' ``logprobs``; vLLM allows up to its
 #: max_logprobs (20), as hookwire does (Limits.max_top_logprobs).
@@ -48,18 +54,18 @@ class _Sampling(_Body):
     """What completions and chat completions share."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=1 << 64)
     stop: str | list[str] | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=UINT32)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # vLLM's extensions.
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=UINT32)
     ignore_eos: bool | None = None
-    min_tokens: int | None = Field(default=None, ge=0)
+    min_tokens: int | None = Field(default=None, ge=0, le=UINT32)
     # Accepted at their no-op values only (refuse_unserved).
     user: str | None = None
     presence_penalty: float | None = None
@@ -89,11 +95,13 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     #: A text, texts, token ids, or lists of token ids (one prompt each).
-    prompt: str | list[str] | list[int] | list[list[int]]
+    #: (Tried left to right, the first type that fits wins: one pass over a long list of
+    #: token ids instead of every type of the union in turn.)
+    prompt: str | list[TokenId] | list[list[TokenId]] | list[str] = Field(union_mode="left_to_right")
     #: The most likely tokens to report per position (0: the chosen token's alone).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=UINT32)
     suffix: str | None = None
 
     def unserved(self) -> list[tuple[str, str]]:
@@ -135,7 +143,7 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Accepted at their no-op values only.
