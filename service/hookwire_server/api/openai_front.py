@@ -641,6 +641,8 @@ class _Answer:
         self.stopped: list[dict[str, Any] | None] = []
         self.events: list[dict[str, Any]] = []
         self.all_events: list[dict[str, Any]] = []
+        #: JSON bytes of all_events (a non-streaming answer's events, held to the end).
+        self.held = 0
         self.prompt_logprobs: list[list[dict[str, Any]]] = []
         self.rows = 0
 
@@ -692,7 +694,15 @@ class _Answer:
         if size > self.limit:
             raise exceeded("hookwire.hooks", f"an event of {size} bytes in JSON", self.limit, "max_http_event_bytes",
                            "select less, summarize, or use hookwire's gRPC API for large captures")
-        self.events.append(entry)
+        if self.call.stream:  # it goes out with its step's chunk
+            self.events.append(entry)
+            return
+        # A whole answer holds its events until the end: together they meet the limit.
+        self.held += size
+        if self.held > self.limit:
+            raise exceeded("hookwire.hooks", f"events of {self.held} bytes in JSON in all", self.limit,
+                           "max_http_event_bytes", "a non-streaming answer carries its events together: stream "
+                           "(stream: true) for more, or use hookwire's gRPC API")
         self.all_events.append(entry)
 
     def _prompt_text(self, row: int) -> str:
