@@ -178,6 +178,11 @@ async def test_a_cached_prompt_still_gets_every_prompt_logprob(vllm_server, orac
 def eos_prompt(oracle) -> list[int]:
     """A prompt (BOS and random tokens) whose greedy next token is the model's EOS, by a
     margin vLLM's kernels cannot cross: searched in transformers, deterministically."""
+    return eos_prompt_of(oracle)
+
+
+def eos_prompt_of(oracle: Any) -> list[int]:
+    """eos_prompt's search (also for test_vllm_processes.py's engine)."""
     eos = oracle.config.eos_token_id
     vocab = oracle.config.vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -352,40 +357,3 @@ async def test_random_option_mixes_in_one_batch_are_served_or_refused(vllm_serve
                            for e in s.tokens)
             else:
                 assert not message.prompt_logprobs
-
-
-@pytest.fixture(scope="module")
-def processes_server(llama_folder) -> Any:
-    """The folder on vLLM in worker processes (one rank): the module's one engine start-up
-    (the RequestOutputs the front reads then come from vLLM's engine process)."""
-    from hookwire_server import ModelRegistry, ServerSettings
-    from hookwire_server.engine.core import build_host
-    from hookwire_server.models.model_loading import ModelConfig
-    from support import ServerThread
-
-    host = build_host(ModelConfig(name="llama", transformers=str(llama_folder), engine="vllm",
-                                  vllm={"max_model_len": 128, "max_num_seqs": 4, "kv_cache_bytes": 16 << 20}))
-    srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
-    yield srv
-    srv.stop()
-
-
-async def test_logprobs_and_eos_options_in_worker_processes(processes_server, oracle, eos_prompt) -> None:
-    """In worker processes: a hooked call's (its hooks run in the worker) and a plain
-    call's log-probabilities equal transformers', prompt log-probabilities included, and
-    ignore_eos keeps the EOS prompt going."""
-    tokenizer = oracle_tokenizer()
-    ids = [_ids(tokenizer, p) for p in PROMPTS[:2]]
-    hooked = generate_request("llama", PROMPTS[:2], 4, stop=[], attention_mask=None,
-                              hooks=[HookSpec("model.layers.1", posthook=capture("output"))], do_sample=False,
-                              temperature=None, top_k=None, top_p=None, seed=None, tags=(), session_id="",
-                              max_response_message_bytes=0)
-    hooked.logprobs, hooked.top_logprobs, hooked.prompt_logprobs = True, 3, 2
-    (steps, done), (ignored, ignored_done) = await asyncio.gather(
-        _generate(processes_server.target, hooked),
-        _generate(processes_server.target, _request(5, ids=[eos_prompt], ignore_eos=True, logprobs=True,
-                                                    top_logprobs=1, prompt_logprobs=1)),
-    )
-    _check_call(oracle, ids, steps, done, 3, 2)
-    assert list(ignored_done.sequences[0].token_ids) == _greedy_loop(oracle, eos_prompt, 5, ignore_eos=True)
-    _check_call(oracle, [eos_prompt], ignored, ignored_done, 1, 1)
