@@ -428,6 +428,31 @@ async def test_named_operands_travel_to_the_ranks_once_and_count_per_rank(tp_ser
         await client.delete_operand("sae")
 
 
+async def test_logprobs_and_eos_options_in_worker_processes(tp_server, oracle) -> None:
+    """GenerateRequest's logprobs, prompt_logprobs and ignore_eos in worker processes
+    (tensor parallel 2; the RequestOutputs the front reads come from vLLM's engine
+    process): a hooked call's (its hooks run in the workers) and a plain call's
+    log-probabilities equal transformers', prompt log-probabilities included, and
+    ignore_eos keeps an EOS prompt going (test_generate_options.py: the same in-process)."""
+    from test_generate_options import _check_call, _generate, _greedy_loop, _request, eos_prompt_of
+
+    from hookwire._generation import generate_request
+
+    eos_prompt = eos_prompt_of(oracle)
+    ids = [_ids(oracle_tokenizer(), p) for p in PROMPTS[:2]]
+    hooked = generate_request("llama-tp", PROMPTS[:2], 4, stop=[], attention_mask=None,
+                              hooks=[HookSpec("model.layers.1", posthook=capture("output"))], do_sample=False,
+                              temperature=None, top_k=None, top_p=None, seed=None, tags=(), session_id="",
+                              max_response_message_bytes=0, logprobs=3, prompt_logprobs=2)
+    plain = _request(5, ids=[eos_prompt], ignore_eos=True, logprobs=True, top_logprobs=1, prompt_logprobs=1)
+    plain.model = "llama-tp"
+    (steps, done), (ignored, ignored_done) = await asyncio.gather(
+        _generate(tp_server.target, hooked), _generate(tp_server.target, plain))
+    _check_call(oracle, ids, steps, done, 3, 2)
+    assert list(ignored_done.sequences[0].token_ids) == _greedy_loop(oracle, eos_prompt, 5, ignore_eos=True)
+    _check_call(oracle, [eos_prompt], ignored, ignored_done, 1, 1)
+
+
 async def test_a_worker_process_that_dies_fails_its_calls_and_the_model(tp_server) -> None:
     """Last (the model does not come back): killing the first worker while a call
     generates fails that call with FAILED_PRECONDITION naming the failure, the model is
@@ -494,27 +519,3 @@ async def test_workers_linked_over_tcp_serve_hooks_as_over_a_unix_socket(llama_f
         srv.stop()
 
 
-
-async def test_logprobs_and_eos_options_in_worker_processes(tp_server, oracle) -> None:
-    """GenerateRequest's logprobs, prompt_logprobs and ignore_eos in worker processes
-    (tensor parallel 2; the RequestOutputs the front reads come from vLLM's engine
-    process): a hooked call's (its hooks run in the workers) and a plain call's
-    log-probabilities equal transformers', prompt log-probabilities included, and
-    ignore_eos keeps an EOS prompt going (test_generate_options.py: the same in-process)."""
-    from test_generate_options import _check_call, _generate, _greedy_loop, _request, eos_prompt_of
-
-    from hookwire._generation import generate_request
-
-    eos_prompt = eos_prompt_of(oracle)
-    ids = [_ids(oracle_tokenizer(), p) for p in PROMPTS[:2]]
-    hooked = generate_request("llama-tp", PROMPTS[:2], 4, stop=[], attention_mask=None,
-                              hooks=[HookSpec("model.layers.1", posthook=capture("output"))], do_sample=False,
-                              temperature=None, top_k=None, top_p=None, seed=None, tags=(), session_id="",
-                              max_response_message_bytes=0, logprobs=3, prompt_logprobs=2)
-    plain = _request(5, ids=[eos_prompt], ignore_eos=True, logprobs=True, top_logprobs=1, prompt_logprobs=1)
-    plain.model = "llama-tp"
-    (steps, done), (ignored, ignored_done) = await asyncio.gather(
-        _generate(tp_server.target, hooked), _generate(tp_server.target, plain))
-    _check_call(oracle, ids, steps, done, 3, 2)
-    assert list(ignored_done.sequences[0].token_ids) == _greedy_loop(oracle, eos_prompt, 5, ignore_eos=True)
-    _check_call(oracle, [eos_prompt], ignored, ignored_done, 1, 1)
