@@ -357,16 +357,6 @@ def infer_requests(draw: Any) -> model_service_pb2.InferRequest:
         request.backward.return_input_grads = draw(st.booleans())
     if draw(st.booleans()):
         request.seed = draw(st.integers(0, 2**64 - 1))
-    # The fields OpenAI's API maps onto: within the limits (max_top_logprobs 20,
-    # max_generate_n 16) or past them, and in combinations the server refuses.
-    if draw(st.booleans()):
-        request.logprobs = draw(st.booleans())
-        request.top_logprobs = draw(rarely(st.sampled_from([21, 2**32 - 1]), st.integers(0, 3)))
-    if draw(st.booleans()):
-        request.prompt_logprobs = draw(rarely(st.sampled_from([21, 2**32 - 1]), st.integers(0, 3)))
-    request.ignore_eos = draw(st.booleans())
-    request.min_new_tokens = draw(rarely(st.sampled_from([5, 2**32 - 1]), st.integers(0, 2)))
-    request.n = draw(rarely(st.sampled_from([17, 2**32 - 1]), st.integers(0, 3)))
     return request
 
 
