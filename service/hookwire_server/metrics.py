@@ -36,7 +36,8 @@ class Metrics:
         )
         self.generate_seconds = Histogram(
             "hookwire_generate_seconds",
-            "Generate call duration (all steps, the client's reading included), by model and front.", ["model", "front"], buckets=LATENCY_BUCKETS, registry=r,
+            "Generate call duration (all steps, the client's reading included), by model and front.",
+            ["model", "front"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.time_to_first_token_seconds = Histogram(
             "hookwire_time_to_first_token_seconds",

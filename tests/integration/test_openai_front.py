@@ -161,9 +161,11 @@ async def test_chat_uses_the_models_template_and_streams_as_the_async_client_exp
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == len(ids) + 6
 
 
-def test_curl_reads_the_raw_event_stream(front: ServerThread) -> None:
+def test_curl_reads_the_raw_event_stream(front: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
     """curl -N: a text/event-stream of `data: {json}` lines, each followed by a blank
-    line, ending with `data: [DONE]`."""
+    line, ending with `data: [DONE]`. The request's log line names its principal and the
+    client's own x-request-id beside hookwire's."""
+    caplog.set_level("INFO", logger="hookwire.audit")
     curl = shutil.which("curl")
     assert curl is not None, "curl is on every machine of this project's kind"
     body = json.dumps({"model": "tiny-lm", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True})
@@ -181,7 +183,11 @@ def test_curl_reads_the_raw_event_stream(front: ServerThread) -> None:
     assert all(e.startswith("data: {") for e in events[:-2])
     assert {c["object"] for c in chunks} == {"text_completion"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert [line for line in head.lower().split("\r\n") if line.startswith("x-request-id: req_")]
+    (ours,) = [line.split(": ", 1)[1] for line in head.lower().split("\r\n") if line.startswith("x-request-id: req_")]
+    assert {c["id"] for c in chunks} == {ours}
+    audit = [r for r in caplog.records if r.name == "hookwire.audit" and getattr(r, "request_id", "") == ours]
+    assert [(r.principal, r.client_request_id, r.front, r.http_status) for r in audit] == [  # type: ignore[attr-defined]
+        ("alice", "my-own-id", "http", 200)]
 
 
 # ---------------------------------------------------------------------------- hookwire in the body
