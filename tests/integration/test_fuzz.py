@@ -513,11 +513,12 @@ def test_generate(fuzz_server, request, use_session) -> None:
         # stream_interval > 1: step 0's tokens alone (as `tokens`), the later steps in `steps` messages.
         assert ("steps" in kinds) == (request.stream_interval > 1 and done.steps > 1), kinds
         assert len(done.sequences) == messages[0].started.input_ids.shape[0]
-        for m in messages:  # logprobs: one entry per sequence in every step, top_logprobs beside each
-            if m.WhichOneof("kind") == "tokens":
-                assert len(m.tokens.logprobs) == (len(m.tokens.token_ids) if request.logprobs else 0)
-                for token, entry in zip(m.tokens.token_ids, m.tokens.logprobs):
-                    assert len(entry.top_token_ids) == (request.top_logprobs if token != -1 else 0)
+        generated = [m.tokens for m in messages if m.WhichOneof("kind") == "tokens"]
+        generated += [t for m in messages if m.WhichOneof("kind") == "steps" for t in m.steps.steps]
+        for tokens in generated:  # logprobs: one entry per sequence in every step, top_logprobs beside each
+            assert len(tokens.logprobs) == (len(tokens.token_ids) if request.logprobs else 0)
+            for token, entry in zip(tokens.token_ids, tokens.logprobs):
+                assert len(entry.top_token_ids) == (request.top_logprobs if token != -1 else 0)
 
     _check(call)
 

@@ -312,7 +312,8 @@ async def test_a_readout_streamed_per_chunk_equals_the_grpc_readout(front: Serve
         return {k: v for k, v in event.items() if k not in ("request_id", "hook_id", "time")}
 
     want = [comparable(json_format.MessageToDict(e, preserving_proto_field_name=True)) for e in grpc_events]
-    assert len(want) == 3 * 2 and all("readout" in json.dumps(e) or "output" in e for e in want)
+    # One event per layer and step: the probes' 3 scores of the last position, [1, 3].
+    assert len(want) == 3 * 2 and all(e["output"]["tensor"]["shape"] == ["1", "3"] for e in want), want
     body = {"model": "tiny-lm", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True,
             "hookwire": {"hooks": [json_format.MessageToDict(spec.to_proto(), preserving_proto_field_name=True)]}}
     async with httpx.AsyncClient(timeout=120) as http:
@@ -459,10 +460,14 @@ async def test_bad_bodies_answer_400_naming_the_field_in_the_bodys_words(front: 
 async def test_a_client_that_disconnects_mid_stream_cancels_its_call_and_frees_its_slot(
         front: ServerThread) -> None:
     """Closing the connection after the first chunk ends the Generate call (its slot,
-    counted against max_active_generations, comes back) long before its 400 tokens."""
+    counted against max_active_generations, comes back) long before its 500 tokens.
+    (Its hooks make each step cost more: the call's 500 steps take seconds, the client
+    closes at once; no buffer holds an unread stream back.)"""
     before = _rpcs(front, "Generate", "CANCELLED", "http")
-    body = {"model": "tiny-lm", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    hooks = [json_format.MessageToDict(hookwire.HookSpec(module, posthook=hookwire.capture(
+        "output", select="[:, -1]")).to_proto()) for module in ("model.layers.*", "model.layers.*.mlp", "model.norm")]
+    body = {"model": "tiny-lm", "prompt": "Hi", "max_tokens": 500, "temperature": 0, "stream": True,
+            "ignore_eos": True, "hookwire": {"hooks": hooks}}
     async with httpx.AsyncClient(timeout=120) as http:
         async with http.stream("POST", f"{_url(front)}/completions", json=body,
                                headers={"authorization": f"Bearer {TOKENS['alice']}"}) as response:

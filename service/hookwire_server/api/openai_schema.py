@@ -23,9 +23,6 @@ UINT32 = (1 << 32) - 1
 #: A token id as the wire carries it (int64), never negative; a JSON bool is not one.
 TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 63)]
 
-#: OpenAI's own limit for completions' ``logprobs``; vLLM allows up to its
-#: max_logprobs (20), as hookwire does (Limits.max_top_logprobs).
-MAX_LOGPROBS = 20
 
 
 class _Body(BaseModel):
@@ -99,7 +96,8 @@ class CompletionRequest(_Sampling):
     #: token ids instead of every type of the union in turn.)
     prompt: str | list[TokenId] | list[list[TokenId]] | list[str] = Field(union_mode="left_to_right")
     #: The most likely tokens to report per position (0: the chosen token's alone).
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    #: (At most the server's max_top_logprobs: Generate's check, naming it.)
+    logprobs: int | None = Field(default=None, ge=0, le=UINT32)
     echo: bool | None = False
     best_of: int | None = Field(default=None, ge=1, le=UINT32)
     suffix: str | None = None
@@ -145,7 +143,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0, le=UINT32)
     # Accepted at their no-op values only.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
