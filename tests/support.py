@@ -432,3 +432,16 @@ def serve_process(*args: str, env: dict[str, str] | None = None) -> Iterator[tup
                 raise AssertionError("the server did not stop within a minute of SIGTERM") from None
         log.close()
         assert proc.returncode in (0, -signal.SIGTERM, -signal.SIGKILL), f"the server exited with {proc.returncode}"
+
+
+def active_generations(srv: ServerThread) -> int:
+    """Generate calls the server runs now, on every model (the slots they hold)."""
+    return int(srv.call(lambda: sum(srv.server.generation._active.values())))
+
+
+def rpc_count(srv: ServerThread, method: str, code: str, front: str) -> float:
+    """RPCs of ``method`` that ended with ``code`` through ``front`` ("grpc" or "http"),
+    from the server's Prometheus counter."""
+    value = srv.server.metrics.registry.get_sample_value(
+        "hookwire_rpcs_total", {"method": method, "code": code, "front": front})
+    return value or 0.0

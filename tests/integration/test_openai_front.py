@@ -32,7 +32,7 @@ from hookwire_server.demo_models import tiny_lm, tiny_lm_tokenizer
 from hookwire_server.models.model_registry import ModelHost
 
 from certs import make_pki
-from support import ServerThread, build_test_registry, serving
+from support import ServerThread, active_generations, build_test_registry, rpc_count, serving
 
 TOKENS = {name: f"hwt_front_{name}" for name in ("viewer", "alice", "observer", "operator")}
 ROLE = {"viewer": "viewer", "alice": "user", "observer": "observer", "operator": "operator"}
@@ -90,14 +90,6 @@ def _done(messages: list[model_service_pb2.GenerateResponse]) -> model_service_p
     return done
 
 
-def _active(srv: ServerThread) -> int:
-    return srv.call(lambda: sum(srv.server.generation._active.values()))
-
-
-def _rpcs(srv: ServerThread, method: str, code: str, front: str) -> float:
-    value = srv.server.metrics.registry.get_sample_value(
-        "hookwire_rpcs_total", {"method": method, "code": code, "front": front})
-    return value or 0.0
 
 
 # ---------------------------------------------------------------------------- answers
@@ -111,7 +103,7 @@ async def test_completions_equal_grpc_generate_streaming_or_not(front: ServerThr
     grpc_done = _done(await _grpc_generate(front, model_service_pb2.GenerateRequest(
         model="tiny-lm", prompts=[PROMPT], max_new_tokens=8, do_sample=False)))
     expected = grpc_done.sequences[0].text
-    before = _rpcs(front, "Generate", "OK", "http")
+    before = rpc_count(front, "Generate", "OK", "http")
     client = _openai(front)
     raw = await asyncio.to_thread(lambda: client.completions.with_raw_response.create(
         model="tiny-lm", prompt=PROMPT, max_tokens=8, temperature=0))
@@ -131,7 +123,7 @@ async def test_completions_equal_grpc_generate_streaming_or_not(front: ServerThr
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert len({c.id for c in chunks}) == 1
-    assert _rpcs(front, "Generate", "OK", "http") == before + 2
+    assert rpc_count(front, "Generate", "OK", "http") == before + 2
 
 
 async def test_chat_uses_the_models_template_and_streams_as_the_async_client_expects(front: ServerThread) -> None:
@@ -454,7 +446,7 @@ async def test_bad_bodies_answer_400_naming_the_field_in_the_bodys_words(front: 
                                            "content-type": "application/json"})
     assert garbage.status_code == 400 and "not valid JSON" in garbage.json()["error"]["message"]
     assert front.call(front.server.health_statuses)[""]
-    assert _active(front) == 0
+    assert active_generations(front) == 0
 
 
 async def test_a_client_that_disconnects_mid_stream_cancels_its_call_and_frees_its_slot(
@@ -463,7 +455,7 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_call_and_frees_i
     counted against max_active_generations, comes back) long before its 500 tokens.
     (Its hooks make each step cost more: the call's 500 steps take seconds, the client
     closes at once; no buffer holds an unread stream back.)"""
-    before = _rpcs(front, "Generate", "CANCELLED", "http")
+    before = rpc_count(front, "Generate", "CANCELLED", "http")
     hooks = [json_format.MessageToDict(hookwire.HookSpec(module, posthook=hookwire.capture(
         "output", select="[:, -1]")).to_proto()) for module in ("model.layers.*", "model.layers.*.mlp", "model.norm")]
     body = {"model": "tiny-lm", "prompt": "Hi", "max_tokens": 500, "temperature": 0, "stream": True,
@@ -474,13 +466,13 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_call_and_frees_i
             lines = response.aiter_lines()
             first = await anext(lines)
             assert first.startswith("data: {")
-            assert _active(front) == 1
+            assert active_generations(front) == 1
     for _ in range(6000):  # up to 60 s: a hang guard, not a speed requirement
-        if _active(front) == 0 and _rpcs(front, "Generate", "CANCELLED", "http") == before + 1:
+        if active_generations(front) == 0 and rpc_count(front, "Generate", "CANCELLED", "http") == before + 1:
             break
         await asyncio.sleep(0.01)
-    assert _active(front) == 0
-    assert _rpcs(front, "Generate", "CANCELLED", "http") == before + 1
+    assert active_generations(front) == 0
+    assert rpc_count(front, "Generate", "CANCELLED", "http") == before + 1
 
 
 # ---------------------------------------------------------------------------- HTTPS

@@ -23,7 +23,7 @@ import hookwire
 from hookwire.v1 import model_service_pb2
 from hookwire.wire import codec
 
-from support import ServerThread, until
+from support import ServerThread, active_generations, rpc_count, until
 from test_generate_options import eos_prompt  # noqa: F401  (a fixture: a prompt whose greedy next token is EOS)
 from test_vllm_engine import oracle_tokenizer
 
@@ -91,14 +91,6 @@ def _comparable(event: dict[str, Any]) -> dict[str, Any]:  # what differs betwee
     return {k: v for k, v in event.items() if k not in ("request_id", "hook_id", "time")}
 
 
-def _active(srv: ServerThread) -> int:
-    return srv.call(lambda: sum(srv.server.generation._active.values()))
-
-
-def _rpcs(srv: ServerThread, method: str, code: str, front: str) -> float:
-    value = srv.server.metrics.registry.get_sample_value(
-        "hookwire_rpcs_total", {"method": method, "code": code, "front": front})
-    return value or 0.0
 
 
 def _top(tokenizer: Any, entry: model_service_pb2.TokenLogprobs) -> dict[str, float]:
@@ -317,8 +309,8 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_call_and_frees_i
     active Generate count returns to 0, the vLLM engine holds none of its rows and vLLM's
     scheduler none of its requests; the next call is served."""
     engine = vllm_server.server.registry.get(MODEL).loaded_engine
-    before = _rpcs(vllm_server, "Generate", "CANCELLED", "http")
-    assert _active(vllm_server) == 0
+    before = rpc_count(vllm_server, "Generate", "CANCELLED", "http")
+    assert active_generations(vllm_server) == 0
     # Its hooks make each of its 120 steps cost more (a window of seconds for the client to
     # close in: no buffer holds an unread stream back).
     hooks = [json_format.MessageToDict(hookwire.HookSpec(module, posthook=hookwire.capture(
@@ -331,9 +323,9 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_call_and_frees_i
             lines = response.aiter_lines()
             first = await anext(lines)
             assert first.startswith("data: {")
-            assert _active(vllm_server) == 1
-    await until(lambda: _active(vllm_server) == 0, "the disconnected call ended")
-    await until(lambda: _rpcs(vllm_server, "Generate", "CANCELLED", "http") == before + 1,
+            assert active_generations(vllm_server) == 1
+    await until(lambda: active_generations(vllm_server) == 0, "the disconnected call ended")
+    await until(lambda: rpc_count(vllm_server, "Generate", "CANCELLED", "http") == before + 1,
                 "the disconnected call counted as CANCELLED")
     await until(lambda: vllm_server.call(lambda: not engine._rows and engine._held_rows == 0),
                 "the vLLM engine holds nothing of the call")
@@ -342,7 +334,7 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_call_and_frees_i
     after = await asyncio.to_thread(lambda: _openai(vllm_server).completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0))
     assert after.choices[0].text == done.sequences[0].text and after.choices[0].finish_reason == "length"
-    assert _active(vllm_server) == 0
+    assert active_generations(vllm_server) == 0
 
 
 def test_vllms_own_load_generator_runs_against_the_front(vllm_server, llama_folder) -> None:
