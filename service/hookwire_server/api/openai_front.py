@@ -323,13 +323,10 @@ class OpenAIFront:
             # Up to the first tokens (or the end) before answering, each message turned into
             # its chunks: a call that fails before its first token (an event over
             # max_http_event_bytes included) answers with its HTTP status, not a 200 stream.
-            head: list[Any] = []
             state = _Answer(self, call)
-            first: list[dict[str, Any]] = []
+            first: list[dict[str, Any]] = []  # (a non-streaming call's messages make no chunks)
             async for message in messages:
-                head.append(message)
-                if call.stream:
-                    first.extend(state.take(message))
+                first.extend(state.take(message))
                 if not isinstance(message, bytes) and message.WhichOneof("kind") in ("tokens", "steps", "done"):
                     break
         except Exception as exc:
@@ -343,7 +340,7 @@ class OpenAIFront:
             return StreamingResponse(self._events(call, state, first, messages, started),
                                      media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
         try:
-            answer = await self._collect(call, head, messages, request)
+            answer = await self._collect(state, messages, request)
         except Exception as exc:
             response = self._failure(rpc, exc, chat=chat)
             self._done(rpc, code_of(exc), response.status_code, started)
@@ -554,13 +551,10 @@ class OpenAIFront:
             self._done(call.rpc, code, status, started)
         yield b"data: [DONE]\n\n"
 
-    async def _collect(self, call: _Call, head: list[Any], messages: AsyncIterator[Any],
-                       request: Request) -> dict[str, Any]:
-        """The whole answer of a call that did not ask to stream; a client that went away
-        meanwhile cancels it (checked at each step)."""
-        state = _Answer(self, call)
-        for message in head:
-            state.take(message)
+    async def _collect(self, state: _Answer, messages: AsyncIterator[Any], request: Request) -> dict[str, Any]:
+        """The whole answer of a call that did not ask to stream (``state`` took its first
+        messages already); a client that went away meanwhile cancels it (checked at each
+        step)."""
         async for message in messages:
             state.take(message)
             if await request.is_disconnected():  # (ends the call: see _generate)
