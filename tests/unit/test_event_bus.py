@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from hookwire.v1 import hook_service_pb2
-from hookwire_server import errors
+from hookwire_server import errors, wakeups
 from hookwire_server.hooks import event_bus
 from hookwire_server.hooks.event_bus import DeliveryLimits, EventStream
 from support import until
@@ -662,3 +662,48 @@ async def test_block_holds_its_owners_calls_and_only_an_operators_stream_holds_e
     assert (await get(users)).event.seq == 1
     await join(waiter)
     assert users.waiting_producers == 0 and (await get(users)).event.seq == 2 and users.dropped == 0
+
+
+# --------------------------------------------------------------------------- wake-ups handed over together
+
+
+class DeferredProducer(Producer):
+    """A Producer inside wakeups.deferred() (as vLLM's link thread ends a step), holding
+    the block open until ``go`` is set."""
+
+    def __init__(self, stream: EventStream, items: list[tuple[str, int]]) -> None:
+        super().__init__(stream, items)
+        self.go = threading.Event()
+
+    def run(self) -> None:
+        with wakeups.deferred():
+            super().run()
+            self.go.wait(TIMEOUT)
+
+
+async def test_a_producer_under_deferred_wakes_the_stream_once_after_its_last_event() -> None:
+    stream = make_stream()
+    consumer = asyncio.ensure_future(stream.messages().__anext__())
+    for _ in range(3):  # the consumer runs until it waits for its first event (one step)
+        await asyncio.sleep(0)
+    producer = DeferredProducer(stream, [("h", 10)] * 5)
+    producer.start()
+    await until(lambda: len(producer.results) == 5, "the producer puts its events")
+    await asyncio.sleep(SETTLE)
+    assert not consumer.done()  # not woken yet: the wake-ups wait for the block's end
+    producer.go.set()
+    msg = await asyncio.wait_for(consumer, TIMEOUT)
+    await join(producer)
+    assert msg.WhichOneof("kind") == "batch" and [e.seq for e in msg.batch.events] == [1, 2, 3, 4, 5]
+
+
+async def test_a_blocked_producer_under_deferred_wakes_the_stream_before_it_waits() -> None:
+    """Without the flush the consumer, which makes the room, would never be woken."""
+    stream = make_stream(max_events=2)
+    producer = DeferredProducer(stream, [("h", 0)] * 7)
+    producer.go.set()
+    producer.start()
+    got = [await get(stream) for _ in range(7)]
+    await join(producer)
+    assert producer.error is None and producer.results == [True] * 7
+    assert [m.event.seq for m in got] == list(range(1, 8))

@@ -346,3 +346,46 @@ def test_a_link_address_in_use_is_refused_when_the_link_listens() -> None:
             WorkerLink("m", f"127.0.0.1:{port}")
     finally:
         first.close()
+
+
+def _frames(*values: Any) -> list[bytes]:
+    return [b"" if v is None else codec.encode_value(v).SerializeToString() for v in values]
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_steps_values_arrive_joined_or_one_by_one_cut_by_the_headers_sizes(joined: bool) -> None:
+    """A worker's step end (runtime.plan) sends its captured values as one message cut by
+    the header's ``sizes``, or past vllm_worker.JOINED_BYTES one message each; a value the
+    worker could not encode (size 0) arrives as None, in its place."""
+    from multiprocessing import Pipe
+
+    from hookwire_server.engine.vllm_link import _receive_values
+
+    values = [torch.randn(3, 4), None, {"x": torch.arange(6).reshape(2, 3)}, torch.zeros(0)]
+    frames = _frames(*values)
+    here, worker = Pipe()
+    if joined:
+        worker.send_bytes(b"".join(frames))
+    else:
+        for frame in frames:
+            worker.send_bytes(frame)
+    worker.send_bytes(b"next")  # what follows is left for the next read
+    got = _receive_values(here, [len(f) for f in frames], joined=joined)
+    assert got[1] is None and len(got) == 4
+    decoded = [None if v is None else codec.decode_value(v) for v in got]
+    assert torch.equal(decoded[0], values[0]) and torch.equal(decoded[2]["x"], values[2]["x"])
+    assert decoded[3].shape == (0,)
+    assert here.recv_bytes() == b"next"
+    assert _receive_values(here, []) == []  # no values: nothing is read
+
+
+def test_a_joined_values_message_that_disagrees_with_its_header_is_refused() -> None:
+    from multiprocessing import Pipe
+
+    from hookwire_server.engine.vllm_link import _receive_values
+
+    frames = _frames(torch.ones(2), torch.ones(3))
+    here, worker = Pipe()
+    worker.send_bytes(b"".join(frames))
+    with pytest.raises(ValueError, match="carried .* bytes of values, its header"):
+        _receive_values(here, [len(frames[0]), len(frames[1]) + 1])

@@ -4,6 +4,10 @@ but one, other threads keep torch's default, worker processes leave a core to th
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -68,3 +72,58 @@ def test_limiting_the_model_thread_leaves_other_threads_at_torchs_default(monkey
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     in_thread("model again", lambda: seen.update(again=vllm_threads.limit_this_thread(want) and torch.get_num_threads()))
     assert seen["again"] == want
+
+
+@pytest.mark.parametrize(("binding", "cores", "front"), [
+    ("0", [0, 1], [1]),
+    ("0,1|2,3", [0, 1, 2, 3, 4], [4]),
+    ("0|1", [0, 1], []),       # as many ranks as cores: nothing left to the front
+    (None, [0, 1], []),        # the operator's binding (or none): the front's threads stay where they are
+    ("", [0, 1], []),
+])
+def test_the_fronts_cores_are_those_the_workers_binding_leaves(binding: str | None, cores: list[int],
+                                                                front: list[int]) -> None:
+    assert vllm_threads.front_cores(binding, cores) == front
+
+
+def test_keep_to_binds_the_calling_thread_only_and_refuses_cores_it_cannot_have() -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    seen: dict[str, object] = {}
+
+    def link_thread() -> None:
+        seen["kept"] = vllm_threads.keep_to([mine[-1]])
+        seen["affinity"] = sorted(os.sched_getaffinity(0))
+        seen["nothing"] = vllm_threads.keep_to([])
+        seen["outside"] = vllm_threads.keep_to([max(os.cpu_count() or 1, 1024) + 7])  # no such core
+
+    t = threading.Thread(target=link_thread)
+    t.start()
+    t.join()
+    assert seen == {"kept": True, "affinity": [mine[-1]], "nothing": False, "outside": False}
+    assert sorted(os.sched_getaffinity(0)) == mine  # this thread is left where it was
+
+
+def test_the_engine_core_process_keeps_every_thread_to_the_cores_the_server_set_out() -> None:
+    """vLLM's engine-core process (vllm_scheduler) reads FRONT_CORES_ENV when it starts:
+    every thread it has, and each it starts after (which inherits it), keeps to them."""
+    mine = sorted(os.sched_getaffinity(0))
+    script = textwrap.dedent("""
+        import os, threading
+        from hookwire_server.engine import vllm_threads
+        started = threading.Event(); done = threading.Event()
+        early = threading.Thread(target=lambda: (started.set(), done.wait()))
+        early.start(); started.wait()
+        kept = vllm_threads.keep_engine_core()
+        late = {}
+        t = threading.Thread(target=lambda: late.update(a=sorted(os.sched_getaffinity(0)))); t.start(); t.join()
+        tasks = sorted({tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir("/proc/self/task")})
+        done.set(); early.join()
+        print(kept, tasks, late["a"])
+    """)
+    env = {**os.environ, vllm_threads.FRONT_CORES_ENV: str(mine[-1])}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", f"[({mine[-1]},)]", f"[{mine[-1]}]"]
+    env.pop(vllm_threads.FRONT_CORES_ENV)  # in-process models: the server sets none, nothing moves
+    script = "from hookwire_server.engine import vllm_threads; print(vllm_threads.keep_engine_core())"
+    assert subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          check=True).stdout.split() == ["False"]

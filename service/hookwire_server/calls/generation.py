@@ -39,7 +39,7 @@ from hookwire.v1 import hook_pb2, model_service_pb2, tensor_pb2
 
 from ..rpc_context import current_front, take_request_id
 from ..auth import ANONYMOUS, Principal
-from ..engine import wakeups
+from .. import wakeups
 from ..engine.core import Engines
 from .admission import Admission, captured_modules
 from ..engine.seam import FINISHED, GENERATE, GenerateCall, GenerateOptions, StepResult, TokenLogprobs

@@ -33,7 +33,7 @@ from ..errors import InvalidArgument, ResourceExhausted, Unimplemented
 from ..hooks.hook_record import HookRecord
 from ..models.model_registry import ModelHost, forward_parameters
 from .batching import Batch, Segment, padded_length
-from . import wakeups
+from .. import wakeups
 from .pass_runner import model_error, model_errors, run_joined, running
 from .seam import FINISHED, GenerateCall, GenerateOptions, Running, StepResult, TokenLogprobs
 

@@ -72,6 +72,7 @@ from typing import Any
 
 import torch
 
+from .. import wakeups
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unimplemented
 from ..hooks.hook_record import HookRecord
 from ..hooks.passes import Pass
@@ -161,11 +162,14 @@ def build_host(config: ModelConfig) -> ModelHost:
     if processes:
         # Forking a server that runs gRPC's and the models' threads is not safe: spawn.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        _bind_cpu_threads(tp * pp)
+        front_cores = _bind_cpu_threads(tp * pp)
         # The worker loads the model: it keeps linear weights for GetParameters (vllm_worker).
         os.environ["HOOKWIRE_VLLM_KEEP_WEIGHTS"] = "1" if config.parameters_readable else "0"
-    elif vllm_threads.operator_binding() is None:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # an earlier model's binding is not this one's
+    else:
+        front_cores = []
+        os.environ.pop(vllm_threads.FRONT_CORES_ENV, None)
+        if vllm_threads.operator_binding() is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # an earlier model's binding is not this one's
     vllm_logs.follow_server_format()  # its engine's and processes' lines in the server's format
     _forget_cached_environment()
     dtype = settings.get("dtype", "auto")
@@ -189,7 +193,7 @@ def build_host(config: ModelConfig) -> ModelHost:
         # The link listens before vLLM starts: an address that is taken or not this
         # machine's is refused now, not after the minutes vLLM takes to start.
         try:
-            link = WorkerLink(config.name, link_address)
+            link = WorkerLink(config.name, link_address, front_cores)
         except OSError as exc:
             where = f"vllm.link_address {link_address!r}" if link_address is not None else "its Unix socket"
             raise ConfigError(f"model {config.name!r}: the link to vLLM's workers cannot listen on {where}: "
@@ -459,13 +463,20 @@ def _warm_up(name: str, llm: Any, described: Mapping[str, Any], processes: bool)
                           f"{type(exc).__name__}: {why}") from None
 
 
-def _bind_cpu_threads(ranks: int) -> None:
+def _bind_cpu_threads(ranks: int) -> list[int]:
     """On vLLM's CPU build, binds each rank's threads to its share of this process's
     cores, one core left to the front (vllm_threads.worker_binding), unless the operator
-    set VLLM_CPU_OMP_THREADS_BIND."""
+    set VLLM_CPU_OMP_THREADS_BIND; returns the cores left to the front (its link threads
+    and vLLM's engine-core process keep to them: vllm_threads.keep_to), [] when none are."""
     binding = vllm_threads.worker_binding(ranks)
+    front = vllm_threads.front_cores(binding)
     if binding is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    if front:
+        os.environ[vllm_threads.FRONT_CORES_ENV] = ",".join(str(c) for c in front)
+    else:
+        os.environ.pop(vllm_threads.FRONT_CORES_ENV, None)
+    return front
 
 
 def _connect_workers(name: str, llm: Any, folder: pathlib.Path, link: WorkerLink,
@@ -1225,7 +1236,8 @@ class VllmEngine:
             self._turn.notify_all()
             raise FailedPrecondition(self._broken) from None
         self._flush_aborts()
-        self._take_outputs(outputs)
+        with wakeups.deferred():  # the step's calls' streams woken together, after the last
+            self._take_outputs(outputs)
 
     def _run_step(self) -> list[Any]:
         """A vLLM step in this process: its hooks fire on this thread."""
@@ -1654,6 +1666,13 @@ class VllmEngine:
         out, failed calls fail, prompt passes take their logits; the lock goes back. Link
         thread. Under pipeline parallel a stage before the last ends its part only: its
         firings' events go out, and the step stays open for the next stage."""
+        # A step's events go into their streams here, one firing after another: the event
+        # loop is woken once, after the last (wakeups), and sends them together.
+        with wakeups.deferred():
+            self._link_end(fired, values, bad, saved, stage)
+
+    def _link_end(self, fired: list[Any] | None, values: list[Any] | None, bad: dict[int, str] | None,
+                  saved: list[list[Any]] | None, stage: int) -> None:
         opened = self._open
         planner = self._planners[stage] if self._planners else None
         if opened is None:

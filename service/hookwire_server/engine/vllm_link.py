@@ -18,6 +18,7 @@ closes (the worker died) is reported once (``lost``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from hookwire.v1 import hook_pb2, tensor_pb2
 from hookwire.wire import codec
 
 from ..runtime import plan
+from . import vllm_threads
 from .vllm_worker import plain
 
 log = logging.getLogger("hookwire.vllm")
@@ -281,9 +283,12 @@ class WorkerLink:
     ways) before anything is read from it; what travels is not encrypted (bytes of the
     model's activations): keep a TCP link on a private network."""
 
-    def __init__(self, name: str, tcp: str | None = None) -> None:
-        """Listens at once (OSError: the address is taken or not this machine's)."""
+    def __init__(self, name: str, tcp: str | None = None, cores: list[int] | None = None) -> None:
+        """Listens at once (OSError: the address is taken or not this machine's). ``cores``:
+        the cores the link's threads keep to (those the workers leave to the front:
+        vllm_threads.keep_to); [] or None: wherever the kernel runs them."""
         self.name = name
+        self.cores = list(cores or [])
         self._folder = tempfile.TemporaryDirectory(prefix="hookwire-vllm-")
         self.authkey = secrets.token_bytes(32)
         try:
@@ -319,6 +324,7 @@ class WorkerLink:
             self._threads.append(thread)
 
     def _accept(self) -> None:
+        vllm_threads.keep_to(self.cores)  # off the workers' cores: a step's messages wake this thread
         while True:
             try:
                 sock, _ = self._socket.accept()
@@ -366,7 +372,8 @@ class WorkerLink:
                     engine.link_logits(_receive_value(conn))
                 elif kind == "end":
                     fired = header.get("fired")
-                    values = [_receive_value(conn, wire=True) for _ in range(int(header.get("values", 0)))]
+                    values = _receive_values(conn, [int(n) for n in header.get("sizes", ())],
+                                             joined=bool(header.get("joined", True)))
                     bad = header.get("bad") or {}
                     saved = header.get("slots")
                     # The worker goes on at once (vLLM samples, its engine core schedules the
@@ -452,15 +459,41 @@ def _shut(sock: socket.socket, expired: list[bool]) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-def _receive_value(conn: Connection, *, wire: bool = False) -> Any:
-    """The next value frame, decoded; with ``wire``, a captured value as its ``Value``
-    message (events copy its bytes as they are: codec.encode_value_into)."""
+def _receive_value(conn: Connection) -> Any:
+    """The next value frame, decoded."""
     data = conn.recv_bytes()
     if not data:
         return None  # a value the worker could not encode (it says so in the header)
     msg = tensor_pb2.Value()
     msg.ParseFromString(data)
-    return msg if wire else codec.decode_value(msg, where="tap")
+    return codec.decode_value(msg, where="tap")
+
+
+def _receive_values(conn: Connection, sizes: list[int], *, joined: bool = True) -> list[Any]:
+    """A step's captured values, each as its ``Value`` message (events copy its bytes as
+    they are: codec.encode_value_into); None where the worker could not encode one (size
+    0). ``joined``: sent as one message cut by ``sizes`` (runtime.plan: the worker's
+    ``end``), else one message each."""
+    if not sizes:
+        return []
+    if joined:
+        data = conn.recv_bytes()
+        if len(data) != sum(sizes):
+            raise ValueError(f"a worker's step end carried {len(data)} bytes of values, its header {sum(sizes)}")
+        view = memoryview(data)
+        cuts = itertools.accumulate(sizes, initial=0)
+        frames: list[Any] = [view[a:a + n] for a, n in zip(cuts, sizes)]
+    else:
+        frames = [conn.recv_bytes() for _ in sizes]
+    values: list[Any] = []
+    for frame in frames:
+        if not len(frame):
+            values.append(None)
+            continue
+        msg = tensor_pb2.Value()
+        msg.ParseFromString(frame)
+        values.append(msg)
+    return values
 
 
 def _answer(conn: Connection, new: dict[str, Any] | None) -> None:

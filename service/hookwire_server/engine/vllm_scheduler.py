@@ -47,6 +47,7 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from . import vllm_threads
 from .vllm_worker import CALL, SEQUENCES, TOUCHED
 
 
@@ -69,6 +70,9 @@ class HookwireScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # In vLLM's engine-core process (worker processes): off the workers' cores, which it
+        # would take from them while it polls for their results (vllm_threads.keep_to).
+        vllm_threads.keep_engine_core()
         #: The touched requests that may start in the step being scheduled.
         self._released: set[str] = set()
         #: Whether a touched call waits for room in the step being scheduled.

@@ -250,6 +250,11 @@ class HookwireWorker:
                 str(param.dtype).removeprefix("torch.")]
 
 
+#: A step's captured values up to this many bytes in all travel to the front as one
+#: message (runtime.plan: the ``end`` message).
+JOINED_BYTES = 4 << 20
+
+
 class _Taps:
     """The taps of one worker (see the module docstring)."""
 
@@ -473,7 +478,7 @@ class _Taps:
         if self.logits and self.last_stage:
             self._send({"t": "logits"}, output, has_value=True)
         if ran:
-            # The step's firings, then each value they captured as a frame of its own
+            # The step's firings, then the values they captured, each encoded on its own
             # (runtime.plan): a value that cannot be encoded is reported, never raised out
             # of the step.
             from hookwire.wire import codec
@@ -487,10 +492,20 @@ class _Taps:
                     frames.append(b"")
                     bad[str(i)] = f"{type(exc).__name__}: {exc}"
             assert self.conn is not None
+            # Small values go as one message after the header (``sizes`` cuts it): each
+            # message is a read on the front's link thread, and each read lets go of the
+            # GIL, which the thread then waits to get back from a busy event loop (up to the
+            # interpreter's switch interval) while this worker waits for the answer. Past
+            # JOINED_BYTES each goes alone (no second copy of large captures).
+            sizes = [len(f) for f in frames]
+            joined = sum(sizes) <= JOINED_BYTES
             self.conn.send_bytes(json.dumps({"t": "end", "fired": fired, "values": len(frames), "bad": bad,
-                                             "slots": saved}).encode())
-            for frame in frames:
-                self.conn.send_bytes(frame)
+                                             "slots": saved, "sizes": sizes, "joined": joined}).encode())
+            if joined and frames:
+                self.conn.send_bytes(b"".join(frames))
+            elif not joined:
+                for frame in frames:
+                    self.conn.send_bytes(frame)
         else:
             self._send({"t": "end"})
         self._receive()

@@ -38,6 +38,7 @@ from hookwire.wire.codec import Chunker
 from hookwire.wire.framing import SESSION_MESSAGE_CHUNK
 from hookwire.v1 import hook_service_pb2
 
+from .. import wakeups
 from ..errors import InvalidArgument, ResourceExhausted
 from ..limits import DEFAULT_STREAM_BYTES, exceeded
 
@@ -302,6 +303,7 @@ class EventStream:
                         not self._closed and not self._ending and self._is_full(nbytes)
                         and not (cancelled is not None and cancelled())
                     ):
+                        wakeups.flush()  # the loop that makes room must be awake (a deferred() block)
                         self._not_full.wait()
                         if not self.blocks_for(session_id, principal):
                             # A token reload demoted the stream's owner: it may no longer hold this call.
@@ -582,8 +584,10 @@ class EventStream:
             pass
 
     def _wake(self) -> None:
+        # Through wakeups: a step's events, put by the link thread under deferred(), wake
+        # the loop once (see wakeups).
         try:
-            self._loop.call_soon_threadsafe(self._ready.set)
+            wakeups.call_soon(self._loop, self._ready.set)
         except RuntimeError:  # the loop is already closed; nobody is waiting
             pass
 

@@ -38,7 +38,11 @@ the order the model ran them: [number, fired_ns, before, after, devices, stops, 
 where before/after list [part, field, key] per value captured before or after the
 rules (null: no capture), and error is null or [stage ("rule", "capture", "call"),
 error class, message]; ``slots``: [key, name, dtype, shape, bytes] of each slot the step
-saved (it lives on the ranks); then one ``Value`` frame per captured value, in order.
+saved (it lives on the ranks); ``values`` and ``sizes``: how many values the firings
+captured and the size of each one's ``Value`` message (0: it could not be encoded, and
+``bad`` says why); ``joined``: then, when there are any, one message of those ``Value``
+messages back to back, in order (one read for the front, not one per value); false (past
+4 MiB in all: no second copy of large captures): one message each.
 """
 
 from __future__ import annotations

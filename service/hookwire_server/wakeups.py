@@ -7,8 +7,15 @@ spent about a fifth of its time there (py-spy on tiny-lm, issue 26). While the w
 runs a plan inside ``deferred()``, ``call_soon`` collects the wake-ups instead, and the
 end of the plan hands each loop all of its own in one call.
 
-Only for wake-ups nothing on the worker thread waits for during the plan (a Generate
-call's mailbox: the pass never waits for a reader).
+The same holds for the events of a vLLM step in worker processes: the link thread takes
+a step's firings in ``link_end`` and puts each event into its streams (``EventStream``),
+one self-pipe write per stream that was empty; under ``deferred()`` the event loop wakes
+once, after the step's last event, and sends them together (one EventBatch, not one
+message per firing).
+
+A thread that must wait for the event loop inside a ``deferred()`` block (an event
+stream that blocks its producer until there is room) calls ``flush()`` first, so that
+the loop it waits for has been woken.
 """
 
 from __future__ import annotations
@@ -46,11 +53,26 @@ def deferred() -> Iterator[None]:
         yield
     finally:
         _local.pending = None
-        for loop, fns in pending.items():
-            try:
-                loop.call_soon_threadsafe(_run_all, fns)
-            except RuntimeError:  # the loop has closed: nobody reads any more
-                pass
+        _hand_over(pending)
+
+
+def flush() -> None:
+    """Hands over this thread's collected wake-ups now (before it waits for a loop);
+    nothing outside a ``deferred()`` block."""
+    pending: dict[asyncio.AbstractEventLoop, list[Callable[[], object]]] | None = getattr(_local, "pending", None)
+    if not pending:
+        return
+    taken = dict(pending)
+    pending.clear()
+    _hand_over(taken)
+
+
+def _hand_over(pending: dict[asyncio.AbstractEventLoop, list[Callable[[], object]]]) -> None:
+    for loop, fns in pending.items():
+        try:
+            loop.call_soon_threadsafe(_run_all, fns)
+        except RuntimeError:  # the loop has closed: nobody reads any more
+            pass
 
 
 def _run_all(fns: list[Callable[[], object]]) -> None:
