@@ -9,9 +9,12 @@ end of the plan hands each loop all of its own in one call.
 
 The same holds for the events of a vLLM step in worker processes: the link thread takes
 a step's firings in ``link_end`` and puts each event into its streams (``EventStream``),
-one self-pipe write per stream that was empty; under ``deferred()`` the event loop wakes
-once, after the step's last event, and sends them together (one EventBatch, not one
-message per firing).
+one self-pipe write per stream that was empty; under ``deferred(events=True)`` the event
+loop wakes once, after the step's last event, and sends them together (one EventBatch,
+not one message per firing). Event streams' wake-ups (``call_soon(..., event=True)``)
+are held only in such a block: the torch engine's plans, which run forward passes
+inside ``deferred()``, keep streaming a pass's events (large chunked ones above all)
+while the pass runs.
 
 A thread that must wait for the event loop inside a ``deferred()`` block (an event
 stream that blocks its producer until there is room) calls ``flush()`` first, so that
@@ -22,37 +25,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
+
+log = logging.getLogger("hookwire.wakeups")
 
 _local = threading.local()
 
 
-def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
+def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], object], *, event: bool = False) -> None:
     """Runs ``fn`` on ``loop`` (any thread): at the end of the ``deferred()`` block this
-    thread is in, else at once (``call_soon_threadsafe``). RuntimeError when the loop is
-    closed (at once only: a deferred wake-up to a closed loop is dropped)."""
+    thread is in, else at once (``call_soon_threadsafe``). ``event``: an event stream's
+    wake-up, held only in a block opened with ``events=True``. RuntimeError when the
+    loop is closed (at once only: a deferred wake-up to a closed loop is dropped)."""
     pending: dict[asyncio.AbstractEventLoop, list[Callable[[], object]]] | None = getattr(_local, "pending", None)
-    if pending is None:
+    if pending is None or (event and not getattr(_local, "events", False)):
         loop.call_soon_threadsafe(fn)
     else:
         pending.setdefault(loop, []).append(fn)
 
 
 @contextlib.contextmanager
-def deferred() -> Iterator[None]:
-    """Collects this thread's ``call_soon`` wake-ups until the block ends, then hands
-    them over, one call per loop, in order (also when the block raises). Nested blocks
-    hand over at the end of the outermost."""
+def deferred(*, events: bool = False) -> Iterator[None]:
+    """Collects this thread's ``call_soon`` wake-ups (``events``: event streams' too)
+    until the block ends, then hands them over, one call per loop, in order (also when
+    the block raises). Nested blocks hand over at the end of the outermost."""
     if getattr(_local, "pending", None) is not None:
-        yield
+        outer = getattr(_local, "events", False)
+        _local.events = outer or events
+        try:
+            yield
+        finally:
+            _local.events = outer
         return
     pending: dict[asyncio.AbstractEventLoop, list[Callable[[], object]]] = {}
     _local.pending = pending
+    _local.events = events
     try:
         yield
     finally:
         _local.pending = None
+        _local.events = False
         _hand_over(pending)
 
 
@@ -76,5 +90,9 @@ def _hand_over(pending: dict[asyncio.AbstractEventLoop, list[Callable[[], object
 
 
 def _run_all(fns: list[Callable[[], object]]) -> None:
+    # One wake-up that fails must not keep the others (other calls' streams) asleep.
     for fn in fns:
-        fn()
+        try:
+            fn()
+        except Exception:
+            log.exception("a wake-up failed")

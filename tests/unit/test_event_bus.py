@@ -668,20 +668,22 @@ async def test_block_holds_its_owners_calls_and_only_an_operators_stream_holds_e
 
 
 class DeferredProducer(Producer):
-    """A Producer inside wakeups.deferred() (as vLLM's link thread ends a step), holding
-    the block open until ``go`` is set."""
+    """A Producer inside wakeups.deferred(events=...) (``events``: as vLLM's link thread
+    ends a step; without: as the torch engine runs a plan), holding the block open until
+    ``go`` is set."""
 
-    def __init__(self, stream: EventStream, items: list[tuple[str, int]]) -> None:
+    def __init__(self, stream: EventStream, items: list[tuple[str, int]], events: bool = True) -> None:
         super().__init__(stream, items)
         self.go = threading.Event()
+        self.events = events
 
     def run(self) -> None:
-        with wakeups.deferred():
+        with wakeups.deferred(events=self.events):
             super().run()
             self.go.wait(TIMEOUT)
 
 
-async def test_a_producer_under_deferred_wakes_the_stream_once_after_its_last_event() -> None:
+async def test_a_producer_under_deferred_events_wakes_the_stream_once_after_its_last_event() -> None:
     stream = make_stream()
     consumer = asyncio.ensure_future(stream.messages().__anext__())
     for _ in range(3):  # the consumer runs until it waits for its first event (one step)
@@ -695,6 +697,20 @@ async def test_a_producer_under_deferred_wakes_the_stream_once_after_its_last_ev
     msg = await asyncio.wait_for(consumer, TIMEOUT)
     await join(producer)
     assert msg.WhichOneof("kind") == "batch" and [e.seq for e in msg.batch.events] == [1, 2, 3, 4, 5]
+
+
+async def test_a_plan_deferring_its_mailboxes_still_streams_its_events_as_they_come() -> None:
+    """The torch engine runs a plan's passes inside deferred(): a pass's events (large
+    chunked captures above all) go out while it runs."""
+    stream = make_stream()
+    producer = DeferredProducer(stream, [("h", 10)], events=False)
+    producer.start()
+    try:
+        first = await get(stream)  # woken inside the still open block
+        assert first.event.seq == 1 and producer.is_alive()
+    finally:
+        producer.go.set()
+    await join(producer)
 
 
 async def test_a_blocked_producer_under_deferred_wakes_the_stream_before_it_waits() -> None:

@@ -348,44 +348,57 @@ def test_a_link_address_in_use_is_refused_when_the_link_listens() -> None:
         first.close()
 
 
+
 def _frames(*values: Any) -> list[bytes]:
     return [b"" if v is None else codec.encode_value(v).SerializeToString() for v in values]
 
 
 @pytest.mark.parametrize("joined", [True, False])
-def test_a_steps_values_arrive_joined_or_one_by_one_cut_by_the_headers_sizes(joined: bool) -> None:
+def test_a_steps_values_arrive_joined_or_one_by_one_as_the_workers_header_says(
+        joined: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker's step end (runtime.plan) sends its captured values as one message cut by
-    the header's ``sizes``, or past vllm_worker.JOINED_BYTES one message each; a value the
-    worker could not encode (size 0) arrives as None, in its place."""
+    the header's ``sizes``, or past JOINED_BYTES one message each; a value the worker
+    could not encode (size 0) arrives as None, in its place; a step without values sends
+    nothing after its header."""
+    import json
     from multiprocessing import Pipe
 
+    from hookwire_server.engine import vllm_worker
     from hookwire_server.engine.vllm_link import _receive_values
 
     values = [torch.randn(3, 4), None, {"x": torch.arange(6).reshape(2, 3)}, torch.zeros(0)]
     frames = _frames(*values)
+    if not joined:
+        monkeypatch.setattr(vllm_worker, "JOINED_BYTES", len(frames[0]))  # the first alone fits, not all
     here, worker = Pipe()
-    if joined:
-        worker.send_bytes(b"".join(frames))
-    else:
-        for frame in frames:
-            worker.send_bytes(frame)
-    worker.send_bytes(b"next")  # what follows is left for the next read
-    got = _receive_values(here, [len(f) for f in frames], joined=joined)
+    vllm_worker.send_end(worker, {"t": "end", "fired": []}, frames)
+    vllm_worker.send_end(worker, {"t": "end", "fired": []}, [])
+    worker.send_bytes(b"next")
+    header = json.loads(here.recv_bytes())
+    assert (header["t"], header["values"], header["joined"]) == ("end", 4, joined)
+    got = _receive_values(here, header)
     assert got[1] is None and len(got) == 4
     decoded = [None if v is None else codec.decode_value(v) for v in got]
     assert torch.equal(decoded[0], values[0]) and torch.equal(decoded[2]["x"], values[2]["x"])
     assert decoded[3].shape == (0,)
-    assert here.recv_bytes() == b"next"
-    assert _receive_values(here, []) == []  # no values: nothing is read
+    empty = json.loads(here.recv_bytes())
+    assert _receive_values(here, empty) == []
+    assert here.recv_bytes() == b"next"  # nothing was read past a step's own values
 
 
-def test_a_joined_values_message_that_disagrees_with_its_header_is_refused() -> None:
+@pytest.mark.parametrize(("header", "sent", "words"), [
+    ({"values": 2, "sizes": [3, 4], "joined": True}, [b"abcdef"], "carried 6 bytes of values, its header 7"),
+    ({"values": 2, "sizes": [3, 4], "joined": False}, [b"abc", b"abcde"], "carried 5 bytes, its header 4"),
+    ({"values": 3, "sizes": [3, 4], "joined": True}, [], "names 3 values and 2 sizes"),
+])
+def test_values_that_disagree_with_their_header_are_refused(header: dict[str, Any], sent: list[bytes],
+                                                            words: str) -> None:
     from multiprocessing import Pipe
 
     from hookwire_server.engine.vllm_link import _receive_values
 
-    frames = _frames(torch.ones(2), torch.ones(3))
     here, worker = Pipe()
-    worker.send_bytes(b"".join(frames))
-    with pytest.raises(ValueError, match="carried .* bytes of values, its header"):
-        _receive_values(here, [len(frames[0]), len(frames[1]) + 1])
+    for data in sent:
+        worker.send_bytes(data)
+    with pytest.raises(ValueError, match=words):
+        _receive_values(here, header)

@@ -116,7 +116,13 @@ def test_the_engine_core_process_keeps_every_thread_to_the_cores_the_server_set_
         kept = vllm_threads.keep_engine_core()
         late = {}
         t = threading.Thread(target=lambda: late.update(a=sorted(os.sched_getaffinity(0)))); t.start(); t.join()
-        tasks = sorted({tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir("/proc/self/task")})
+        tasks = set()
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                tasks.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+            except ProcessLookupError:  # a thread that ended since (joined threads may linger)
+                pass
+        tasks = sorted(tasks)
         done.set(); early.join()
         print(kept, tasks, late["a"])
     """)
@@ -127,3 +133,18 @@ def test_the_engine_core_process_keeps_every_thread_to_the_cores_the_server_set_
     script = "from hookwire_server.engine import vllm_threads; print(vllm_threads.keep_engine_core())"
     assert subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           check=True).stdout.split() == ["False"]
+    # The server that set them out is not the engine core (an in-process model's scheduler
+    # runs in it): it stays where it was; the process it starts next reads them.
+    script = textwrap.dedent(f"""
+        import os, subprocess, sys
+        from hookwire_server.engine import vllm_threads
+        before = sorted(os.sched_getaffinity(0))
+        vllm_threads.hand_front_cores([{mine[-1]}])
+        child = "from hookwire_server.engine import vllm_threads; print(vllm_threads.keep_engine_core())"
+        print(vllm_threads.keep_engine_core(), sorted(os.sched_getaffinity(0)) == before,
+              subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip())
+        vllm_threads.hand_front_cores([])
+        print(vllm_threads.FRONT_CORES_ENV in os.environ)
+    """)
+    assert subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          check=True).stdout.split() == ["False", "True", "True", "False"]

@@ -7,6 +7,8 @@ import asyncio
 import threading
 from collections.abc import Callable
 
+import pytest
+
 from hookwire_server import wakeups
 
 
@@ -79,3 +81,54 @@ def test_a_deferred_wake_up_of_a_closed_loop_is_dropped() -> None:
 
     _in_thread(producer)  # no RuntimeError out of the block
     wakeups.flush()  # outside a block: nothing
+
+
+class _CountingLoop:
+    """What wakeups needs of a loop: ``call_soon_threadsafe``, each call recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+
+    def call_soon_threadsafe(self, fn: Callable[..., object], *args: object) -> None:
+        self.calls.append((fn, args))
+
+    def run(self) -> None:
+        calls, self.calls = self.calls, []
+        for fn, args in calls:
+            fn(*args)
+
+
+def test_each_loop_is_woken_once_per_block_and_event_streams_only_where_the_block_says() -> None:
+    a, b = _CountingLoop(), _CountingLoop()
+    ran: list[str] = []
+    with wakeups.deferred():  # as the torch engine's plans: mailboxes held, event streams at once
+        for n in range(3):
+            wakeups.call_soon(a, lambda n=n: ran.append(f"a{n}"))
+        wakeups.call_soon(b, lambda: ran.append("b"))
+        wakeups.call_soon(a, lambda: ran.append("event"), event=True)
+        assert (len(a.calls), len(b.calls)) == (1, 0)  # the event's wake-up went at once
+    assert (len(a.calls), len(b.calls)) == (2, 1)
+    a.run()
+    b.run()
+    assert ran == ["event", "a0", "a1", "a2", "b"]
+    ran.clear()
+    with wakeups.deferred(events=True):  # as vLLM's link thread ending a step
+        for n in range(3):
+            wakeups.call_soon(a, lambda n=n: ran.append(f"e{n}"), event=True)
+        with wakeups.deferred():  # nested: the outer block's choice holds
+            wakeups.call_soon(a, lambda: ran.append("inner"), event=True)
+        assert a.calls == []
+    assert len(a.calls) == 1
+    a.run()
+    assert ran == ["e0", "e1", "e2", "inner"]
+
+
+def test_a_wake_up_that_fails_does_not_keep_the_others_asleep(caplog: pytest.LogCaptureFixture) -> None:
+    a = _CountingLoop()
+    ran: list[int] = []
+    with wakeups.deferred():
+        wakeups.call_soon(a, lambda: ran.append(1))
+        wakeups.call_soon(a, lambda: 1 / 0)
+        wakeups.call_soon(a, lambda: ran.append(3))
+    a.run()
+    assert ran == [1, 3] and "a wake-up failed" in caplog.text

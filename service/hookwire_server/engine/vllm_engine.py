@@ -167,7 +167,7 @@ def build_host(config: ModelConfig) -> ModelHost:
         os.environ["HOOKWIRE_VLLM_KEEP_WEIGHTS"] = "1" if config.parameters_readable else "0"
     else:
         front_cores = []
-        os.environ.pop(vllm_threads.FRONT_CORES_ENV, None)
+        vllm_threads.hand_front_cores([])
         if vllm_threads.operator_binding() is None:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # an earlier model's binding is not this one's
     vllm_logs.follow_server_format()  # its engine's and processes' lines in the server's format
@@ -472,10 +472,7 @@ def _bind_cpu_threads(ranks: int) -> list[int]:
     front = vllm_threads.front_cores(binding)
     if binding is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
-    if front:
-        os.environ[vllm_threads.FRONT_CORES_ENV] = ",".join(str(c) for c in front)
-    else:
-        os.environ.pop(vllm_threads.FRONT_CORES_ENV, None)
+    vllm_threads.hand_front_cores(front)
     return front
 
 
@@ -1668,7 +1665,7 @@ class VllmEngine:
         firings' events go out, and the step stays open for the next stage."""
         # A step's events go into their streams here, one firing after another: the event
         # loop is woken once, after the last (wakeups), and sends them together.
-        with wakeups.deferred():
+        with wakeups.deferred(events=True):
             self._link_end(fired, values, bad, saved, stage)
 
     def _link_end(self, fired: list[Any] | None, values: list[Any] | None, bad: dict[int, str] | None,
@@ -1712,6 +1709,9 @@ class VllmEngine:
                 if more:
                     self._open_stage = stage + 1
                 self._link_thread = None
+                # The step's events are woken before the lock goes back: the worker thread,
+                # which takes the step's tokens under it, wakes their streams after.
+                wakeups.flush()
                 self._turn.notify_all()
                 self._lock.release()
 

@@ -372,8 +372,7 @@ class WorkerLink:
                     engine.link_logits(_receive_value(conn))
                 elif kind == "end":
                     fired = header.get("fired")
-                    values = _receive_values(conn, [int(n) for n in header.get("sizes", ())],
-                                             joined=bool(header.get("joined", True)))
+                    values = _receive_values(conn, header)
                     bad = header.get("bad") or {}
                     saved = header.get("slots")
                     # The worker goes on at once (vLLM samples, its engine core schedules the
@@ -469,22 +468,29 @@ def _receive_value(conn: Connection) -> Any:
     return codec.decode_value(msg, where="tap")
 
 
-def _receive_values(conn: Connection, sizes: list[int], *, joined: bool = True) -> list[Any]:
-    """A step's captured values, each as its ``Value`` message (events copy its bytes as
-    they are: codec.encode_value_into); None where the worker could not encode one (size
-    0). ``joined``: sent as one message cut by ``sizes`` (runtime.plan: the worker's
-    ``end``), else one message each."""
+def _receive_values(conn: Connection, header: dict[str, Any]) -> list[Any]:
+    """The captured values that follow a worker's step end ``header`` (runtime.plan;
+    vllm_worker.send_end), each as its ``Value`` message (events copy its bytes as they
+    are: codec.encode_value_into); None where the worker could not encode one (size 0).
+    ValueError where what arrives disagrees with the header (the link cannot go on)."""
+    sizes = [int(n) for n in header.get("sizes", ())]
+    if len(sizes) != int(header.get("values", 0)):
+        raise ValueError(f"a worker's step end names {header.get('values', 0)} values and {len(sizes)} sizes")
     if not sizes:
         return []
-    if joined:
+    if header.get("joined", True):  # one message, cut by the sizes
         data = conn.recv_bytes()
         if len(data) != sum(sizes):
             raise ValueError(f"a worker's step end carried {len(data)} bytes of values, its header {sum(sizes)}")
         view = memoryview(data)
         cuts = itertools.accumulate(sizes, initial=0)
         frames: list[Any] = [view[a:a + n] for a, n in zip(cuts, sizes)]
-    else:
-        frames = [conn.recv_bytes() for _ in sizes]
+    else:  # one message each
+        frames = []
+        for n in sizes:
+            frames.append(conn.recv_bytes())
+            if len(frames[-1]) != n:
+                raise ValueError(f"a worker's captured value carried {len(frames[-1])} bytes, its header {n}")
     values: list[Any] = []
     for frame in frames:
         if not len(frame):

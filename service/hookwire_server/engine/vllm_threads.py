@@ -102,6 +102,10 @@ def worker_binding(ranks: int, available: list[int] | None = None) -> str | None
 #: engine-core process, which reads it when vLLM starts it (vllm_scheduler).
 FRONT_CORES_ENV = "HOOKWIRE_VLLM_FRONT_CORES"
 
+#: The process that set FRONT_CORES_ENV (the server): its own threads are not the
+#: engine core's, whatever the variable says.
+_front_pid: int | None = None
+
 
 def front_cores(binding: str | None, available: list[int] | None = None) -> list[int]:
     """The cores of ``available`` (default: this process's) that ``binding`` (a
@@ -138,9 +142,24 @@ def keep_to(cores_: list[int], *, process: bool = False) -> bool:
     return done
 
 
+def hand_front_cores(cores_: list[int]) -> None:
+    """Sets out ``cores_`` (the front's) for the engine-core process of the vLLM model
+    that starts next, in FRONT_CORES_ENV; [] takes them back (a model without worker
+    processes, or whose workers leave none)."""
+    global _front_pid
+    if cores_:
+        os.environ[FRONT_CORES_ENV] = ",".join(str(c) for c in cores_)
+        _front_pid = os.getpid()
+    else:
+        os.environ.pop(FRONT_CORES_ENV, None)
+
+
 def keep_engine_core() -> bool:
     """In vLLM's engine-core process (its scheduler): binds every thread of the process
-    to the cores the front set out in FRONT_CORES_ENV; False when none are set."""
+    to the cores the front set out in FRONT_CORES_ENV; False when none are set, and in
+    the process that set them (an in-process model's scheduler runs in the server)."""
+    if _front_pid == os.getpid():
+        return False
     raw = os.environ.get(FRONT_CORES_ENV, "")
     cores_ = [int(c) for c in raw.split(",") if c.strip().isdigit()]
     return keep_to(cores_, process=True)

@@ -255,6 +255,24 @@ class HookwireWorker:
 JOINED_BYTES = 4 << 20
 
 
+def send_end(conn: Any, header: dict[str, Any], frames: list[bytes]) -> None:
+    """Sends a step's end ``header`` (runtime.plan) and its captured values' frames (b"":
+    a value that could not be encoded), the header saying how many (``values``), their
+    ``sizes`` and whether they are ``joined``: up to JOINED_BYTES in all they go as one
+    message after the header, else one message each (no second copy of large captures);
+    none, nothing after it. Why one message: each is a read on the front's link thread,
+    and each read lets go of the GIL, which the thread then waits to get back from a busy
+    event loop (up to the interpreter's switch interval) while this worker waits."""
+    sizes = [len(f) for f in frames]
+    joined = sum(sizes) <= JOINED_BYTES
+    conn.send_bytes(json.dumps({**header, "values": len(frames), "sizes": sizes, "joined": joined}).encode())
+    if joined and frames:
+        conn.send_bytes(b"".join(frames))
+    elif not joined:
+        for frame in frames:
+            conn.send_bytes(frame)
+
+
 class _Taps:
     """The taps of one worker (see the module docstring)."""
 
@@ -492,20 +510,7 @@ class _Taps:
                     frames.append(b"")
                     bad[str(i)] = f"{type(exc).__name__}: {exc}"
             assert self.conn is not None
-            # Small values go as one message after the header (``sizes`` cuts it): each
-            # message is a read on the front's link thread, and each read lets go of the
-            # GIL, which the thread then waits to get back from a busy event loop (up to the
-            # interpreter's switch interval) while this worker waits for the answer. Past
-            # JOINED_BYTES each goes alone (no second copy of large captures).
-            sizes = [len(f) for f in frames]
-            joined = sum(sizes) <= JOINED_BYTES
-            self.conn.send_bytes(json.dumps({"t": "end", "fired": fired, "values": len(frames), "bad": bad,
-                                             "slots": saved, "sizes": sizes, "joined": joined}).encode())
-            if joined and frames:
-                self.conn.send_bytes(b"".join(frames))
-            elif not joined:
-                for frame in frames:
-                    self.conn.send_bytes(frame)
+            send_end(self.conn, {"t": "end", "fired": fired, "bad": bad, "slots": saved}, frames)
         else:
             self._send({"t": "end"})
         self._receive()

@@ -303,7 +303,7 @@ class EventStream:
                         not self._closed and not self._ending and self._is_full(nbytes)
                         and not (cancelled is not None and cancelled())
                     ):
-                        wakeups.flush()  # the loop that makes room must be awake (a deferred() block)
+                        wakeups.flush()  # the loop that makes room must be awake (a deferred block)
                         self._not_full.wait()
                         if not self.blocks_for(session_id, principal):
                             # A token reload demoted the stream's owner: it may no longer hold this call.
@@ -584,10 +584,10 @@ class EventStream:
             pass
 
     def _wake(self) -> None:
-        # Through wakeups: a step's events, put by the link thread under deferred(), wake
-        # the loop once (see wakeups).
+        # Through wakeups: a vLLM step's events, put by the link thread under
+        # deferred(events=True), wake the loop once (see wakeups).
         try:
-            wakeups.call_soon(self._loop, self._ready.set)
+            wakeups.call_soon(self._loop, self._ready.set, event=True)
         except RuntimeError:  # the loop is already closed; nobody is waiting
             pass
 
