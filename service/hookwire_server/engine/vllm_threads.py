@@ -126,9 +126,12 @@ def keep_to(cores_: list[int], *, process: bool = False) -> bool:
     step sends the front its step messages; the thread they wake (the link's) was placed
     by the kernel on the core it was woken from, the worker's, and took that core from
     the worker mid-step, as vLLM's engine-core process did, which polls for the
-    worker's results. Kept to the cores the worker leaves over, a steering rule on every
-    call cost 10% of the unhooked throughput instead of 15% (S3 on 2 cores), and an
-    observer of every layer 24% instead of 33% (S2)."""
+    worker's results (py-spy: 14% of a steering step's worker time in the send that
+    woke it). On 2 cores with a slow, shared host, keeping the whole front and the
+    engine core off the worker's core raised S3 / S1 (a steering rule on every call)
+    from 0.80 to 0.94; on the same host quiet, keeping the link threads and the engine
+    core to it measured the same as not (0.89 both, medians of 9). It is kept for the
+    first case and costs nothing in the second (docs/benchmarks.md, the fifth round)."""
     if not cores_:
         return False
     threads = [int(t) for t in os.listdir("/proc/self/task")] if process else [0]
