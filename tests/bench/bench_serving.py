@@ -3,7 +3,7 @@ the same streaming clients, servers alternated, never two at once.
 
 Run in .venv-vllm (make test builds it), from the repository root:
 
-    .venv-vllm/bin/python tests/bench/bench_serving.py [--repeats 5] [--clients 8,32] [--tokens 64]
+    .venv-vllm/bin/python tests/bench/bench_serving.py [--repeats 5] [--clients 8,32] [--tokens 64] [--rounds 1]
         [--variants S1,S1n,S2,S2n,S3,S3n,S2r] [--hookwire default,inproc] [--no-compiled] [--tp 1]
 
 Model: a seeded Llama (hidden 512, 6 layers, 8 heads, vocabulary 32,000, float32) with a
@@ -394,30 +394,36 @@ def busy_core(on: bool) -> Iterator[None]:
         hog.wait()
 
 
-def run_variant(server: Server, variant: str, clients: int, tokens: int) -> tuple[float, float, int]:
-    """One measured run: (tokens/s, front CPU seconds per token, drops)."""
+def run_variant(server: Server, variant: str, clients: int, tokens: int, rounds: int = 1) -> tuple[float, float, int]:
+    """One measured run of ``rounds`` rounds, each ``clients`` concurrent calls of
+    ``tokens`` tokens: (tokens/s, front CPU seconds per token, drops)."""
     base = variant.rstrip("n")
     drops = [0]
     assert server.proc is not None
 
     async def go() -> tuple[int, float, float]:
         async with operator_hooks(server.target, base, drops):
-            if server.kind == "vllm":
-                run = vllm_clients(server.target, clients, tokens)
-            else:
-                hooks: list[Any] = []
-                if base == "S2r":
-                    from hookwire import HookSpec, capture
+            hooks: list[Any] = []
+            if base == "S2r":
+                from hookwire import HookSpec, capture
 
-                    hooks = [HookSpec("model.layers.*", posthook=capture("output", select="[:, -1]"))]
-                run = hookwire_clients(server.target, clients, tokens, hooks, 4 if base == "S1i" else 0)
+                hooks = [HookSpec("model.layers.*", posthook=capture("output", select="[:, -1]"))]
+
+            def one_round() -> Any:
+                if server.kind == "vllm":
+                    return vllm_clients(server.target, clients, tokens)
+                return hookwire_clients(server.target, clients, tokens, hooks, 4 if base == "S1i" else 0)
+
             with busy_core(variant.endswith("n")):
                 cpu0 = cpu_seconds(server.proc.pid)
                 t0 = time.perf_counter()
-                got = await run
+                got = 0
+                for _ in range(rounds):
+                    got += await one_round()
                 elapsed = time.perf_counter() - t0
                 cpu = cpu_seconds(server.proc.pid) - cpu0
-        assert got == clients * tokens, f"{server.name} {variant}: {got} tokens received, {clients * tokens} asked"
+        asked = rounds * clients * tokens
+        assert got == asked, f"{server.name} {variant}: {got} tokens received, {asked} asked"
         return got, elapsed, cpu
 
     got, elapsed, cpu = asyncio.run(go())
@@ -428,6 +434,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of the clients' calls in each measured run (a run of 8 x 64 tokens is about "
+                         "a second here: more rounds, less noise)")
     ap.add_argument("--clients", default="8,32")
     ap.add_argument("--variants", default="S1,S1n,S1i,S2,S2n,S3,S3n,S2r")
     ap.add_argument("--hookwire", default="default,inproc", help="hookwire modes: default, inproc, processes, processes-front")
@@ -474,7 +483,7 @@ def main() -> None:
                     if server.kind == "vllm" and variant.rstrip("n") != "S1":
                         continue
                     for clients in counts:
-                        got = run_variant(server, variant, clients, args.tokens)
+                        got = run_variant(server, variant, clients, args.tokens, args.rounds)
                         results.setdefault((server.name, variant, clients), []).append(got)
                         print(f"  repeat {repeat + 1} {server.name:18s} {variant:4s} {clients:2d} clients "
                               f"{got[0]:7.1f} tokens/s  front {got[1] * 1e3:.2f} ms CPU/token"
@@ -523,7 +532,8 @@ def report(servers: list[Server], results: dict[tuple[str, str, int], list[tuple
     def med(name: str, variant: str, clients: int, i: int = 0) -> float:
         return statistics.median(r[i] for r in results[(name, variant, clients)])
 
-    print(f"\n{args.repeats} repeats, {args.tokens} tokens a call, tensor parallel {args.tp}; "
+    print(f"\n{args.repeats} repeats, {args.rounds} round(s) of calls a run, {args.tokens} tokens a call, "
+          f"tensor parallel {args.tp}; "
           f"load average {os.getloadavg()[0]:.2f}")
     for s in servers:
         print(f"  {s.name}: start-up {statistics.median(s.startup):.1f} s (median; {min(s.startup):.1f}-"
