@@ -290,16 +290,20 @@ async def _inspect(ns: argparse.Namespace) -> int:
     if info.engine:  # which engine runs it, and what that engine does not do (docs/vllm.md)
         refused = "; refuses " + ", ".join(sorted(info.refused_features)) if info.refused_features else ""
         print(f"engine: {info.engine}{refused}")
+    if info.compiled:  # hooks go on its tap points only, inside the compiled graph (docs/vllm.md)
+        print(f"compiled: hooks at {len(info.tap_points)} tap points (marked ^ below) and on modules outside the graph")
     placement = info.device_map
     if placement:
         counts = collections.Counter(placement.values())
         print("device map: " + ", ".join(f"{device} {n}" for device, n in sorted(counts.items()))
               + " (modules marked @ below; the rest live where their closest marked parent does)")
+    tapped = set(info.tap_points)
     for module in info.modules:
         depth = module.path.count(".") + 1 if module.path else 0
         name = module.path.rsplit(".", 1)[-1] if module.path else "(root)"
         params = ", ".join(f"{p.name} {list(p.shape)} {p.dtype}" for p in module.parameters)
         where = f"  @{placement[module.path]}" if module.path in placement else ""
+        where += "  ^" if module.path in tapped else ""
         print(f"{'  ' * depth}{name} ({module.type}){'  ' + params if params else ''}    [{module.path}]{where}")
     return 0
 

@@ -104,6 +104,12 @@ class ModelInfo:
     #: "harvest", "attention_probabilities") -> why; {} when it refuses nothing. Calls
     #: and hooks that need one raise UnimplementedError.
     refused_features: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Whether it runs compiled (vLLM's compiled mode): hooks go only on ``tap_points``
+    #: inside the compiled graph (and on modules outside it, such as the logits head).
+    compiled: bool = False
+    #: A compiled model's tap points, as module paths (empty for an eager model): a hook
+    #: on another module inside the graph raises FailedPreconditionError naming them.
+    tap_points: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, msg: model_service_pb2.Model) -> ModelInfo:
@@ -120,6 +126,8 @@ class ModelInfo:
             device_map=dict(msg.device_map),
             engine=msg.engine,
             refused_features={f.feature: f.reason for f in msg.refused_features},
+            compiled=msg.compiled,
+            tap_points=tuple(msg.tap_points),
             batching=BatchingInfo(
                 enabled=b.enabled, max_batch_size=b.max_batch_size, max_batch_delay_ms=b.max_batch_delay_ms,
                 batch_dim=b.batch_dim, reducing_inputs=tuple(b.reducing_inputs), pads_tokens=b.pads_tokens,

@@ -16,8 +16,10 @@ Servers (each started by the bench, in a process of its own, and stopped before 
   --no-enable-prefix-caching` (S1's baseline: vLLM with what hookwire had to turn off);
 - `vllm`: the same server with vLLM's defaults (compiled, prefix caching);
 - `hookwire` (`hookwire serve`, engine = "vllm"): `--hookwire default` runs the model
-  with the server's defaults, `inproc` with `worker_processes = false`, `processes` with
-  `worker_processes = true`, `processes-front` with it and `hooks_in_workers = false`.
+  with the server's defaults (compiled, taps at the default points, worker processes),
+  `inproc` with `worker_processes = false`, `processes` with `worker_processes = true`,
+  `processes-front` with it and `hooks_in_workers = false`, `eager` with
+  `enforce_eager = true`.
 
 All with `max_model_len` 512, `max_num_seqs` 32, a 512 MiB KV cache and float32; torch
 threads are each server's own choice (what a user who runs it gets), printed.
@@ -47,6 +49,15 @@ random --random-input-len 128 --random-output-len 64 --ignore-eos --num-prompts 
   prompts of 128 random token ids, 64 tokens each): output tokens/s (hookwire only).
 
     .venv-vllm/bin/python tests/bench/bench_serving.py --variants O1,O2,O3 --clients 8 --repeats 3
+
+C1-C4 (issue 36: hooks that survive compilation), from the same variants with `--hookwire
+default,eager` and vLLM's compiled server in the run: C1 S1 hookwire / `vllm`; C2 S2 /
+S1 and C3 S3 / S1 on the compiled hookwire; C4 compiled / eager hookwire, S1 to S3. Each
+run keeps its compilation caches in its work folder (`VLLM_CACHE_ROOT`,
+`TORCHINDUCTOR_CACHE_DIR`): the first start-up of a compiled server is cold, the later
+ones cached; both are printed.
+
+    .venv-vllm/bin/python tests/bench/bench_serving.py --variants S1,S2,S3 --hookwire default,eager --clients 8 --repeats 5 --rounds 4
 
 F1: each server's front process CPU time (user + system of the process the clients talk
 to, not its children: vLLM's engine core and workers) per generated token, from /proc.
@@ -158,6 +169,10 @@ def running(server: Server, folder: pathlib.Path, tp: int, work: pathlib.Path) -
     """Starts ``server`` and waits until it serves; stops it (SIGTERM, then SIGKILL) after."""
     log = open(work / f"{server.name}.log", "ab")
     env = dict(os.environ)
+    # Compilation caches of this run's own (vLLM's and inductor's): each compiled server's
+    # first start-up compiles cold, the later ones load what it cached.
+    env.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor-cache"))
     started = time.perf_counter()
     if server.kind == "vllm":
         port = free_port()
@@ -165,7 +180,7 @@ def running(server: Server, folder: pathlib.Path, tp: int, work: pathlib.Path) -
                "--served-model-name", "llama", "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", "512", "--max-num-seqs", "32", "--kv-cache-memory-bytes", str(512 << 20),
                "--dtype", "float32", "--seed", "0", "--tensor-parallel-size", str(tp), *server.args]
-        server.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        server.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True, env=env)
         server.target = server.openai = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 900
         while True:
@@ -195,7 +210,7 @@ def running(server: Server, folder: pathlib.Path, tp: int, work: pathlib.Path) -
         cmd = [sys.executable, "-m", "hookwire._cli", "serve", "--port", "0", "--config", str(config),
                "--allow-shared-rules",  # S3: an operator's steering rule for every call
                "--openai-port", str(openai_port)]  # O1-O3: the OpenAI-compatible front
-        server.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+        server.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, start_new_session=True, env=env)
         server.target = serving_target(server.proc, log)
         server.openai = f"http://127.0.0.1:{openai_port}"
     server.startup.append(time.perf_counter() - started)
@@ -439,7 +454,8 @@ def main() -> None:
                          "a second here: more rounds, less noise)")
     ap.add_argument("--clients", default="8,32")
     ap.add_argument("--variants", default="S1,S1n,S1i,S2,S2n,S3,S3n,S2r")
-    ap.add_argument("--hookwire", default="default,inproc", help="hookwire modes: default, inproc, processes, processes-front")
+    ap.add_argument("--hookwire", default="default,inproc",
+                    help="hookwire modes: default (compiled, worker processes), inproc, processes, processes-front, eager")
     ap.add_argument("--no-compiled", action="store_true", help="leave out vLLM's compiled default server")
     ap.add_argument("--no-vllm", action="store_true",
                     help="hookwire only (S4: its ratios to its own S1; vllm serve's CPU build may refuse the binding)")
@@ -456,6 +472,8 @@ def main() -> None:
     if not args.no_compiled and not args.no_vllm:
         servers.append(Server("vllm", "vllm"))
     modes = {"default": [], "inproc": ["worker_processes=false"], "processes": ["worker_processes=true"],
+             # The model run eagerly (every module hookable; the default is compiled, with taps).
+             "eager": ["enforce_eager=true"],
              # Worker processes with every hook run in the server, on what the workers send
              # (the design before the hook runtime moved into the workers).
              "processes-front": ["worker_processes=true", "hooks_in_workers=false"]}
@@ -536,8 +554,10 @@ def report(servers: list[Server], results: dict[tuple[str, str, int], list[tuple
           f"tensor parallel {args.tp}; "
           f"load average {os.getloadavg()[0]:.2f}")
     for s in servers:
-        print(f"  {s.name}: start-up {statistics.median(s.startup):.1f} s (median; {min(s.startup):.1f}-"
-              f"{max(s.startup):.1f}); RSS MiB at the last stop: {s.rss}")
+        later = s.startup[1:] or s.startup
+        print(f"  {s.name}: start-up {s.startup[0]:.1f} s the first time (a compiled server compiles cold), then "
+              f"{statistics.median(later):.1f} s (median; {min(later):.1f}-{max(later):.1f}); "
+              f"RSS MiB at the last stop: {s.rss}")
     print(f"\n  {'server':18s} {'var':4s} {'clients':>7s} {'tokens/s':>9s} {'spread':>15s} {'front ms/token':>14s} drops")
     for (name, variant, clients), rs in results.items():
         rates = [r[0] for r in rs]
@@ -577,6 +597,24 @@ def report(servers: list[Server], results: dict[tuple[str, str, int], list[tuple
             if (s.name, "S1", clients) in results and ("vllm-eager", "S1", clients) in results:
                 f1 = med(s.name, "S1", clients, 1) / med("vllm-eager", "S1", clients, 1)
                 print(f"  F1 {s.name} {clients} clients: front CPU per token / vllm serve's API server {f1:.2f}x")
+    # Issue 36: hookwire compiled (its default) against vllm serve's compiled default and
+    # against itself run eagerly.
+    compiled, eager = "hookwire-default", "hookwire-eager"
+    for clients in counts:
+        def has(name: str, variant: str) -> bool:
+            return (name, variant, clients) in results
+
+        if has(compiled, "S1") and has("vllm", "S1"):
+            print(f"  C1 {clients} clients: hookwire compiled / vllm serve compiled (no hooks) "
+                  f"{med(compiled, 'S1', clients) / med('vllm', 'S1', clients):.2f}x")
+        for name, variant in (("C2", "S2"), ("C3", "S3")):
+            if has(compiled, variant) and has(compiled, "S1"):
+                print(f"  {name} {clients} clients: hookwire compiled {variant} / its S1 "
+                      f"{med(compiled, variant, clients) / med(compiled, 'S1', clients):.2f}x")
+        for variant in ("S1", "S2", "S3"):
+            if has(compiled, variant) and has(eager, variant):
+                print(f"  C4 {clients} clients {variant}: hookwire compiled / eager "
+                      f"{med(compiled, variant, clients) / med(eager, variant, clients):.2f}x")
 
 
 if __name__ == "__main__":

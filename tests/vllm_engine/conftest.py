@@ -31,6 +31,21 @@ from support import ServerThread  # noqa: E402
 #: The engine's KV cache in the tests (the issue's bound: at most 512 MiB).
 KV_CACHE_BYTES = 64 << 20
 
+#: The two ways vLLM runs a model: eagerly (every module takes hooks) and compiled (hooks
+#: at the taps compiled in: engine/vllm_taps.py). The session's server and the worker
+#: processes' server run every test of theirs in both: the suite's two compiled engine
+#: start-ups. Every other engine a test starts runs eagerly (each compiled start-up costs
+#: a cold compilation in CI's clean clone).
+MODES = ("eager", "compiled")
+
+
+def mode_settings(mode: str, tap_points: list[str] | None = None) -> dict[str, Any]:
+    """The ``[models.vllm]`` settings of ``mode``: enforce_eager, or compiled with the
+    default tap points (or ``tap_points``)."""
+    if mode == "eager":
+        return {"enforce_eager": True}
+    return {"tap_points": tap_points} if tap_points else {}
+
 
 def save_llama(folder: pathlib.Path, seed: int = 0, **overrides: Any) -> pathlib.Path:
     """A seeded LlamaForCausalLM (float32, 128 hidden, 2 layers, head size 64) with tiny-lm's
@@ -86,9 +101,11 @@ def harvest_roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Pat
     return data, out
 
 
-@pytest.fixture(scope="session")
-def vllm_server(llama_folder: pathlib.Path, harvest_roots: tuple[pathlib.Path, pathlib.Path]) -> Iterator[ServerThread]:
-    """A real server whose model "llama" runs on the vLLM engine (in-process vLLM), beside
+@pytest.fixture(scope="session", params=MODES)
+def vllm_server(request: pytest.FixtureRequest, llama_folder: pathlib.Path,
+                harvest_roots: tuple[pathlib.Path, pathlib.Path]) -> Iterator[ServerThread]:
+    """A real server whose model "llama" runs on the vLLM engine (in-process vLLM), eager
+    or compiled with the default tap points (``MODES``: each test runs in both), beside
     "llama-torch", the same folder on the torch engine; harvest jobs enabled; both with
     readable parameters; the OpenAI-compatible front on a free port (server.openai_port)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -98,7 +115,7 @@ def vllm_server(llama_folder: pathlib.Path, harvest_roots: tuple[pathlib.Path, p
         # prefix cache shares (calls no hook touches).
         # In-process (worker_processes = false): these tests read the engine's own state.
         vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": KV_CACHE_BYTES, "block_size": 32,
-              "worker_processes": False},
+              "worker_processes": False, **mode_settings(request.param)},
         parameters_readable=True,
     ))
     torch_host = build_host(ModelConfig(name="llama-torch", transformers=str(llama_folder), attn_implementation="eager",

@@ -308,7 +308,8 @@ def test_a_setting_vllm_refuses_fails_the_model_with_vllms_reason(llama_folder) 
 
     with pytest.raises(ConfigError, match="model 'big': vLLM did not start: .*max_model_len"):
         build_host(ModelConfig(name="big", transformers=str(llama_folder), engine="vllm",
-                               vllm={"max_model_len": 100000, "kv_cache_bytes": 16 << 20, "worker_processes": False}))
+                               vllm={"max_model_len": 100000, "kv_cache_bytes": 16 << 20, "worker_processes": False,
+                                     "enforce_eager": True}))
 
 
 async def test_infer_is_a_prompt_pass_whose_captures_and_last_logits_equal_transformers(vllm_server, oracle) -> None:
@@ -367,20 +368,23 @@ async def test_a_harvest_job_on_vllm_writes_the_torch_engines_dataset(vllm_serve
             model=model, modules=["model.layers.1", "model.norm"],
             source=hv.HarvestSource(text=hv.TextSource(path="docs.jsonl")),
             contexts=hv.HarvestContexts(length=12, batch_size=3, packing=hv.PACKING_PACK),
-            output=hv.HarvestOutput(path=path, shard_tokens=64),
+            output=hv.HarvestOutput(path=path, shard_tokens=64, overwrite=path == "on-torch"),
         )
 
     from support import read_dataset as read
 
+    # The session runs it eagerly and compiled (conftest.MODES): a folder for each; the
+    # torch engine's dataset is written again the second time (overwrite).
+    on_vllm = "on-vllm-compiled" if vllm_server.server.registry.get("llama").tap_points is not None else "on-vllm"
     async with grpc.aio.insecure_channel(vllm_server.target) as channel:
         stub = hv_grpc.HarvestServiceStub(channel)
-        for model, path in (("llama", "on-vllm"), ("llama-torch", "on-torch")):
+        for model, path in (("llama", on_vllm), ("llama-torch", "on-torch")):
             job = await stub.StartHarvest(request(model, path))
             last = job
             async for last in stub.WatchHarvest(hv.WatchHarvestRequest(job_id=job.job_id, interval_ms=50)):
                 pass
             assert last.state == hv.HARVEST_STATE_SUCCEEDED, last.error
-    got, want = read(out / "on-vllm"), read(out / "on-torch")
+    got, want = read(out / on_vllm), read(out / "on-torch")
     assert sorted(got) == sorted(want) and got["token_ids"].numel() > 20
     for key in want:
         if want[key].is_floating_point():
@@ -583,7 +587,8 @@ async def test_when_vllm_fails_inside_a_step_its_calls_fail_and_the_model_turns_
     # 64 tokens a step.
     host = build_host(ModelConfig(name="fragile", transformers=str(llama_folder), engine="vllm",
                                   vllm={"max_model_len": 64, "max_num_seqs": 8, "kv_cache_bytes": 256 << 10,
-                                        "block_size": 32, "max_num_batched_tokens": 64, "worker_processes": False}))
+                                        "block_size": 32, "max_num_batched_tokens": 64, "worker_processes": False,
+                                        "enforce_eager": True}))
     srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
     engine = host.loaded_engine
     assert engine.capacity_blocks == 7

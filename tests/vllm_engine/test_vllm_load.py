@@ -40,7 +40,7 @@ def test_a_model_vllm_starts_but_cannot_run_fails_at_load_with_vllms_reason(tmp_
                                           r"warm-up failed\): RuntimeError: Unsupported CPU attention configuration: "
                                           r"head_dim=16"):
         build_host(ModelConfig(name="heads16", transformers=str(folder), engine="vllm",
-                               vllm={"kv_cache_bytes": 16 << 20, "worker_processes": False}))
+                               vllm={"kv_cache_bytes": 16 << 20, "worker_processes": False, "enforce_eager": True}))
 
 
 def _reader(stream: Any, lines: list[str]) -> threading.Thread:
@@ -65,7 +65,8 @@ def test_json_logs_of_a_vllm_model_in_worker_processes_and_its_sizes_from_the_fo
     config.write_text(
         f'[[models]]\nname = "long"\ntransformers = "{long}"\nengine = "vllm"\n'
         # Worker processes, and a KV cache the suite's bound allows: no length, budget or sequences set.
-        '[models.vllm]\nworker_processes = true\nkv_cache_bytes = 33554432\n\n'
+        # Eager: the suite's compiled start-ups are the two servers of conftest.MODES.
+        '[models.vllm]\nworker_processes = true\nkv_cache_bytes = 33554432\nenforce_eager = true\n\n'
         f'[[models]]\nname = "heads16"\ntransformers = "{heads}"\nengine = "vllm"\n'
     )
     env = dict(os.environ)
@@ -178,6 +179,7 @@ def test_worker_processes_are_the_default_and_a_taken_link_address_is_refused_be
         with pytest.raises(ConfigError, match=rf"model 'x': the link to vLLM's workers cannot listen on "
                                               rf"vllm.link_address '127.0.0.1:{port}': Address already in use"):
             build_host(ModelConfig(name="x", transformers=str(llama_folder), engine="vllm",
-                                   vllm={"link_address": f"127.0.0.1:{port}", "kv_cache_bytes": 16 << 20}))
+                                   vllm={"link_address": f"127.0.0.1:{port}", "kv_cache_bytes": 16 << 20,
+                                         "enforce_eager": True}))
     finally:
         taken.close()

@@ -38,7 +38,8 @@ def pp_server(llama_folder: pathlib.Path) -> Iterator[Any]:
 
     host = build_host(ModelConfig(
         name="llama-pp", transformers=str(llama_folder), engine="vllm", parameters_readable=True,
-        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": 32 << 20, "pipeline_parallel_size": 2},
+        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": 32 << 20, "pipeline_parallel_size": 2,
+              "enforce_eager": True},
     ))
     srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
     srv.host = host

@@ -25,16 +25,24 @@ import torch
 import hookwire
 from hookwire import HookSpec, capture, rules
 
+from conftest import MODES, mode_settings
 from test_vllm_engine import (PROMPTS, _greedy, _ids, check_stops, oracle_tokenizer, scaled_save_and_patch, stop_case,
                               token_gated_tokens)
 
 TOL = dict(rtol=1e-5, atol=5e-6)
 
 
-@pytest.fixture(scope="module")
-def tp_server(llama_folder: pathlib.Path) -> Iterator[Any]:
+#: The compiled engine's tap points here: the defaults' modules and the attention's and
+#: MLP's projections (a test hooks qkv_proj), as globs.
+TP_TAP_POINTS = ["model.embed_tokens", "model.layers.*", "model.layers.*.self_attn", "model.layers.*.self_attn.*_proj",
+                 "model.layers.*.mlp", "model.norm"]
+
+
+@pytest.fixture(scope="module", params=MODES)
+def tp_server(request: pytest.FixtureRequest, llama_folder: pathlib.Path) -> Iterator[Any]:
     """A real server whose model "llama-tp" runs on vLLM in worker processes, tensor
-    parallel 2, parameters readable."""
+    parallel 2, parameters readable; eager or compiled (``MODES``: each test runs in
+    both), compiled with tap points of its own (``TP_TAP_POINTS``)."""
     from hookwire_server import ModelRegistry, ServerSettings
     from hookwire_server.engine.core import build_host
     from hookwire_server.models.model_loading import ModelConfig
@@ -42,7 +50,8 @@ def tp_server(llama_folder: pathlib.Path) -> Iterator[Any]:
 
     host = build_host(ModelConfig(
         name="llama-tp", transformers=str(llama_folder), engine="vllm", parameters_readable=True,
-        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": 32 << 20, "tensor_parallel_size": 2},
+        vllm={"max_model_len": 128, "max_num_seqs": 8, "kv_cache_bytes": 32 << 20, "tensor_parallel_size": 2,
+              **mode_settings(request.param, TP_TAP_POINTS)},
     ))
     # 16 KiB of slots per session: each of the two ranks' copies of a slot counts.
     srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0, max_slot_bytes=16 << 10)).start()
@@ -498,7 +507,7 @@ async def test_workers_linked_over_tcp_serve_hooks_as_over_a_unix_socket(llama_f
     host = build_host(ModelConfig(
         name="llama-tcp", transformers=str(llama_folder), engine="vllm",
         vllm={"max_model_len": 128, "max_num_seqs": 4, "kv_cache_bytes": 16 << 20,
-              "link_address": "127.0.0.1:0"},
+              "link_address": "127.0.0.1:0", "enforce_eager": True},
     ))
     srv = ServerThread(ModelRegistry([host]), ServerSettings(port=0)).start()
     try:

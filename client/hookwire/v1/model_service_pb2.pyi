@@ -65,7 +65,7 @@ class GetModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer", "batching", "parameters_readable", "device_map", "tokenizer_ids", "engine", "refused_features")
+    __slots__ = ("name", "description", "training_allowed", "modules", "state", "state_message", "can_generate", "has_tokenizer", "batching", "parameters_readable", "device_map", "tokenizer_ids", "engine", "refused_features", "tap_points", "compiled")
     class DeviceMapEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,8 @@ class Model(_message.Message):
     TOKENIZER_IDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TAP_POINTS_FIELD_NUMBER: _ClassVar[int]
+    COMPILED_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     training_allowed: bool
@@ -101,7 +103,9 @@ class Model(_message.Message):
     tokenizer_ids: TokenizerIds
     engine: str
     refused_features: _containers.RepeatedCompositeFieldContainer[RefusedFeature]
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ..., parameters_readable: _Optional[bool] = ..., device_map: _Optional[_Mapping[str, str]] = ..., tokenizer_ids: _Optional[_Union[TokenizerIds, _Mapping]] = ..., engine: _Optional[str] = ..., refused_features: _Optional[_Iterable[_Union[RefusedFeature, _Mapping]]] = ...) -> None: ...
+    tap_points: _containers.RepeatedScalarFieldContainer[str]
+    compiled: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., training_allowed: _Optional[bool] = ..., modules: _Optional[_Iterable[_Union[ModuleInfo, _Mapping]]] = ..., state: _Optional[_Union[ModelState, str]] = ..., state_message: _Optional[str] = ..., can_generate: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., batching: _Optional[_Union[Batching, _Mapping]] = ..., parameters_readable: _Optional[bool] = ..., device_map: _Optional[_Mapping[str, str]] = ..., tokenizer_ids: _Optional[_Union[TokenizerIds, _Mapping]] = ..., engine: _Optional[str] = ..., refused_features: _Optional[_Iterable[_Union[RefusedFeature, _Mapping]]] = ..., tap_points: _Optional[_Iterable[str]] = ..., compiled: _Optional[bool] = ...) -> None: ...
 
 class RefusedFeature(_message.Message):
     __slots__ = ("feature", "reason")

@@ -69,6 +69,7 @@ from ..errors import (
     ResourceExhausted, Unavailable,
 )
 from ..hooks.hook_record import HookRecord
+from ..hooks.hook_specs import hookable_modules
 from ..engine.scheduler import Work
 from ..hooks.selection import Index
 from .. import limits
@@ -473,7 +474,7 @@ class HarvestManager:
             if not pattern:
                 raise InvalidArgument(f"modules[{i}]: empty")
             try:
-                found = host.resolve(pattern)
+                found = hookable_modules(host, pattern, f"modules[{i}]")
             except (NotFound, InvalidArgument) as exc:
                 raise type(exc)(f"modules[{i}]: {exc}") from None
             paths.update(dict.fromkeys(found))

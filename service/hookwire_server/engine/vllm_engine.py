@@ -79,10 +79,10 @@ from ..hooks.passes import Pass
 from ..models.memory_estimate import weight_bytes
 from ..models.model_loading import ConfigError, ModelConfig, load_tokenizer
 from ..models.model_registry import BatchConfig, ModelHost, OutputView
-from ..runtime import views
+from ..runtime import taps, views
 from hookwire.wire import codec
 
-from . import harvest_pass, infer_pass, vllm_logs, vllm_names, vllm_threads
+from . import harvest_pass, infer_pass, vllm_logs, vllm_names, vllm_taps, vllm_threads
 from .vllm_runtime import RuntimePlanner
 from .batching import Shape
 from .seam import FINISHED, GenerateCall, Running, StepResult, TokenLogprobs
@@ -184,6 +184,10 @@ def build_host(config: ModelConfig) -> ModelHost:
     max_len, seqs = sizes.max_model_len, sizes.max_num_seqs
     vllm_names.keep_cpu_linear_weights(config.parameters_readable)  # GetParameters reads them
     extra: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION} if processes else {}
+    eager = bool(settings.get("enforce_eager", False))
+    extra["enforce_eager"] = eager
+    if not eager:  # compiled: hooks fire at the taps compiled in (vllm_taps)
+        extra.update(_compiled_arguments(config.name, settings))
     if executor == "ray":
         extra["distributed_executor_backend"] = "ray"
     if "block_size" in settings:
@@ -206,14 +210,20 @@ def build_host(config: ModelConfig) -> ModelHost:
         raise
     partial: set[str] = set()
     stages: list[set[str]] = []
+    compiled: dict[str, Any] | None
     if link is not None:
-        model, partial, stages = _connect_workers(config.name, llm, folder, link, pp)
+        model, partial, stages, compiled = _connect_workers(config.name, llm, folder, link, pp)
         runner = None
     else:
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        worker = llm.llm_engine.model_executor.driver_worker.worker
+        runner = worker.model_runner
         model = runner.model
+        compiled = getattr(worker, "hookwire_taps", None)
     try:
-        return _host(config, llm, runner, model, link, partial, folder, settings, sizes, tp, stages)
+        host = _host(config, llm, runner, model, link, partial, folder, settings, sizes, tp, stages)
+        if compiled is not None:
+            vllm_taps.refuse_untapped(host, compiled["points"], compiled["cores"])
+        return host
     except BaseException:
         if link is not None:  # vLLM's processes and the link are the model's: they go with it
             link.close()
@@ -229,7 +239,6 @@ def _start_linked(name: str, LLM: Any, folder: pathlib.Path, dtype: str, max_len
             model=str(folder), tokenizer=str(folder), dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
             kv_cache_memory_bytes=sizes.kv_cache_bytes,
             tensor_parallel_size=tp, pipeline_parallel_size=pp,
-            enforce_eager=True,  # hooks never fire inside a compiled model
             # Calls no hook touches share cached prompts; a touched call's requests carry a
             # cache salt of their own (_add_requests): a cached prompt would skip its hooks
             # and carry another request's edits.
@@ -477,12 +486,13 @@ def _bind_cpu_threads(ranks: int) -> list[int]:
 
 
 def _connect_workers(name: str, llm: Any, folder: pathlib.Path, link: WorkerLink,
-                     pp: int = 1) -> tuple[Any, set[str], list[set[str]]]:
+                     pp: int = 1) -> tuple[Any, set[str], list[set[str]], dict[str, Any] | None]:
     """Links the workers to this server over ``link`` (vllm_link, listening) and returns
     the model's stand-in module tree (with the folder's transformers config), the
-    row-parallel layers whose outputs are partial sums, and under pipeline parallel the
-    module paths each stage holds. ConfigError if they cannot be linked (the link is
-    closed and vLLM shut down)."""
+    row-parallel layers whose outputs are partial sums, under pipeline parallel the
+    module paths each stage holds, and a compiled model's tap points and compiled cores
+    (every stage's; None when it runs eagerly). ConfigError if they cannot be linked
+    (the link is closed and vLLM shut down)."""
     import transformers
 
     try:
@@ -494,11 +504,38 @@ def _connect_workers(name: str, llm: Any, folder: pathlib.Path, link: WorkerLink
         partial = {path for answer in llm.collective_rpc("hookwire_partial") for path in answer}
         model = proxy_model(description)
         model.config = transformers.AutoConfig.from_pretrained(str(folder))
+        compiled = vllm_taps.merge([answer.get("taps") for answer in descriptions])
     except Exception as exc:
         link.close()
         _shut_down(llm)
         raise ConfigError(f"model {name!r}: hookwire could not link to vLLM's workers: {type(exc).__name__}: {exc}") from None
-    return model, partial, stages
+    return model, partial, stages, compiled
+
+
+#: The worker class vLLM runs a compiled model with (vllm_taps: it taps the model once loaded).
+TAPPED_WORKER = "hookwire_server.engine.vllm_taps.TappedWorker"
+
+
+def _compiled_arguments(name: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's arguments for a compiled model with hookwire's taps (vllm_taps): the worker
+    class that installs them, what it taps (in the config vLLM hashes into its compile
+    cache's key), and on CUDA the tap op among vLLM's splitting ops, so that the pieces
+    between taps run as CUDA graphs and each tap runs eagerly between them."""
+    from vllm.platforms import current_platform
+
+    arguments: dict[str, Any] = {
+        "worker_cls": TAPPED_WORKER,
+        "additional_config": {vllm_taps.CONFIG_KEY: {"model": name,
+                                                     "tap_points": settings.get("tap_points", vllm_taps.DEFAULT)}},
+    }
+    if current_platform.is_cuda_alike():
+        from vllm.config import CompilationConfig
+
+        # vLLM's own default split (its attention ops, the KV cache update) plus the taps.
+        ops = [*CompilationConfig._attention_ops, "vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update",
+               taps.OP_NAME]
+        arguments["compilation_config"] = {"splitting_ops": ops}
+    return arguments
 
 
 def _worker_parameter(call: Any, name: str) -> torch.Tensor:

@@ -191,7 +191,8 @@ class HookwireWorker:
         """The model's module tree (path, class name), parameters (name, shape, dtype)
         and vLLM's fused-module mapping, as this rank holds them (under pipeline parallel,
         the modules of other stages are vLLM's ``PPMissingLayer``, without children), the
-        modules whose weights are tied to another's, and this rank's stage."""
+        modules whose weights are tied to another's, this rank's stage, and in a compiled
+        model its tap points and compiled cores (``{"points": [...], "cores": [...]}``)."""
         from vllm.distributed import parallel_state
 
         model = self.model_runner.model  # type: ignore[attr-defined]
@@ -206,8 +207,9 @@ class HookwireWorker:
         for name, p in model.named_parameters(remove_duplicate=False):
             owners.setdefault(id(p), set()).add(name.rpartition(".")[0])
         tied = sorted({path for paths in owners.values() if len(paths) > 1 for path in paths})
+        # A compiled model's tap points and compiled cores (engine.vllm_taps); None: eager.
         return {"modules": modules, "parameters": params, "packed": packed, "tied": tied,
-                "stage": int(parallel_state.get_pp_group().rank_in_group)}
+                "stage": int(parallel_state.get_pp_group().rank_in_group), "taps": getattr(self, "hookwire_taps", None)}
 
     def hookwire_slot(self, key: str, name: str, stage: int = 0) -> list[Any]:
         """Slot ``name`` of session ``key`` as this rank holds it: [bytes, shape, dtype], or

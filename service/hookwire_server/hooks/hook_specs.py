@@ -15,6 +15,7 @@ from .capture import CaptureOptions, Sampler
 from ..errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from ..limits import exceeded
 from ..models.model_registry import ModelHost
+from ..models.module_patterns import is_glob
 from .heads import check_heads, head_point
 from .readouts import compile_readout
 from .rules import CompiledRule, OperandSource, compile_rules
@@ -155,6 +156,24 @@ def _capture_options(action: hook_pb2.HookAction, field: str, host: ModelHost, s
     return dataclasses.replace(options, readout=readout)
 
 
+def hookable_modules(host: ModelHost, pattern: str, field: str) -> tuple[str, ...]:
+    """The modules ``pattern`` names on ``host`` that take hooks. NotFound when it names
+    none; FailedPrecondition (``field``: the caller's word for the pattern) for a module
+    no hook can fire on (``ModelHost.unhooked``: one every vLLM pipeline stage runs, one
+    inside a compiled model's graph that is no tap point). In a compiled model a glob
+    names those of its matches that take hooks (the tap points, the modules outside the
+    graph), and is refused only when none does."""
+    modules = tuple(host.resolve(pattern))
+    if host.tap_points is not None and is_glob(pattern):
+        modules = tuple(path for path in modules if path not in host.unhooked) or modules
+    for path in modules:
+        why = host.unhooked.get(path)
+        if why:
+            raise FailedPrecondition(f"{field}: model {host.name!r} runs on the {host.engine} engine, whose module "
+                                     f"{path!r} takes no hooks: {why}")
+    return modules
+
+
 def compile_spec(
     spec: hook_pb2.HookSpec, host: ModelHost, *, request_scoped: bool, allow_shared_rules: bool = False,
     max_rules: int = 64, source: OperandSource | None = None,
@@ -253,12 +272,7 @@ def compile_spec(
                 "e.g. first 0, last 0 for the prompt pass alone"
             )
         steps = (spec.steps.first, last)
-    modules = tuple(host.resolve(spec.module))
-    for path in modules:  # where no hook can fire (a module every vLLM pipeline stage runs)
-        why = host.unhooked.get(path)
-        if why:
-            raise FailedPrecondition(f"module: model {host.name!r} runs on the {host.engine} engine, whose module "
-                                     f"{path!r} takes no hooks: {why}")
+    modules = hookable_modules(host, spec.module, "module")
     for i, action in enumerate(actions):
         field = next(info.field for info in PHASES if info.phase == action.phase)
         for rule in action.rules:

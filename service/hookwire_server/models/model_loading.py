@@ -49,15 +49,36 @@ ENGINES = ("torch", "vllm")
 #: unset: a Unix socket), and vLLM's executor (``distributed_executor_backend``: "mp", its
 #: own processes on this machine, or "ray", ranks wherever Ray places them), and whether
 #: hooks run in the worker processes (``hooks_in_workers``, default true: runtime/; false:
-#: in the server, on what the workers send).
+#: in the server, on what the workers send), and whether vLLM runs the model eagerly
+#: (``enforce_eager``, default false: compiled, hooks only at ``tap_points``, a list of
+#: module globs; unset, the default points: engine/vllm_taps.py, docs/vllm.md).
 VLLM_SETTINGS: dict[str, type] = {
     "dtype": str, "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int, "kv_cache_bytes": int,
     "tensor_parallel_size": int, "pipeline_parallel_size": int, "worker_processes": bool, "block_size": int,
-    "link_address": str, "distributed_executor_backend": str, "hooks_in_workers": bool,
+    "link_address": str, "distributed_executor_backend": str, "hooks_in_workers": bool, "enforce_eager": bool,
+    "tap_points": list,
 }
+#: The most globs ``tap_points`` may list, and the longest one.
+MAX_TAP_POINTS = 256
+MAX_TAP_POINT_CHARS = 512
 #: vLLM's executors for worker processes hookwire runs: its own processes, or Ray's.
 VLLM_EXECUTORS = ("mp", "ray")
 VLLM_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _check_tap_points(name: str, value: Any) -> None:
+    """ConfigError unless ``value`` is a non-empty list of module globs within the limits."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"model {name!r}: vllm.tap_points must be a non-empty list of module globs "
+                          f"(e.g. [\"model.layers.*.mlp\"]), not {value!r}")
+    if len(value) > MAX_TAP_POINTS:
+        raise ConfigError(f"model {name!r}: vllm.tap_points lists {len(value)} globs; at most {MAX_TAP_POINTS}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item.strip():
+            raise ConfigError(f"model {name!r}: vllm.tap_points[{i}] must be a non-empty string, not {item!r}")
+        if len(item) > MAX_TAP_POINT_CHARS:
+            raise ConfigError(f"model {name!r}: vllm.tap_points[{i}] is {len(item)} characters long; at most "
+                              f"{MAX_TAP_POINT_CHARS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,12 +210,18 @@ class ModelConfig:
             elif kind is str:
                 if not isinstance(value, str) or not value:
                     raise ConfigError(f"model {name!r}: vllm.{key} must be a non-empty string, not {value!r}")
+            elif key == "tap_points":
+                _check_tap_points(name, value)
+                value = list(value)
             elif kind is bool:
                 if not isinstance(value, bool):
                     raise ConfigError(f"model {name!r}: vllm.{key} must be true or false, not {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"model {name!r}: vllm.{key} must be a positive integer, not {value!r}")
             out[key] = value
+        if out.get("enforce_eager") and "tap_points" in out:
+            raise ConfigError(f"model {name!r}: vllm.tap_points are the hook points of the compiled model; with "
+                              "enforce_eager = true every module takes hooks: set one or the other")
         return out
 
     #: For a transformers folder: the attention implementation transformers loads it with

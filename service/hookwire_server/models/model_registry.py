@@ -250,6 +250,9 @@ class ModelHost:
         #: module path -> why no hook may be registered there on this engine (the modules
         #: every vLLM pipeline stage runs); {}: any module.
         self.unhooked: dict[str, str] = {}
+        #: The modules hooks may go on inside a compiled model (vLLM's taps: Model.tap_points);
+        #: None: the model runs eagerly, every module takes hooks.
+        self.tap_points: list[str] | None = None
         #: module path -> the pipeline stage that runs it (vLLM under pipeline parallel);
         #: {}: one stage runs them all.
         self.stage_of: dict[str, int] = {}
@@ -434,7 +437,8 @@ class ModelHost:
             name=self.name, description=self.description, training_allowed=self.training_allowed,
             can_generate=self.can_generate, has_tokenizer=self.tokenizer is not None,
             batching=self.batching.to_proto(), parameters_readable=self.parameters_readable,
-            device_map=self.device_map, engine=self.engine,
+            device_map=self.device_map, engine=self.engine, tap_points=self.tap_points or [],
+            compiled=self.tap_points is not None,
         )
         for feature, reason in sorted(self.refused.items()):
             msg.refused_features.add(feature=feature, reason=reason)
