@@ -185,7 +185,69 @@ def test_a_tap_of_a_model_that_went_away_changes_nothing() -> None:
     model = _model("gone")
     taps.forget("gone")
     x = _x()
-    got = torch.ops.hookwire.tap("gone/blocks.0|post|T,N;|(T,T)", [x, x, x], 2)
-    assert len(got) == 2 and all(g.data_ptr() != x.data_ptr() for g in got)
-    torch.testing.assert_close(got[0], x)
+    out = [torch.full_like(x, 7.0), torch.full_like(x, 7.0)]
+    torch.ops.hookwire.tap("gone/blocks.0|post|T,N;|(T,T)", [x, x, x], out)
+    torch.testing.assert_close(out[0], x)
+    torch.testing.assert_close(out[1], x)
     assert taps.tapped(model.blocks[0]) and not taps.tapped(model.blocks[0].linear)
+
+
+def test_the_op_passes_torchs_own_checks_of_a_custom_op() -> None:
+    """torch.library.opcheck: the schema, the fake (meta) implementation and the
+    mutation of ``out`` agree with what the op does, with and without a hook."""
+    model = _model("opcheck")
+    x = _x()
+    name = "opcheck/blocks.0|post|T,N;|(T,T)"
+    torch.library.opcheck(torch.ops.hookwire.tap.default, (name, [x, x, x], [torch.empty_like(x), torch.empty_like(x)]))
+    handle = model.blocks[0].register_forward_hook(lambda m, a, out: (out[0] * 2.0, out[1]))
+    try:
+        out = [torch.empty_like(x), torch.empty_like(x)]
+        torch.library.opcheck(torch.ops.hookwire.tap.default, (name, [x, x, x], out))
+        torch.ops.hookwire.tap(name, [x, x, x], out)
+        torch.testing.assert_close(out[0], x * 2.0)
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def test_edits_that_alias_inputs_or_change_strides_and_global_hooks_behave_as_eagerly(compiled) -> None:
+    """A forward hook that returns the module's input (an ablation: "skip this block"),
+    one that returns its output transposed twice (other strides), a global forward hook
+    registered with kwargs, and a hook that changes a traced number (refused)."""
+    model, fast = compiled
+    x = _x()
+    seen: list[float] = []
+    handles = [model.blocks[1].register_forward_hook(lambda m, a, out: (a[0], out[1])),
+               model.norm.register_forward_hook(lambda m, a, out: out.t().contiguous().t()),
+               nn.modules.module.register_module_forward_hook(
+                   lambda m, a, kw, out: seen.append(kw.get("scale", -1.0)) if m is model.blocks[2] else None,
+                   with_kwargs=True)]
+    try:
+        want = model(x)
+        n = len(seen)
+        torch.testing.assert_close(fast(x), want, rtol=1e-5, atol=1e-5)
+        assert seen[:n] == [0.5] and seen[n:] == [0.5]
+    finally:
+        for h in handles:
+            h.remove()
+    handle = model.blocks[0].register_forward_pre_hook(lambda m, a, kw: (a, {"scale": 3.0}), with_kwargs=True)
+    try:
+        with pytest.raises(taps.TapError, match=r"changed item 0 of its input, which the model was compiled with as "
+                                                r"a constant \(0.5\), to 3.0"):
+            fast(x)
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def test_a_model_name_with_slashes_and_bars_keeps_its_taps() -> None:
+    """Model names are free text ("org/model|v2"): a tap's name carries them encoded."""
+    torch._dynamo.reset()
+    model = _model("org/model|v2")
+    fast = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
+    x = _x()
+    handle = model.norm.register_forward_hook(lambda m, a, out: out * 0.0)
+    try:
+        assert float(fast(x).abs().max()) == 0.0
+    finally:
+        handle.remove()

@@ -221,13 +221,20 @@ def build_host(config: ModelConfig) -> ModelHost:
         compiled = getattr(worker, "hookwire_taps", None)
     try:
         host = _host(config, llm, runner, model, link, partial, folder, settings, sizes, tp, stages)
-        if compiled is not None:
-            vllm_taps.refuse_untapped(host, compiled["points"], compiled["cores"])
+        if not eager:
+            if compiled is None:  # vLLM did not run hookwire's worker class: hooks would never fire
+                raise ConfigError(f"model {config.name!r}: vLLM did not tap the model (its workers report no tap "
+                                  "points): set enforce_eager = true in [models.vllm]")
+            vllm_taps.refuse_untapped(host, compiled["points"], compiled["cores"], settings.get("tap_points"))
+            if link is None:  # in-process: the taps' table holds the modules
+                host.closers.append(functools.partial(taps.forget, config.name))
         return host
     except BaseException:
         if link is not None:  # vLLM's processes and the link are the model's: they go with it
             link.close()
             _shut_down(llm)
+        else:
+            taps.forget(config.name)
         raise
 
 
@@ -519,22 +526,29 @@ TAPPED_WORKER = "hookwire_server.engine.vllm_taps.TappedWorker"
 def _compiled_arguments(name: str, settings: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's arguments for a compiled model with hookwire's taps (vllm_taps): the worker
     class that installs them, what it taps (in the config vLLM hashes into its compile
-    cache's key), and on CUDA the tap op among vLLM's splitting ops, so that the pieces
-    between taps run as CUDA graphs and each tap runs eagerly between them."""
+    cache's key), and on CUDA the tap op among vLLM's splitting ops with piecewise CUDA
+    graphs, so that the pieces between taps run as CUDA graphs and each tap runs eagerly
+    between them (untested here: no GPU; docs/vllm.md)."""
     from vllm.platforms import current_platform
 
     arguments: dict[str, Any] = {
         "worker_cls": TAPPED_WORKER,
+        # vLLM hashes this into its compile cache's key: the tap points, and the taps'
+        # code (which it does not trace: a graph cached by another version of it is not
+        # reused).
         "additional_config": {vllm_taps.CONFIG_KEY: {"model": name,
-                                                     "tap_points": settings.get("tap_points", vllm_taps.DEFAULT)}},
+                                                     "tap_points": settings.get("tap_points", vllm_taps.DEFAULT),
+                                                     "code": vllm_taps.code_version()}},
     }
     if current_platform.is_cuda_alike():
         from vllm.config import CompilationConfig
 
-        # vLLM's own default split (its attention ops, the KV cache update) plus the taps.
+        # vLLM's own default split (its attention ops, the KV cache update) plus the taps;
+        # piecewise CUDA graphs only: a full graph (vLLM's default for decoding batches)
+        # would replay the taps' pieces without running them.
         ops = [*CompilationConfig._attention_ops, "vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update",
                taps.OP_NAME]
-        arguments["compilation_config"] = {"splitting_ops": ops}
+        arguments["compilation_config"] = {"splitting_ops": ops, "cudagraph_mode": "PIECEWISE"}
     return arguments
 
 

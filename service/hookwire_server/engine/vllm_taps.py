@@ -16,14 +16,20 @@ mode: their torch hooks fire as ever, so they need no tap and stay hookable.
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import pathlib
 from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
+from ..models.model_loading import ConfigError
 from ..models.model_registry import ModelHost
 from ..models.module_patterns import match_paths
 from ..runtime import taps
+
+log = logging.getLogger("hookwire.vllm")
 
 #: The key of hookwire's part of vLLM's ``additional_config``.
 CONFIG_KEY = "hookwire"
@@ -53,7 +59,8 @@ def default_points(model: nn.Module) -> list[str]:
     models name them differently): in each compiled core, its embeddings (its direct
     children that are embeddings), every decoder layer (the items of its longest module
     list), each layer's attention and MLP (its direct children whose class says so:
-    ``...Attention``, ``...MLP`` / ``...FeedForward`` / ``...MoE``), the attention's output
+    ``...Attention``, ``...MLP`` / ``...MLPBlock`` / ``...FeedForward`` / ``...MoE...`` /
+    ``...MoeBlock``), the attention's output
     projection (its last direct child that is a linear layer: its input is where the
     heads are still separate) and the final norm (the core's direct children that are
     norms, after the layers)."""
@@ -79,8 +86,10 @@ def default_points(model: nn.Module) -> list[str]:
                         found.append(f"{at}.{name}.{linears[-1]}")
                 elif kind == "mlp":
                     found.append(f"{at}.{name}")
+        after = False
         for name, child in top.named_children():
-            if _kind(child) == "norm":
+            after = after or name == layers_name
+            if after and _kind(child) == "norm":
                 found.append(prefix + name)
     order = {path: i for i, path in enumerate(modules)}
     return sorted(set(found), key=order.__getitem__)
@@ -92,7 +101,7 @@ def _kind(module: nn.Module) -> str:
         return "embedding"
     if name.endswith("Attention") or name.endswith("SelfAttention"):
         return "attention"
-    if name.endswith("MLP") or "FeedForward" in name or name.endswith("MoE"):
+    if name.endswith(("MLP", "MLPBlock")) or "FeedForward" in name or "MoE" in name or "MoeBlock" in name:
         return "mlp"
     if "Norm" in name:
         return "norm"
@@ -140,19 +149,45 @@ def merge(answers: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
 NAMED = 12
 
 
-def refuse_untapped(host: ModelHost, points: Sequence[str], cores: Sequence[str]) -> None:
+def refuse_untapped(host: ModelHost, points: Sequence[str], cores: Sequence[str],
+                    patterns: Sequence[str] | None = None) -> None:
     """A compiled model's host: its tap points (``ModelHost.tap_points``, what ``Model``
     tells clients), and every module inside a compiled core that is no tap point marked
-    as taking no hooks (``ModelHost.unhooked``: a hook there would never fire)."""
-    host.tap_points = list(points)
+    as taking no hooks (``ModelHost.unhooked``: a hook there would never fire). A model
+    vLLM compiles nothing of stays as an eager one (every module takes hooks).
+    ConfigError for a glob of ``patterns`` (the model's ``tap_points``) that names no
+    module a tap can go on (a typo, a compiled core, a module outside the graph)."""
+    if not cores:
+        log.warning("model %r: vLLM compiled no part of it: it runs eagerly, every module takes hooks", host.name)
+        return
     tapped = set(points)
+    for pattern in patterns or ():
+        if not any(path in tapped for path in match_paths(pattern, list(host.modules))):
+            raise ConfigError(f"model {host.name!r}: vllm.tap_points {pattern!r} names no module inside vLLM's "
+                              f"compiled model ({', '.join(cores)}, not the compiled module itself): modules outside "
+                              "it take hooks without a tap")
+    host.tap_points = list(points)
     named = ", ".join(list(points)[:NAMED]) + (f", ... ({len(points)} in all)" if len(points) > NAMED else "")
     why = (f"it runs inside vLLM's compiled model, where hooks fire only at the model's tap points ({named or 'none'}; "
            "Model.tap_points lists them); add it to tap_points in [models.vllm], or set enforce_eager = true there "
            "(every module takes hooks, the model runs eagerly)")
+    whole = (f"vLLM runs its compiled code without nn.Module.__call__, where hooks fire; hook one of the model's tap "
+             f"points inside it ({named or 'none'}; Model.tap_points lists them), or set enforce_eager = true in "
+             "[models.vllm]")
     for path in host.modules:
-        if path not in tapped and in_core(path, cores):
+        if path in cores:
+            host.unhooked.setdefault(path, whole)
+        elif path not in tapped and in_core(path, cores):
             host.unhooked.setdefault(path, why)
+
+
+def code_version() -> str:
+    """A hash of the taps' code (this module and runtime/taps.py), for vLLM's compile
+    cache key: a graph traced by other tap code is not reused."""
+    digest = hashlib.sha256()
+    for path in (pathlib.Path(__file__), pathlib.Path(taps.__file__)):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _platform_worker() -> type:

@@ -7,24 +7,29 @@ graph: ``install`` gives each chosen module a ``forward`` that, while it is bein
 passes the module's input tensors, and then its output tensors, through the custom op
 ``hookwire::tap``. The op is opaque to the compiler (it stays a call in the compiled
 code; on CUDA it is one of vLLM's splitting ops, so it runs eagerly between CUDA graph
-pieces) and functional: it returns new tensors, the same values unless a hook edited
-them. When the op runs it fires the module's registered torch hooks exactly as
+pieces) and functional as the module sees it: it writes what the module goes on with
+(the same values unless a hook edited them) into buffers the traced code made for them,
+and the tensors it was given stay as they were. When the op runs it fires the module's registered torch hooks exactly as
 ``nn.Module.__call__`` would (global hooks first, ``with_kwargs``, a non-None result
 replacing the input or output), so whatever registers plain torch hooks (hookwire's hook
 records in the front, the workers' hook runtime) works unchanged in a compiled model.
 
-- With no hook on the module, the op returns copies at once: a compiled model without
-  hooks pays one small copy and one call per tap (measured: docs/benchmarks.md).
+- With no hook on the module, the op copies its tensors into the buffers and returns: a
+  compiled model without hooks pays one call and one copy per tap (measured:
+  docs/benchmarks.md, "Hooks that survive compilation").
 - Run eagerly (no compiler: ``torch.compiler.is_compiling()`` is false), a tapped module is
   the module as it was: ``__call__`` fires its hooks itself.
 - What the graph can carry: tensors, at the top level of the arguments (positional and
   keyword) and of the output (a tensor, or a tuple or list of them). ``None`` and plain
   numbers are passed to hooks as they were traced; anything else (nested structures,
-  objects) reaches hooks as ``None`` and cannot be edited. An edit must keep each
-  tensor's shape, dtype and device (the compiled code was specialized on them) and may
-  not replace a ``None``: ``TapError`` says which.
+  objects, symbolic sizes) reaches hooks as ``None``. An edit must keep each tensor's
+  shape, dtype and device (the compiled code was specialized on them) and leave the
+  traced constants as they were: ``TapError`` says which. A module's hooks fire as
+  ``__call__`` fires them, except that ``always_call`` hooks do not run when the
+  compiled step raises.
 
-Each tap is named in the graph by a string constant (``"<model>/<path>|<phase>|<layout>"``)
+Each tap is named in the graph by a string constant (``"<model>/<path>|<phase>|<layout>"``,
+the model's name percent-encoded)
 that the op resolves through ``install``'s table in the running process, so a compiled
 graph loaded from vLLM's cache in a fresh process finds the same modules.
 """
@@ -32,6 +37,7 @@ graph loaded from vLLM's cache in a fresh process finds the same modules.
 from __future__ import annotations
 
 import functools
+import urllib.parse
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -62,14 +68,18 @@ def _define() -> Any:
     # torch.library.Library rather than torch.library.custom_op: the latter's Python
     # wrapper costs about ten times more per call (measured: 40 against 4 microseconds).
     lib = torch.library.Library("hookwire", "DEF")
-    lib.define("tap(str name, Tensor[] tensors, int outputs) -> Tensor[]")
+    # The results go into buffers the traced code made (``out``, mutated), as vLLM's own
+    # splitting ops write theirs: on CUDA the pieces around a tap are CUDA graphs that
+    # replay on the addresses they were captured with, which a tensor the op allocated
+    # would not keep.
+    lib.define("tap(str name, Tensor[] tensors, Tensor(a!)[] out) -> ()")
     lib.impl("tap", _run, "CompositeExplicitAutograd")
     torch.library.register_fake("hookwire::tap", lib=lib)(_fake)
     return lib
 
 
-def _fake(name: str, tensors: Sequence[torch.Tensor], outputs: int) -> list[torch.Tensor]:
-    return [torch.empty_like(t) for t in tensors[len(tensors) - outputs:]]
+def _fake(name: str, tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
+    return None
 
 
 # ------------------------------------------------------------------ layouts
@@ -122,6 +132,11 @@ def _output_layout(output: Any) -> str:
     return _item(output)
 
 
+def _quoted(tag: str) -> str:
+    """``tag`` as a tap's name carries it (a model's name may hold ``/`` or ``|``)."""
+    return urllib.parse.quote(tag, safe="")
+
+
 def _split(items: str) -> list[str]:
     return items.split(",") if items else []
 
@@ -130,7 +145,8 @@ def _split(items: str) -> list[str]:
 def _parse(name: str) -> tuple[str, str, str, list[str], list[tuple[str, str]], str]:
     """(tag, path, phase, positional items, keyword items, output layout)."""
     where, phase, inputs, output = (name.split("|") + [""])[:4]
-    tag, _, path = where.partition("/")
+    quoted, _, path = where.partition("/")
+    tag = urllib.parse.unquote(quoted)
     positional, _, keywords = inputs.partition(";")
     pairs = [tuple(kv.split("=", 1)) for kv in _split(keywords)]
     return tag, path, phase, _split(positional), [(k, v) for k, v in pairs], output
@@ -150,36 +166,49 @@ def _output_items(layout: str) -> tuple[str, list[str]]:
 # ------------------------------------------------------------------ the op
 
 
-def _run(name: str, tensors: Sequence[torch.Tensor], outputs: int) -> list[torch.Tensor]:
-    """The op: fire the module's hooks on the tensors (see the module docstring)."""
+def _run(name: str, tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
+    """The op: fire the module's hooks on ``tensors`` (a pre tap: the module's input
+    tensors; a post tap: its input tensors, then its output tensors) and write what the
+    module goes on with (the input, or the output; edited or not) into ``out``, buffers
+    the traced code made for them (see the module docstring)."""
     tag, path, phase, positional, keywords, out_layout = _parse(name)
     module = _MODULES.get(tag, {}).get(path)
     given = list(tensors)
-    mine = given[len(given) - outputs:]
-    globals_pre = nn.modules.module._global_forward_pre_hooks
-    globals_post = nn.modules.module._global_forward_hooks
-    if module is None or (phase == "pre" and not (module._forward_pre_hooks or globals_pre)) or (
-            phase == "post" and not (module._forward_hooks or globals_post)):
-        return [t.clone() for t in mine]  # nothing listens: the tap costs one copy
-    n_in = len(given) - outputs if phase == "post" else len(given)
-    inputs = given[:n_in]
+    mine = given[len(given) - len(out):]
+    if module is None or not _listened(module, phase):
+        for o, t in zip(out, mine):  # nothing listens: the tap costs one copy
+            o.copy_(t)
+        return
+    inputs = given[:len(given) - len(out)] if phase == "post" else given
     values = _rebuild(positional + [v for _, v in keywords], inputs)
     args = tuple(values[:len(positional)])
     kwargs = {k: v for (k, _), v in zip(keywords, values[len(positional):])}
     if phase == "pre":
         args, kwargs = _fire_pre(module, args, kwargs)
+        if set(kwargs) != {k for k, _ in keywords}:
+            raise TapError(f"a hook on {path!r} (compiled in: a tap) changed the names of its keyword arguments "
+                           f"({', '.join(k for k, _ in keywords) or 'none'}) to {', '.join(kwargs) or 'none'}: "
+                           "the compiled model cannot take them")
         new = _flatten(positional, list(args), path, "input") + _flatten(
-            [v for _, v in keywords], [kwargs.get(k) for k, _ in keywords], path, "input")
-        return _checked(new, inputs, path)
+            [v for _, v in keywords], [kwargs[k] for k, _ in keywords], path, "input")
+        _write(new, mine, out, path)
+        return
     kind, items = _output_items(out_layout)
     rebuilt = _rebuild(items, mine)
     output: Any = tuple(rebuilt) if kind == "(" else rebuilt if kind == "[" else rebuilt[0]
     output = _fire_post(module, args, kwargs, output)
-    new_items = list(output) if kind and isinstance(output, (tuple, list)) else [output]
     if kind and not isinstance(output, (tuple, list)):
         raise TapError(f"a hook on {path!r} (compiled in: a tap) replaced its output's "
                        f"{'tuple' if kind == '(' else 'list'} by {type(output).__name__}")
-    return _checked(_flatten(items, new_items, path, "output"), mine, path)
+    new_items = list(output) if kind else [output]
+    _write(_flatten(items, new_items, path, "output"), mine, out, path)
+
+
+def _listened(module: nn.Module, phase: str) -> bool:
+    """Whether ``module`` has hooks of ``phase`` (its own or global ones)."""
+    if phase == "pre":
+        return bool(module._forward_pre_hooks or nn.modules.module._global_forward_pre_hooks)
+    return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
 
 
 def _fire_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -202,20 +231,26 @@ def _fire_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 
 def _fire_post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-    """``nn.Module.__call__``'s forward hooks, in its order and with its rules."""
-    hooks: list[tuple[int | None, Any]] = [(None, h) for h in nn.modules.module._global_forward_hooks.values()]
-    hooks += list(module._forward_hooks.items())
-    for hook_id, hook in hooks:
-        if hook_id is not None and hook_id in module._forward_hooks_with_kwargs:
-            result = hook(module, args, kwargs, output)
-        else:
-            result = hook(module, args, output)
+    """``nn.Module.__call__``'s forward hooks, in its order and with its rules (global
+    hooks first; those registered ``with_kwargs`` get the keyword arguments). Hooks
+    registered ``always_call`` run as the others: a forward that raises inside a compiled
+    model raises out of the whole compiled step."""
+    module_globals = nn.modules.module
+    hooks: list[tuple[bool, Any]] = [
+        (hook_id in module_globals._global_forward_hooks_with_kwargs, h)
+        for hook_id, h in module_globals._global_forward_hooks.items()]
+    hooks += [(hook_id in module._forward_hooks_with_kwargs, h) for hook_id, h in module._forward_hooks.items()]
+    for with_kwargs, hook in hooks:
+        result = hook(module, args, kwargs, output) if with_kwargs else hook(module, args, output)
         if result is not None:
             output = result
     return output
 
 
 def _flatten(items: list[str], values: list[Any], path: str, what: str) -> list[torch.Tensor]:
+    """The tensors among ``values`` where ``items`` (their layout) has tensors; TapError
+    where a hook changed what the compiled code cannot take: the number of items, a
+    tensor into something else or back, a traced constant (a number, None)."""
     if len(values) != len(items):
         raise TapError(f"a hook on {path!r} (compiled in: a tap) changed the number of its {what}'s items "
                        f"from {len(items)} to {len(values)}")
@@ -229,24 +264,23 @@ def _flatten(items: list[str], values: list[Any], path: str, what: str) -> list[
         elif isinstance(value, torch.Tensor):
             raise TapError(f"a hook on {path!r} (compiled in: a tap) put a tensor where its {what} had "
                            f"{'None' if item == 'N' else 'no tensor'} (item {i}): the compiled model cannot take it")
+        elif not (value is None if item in ("N", "?") else value == _constant(item)):
+            raise TapError(f"a hook on {path!r} (compiled in: a tap) changed item {i} of its {what}, which the model "
+                           f"was compiled with as a constant ({_constant(item)!r}), to {value!r}")
     return out
 
 
-def _checked(new: list[torch.Tensor], old: list[torch.Tensor], path: str) -> list[torch.Tensor]:
-    """The tensors to hand back: copies of unchanged ones (the op's results may not alias
-    its arguments), edits as they are once they fit what the graph was compiled for."""
-    result = []
+def _write(new: list[torch.Tensor], old: list[torch.Tensor], out: Sequence[torch.Tensor], path: str) -> None:
+    """Each value the module goes on with into its buffer, once it fits what the graph
+    was compiled for (an edit of another shape, dtype or device is refused: ``copy_``
+    would broadcast or cast it; strides need not match, the copy lays it out)."""
     for n, o in zip(new, old):
-        if n is o:
-            result.append(o.clone())
-            continue
-        if n.shape != o.shape or n.dtype != o.dtype or n.device != o.device:
+        if n is not o and (n.shape != o.shape or n.dtype != o.dtype or n.device != o.device):
             raise TapError(f"a hook on {path!r} (compiled in: a tap) returned a tensor of shape {tuple(n.shape)}, "
                            f"{n.dtype} on {n.device} where the model has {tuple(o.shape)}, {o.dtype} on {o.device}: "
                            "an edit in a compiled model keeps each tensor's shape, dtype and device")
-        # An edit that is a view of an argument (a hook returned args[0][...]) is copied too.
-        result.append(n.clone() if any(n.data_ptr() == t.data_ptr() for t in old) else n)
-    return result
+    for n, buffer in zip(new, out):
+        buffer.copy_(n)
 
 
 _LIBRARY = _define()
@@ -264,21 +298,26 @@ def _tapped_forward(base: Any) -> Any:
         inputs = [a for a in args if isinstance(a, torch.Tensor)] + [
             v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         if inputs:
-            new = iter(torch.ops.hookwire.tap(name + "|pre|" + layout, inputs, len(inputs)))
+            buffers = [torch.empty_like(t) for t in inputs]
+            torch.ops.hookwire.tap(name + "|pre|" + layout, inputs, buffers)
+            new = iter(buffers)
             args = tuple(next(new) if isinstance(a, torch.Tensor) else a for a in args)
             kwargs = {k: next(new) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            inputs = [a for a in args if isinstance(a, torch.Tensor)] + [
+                v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         output = base(self, *args, **kwargs)
         out_layout = _output_layout(output)
         parts = list(output) if isinstance(output, (tuple, list)) else [output]
         mine = [p for p in parts if isinstance(p, torch.Tensor)]
         if not mine:
             return output
-        inputs = [a for a in args if isinstance(a, torch.Tensor)] + [
-            v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-        got = iter(torch.ops.hookwire.tap(name + "|post|" + layout + "|" + out_layout, inputs + mine, len(mine)))
+        buffers = [torch.empty_like(t) for t in mine]
+        torch.ops.hookwire.tap(name + "|post|" + layout + "|" + out_layout, inputs + mine, buffers)
+        got = iter(buffers)
         parts = [next(got) if isinstance(p, torch.Tensor) else p for p in parts]
         if isinstance(output, tuple):
-            return tuple(parts)
+            # A named tuple stays one (its class takes the items as arguments).
+            return type(output)(*parts) if hasattr(output, "_fields") else tuple(parts)
         if isinstance(output, list):
             return parts
         return parts[0]
@@ -314,7 +353,7 @@ def install(tag: str, model: nn.Module, paths: Sequence[str], prefix: str = "") 
         table[name] = module
         if not getattr(type(module), "_hookwire_tapped", False):
             module.__class__ = _tapped_class(type(module))
-        object.__setattr__(module, _ATTRIBUTE, f"{tag}/{name}")
+        object.__setattr__(module, _ATTRIBUTE, f"{_quoted(tag)}/{name}")
         done.append(path)
     return done
 
