@@ -68,7 +68,7 @@ def main() -> None:
     def decode_step(m: Any) -> Callable[[], Any]:
         def run() -> Any:
             out = m(step, past_key_values=cache, position_ids=positions, use_cache=True)
-            cache.crop(64)  # back to the prompt's 64 positions for the next run
+            cache.crop(-1)  # the step's position off again: the prompt's 64 for the next run
             return out
         return run
 

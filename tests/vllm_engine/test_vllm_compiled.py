@@ -7,6 +7,9 @@ sums: measured here, on the same calls without hooks)."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -69,6 +72,13 @@ async def test_a_compiled_model_lists_its_tap_points_and_refuses_hooks_elsewhere
                                                 HookSpec("lm_head", posthook=capture("output"))])
     assert sorted({e.module for e in result.events}) == sorted(
         ["model.layers.0.self_attn", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp", "lm_head"])
+    # The CLI says so too, marking the tap points in the module tree.
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "hookwire._cli", "inspect", "llama",
+                                                  "--target", vllm_server.target], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "compiled: hooks at 10 tap points (marked ^ below) and on modules outside the graph" in out.stdout
+    marked = [line.rsplit("[", 1)[1].split("]")[0] for line in out.stdout.splitlines() if line.endswith("^")]
+    assert marked == DEFAULT_POINTS
 
 
 async def test_captures_and_edits_at_taps_equal_the_eager_models(vllm_server) -> None:
