@@ -189,6 +189,41 @@ async def test_infer_and_parameters_from_worker_processes(tp_server, oracle) -> 
                 HookSpec("model.layers.0.self_attn.qkv_proj", posthook=[rules.scale("output", 2.0)])])
 
 
+async def test_the_workers_tap_points_are_the_models(tp_server) -> None:
+    """In worker processes the ranks tap the model (vLLM's worker class, TappedWorker)
+    and tell the server which modules they tapped: Model.tap_points are TP_TAP_POINTS'
+    modules inside the compiled graph; a module inside it that is no tap point (the MLP's
+    fused projection here) or the compiled module itself is refused naming them; eagerly
+    every module takes hooks and none is listed."""
+    ids = torch.tensor([[1, 40, 50, 60]])
+    async with hookwire.connect(tp_server.target) as client:
+        model = client.model("llama-tp")
+        info = await model.info()
+        gate_up = HookSpec("model.layers.1.mlp.gate_up_proj", posthook=capture("output"))
+        if tp_server.host.tap_points is None:
+            assert not info.compiled and info.tap_points == ()
+            assert (await model.infer(ids, hooks=[gate_up])).events
+            return
+        want = ["model.embed_tokens"] + [f"model.layers.{i}{part}" for i in range(2) for part in (
+            "", ".self_attn", ".self_attn.qkv_proj", ".self_attn.o_proj", ".mlp")] + ["model.norm"]
+        assert info.compiled and list(info.tap_points) == want
+        with pytest.raises(hookwire.FailedPreconditionError,
+                           match=r"module 'model.layers.1.mlp.gate_up_proj' takes no hooks: it runs inside vLLM's "
+                                 r"compiled model, where hooks fire only at the model's tap points \(model.embed_tokens, "):
+            await model.infer(ids, hooks=[gate_up])
+        with pytest.raises(hookwire.FailedPreconditionError,
+                           match=r"module 'model' takes no hooks: vLLM runs its compiled code without "
+                                 r"nn.Module.__call__, where hooks fire; hook one of the model's tap points"):
+            await model.infer(ids, hooks=[HookSpec("model", posthook=capture("output"))])
+        # A glob takes its matches that are tap points, and is refused when none is.
+        with pytest.raises(hookwire.FailedPreconditionError, match=r"module 'model.layers.1.mlp.gate_up_proj' takes no"):
+            await model.infer(ids, hooks=[HookSpec("model.layers.1.mlp.*", posthook=capture("output"))])
+        result = await model.infer(ids, hooks=[HookSpec("model.layers.1.**", posthook=capture("output"))])
+        assert sorted(e.module for e in result.events) == sorted(
+            ["model.layers.1.self_attn", "model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj",
+             "model.layers.1.mlp"])
+
+
 async def test_a_slow_reader_gets_each_steps_events_before_its_tokens(tp_server) -> None:
     """vLLM's engine process runs a call's steps without waiting for its reader; the
     server holds each step's events until that step's tokens go out, so the stream keeps
