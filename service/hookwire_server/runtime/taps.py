@@ -9,10 +9,11 @@ passes the module's input tensors, and then its output tensors, through the cust
 code; on CUDA it is one of vLLM's splitting ops, so it runs eagerly between CUDA graph
 pieces) and functional as the module sees it: it writes what the module goes on with
 (the same values unless a hook edited them) into buffers the traced code made for them,
-and the tensors it was given stay as they were. When the op runs it fires the module's registered torch hooks exactly as
-``nn.Module.__call__`` would (global hooks first, ``with_kwargs``, a non-None result
-replacing the input or output), so whatever registers plain torch hooks (hookwire's hook
-records in the front, the workers' hook runtime) works unchanged in a compiled model.
+and the tensors it was given stay as they were. When the op runs it fires the module's
+registered torch hooks as ``nn.Module.__call__`` would (global hooks first,
+``with_kwargs``, a non-None result replacing the input or output; the exceptions are
+below), so whatever registers plain torch hooks (hookwire's hook records in the front,
+the workers' hook runtime) works unchanged in a compiled model.
 
 - With no hook on the module, the op copies its tensors into the buffers and returns: a
   compiled model without hooks pays one call and one copy per tap (measured:
@@ -29,9 +30,9 @@ records in the front, the workers' hook runtime) works unchanged in a compiled m
   compiled step raises.
 
 Each tap is named in the graph by a string constant (``"<model>/<path>|<phase>|<layout>"``,
-the model's name percent-encoded)
-that the op resolves through ``install``'s table in the running process, so a compiled
-graph loaded from vLLM's cache in a fresh process finds the same modules.
+the model's name percent-encoded) that the op resolves through ``install``'s table in the
+running process, so a compiled graph loaded from vLLM's cache in a fresh process finds
+the same modules.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ _ATTRIBUTE = "_hookwire_tap"
 
 class TapError(RuntimeError):
     """A hook at a tap returned what the compiled model cannot take (a changed shape,
-    dtype or device, a tensor where there was None)."""
+    dtype or device, a tensor where there was None, a changed traced constant, another
+    number of items)."""
 
 
 def _define() -> Any:
